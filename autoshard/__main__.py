@@ -1,0 +1,5 @@
+import sys
+
+from autoshard.cli import main
+
+sys.exit(main())

@@ -1,0 +1,122 @@
+"""``autoshard`` command line: plan, show, verify, zoo."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from autoshard.errors import AutoshardError
+
+
+def parse_mesh(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if not shape or any(n < 1 for n in shape):
+        raise AutoshardError("--mesh is sizes joined by 'x', e.g. 8x8 or 2x2x2", got=repr(text),
+                             fix="write the mesh shape like 8x8")
+    return shape
+
+
+def load_model(name: str, *, batch: int | None, seq: int | None, device: str):
+    from autoshard.zoo.registry import get_model, load_factory
+    if ":" in name and name.split(":", 1)[0].endswith(".py"):
+        return load_factory(name)
+    return get_model(name, batch=batch, seq=seq, device=device)
+
+
+def make_mesh(args):
+    from autoshard.mesh import Mesh
+    shape = parse_mesh(args.mesh)
+    axes = tuple(a.strip() for a in args.axes.split(",")) if args.axes else None
+    return Mesh(shape, axes, cluster=args.cluster)
+
+
+def cmd_plan(args) -> int:
+    from autoshard.solver.planner import plan
+    mesh = make_mesh(args)
+    t0 = time.perf_counter()
+    model, inputs = load_model(args.model, batch=args.batch, seq=args.seq, device="meta")
+    budget = args.memory_gb * 2**30 if args.memory_gb else None
+    p = plan(model, inputs, mesh, training=not args.inference, memory_budget=budget,
+             time_limit_s=args.time_limit, model_name=args.model)
+    took = time.perf_counter() - t0
+    print(p.summary())
+    print(f"  planned in {took:.2f} s (trace {p.solver['trace_s']:.2f} s, build "
+          f"{p.solver['build_s']:.2f} s, solve {p.solver['seconds']:.2f} s)")
+    if args.output:
+        p.save(args.output)
+        print(f"  wrote {args.output}")
+    return 0
+
+
+def cmd_show(args) -> int:
+    from autoshard.plans import Plan
+    p = Plan.load(args.plan)
+    print(p.summary())
+    if args.nodes:
+        print(p.explain())
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from autoshard.codegen.verify import verify_main
+    return verify_main(args)
+
+
+def cmd_zoo(args) -> int:
+    from autoshard.zoo.registry import ZOO
+    for name, e in ZOO.items():
+        print(f"{name:16s} {e.description}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="autoshard", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("plan", help="plan a model on a mesh and write the plan JSON")
+    p.add_argument("model", help="zoo name (see `autoshard zoo`) or path/to/file.py:factory")
+    p.add_argument("--mesh", required=True, help="mesh shape, e.g. 8x8")
+    p.add_argument("--axes", default=None, help="axis names, e.g. dp,tp")
+    p.add_argument("--cluster", default="h100", help="h100 | h200 | a100 | cpu | profile.json")
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--inference", action="store_true", help="plan forward only")
+    p.add_argument("--memory-gb", type=float, default=None, help="memory budget per device (GiB)")
+    p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit (s)")
+    p.add_argument("-o", "--output", default=None, help="write the plan here")
+    p.set_defaults(fn=cmd_plan)
+    s = sub.add_parser("show", help="print a plan file")
+    s.add_argument("plan")
+    s.add_argument("--nodes", action="store_true", help="also print every node's strategy")
+    s.set_defaults(fn=cmd_show)
+    v = sub.add_parser("verify", help="run a plan on gloo ranks here and compare with one device")
+    v.add_argument("model")
+    v.add_argument("--mesh", required=True)
+    v.add_argument("--axes", default=None)
+    v.add_argument("--cluster", default="h100")
+    v.add_argument("--batch", type=int, default=None)
+    v.add_argument("--seq", type=int, default=None)
+    v.add_argument("--plan", default=None, help="a plan file (default: plan on the spot)")
+    v.add_argument("--baseline", default=None, help="force a hand-written plan: dp | megatron | megatron-dp")
+    v.add_argument("--tolerance", type=float, default=1e-5)
+    v.set_defaults(fn=cmd_verify)
+    z = sub.add_parser("zoo", help="list the built-in models")
+    z.set_defaults(fn=cmd_zoo)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except AutoshardError as e:
+        print(f"autoshard: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""Runtime collectives: execute a :class:`~autoshard.cost.comm.Reshard` on torch.distributed.
+
+``Reshard.forward`` / ``Reshard.backward`` (autoshard.cost.comm) are the one definition of what
+moves; this module only carries them out, on local tensors, through
+``torch.distributed._functional_collectives`` (they run on gloo for CPU tensors and on NCCL alike;
+every result is waited on at once, so no ``AsyncCollectiveTensor`` escapes).
+
+Every collective executed is written to a :class:`Ledger` with its size ``S`` (REFERENCE.md §1)
+*measured on the tensor actually moved*, next to the ``Step.nbytes`` the cost model priced, so a
+caller can report any disagreement between plan and execution.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
+
+from autoshard.codegen.groups import MeshGroups
+from autoshard.cost.comm import Reshard, Step
+
+# torch 2.13 renamed all_gather_tensor / reduce_scatter_tensor to *_single (the old names warn).
+_all_gather_single = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
+_reduce_scatter_single = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
+
+PHASES = ("forward", "backward")
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, fc.AsyncCollectiveTensor):
+        return t.wait()
+    return t
+
+
+def _group_size(group: dist.ProcessGroup) -> int:
+    return dist.get_world_size(group)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain per-step functions on local tensors. ``dim`` is a tensor dim, ``group`` one mesh axis's
+# process group; shards are ordered by group rank (= mesh coordinate, see MeshGroups).
+# ---------------------------------------------------------------------------------------------
+
+def all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``, in group rank order."""
+    return _wait(_all_gather_single(x.contiguous(), dim % x.dim(), group)).contiguous()
+
+
+def all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum ``x`` over the group (out of place)."""
+    return _wait(fc.all_reduce(x.contiguous(), "sum", group))
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum ``x`` over the group and keep this rank's chunk of ``dim``."""
+    n = _group_size(group)
+    if x.shape[dim] % n:
+        raise ValueError(f"reduce_scatter needs dim {dim} of {tuple(x.shape)} divisible by {n}")
+    return _wait(_reduce_scatter_single(x.contiguous(), "sum", dim % x.dim(), group)).contiguous()
+
+
+def all_to_all(x: torch.Tensor, gather_dim: int, scatter_dim: int,
+               group: dist.ProcessGroup) -> torch.Tensor:
+    """Split ``scatter_dim`` into group-size chunks, send chunk j to rank j, and concatenate
+    what arrives along ``gather_dim`` in group rank order."""
+    n = _group_size(group)
+    if x.shape[scatter_dim] % n:
+        raise ValueError(f"all_to_all needs dim {scatter_dim} of {tuple(x.shape)} divisible by {n}")
+    # A leading chunk axis makes the exchange a plain dim-0 all_to_all_single for any dims.
+    send = torch.stack(x.chunk(n, dim=scatter_dim)).contiguous()
+    recv = _wait(fc.all_to_all_single(send, None, None, group))
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+def local_slice(x: torch.Tensor, dim: int, *, coord: int, size: int) -> torch.Tensor:
+    """This rank's chunk ``coord`` of ``size`` along ``dim`` (no communication)."""
+    if x.shape[dim] % size:
+        raise ValueError(f"slice needs dim {dim} of {tuple(x.shape)} divisible by {size}")
+    return x.chunk(size, dim=dim)[coord].contiguous()
+
+
+def to_partial(x: torch.Tensor, *, coord: int) -> torch.Tensor:
+    """Replicate -> Partial: the value on coordinate 0 of the axis, zeros elsewhere."""
+    return x if coord == 0 else torch.zeros_like(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# The ledger.
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class CollectiveRecord:
+    """One collective as executed. ``nbytes`` is S measured at run time; ``planned_nbytes`` the
+    ``Step.nbytes`` the cost model charged for it."""
+
+    kind: str
+    axes: tuple[str, ...]
+    nbytes: int
+    planned_nbytes: int
+    phase: str
+    node: str
+    group_size: int
+
+    @property
+    def matches(self) -> bool:
+        return self.nbytes == self.planned_nbytes
+
+    @property
+    def bytes(self) -> int:
+        """The measured S under the field name autoshard.plans.CollectiveRecord uses."""
+        return self.nbytes
+
+    def __str__(self) -> str:
+        flag = "" if self.matches else f" (planned {self.planned_nbytes} B)"
+        at = f" @{self.node}" if self.node else ""
+        return f"{self.phase} {self.kind}[{','.join(self.axes)}] {self.nbytes} B{flag}{at}"
+
+
+@dataclass(slots=True)
+class Ledger:
+    """Every collective a rank executed, in order."""
+
+    records: list[CollectiveRecord] = field(default_factory=list)
+
+    def add(self, record: CollectiveRecord) -> None:
+        self.records.append(record)
+
+    def mismatches(self) -> list[CollectiveRecord]:
+        """Records whose measured bytes differ from the planned ``Step.nbytes``."""
+        return [r for r in self.records if not r.matches]
+
+    def total_bytes(self, phase: str | None = None) -> int:
+        return sum(r.nbytes for r in self.records if phase is None or r.phase == phase)
+
+    def clear(self) -> None:
+        self.records.clear()
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __iter__(self) -> Iterator[CollectiveRecord]:
+        return iter(self.records)
+
+    def __str__(self) -> str:
+        return "\n".join(str(r) for r in self.records)
+
+
+# ---------------------------------------------------------------------------------------------
+# Steps and the autograd.Function.
+# ---------------------------------------------------------------------------------------------
+
+def apply_step(x: torch.Tensor, step: Step, groups: MeshGroups, *, ledger: Ledger | None = None,
+               phase: str = "forward", node: str = "") -> torch.Tensor:
+    """Run one ``Step`` on the local tensor ``x`` (no autograd bookkeeping)."""
+    a = step.axis
+    if step.kind == "slice":
+        return local_slice(x, step.dim, coord=groups.coords[a], size=groups.shape[a])
+    if step.kind == "to_partial":
+        return to_partial(x, coord=groups.coords[a])
+    group = groups.groups[a]
+    if step.kind == "all_gather":
+        y = all_gather(x, step.dim, group)
+        moved = y                                   # S is the all-gather's output
+    elif step.kind == "all_reduce":
+        y = moved = all_reduce(x, group)
+    elif step.kind == "reduce_scatter":
+        y, moved = reduce_scatter(x, step.dim, group), x   # S is the input
+    elif step.kind == "all_to_all":
+        y, moved = all_to_all(x, step.dim, step.dim2, group), x   # S: each device's input
+    else:
+        raise ValueError(f"cannot execute step kind {step.kind!r}; known: all_gather, all_reduce, "
+                         "reduce_scatter, all_to_all, slice, to_partial")
+    if ledger is not None:
+        ledger.add(CollectiveRecord(kind=step.kind, axes=(groups.axes[a],),
+                                    nbytes=moved.numel() * moved.element_size(),
+                                    planned_nbytes=step.nbytes, phase=phase, node=node,
+                                    group_size=groups.shape[a]))
+    return y
+
+
+def apply_steps(x: torch.Tensor, steps: Sequence[Step], groups: MeshGroups, *,
+                ledger: Ledger | None = None, phase: str = "forward",
+                node: str = "") -> torch.Tensor:
+    assert phase in PHASES, phase
+    for step in steps:
+        x = apply_step(x, step, groups, ledger=ledger, phase=phase, node=node)
+    return x
+
+
+class Redistribute(torch.autograd.Function):
+    """``Reshard.forward`` in forward, ``Reshard.backward`` on the gradient in backward.
+
+    The backward steps already hold the gradient sync of divergent axes (DTensor's gradient
+    convention), so this one Function serves every backend and every placement pair.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, reshard: Reshard, groups: MeshGroups,
+                ledger: Ledger | None, node: str) -> torch.Tensor:
+        ctx.reshard, ctx.groups, ctx.ledger, ctx.node = reshard, groups, ledger, node
+        return apply_steps(x, reshard.forward, groups, ledger=ledger, phase="forward", node=node)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        g = apply_steps(grad, ctx.reshard.backward, ctx.groups, ledger=ctx.ledger,
+                        phase="backward", node=ctx.node)
+        return g, None, None, None, None
+
+
+def redistribute(x: torch.Tensor, reshard: Reshard, groups: MeshGroups, *,
+                 ledger: Ledger | None = None, node: str = "") -> torch.Tensor:
+    """Move the local shard ``x`` as ``reshard`` says, differentiably."""
+    if not reshard.forward and not reshard.backward:
+        return x
+    return Redistribute.apply(x, reshard, groups, ledger, node)

@@ -1,0 +1,113 @@
+"""Rewrite the traced graph into one rank's program.
+
+Every node keeps its op; size arguments become local sizes (the rule's ``localize``); at every
+point where a value's spec differs from what its consumer needs, or its gradient must be summed
+over an axis, a :class:`ReshardCall` node applies the reshard's collectives in forward and their
+duals in backward. The graph is stamped with the plan that produced it.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autoshard.codegen.collectives import redistribute
+from autoshard.cost.comm import Reshard
+from autoshard.ir import spec_str
+from autoshard.lowering import ReshardEdge, reshard_edges, value_ref
+from autoshard.plans import Plan
+from autoshard.solver.rules.registry import RULES
+from autoshard.solver.rules.simulate import default_localize
+from autoshard.trace.export import TracedGraph, op_info, output_infos
+
+
+class ReshardCall:
+    """A graph target that moves one value from its spec to what its consumers need."""
+
+    def __init__(self, edge: ReshardEdge, runtime: "RankRuntime") -> None:
+        self.edge, self.rt = edge, runtime
+        self.__name__ = f"reshard_{spec_str(edge.src)}_to_{spec_str(edge.dst)}".replace(
+            "[", "").replace("]", "").replace(", ", "_").replace("(", "").replace(")", "")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.edge
+        return redistribute(x, e.reshard, self.rt.groups, ledger=self.rt.ledger,
+                            node=e.consumers[0][0], grad_phase="grad_sync" if e.from_param else "backward")
+
+    def __repr__(self) -> str:
+        return self.__name__
+
+
+class RankRuntime:
+    """What the emitted program needs at run time: this rank's groups and the byte ledger."""
+
+    def __init__(self, groups: Any) -> None:
+        self.groups = groups
+        self.ledger: list = []
+
+
+def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime) -> fx.GraphModule:
+    mesh_shape = plan.mesh_shape
+    coords = runtime.groups.coords
+    strategies = plan.strategies()
+    shapes = {}
+    for n in traced.graph.nodes:
+        if n.op in ("placeholder", "call_function") and n.target is not operator.getitem:
+            for i, ti in enumerate(output_infos(n)):
+                shapes[(n.name, i)] = (ti.shape, ti.dtype.itemsize)
+    params = {p.name for p in traced.params}
+    edges: dict[tuple, ReshardEdge] = {}
+    for e in reshard_edges(traced.graph, strategies, mesh_shape, shapes, params,
+                           training=traced.training):
+        for c in e.consumers:
+            edges[(e.value, c)] = e
+
+    g = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    moved: dict[tuple, fx.Node] = {}   # (value, dst, divergent) -> resharded node, shared
+
+    def local(ref: tuple[str, int], consumer: tuple[str, int]) -> fx.Node:
+        src = env[ref[0]] if ref[1] == 0 and ref[0] in env else env[f"{ref[0]}#{ref[1]}"]
+        e = edges.get((ref, consumer))
+        if e is None:
+            return src
+        key = (ref, e.dst, e.divergent)
+        if key not in moved:
+            moved[key] = g.call_function(ReshardCall(e, runtime), (src,))
+            moved[key].meta["autoshard"] = {"reshard": f"{spec_str(e.src)} -> {spec_str(e.dst)}",
+                                            "divergent": sorted(e.divergent)}
+        return moved[key]
+
+    for node in traced.graph.nodes:
+        if node.op == "placeholder":
+            env[node.name] = g.placeholder(node.name)
+            continue
+        if node.op == "output":
+            refs = [value_ref(a) for a in torch.utils._pytree.tree_flatten(node.args)[0]
+                    if isinstance(a, fx.Node)]
+            outs = [local(r, (node.name, k)) for k, r in enumerate(refs)]
+            g.output(outs[0] if len(outs) == 1 else tuple(outs))
+            continue
+        if node.target is operator.getitem:
+            src, idx = node.args
+            n = g.call_function(operator.getitem, (env[src.name], idx))
+            env[f"{src.name}#{idx}"] = n
+            env[node.name] = n
+            continue
+        k = iter(range(10**6))
+        args, kwargs = fx.node.map_aggregate(
+            (node.args, node.kwargs),
+            lambda a: local(value_ref(a), (node.name, next(k))) if isinstance(a, fx.Node) else a)
+        strat = strategies[node.name]
+        rule = RULES.get(node.target)
+        localize = rule.localize if rule is not None and rule.localize is not None else default_localize
+        fn, args, kwargs = localize(op_info(node), strat, mesh_shape, coords, args, kwargs)
+        new = g.call_function(fn, tuple(args), dict(kwargs))
+        new.meta["autoshard"] = {"strategy": str(strat)}
+        env[node.name] = new
+    gm = fx.GraphModule(torch.nn.Module(), g, class_name="AutoshardRankProgram")
+    gm.meta["autoshard_plan"] = {"fingerprint": plan.fingerprint, "mesh": list(mesh_shape),
+                                 "axes": list(plan.mesh_axes), "coords": list(coords)}
+    return gm

@@ -1,0 +1,233 @@
+"""ParallelModule: one rank's share of a planned model, trainable with torch.optim.
+
+    pm = autoshard.parallelize(model, mesh, plan="plan.json")
+    loss = pm.step(*pm.shard_inputs(*batch))     # forward + backward on this rank's shard
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from autoshard.codegen.collectives import Ledger, apply_steps
+from autoshard.codegen.groups import MeshGroups
+from autoshard.codegen.rewrite import RankRuntime, emit
+from autoshard.cost.comm import reshard
+from autoshard.errors import AutoshardError
+from autoshard.ir import Replicate, Spec, local_shape
+from autoshard.mesh import Mesh
+from autoshard.plans import Plan
+from autoshard.solver.rules.simulate import shard_tensor
+from autoshard.trace.export import TracedGraph, trace
+
+
+class ParallelModule(torch.nn.Module):
+    """The per-rank program with this rank's parameter shards as its parameters.
+
+    ``named_parameters()`` gives the local shards under the original model's names (dots become
+    ``__``-free module paths are not needed: the names are kept in ``fqns``).
+    """
+
+    def __init__(self, traced: TracedGraph, plan: Plan, groups: MeshGroups,
+                 model: torch.nn.Module) -> None:
+        super().__init__()
+        self.plan, self.groups, self.traced = plan, groups, traced
+        self.runtime = RankRuntime(groups)
+        self.runtime.ledger = Ledger()
+        self.program = emit(traced, plan, self.runtime)
+        full = dict(model.named_parameters())
+        full.update(dict(model.named_buffers()))
+        self._specs: dict[str, Spec] = {}
+        self._names: list[str] = []          # placeholder order, params/buffers/constants
+        self.params = torch.nn.ParameterDict()
+        self._buffers_local: dict[str, torch.Tensor] = {}
+        self.fqns: list[str] = []
+        strategies = plan.strategies()
+        for ph in traced.placeholders:
+            if ph.kind == "input":
+                continue
+            spec = strategies[ph.name].outputs[0] if ph.info is not None else None
+            self._specs[ph.name] = spec
+            if ph.kind == "param":
+                self.fqns.append(ph.fqn)
+                local = self._shard(full[ph.fqn].detach(), spec)
+                self.params[_key(ph.fqn)] = torch.nn.Parameter(local, requires_grad=full[ph.fqn].requires_grad)
+            elif ph.kind == "buffer":
+                self._buffers_local[ph.name] = self._shard(full[ph.fqn].detach(), spec)
+            else:
+                self._buffers_local[ph.name] = self._shard(traced.constants[ph.name], spec)
+        self._param_ph = {ph.fqn: ph.name for ph in traced.params}
+        self._input_specs = [strategies[ph.name].outputs[0] for ph in traced.inputs]
+        self._input_shapes = [ph.info.shape if ph.info else None for ph in traced.inputs]
+
+    # -- sharding helpers ----------------------------------------------------------------------
+    def _shard(self, full: torch.Tensor, spec: Spec | None) -> torch.Tensor:
+        if spec is None:
+            return full
+        return shard_tensor(full, spec, self.plan.mesh_shape, self.groups.coords).contiguous().clone()
+
+    def _gather(self, local: torch.Tensor, spec: Spec, shape: Sequence[int]) -> torch.Tensor:
+        r = reshard(tuple(spec), (Replicate(),) * len(spec), tuple(shape), local.element_size(),
+                    self.plan.mesh_shape)
+        with torch.no_grad():
+            return apply_steps(local.detach(), r.forward, self.groups)
+
+    # -- running -------------------------------------------------------------------------------
+    def shard_inputs(self, *global_args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if len(global_args) != len(self._input_specs):
+            raise AutoshardError(f"{len(self._input_specs)} inputs, as planned",
+                                 got=f"{len(global_args)} inputs",
+                                 fix="pass the same arguments as the example inputs")
+        out = []
+        for i, (a, spec, shape) in enumerate(zip(global_args, self._input_specs, self._input_shapes)):
+            if isinstance(a, torch.Tensor) and shape is not None and tuple(a.shape) != tuple(shape):
+                raise AutoshardError(f"input {i} of shape {tuple(shape)}, the planned shape",
+                                     got=f"shape {tuple(a.shape)}",
+                                     fix="re-plan for these shapes, or batch the data as planned")
+            out.append(self._shard(a, spec) if isinstance(a, torch.Tensor) else a)
+        return tuple(out)
+
+    def _check_local(self, local_args: Sequence[Any]) -> None:
+        for i, (a, spec, shape) in enumerate(zip(local_args, self._input_specs, self._input_shapes)):
+            if isinstance(a, torch.Tensor) and shape is not None:
+                want = local_shape(shape, spec, self.plan.mesh_shape)
+                if tuple(a.shape) != want:
+                    raise AutoshardError(f"local input {i} of shape {want} (the plan shards the "
+                                         f"global {tuple(shape)} as {spec})",
+                                         got=f"shape {tuple(a.shape)}",
+                                         fix="pass pm.shard_inputs(*global_batch) to the module")
+
+    def forward(self, *local_args: Any) -> Any:
+        self._check_local(local_args)
+        flat = []
+        for ph in self.traced.placeholders:
+            if ph.kind == "param":
+                flat.append(self.params[_key(ph.fqn)])
+            elif ph.kind == "input":
+                continue
+            else:
+                flat.append(self._buffers_local[ph.name])
+        return self.program(*flat, *local_args)
+
+    def step(self, *local_args: Any) -> torch.Tensor:
+        """Forward and backward on this rank; returns the full (replicated) loss."""
+        loss = self(*local_args)
+        loss.backward()
+        return loss.detach()
+
+    def gather_output(self, local: torch.Tensor) -> torch.Tensor:
+        out = next(n for n in self.plan.nodes if n.name == self._output_node())
+        return self._gather(local, out.outputs[0], self._output_shape())
+
+    def _output_node(self) -> str:
+        out = next(n for n in self.traced.graph.nodes if n.op == "output")
+        return torch.utils._pytree.tree_flatten(out.args)[0][0].name
+
+    def _output_shape(self):
+        out = next(n for n in self.traced.graph.nodes if n.name == self._output_node())
+        return tuple(out.meta["val"].shape)
+
+    # -- state ---------------------------------------------------------------------------------
+    def local_parameters(self) -> dict[str, torch.nn.Parameter]:
+        return {fqn: self.params[_key(fqn)] for fqn in self.fqns}
+
+    def _full(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
+        ph = self.traced.placeholder(self._param_ph[fqn])
+        return self._gather(t, self._specs[ph.name], ph.info.shape)
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        return {fqn: self._full(fqn, p.grad) for fqn, p in self.local_parameters().items()
+                if p.grad is not None}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        out = {fqn: self._full(fqn, p) for fqn, p in self.local_parameters().items()}
+        for ph in self.traced.placeholders:
+            if ph.kind == "buffer":
+                out[ph.fqn] = self._gather(self._buffers_local[ph.name], self._specs[ph.name],
+                                           ph.info.shape)
+        return out
+
+    def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        missing = [f for f in self.fqns if f not in sd]
+        if missing:
+            raise AutoshardError("a full state dict with every parameter of the model",
+                                 got=f"missing {missing[:5]}", fix="pass model.state_dict()")
+        with torch.no_grad():
+            for fqn, p in self.local_parameters().items():
+                p.copy_(self._shard(sd[fqn], self._specs[self._param_ph[fqn]]))
+            for ph in self.traced.placeholders:
+                if ph.kind == "buffer" and ph.fqn in sd:
+                    self._buffers_local[ph.name] = self._shard(sd[ph.fqn], self._specs[ph.name])
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Parameters as DTensors on the torch DeviceMesh, for torch.distributed.checkpoint."""
+        from torch.distributed.tensor import DTensor
+        out = {}
+        for fqn, p in self.local_parameters().items():
+            ph = self.traced.placeholder(self._param_ph[fqn])
+            out[fqn] = DTensor.from_local(p.detach(), self.groups.device_mesh,
+                                          _dtensor_placements(self._specs[ph.name]),
+                                          run_check=False, shape=torch.Size(ph.info.shape),
+                                          stride=_contiguous_stride(ph.info.shape))
+        return out
+
+    def load_sharded_state_dict(self, sd: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for fqn, p in self.local_parameters().items():
+                p.copy_(sd[fqn].to_local())
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.runtime.ledger
+
+
+def _key(fqn: str) -> str:
+    return fqn.replace(".", "__")
+
+
+def _contiguous_stride(shape):
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
+
+
+def _dtensor_placements(spec: Spec):
+    from torch.distributed.tensor import Replicate as DR, Shard as DS
+    from autoshard.ir import Shard
+    return [DS(p.dim) if isinstance(p, Shard) else DR() for p in spec]
+
+
+def parallelize(model: torch.nn.Module, mesh: Any, *, plan: Plan | str | Path | None = None,
+                example_inputs: Sequence[Any] | None = None, training: bool = True,
+                **plan_kwargs: Any) -> ParallelModule:
+    """This rank's :class:`ParallelModule` for ``model`` under ``plan`` (planned here if None).
+
+    ``mesh`` is the :class:`autoshard.Mesh` used for planning or a torch DeviceMesh; the current
+    torch.distributed world is bound to it, ranks row-major over the mesh shape.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    if example_inputs is None:
+        raise AutoshardError("example_inputs (the global batch the plan is for)", got="None",
+                             fix="parallelize(model, mesh, plan=..., example_inputs=(x, y))")
+    if not dist.is_initialized():
+        raise AutoshardError("an initialised torch.distributed world", got="none",
+                             fix="launch with torchrun and call dist.init_process_group()")
+    traced = trace(model, example_inputs, training=training)
+    if isinstance(mesh, DeviceMesh):
+        groups = MeshGroups.from_device_mesh(mesh)
+        pmesh = Mesh(groups.shape, groups.axes)
+    else:
+        groups = MeshGroups.from_mesh(mesh)
+        pmesh = mesh
+    if plan is None:
+        from autoshard.solver.planner import plan_traced
+        plan = plan_traced(traced, pmesh, **plan_kwargs)
+    elif not isinstance(plan, Plan):
+        plan = Plan.load(plan)
+    plan.check_mesh(groups.shape, groups.axes)
+    plan.check_matches(traced.fingerprint, traced.node_sigs)
+    return ParallelModule(traced, plan, groups, model)

@@ -1,0 +1,111 @@
+"""Hardware figures per device and per link, with presets from REFERENCE.md §2.
+
+Every figure can be overridden from a JSON profile: ``Cluster.load("my_cluster.json")`` takes any
+subset of the fields below on top of a ``"base"`` preset.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from autoshard.errors import AutoshardError
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    name: str
+    flops: float                 # peak dense 16-bit FLOP/s per device
+    fp32_flops: float            # peak fp32 FLOP/s per device (non tensor-core)
+    mem_bandwidth: float         # bytes/s of device memory
+    memory_bytes: float          # device memory capacity
+    devices_per_node: int
+    intra_alpha: float           # s, latency of one collective step inside a node
+    intra_bandwidth: float       # bytes/s, bus bandwidth inside a node (NCCL busbw)
+    inter_alpha: float           # s, latency of one step across nodes
+    inter_bandwidth: float       # bytes/s per device across nodes
+    matmul_efficiency: float = 0.75   # achievable / peak on large matmuls (REFERENCE.md §2)
+    kernel_floor_s: float = 4e-6      # launch-bound floor per op (REFERENCE.md §2: "a few µs")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise AutoshardError("Cluster field 'name' must be a non-empty string",
+                                 got=repr(self.name), fix="name the profile, e.g. \"my_h100\"")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            # bool is an int subclass and JSON's true would pass as 1; inf/nan are not figures.
+            if f.name != "name" and not (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                         and math.isfinite(v) and v > 0):
+                raise AutoshardError(f"Cluster field {f.name!r} must be a positive, finite number",
+                                     got=repr(v), fix=f"set {f.name} to the device's figure")
+        if not isinstance(self.devices_per_node, int):
+            raise AutoshardError("Cluster field 'devices_per_node' must be an int",
+                                 got=repr(self.devices_per_node), fix="e.g. 8 for a DGX H100 node")
+        if self.matmul_efficiency > 1:
+            raise AutoshardError("Cluster field 'matmul_efficiency' is a fraction of peak, (0, 1]",
+                                 got=repr(self.matmul_efficiency),
+                                 fix="e.g. 0.75 (REFERENCE.md §2: ~70-80% on large matmuls)")
+
+    @classmethod
+    def preset(cls, name: str) -> "Cluster":
+        if not isinstance(name, str) or name not in PRESETS:
+            raise AutoshardError(f"a cluster preset is one of {sorted(PRESETS)} or a JSON file",
+                                 got=repr(name), fix="pass cluster='h100' or Cluster.load(path)")
+        return PRESETS[name]
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Cluster":
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise AutoshardError("a cluster profile is a readable JSON object", got=f"{path}: {e}",
+                                 fix="write e.g. {\"base\": \"h100\", \"inter_bandwidth\": 25e9}") from e
+        if not isinstance(data, dict):
+            raise AutoshardError("a cluster profile is a JSON object", got=type(data).__name__,
+                                 fix="wrap the figures in {...}")
+        base = cls.preset(data.pop("base", "h100"))
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise AutoshardError(f"cluster profile keys are among {sorted(known)}", got=str(unknown),
+                                 fix="remove or rename the unknown keys")
+        return dataclasses.replace(base, **data)
+
+    @classmethod
+    def resolve(cls, value: "Cluster | str | Path") -> "Cluster":
+        if isinstance(value, Cluster):
+            return value
+        if isinstance(value, Path) or str(value).endswith(".json"):
+            return cls.load(value)
+        return cls.preset(str(value))
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+GB = 1e9
+PRESETS: dict[str, Cluster] = {
+    # H100 SXM: 989 TFLOP/s bf16 dense, 67 TFLOP/s fp32, 80 GB HBM3 at 3.35 TB/s (NVIDIA H100
+    # datasheet); NVLink4 NCCL ring busbw ~370 GB/s (nccl-tests #212); IB NDR 400 Gb/s, ~46 GB/s
+    # achieved (nccl-tests #290); ~45 µs inter-node small all-reduce latency (nccl #1244).
+    "h100": Cluster(name="h100", flops=989e12, fp32_flops=67e12, mem_bandwidth=3.35e12,
+                    memory_bytes=80 * GB, devices_per_node=8, intra_alpha=3e-6,
+                    intra_bandwidth=370 * GB, inter_alpha=45e-6 / 2, inter_bandwidth=46 * GB),
+    # H200: 141 GB HBM3e at 4.8 TB/s, same compute and links as H100 (NVIDIA).
+    "h200": Cluster(name="h200", flops=989e12, fp32_flops=67e12, mem_bandwidth=4.8e12,
+                    memory_bytes=141 * GB, devices_per_node=8, intra_alpha=3e-6,
+                    intra_bandwidth=370 * GB, inter_alpha=45e-6 / 2, inter_bandwidth=46 * GB),
+    # A100 SXM: 312 TFLOP/s bf16, 19.5 TFLOP/s fp32, 80 GB at 2.039 TB/s; all-reduce busbw
+    # ~200 GB/s (NVIDIA; nccl-tests #149); HDR IB 200 Gb/s per GPU.
+    "a100": Cluster(name="a100", flops=312e12, fp32_flops=19.5e12, mem_bandwidth=2.039e12,
+                    memory_bytes=80 * GB, devices_per_node=8, intra_alpha=5e-6,
+                    intra_bandwidth=200 * GB, inter_alpha=45e-6 / 2, inter_bandwidth=23 * GB),
+    # A laptop/CI CPU with gloo over loopback: rough figures, useful for tests and for ranking
+    # plans that will run on this machine.
+    "cpu": Cluster(name="cpu", flops=2e11, fp32_flops=1e11, mem_bandwidth=2e10,
+                   memory_bytes=16 * GB, devices_per_node=64, intra_alpha=3e-5,
+                   intra_bandwidth=2 * GB, inter_alpha=3e-5, inter_bandwidth=2 * GB,
+                   kernel_floor_s=5e-6),
+}

@@ -1,0 +1,248 @@
+"""Collective costs (alpha-beta per mesh axis) and resharding plans.
+
+The single home of every collective formula (DESIGN.md example 5). ``S`` is the size in bytes of
+the collective's full buffer as REFERENCE.md §1 defines it: the tensor all-reduced, the
+all-gather's output, the reduce-scatter's input, each device's all-to-all input.
+
+Ring algorithm times (REFERENCE.md §1, after nccl-tests doc/PERFORMANCE.md):
+  all-reduce      2(p-1)·alpha + 2(p-1)/p · S/B
+  all-gather      (p-1)·alpha + (p-1)/p · S/B
+  reduce-scatter  (p-1)·alpha + (p-1)/p · S/B
+  all-to-all      (p-1)·alpha + (p-1)/p · S/B
+  send/recv       alpha + S/B
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
+
+from autoshard.ir import Partial, Replicate, Shard, Spec
+from autoshard.mesh import Mesh
+
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+
+def collective_time(kind: str, p: int, nbytes: float, alpha: float, bandwidth: float) -> float:
+    if kind == "send_recv":
+        return alpha + nbytes / bandwidth
+    if p <= 1:
+        return 0.0
+    frac = (p - 1) / p
+    if kind == "all_reduce":
+        return 2 * (p - 1) * alpha + 2 * frac * nbytes / bandwidth
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (p - 1) * alpha + frac * nbytes / bandwidth
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def bytes_sent_per_device(kind: str, p: int, nbytes: float) -> float:
+    """Bytes one device sends (REFERENCE.md §1 third column)."""
+    if kind == "send_recv":
+        return nbytes
+    if p <= 1:
+        return 0.0
+    frac = (p - 1) / p
+    return 2 * frac * nbytes if kind == "all_reduce" else frac * nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One step of a resharding: a collective over ``axis``, or a local op (slice, zero).
+
+    ``dim`` is the tensor dim gathered/scattered/sliced; ``dim2`` the new dim of an all-to-all.
+    ``nbytes`` is S for a collective (0 for local steps).
+    """
+
+    kind: str     # all_gather | all_reduce | reduce_scatter | all_to_all | slice | to_partial
+    axis: int
+    dim: int = -1
+    dim2: int = -1
+    nbytes: int = 0
+
+    @property
+    def is_collective(self) -> bool:
+        return self.kind in COLLECTIVE_KINDS
+
+
+@dataclass(frozen=True, slots=True)
+class Reshard:
+    """How a tensor moves from the producer's spec to what a consumer needs, both directions.
+
+    ``forward`` are the steps in order. ``backward`` are the collectives the gradient needs, in
+    order: the grad all-reduce over ``divergent`` axes (fused with an all-gather's adjoint slice
+    into a reduce-scatter where both fall on one axis), then the adjoint of each forward step.
+    """
+
+    forward: tuple[Step, ...]
+    backward: tuple[Step, ...]
+
+    @property
+    def collectives(self) -> tuple[tuple[str, Step], ...]:
+        return tuple(("forward", s) for s in self.forward if s.is_collective) + tuple(
+            ("backward", s) for s in self.backward if s.is_collective)
+
+
+def _must_change(src: Spec, dst: Spec) -> list[bool]:
+    change = [s != d for s, d in zip(src, dst)]
+    # A dim split over several axes is nested row-major: an inner axis that keeps S(d) must still
+    # be undone and redone when an outer axis on the same dim changes.
+    grew = True
+    while grew:
+        grew = False
+        for a, (s, d) in enumerate(zip(src, dst)):
+            if change[a] or not isinstance(s, Shard):
+                continue
+            if any(change[b] and s in (src[b], dst[b]) for b in range(a)):
+                change[a] = grew = True
+    return change
+
+
+def _can_finish(state: list, dst: Spec, done: list[bool], axis: int, dims: set[int],
+                new_dim: int) -> bool:
+    """Whether ``axis`` may go straight to ``dst[axis]`` = ``S(new_dim)`` now (slice,
+    reduce-scatter, all-to-all).
+
+    Under row-major nesting, an axis can only split or gather a dim as the innermost axis
+    sharding it: no axis after ``axis`` may hold ``S(d)`` for a dim ``d`` in ``dims`` (the dims
+    the step touches). And it must not block later steps: an outer axis still to change, which
+    will gather or slice ``new_dim``, would find ``axis`` inside it. Unchanged outer axes are
+    fine (``axis`` becomes their inner split, as the spec says).
+    """
+    for b in range(axis + 1, len(state)):
+        if isinstance(state[b], Shard) and state[b].dim in dims:
+            return False
+    for b in range(axis):
+        if not done[b] and any(isinstance(p, Shard) and p.dim == new_dim
+                               for p in (state[b], dst[b])):
+            return False
+    return True
+
+
+@lru_cache(maxsize=200_000)
+def reshard(src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int,
+            mesh_shape: tuple[int, ...], divergent: frozenset[int] = frozenset()) -> Reshard:
+    """Plan the steps from ``src`` to ``dst`` for a tensor of global ``shape``.
+
+    Greedy, one step at a time: first any step that finishes an axis without growing the local
+    tensor (slice, reduce-scatter, to-partial, all-to-all), so later collectives move fewer
+    bytes; else all-reduce a partial axis; else all-gather, an axis that ends replicated if
+    one can, else the innermost sharded one. Every step is valid under row-major nesting.
+    """
+    assert len(src) == len(dst) == len(mesh_shape)
+    # On an axis of one device every placement holds the same data: plan without it.
+    src, dst = _drop_unit_axes(src, mesh_shape), _drop_unit_axes(dst, mesh_shape)
+    divergent = frozenset(a for a in divergent if mesh_shape[a] > 1)
+    done = [not c for c in _must_change(src, dst)]
+    state = list(src)
+    local = [s // _factor(state, d, mesh_shape) for d, s in enumerate(shape)]
+    fwd: list[Step] = []
+    while not all(done):
+        kind, a, dim, dim2 = _next_step(state, dst, done)
+        n, size = mesh_shape[a], math.prod(local) * itemsize
+        if kind == "all_gather":
+            local[dim] *= n
+            size *= n                                    # S is the gathered output
+        elif kind in ("slice", "reduce_scatter"):
+            local[dim] //= n
+        elif kind == "all_to_all":
+            local[dim] *= n
+            local[dim2] //= n
+        fwd.append(Step(kind, a, dim, dim2, nbytes=size if kind in COLLECTIVE_KINDS else 0))
+        state[a] = Replicate() if kind in ("all_gather", "all_reduce") else dst[a]
+        done[a] = state[a] == dst[a]
+    return Reshard(tuple(fwd), _backward(tuple(fwd), dst, shape, itemsize, mesh_shape, divergent))
+
+
+def _next_step(state: list, dst: Spec, done: list[bool]) -> tuple[str, int, int, int]:
+    todo = [a for a in range(len(state)) if not done[a]]
+    for a in todo:                               # free slices, outermost first
+        s, d = state[a], dst[a]
+        if isinstance(s, Replicate) and isinstance(d, Shard) and _can_finish(
+                state, dst, done, a, {d.dim}, d.dim):
+            return "slice", a, d.dim, -1
+    for a in reversed(todo):                     # steps that keep or shrink the local tensor
+        s, d = state[a], dst[a]
+        if isinstance(s, Replicate) and isinstance(d, Partial):
+            return "to_partial", a, -1, -1
+        if isinstance(s, Partial) and isinstance(d, Shard) and _can_finish(
+                state, dst, done, a, {d.dim}, d.dim):
+            return "reduce_scatter", a, d.dim, -1
+        if isinstance(s, Shard) and isinstance(d, Shard) and s.dim != d.dim and _can_finish(
+                state, dst, done, a, {s.dim, d.dim}, d.dim):
+            return "all_to_all", a, s.dim, d.dim
+    # Nothing shrinks: what is left grows the tensor. A partial axis is all-reduced first, at
+    # the current size: a reduce-scatter that waits for a gather of n >= 2 would move as much.
+    for a in reversed(todo):
+        if isinstance(state[a], Partial):
+            return "all_reduce", a, -1, -1
+    for a in reversed(todo):                     # gathers that finish an axis, if valid
+        s = state[a]
+        if isinstance(s, Shard) and isinstance(dst[a], Replicate) and not any(
+                state[b] == s for b in range(a + 1, len(state))):
+            return "all_gather", a, s.dim, -1
+    for a in reversed(todo):                     # innermost first: nothing inside it holds its dim
+        if isinstance(state[a], Shard):
+            return "all_gather", a, state[a].dim, -1
+    raise AssertionError(f"no resharding step from {state} to {dst}")
+
+
+def _drop_unit_axes(spec: Spec, mesh_shape: tuple[int, ...]) -> Spec:
+    if all(n > 1 for n in mesh_shape):
+        return spec
+    return tuple(Replicate() if n == 1 else p for p, n in zip(spec, mesh_shape))
+
+
+def _factor(spec: Sequence, dim: int, mesh_shape: Sequence[int]) -> int:
+    f = 1
+    for p, n in zip(spec, mesh_shape):
+        if isinstance(p, Shard) and p.dim == dim:
+            f *= n
+    return f
+
+
+def _backward(fwd: tuple[Step, ...], dst: Spec, shape: tuple[int, ...], itemsize: int,
+              mesh_shape: tuple[int, ...], divergent: frozenset[int]) -> tuple[Step, ...]:
+    """The gradient's steps: the dual of each forward step, in reverse order.
+
+    Gradients follow the tensor's placement (DTensor's convention), and the gradient of a Partial
+    tensor is Replicate. So: all_reduce -> nothing; all_gather -> slice; slice -> all_gather;
+    reduce_scatter -> all_gather; all_to_all -> all_to_all back; to_partial -> nothing. A grad
+    all-reduce on a divergent axis followed by an all-gather's adjoint slice on the same axis is
+    a reduce-scatter (ZeRO-3's and sequence parallel's backward).
+    """
+    grad_local = [s // _factor(dst, d, mesh_shape) for d, s in enumerate(shape)]
+    gathered_axes = {s.axis for s in fwd if s.kind == "all_gather"}
+    out: list[Step] = []
+    for a in sorted(divergent - gathered_axes):
+        out.append(Step("all_reduce", a, nbytes=math.prod(grad_local) * itemsize))
+    for s in reversed(fwd):
+        n = mesh_shape[s.axis]
+        size = math.prod(grad_local) * itemsize
+        if s.kind == "all_gather":
+            kind = "reduce_scatter" if s.axis in divergent else "slice"
+            out.append(Step(kind, s.axis, s.dim, nbytes=size if kind == "reduce_scatter" else 0))
+            grad_local[s.dim] //= n
+        elif s.kind in ("slice", "reduce_scatter"):
+            grad_local[s.dim] *= n
+            out.append(Step("all_gather", s.axis, s.dim, nbytes=math.prod(grad_local) * itemsize))
+        elif s.kind == "all_to_all":
+            out.append(Step("all_to_all", s.axis, s.dim2, s.dim, nbytes=size))
+            grad_local[s.dim2] *= n
+            grad_local[s.dim] //= n
+        # all_reduce and to_partial: the gradient passes through unchanged.
+    return tuple(out)
+
+
+def steps_time(steps: Sequence[Step], mesh: Mesh) -> float:
+    t = 0.0
+    for s in steps:
+        if s.is_collective:
+            link = mesh.links[s.axis]
+            t += collective_time(s.kind, mesh.shape[s.axis], s.nbytes, link.alpha, link.bandwidth)
+    return t
+
+
+def reshard_time(r: Reshard, mesh: Mesh) -> float:
+    return steps_time(r.forward, mesh) + steps_time(r.backward, mesh)

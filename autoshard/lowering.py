@@ -1,0 +1,100 @@
+"""What moves between nodes under a given assignment of strategies.
+
+Both the planner (to write the plan's collective ledger and price it) and codegen (to insert the
+collectives) walk the graph through this one function, so the plan's ledger and the program's
+collectives cannot disagree.
+
+A *value* is one tensor output of a node, ``(node name, output index)``. Each consumer needs the
+value in a spec, and, if it does per-rank-different work on an axis where the value is replicated,
+an all-reduce of its gradient on that axis. Consumers with the same (spec, divergent axes) share
+one reshard: one set of collectives, one gradient all-reduce.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.fx as fx
+
+from autoshard.cost.comm import Reshard, reshard
+from autoshard.ir import Replicate, Spec, Strategy, divergent_axes
+
+ValueRef = tuple[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class ReshardEdge:
+    value: ValueRef
+    consumers: tuple[tuple[str, int], ...]   # (consumer node, tensor input position)
+    src: Spec
+    dst: Spec
+    divergent: frozenset[int]
+    reshard: Reshard
+    from_param: bool
+
+
+def value_inputs(node: fx.Node) -> list[ValueRef]:
+    """The values a node reads, in the order rules number tensor inputs."""
+    flat, _ = torch.utils._pytree.tree_flatten((node.args, node.kwargs))
+    return [value_ref(a) for a in flat if isinstance(a, fx.Node)]
+
+
+def value_ref(node: fx.Node) -> ValueRef:
+    """getitem on a multi-output node is that node's i-th output, not a node of its own."""
+    import operator
+    if node.op == "call_function" and node.target is operator.getitem:
+        src, idx = node.args
+        return (src.name, int(idx))
+    return (node.name, 0)
+
+
+def input_divergence(strategy: Strategy, k: int) -> frozenset[int]:
+    spec = strategy.inputs[k]
+    outs = strategy.outputs
+    axes = set()
+    for out in outs:
+        axes |= divergent_axes(spec, out)
+    return frozenset(axes)
+
+
+def output_requirement(ndim_mesh: int) -> Spec:
+    return (Replicate(),) * ndim_mesh
+
+
+def reshard_edges(graph: fx.Graph, strategies: dict[str, Strategy], mesh_shape: tuple[int, ...],
+                  shapes: dict[ValueRef, tuple[tuple[int, ...], int]], param_names: set[str],
+                  *, training: bool) -> Iterator[ReshardEdge]:
+    """Every (value, requirement) pair that needs steps, in graph order.
+
+    ``shapes`` maps a value to (global shape, itemsize). The graph's output (the loss, in training)
+    is required replicated.
+    """
+    wants: dict[ValueRef, dict[tuple[Spec, frozenset[int]], list[tuple[str, int]]]] = {}
+    order: list[ValueRef] = []
+    for node in graph.nodes:
+        if node.op == "output":
+            if not training:
+                continue
+            for k, ref in enumerate(value_inputs(node)):
+                key = (output_requirement(len(mesh_shape)), frozenset())
+                wants.setdefault(ref, {}).setdefault(key, []).append((node.name, k))
+            continue
+        strat = strategies.get(node.name)
+        if strat is None:
+            continue
+        for k, ref in enumerate(value_inputs(node)):
+            if ref not in wants:
+                order.append(ref)
+            key = (strat.inputs[k], input_divergence(strat, k) if training else frozenset())
+            wants.setdefault(ref, {}).setdefault(key, []).append((node.name, k))
+    seen = set(order)
+    order += [r for r in wants if r not in seen]
+    for ref in order:
+        src = strategies[ref[0]].outputs[ref[1]]
+        shape, itemsize = shapes[ref]
+        for (dst, div), consumers in wants[ref].items():
+            if dst == src and not div:
+                continue
+            r = reshard(src, dst, shape, itemsize, mesh_shape, div)
+            yield ReshardEdge(ref, tuple(consumers), src, dst, div, r, ref[0] in param_names)

@@ -1,0 +1,112 @@
+"""The logical device mesh: shape, axis names and per-axis link figures (alpha, bandwidth)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from autoshard.cost.cluster import Cluster
+from autoshard.errors import AutoshardError
+
+
+@dataclass(frozen=True, slots=True)
+class AxisLink:
+    alpha: float       # s per collective step
+    bandwidth: float   # bus bandwidth, bytes/s
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class Mesh:
+    """An N-D mesh of devices. Ranks are laid out row-major over ``shape``.
+
+    Axes are placed on the hardware innermost-first: the last axis varies fastest between ranks,
+    so it lands inside a node (NVLink) while the product of inner axes fits ``devices_per_node``;
+    an axis that spans nodes gets the inter-node figures. ``links`` overrides this per axis.
+    """
+
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    cluster: Cluster
+    links: tuple[AxisLink, ...]
+
+    def __init__(self, shape: Sequence[int] | int, axes: Sequence[str] | None = None, *,
+                 cluster: Cluster | str | Path = "h100",
+                 links: Sequence[AxisLink] | None = None) -> None:
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if not shape or not all(isinstance(n, int) and n >= 1 for n in shape):
+            raise AutoshardError("a mesh shape is a non-empty tuple of positive ints",
+                                 got=repr(shape), fix="e.g. Mesh((8, 8), ('dp', 'tp'))")
+        if len(shape) > 3:
+            raise AutoshardError("meshes of 1 to 3 axes are supported", got=f"{len(shape)} axes",
+                                 fix="merge axes, e.g. (2, 2, 2, 2) -> (4, 2, 2)")
+        if axes is None:
+            axes = ("dp", "tp")[-len(shape):] if len(shape) <= 2 else ("pp", "dp", "tp")
+            axes = tuple(axes) if len(shape) > 1 else ("x",)
+        axes = tuple(axes)
+        if len(axes) != len(shape) or len(set(axes)) != len(axes) or not all(
+                isinstance(a, str) and a for a in axes):
+            raise AutoshardError("one distinct, non-empty name per mesh axis",
+                                 got=f"shape {shape} with axes {axes}",
+                                 fix="name each axis once, e.g. axes=('dp', 'tp')")
+        cluster = Cluster.resolve(cluster)
+        if links is None:
+            links = _default_links(shape, cluster)
+        links = tuple(links)
+        if len(links) != len(shape):
+            raise AutoshardError("one AxisLink per mesh axis", got=f"{len(links)} for {len(shape)}",
+                                 fix="give links for every axis or none")
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "axes", axes)
+        object.__setattr__(self, "cluster", cluster)
+        object.__setattr__(self, "links", links)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def axis_index(self, name: str) -> int:
+        if name not in self.axes:
+            raise AutoshardError(f"a mesh axis name among {self.axes}", got=repr(name),
+                                 fix="use one of the mesh's axis names")
+        return self.axes.index(name)
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        out = []
+        for n in reversed(self.shape):
+            out.append(rank % n)
+            rank //= n
+        return tuple(reversed(out))
+
+    def group_link(self, axes: Sequence[int]) -> AxisLink:
+        """A collective over several axes runs at the slowest member's figures (REFERENCE.md §1)."""
+        ls = [self.links[a] for a in axes]
+        return AxisLink(alpha=max(l.alpha for l in ls), bandwidth=min(l.bandwidth for l in ls))
+
+    def __str__(self) -> str:
+        dims = "x".join(str(n) for n in self.shape)
+        return f"Mesh({dims}, axes={','.join(self.axes)}, cluster={self.cluster.name})"
+
+    def to_json(self) -> dict:
+        return {"shape": list(self.shape), "axes": list(self.axes), "cluster": self.cluster.name,
+                "links": [{"alpha": l.alpha, "bandwidth": l.bandwidth} for l in self.links]}
+
+
+def _default_links(shape: tuple[int, ...], cluster: Cluster) -> tuple[AxisLink, ...]:
+    # An axis's groups lie in blocks of ``inner`` consecutive ranks (the axis times all inner
+    # axes). They stay inside a node when the whole mesh fits one node, or when the blocks tile
+    # nodes exactly; a block of 3 on 8-GPU nodes straddles a node boundary (ranks 6, 7, 8).
+    links: list[AxisLink] = []
+    dpn, inner = cluster.devices_per_node, 1
+    one_node = math.prod(shape) <= dpn
+    for n in reversed(shape):
+        inner *= n
+        if one_node or (inner <= dpn and dpn % inner == 0):
+            links.append(AxisLink(cluster.intra_alpha, cluster.intra_bandwidth))
+        else:
+            links.append(AxisLink(cluster.inter_alpha, cluster.inter_bandwidth))
+    return tuple(reversed(links))

@@ -1,0 +1,97 @@
+"""Hand-written plans, expressed in autoshard's own IR and priced by the same cost model.
+
+A baseline fixes the layout of every parameter (and of the inputs) the way an expert would write
+it; the ILP then only chooses the layout of activations given those parameters, i.e. the cheapest
+way to run the expert's layout. What is not fixed (embeddings and the LM head, which Megatron
+shards over the vocabulary with a vocab-parallel cross-entropy that autoshard does not have)
+is left to the solver, for the baselines and autoshard alike.
+
+- ``dp``: every parameter replicated, the batch split over every axis it divides.
+- ``megatron``: Megatron-LM tensor parallelism over every mesh axis (Shoeybi et al. 2019):
+  QKV / fc1 / gate / up column-parallel, attention out-proj / fc2 / down row-parallel.
+- ``megatron-dp``: Megatron over the last axis, data parallel over the others.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from autoshard.errors import AutoshardError
+from autoshard.ir import Replicate, Shard, Spec, Strategy, spec_fits
+from autoshard.mesh import Mesh
+from autoshard.plans import Plan
+from autoshard.trace.export import TracedGraph
+
+aten = torch.ops.aten
+BASELINES = ("dp", "megatron", "megatron-dp")
+
+COLUMN = re.compile(r"(^|\.)(q_proj|k_proj|v_proj|qkv|c_attn|query|key|value|gate_proj|up_proj|fc1|"
+                    r"c_fc|w1|w3|fc_in|intermediate\.dense|gate|up)\.(weight|bias)$")
+ROW = re.compile(r"(^|\.)(o_proj|out_proj|out|c_proj|down_proj|fc2|w2|fc_out|down|"
+                 r"attention\.output\.dense|output\.dense|proj)\.(weight|bias)$")
+
+
+def _weight_layout(traced: TracedGraph, ph_name: str) -> str:
+    """"out_in" for nn.Linear weights (aten.linear), "in_out" for Conv1D-style (addmm/mm)."""
+    node = next(n for n in traced.graph.nodes if n.name == ph_name)
+    for user in node.users:
+        if user.target in (aten.addmm.default, aten.mm.default, aten.matmul.default):
+            return "in_out"
+    return "out_in"
+
+
+def tensor_parallel_spec(traced: TracedGraph, ph_name: str, fqn: str, shape: tuple[int, ...],
+                         axes: list[int], ndim_mesh: int) -> Spec:
+    """The Megatron spec of one parameter, sharded over ``axes``; R elsewhere."""
+    def on(dim: int) -> Spec:
+        return tuple(Shard(dim) if a in axes else Replicate() for a in range(ndim_mesh))
+
+    is_bias = fqn.endswith(".bias") or len(shape) == 1
+    layout = _weight_layout(traced, ph_name)
+    out_dim, in_dim = (0, 1) if layout == "out_in" else (1, 0)
+    if COLUMN.search(fqn):
+        return on(0) if is_bias else on(out_dim)
+    if ROW.search(fqn) and not is_bias:
+        return on(in_dim)
+    return (Replicate(),) * ndim_mesh
+
+
+def baseline_pins(traced: TracedGraph, mesh: Mesh, name: str) -> dict[str, Strategy]:
+    if name not in BASELINES:
+        raise AutoshardError(f"a baseline among {BASELINES}", got=repr(name),
+                             fix="pick one of the listed names")
+    nd = mesh.ndim
+    tp_axes = {"dp": [], "megatron": list(range(nd)), "megatron-dp": [nd - 1]}[name]
+    dp_axes = [a for a in range(nd) if a not in tp_axes]
+    pins: dict[str, Strategy] = {}
+    for p in traced.params:
+        if p.info is None:
+            continue
+        spec = tensor_parallel_spec(traced, p.name, p.fqn, p.info.shape, tp_axes, nd)
+        if _is_embedding_or_head(traced, p.name):
+            continue            # left to the solver, see the module docstring
+        if not spec_fits(p.info.shape, spec, mesh.shape):
+            spec = (Replicate(),) * nd
+        pins[p.name] = Strategy((), (spec,))
+    for p in traced.inputs:
+        if p.info is None or p.info.ndim == 0:
+            continue
+        spec, used = [Replicate()] * nd, 1
+        for a in dp_axes:
+            if p.info.shape[0] % (used * mesh.shape[a]) == 0:
+                spec[a] = Shard(0)
+                used *= mesh.shape[a]
+        pins[p.name] = Strategy((), (tuple(spec),))
+    return pins
+
+
+def _is_embedding_or_head(traced: TracedGraph, ph_name: str) -> bool:
+    node = next(n for n in traced.graph.nodes if n.name == ph_name)
+    return any(u.target is aten.embedding.default for u in node.users) or any(
+        "lm_head" in (p.fqn if (p := traced.placeholder(ph_name)) else "") for _ in [0])
+
+
+def baseline_plan(traced: TracedGraph, mesh: Mesh, name: str, **kwargs) -> Plan:
+    from autoshard.solver.planner import plan_traced
+    return plan_traced(traced, mesh, fixed=baseline_pins(traced, mesh, name), **kwargs)

@@ -1,0 +1,376 @@
+"""From a traced graph and a mesh to the solver's pure-data Problem.
+
+Three reductions keep the ILP small enough to solve in seconds for a 96-layer model:
+1. *Layer dedup*: nodes of identical repeated layers (same module container, same op sequence,
+   shapes and wiring) share the decisions of the first such layer; they only raise multiplicities.
+2. *Follower merging* (Alpa): a view-like or unary op reading one value made in the same layer
+   takes, for each strategy of its producer's group, its own cheapest strategy given that input;
+   it adds no variable.
+3. *Shared reshards*: an edge is priced per (value, requirement), see problem.py.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+import autoshard.solver.rules  # noqa: F401  (registers every rule)
+from autoshard.cost.comm import reshard, reshard_time
+from autoshard.cost.compute import op_time
+from autoshard.cost.memory import param_state_bytes, saved_activation_bytes
+from autoshard.ir import Replicate, Shard, Spec, Strategy, local_shape, spec_fits
+from autoshard.lowering import ValueRef, input_divergence, output_requirement, value_inputs, value_ref
+from autoshard.mesh import Mesh
+from autoshard.solver.problem import Edge, Group, Problem
+from autoshard.solver.rules.registry import OpInfo, TensorInfo, strategies_for
+from autoshard.trace.export import TracedGraph, layer_of, module_path, op_info, output_infos
+
+aten = torch.ops.aten
+
+FOLLOWERS = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
+    aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim,
+    aten.squeeze.default, aten.contiguous.default, aten.clone.default, aten.alias.default,
+    aten.detach.default, aten.dropout.default, aten.gelu.default, aten.silu.default,
+    aten.relu.default, aten.tanh.default, aten.neg.default, aten.rsqrt.default,
+    aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.type_as.default,
+    aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.expand.default,
+}
+# Elementwise ops that follow their one full-size input when the others are broadcast (a bias, a
+# rotary table, a norm's scale): the small inputs become edges, the big one decides.
+POINTWISE = {
+    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.where.self,
+    aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.pow.Tensor_Scalar, aten.add.Scalar,
+    aten.mul.Scalar, aten.sub.Scalar, aten.div.Scalar, aten.cat.default,
+}
+OUTPUT = "output"
+
+
+@dataclass
+class Member:
+    """How one node's strategy follows its group's choice."""
+    group: int
+    strategies: list[Strategy]
+    pick: list[int]              # strategy index of this node per group strategy
+
+
+@dataclass
+class Built:
+    problem: Problem
+    members: dict[str, Member]   # template node -> how it follows its group
+    rep: dict[str, str]          # every node -> its template node
+    infos: dict[str, OpInfo]
+    shapes: dict[ValueRef, tuple[tuple[int, ...], int]]
+    member_memory: dict[str, dict[int, float]]   # template node -> strategy index -> bytes
+
+    def strategy_of(self, name: str, choice: tuple[int, ...]) -> Strategy:
+        m = self.members[self.rep[name]]
+        return m.strategies[m.pick[choice[m.group]]]
+
+
+def placeholder_strategies(info: TensorInfo, mesh_shape: tuple[int, ...], kind: str) -> list[Strategy]:
+    if kind in ("buffer", "constant") or info.ndim == 0:
+        options = [tuple(Replicate() for _ in mesh_shape)]
+    else:
+        per_axis = [Replicate()] + [Shard(d) for d in range(info.ndim)]
+        options = [s for s in itertools.product(per_axis, repeat=len(mesh_shape))
+                   if spec_fits(info.shape, s, mesh_shape)]
+    return [Strategy((), (s,)) for s in options]
+
+
+class _Builder:
+    def __init__(self, traced: TracedGraph, mesh: Mesh, memory_budget: float,
+                 optimizer: str) -> None:
+        self.t, self.mesh, self.budget, self.optimizer = traced, mesh, memory_budget, optimizer
+        self.ms = mesh.shape
+        self.nodes = [n for n in traced.graph.nodes
+                      if n.op == "placeholder" or (n.op == "call_function"
+                                                   and n.target is not operator.getitem)]
+        self.by_name = {n.name: n for n in traced.graph.nodes}
+        self.infos: dict[str, OpInfo] = {}
+        self.shapes: dict[ValueRef, tuple[tuple[int, ...], int]] = {}
+        for n in self.nodes:
+            for i, ti in enumerate(output_infos(n)):
+                self.shapes[(n.name, i)] = (ti.shape, ti.dtype.itemsize)
+        self._follow_memo: dict[tuple, int] = {}
+        self._rt_memo: dict[tuple, float] = {}
+        self.ins = {n.name: value_inputs(n) for n in traced.graph.nodes if n.op != "placeholder"}
+        self.layer: dict[str, tuple[str, int] | None] = {}
+        for n in self.nodes:
+            if n.op == "placeholder":
+                ph = traced.placeholder(n.name)
+                self.layer[n.name] = layer_of(ph.fqn) if ph.kind in ("param", "buffer") else None
+            else:
+                self.layer[n.name] = layer_of(module_path(n))
+
+    # -- layer dedup -------------------------------------------------------------------------
+    def find_reps(self) -> dict[str, str]:
+        rep = {n.name: n.name for n in self.nodes}
+        layers: dict[str, dict[int, list[fx.Node]]] = {}
+        for n in self.nodes:
+            lk = self.layer[n.name]
+            if lk:
+                layers.setdefault(lk[0], {}).setdefault(lk[1], []).append(n)
+        for insts in layers.values():
+            keys = sorted(insts)
+            tmpl = insts[keys[0]]
+            tsig = self._layer_sig(tmpl)
+            for k in keys[1:]:
+                if self._layer_sig(insts[k]) == tsig:
+                    for a, b in zip(insts[k], tmpl):
+                        rep[a.name] = b.name
+        return rep
+
+    def _layer_sig(self, nodes: list[fx.Node]) -> list:
+        pos = {n.name: i for i, n in enumerate(nodes)}
+        sig = []
+        for n in nodes:
+            shapes = [(t.shape, t.dtype) for t in output_infos(n)]
+            if n.op == "placeholder":
+                fqn = self.t.placeholder(n.name).fqn
+                sig.append(("ph", _suffix(fqn), shapes))
+                continue
+            args = fx.node.map_aggregate(
+                (n.args, n.kwargs),
+                lambda a: (("in", pos[value_ref(a)[0]], value_ref(a)[1]) if value_ref(a)[0] in pos
+                           else ("out", self.shapes.get(value_ref(a)))) if isinstance(a, fx.Node) else a)
+            sig.append((str(n.target), repr(args), shapes))
+        return sig
+
+    # -- strategies, groups ------------------------------------------------------------------
+    def node_strategies(self, n: fx.Node) -> list[Strategy]:
+        if n.op == "placeholder":
+            ph = self.t.placeholder(n.name)
+            info = ph.info
+            if info is None:
+                return [Strategy((), ())]
+            return placeholder_strategies(info, self.ms, ph.kind)
+        info = op_info(n)
+        self.infos[n.name] = info
+        return strategies_for(info, self.ms)
+
+    def node_cost(self, n: fx.Node, s: Strategy) -> float:
+        if n.op == "placeholder":
+            return 0.0
+        return op_time(self.infos[n.name], s, self.mesh, training=self.t.training)
+
+    def node_memory(self, n: fx.Node, s: Strategy) -> float:
+        if n.op == "placeholder":
+            ph = self.t.placeholder(n.name)
+            if ph.info is None or ph.kind == "input":
+                return 0.0
+            numel = 1
+            for d in local_shape(ph.info.shape, s.outputs[0], self.ms):
+                numel *= d
+            if ph.kind == "param":
+                return float(param_state_bytes(numel, ph.info.dtype,
+                                               optimizer=self.optimizer if self.t.training else "none"))
+            return float(numel * ph.info.dtype.itemsize)
+        if not self.t.training:
+            return 0.0
+        return float(saved_activation_bytes(self.infos[n.name], s, self.ms))
+
+    def build(self) -> Built:
+        rep = self.find_reps()
+        members: dict[str, Member] = {}
+        groups_nodes: list[list[str]] = []
+        self.merged: dict[str, frozenset[int]] = {}
+        for n in self.nodes:
+            if rep[n.name] != n.name:
+                continue
+            strats = self.node_strategies(n)
+            merge = self._merge_plan(n, members)
+            if merge is not None:
+                group, positions = merge
+                ins = self.ins[n.name]
+                size = len(members[groups_nodes[group][0]].pick)
+                pick = []
+                for i in range(size):
+                    srcs = {k: _spec(members[ins[k][0]], i, ins[k][1]) for k in positions}
+                    pick.append(self._best_follow(n, strats, srcs))
+                members[n.name] = Member(group, strats, pick)
+                self.merged[n.name] = positions
+                groups_nodes[group].append(n.name)
+            else:
+                members[n.name] = Member(len(groups_nodes), strats, list(range(len(strats))))
+                groups_nodes.append([n.name])
+        mult: dict[str, int] = {}
+        for name, r in rep.items():
+            mult[r] = mult.get(r, 0) + 1
+        groups = []
+        member_memory: dict[str, dict[int, float]] = {}
+        for gi, names in enumerate(groups_nodes):
+            root = members[names[0]]
+            cost, mem = [], []
+            for i in range(len(root.pick)):
+                c = m_ = 0.0
+                for name in names:
+                    mb, node = members[name], self.by_name[name]
+                    s = mb.strategies[mb.pick[i]]
+                    c += self.node_cost(node, s) + self._internal_reshard(node, mb, i, members)
+                    mm = member_memory.setdefault(name, {})
+                    if mb.pick[i] not in mm:
+                        mm[mb.pick[i]] = self.node_memory(node, s)
+                    m_ += mm[mb.pick[i]]
+                cost.append(c)
+                mem.append(m_)
+            groups.append(Group(names[0], mult[names[0]], tuple(cost), tuple(mem)))
+        self._out_group = len(groups)
+        groups.append(Group(OUTPUT, 1, (0.0,), (0.0,)))
+        edges = self._edges(rep, members, groups)
+        problem = Problem(tuple(groups), tuple(edges), float(self.budget))
+        return Built(problem, members, rep, self.infos, self.shapes, member_memory)
+
+    def _merge_plan(self, n: fx.Node, members: dict[str, Member]
+                    ) -> tuple[int, frozenset[int]] | None:
+        """(group, input positions read from it) if ``n`` should follow a group, else None."""
+        if n.op != "call_function":
+            return None
+        ins = self.ins[n.name]
+        local = {k: members[r[0]].group for k, r in enumerate(ins)
+                 if self.layer[r[0]] == self.layer[n.name] and r[0] in members
+                 and self.by_name[r[0]].op != "placeholder"}
+        if not local:
+            return None
+        if n.target in FOLLOWERS and len(ins) == 1:
+            return local[0], frozenset({0})
+        groups = set(local.values())
+        if len(local) == len(ins) and len(groups) == 1:
+            return groups.pop(), frozenset(local)
+        if n.target in POINTWISE:
+            sizes = [math.prod(self.shapes[r][0]) for r in ins]
+            big = max(sizes)
+            mains = [k for k, sz in enumerate(sizes) if sz == big]
+            if len(mains) == 1 and mains[0] in local:
+                g = local[mains[0]]
+                return g, frozenset(k for k, gg in local.items() if gg == g)
+        return None
+
+    def _follow_cost(self, n: fx.Node, s: Strategy, srcs: dict[int, Spec]) -> float:
+        ins = self.ins[n.name]
+        t = self.node_cost(n, s)
+        for k, spec in srcs.items():
+            shape, itemsize = self.shapes[ins[k]]
+            div = input_divergence(s, k) if self.t.training else frozenset()
+            t += self._reshard_time(spec, s.inputs[k], shape, itemsize, div)
+        return t
+
+    def _best_follow(self, n: fx.Node, strats: list[Strategy], srcs: dict[int, Spec]) -> int:
+        key = (n.name, tuple(sorted(srcs.items())))
+        if key not in self._follow_memo:
+            costs = [self._follow_cost(n, s, srcs) for s in strats]
+            self._follow_memo[key] = min(range(len(strats)), key=lambda j: (costs[j], j))
+        return self._follow_memo[key]
+
+    def _reshard_time(self, src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int,
+                      div: frozenset[int]) -> float:
+        key = (src, dst, shape, itemsize, div)
+        t = self._rt_memo.get(key)
+        if t is None:
+            t = self._rt_memo[key] = reshard_time(reshard(src, dst, shape, itemsize, self.ms, div),
+                                                  self.mesh)
+        return t
+
+    def _internal_reshard(self, n: fx.Node, mb: Member, i: int, members: dict[str, Member]) -> float:
+        positions = self.merged.get(n.name)
+        if not positions:
+            return 0.0
+        ins = self.ins[n.name]
+        s = mb.strategies[mb.pick[i]]
+        srcs = {k: _spec(members[ins[k][0]], i, ins[k][1]) for k in positions}
+        return self._follow_cost(n, s, srcs) - self.node_cost(n, s)
+
+    def _edges(self, rep: dict[str, str], members: dict[str, Member],
+               groups: list[Group]) -> list[Edge]:
+        consumers: dict[ValueRef, list[tuple[str, int]]] = {}
+        for node in self.t.graph.nodes:
+            if node.op == "output":
+                if self.t.training:
+                    for k, ref in enumerate(self.ins[node.name]):
+                        consumers.setdefault(ref, []).append((OUTPUT, k))
+            elif node.name in rep and node.op == "call_function":
+                for k, ref in enumerate(self.ins[node.name]):
+                    consumers.setdefault(ref, []).append((node.name, k))
+        keyed: dict[tuple, int] = {}
+        for ref, cons in consumers.items():
+            key_cons = []
+            for c, k in cons:
+                rc = rep.get(c, c)
+                if c != OUTPUT and k in self.merged.get(rc, ()):
+                    continue          # internal to a group: priced in the group
+                key_cons.append((rc, k))
+            if key_cons:
+                key = (rep[ref[0]], ref[1], tuple(sorted(key_cons)))
+                keyed[key] = keyed.get(key, 0) + 1
+        edges: list[Edge] = []
+        for (pname, o, cons), mult in keyed.items():
+            pm = members[pname]
+            src_specs = [pm.strategies[i].outputs[o] for i in pm.pick]
+            shape, itemsize = self.shapes[(pname, o)]
+            reqs = [self._requirements(c, k, members) for c, k in cons]
+            name = f"{pname}:{o}"
+            if len(cons) == 1:
+                (cgroup, req), = reqs
+                edges.append(self._edge(name, mult, pm.group, src_specs, cgroup, req, shape, itemsize))
+                continue
+            # A value several groups read: a fanout picks the one requirement it is resharded to,
+            # and each consumer reshards from there only if it needs something else.
+            keys = list(dict.fromkeys(r for _, req in reqs for r in req))
+            fan = len(groups)
+            groups.append(Group(f"{name}:fanout", mult, (0.0,) * len(keys), (0.0,) * len(keys)))
+            edges.append(self._edge(name, mult, pm.group, src_specs, fan, keys, shape, itemsize))
+            for cgroup, req in reqs:
+                edges.append(self._edge(f"{name}:fanout", mult, fan, keys, cgroup, req, shape,
+                                        itemsize, from_fanout=True))
+        return edges
+
+    def _requirements(self, cname: str, k: int, members: dict[str, Member]
+                      ) -> tuple[int, list[tuple[Spec, frozenset[int]]]]:
+        if cname == OUTPUT:
+            return self._out_group, [(output_requirement(len(self.ms)), frozenset())]
+        cm = members[cname]
+        out = []
+        for j in cm.pick:
+            s = cm.strategies[j]
+            out.append((s.inputs[k], input_divergence(s, k) if self.t.training else frozenset()))
+        return cm.group, out
+
+    def _edge(self, name: str, mult: int, producer: int, src_specs: list, consumer: int,
+              reqs: list[tuple[Spec, frozenset[int]]], shape: tuple[int, ...], itemsize: int,
+              *, from_fanout: bool = False) -> Edge:
+        """``src_specs`` per producer strategy: specs, or (from a fanout) requirement keys, which
+        cost nothing to a consumer with the same requirement."""
+        specs = list(dict.fromkeys(src_specs))
+        rkeys = list(dict.fromkeys(reqs))
+
+        def price(src, dst: tuple[Spec, frozenset[int]]) -> float:
+            if from_fanout:
+                if src == dst:
+                    return 0.0
+                src = src[0]
+            return self._reshard_time(src, dst[0], shape, itemsize, dst[1])
+
+        cost = tuple(tuple(price(s, d) for d in rkeys) for s in specs)
+        return Edge(name, mult, producer, consumer, tuple(specs.index(s) for s in src_specs),
+                    tuple(rkeys.index(r) for r in reqs), cost)
+
+
+def _spec(m: Member, i: int, out: int) -> Spec:
+    """The spec of output ``out`` of a member when its group runs strategy ``i``."""
+    return m.strategies[m.pick[i]].outputs[out]
+
+
+def _suffix(fqn: str) -> str:
+    lk = layer_of(fqn)
+    return fqn[len(f"{lk[0]}.{lk[1]}"):] if lk else fqn
+
+
+def build_problem(traced: TracedGraph, mesh: Mesh, *, memory_budget: float | None = None,
+                  optimizer: str = "adam") -> Built:
+    budget = mesh.cluster.memory_bytes if memory_budget is None else memory_budget
+    return _Builder(traced, mesh, budget, optimizer).build()

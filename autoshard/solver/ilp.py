@@ -1,0 +1,88 @@
+"""The sharding ILP (GShard/Alpa formulation), solved with OR-Tools.
+
+    x[g,i] in {0,1}   one strategy per group:            sum_i x[g,i] = 1
+    e[o,r] >= 0       per edge, the (output class, requirement class) pair in use:
+                      sum_r e[o,r] = sum_{i in class o} x[producer,i]
+                      sum_o e[o,r] = sum_{j in class r} x[consumer,j]
+    minimise   sum mult*cost*x + sum mult*cost*e
+    subject to sum mult*memory*x <= budget
+
+The edge constraints are a transportation polytope per edge: their LP relaxation is tight on
+chains and trees, so the MIP solver closes most of the problem at the root. The solver runs
+single-threaded with a fixed seed, so two runs give the same plan.
+"""
+from __future__ import annotations
+
+import time
+
+from ortools.linear_solver import pywraplp
+
+from autoshard.solver.problem import Problem, Solution
+
+BACKENDS = ("CBC", "HIGHS", "SCIP")
+
+
+class Infeasible(Exception):
+    def __init__(self, least_memory: float) -> None:
+        self.least_memory = least_memory
+        super().__init__(f"no plan fits; the least memory per device is {least_memory:.4g} bytes")
+
+
+def _solver() -> tuple[pywraplp.Solver, str]:
+    for name in BACKENDS:
+        s = pywraplp.Solver.CreateSolver(name)
+        if s is not None:
+            return s, name
+    raise RuntimeError(f"OR-Tools offers none of the MIP backends {BACKENDS}")
+
+
+def solve(problem: Problem, *, time_limit_s: float = 30.0, minimise_memory: bool = False) -> Solution:
+    t0 = time.perf_counter()
+    s, backend = _solver()
+    s.SetNumThreads(1)
+    x = [[s.BoolVar(f"x{g}_{i}") for i in range(len(grp.cost))]
+         for g, grp in enumerate(problem.groups)]
+    for xs in x:
+        s.Add(s.Sum(xs) == 1)
+    for g, i in problem.fixed:
+        s.Add(x[g][i] == 1)
+    obj = [grp.cost[i] * grp.mult * v for g, grp in enumerate(problem.groups)
+           for i, v in enumerate(x[g]) if grp.cost[i]]
+    n_aux = 0
+    for k, e in enumerate(problem.edges):
+        n_o, n_r = len(e.cost), len(e.cost[0])
+        if all(c == 0 for row in e.cost for c in row):
+            continue
+        ev = [[s.NumVar(0.0, 1.0, f"e{k}_{o}_{r}") for r in range(n_r)] for o in range(n_o)]
+        n_aux += n_o * n_r
+        by_o: list[list] = [[] for _ in range(n_o)]
+        for i, o in enumerate(e.out):
+            by_o[o].append(x[e.producer][i])
+        by_r: list[list] = [[] for _ in range(n_r)]
+        for j, r in enumerate(e.req):
+            by_r[r].append(x[e.consumer][j])
+        for o in range(n_o):
+            s.Add(s.Sum(ev[o]) == s.Sum(by_o[o]))
+        for r in range(n_r):
+            s.Add(s.Sum([ev[o][r] for o in range(n_o)]) == s.Sum(by_r[r]))
+        obj += [e.cost[o][r] * e.mult * ev[o][r] for o in range(n_o) for r in range(n_r)
+                if e.cost[o][r]]
+    mem = s.Sum([grp.memory[i] * grp.mult * v for g, grp in enumerate(problem.groups)
+                 for i, v in enumerate(x[g]) if grp.memory[i]])
+    if minimise_memory:
+        s.Minimize(mem)
+    else:
+        s.Add(mem <= problem.memory_budget)
+        s.Minimize(s.Sum(obj))
+    s.SetTimeLimit(int(time_limit_s * 1000))
+    status = s.Solve()
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        if minimise_memory:
+            raise RuntimeError(f"the memory-minimising ILP found no solution (status {status})")
+        raise Infeasible(solve(problem, time_limit_s=time_limit_s, minimise_memory=True).objective)
+    choice = tuple(max(range(len(xs)), key=lambda i: xs[i].solution_value()) for xs in x)
+    objective = s.Objective().Value()
+    bound = s.Objective().BestBound() if status != pywraplp.Solver.OPTIMAL else objective
+    return Solution(choice=choice, status="OPTIMAL" if status == pywraplp.Solver.OPTIMAL else "FEASIBLE",
+                    objective=objective, bound=bound,
+                    variables=sum(len(xs) for xs in x) + n_aux, seconds=time.perf_counter() - t0)

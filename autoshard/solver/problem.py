@@ -1,0 +1,78 @@
+"""The solver's input as pure data (DESIGN.md example 8): JSON round-trippable, no torch.
+
+A *group* is one decision: a node plus the follower ops merged into it, with one cost and one
+memory figure per strategy, and a multiplicity (how many identical repeated layers it stands for).
+An *edge* joins a producer group to a consumer group: the producer's strategy picks an output
+spec class, the consumer's strategy a requirement class (the spec it needs plus the axes on which
+its gradient must be all-reduced), and ``cost[o][r]`` prices the reshard. A value read by several
+groups first goes through a zero-cost *fanout* group whose strategy is the requirement it is
+resharded to once, so consumers that need the same thing share one reshard, as the program does.
+Every edge is pairwise, which keeps the ILP's relaxation tight (see ilp.py).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    name: str
+    mult: int
+    cost: tuple[float, ...]      # seconds per strategy (compute + internal reshards), one copy
+    memory: tuple[float, ...]    # bytes per device per strategy, one copy
+
+
+@dataclass(frozen=True, slots=True)
+class Edge:
+    name: str
+    mult: int
+    producer: int
+    consumer: int
+    out: tuple[int, ...]         # output-spec class per strategy of the producer group
+    req: tuple[int, ...]         # requirement class per strategy of the consumer group
+    cost: tuple[tuple[float, ...], ...]   # [out class][requirement class] seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    groups: tuple[Group, ...]
+    edges: tuple[Edge, ...]
+    memory_budget: float
+    fixed: tuple[tuple[int, int], ...] = ()   # (group, strategy) forced by the caller
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Problem":
+        d = json.loads(text)
+        groups = tuple(Group(g["name"], g["mult"], tuple(g["cost"]), tuple(g["memory"]))
+                       for g in d["groups"])
+        edges = tuple(Edge(e["name"], e["mult"], e["producer"], e["consumer"], tuple(e["out"]),
+                           tuple(e["req"]), tuple(tuple(r) for r in e["cost"])) for e in d["edges"])
+        return cls(groups, edges, d["memory_budget"], tuple(tuple(f) for f in d["fixed"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Solution:
+    choice: tuple[int, ...]      # strategy per group
+    status: str                  # OPTIMAL | FEASIBLE
+    objective: float             # seconds
+    bound: float
+    variables: int
+    seconds: float
+
+    @property
+    def gap(self) -> float:
+        return 0.0 if self.objective <= 0 else max(0.0, (self.objective - self.bound) / self.objective)
+
+
+def evaluate(problem: Problem, choice: tuple[int, ...]) -> tuple[float, float]:
+    """Objective (s) and memory (bytes) of a full assignment, outside the ILP (for tests and
+    for pricing hand-written plans in exactly the solver's terms)."""
+    t = sum(g.cost[c] * g.mult for g, c in zip(problem.groups, choice))
+    mem = sum(g.memory[c] * g.mult for g, c in zip(problem.groups, choice))
+    for e in problem.edges:
+        t += e.cost[e.out[choice[e.producer]]][e.req[choice[e.consumer]]] * e.mult
+    return t, mem

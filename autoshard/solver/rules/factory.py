@@ -1,0 +1,95 @@
+"""Tensor factories and metadata-only ops.
+
+A constant fill (``full``, ``zeros``, ``ones``, ``empty``, ``new_*``) may be built replicated or
+already sharded: each rank makes its local shape (the default localize turns the global size
+argument into the local one). ``arange`` may be sharded on its one dim: a rank builds its own
+stretch from its coordinates (kernel ``"arange_shard"``).
+
+``new_*`` and ``*_like`` read only their input's dtype and device, so the input may arrive in any
+placement; ``*_like`` outputs take the input's shape, and follow its sharding. ``_assert_*`` checks
+have no output and accept any placement (a size check is made against the local size).
+"""
+from __future__ import annotations
+
+import torch
+
+from autoshard.ir import Shard, Strategy
+from autoshard.solver.rules._common import P, R, Option, shard_index, with_kernel
+from autoshard.solver.rules.registry import OpInfo, TensorInfo, expand, register_localize, register_strategy
+
+aten = torch.ops.aten
+
+FILLS = (aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format)
+NEW_FILLS = (aten.new_ones.default, aten.new_zeros.default, aten.new_empty.default,
+             aten.new_full.default)
+LIKES = (aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+         aten.full_like.default)
+ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
+
+
+def _any_placement(t: TensorInfo) -> list:
+    partial = [P] if t.dtype.is_floating_point else []
+    return [R] + partial + [Shard(d) for d in range(t.ndim) if t.shape[d] > 1]
+
+
+def _out_shards(op: OpInfo) -> list:
+    out = op.outputs[0]
+    return [Shard(d) for d in range(out.ndim) if out.shape[d] > 1]
+
+
+@register_strategy(*FILLS, *ARANGES, aten.scalar_tensor.default)
+def fill_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    opts: list[Option] = [((), (s,)) for s in _out_shards(op)]
+    strategies = expand(op, mesh_shape, opts)
+    if op.target in ARANGES:
+        strategies = with_kernel(strategies, lambda s: "arange_shard" if any(
+            isinstance(p, Shard) for p in s.outputs[0]) else None)
+    return strategies
+
+
+@register_strategy(*NEW_FILLS)
+def new_fill_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    x = op.inputs[0]
+    opts: list[Option] = [((p,), (R,)) for p in _any_placement(x)]
+    opts += [((R,), (s,)) for s in _out_shards(op)]
+    return expand(op, mesh_shape, opts)
+
+
+@register_strategy(*LIKES)
+def like_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    x = op.inputs[0]
+    opts: list[Option] = [((Shard(d),), (Shard(d),)) for d in range(x.ndim) if x.shape[d] > 1]
+    opts.append(((P,), (R,)))  # the values do not depend on the input's
+    return expand(op, mesh_shape, opts)
+
+
+@register_strategy(aten._assert_tensor_metadata.default)
+def assert_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    return expand(op, mesh_shape, [((p,), ()) for p in _any_placement(op.inputs[0])])
+
+
+@register_localize(aten._assert_tensor_metadata.default)
+def assert_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
+                    args: tuple, kwargs: dict) -> tuple:
+    # size and stride describe the global tensor; the local one is checked for the rest
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("size", "stride")}
+    return op.target, tuple(args[:1]), kwargs
+
+
+@register_localize(*ARANGES)
+def arange_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
+                    args: tuple, kwargs: dict) -> tuple:
+    if strategy.kernel != "arange_shard":
+        return op.target, args, kwargs
+    if op.target == aten.arange.default:
+        start, step = 0, 1
+    else:
+        start, step = args[0], (args[2] if len(args) > 2 else kwargs.get("step", 1))
+    i, f = shard_index(strategy.outputs[0], 0, mesh_shape, coords)
+    n = op.outputs[0].shape[0] // f
+    lo = start + i * n * step
+    # an int end keeps an int arange int; a float one stops half a step early against rounding
+    ints = all(isinstance(v, int) for v in (start, step))
+    end = lo + n * step if ints else lo + (n - 0.5) * step
+    extra = {k: v for k, v in kwargs.items() if k != "step"}
+    return aten.arange.start_step, (lo, end, step), extra

@@ -1,0 +1,48 @@
+"""Small mask and bookkeeping ops of Hugging Face graphs (attention-mask building, label shifts).
+
+They act on index-sized tensors, so replicating them costs little; where a dim plainly passes
+through (the batch dims of ``triu``/``tril``, the unpadded dims of ``pad``) it may shard. The
+replicate-only rules below are real rules, checked like the others, not the loud fallback.
+"""
+from __future__ import annotations
+
+import torch
+
+from autoshard.ir import Shard
+from autoshard.solver.rules._common import P, Option, arg, is_float, plain_localize
+from autoshard.solver.rules.registry import (OpInfo, expand, register_localize, register_strategy,
+                                             replicate_strategy)
+
+aten = torch.ops.aten
+
+REPLICATE_ONLY = (aten.diff.default, aten.index.Tensor, aten.gather.default,
+                  aten.index_select.default, aten.scatter.src, aten.scatter.value,
+                  aten.flip.default, aten.roll.default, aten.repeat.default,
+                  aten.one_hot.default, aten.bincount.default)
+
+
+@register_strategy(*REPLICATE_ONLY)
+def replicate_only(op: OpInfo, mesh_shape: tuple) -> list:
+    return [replicate_strategy(op, mesh_shape)]
+
+
+@register_strategy(aten.triu.default, aten.tril.default)
+def triangle_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    x = op.inputs[0]
+    opts: list[Option] = [((Shard(d),), (Shard(d),)) for d in range(x.ndim - 2) if x.shape[d] > 1]
+    if is_float(x):
+        opts.append(((P,), (P,)))  # zeroing entries is linear
+    return expand(op, mesh_shape, opts)
+
+
+@register_strategy(aten.pad.default, aten.constant_pad_nd.default)
+def pad_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    x = op.inputs[0]
+    padded = len(arg(op, 1, "pad")) // 2  # pads the last dims
+    opts: list[Option] = [((Shard(d),), (Shard(d),)) for d in range(x.ndim - padded)
+                          if x.shape[d] > 1]
+    return expand(op, mesh_shape, opts)
+
+
+register_localize(*REPLICATE_ONLY, aten.triu.default, aten.tril.default, aten.pad.default,
+                  aten.constant_pad_nd.default)(plain_localize)

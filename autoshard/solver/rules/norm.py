@@ -1,0 +1,30 @@
+"""Normalisation layers: ``layer_norm`` and ``rms_norm``.
+
+The normalised (trailing) dims are reduced over, so they stay replicated, and so do ``weight`` and
+``bias``, which span exactly those dims. Leading dims (batch, sequence) shard through. A weight
+that is replicated on an axis where the output is sharded gets a partial gradient, which the
+planner sums over that axis (data parallel's gradient sync).
+"""
+from __future__ import annotations
+
+import torch
+
+from autoshard.ir import Shard
+from autoshard.solver.rules._common import R, Option, arg, plain_localize
+from autoshard.solver.rules.registry import OpInfo, expand, register_localize, register_strategy
+
+aten = torch.ops.aten
+
+NORMS = (aten.layer_norm.default, aten.rms_norm.default)
+
+
+@register_strategy(*NORMS)
+def norm_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    x = op.inputs[0]
+    lead = x.ndim - len(arg(op, 1, "normalized_shape"))
+    rest = (R,) * (len(op.inputs) - 1)  # weight, bias when given
+    opts: list[Option] = [((Shard(d),) + rest, (Shard(d),)) for d in range(lead)]
+    return expand(op, mesh_shape, opts)
+
+
+register_localize(*NORMS)(plain_localize)

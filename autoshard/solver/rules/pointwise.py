@@ -1,0 +1,76 @@
+"""Elementwise ops with broadcasting: every output dim may be sharded, operands that broadcast it
+stay replicated. Partial passes through ops that are linear in their tensor operands:
+
+- additive (``add``, ``sub`` with two tensors): all operands Partial -> Partial;
+- scaling (``mul``, ``div`` by a replicated divisor): one operand Partial, the others replicated;
+- unary linear (``neg``, copies, views, float-to-float casts): Partial -> Partial.
+
+An op with a Python-number operand that is *added* (``x + 1``) is not linear in ``x``: the
+constant would be added once per rank, so it gets no Partial option.
+
+``dropout`` (p > 0) draws a mask per rank. Sharded, each rank masks its own slice — the same law
+as the whole op, not the same numbers. Replicated, every rank must draw the same mask, so the
+per-rank program must keep the RNG in step across the ranks of a replicated axis (as DTensor's RNG
+tracker does). Validation therefore runs dropout with p = 0 or train = False.
+"""
+from __future__ import annotations
+
+import torch
+
+from autoshard.solver.rules._common import P, R, broadcast_map, is_float, mapped_options
+from autoshard.solver.rules.registry import OpInfo, expand, register_strategy
+
+aten = torch.ops.aten
+
+ADDITIVE = (aten.add.Tensor, aten.sub.Tensor)
+SCALING = (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar)
+UNARY_LINEAR = (aten.neg.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
+                aten.detach.default, aten.lift_fresh_copy.default, aten.positive.default)
+CASTS = (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default)
+UNARY = (aten.rsqrt.default, aten.sqrt.default, aten.exp.default, aten.log.default,
+         aten.tanh.default, aten.gelu.default, aten.silu.default, aten.relu.default,
+         aten.sigmoid.default, aten.cos.default, aten.sin.default, aten.abs.default,
+         aten.erf.default, aten.reciprocal.default, aten.square.default,
+         aten.pow.Tensor_Scalar, aten.pow.Scalar, aten.rsub.Scalar, aten.add.Scalar, aten.sub.Scalar,
+         aten.dropout.default, aten.logical_not.default, aten.bitwise_not.default,
+         aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default,
+         aten.isnan.default, aten.isinf.default)
+BINARY = (aten.pow.Tensor_Tensor, aten.maximum.default, aten.minimum.default,
+          aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.lt.Tensor,
+          aten.lt.Scalar, aten.le.Tensor, aten.le.Scalar, aten.gt.Tensor, aten.gt.Scalar,
+          aten.ge.Tensor, aten.ge.Scalar, aten.__and__.Tensor, aten.__or__.Tensor,
+          aten.__xor__.Tensor, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
+          aten.bitwise_xor.Tensor, aten.logical_and.default, aten.logical_or.default,
+          aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf,
+          aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+POINTWISE = ADDITIVE + SCALING + UNARY_LINEAR + CASTS + UNARY + BINARY
+
+
+def _partial_ok(op: OpInfo) -> str | None:
+    """Which Partial option the op admits: "all", "one" (one operand), or None."""
+    t, ins, out = op.target, op.inputs, op.outputs[0]
+    if not is_float(out) or not all(is_float(i) for i in ins):
+        return None  # casts to int/bool and integer sums are not linear
+    if t in ADDITIVE:
+        return "all" if len(ins) == 2 else None
+    if t in (aten.div.Tensor, aten.div.Scalar):
+        return "first"  # linear in the dividend only
+    if t in SCALING:
+        return "one"
+    if t in UNARY_LINEAR or t in CASTS:
+        return "all"
+    return None
+
+
+@register_strategy(*POINTWISE)
+def pointwise_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    ins, out = op.inputs, op.outputs[0]
+    opts = mapped_options(op, [broadcast_map(t, out.ndim) for t in ins])
+    mode = _partial_ok(op)
+    if mode == "all":
+        opts.append((tuple(P for _ in ins), (P,)))
+    elif mode == "one":
+        opts += [(tuple(P if j == i else R for j in range(len(ins))), (P,)) for i in range(len(ins))]
+    elif mode == "first":
+        opts.append((tuple(P if j == 0 else R for j in range(len(ins))), (P,)))
+    return expand(op, mesh_shape, opts)

@@ -1,0 +1,120 @@
+"""Reductions and scans.
+
+- ``sum``/``mean``: a kept dim shards through; a reduced dim may be sharded, giving a Partial
+  output. A local mean over ``n/f`` elements is ``f`` times too large as a summand of the global
+  mean, so that strategy carries kernel ``"mean_partial"``, whose local op divides by ``f``. Both
+  are linear, so Partial passes through.
+- ``amax``/``amin``/``max.dim``/``min.dim``/``argmax``, ``softmax``/``log_softmax``, ``cumsum``: the
+  reduced (or normalised, or scanned) dim stays replicated; the rest shard through. ``cumsum`` is
+  linear, so it also passes Partial.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from autoshard.ir import Shard, Strategy
+from autoshard.solver.rules._common import P, Option, arg, is_float, norm_dim, norm_dims, with_kernel
+from autoshard.solver.rules.registry import OpInfo, expand, register_localize, register_strategy
+
+aten = torch.ops.aten
+
+SUMS = (aten.sum.default, aten.sum.dim_IntList)
+MEANS = (aten.mean.default, aten.mean.dim)
+EXTREMA = (aten.amax.default, aten.amin.default, aten.max.dim, aten.min.dim, aten.argmax.default,
+           aten.argmin.default)
+SOFTMAX = (aten.softmax.int, aten.log_softmax.int, aten._softmax.default,
+           aten._log_softmax.default)
+
+
+def _reduced(op: OpInfo) -> tuple[tuple[int, ...], bool]:
+    """(reduced dims, keepdim) of a reduction."""
+    x = op.inputs[0]
+    if op.target in (aten.sum.default, aten.mean.default):
+        return tuple(range(x.ndim)), False
+    if op.target in (aten.max.dim, aten.min.dim):
+        return norm_dims(arg(op, 1, "dim"), x.ndim), bool(arg(op, 2, "keepdim", False))
+    if op.target in (aten.argmax.default, aten.argmin.default):
+        d = arg(op, 1, "dim")
+        return norm_dims(d, x.ndim), bool(arg(op, 2, "keepdim", False)) and d is not None
+    return norm_dims(arg(op, 1, "dim"), x.ndim), bool(arg(op, 2, "keepdim", False))
+
+
+def _reduction_options(op: OpInfo, *, linear: bool) -> list[Option]:
+    x = op.inputs[0]
+    reduced, keep = _reduced(op)
+    n_out = len(op.outputs)
+    opts: list[Option] = []
+    pos = 0
+    for d in range(x.ndim):
+        if d in reduced:
+            if linear:
+                opts.append(((Shard(d),), (P,) * n_out))
+            pos += keep
+            continue
+        opts.append(((Shard(d),), (Shard(pos),) * n_out))
+        pos += 1
+    if linear and is_float(x):
+        opts.append(((P,), (P,) * n_out))
+    return opts
+
+
+@register_strategy(*SUMS, *MEANS)
+def sum_mean_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    strategies = expand(op, mesh_shape, _reduction_options(op, linear=True))
+    if op.target in MEANS:
+        strategies = with_kernel(strategies, lambda s: "mean_partial" if _mean_factor(
+            op, s.inputs[0], mesh_shape) > 1 else None)
+    return strategies
+
+
+@register_strategy(*EXTREMA)
+def extrema_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    return expand(op, mesh_shape, _reduction_options(op, linear=False))
+
+
+def _mean_factor(op: OpInfo, in_spec: tuple, mesh_shape: tuple) -> int:
+    reduced, _ = _reduced(op)
+    return math.prod(n for p, n in zip(in_spec, mesh_shape)
+                     if isinstance(p, Shard) and p.dim in reduced)
+
+
+@register_localize(*SUMS, *EXTREMA)
+def reduction_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
+                       args: tuple, kwargs: dict) -> tuple:
+    return op.target, args, kwargs  # dim lists are dims, never sizes
+
+
+@register_localize(*MEANS)
+def mean_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
+                  args: tuple, kwargs: dict) -> tuple:
+    f = _mean_factor(op, strategy.inputs[0], mesh_shape)
+    if f == 1:
+        return op.target, args, kwargs
+    target = op.target
+
+    def mean_partial(*a, **k):
+        return target(*a, **k) / f
+
+    return mean_partial, args, kwargs
+
+
+def _along_dim_options(op: OpInfo, dim: int, *, linear: bool) -> list[Option]:
+    x = op.inputs[0]
+    opts: list[Option] = [((Shard(d),), (Shard(d),)) for d in range(x.ndim) if d != dim]
+    if linear and is_float(x) and is_float(op.outputs[0]):
+        opts.append(((P,), (P,)))
+    return opts
+
+
+@register_strategy(*SOFTMAX)
+def softmax_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    dim = norm_dim(arg(op, 1, "dim"), op.inputs[0].ndim)
+    return expand(op, mesh_shape, _along_dim_options(op, dim, linear=False))
+
+
+@register_strategy(aten.cumsum.default)
+def cumsum_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    dim = norm_dim(arg(op, 1, "dim"), op.inputs[0].ndim)
+    return expand(op, mesh_shape, _along_dim_options(op, dim, linear=True))

@@ -1,0 +1,190 @@
+"""Shape ops: views, reshapes, permutations, expansion, slicing, splitting, concatenation.
+
+Every one is linear, so Partial passes through (float tensors). Their local call is the global
+one with sizes made local (``view``/``reshape``/``expand``/``unflatten``); dims, indices and split
+sizes stay global because the dims they touch are kept whole.
+
+Reshape groups: input and output dims fall into groups whose products match (``[2, 16, 64] ->
+[32, 64]`` has groups ``{0,1}->{0}`` and ``{2}->{1}``). Only the outermost dim of a group may be
+sharded, on both sides: its shards are contiguous runs of the flattened group, the same elements
+before and after. An inner dim (``16`` above) would interleave, and two dims merged into one may
+not both be sharded. ``spec_fits`` then demands that the combined N-D factor divides both sides.
+"""
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from autoshard.ir import Shard, Strategy, local_shape
+from autoshard.solver.rules._common import (P, Option, arg, is_float, mapped_options, norm_dim,
+                                            plain_localize)
+from autoshard.solver.rules.registry import OpInfo, expand, register_localize, register_strategy
+
+aten = torch.ops.aten
+
+RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Groups of (src dims, dst dims) of size > 1 whose flattened extents coincide."""
+    def prefix(shape):
+        out = [1]
+        for s in shape:
+            out.append(out[-1] * s)
+        return out
+
+    ps, pd = prefix(src), prefix(dst)
+    if ps[-1] == 0:
+        return []
+    cuts = sorted(set(ps) & set(pd))
+    groups: dict[int, tuple[list[int], list[int]]] = {}
+    for side, (shape, pre) in enumerate(((src, ps), (dst, pd))):
+        for d, s in enumerate(shape):
+            if s > 1:
+                g = bisect.bisect_right(cuts, pre[d]) - 1
+                groups.setdefault(g, ([], []))[side].append(d)
+    return [groups[g] for g in sorted(groups)]
+
+
+def _linear(op: OpInfo) -> list[Option]:
+    x = op.inputs[0]
+    if not is_float(x):
+        return []
+    return [(tuple(P for _ in op.inputs), tuple(P for _ in op.outputs))]
+
+
+@register_strategy(*RESHAPES, aten.flatten.using_ints, aten.unflatten.int)
+def reshape_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    x, out = op.inputs[0], op.outputs[0]
+    opts: list[Option] = [((Shard(min(i)),), (Shard(min(o)),))
+                          for i, o in view_groups(x.shape, out.shape) if i and o]
+    return expand(op, mesh_shape, opts + _linear(op))
+
+
+@register_localize(*RESHAPES)
+def reshape_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
+                     args: tuple, kwargs: dict) -> tuple:
+    size = list(local_shape(op.outputs[0].shape, strategy.outputs[0], mesh_shape))
+    # reshape, not view: a rank's local tensor may come from a collective with other strides; in
+    # a functional graph the two differ only in whether they may copy.
+    return aten.reshape.default, (args[0], size), {}
+
+
+@register_localize(aten.unflatten.int)
+def unflatten_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
+                       args: tuple, kwargs: dict) -> tuple:
+    x = op.inputs[0]
+    dim = norm_dim(arg(op, 1, "dim"), x.ndim)
+    n = len(arg(op, 2, "sizes"))
+    loc = local_shape(op.outputs[0].shape, strategy.outputs[0], mesh_shape)
+    return op.target, (args[0], dim, list(loc[dim:dim + n])), {}
+
+
+@register_strategy(aten.expand.default)
+def expand_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    # A broadcast (size-1 or new) dim may be sharded in the output while the input stays
+    # replicated: every rank expands the same data to its local size.
+    out = op.outputs[0]
+    x = op.inputs[0]
+    opts = mapped_options(op, [{d: d + out.ndim - x.ndim for d in range(x.ndim)}], broadcast=True)
+    return expand(op, mesh_shape, opts + _linear(op))
+
+
+@register_localize(aten.expand.default)
+def expand_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
+                    args: tuple, kwargs: dict) -> tuple:
+    size = list(local_shape(op.outputs[0].shape, strategy.outputs[0], mesh_shape))
+    return op.target, (args[0], size) + tuple(args[2:]), kwargs
+
+
+SQUEEZES = (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+
+
+def _squeezed(op: OpInfo) -> list[int]:
+    """The dims a squeeze drops: those named (all, by default) that have size 1 globally."""
+    x = op.inputs[0]
+    dims = arg(op, 1, "dim")
+    dims = range(x.ndim) if dims is None else [dims] if isinstance(dims, int) else dims
+    return sorted({norm_dim(d, x.ndim) for d in dims if x.shape[norm_dim(d, x.ndim)] == 1})
+
+
+def squeeze_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
+                     args: tuple, kwargs: dict) -> tuple:
+    # Name the globally squeezed dims: a sharded dim may have local size 1, which a local
+    # "squeeze every size-1 dim" would drop too.
+    return aten.squeeze.dims, (args[0], _squeezed(op)), {}
+
+
+def _dim_map(op: OpInfo) -> dict[int, int]:
+    """Input dim -> output dim for the ops that move, add or drop dims."""
+    t, x, out = op.target, op.inputs[0], op.outputs[0]
+    if t == aten.permute.default:
+        dims = [norm_dim(d, x.ndim) for d in arg(op, 1, "dims")]
+        return {d: dims.index(d) for d in range(x.ndim)}
+    if t in (aten.transpose.int, aten.t.default):
+        d0, d1 = ((0, 1) if t == aten.t.default else
+                  (norm_dim(arg(op, 1, "dim0"), x.ndim), norm_dim(arg(op, 2, "dim1"), x.ndim)))
+        return {d: {d0: d1, d1: d0}.get(d, d) for d in range(x.ndim)}
+    if t == aten.unsqueeze.default:
+        dim = norm_dim(arg(op, 1, "dim"), out.ndim)
+        return {d: d if d < dim else d + 1 for d in range(x.ndim)}
+    if t in SQUEEZES:
+        gone = _squeezed(op)
+        kept = [d for d in range(x.ndim) if d not in gone]
+        return {d: i for i, d in enumerate(kept)}
+    if t in (aten.select.int, aten.unbind.int):
+        dim = norm_dim(arg(op, 1, "dim", 0), x.ndim)
+        return {d: d - (d > dim) for d in range(x.ndim) if d != dim}
+    if t in (aten.slice.Tensor, aten.narrow.default, aten.split.Tensor,
+             aten.split_with_sizes.default, aten.chunk.default):
+        default = 0
+        pos = {aten.split.Tensor: 2, aten.split_with_sizes.default: 2, aten.chunk.default: 2}
+        dim = norm_dim(arg(op, pos.get(t, 1), "dim", default), x.ndim)
+        whole = t in (aten.slice.Tensor, aten.narrow.default) and out.shape[dim] == x.shape[dim]
+        return {d: d for d in range(x.ndim) if d != dim or whole}
+    raise AssertionError(f"no dim map for {t}")
+
+
+DIM_MAPPED = (aten.permute.default, aten.transpose.int, aten.t.default, aten.unsqueeze.default,
+              *SQUEEZES, aten.select.int,
+              aten.unbind.int, aten.slice.Tensor, aten.narrow.default, aten.split.Tensor,
+              aten.split_with_sizes.default, aten.chunk.default)
+
+
+@register_strategy(*DIM_MAPPED)
+def dim_map_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    return expand(op, mesh_shape, mapped_options(op, [_dim_map(op)]) + _linear(op))
+
+
+@register_strategy(aten.cat.default, aten.stack.default)
+def cat_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    out, ins = op.outputs[0], op.inputs
+    ndim = max(t.ndim for t in ins)
+    if op.target == aten.stack.default:
+        dim = norm_dim(arg(op, 1, "dim", 0), ndim + 1)
+        maps = [{d: d + (d >= dim) for d in range(t.ndim)} for t in ins]
+    else:
+        dim = norm_dim(arg(op, 1, "dim", 0), ndim)
+        # a legacy 1-D empty operand takes no part; it stays replicated
+        maps = [{d: d for d in range(t.ndim) if d != dim} if t.ndim == ndim else {} for t in ins]
+    opts = mapped_options(op, maps)
+    if all(is_float(t) for t in ins):
+        opts.append((tuple(P for _ in ins), (P,)))
+    return expand(op, mesh_shape, opts)
+
+
+@register_strategy(aten.broadcast_tensors.default)
+def broadcast_tensors_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    out_nd = op.outputs[0].ndim
+    maps = [{d: d + out_nd - t.ndim for d in range(t.ndim)} for t in op.inputs]
+    opts = mapped_options(op, maps)
+    if all(is_float(t) for t in op.inputs):
+        opts.append((tuple(P for _ in op.inputs), tuple(P for _ in op.outputs)))
+    return expand(op, mesh_shape, opts)
+
+
+register_localize(*SQUEEZES)(squeeze_localize)
+register_localize(*(t for t in DIM_MAPPED if t not in SQUEEZES), aten.cat.default, aten.stack.default,
+                  aten.broadcast_tensors.default, aten.flatten.using_ints)(
+    plain_localize)

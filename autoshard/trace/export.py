@@ -1,0 +1,223 @@
+"""Capture a model as an ATen-level FX graph with torch.export (non-strict), shapes on every node.
+
+The model may live on the meta device: export runs on fake tensors, so planning a 70B model
+allocates no weights. We keep export's training IR (``aten.linear``, ``aten.layer_norm``,
+``aten.scaled_dot_product_attention`` stay whole): fewer, larger ops give the planner fewer
+decisions, and every one of them is differentiable, so the per-rank program trains under autograd.
+"""
+from __future__ import annotations
+
+import hashlib
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+from autoshard.errors import AutoshardError
+from autoshard.solver.rules.registry import OpInfo, TensorInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Placeholder:
+    name: str          # graph placeholder name
+    kind: str          # "param" | "buffer" | "constant" | "input"
+    fqn: str           # parameter/buffer FQN, or "input<i>"
+    info: TensorInfo | None
+
+
+@dataclass
+class TracedGraph:
+    """A traced model: the flat graph module plus what planning and codegen need about it."""
+
+    gm: fx.GraphModule
+    placeholders: list[Placeholder]
+    training: bool
+    fingerprint: str
+    node_sigs: dict[str, str] = field(default_factory=dict)
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)  # placeholder -> value
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.gm.graph
+
+    def placeholder(self, name: str) -> Placeholder:
+        return self._by_name[name]
+
+    def __post_init__(self) -> None:
+        self._by_name = {p.name: p for p in self.placeholders}
+
+    @property
+    def params(self) -> list[Placeholder]:
+        return [p for p in self.placeholders if p.kind == "param"]
+
+    @property
+    def inputs(self) -> list[Placeholder]:
+        return [p for p in self.placeholders if p.kind == "input"]
+
+
+def tensor_info(val: Any) -> TensorInfo | None:
+    if isinstance(val, torch.Tensor):
+        return TensorInfo(tuple(int(s) for s in val.shape), val.dtype)
+    return None
+
+
+def output_infos(node: fx.Node) -> tuple[TensorInfo, ...]:
+    val = node.meta.get("val")
+    flat, _ = torch.utils._pytree.tree_flatten(val)
+    return tuple(t for t in (tensor_info(v) for v in flat) if t is not None)
+
+
+def op_info(node: fx.Node) -> OpInfo:
+    """The rule's view of a call_function node: tensors replaced by their shapes and dtypes."""
+    def conv(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            info = tensor_info(a.meta.get("val"))
+            assert info is not None, f"non-tensor node input {a.format_node()} to {node.format_node()}"
+            return info
+        return a
+
+    args = fx.node.map_aggregate(node.args, conv)
+    kwargs = fx.node.map_aggregate(node.kwargs, conv)
+    return OpInfo(node.target, tuple(args), dict(kwargs), output_infos(node), source_line(node))
+
+
+def source_line(node: fx.Node) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    lines = [l.strip() for l in trace.strip().splitlines()]
+    files = [i for i, l in enumerate(lines) if l.startswith("File ")]
+    if not files:
+        return ""
+    i = files[-1]
+    code = lines[i + 1] if i + 1 < len(lines) else ""
+    return f"{lines[i]}: {code}".strip()
+
+
+def module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    return list(stack.values())[-1][0]
+
+
+def trace(model: torch.nn.Module, example_inputs: Sequence[Any], *, training: bool = True) -> TracedGraph:
+    """Export ``model(*example_inputs)`` to a flat ATen graph.
+
+    For training the model must return a scalar loss (wrap it with :func:`autoshard.with_loss`,
+    or pass a Hugging Face model whose output has ``.loss``).
+    """
+    from autoshard.loss import as_loss_module
+
+    if not isinstance(model, torch.nn.Module):
+        raise AutoshardError("model is a torch.nn.Module", got=type(model).__name__,
+                             fix="pass the nn.Module itself")
+    example_inputs = tuple(example_inputs)
+    wrapped = as_loss_module(model) if training else model
+    try:
+        ep = torch.export.export(wrapped, example_inputs, strict=False)
+    except Exception as e:  # export's own errors are long; keep them, but say what to do
+        raise AutoshardError("a model that torch.export can capture (non-strict)",
+                             got=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                             fix="remove data-dependent Python control flow from forward, or "
+                                 "turn off caches (use_cache=False); the full export error is "
+                                 "chained below") from e
+    # Our own loss wrapper holds the model as ``model``: report the model's own names.
+    return from_exported(ep, training=training, strip="model." if wrapped is not model else "")
+
+
+def inline_subgraphs(gm: fx.GraphModule) -> None:
+    """Inline higher-order ``wrap_with_set_grad_enabled`` regions (Hugging Face computes rotary
+    tables under ``torch.no_grad``). Inlined, their ops get shapes and rules like any other;
+    the grad mode does not change values, and nothing in them needs a gradient."""
+    from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not wrap_with_set_grad_enabled:
+            continue
+        sub = getattr(gm, node.args[1].target)
+        env: dict[fx.Node, Any] = {}
+        ph = iter(node.args[2:])
+        with gm.graph.inserting_before(node):
+            for sn in sub.graph.nodes:
+                if sn.op == "placeholder":
+                    env[sn] = next(ph)
+                elif sn.op == "output":
+                    result = fx.node.map_arg(sn.args[0], lambda a: env[a])
+                else:
+                    env[sn] = gm.graph.node_copy(sn, lambda a: env[a])
+        for user in list(node.users):
+            if user.target is operator.getitem and isinstance(result, (tuple, list)):
+                user.replace_all_uses_with(result[user.args[1]])
+                gm.graph.erase_node(user)
+        if isinstance(result, fx.Node):
+            node.replace_all_uses_with(result)
+        gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+
+
+def from_exported(ep: ExportedProgram, *, training: bool, strip: str = "") -> TracedGraph:
+    gm = ep.graph_module
+    inline_subgraphs(gm)
+    kinds = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer",
+             InputKind.CONSTANT_TENSOR: "constant", InputKind.USER_INPUT: "input"}
+    specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
+    placeholders: list[Placeholder] = []
+    constants: dict[str, torch.Tensor] = {}
+    n_in = 0
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        spec = specs[node.name]
+        kind = kinds.get(spec.kind, "constant")
+        if kind == "input":
+            fqn, n_in = f"input{n_in}", n_in + 1
+        else:
+            fqn = spec.target.removeprefix(strip)
+        if kind == "constant":
+            constants[node.name] = ep.constants[spec.target]
+        placeholders.append(Placeholder(node.name, kind, fqn, tensor_info(node.meta.get("val"))))
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = [tensor_info(a.meta.get("val")) for a in torch.utils._pytree.tree_flatten(out_node.args)[0]
+            if isinstance(a, fx.Node)]
+    outs = [o for o in outs if o is not None]
+    if training and not (len(outs) == 1 and outs[0].ndim == 0 and outs[0].dtype.is_floating_point):
+        raise AutoshardError("for training, the model returns one scalar floating-point loss",
+                             got=f"outputs {[(list(o.shape), str(o.dtype)) for o in outs]}",
+                             fix="wrap it: autoshard.with_loss(model, loss_fn), or plan forward "
+                                 "only with training=False (--inference)")
+    sigs = node_signatures(gm.graph)
+    digest = hashlib.sha256("\n".join(f"{k} {v}" for k, v in sigs.items()).encode()).hexdigest()
+    return TracedGraph(gm, placeholders, training, digest[:32], sigs, constants)
+
+
+def node_signatures(graph: fx.Graph) -> dict[str, str]:
+    """One line per node: op, target, argument structure and output shapes (the fingerprint's
+    input; also what a stale plan is diffed against)."""
+    sigs: dict[str, str] = {}
+    for node in graph.nodes:
+        args = fx.node.map_aggregate((node.args, node.kwargs),
+                                     lambda a: f"%{a.name}" if isinstance(a, fx.Node) else a)
+        shapes = [(list(t.shape), str(t.dtype).removeprefix("torch.")) for t in output_infos(node)]
+        sigs[node.name] = f"{node.op} {_target_name(node)} {args} {shapes}"
+    return sigs
+
+
+def _target_name(node: fx.Node) -> str:
+    t = node.target
+    if isinstance(t, str):
+        return t
+    return str(t) if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
+
+
+_LAYER = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+
+
+def layer_of(path: str) -> tuple[str, int] | None:
+    """``model.layers.3.attn.q_proj`` -> ("model.layers", 3): the repeated-layer container."""
+    m = _LAYER.match(path)
+    return (m.group(1), int(m.group(2))) if m else None

@@ -1,0 +1,679 @@
+"""Tier 0: the cost model, checked by closed forms and relations (DESIGN.md example 11).
+
+Figures come from REFERENCE.md: §1 collective formulas, §2 hardware, §3 ZeRO and activation
+memory. Floats are compared with ``math.isclose(rel_tol=1e-9)``: every check is a closed form of
+the same arithmetic, so only rounding separates the two sides.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autoshard.cost.cluster import PRESETS, Cluster
+from autoshard.cost.comm import (bytes_sent_per_device, collective_time, reshard, reshard_time,
+                                 steps_time)
+from autoshard.cost.compute import forward_flops, op_family, op_time
+from autoshard.cost.memory import (activation_bytes_per_layer, param_state_bytes,
+                                   saved_activation_bytes, zero_model_state_bytes)
+from autoshard.errors import AutoshardError
+from autoshard.ir import P, R, S, Partial, Replicate, Shard, Strategy, local_shape
+from autoshard.mesh import AxisLink, Mesh
+from autoshard.solver.rules.registry import OpInfo, TensorInfo
+
+aten = torch.ops.aten
+BF16, F32 = torch.bfloat16, torch.float32
+GB = 1e9
+
+
+def close(a: float, b: float, rel: float = 1e-9) -> bool:
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-18)
+
+
+# --------------------------------------------------------------------- §1 collectives
+
+ALPHA, BW, NBYTES = 7e-6, 123e9, 3.5e8
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_collective_times_match_reference_formulas(p):
+    f = (p - 1) / p
+    want = {
+        "all_reduce": 2 * (p - 1) * ALPHA + 2 * f * NBYTES / BW,
+        "all_gather": (p - 1) * ALPHA + f * NBYTES / BW,
+        "reduce_scatter": (p - 1) * ALPHA + f * NBYTES / BW,
+        "all_to_all": (p - 1) * ALPHA + f * NBYTES / BW,
+        "send_recv": ALPHA + NBYTES / BW,
+    }
+    for kind, t in want.items():
+        assert close(collective_time(kind, p, NBYTES, ALPHA, BW), t), kind
+    sent = {"all_reduce": 2 * f * NBYTES, "all_gather": f * NBYTES, "reduce_scatter": f * NBYTES,
+            "all_to_all": f * NBYTES, "send_recv": NBYTES}
+    for kind, b in sent.items():
+        assert close(bytes_sent_per_device(kind, p, NBYTES), b), kind
+
+
+@pytest.mark.parametrize("p", [2, 4, 8, 64])
+def test_all_reduce_is_reduce_scatter_plus_all_gather(p):
+    # Bytes: REFERENCE.md §1. Time: a ring all-reduce *is* a reduce-scatter followed by an
+    # all-gather, so the two agree exactly in the alpha-beta model; the single collective only
+    # wins by the launch latency a second collective would add.
+    ar = bytes_sent_per_device("all_reduce", p, NBYTES)
+    assert close(ar, bytes_sent_per_device("reduce_scatter", p, NBYTES)
+                 + bytes_sent_per_device("all_gather", p, NBYTES))
+    t_ar = collective_time("all_reduce", p, NBYTES, ALPHA, BW)
+    t_two = (collective_time("reduce_scatter", p, NBYTES, ALPHA, BW)
+             + collective_time("all_gather", p, NBYTES, ALPHA, BW))
+    assert close(t_ar, t_two)
+    assert t_ar < t_two + ALPHA
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"])
+def test_one_device_collectives_are_free(kind):
+    assert collective_time(kind, 1, NBYTES, ALPHA, BW) == 0.0
+    assert bytes_sent_per_device(kind, 1, NBYTES) == 0.0
+
+
+def test_collective_time_grows_with_group_and_bytes():
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        ts = [collective_time(kind, p, NBYTES, ALPHA, BW) for p in (2, 4, 8, 16)]
+        assert ts == sorted(ts) and len(set(ts)) == 4
+        assert collective_time(kind, 4, 2 * NBYTES, ALPHA, BW) > collective_time(
+            kind, 4, NBYTES, ALPHA, BW)
+
+
+def test_megatron_and_data_parallel_bytes():
+    # Megatron TP (REFERENCE.md §3): 2 all-reduces of b·s·h forward + 2 backward per layer is
+    # 8·b·s·h·(t-1)/t elements per device; sequence parallel turns each into RS + AG, same bytes.
+    b, s, h, t = 4, 2048, 4096, 8
+    elems = b * s * h
+    tp = 4 * bytes_sent_per_device("all_reduce", t, elems)
+    assert close(tp, 8 * elems * (t - 1) / t)
+    sp = 4 * (bytes_sent_per_device("reduce_scatter", t, elems)
+              + bytes_sent_per_device("all_gather", t, elems))
+    assert close(sp, tp)
+    # DP: one all-reduce of the bf16 gradients; ZeRO-3 all-gathers parameters in forward and
+    # backward and reduce-scatters gradients: 1.5x DP (ZeRO paper §7).
+    psi, d = 7.5e9, 64
+    dp = bytes_sent_per_device("all_reduce", d, 2 * psi)
+    assert close(dp, 2 * (d - 1) / d * psi * 2)
+    z3 = (2 * bytes_sent_per_device("all_gather", d, 2 * psi)
+          + bytes_sent_per_device("reduce_scatter", d, 2 * psi))
+    assert close(z3, 1.5 * dp)
+
+
+# --------------------------------------------------------------------- reshard, 1-D
+
+SHAPE, ITEM = (16, 32), 2
+FULL = 16 * 32 * ITEM
+
+
+def kinds(steps):
+    return [(s.kind, s.axis, s.dim, s.nbytes) for s in steps]
+
+
+def test_shard_to_replicate_is_all_gather_of_the_output():
+    r = reshard((S(0),), (R,), SHAPE, ITEM, (4,))
+    assert kinds(r.forward) == [("all_gather", 0, 0, FULL)]
+    assert kinds(r.backward) == [("slice", 0, 0, 0)]          # grad of all-gather: slice
+    rd = reshard((S(0),), (R,), SHAPE, ITEM, (4,), frozenset({0}))
+    assert kinds(rd.backward) == [("reduce_scatter", 0, 0, FULL)]   # ... or RS if divergent
+
+
+def test_partial_to_replicate_is_all_reduce():
+    r = reshard((P,), (R,), SHAPE, ITEM, (4,))
+    assert kinds(r.forward) == [("all_reduce", 0, -1, FULL)]
+    assert r.backward == ()                                   # Megatron's "g": identity backward
+
+
+def test_partial_to_shard_is_reduce_scatter_of_the_input():
+    r = reshard((P,), (S(1),), SHAPE, ITEM, (4,))
+    assert kinds(r.forward) == [("reduce_scatter", 0, 1, FULL)]
+    assert kinds(r.backward) == [("all_gather", 0, 1, FULL)]
+
+
+def test_replicate_to_shard_is_a_free_slice():
+    r = reshard((R,), (S(0),), SHAPE, ITEM, (4,))
+    assert kinds(r.forward) == [("slice", 0, 0, 0)]
+    assert kinds(r.backward) == [("all_gather", 0, 0, FULL)]  # grad of a slice: all-gather
+    mesh = Mesh((4,))
+    assert steps_time(r.forward, mesh) == 0.0
+
+
+def test_shard_to_other_dim_is_all_to_all_of_the_local_input():
+    r = reshard((S(0),), (S(1),), SHAPE, ITEM, (4,))
+    assert kinds(r.forward) == [("all_to_all", 0, 0, FULL // 4)]
+    (back,) = r.backward
+    assert (back.kind, back.dim, back.dim2, back.nbytes) == ("all_to_all", 1, 0, FULL // 4)
+
+
+def test_divergent_replicate_gets_one_gradient_all_reduce():
+    # Megatron's "f": a replicated activation feeding a column-parallel matmul.
+    r = reshard((R,), (R,), SHAPE, ITEM, (4,), frozenset({0}))
+    assert r.forward == ()
+    assert kinds(r.backward) == [("all_reduce", 0, -1, FULL)]
+    assert reshard((R,), (R,), SHAPE, ITEM, (4,)) == reshard((S(1),), (S(1),), SHAPE, ITEM, (4,))
+
+
+def test_size_one_axes_cost_nothing():
+    mesh = Mesh((1, 4))
+    r = reshard((S(0), R), (R, R), SHAPE, ITEM, (1, 4), frozenset({0}))
+    assert reshard_time(r, mesh) == 0.0
+
+
+# --------------------------------------------------------------------- reshard, nested N-D
+
+def test_nested_shard_to_inner_shard():
+    # (S(0), S(0)) on (2, 4): dim 0 is cut in 8, axis 0 outer. (R, S(0)) cuts it in 4 by axis 1
+    # alone, so axis 1's shard is undone (nested under the changing axis 0) and redone.
+    shape, ms = (16, 8), (2, 4)
+    r = reshard((S(0), S(0)), (R, S(0)), shape, ITEM, ms)
+    full = 16 * 8 * ITEM
+    assert kinds(r.forward) == [("all_gather", 1, 0, full // 2), ("all_gather", 0, 0, full),
+                                ("slice", 1, 0, 0)]
+    assert local_shape(shape, (R, S(0)), ms) == (4, 8)
+
+
+def test_outer_shard_kept_inner_changes():
+    # (S(0), S(0)) -> (S(0), R): gathering the inner axis leaves the outer split as it is.
+    r = reshard((S(0), S(0)), (S(0), R), (16, 8), ITEM, (2, 4))
+    assert kinds(r.forward) == [("all_gather", 1, 0, 16 * 8 * ITEM // 2)]
+
+
+def test_independent_dims_use_all_to_all_and_reduce_scatter():
+    ms = (2, 4)
+    r = reshard((S(0), S(0)), (S(0), S(1)), (16, 8), ITEM, ms)
+    assert [s.kind for s in r.forward] == ["all_to_all"]
+    r = reshard((S(0), P), (S(0), S(0)), (16, 8), ITEM, ms)
+    assert kinds(r.forward) == [("reduce_scatter", 1, 0, 16 * 8 * ITEM // 2)]
+
+
+@pytest.mark.parametrize("a,b,ms", [
+    ((S(1), R), (S(2), S(2)), (4, 4)),
+    ((S(0), S(2)), (S(1), S(1)), (2, 4)),
+    ((R, S(2)), (S(0), S(1)), (4, 2)),
+    ((S(1), R, S(1)), (S(0), S(2), S(2)), (2, 2, 2)),
+])
+def test_multi_axis_round_trips_cost_the_same_both_ways(a, b, ms):
+    shape = tuple(8 * math.prod(ms) for _ in range(3))
+    mesh = Mesh(ms)
+    there, back = reshard(a, b, shape, ITEM, ms), reshard(b, a, shape, ITEM, ms)
+    assert close(steps_time(there.backward, mesh), steps_time(back.forward, mesh))
+    assert close(steps_time(back.backward, mesh), steps_time(there.forward, mesh))
+
+
+# A data-level simulator of resharding steps: every rank's local array, steps applied per group.
+# It fixes the semantics the codegen must implement and checks the planner's steps end in the
+# destination layout (forward) and the gradient ends in the source layout (backward).
+
+def _ranks(ms):
+    return list(itertools.product(*[range(n) for n in ms]))
+
+
+def _slices(spec, coords, ms, shape):
+    out = []
+    for d, size in enumerate(shape):
+        idx, f = 0, 1
+        for a, (p, n) in enumerate(zip(spec, ms)):
+            if isinstance(p, Shard) and p.dim == d:      # row-major: first axis is the outer cut
+                idx, f = idx * n + coords[a], f * n
+        out.append(slice(idx * size // f, (idx + 1) * size // f))
+    return tuple(out)
+
+
+def _distribute(x, spec, ms, rng):
+    weights = {a: rng.random(n) + 0.1 for a, (p, n) in enumerate(zip(spec, ms))
+               if isinstance(p, Partial)}
+    locs = {}
+    for c in _ranks(ms):
+        v = x[_slices(spec, c, ms, x.shape)].copy()
+        for a, w in weights.items():
+            v = v * (w[c[a]] / w.sum())                   # summands that add up to the value
+        locs[c] = v
+    return locs
+
+
+def _apply(step, locs, ms):
+    a, n = step.axis, ms[step.axis]
+    new = {}
+    for c, v in locs.items():
+        group, k = [locs[c[:a] + (j,) + c[a + 1:]] for j in range(n)], c[a]
+        if step.kind == "all_gather":
+            new[c] = np.concatenate(group, axis=step.dim)
+        elif step.kind == "all_reduce":
+            new[c] = sum(group)
+        elif step.kind == "reduce_scatter":
+            new[c] = np.split(sum(group), n, axis=step.dim)[k]
+        elif step.kind == "all_to_all":
+            new[c] = np.concatenate([np.split(g, n, axis=step.dim2)[k] for g in group],
+                                    axis=step.dim)
+        elif step.kind == "slice":
+            new[c] = np.split(v, n, axis=step.dim)[k]
+        elif step.kind == "to_partial":
+            new[c] = v if k == 0 else np.zeros_like(v)
+        else:
+            raise AssertionError(step)
+    return new
+
+
+def _expected_nbytes(step, before, after):
+    # REFERENCE.md §1's S: all-gather output, reduce-scatter input, all-reduce tensor, a2a input.
+    n = {"all_gather": after, "all_reduce": before, "reduce_scatter": before,
+         "all_to_all": before}.get(step.kind, 0)
+    return n * ITEM
+
+
+def _run(steps, locs, ms):
+    for step in steps:
+        before = next(iter(locs.values())).size
+        locs = _apply(step, locs, ms)
+        assert step.nbytes == _expected_nbytes(step, before, next(iter(locs.values())).size), step
+    return locs
+
+
+def _assemble(locs, spec, ms, shape):
+    """The logical tensor: sum over Partial axes, place shards, check replicas agree."""
+    part = [a for a, p in enumerate(spec) if isinstance(p, Partial)]
+    out = np.full(shape, np.nan)
+    for c in _ranks(ms):
+        if any(c[a] for a in part):
+            continue
+        v = sum(locs[tuple(alt[part.index(a)] if a in part else x for a, x in enumerate(c))]
+                for alt in itertools.product(*[range(ms[a]) for a in part]))
+        assert v.shape == local_shape(shape, spec, ms)
+        sl = _slices(spec, c, ms, shape)
+        if not np.isnan(out[sl]).all():
+            np.testing.assert_allclose(out[sl], v)
+        out[sl] = v
+    return out
+
+
+@st.composite
+def reshard_cases(draw, max_axes=3):
+    ms = tuple(draw(st.lists(st.sampled_from([1, 2, 3, 4]), min_size=1, max_size=max_axes)
+                    .filter(lambda m: math.prod(m) <= 16)))
+    ndim = draw(st.integers(1, 3))
+    # Every dim divisible by the whole mesh, so every spec fits at every step.
+    shape = tuple(draw(st.integers(1, 2)) * math.prod(ms) for _ in range(ndim))
+    place = st.sampled_from([R, P] + [S(d) for d in range(ndim)])
+    src = tuple(draw(place) for _ in ms)
+    dst = tuple(draw(place) for _ in ms)
+    divergent = frozenset(a for a in range(len(ms))
+                          if isinstance(dst[a], Replicate) and draw(st.booleans()))
+    return ms, shape, src, dst, divergent
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(reshard_cases(), st.integers(0, 2**32 - 1))
+def test_reshard_steps_move_the_data(case, seed):
+    ms, shape, src, dst, divergent = case
+    rng = np.random.default_rng(seed)
+    r = reshard(src, dst, shape, ITEM, ms, divergent)
+    x = rng.random(shape)
+    np.testing.assert_allclose(_assemble(_run(r.forward, _distribute(x, src, ms, rng), ms),
+                                          dst, ms, shape), x)
+    # The gradient follows the tensor's placement (Partial's gradient is Replicate) and is
+    # Partial on divergent axes; after the backward steps it is the source's layout.
+    g = rng.random(shape)
+    g_dst = tuple(P if a in divergent else (R if isinstance(p, Partial) else p)
+                  for a, p in enumerate(dst))
+    g_src = tuple(R if isinstance(p, Partial) else p for p in src)
+    np.testing.assert_allclose(_assemble(_run(r.backward, _distribute(g, g_dst, ms, rng), ms),
+                                          g_src, ms, shape), g)
+    for step in r.forward + r.backward:
+        assert 0 <= step.nbytes <= math.prod(shape) * ITEM
+
+
+def _sent(steps, ms):
+    return sum(bytes_sent_per_device(s.kind, ms[s.axis], s.nbytes) for s in steps
+               if s.is_collective)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(reshard_cases())
+def test_reshard_never_sends_more_than_replicate_then_slice(case):
+    # The plain plan: all-reduce every partial axis, all-gather every sharded axis (innermost
+    # first), slice what the destination shards. The planner's steps never send more.
+    ms, shape, src, dst, _ = case
+    naive, local = [], math.prod(local_shape(shape, src, ms)) * ITEM
+    naive += [("all_reduce", a, local) for a, p in enumerate(src) if isinstance(p, Partial)]
+    state = list(src)
+    for a in reversed(range(len(ms))):
+        if isinstance(state[a], Shard):
+            state[a] = R
+            naive.append(("all_gather", a, math.prod(local_shape(shape, state, ms)) * ITEM))
+    bound = sum(bytes_sent_per_device(k, ms[a], n) for k, a, n in naive)
+    assert _sent(reshard(src, dst, shape, ITEM, ms).forward, ms) <= bound * (1 + 1e-12)
+
+
+@settings(max_examples=100, deadline=None, database=None)
+@given(reshard_cases(max_axes=1), st.integers(0, 2**32 - 1))
+def test_round_trip_costs_each_direction(case, seed):
+    ms, shape, src, dst, _ = case
+    src = tuple(R if isinstance(p, Partial) else p for p in src)
+    dst = tuple(R if isinstance(p, Partial) else p for p in dst)
+    mesh = Mesh(ms)
+    there, back = reshard(src, dst, shape, ITEM, ms), reshard(dst, src, shape, ITEM, ms)
+    # The gradient of src -> dst takes the path dst -> src: same steps, same cost.
+    assert close(steps_time(there.backward, mesh), steps_time(back.forward, mesh))
+    assert close(reshard_time(there, mesh), steps_time(there.forward + back.forward, mesh))
+    rng = np.random.default_rng(seed)
+    x = rng.random(shape)
+    locs = _run(back.forward, _run(there.forward, _distribute(x, src, ms, rng), ms), ms)
+    np.testing.assert_allclose(_assemble(locs, src, ms, shape), x)
+
+
+# --------------------------------------------------------------------- §2 hardware
+
+def test_cluster_presets_carry_reference_figures():
+    h100, h200, a100 = PRESETS["h100"], PRESETS["h200"], PRESETS["a100"]
+    assert h100.flops == 989e12 and h100.memory_bytes == 80 * GB
+    assert h100.mem_bandwidth == 3.35e12 and h100.devices_per_node == 8
+    assert 370 * GB <= h100.intra_bandwidth <= 450 * GB        # NCCL ring busbw .. line rate
+    assert 46 * GB <= h100.inter_bandwidth <= 50 * GB          # IB NDR achieved .. line rate
+    # A small all-reduce across 2 nodes takes ~45 µs (nccl #1244).
+    assert close(collective_time("all_reduce", 2, 0, h100.inter_alpha, h100.inter_bandwidth),
+                 45e-6)
+    assert h200.flops == h100.flops and h200.memory_bytes == 141 * GB
+    assert h200.mem_bandwidth == 4.8e12
+    assert a100.flops == 312e12 and a100.memory_bytes == 80 * GB
+    assert a100.mem_bandwidth == 2.039e12 and a100.intra_bandwidth == 200 * GB
+    for c in (h100, h200, a100):
+        assert 0.7 <= c.matmul_efficiency <= 0.8                # REFERENCE.md §2: ~70-80%
+        assert c.kernel_floor_s < 1e-5                          # "a few µs"
+
+
+def test_json_profile_overrides_figures(tmp_path):
+    path = tmp_path / "slow_ib.json"
+    path.write_text(json.dumps({"base": "h100", "inter_bandwidth": 25e9,
+                                "matmul_efficiency": 0.6}))
+    c = Cluster.load(path)
+    assert c.inter_bandwidth == 25e9 and c.matmul_efficiency == 0.6
+    assert c.flops == PRESETS["h100"].flops
+    assert Cluster.resolve(str(path)) == c
+    mesh = Mesh((4, 8), cluster=path)
+    assert mesh.links[0].bandwidth == 25e9
+
+
+@pytest.mark.parametrize("body", [
+    {"base": "h100", "nvlink_bw": 1e12},          # unknown key
+    {"flops": -1},                                 # not positive
+    {"flops": "fast"},                             # not a number
+    {"flops": True},                               # JSON true is not a figure
+    {"devices_per_node": 8.5},                     # not an int
+    {"matmul_efficiency": 1.5},                    # above peak
+    {"base": "tpu-v9"},                            # unknown preset
+    {"base": ["h100"]},                            # base not a name
+    [1, 2],                                        # not an object
+])
+def test_bad_profiles_say_what_and_how_to_fix(tmp_path, body):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(body))
+    with pytest.raises(AutoshardError, match="got .*Fix: "):
+        Cluster.load(path)
+
+
+def test_unreadable_profile(tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text("{not json")
+    with pytest.raises(AutoshardError, match="got .*Fix: "):
+        Cluster.load(path)
+    with pytest.raises(AutoshardError, match="got .*Fix: "):
+        Cluster.preset("h900")
+
+
+def test_mesh_default_links_inner_axes_on_nvlink():
+    h100 = PRESETS["h100"]
+    nvlink = AxisLink(h100.intra_alpha, h100.intra_bandwidth)
+    ib = AxisLink(h100.inter_alpha, h100.inter_bandwidth)
+    assert Mesh((8, 8)).links == (ib, nvlink)
+    assert Mesh((2, 4, 8)).links == (ib, ib, nvlink)
+    assert Mesh((4, 2, 8)).links == (ib, ib, nvlink)
+    assert Mesh((8, 2, 4)).links == (ib, nvlink, nvlink)
+    assert Mesh((4, 2)).links == (nvlink, nvlink)              # one node
+    assert Mesh((16,)).links == (ib,)
+    # Groups of 3 on 8-GPU nodes straddle a node boundary (ranks 6, 7, 8).
+    assert Mesh((3, 3)).links == (ib, ib)
+    assert Mesh((8, 8)).group_link([0, 1]) == AxisLink(ib.alpha, ib.bandwidth)
+
+
+def test_mesh_errors_say_what_and_how_to_fix():
+    for bad in [dict(shape=(0, 2)), dict(shape=(2, 2, 2, 2)), dict(shape=(2, 2), axes=("a", "a"))]:
+        with pytest.raises(AutoshardError, match="got .*Fix: "):
+            Mesh(**bad)
+
+
+# --------------------------------------------------------------------- compute roofline
+
+def t_(shape, dtype=BF16):
+    return TensorInfo(tuple(shape), dtype)
+
+
+def mm_op(m, k, n, dtype=BF16):
+    return OpInfo(aten.mm.default, (t_((m, k), dtype), t_((k, n), dtype)), {},
+                  (t_((m, n), dtype),))
+
+
+def rep(op, naxes=1):
+    r = (R,) * naxes
+    return Strategy(tuple(r for _ in op.inputs), tuple(r for _ in op.outputs))
+
+
+H100 = Mesh((4,))
+C = H100.cluster
+
+
+def test_big_matmul_is_compute_bound_at_efficiency_times_peak():
+    op = mm_op(8192, 8192, 8192)
+    assert forward_flops(op) == 2 * 8192 ** 3
+    assert close(op_time(op, rep(op), H100, training=False),
+                 2 * 8192 ** 3 / (C.matmul_efficiency * C.flops))
+    op32 = mm_op(8192, 8192, 8192, F32)          # fp32 runs at the fp32 peak
+    assert close(op_time(op32, rep(op32), H100, training=False),
+                 2 * 8192 ** 3 / (C.matmul_efficiency * C.fp32_flops))
+
+
+def test_elementwise_is_bandwidth_bound():
+    x = t_((8192, 8192))
+    op = OpInfo(aten.gelu.default, (x,), {}, (x,))
+    assert op_family(op.target) == "elementwise"
+    assert close(op_time(op, rep(op), H100, training=False), 2 * x.nbytes / C.mem_bandwidth)
+    # Backward moves about twice the forward's bytes (saved input, output grad, input grad).
+    assert close(op_time(op, rep(op), H100, training=True), 6 * x.nbytes / C.mem_bandwidth)
+
+
+def test_tiny_op_hits_the_kernel_floor():
+    x = t_((4,))
+    op = OpInfo(aten.add.Tensor, (x, x), {}, (x,))
+    assert op_time(op, rep(op), H100, training=False) == C.kernel_floor_s
+    assert op_time(op, rep(op), H100, training=True) == 2 * C.kernel_floor_s
+
+
+def test_sharding_a_matmul_four_ways_divides_its_time_by_four():
+    op = mm_op(8192, 8192, 8192)
+    col = Strategy(((R,), (S(1),)), ((S(1),),), compute_scale=1 / 4)   # column parallel
+    whole = op_time(op, rep(op), H100, training=False)
+    assert close(op_time(op, col, H100, training=False), whole / 4)
+    row = Strategy(((S(1),), (S(0),)), ((P,),), compute_scale=1 / 4)   # row parallel
+    assert close(op_time(op, row, H100, training=False), whole / 4)
+
+
+def test_training_matmul_is_three_times_forward():
+    for op in (mm_op(8192, 8192, 8192), mm_op(64, 64, 64), mm_op(16, 8192, 8192, F32)):
+        fwd = op_time(op, rep(op), H100, training=False)
+        assert close(op_time(op, rep(op), H100, training=True), 3 * fwd)
+
+
+def test_bytes_are_local_sizes():
+    # A skinny matmul is bandwidth-bound; sharding its big operand shrinks the bytes read.
+    op = mm_op(8, 65536, 8192)
+    whole = op_time(op, rep(op), H100, training=False)
+    m, k, n = 8, 65536, 8192
+    assert close(whole, (m * k + k * n + m * n) * 2 / C.mem_bandwidth)
+    col = Strategy(((R,), (S(1),)), ((S(1),),), compute_scale=1 / 4)
+    assert close(op_time(op, col, H100, training=False),
+                 (m * k + k * n / 4 + m * n / 4) * 2 / C.mem_bandwidth)
+
+
+@pytest.mark.parametrize("target,args", [
+    (aten.view.default, lambda x: (x, [64, 128])),
+    (aten.permute.default, lambda x: (x, [1, 0])),
+    (aten.t.default, lambda x: (x,)),
+    (aten.expand.default, lambda x: (x, [128, 64])),
+    (aten.detach.default, lambda x: (x,)),
+    (aten._assert_tensor_metadata.default, lambda x: (x,)),
+    (aten.slice.Tensor, lambda x: (x, 0, 0, 64)),
+])
+def test_view_ops_are_free(target, args):
+    x = t_((128, 64))
+    op = OpInfo(target, args(x), {}, (x,))
+    assert op_time(op, rep(op), H100, training=True) == 0.0
+    assert saved_activation_bytes(op, rep(op), (4,)) == 0
+
+
+def test_getitem_is_free():
+    import operator
+    x = t_((128, 64))
+    op = OpInfo(operator.getitem, ((x, x), 0), {}, (x,))
+    assert op_time(op, rep(op), H100, training=True) == 0.0
+
+
+def test_flops_closed_forms():
+    b, a, s, d = 2, 16, 1024, 64
+    q = t_((b, a, s, d))
+    sdpa = aten._scaled_dot_product_flash_attention_for_cpu.default
+    full = OpInfo(sdpa, (q, q, q), {}, (q, t_((b, a, s), F32)))
+    causal = OpInfo(sdpa, (q, q, q, 0.0, True), {}, (q, t_((b, a, s), F32)))
+    assert forward_flops(full) == 4 * b * a * s * s * d
+    assert forward_flops(causal) == forward_flops(full) / 2
+    x, w = t_((8, 512, 1024)), t_((4096, 1024))
+    lin = OpInfo(aten.linear.default, (x, w), {}, (t_((8, 512, 4096)),))
+    assert forward_flops(lin) == 2 * 8 * 512 * 1024 * 4096
+
+
+# --------------------------------------------------------------------- §3 memory
+
+def test_param_state_bytes():
+    assert param_state_bytes(1000, BF16) == 16 * 1000       # 2 + 2 + K=12 (ZeRO paper)
+    assert param_state_bytes(1000, F32) == 16 * 1000        # 4 + 4 + 8
+    assert param_state_bytes(1000, BF16, optimizer="sgd") == 4 * 1000
+    assert param_state_bytes(1000, BF16, optimizer="none") == 2 * 1000
+    assert param_state_bytes(10**6, BF16) == zero_model_state_bytes(10**6, 8, 0)
+    with pytest.raises(AutoshardError, match="got .*Fix: "):
+        param_state_bytes(1, BF16, optimizer="lion")
+
+
+def test_zero_closed_forms_reproduce_the_reference_table():
+    psi, d = 7.5e9, 64
+    want = {0: 120, 1: 31.4, 2: 16.6, 3: 1.9}                # GB, REFERENCE.md §3
+    for stage, gb in want.items():
+        assert round(zero_model_state_bytes(psi, d, stage) / GB, 1) == gb
+    for stage in range(4):                                   # one rank: nothing to shard
+        assert zero_model_state_bytes(psi, 1, stage) == 16 * psi
+    assert zero_model_state_bytes(psi, d, 3) == zero_model_state_bytes(psi, d, 0) / d
+    stages = [zero_model_state_bytes(psi, d, k) for k in range(4)]
+    assert stages == sorted(stages, reverse=True)
+    with pytest.raises(AutoshardError):
+        zero_model_state_bytes(psi, d, 4)
+
+
+@pytest.mark.parametrize("s,b,h,a,t", [(2048, 1, 12288, 96, 8), (1024, 4, 4096, 32, 4),
+                                       (512, 8, 1024, 16, 2)])
+def test_korthikanti_forms_agree(s, b, h, a, t):
+    act = lambda mode, tt=t: activation_bytes_per_layer(s, b, h, a, tt, mode=mode)  # noqa: E731
+    assert close(act("tensor_sequence"), act("none") / t)
+    assert close(act("tensor", 1), act("none"))
+    assert close(act("selective"), 34 * s * b * h / t)
+    assert act("full") == 2 * s * b * h
+    assert act("full") < act("selective") < act("tensor_sequence") < act("tensor") < act("none")
+    # Selective recompute drops exactly the attention-score term 5as²b/t.
+    assert close(act("tensor_sequence") - act("selective"), 5 * a * s * s * b / t)
+
+
+# A Megatron GPT layer as ops (s, b, h, a; t-way tensor parallel on a (t,) mesh), to check that
+# the per-op saved-activation model sums to Korthikanti's per-layer closed form.
+
+def _gpt_layer(s, b, h, a, t):
+    d, sb = h // a, s * b
+    col, row, hd = (S(1),), (S(0),), (S(0),)
+    f32 = lambda shape: t_(shape, F32)  # noqa: E731
+    ops = []
+
+    def add(target, args, outs, ins_specs, out_specs, exclude=()):
+        ops.append((OpInfo(target, args, {}, tuple(outs)), Strategy(ins_specs, out_specs),
+                    frozenset(exclude)))
+
+    x, x2 = t_((s, b, h)), t_((sb, h))
+    ln = aten.native_layer_norm.default
+    for _ in range(2):                                       # both layer norms, replicated
+        add(ln, (x, [h], t_((h,)), t_((h,)), 1e-5), [x, f32((s, b, 1)), f32((s, b, 1))],
+            ((R,),) * 3, ((R,),) * 3, exclude=(1, 2))
+    # QKV (column parallel), out-proj (row parallel), fc1 (column), fc2 (row).
+    add(aten.addmm.default, (t_((3 * h,)), x2, t_((h, 3 * h))), [t_((sb, 3 * h))],
+        ((S(0),), (R,), col), (col,), exclude=(0, 2))
+    add(aten.addmm.default, (t_((h,)), x2, t_((h, h))), [x2], ((R,), col, row), ((P,),),
+        exclude=(0, 2))
+    add(aten.addmm.default, (t_((4 * h,)), x2, t_((h, 4 * h))), [t_((sb, 4 * h))],
+        ((S(0),), (R,), col), (col,), exclude=(0, 2))
+    add(aten.addmm.default, (t_((h,)), t_((sb, 4 * h)), t_((4 * h, h))), [x2],
+        ((R,), col, row), ((P,),), exclude=(0, 2))
+    add(aten.gelu.default, (t_((sb, 4 * h)),), [t_((sb, 4 * h))], (col,), (col,))
+    # Attention core, sharded by heads.
+    qh, scores = t_((b * a, s, d)), t_((b * a, s, s))
+    add(aten.bmm.default, (qh, t_((b * a, d, s))), [scores], (hd, hd), (hd,))
+    add(aten._softmax.default, (scores, -1, False), [scores], (hd,), (hd,))
+    add(aten.native_dropout.default, (scores, 0.1, True), [scores, t_((b * a, s, s), torch.bool)],
+        (hd,), (hd, hd))
+    add(aten.bmm.default, (scores, qh), [qh], (hd, hd), (hd,))
+    # Two dropouts after the all-reduces, and two residual adds (which save nothing).
+    for _ in range(2):
+        add(aten.native_dropout.default, (x, 0.1, True), [x, t_((s, b, h), torch.bool)],
+            ((R,),), ((R,), (R,)))
+        add(aten.add.Tensor, (x, x), [x], ((R,), (R,)), ((R,),))
+    return ops
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+def test_saved_activations_sum_to_korthikanti(t):
+    s, b, h, a = 512, 2, 1024, 16
+    total = sum(saved_activation_bytes(op, strat, (t,), exclude=ex)
+                for op, strat, ex in _gpt_layer(s, b, h, a, t))
+    stats = 2 * s * b * 8                                    # fp32 mean and rstd per LN row
+    assert close(total - stats, activation_bytes_per_layer(s, b, h, a, t, mode="tensor"))
+    if t == 1:
+        assert close(total - stats, activation_bytes_per_layer(s, b, h, a, mode="none"))
+
+
+def test_saved_activation_rules():
+    x, y = t_((64, 256)), t_((256, 128))
+    mm = mm_op(64, 256, 128)
+    assert saved_activation_bytes(mm, rep(mm), (4,)) == x.nbytes + y.nbytes
+    assert saved_activation_bytes(mm, rep(mm), (4,), exclude=frozenset({1})) == x.nbytes
+    sharded = Strategy(((S(0),), (R,)), ((S(0),),), compute_scale=1 / 4)
+    assert saved_activation_bytes(mm, sharded, (4,), exclude=frozenset({1})) == x.nbytes // 4
+    soft = OpInfo(aten._softmax.default, (x, -1, False), {}, (t_((64, 256), F32),))
+    assert saved_activation_bytes(soft, rep(soft), (4,)) == 64 * 256 * 4   # the output
+    mul = OpInfo(aten.mul.Tensor, (x, x), {}, (x,))
+    assert saved_activation_bytes(mul, rep(mul), (4,)) == 2 * x.nbytes
+    scale = OpInfo(aten.mul.Tensor, (x, 2.0), {}, (x,))
+    assert saved_activation_bytes(scale, rep(scale), (4,)) == 0
+    add = OpInfo(aten.add.Tensor, (x, x), {}, (x,))
+    assert saved_activation_bytes(add, rep(add), (4,)) == 0
+    idx, table = t_((8, 512), torch.int64), t_((50257, 768))
+    emb = OpInfo(aten.embedding.default, (table, idx), {}, (t_((8, 512, 768)),))
+    assert saved_activation_bytes(emb, rep(emb), (4,)) == idx.nbytes
+    q = t_((2, 16, 1024, 64))
+    sdpa = OpInfo(aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q), {},
+                  (q, t_((2, 16, 1024), F32)))
+    lse = 2 * 16 * 1024 * 4
+    assert saved_activation_bytes(sdpa, rep(sdpa), (4,)) == 4 * q.nbytes + lse
+    heads = Strategy(((S(1),),) * 3, ((S(1),), (S(1),)), compute_scale=1 / 4)
+    assert saved_activation_bytes(sdpa, heads, (4,)) == (4 * q.nbytes + lse) // 4
+    ints = OpInfo(aten.eq.Tensor, (idx, idx), {}, (t_((8, 512), torch.bool),))
+    assert saved_activation_bytes(ints, rep(ints), (4,)) == 0      # no gradient
