@@ -49,6 +49,29 @@ def value_ref(node: fx.Node) -> ValueRef:
     return (node.name, 0)
 
 
+def grad_values(graph: fx.Graph, param_names: set[str]) -> set[str]:
+    """Nodes whose outputs carry a gradient in training: floating-point values computed from a
+    parameter. Only these get backward collectives (an input batch or a mask has no gradient)."""
+    import operator
+    needs: set[str] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if node.name in param_names:
+                needs.add(node.name)
+        elif node.op == "call_function" and node.target is not operator.getitem:
+            if node.target is torch.ops.aten.detach.default:
+                continue
+            vals = torch.utils._pytree.tree_flatten(node.meta.get("val"))[0]
+            floating = any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in vals)
+            if floating and any(r[0] in needs for r in value_inputs(node)):
+                needs.add(node.name)
+    return needs
+
+
+def no_backward(r: Reshard) -> Reshard:
+    return Reshard(r.forward, ())
+
+
 def input_divergence(strategy: Strategy, k: int) -> frozenset[int]:
     spec = strategy.inputs[k]
     outs = strategy.outputs
@@ -72,6 +95,7 @@ def reshard_edges(graph: fx.Graph, strategies: dict[str, Strategy], mesh_shape: 
     """
     wants: dict[ValueRef, dict[tuple[Spec, frozenset[int]], list[tuple[str, int]]]] = {}
     order: list[ValueRef] = []
+    grads = grad_values(graph, param_names) if training else set()
     for node in graph.nodes:
         if node.op == "output":
             if not training:
@@ -86,7 +110,7 @@ def reshard_edges(graph: fx.Graph, strategies: dict[str, Strategy], mesh_shape: 
         for k, ref in enumerate(value_inputs(node)):
             if ref not in wants:
                 order.append(ref)
-            key = (strat.inputs[k], input_divergence(strat, k) if training else frozenset())
+            key = (strat.inputs[k], input_divergence(strat, k) if ref[0] in grads else frozenset())
             wants.setdefault(ref, {}).setdefault(key, []).append((node.name, k))
     seen = set(order)
     order += [r for r in wants if r not in seen]
@@ -97,4 +121,6 @@ def reshard_edges(graph: fx.Graph, strategies: dict[str, Strategy], mesh_shape: 
             if dst == src and not div:
                 continue
             r = reshard(src, dst, shape, itemsize, mesh_shape, div)
+            if ref[0] not in grads:
+                r = no_backward(r)
             yield ReshardEdge(ref, tuple(consumers), src, dst, div, r, ref[0] in param_names)

@@ -41,7 +41,7 @@ class Mesh:
             raise AutoshardError("meshes of 1 to 3 axes are supported", got=f"{len(shape)} axes",
                                  fix="merge axes, e.g. (2, 2, 2, 2) -> (4, 2, 2)")
         if axes is None:
-            axes = ("dp", "tp")[-len(shape):] if len(shape) <= 2 else ("pp", "dp", "tp")
+            axes = ("dp", "tp")[-len(shape):] if len(shape) <= 2 else ("x", "y", "z")
             axes = tuple(axes) if len(shape) > 1 else ("x",)
         axes = tuple(axes)
         if len(axes) != len(shape) or len(set(axes)) != len(axes) or not all(

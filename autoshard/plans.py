@@ -46,10 +46,11 @@ class CollectiveRecord:
     bytes: int
     phase: str
     node: str
+    value: str = ""      # the node whose output moves (a parameter's placeholder for grad_sync)
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "axes": list(self.axes), "bytes": self.bytes,
-                "phase": self.phase, "node": self.node}
+                "phase": self.phase, "node": self.node, "value": self.value}
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ class Plan:
                                tuple(parse_spec(s) for s in n["placements"]), n.get("kernel"))
                       for n in d["nodes"])
         colls = tuple(CollectiveRecord(c["kind"], tuple(c["axes"]), int(c["bytes"]), c["phase"],
-                                       c["node"]) for c in d["collectives"])
+                                       c["node"], c.get("value", "")) for c in d["collectives"])
         return cls(mesh_shape=tuple(int(x) for x in d["mesh"]["shape"]),
                    mesh_axes=tuple(d["mesh"]["axes"]), cluster=d["mesh"].get("cluster", ""),
                    fingerprint=d["fingerprint"], training=bool(d["training"]), nodes=nodes,

@@ -25,7 +25,7 @@ from autoshard.cost.comm import Reshard, Step
 _all_gather_single = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
 _reduce_scatter_single = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
 
-PHASES = ("forward", "backward")
+PHASES = ("forward", "backward", "grad_sync")
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
@@ -198,20 +198,23 @@ class Redistribute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, reshard: Reshard, groups: MeshGroups,
-                ledger: Ledger | None, node: str) -> torch.Tensor:
+                ledger: Ledger | None, node: str, grad_phase: str) -> torch.Tensor:
         ctx.reshard, ctx.groups, ctx.ledger, ctx.node = reshard, groups, ledger, node
+        ctx.grad_phase = grad_phase
         return apply_steps(x, reshard.forward, groups, ledger=ledger, phase="forward", node=node)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         g = apply_steps(grad, ctx.reshard.backward, ctx.groups, ledger=ctx.ledger,
-                        phase="backward", node=ctx.node)
-        return g, None, None, None, None
+                        phase=ctx.grad_phase, node=ctx.node)
+        return g, None, None, None, None, None
 
 
 def redistribute(x: torch.Tensor, reshard: Reshard, groups: MeshGroups, *,
-                 ledger: Ledger | None = None, node: str = "") -> torch.Tensor:
-    """Move the local shard ``x`` as ``reshard`` says, differentiably."""
+                 ledger: Ledger | None = None, node: str = "",
+                 grad_phase: str = "backward") -> torch.Tensor:
+    """Move the local shard ``x`` as ``reshard`` says, differentiably. ``grad_phase`` labels the
+    backward collectives in the ledger ("grad_sync" for a parameter's)."""
     if not reshard.forward and not reshard.backward:
         return x
-    return Redistribute.apply(x, reshard, groups, ledger, node)
+    return Redistribute.apply(x, reshard, groups, ledger, node, grad_phase)

@@ -18,8 +18,7 @@ from autoshard.cost.comm import Reshard
 from autoshard.ir import spec_str
 from autoshard.lowering import ReshardEdge, reshard_edges, value_ref
 from autoshard.plans import Plan
-from autoshard.solver.rules.registry import RULES
-from autoshard.solver.rules.simulate import default_localize
+from autoshard.solver.rules.registry import localize
 from autoshard.trace.export import TracedGraph, op_info, output_infos
 
 
@@ -43,8 +42,9 @@ class ReshardCall:
 class RankRuntime:
     """What the emitted program needs at run time: this rank's groups and the byte ledger."""
 
-    def __init__(self, groups: Any) -> None:
+    def __init__(self, groups: Any, device: torch.device) -> None:
         self.groups = groups
+        self.device = device
         self.ledger: list = []
 
 
@@ -69,7 +69,7 @@ def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime) -> fx.GraphModul
     moved: dict[tuple, fx.Node] = {}   # (value, dst, divergent) -> resharded node, shared
 
     def local(ref: tuple[str, int], consumer: tuple[str, int]) -> fx.Node:
-        src = env[ref[0]] if ref[1] == 0 and ref[0] in env else env[f"{ref[0]}#{ref[1]}"]
+        src = env.get(f"{ref[0]}#{ref[1]}", env.get(ref[0]))
         e = edges.get((ref, consumer))
         if e is None:
             return src
@@ -101,8 +101,8 @@ def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime) -> fx.GraphModul
             (node.args, node.kwargs),
             lambda a: local(value_ref(a), (node.name, next(k))) if isinstance(a, fx.Node) else a)
         strat = strategies[node.name]
-        rule = RULES.get(node.target)
-        localize = rule.localize if rule is not None and rule.localize is not None else default_localize
+        if "device" in kwargs:   # traced on meta or another device: run where this rank runs
+            kwargs = {**kwargs, "device": runtime.device}
         fn, args, kwargs = localize(op_info(node), strat, mesh_shape, coords, args, kwargs)
         new = g.call_function(fn, tuple(args), dict(kwargs))
         new.meta["autoshard"] = {"strategy": str(strat)}

@@ -34,10 +34,12 @@ class ParallelModule(torch.nn.Module):
                  model: torch.nn.Module) -> None:
         super().__init__()
         self.plan, self.groups, self.traced = plan, groups, traced
-        self.runtime = RankRuntime(groups)
+        device = torch.device("cuda", torch.cuda.current_device()) if groups.device_type == "cuda" \
+            else torch.device("cpu")
+        self.runtime = RankRuntime(groups, device)
         self.runtime.ledger = Ledger()
         self.program = emit(traced, plan, self.runtime)
-        full = dict(model.named_parameters())
+        full = dict(model.named_parameters())      # canonical names, as the trace reports them
         full.update(dict(model.named_buffers()))
         self._specs: dict[str, Spec] = {}
         self._names: list[str] = []          # placeholder order, params/buffers/constants

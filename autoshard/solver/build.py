@@ -24,7 +24,8 @@ from autoshard.cost.comm import reshard, reshard_time
 from autoshard.cost.compute import op_time
 from autoshard.cost.memory import param_state_bytes, saved_activation_bytes
 from autoshard.ir import Replicate, Shard, Spec, Strategy, local_shape, spec_fits
-from autoshard.lowering import ValueRef, input_divergence, output_requirement, value_inputs, value_ref
+from autoshard.lowering import (ValueRef, grad_values, input_divergence, output_requirement,
+                                no_backward, value_inputs, value_ref)
 from autoshard.mesh import Mesh
 from autoshard.solver.problem import Edge, Group, Problem
 from autoshard.solver.rules.registry import OpInfo, TensorInfo, strategies_for
@@ -97,6 +98,8 @@ class _Builder:
         for n in self.nodes:
             for i, ti in enumerate(output_infos(n)):
                 self.shapes[(n.name, i)] = (ti.shape, ti.dtype.itemsize)
+        params = {p.name for p in traced.params}
+        self.grad = grad_values(traced.graph, params) if traced.training else set()
         self._follow_memo: dict[tuple, int] = {}
         self._rt_memo: dict[tuple, float] = {}
         self.ins = {n.name: value_inputs(n) for n in traced.graph.nodes if n.op != "placeholder"}
@@ -256,8 +259,9 @@ class _Builder:
         t = self.node_cost(n, s)
         for k, spec in srcs.items():
             shape, itemsize = self.shapes[ins[k]]
-            div = input_divergence(s, k) if self.t.training else frozenset()
-            t += self._reshard_time(spec, s.inputs[k], shape, itemsize, div)
+            grad = ins[k][0] in self.grad
+            div = input_divergence(s, k) if grad else frozenset()
+            t += self._reshard_time(spec, s.inputs[k], shape, itemsize, div, grad)
         return t
 
     def _best_follow(self, n: fx.Node, strats: list[Strategy], srcs: dict[int, Spec]) -> int:
@@ -268,12 +272,12 @@ class _Builder:
         return self._follow_memo[key]
 
     def _reshard_time(self, src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int,
-                      div: frozenset[int]) -> float:
-        key = (src, dst, shape, itemsize, div)
+                      div: frozenset[int], grad: bool) -> float:
+        key = (src, dst, shape, itemsize, div, grad)
         t = self._rt_memo.get(key)
         if t is None:
-            t = self._rt_memo[key] = reshard_time(reshard(src, dst, shape, itemsize, self.ms, div),
-                                                  self.mesh)
+            r = reshard(src, dst, shape, itemsize, self.ms, div)
+            t = self._rt_memo[key] = reshard_time(r if grad else no_backward(r), self.mesh)
         return t
 
     def _internal_reshard(self, n: fx.Node, mb: Member, i: int, members: dict[str, Member]) -> float:
@@ -314,19 +318,22 @@ class _Builder:
             shape, itemsize = self.shapes[(pname, o)]
             reqs = [self._requirements(c, k, members) for c, k in cons]
             name = f"{pname}:{o}"
+            grad = pname in self.grad
             if len(cons) == 1:
                 (cgroup, req), = reqs
-                edges.append(self._edge(name, mult, pm.group, src_specs, cgroup, req, shape, itemsize))
+                edges.append(self._edge(name, mult, pm.group, src_specs, cgroup, req, shape, itemsize,
+                                        grad=grad))
                 continue
             # A value several groups read: a fanout picks the one requirement it is resharded to,
             # and each consumer reshards from there only if it needs something else.
             keys = list(dict.fromkeys(r for _, req in reqs for r in req))
             fan = len(groups)
             groups.append(Group(f"{name}:fanout", mult, (0.0,) * len(keys), (0.0,) * len(keys)))
-            edges.append(self._edge(name, mult, pm.group, src_specs, fan, keys, shape, itemsize))
+            edges.append(self._edge(name, mult, pm.group, src_specs, fan, keys, shape, itemsize,
+                                    grad=grad))
             for cgroup, req in reqs:
                 edges.append(self._edge(f"{name}:fanout", mult, fan, keys, cgroup, req, shape,
-                                        itemsize, from_fanout=True))
+                                        itemsize, grad=grad, from_fanout=True))
         return edges
 
     def _requirements(self, cname: str, k: int, members: dict[str, Member]
@@ -334,15 +341,16 @@ class _Builder:
         if cname == OUTPUT:
             return self._out_group, [(output_requirement(len(self.ms)), frozenset())]
         cm = members[cname]
+        grad = self.ins[cname][k][0] in self.grad
         out = []
         for j in cm.pick:
             s = cm.strategies[j]
-            out.append((s.inputs[k], input_divergence(s, k) if self.t.training else frozenset()))
+            out.append((s.inputs[k], input_divergence(s, k) if grad else frozenset()))
         return cm.group, out
 
     def _edge(self, name: str, mult: int, producer: int, src_specs: list, consumer: int,
               reqs: list[tuple[Spec, frozenset[int]]], shape: tuple[int, ...], itemsize: int,
-              *, from_fanout: bool = False) -> Edge:
+              *, grad: bool, from_fanout: bool = False) -> Edge:
         """``src_specs`` per producer strategy: specs, or (from a fanout) requirement keys, which
         cost nothing to a consumer with the same requirement."""
         specs = list(dict.fromkeys(src_specs))
@@ -353,7 +361,7 @@ class _Builder:
                 if src == dst:
                     return 0.0
                 src = src[0]
-            return self._reshard_time(src, dst[0], shape, itemsize, dst[1])
+            return self._reshard_time(src, dst[0], shape, itemsize, dst[1], grad)
 
         cost = tuple(tuple(price(s, d) for d in rkeys) for s in specs)
         return Edge(name, mult, producer, consumer, tuple(specs.index(s) for s in src_specs),

@@ -107,7 +107,7 @@ def assemble(traced: TracedGraph, mesh: Mesh, built: Built, sol: Solution, *, mo
             if phase == "backward" and e.from_param:
                 phase = "grad_sync"
             collectives.append(CollectiveRecord(step.kind, (mesh.axes[step.axis],), step.nbytes,
-                                                phase, node))
+                                                phase, node, e.value[0]))
     node_plans = tuple(NodePlan(n.name, _op_name(n), strategies[n.name].inputs,
                                 strategies[n.name].outputs, strategies[n.name].kernel)
                        for n in nodes)

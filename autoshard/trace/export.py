@@ -125,8 +125,12 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any], *, training: bo
                              fix="remove data-dependent Python control flow from forward, or "
                                  "turn off caches (use_cache=False); the full export error is "
                                  "chained below") from e
-    # Our own loss wrapper holds the model as ``model``: report the model's own names.
-    return from_exported(ep, training=training, strip="model." if wrapped is not model else "")
+    # Our own loss wrapper holds the model as ``model``: report the model's own names. A tied
+    # parameter may be lifted under any of its names; use the one named_parameters() gives.
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    aliases = {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+    strip = "model." if wrapped is not model else ""
+    return from_exported(ep, training=training, strip=strip, aliases=aliases)
 
 
 def inline_subgraphs(gm: fx.GraphModule) -> None:
@@ -160,7 +164,8 @@ def inline_subgraphs(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def from_exported(ep: ExportedProgram, *, training: bool, strip: str = "") -> TracedGraph:
+def from_exported(ep: ExportedProgram, *, training: bool, strip: str = "",
+                  aliases: dict[str, str] | None = None) -> TracedGraph:
     gm = ep.graph_module
     inline_subgraphs(gm)
     kinds = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer",
@@ -178,6 +183,7 @@ def from_exported(ep: ExportedProgram, *, training: bool, strip: str = "") -> Tr
             fqn, n_in = f"input{n_in}", n_in + 1
         else:
             fqn = spec.target.removeprefix(strip)
+            fqn = (aliases or {}).get(fqn, fqn)
         if kind == "constant":
             constants[node.name] = ep.constants[spec.target]
         placeholders.append(Placeholder(node.name, kind, fqn, tensor_info(node.meta.get("val"))))
@@ -200,8 +206,11 @@ def node_signatures(graph: fx.Graph) -> dict[str, str]:
     input; also what a stale plan is diffed against)."""
     sigs: dict[str, str] = {}
     for node in graph.nodes:
-        args = fx.node.map_aggregate((node.args, node.kwargs),
-                                     lambda a: f"%{a.name}" if isinstance(a, fx.Node) else a)
+        # Devices are where a graph was traced (meta for planning), not part of the model.
+        args = fx.node.map_aggregate(
+            (node.args, node.kwargs),
+            lambda a: f"%{a.name}" if isinstance(a, fx.Node) else "<device>"
+            if isinstance(a, torch.device) else a)
         shapes = [(list(t.shape), str(t.dtype).removeprefix("torch.")) for t in output_infos(node)]
         sigs[node.name] = f"{node.op} {_target_name(node)} {args} {shapes}"
     return sigs
