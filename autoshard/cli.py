@@ -45,8 +45,9 @@ def cmd_plan(args) -> int:
              time_limit_s=args.time_limit, model_name=args.model)
     took = time.perf_counter() - t0
     print(p.summary())
-    print(f"  planned in {took:.2f} s (trace {p.solver['trace_s']:.2f} s, build "
-          f"{p.solver['build_s']:.2f} s, solve {p.solver['seconds']:.2f} s)")
+    t = p.timings
+    print(f"  planned in {took:.2f} s (trace {t['trace_s']:.2f} s, build "
+          f"{t['build_s']:.2f} s, solve {t['solve_s']:.2f} s)")
     if args.output:
         p.save(args.output)
         print(f"  wrote {args.output}")

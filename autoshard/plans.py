@@ -68,6 +68,9 @@ class Plan:
     solver: dict[str, Any]
     model: str = ""
     node_sigs: dict[str, str] = field(default_factory=dict)
+    # Wall-clock seconds of this run (trace_s, build_s, solve_s): shown by the CLI, never saved,
+    # and not part of equality, so that the same planning gives byte-identical files.
+    timings: dict[str, float] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.mesh_shape) != len(self.mesh_axes):
@@ -90,16 +93,16 @@ class Plan:
                  f"cluster {self.cluster}, {'training' if self.training else 'inference'}",
                  f"  predicted step {p['step_time_s'] * 1e3:.3f} ms = compute "
                  f"{p['compute_s'] * 1e3:.3f} ms + comm {p['comm_s'] * 1e3:.3f} ms; peak memory "
-                 f"{p['peak_memory_bytes'] / 2**30:.2f} GiB per device",
-                 f"  solver {s['status']} in {s['seconds']:.2f} s, {s['variables']} variables, "
-                 f"gap {s['gap']:.2%}"]
+                 f"{_size(p['peak_memory_bytes'])} per device",
+                 f"  solver {s['status']}, {s['variables']} variables, {s.get('groups', '?')} "
+                 f"groups, gap {s['gap']:.2%}"]
         by: dict[tuple[str, str, tuple[str, ...]], list[int]] = {}
         for c in self.collectives:
             by.setdefault((c.phase, c.kind, c.axes), []).append(c.bytes)
         lines.append("  collectives:")
         for (phase, kind, axes), bs in sorted(by.items()):
             lines.append(f"    {phase:9s} {kind:14s} over {','.join(axes):8s} x{len(bs):<5d} "
-                         f"{sum(bs) / 2**20:10.2f} MiB")
+                         f"{_size(sum(bs)):>12s}")
         shown: dict[str, str] = {}
         for fqn, spec in self.params.items():
             shown.setdefault(spec_str(spec), fqn)
@@ -203,3 +206,12 @@ class Plan:
             raise AutoshardError(f"the mesh the plan was made for: {self.mesh_shape} {self.mesh_axes}",
                                  got=f"mesh {tuple(shape)} {tuple(axes)}",
                                  fix="use the plan's mesh, or re-plan for this mesh")
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the figure >= 1: a tiny model's plan must not
+    read "0.00 GiB" (and its snapshot must show a change in memory or traffic)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"

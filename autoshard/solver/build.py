@@ -50,6 +50,7 @@ POINTWISE = {
     aten.mul.Scalar, aten.sub.Scalar, aten.div.Scalar, aten.cat.default,
 }
 OUTPUT = "output"
+FORBIDDEN = 1e6   # seconds: a reshard the caller ruled out (the ILP never pays it)
 
 
 @dataclass
@@ -88,6 +89,7 @@ class _Builder:
     def __init__(self, traced: TracedGraph, mesh: Mesh, memory_budget: float,
                  optimizer: str) -> None:
         self.t, self.mesh, self.budget, self.optimizer = traced, mesh, memory_budget, optimizer
+        self.in_place: frozenset[str] = frozenset()
         self.ms = mesh.shape
         self.nodes = [n for n in traced.graph.nodes
                       if n.op == "placeholder" or (n.op == "call_function"
@@ -163,20 +165,7 @@ class _Builder:
         return op_time(self.infos[n.name], s, self.mesh, training=self.t.training)
 
     def node_memory(self, n: fx.Node, s: Strategy) -> float:
-        if n.op == "placeholder":
-            ph = self.t.placeholder(n.name)
-            if ph.info is None or ph.kind == "input":
-                return 0.0
-            numel = 1
-            for d in local_shape(ph.info.shape, s.outputs[0], self.ms):
-                numel *= d
-            if ph.kind == "param":
-                return float(param_state_bytes(numel, ph.info.dtype,
-                                               optimizer=self.optimizer if self.t.training else "none"))
-            return float(numel * ph.info.dtype.itemsize)
-        if not self.t.training:
-            return 0.0
-        return float(saved_activation_bytes(self.infos[n.name], s, self.ms))
+        return node_memory(self.t, n, self.infos.get(n.name), s, self.ms, self.optimizer)
 
     def build(self) -> Built:
         rep = self.find_reps()
@@ -356,7 +345,11 @@ class _Builder:
         specs = list(dict.fromkeys(src_specs))
         rkeys = list(dict.fromkeys(reqs))
 
+        in_place = name.split(":")[0] in self.in_place
+
         def price(src, dst: tuple[Spec, frozenset[int]]) -> float:
+            if in_place and not from_fanout and src != dst[0]:
+                return FORBIDDEN
             if from_fanout:
                 if src == dst:
                     return 0.0
@@ -366,6 +359,24 @@ class _Builder:
         cost = tuple(tuple(price(s, d) for d in rkeys) for s in specs)
         return Edge(name, mult, producer, consumer, tuple(specs.index(s) for s in src_specs),
                     tuple(rkeys.index(r) for r in reqs), cost)
+
+
+def node_memory(traced: TracedGraph, n: fx.Node, info: OpInfo | None, s: Strategy,
+                mesh_shape: tuple[int, ...], optimizer: str) -> float:
+    """Bytes one device holds for a node: a parameter's state (weights, gradient, optimizer), a
+    buffer, or what an op saves for backward (training only)."""
+    if n.op == "placeholder":
+        ph = traced.placeholder(n.name)
+        if ph.info is None or ph.kind == "input":
+            return 0.0
+        numel = math.prod(local_shape(ph.info.shape, s.outputs[0], mesh_shape))
+        if ph.kind == "param":
+            return float(param_state_bytes(numel, ph.info.dtype,
+                                           optimizer=optimizer if traced.training else "none"))
+        return float(numel * ph.info.dtype.itemsize)
+    if not traced.training or info is None:
+        return 0.0
+    return float(saved_activation_bytes(info, s, mesh_shape))
 
 
 def _spec(m: Member, i: int, out: int) -> Spec:
@@ -379,6 +390,10 @@ def _suffix(fqn: str) -> str:
 
 
 def build_problem(traced: TracedGraph, mesh: Mesh, *, memory_budget: float | None = None,
-                  optimizer: str = "adam") -> Built:
+                  optimizer: str = "adam", in_place: frozenset[str] = frozenset()) -> Built:
+    """``in_place``: parameters every op must read in their stored layout (a hand-written plan's
+    weights are used where they lie, never resharded on the way in)."""
     budget = mesh.cluster.memory_bytes if memory_budget is None else memory_budget
-    return _Builder(traced, mesh, budget, optimizer).build()
+    b = _Builder(traced, mesh, budget, optimizer)
+    b.in_place = in_place
+    return b.build()

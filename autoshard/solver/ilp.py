@@ -28,6 +28,30 @@ class Infeasible(Exception):
         super().__init__(f"no plan fits; the least memory per device is {least_memory:.4g} bytes")
 
 
+class NoSolution(Exception):
+    """The solver stopped (time limit) before it found any plan, though plans within the memory
+    budget exist: not an infeasible budget, and must not be reported as one."""
+
+    def __init__(self, time_limit_s: float, status: int) -> None:
+        self.time_limit_s, self.status = time_limit_s, status
+        super().__init__(f"the solver found no plan within {time_limit_s:g} s (status {status})")
+
+
+def least_memory(problem: Problem) -> float:
+    """The least memory (bytes per device) of any assignment. Memory depends on the group choices
+    alone and every choice satisfies the edge constraints, so it is a per-group minimum."""
+    pins: dict[int, set[int]] = {}
+    for g, i in problem.fixed:
+        pins.setdefault(g, set()).add(i)
+    total = 0.0
+    for g, grp in enumerate(problem.groups):
+        allowed = pins.get(g, range(len(grp.memory)))
+        if len(allowed) != 1 and g in pins:
+            return float("inf")      # two different strategies pinned on one group
+        total += grp.mult * min(grp.memory[i] for i in allowed)
+    return total
+
+
 def _solver() -> tuple[pywraplp.Solver, str]:
     for name in BACKENDS:
         s = pywraplp.Solver.CreateSolver(name)
@@ -79,7 +103,12 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0, minimise_memory: bool
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         if minimise_memory:
             raise RuntimeError(f"the memory-minimising ILP found no solution (status {status})")
-        raise Infeasible(solve(problem, time_limit_s=time_limit_s, minimise_memory=True).objective)
+        # A time limit hit before the first incumbent also lands here (NOT_SOLVED): only a budget
+        # below the least memory makes the problem infeasible.
+        least = least_memory(problem)
+        if least > problem.memory_budget or status == pywraplp.Solver.INFEASIBLE:
+            raise Infeasible(least)
+        raise NoSolution(time_limit_s, status)
     choice = tuple(max(range(len(xs)), key=lambda i: xs[i].solution_value()) for xs in x)
     objective = s.Objective().Value()
     bound = s.Objective().BestBound() if status != pywraplp.Solver.OPTIMAL else objective

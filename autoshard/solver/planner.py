@@ -1,6 +1,7 @@
 """trace -> build problem (with cost) -> ILP -> Plan."""
 from __future__ import annotations
 
+import math
 import operator
 import time
 from typing import Any, Sequence
@@ -14,10 +15,10 @@ from autoshard.ir import Strategy, shard_factor
 from autoshard.lowering import reshard_edges
 from autoshard.mesh import Mesh
 from autoshard.plans import CollectiveRecord, NodePlan, Plan
-from autoshard.solver.build import Built, build_problem
-from autoshard.solver.ilp import Infeasible, solve
+from autoshard.solver.build import Built, build_problem, node_memory
+from autoshard.solver.ilp import Infeasible, NoSolution, solve
 from autoshard.solver.problem import Solution
-from autoshard.trace.export import TracedGraph, trace
+from autoshard.trace.export import TracedGraph, op_info, output_infos, trace
 
 
 def check_mesh_fits(traced: TracedGraph, mesh: Mesh) -> None:
@@ -48,8 +49,14 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, *, memory_budget: float | None 
                 time_limit_s: float = 20.0, optimizer: str = "adam", model_name: str = "",
                 fixed: dict[str, Strategy] | None = None, trace_s: float = 0.0) -> Plan:
     check_mesh_fits(traced, mesh)
+    if mesh.ndim >= 3:
+        return _plan_by_merging(traced, mesh, memory_budget=memory_budget,
+                                time_limit_s=time_limit_s, optimizer=optimizer,
+                                model_name=model_name, fixed=fixed, trace_s=trace_s)
     t0 = time.perf_counter()
-    built = build_problem(traced, mesh, memory_budget=memory_budget, optimizer=optimizer)
+    in_place = frozenset(n for n in (fixed or {}) if traced.placeholder(n).kind == "param")
+    built = build_problem(traced, mesh, memory_budget=memory_budget, optimizer=optimizer,
+                          in_place=in_place)
     problem = built.problem
     if fixed:
         problem = _with_fixed(built, fixed)
@@ -58,11 +65,88 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, *, memory_budget: float | None 
         sol = solve(problem, time_limit_s=time_limit_s)
     except Infeasible as e:
         raise AutoshardError(
-            f"a plan within the memory budget of {problem.memory_budget / 2**30:.2f} GiB per device",
-            got=f"none fits; the least memory any plan needs is {e.least_memory / 2**30:.2f} GiB "
+            f"a plan within the memory budget of {_gib(problem.memory_budget)} per device",
+            got=f"none fits; the least memory any plan needs is {_gib(e.least_memory)} "
                 "per device", fix="raise memory_budget, use a larger mesh, or a smaller batch") from e
-    return assemble(traced, mesh, built, sol, model_name=model_name,
-                    timings={"trace_s": trace_s, "build_s": build_s})
+    except NoSolution as e:
+        raise AutoshardError(
+            "a plan found within the solver's time limit",
+            got=f"none after {e.time_limit_s:g} s (solver status {e.status}); the memory budget "
+                "is not the cause", fix="raise time_limit_s (--time-limit), or use a mesh with "
+                "fewer axes") from e
+    strategies = {name: built.strategy_of(name, sol.choice) for name in built.rep}
+    solver = {"status": sol.status, "objective": sol.objective, "gap": sol.gap,
+              "variables": sol.variables, "groups": len(built.problem.groups)}
+    return assemble(traced, mesh, strategies, solver=solver, model_name=model_name,
+                    optimizer=optimizer,
+                    timings={"trace_s": trace_s, "build_s": build_s, "solve_s": sol.seconds})
+
+
+# On a 3-axis mesh the full strategy space (about 5^3 placements per tensor) makes the ILP too
+# large to solve in seconds. We search the layouts in which adjacent axes act as one (their
+# placements are equal): each is a 1-D or 2-D problem, solved exactly, then priced exactly on the
+# real mesh, and the best is kept. Data x tensor, FSDP x tensor and 3-way tensor layouts, and every
+# hand-written baseline, lie in this space; layouts giving three axes three different roles do not.
+MERGES = {3: (((0, 1), (2,)), ((0,), (1, 2)), ((0, 1, 2),))}
+
+
+def merged_mesh(mesh: Mesh, groups: tuple[tuple[int, ...], ...]) -> Mesh:
+    return Mesh(tuple(math.prod(mesh.shape[a] for a in g) for g in groups),
+                tuple("*".join(mesh.axes[a] for a in g) for g in groups),
+                cluster=mesh.cluster, links=tuple(mesh.group_link(g) for g in groups))
+
+
+def _expand_spec(spec, groups):
+    return None if spec is None else tuple(spec[i] for i, g in enumerate(groups) for _ in g)
+
+
+def _contract_spec(spec, groups):
+    out = []
+    for g in groups:
+        ps = {spec[a] for a in g}
+        if len(ps) != 1:
+            return None
+        out.append(ps.pop())
+    return tuple(out)
+
+
+def _plan_by_merging(traced: TracedGraph, mesh: Mesh, *, fixed: dict[str, Strategy] | None,
+                     **kwargs: Any) -> Plan:
+    best: Plan | None = None
+    errors = []
+    for groups in MERGES[mesh.ndim]:
+        pins = {}
+        for name, st in (fixed or {}).items():
+            outs = tuple(_contract_spec(o, groups) for o in st.outputs)
+            if any(o is None for o in outs):
+                break
+            pins[name] = Strategy((), outs)
+        else:
+            sub_mesh = merged_mesh(mesh, groups)
+            try:
+                sub = plan_traced(traced, sub_mesh, fixed=pins or None, **kwargs)
+            except AutoshardError as e:
+                errors.append(e)
+                continue
+            strategies = {n.name: Strategy(tuple(_expand_spec(x, groups) for x in n.inputs),
+                                           tuple(_expand_spec(x, groups) for x in n.outputs),
+                                           n.kernel) for n in sub.nodes}
+            plan = assemble(traced, mesh, strategies,
+                            solver={**sub.solver, "merged_axes": [list(g) for g in groups]},
+                            model_name=kwargs.get("model_name", ""),
+                            optimizer=kwargs.get("optimizer", "adam"), timings=sub.timings)
+            if best is None or plan.predicted["step_time_s"] < best.predicted["step_time_s"]:
+                best = plan
+    if best is None:
+        raise errors[0] if errors else AutoshardError(
+            "pinned layouts that keep some adjacent mesh axes alike", got=str(fixed),
+            fix="pin equal placements on two adjacent axes")
+    return best
+
+
+def _gib(nbytes: float) -> str:
+    # 4 significant digits: a small model's figure must not print as "0.00 GiB".
+    return f"{nbytes / 2**30:.4g} GiB"
 
 
 def _with_fixed(built: Built, fixed: dict[str, Strategy]):
@@ -78,28 +162,27 @@ def _with_fixed(built: Built, fixed: dict[str, Strategy]):
     return replace(built.problem, fixed=tuple(sorted(set(pins))))
 
 
-def assemble(traced: TracedGraph, mesh: Mesh, built: Built, sol: Solution, *, model_name: str,
+def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy], *,
+             solver: dict[str, Any], model_name: str, optimizer: str,
              timings: dict[str, float]) -> Plan:
+    """The Plan of a full assignment: its ledger and predicted figures, priced node by node on
+    ``mesh`` (the same walk codegen makes, so the ledger is what the program will run)."""
     graph = traced.graph
-    nodes = [n for n in graph.nodes if n.op == "placeholder"
-             or (n.op == "call_function" and n.target is not operator.getitem)]
-    strategies = {n.name: built.strategy_of(n.name, sol.choice) for n in nodes}
+    nodes = [n for n in graph.nodes if n.name in strategies]
     params = {p.name: p.fqn for p in traced.params}
     compute_s = memory = 0.0
-    member_cost: dict[tuple[str, int], tuple[float, float]] = {}
+    shapes = {}
     for n in nodes:
-        r = built.rep[n.name]
-        m = built.members[r]
-        key = (r, m.pick[sol.choice[m.group]])
-        if key not in member_cost:
-            s = strategies[n.name]
-            c = op_time(built.infos[r], s, mesh, training=traced.training) if n.op != "placeholder" else 0.0
-            member_cost[key] = (c, _memory_of(built, r, sol.choice))
-        compute_s += member_cost[key][0]
-        memory += member_cost[key][1]
+        s = strategies[n.name]
+        info = op_info(n) if n.op == "call_function" else None
+        if info is not None:
+            compute_s += op_time(info, s, mesh, training=traced.training)
+        memory += node_memory(traced, n, info, s, mesh.shape, optimizer)
+        for i, ti in enumerate(output_infos(n)):
+            shapes[(n.name, i)] = (ti.shape, ti.dtype.itemsize)
     collectives: list[CollectiveRecord] = []
     comm_s = 0.0
-    for e in reshard_edges(graph, strategies, mesh.shape, built.shapes, set(params),
+    for e in reshard_edges(graph, strategies, mesh.shape, shapes, set(params),
                            training=traced.training):
         comm_s += reshard_time(e.reshard, mesh)
         node = e.consumers[0][0]
@@ -119,16 +202,9 @@ def assemble(traced: TracedGraph, mesh: Mesh, built: Built, sol: Solution, *, mo
         collectives=tuple(collectives),
         predicted={"step_time_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s,
                    "peak_memory_bytes": memory},
-        solver={"status": sol.status, "objective": sol.objective, "gap": sol.gap,
-                "variables": sol.variables, "seconds": sol.seconds,
-                "groups": len(built.problem.groups), **timings},
-        model=model_name, node_sigs=traced.node_sigs)
-
-
-def _memory_of(built: Built, rep: str, choice: tuple[int, ...]) -> float:
-    # Recomputed per template node through the group: the group's memory is the sum of its
-    # members', so price members one by one with the builder's figures kept on the Built.
-    return built.member_memory[rep][built.members[rep].pick[choice[built.members[rep].group]]]
+        solver=solver, model=model_name, node_sigs=traced.node_sigs,
+        # Wall-clock figures stay off the saved plan: they would make two runs' files differ.
+        timings=timings)
 
 
 def _op_name(n) -> str:
