@@ -98,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("model")
     v.add_argument("--mesh", required=True)
     v.add_argument("--axes", default=None)
-    v.add_argument("--cluster", default="cpu", help="cost model to plan with (default cpu: the one these ranks run on)")
+    v.add_argument("--cluster", default="stress",
+                   help="cost model to plan with (default stress: slow compute, so even tiny "
+                        "models get sharded plans to prove)")
     v.add_argument("--batch", type=int, default=None)
     v.add_argument("--seq", type=int, default=None)
     v.add_argument("--plan", default=None, help="a plan file (default: plan on the spot)")

@@ -132,7 +132,8 @@ _HF_NAMES = {
               (".attn.", ".self_attn.")],
     "gpt2": [("tok_emb", "transformer.wte"), ("pos_emb", "transformer.wpe"),
              ("layers.", "transformer.h."), ("ln_f", "transformer.ln_f"), ("ln1", "ln_1"),
-             ("ln2", "ln_2"), ("attn.qkv", "attn.c_attn"), ("attn.out", "attn.c_proj"),
+             ("ln2", "ln_2"), ("attn.q_proj", "attn.c_attn"), ("attn.k_proj", "attn.c_attn"),
+             ("attn.v_proj", "attn.c_attn"), ("attn.out", "attn.c_proj"),
              ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj")],
     "bert": [("tok_emb", "bert.embeddings.word_embeddings"),
              ("pos_emb", "bert.embeddings.position_embeddings"),
@@ -165,6 +166,9 @@ def test_plain_models_match_hugging_face(family: str) -> None:
     with torch.no_grad():
         for name, p in ours.named_parameters():
             src = state[_hf_name(family, name)]
+            if family == "gpt2" and "attn.c_attn" in _hf_name(family, name):
+                # HF fuses [Q|K|V] on the output dim (last, as Conv1D); ours are three Linears.
+                src = src.chunk(3, dim=-1)["qkv".index(name.split(".attn.")[1][0])]
             # HF GPT-2 stores its projections as Conv1D, i.e. transposed Linear weights.
             p.copy_(src.t() if family == "gpt2" and p.ndim == 2 and "emb" not in name else src)
     # fp32 on CPU, same op order up to fused kernels: agreement to a few ulps of O(1) logits.

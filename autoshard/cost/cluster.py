@@ -108,4 +108,11 @@ PRESETS: dict[str, Cluster] = {
                    memory_bytes=16 * GB, devices_per_node=64, intra_alpha=3e-5,
                    intra_bandwidth=2 * GB, inter_alpha=3e-5, inter_bandwidth=2 * GB,
                    kernel_floor_s=5e-6),
+    # Not hardware: a CPU whose compute is 10,000x slower than the "cpu" preset and whose links
+    # have ~no latency, so every op is worth sharding. `autoshard verify` plans with it by
+    # default, so that even tiny models get plans that shard and move data on gloo.
+    "stress": Cluster(name="stress", flops=1e7, fp32_flops=1e7, mem_bandwidth=2e10,
+                      memory_bytes=16 * GB, devices_per_node=64, intra_alpha=1e-6,
+                      intra_bandwidth=2 * GB, inter_alpha=1e-6, inter_bandwidth=2 * GB,
+                      kernel_floor_s=1e-9),
 }

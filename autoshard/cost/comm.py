@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
-from autoshard.ir import Partial, Replicate, Shard, Spec
+from autoshard.ir import Partial, Replicate, Shard, Spec, shard_factor
 from autoshard.mesh import Mesh
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -136,7 +136,7 @@ def reshard(src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int,
     divergent = frozenset(a for a in divergent if mesh_shape[a] > 1)
     done = [not c for c in _must_change(src, dst)]
     state = list(src)
-    local = [s // _factor(state, d, mesh_shape) for d, s in enumerate(shape)]
+    local = [s // shard_factor(state, d, mesh_shape) for d, s in enumerate(shape)]
     fwd: list[Step] = []
     while not all(done):
         kind, a, dim, dim2 = _next_step(state, dst, done)
@@ -194,14 +194,6 @@ def _drop_unit_axes(spec: Spec, mesh_shape: tuple[int, ...]) -> Spec:
     return tuple(Replicate() if n == 1 else p for p, n in zip(spec, mesh_shape))
 
 
-def _factor(spec: Sequence, dim: int, mesh_shape: Sequence[int]) -> int:
-    f = 1
-    for p, n in zip(spec, mesh_shape):
-        if isinstance(p, Shard) and p.dim == dim:
-            f *= n
-    return f
-
-
 def _backward(fwd: tuple[Step, ...], dst: Spec, shape: tuple[int, ...], itemsize: int,
               mesh_shape: tuple[int, ...], divergent: frozenset[int]) -> tuple[Step, ...]:
     """The gradient's steps: the dual of each forward step, in reverse order.
@@ -212,7 +204,7 @@ def _backward(fwd: tuple[Step, ...], dst: Spec, shape: tuple[int, ...], itemsize
     all-reduce on a divergent axis followed by an all-gather's adjoint slice on the same axis is
     a reduce-scatter (ZeRO-3's and sequence parallel's backward).
     """
-    grad_local = [s // _factor(dst, d, mesh_shape) for d, s in enumerate(shape)]
+    grad_local = [s // shard_factor(dst, d, mesh_shape) for d, s in enumerate(shape)]
     gathered_axes = {s.axis for s in fwd if s.kind == "all_gather"}
     out: list[Step] = []
     for a in sorted(divergent - gathered_axes):

@@ -22,7 +22,7 @@ import torch
 
 from autoshard.ir import Strategy, local_shape
 from autoshard.mesh import Mesh
-from autoshard.solver.rules.registry import RULES, OpInfo, op_flops
+from autoshard.solver.rules.registry import RULES, OpInfo, cached_on, op_flops
 
 # Op families, by the op's base name (``aten.mm.default`` -> "mm"; in-place "relu_" -> "relu").
 VIEW, MATMUL, ATTENTION, GATHER = "view", "matmul", "attention", "gather"
@@ -167,11 +167,7 @@ _PROFILE_KEY = "_autoshard_op_profile"
 
 def op_profile(op: OpInfo) -> OpProfile:
     """The op's :class:`OpProfile`, computed once and kept on the op (OpInfo is immutable)."""
-    prof = op.__dict__.get(_PROFILE_KEY)
-    if prof is None:
-        prof = _make_profile(op)
-        object.__setattr__(op, _PROFILE_KEY, prof)
-    return prof
+    return cached_on(op, _PROFILE_KEY, _make_profile)
 
 
 def _make_profile(op: OpInfo) -> OpProfile:

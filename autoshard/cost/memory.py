@@ -14,7 +14,7 @@ from autoshard.cost.compute import (ATTENTION, GATHER, MATMUL, VIEW, local_numel
                                     op_name, op_profile)
 from autoshard.errors import AutoshardError
 from autoshard.ir import Strategy, shard_factor
-from autoshard.solver.rules.registry import OpInfo
+from autoshard.solver.rules.registry import OpInfo, cached_on
 
 # ----------------------------------------------------------------------------- model state
 
@@ -187,11 +187,7 @@ _SAVED_KEY = "_autoshard_saved_rule"
 
 def saved_rule(op: OpInfo) -> SavedRule:
     """The op's :class:`SavedRule`, computed once and kept on the (immutable) op."""
-    rule = op.__dict__.get(_SAVED_KEY)
-    if rule is None:
-        rule = _saved_rule(op)
-        object.__setattr__(op, _SAVED_KEY, rule)
-    return rule
+    return cached_on(op, _SAVED_KEY, _saved_rule)
 
 
 def saved_activation_bytes(op: OpInfo, strategy: Strategy, mesh_shape: tuple[int, ...], *,

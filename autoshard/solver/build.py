@@ -103,6 +103,7 @@ class _Builder:
         params = {p.name for p in traced.params}
         self.grad = grad_values(traced.graph, params) if traced.training else set()
         self._follow_memo: dict[tuple, int] = {}
+        self._own: dict[str, tuple[list[float], list[int]]] = {}
         self._rt_memo: dict[tuple, float] = {}
         self.ins = {n.name: value_inputs(n) for n in traced.graph.nodes if n.op != "placeholder"}
         self.layer: dict[str, tuple[str, int] | None] = {}
@@ -243,9 +244,9 @@ class _Builder:
                 return g, frozenset(k for k, gg in local.items() if gg == g)
         return None
 
-    def _follow_cost(self, n: fx.Node, s: Strategy, srcs: dict[int, Spec]) -> float:
+    def _follow_cost(self, n: fx.Node, s: Strategy, srcs: dict[int, Spec], base: float) -> float:
         ins = self.ins[n.name]
-        t = self.node_cost(n, s)
+        t = base
         for k, spec in srcs.items():
             shape, itemsize = self.shapes[ins[k]]
             grad = ins[k][0] in self.grad
@@ -254,11 +255,22 @@ class _Builder:
         return t
 
     def _best_follow(self, n: fx.Node, strats: list[Strategy], srcs: dict[int, Spec]) -> int:
+        """The follower's cheapest strategy (own cost + reshards in), lowest index on ties.
+        Strategies are tried by own cost, stopping once that alone exceeds the best total."""
         key = (n.name, tuple(sorted(srcs.items())))
-        if key not in self._follow_memo:
-            costs = [self._follow_cost(n, s, srcs) for s in strats]
-            self._follow_memo[key] = min(range(len(strats)), key=lambda j: (costs[j], j))
-        return self._follow_memo[key]
+        if key in self._follow_memo:
+            return self._follow_memo[key]
+        if n.name not in self._own:
+            own = [self.node_cost(n, s) for s in strats]
+            self._own[n.name] = (own, sorted(range(len(strats)), key=lambda j: (own[j], j)))
+        own, order = self._own[n.name]
+        best = (float("inf"), -1)
+        for j in order:
+            if own[j] > best[0]:
+                break
+            best = min(best, (self._follow_cost(n, strats[j], srcs, own[j]), j))
+        self._follow_memo[key] = best[1]
+        return best[1]
 
     def _reshard_time(self, src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int,
                       div: frozenset[int], grad: bool) -> float:
@@ -276,7 +288,7 @@ class _Builder:
         ins = self.ins[n.name]
         s = mb.strategies[mb.pick[i]]
         srcs = {k: _spec(members[ins[k][0]], i, ins[k][1]) for k in positions}
-        return self._follow_cost(n, s, srcs) - self.node_cost(n, s)
+        return self._follow_cost(n, s, srcs, 0.0)
 
     def _edges(self, rep: dict[str, str], members: dict[str, Member],
                groups: list[Group]) -> list[Edge]:

@@ -54,7 +54,7 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, *, memory_budget: float | None 
                                 time_limit_s=time_limit_s, optimizer=optimizer,
                                 model_name=model_name, fixed=fixed, trace_s=trace_s)
     t0 = time.perf_counter()
-    in_place = frozenset(n for n in (fixed or {}) if traced.placeholder(n).kind == "param")
+    in_place = frozenset(p.name for p in traced.params if p.name in (fixed or {}))
     built = build_problem(traced, mesh, memory_budget=memory_budget, optimizer=optimizer,
                           in_place=in_place)
     problem = built.problem

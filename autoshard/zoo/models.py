@@ -159,15 +159,21 @@ class GPTConfig:
 
 
 class _GPTAttention(nn.Module):
+    """Separate Q, K and V projections (the same function and parameter count as GPT-2's fused
+    ``c_attn``). A fused [Q|K|V] weight split column-parallel puts all of Q on the first ranks,
+    so its ``split`` needs all-to-alls; Megatron avoids that by interleaving heads in the fused
+    weight, a strided layout autoshard's placements do not express yet."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
-        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=cfg.bias, dtype=cfg.dtype)
+        self.q_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias, dtype=cfg.dtype)
+        self.k_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias, dtype=cfg.dtype)
+        self.v_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias, dtype=cfg.dtype)
         self.out = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias, dtype=cfg.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(x).split(x.shape[-1], dim=-1)
-        q, k, v = (_split_heads(t, self.n_heads) for t in (q, k, v))
+        q, k, v = (_split_heads(p(x), self.n_heads) for p in (self.q_proj, self.k_proj, self.v_proj))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out(_merge_heads(y))
 

@@ -66,6 +66,16 @@ class OpInfo:
         return self.outputs[0]
 
 
+def cached_on(op: OpInfo, key: str, make: Callable[[OpInfo], Any]) -> Any:
+    """``make(op)``, computed once per op and kept on it (an OpInfo is immutable; the cost model
+    prices thousands of strategies of the same op)."""
+    value = op.__dict__.get(key)
+    if value is None:
+        value = make(op)
+        object.__setattr__(op, key, value)
+    return value
+
+
 RuleFn = Callable[[OpInfo, tuple], list]
 LocalizeFn = Callable[..., tuple]   # (op, strategy, mesh_shape, coords, args, kwargs) -> (fn, args, kwargs)
 FlopsFn = Callable[[OpInfo], float]

@@ -1,0 +1,86 @@
+"""The ``autoshard`` command line, called in-process through ``autoshard.cli.main``.
+
+User mistakes exit with status 2 and one clear line on stderr, never a traceback.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+
+from autoshard.cli import main
+from autoshard.plans import Plan
+from autoshard.zoo.registry import ZOO
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory) -> tuple[str, str]:
+    """``autoshard plan gpt2-tiny --mesh 2x2 -o p.json``, run once: (path, stdout)."""
+    path = tmp_path_factory.mktemp("cli") / "p.json"
+    out = io.StringIO()      # capsys is function-scoped; this fixture runs once per module
+    with contextlib.redirect_stdout(out):
+        code = main(["plan", "gpt2-tiny", "--mesh", "2x2", "-o", str(path)])
+    assert code == 0
+    return str(path), out.getvalue()
+
+
+def test_plan_writes_a_loadable_plan(plan_file) -> None:
+    path, out = plan_file
+    assert "autoshard plan gpt2-tiny on mesh 2x2 (dp,tp), cluster h100, training" in out
+    assert "planned in" in out and f"wrote {path}" in out
+    p = Plan.load(path)
+    assert p.mesh_shape == (2, 2) and p.mesh_axes == ("dp", "tp") and p.model == "gpt2-tiny"
+    assert p.training and p.solver["status"] == "OPTIMAL"
+
+
+def test_show_prints_the_summary(plan_file, capsys) -> None:
+    path, _ = plan_file
+    assert main(["show", path]) == 0
+    out = capsys.readouterr().out
+    assert out == Plan.load(path).summary() + "\n"
+    assert main(["show", path, "--nodes"]) == 0
+    out = capsys.readouterr().out
+    assert "aten.linear.default" in out and "cross_entropy_loss" in out
+
+
+def test_unknown_model_suggests_close_names(capsys) -> None:
+    assert main(["plan", "gpt2-tinyy", "--mesh", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autoshard: error:") and "Traceback" not in err
+    assert "'gpt2-tinyy'" in err and "did you mean gpt2-tiny" in err
+
+
+@pytest.mark.parametrize("mesh", ["2xfoo", "0x2", "", "2x"])
+def test_bad_mesh_is_refused(capsys, mesh: str) -> None:
+    assert main(["plan", "gpt2-tiny", "--mesh", mesh]) == 2
+    err = capsys.readouterr().err
+    assert repr(mesh) in err and "8x8" in err and "Fix" in err, err
+
+
+def test_show_of_a_missing_file(tmp_path, capsys) -> None:
+    missing = tmp_path / "nope.json"
+    assert main(["show", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert "a readable plan file" in err and str(missing) in err and "autoshard plan -o" in err
+
+
+def test_show_of_a_file_that_is_not_a_plan(tmp_path, capsys) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "something-else"}')
+    assert main(["show", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "autoshard.plan" in err and "something-else" in err
+
+
+def test_zoo_lists_every_model(capsys) -> None:
+    assert main(["zoo"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert listed == list(ZOO)
+
+
+def test_usage_errors_exit_2(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "gpt2-tiny"])                  # --mesh is required
+    assert info.value.code == 2
+    assert "--mesh" in capsys.readouterr().err

@@ -1,0 +1,222 @@
+"""The sharding ILP on hand-built problems (tier 0: pure data, no torch).
+
+Every problem here is small enough to solve by hand or by brute force, so each test states the
+known optimum and checks the solver finds it (DESIGN.md example 8: the solver input is pure data).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from ortools.linear_solver import pywraplp
+
+from autoshard.solver.ilp import Infeasible, NoSolution, least_memory, solve
+from autoshard.solver.problem import Edge, Group, Problem, evaluate
+
+# Seconds-sized costs; the MIP's own tolerances are far below this on problems this small.
+REL = 1e-9
+
+
+def _switch(cost: float) -> tuple[tuple[float, ...], ...]:
+    """A 2x2 edge matrix: keeping the spec is free, changing it costs ``cost``."""
+    return ((0.0, cost), (cost, 0.0))
+
+
+def _edge(name: str, producer: int, consumer: int, cost, *, mult: int = 1) -> Edge:
+    n_o, n_r = len(cost), len(cost[0])
+    return Edge(name, mult, producer, consumer, tuple(range(n_o)), tuple(range(n_r)), tuple(cost))
+
+
+def chain() -> Problem:
+    """A -> B -> C, two strategies each. Per node, (A0, B0, C1) is cheapest (1 + 1 + 1) but the
+    switch B0 -> C1 costs 10, so the optimum is (1, 1, 1) at 2 + 2 + 1 = 5, not 13, and not
+    (0, 0, 0) at 7."""
+    groups = (Group("A", 1, (1.0, 2.0), (0.0, 0.0)), Group("B", 1, (1.0, 2.0), (0.0, 0.0)),
+              Group("C", 1, (5.0, 1.0), (0.0, 0.0)))
+    edges = (_edge("A:0", 0, 1, _switch(10.0)), _edge("B:0", 1, 2, _switch(10.0)))
+    return Problem(groups, edges, memory_budget=1e9)
+
+
+def brute_force(problem: Problem) -> tuple[float, tuple[int, ...]] | None:
+    """The optimum over every assignment within the budget (None: none fits)."""
+    best = None
+    pins = dict(problem.fixed)
+    ranges = [[pins[g]] if g in pins else range(len(grp.cost))
+              for g, grp in enumerate(problem.groups)]
+    for choice in itertools.product(*ranges):
+        t, mem = evaluate(problem, choice)
+        if mem <= problem.memory_budget and (best is None or t < best[0]):
+            best = (t, choice)
+    return best
+
+
+def test_chain_optimum_is_not_the_per_node_cheapest() -> None:
+    p = chain()
+    greedy = tuple(min(range(len(g.cost)), key=g.cost.__getitem__) for g in p.groups)
+    assert greedy == (0, 0, 1)
+    assert evaluate(p, greedy)[0] == 13.0
+    sol = solve(p)
+    assert sol.choice == (1, 1, 1)
+    assert sol.objective == pytest.approx(5.0, rel=REL)
+    assert sol.status == "OPTIMAL" and sol.gap == 0.0
+
+
+def test_fanout_shares_one_reshard() -> None:
+    """Value of P read by C1 and C2 through a zero-cost fanout F (as build.py makes them).
+
+    Each consumer saves 3 by running strategy 1, which needs the value in spec 1; resharding
+    spec 0 -> 1 costs 4. Priced per consumer, switching never pays (3 < 4); shared once through
+    the fanout, both switch: 4 - 6 = -2 better than staying."""
+    groups = (Group("P", 1, (0.0,), (0.0,)),
+              Group("C1", 1, (5.0, 2.0), (0.0, 0.0)),
+              Group("C2", 1, (5.0, 2.0), (0.0, 0.0)),
+              Group("P:0:fanout", 1, (0.0, 0.0), (0.0, 0.0)))
+    edges = (_edge("P:0", 0, 3, ((0.0, 4.0),)),
+             _edge("P:0:fanout", 3, 1, _switch(4.0)),
+             _edge("P:0:fanout", 3, 2, _switch(4.0)))
+    p = Problem(groups, edges, memory_budget=1.0)
+    sol = solve(p)
+    assert sol.choice == (0, 1, 1, 1)
+    assert sol.objective == pytest.approx(4.0 + 2.0 + 2.0, rel=REL)
+    # The same problem with a private reshard per consumer (no fanout) keeps spec 0.
+    private = Problem(groups[:3], (_edge("P:0", 0, 1, ((0.0, 4.0),)),
+                                   _edge("P:0", 0, 2, ((0.0, 4.0),))), memory_budget=1.0)
+    sol = solve(private)
+    assert sol.choice == (0, 0, 0) and sol.objective == pytest.approx(10.0, rel=REL)
+
+
+def two_ways(mult: int = 1) -> Problem:
+    """One op, fast and memory-hungry (cost 1, 100 B) or slow and lean (cost 2, 10 B), fed by a
+    producer whose two strategies cost 0.5 (7 B) or 0.9 (3 B)."""
+    groups = (Group("prod", 1, (0.5, 0.9), (7.0, 3.0)),
+              Group("op", mult, (1.0, 2.0), (100.0, 10.0)))
+    return Problem(groups, (_edge("prod:0", 0, 1, _switch(0.25)),), memory_budget=1e9)
+
+
+@pytest.mark.parametrize("mult", [1, 3])
+def test_memory_budget_flips_to_the_lean_strategy(mult: int) -> None:
+    roomy = solve(two_ways(mult))
+    assert roomy.choice[1] == 0
+    assert roomy.objective == pytest.approx(0.5 + mult * 1.0, rel=REL)
+    # Room for the lean op but not the fast one: the op flips; the producer keeps its cheap
+    # strategy and pays the switch (0.5 + 0.25 < 0.9).
+    tight = replace(two_ways(mult), memory_budget=mult * 10.0 + 7.0)
+    sol = solve(tight)
+    assert sol.choice == (0, 1)
+    assert sol.objective == pytest.approx(0.5 + mult * 2.0 + 0.25, rel=REL)
+    assert evaluate(tight, sol.choice)[1] <= tight.memory_budget
+    # Tighter still: the producer must take its lean strategy too, and no switch is needed.
+    tighter = replace(two_ways(mult), memory_budget=mult * 10.0 + 3.0)
+    sol = solve(tighter)
+    assert sol.choice == (1, 1)
+    assert sol.objective == pytest.approx(0.9 + mult * 2.0, rel=REL)
+
+
+def test_infeasible_budget_reports_the_true_least_memory() -> None:
+    p = replace(two_ways(3), memory_budget=32.9)      # least is 3 + 3 * 10 = 33
+    with pytest.raises(Infeasible) as info:
+        solve(p)
+    exact = min(evaluate(p, c)[1] for c in itertools.product(range(2), range(2)))
+    assert exact == 33.0
+    assert info.value.least_memory == pytest.approx(exact, rel=REL)
+    assert least_memory(p) == exact
+    # A pin counts: with the fast op pinned, the least memory is 3 + 3 * 100.
+    pinned = replace(p, fixed=((1, 0),))
+    with pytest.raises(Infeasible) as info:
+        solve(pinned)
+    assert info.value.least_memory == pytest.approx(303.0, rel=REL)
+
+
+def test_time_limit_without_a_plan_is_not_reported_as_infeasible(monkeypatch) -> None:
+    """The solver stopping before its first incumbent (status NOT_SOLVED) used to be reported as
+    an infeasible memory budget, quoting a least memory far below the budget."""
+    monkeypatch.setattr(pywraplp.Solver, "Solve", lambda self, *a: pywraplp.Solver.NOT_SOLVED)
+    with pytest.raises(NoSolution) as info:
+        solve(chain(), time_limit_s=0.5)
+    assert info.value.time_limit_s == 0.5
+    assert not isinstance(info.value, Infeasible)
+
+
+def test_fixed_pins_a_strategy() -> None:
+    p = replace(chain(), fixed=((2, 0),))        # force C0: then (0, 0, 0) at 7 is best
+    sol = solve(p)
+    assert sol.choice == (0, 0, 0)
+    assert sol.objective == pytest.approx(7.0, rel=REL)
+    p = replace(chain(), fixed=((1, 0), (2, 1)))  # force B0 and C1: the greedy plan, 13
+    sol = solve(p)
+    assert sol.choice == brute_force(p)[1] == (0, 0, 1)
+    assert sol.objective == pytest.approx(13.0, rel=REL)
+
+
+def test_json_round_trip_and_same_solution() -> None:
+    p = replace(chain(), fixed=((1, 1),), memory_budget=123.5)
+    text = p.to_json()
+    q = Problem.from_json(text)
+    assert q == p
+    assert q.to_json() == text
+    assert solve(q).choice == solve(p).choice
+
+
+@pytest.mark.parametrize("make", [chain, two_ways])
+def test_evaluate_agrees_with_the_objective(make) -> None:
+    p = make()
+    sol = solve(p)
+    assert evaluate(p, sol.choice)[0] == pytest.approx(sol.objective, rel=REL)
+
+
+def test_determinism_on_ties() -> None:
+    """Every assignment costs the same: the solver must still pick the same one each time."""
+    groups = tuple(Group(f"g{i}", 1, (1.0, 1.0, 1.0), (1.0, 1.0, 1.0)) for i in range(5))
+    edges = tuple(_edge(f"g{i}:0", i, i + 1, ((0.0, 0.0, 0.0),) * 3) for i in range(4))
+    p = Problem(groups, edges, memory_budget=100.0)
+    assert len({solve(p).choice for _ in range(3)}) == 1
+    assert solve(chain()).choice == solve(chain()).choice
+
+
+# -------------------------------------------------------------------- property: brute force
+
+
+@st.composite
+def problems(draw) -> Problem:
+    n = draw(st.integers(1, 4))
+    sizes = [draw(st.integers(1, 3)) for _ in range(n)]
+    cost = st.floats(0.0, 10.0, allow_nan=False, allow_infinity=False)
+    groups = tuple(Group(f"g{g}", draw(st.integers(1, 3)),
+                         tuple(draw(cost) for _ in range(k)),
+                         tuple(float(draw(st.integers(0, 10))) for _ in range(k)))
+                   for g, k in enumerate(sizes))
+    edges = []
+    for _ in range(draw(st.integers(0, 4)) if n > 1 else 0):
+        a, b = draw(st.lists(st.integers(0, n - 1), min_size=2, max_size=2, unique=True))
+        # Output / requirement classes: several strategies may share one spec.
+        n_o, n_r = draw(st.integers(1, sizes[a])), draw(st.integers(1, sizes[b]))
+        out = tuple(draw(st.integers(0, n_o - 1)) for _ in range(sizes[a]))
+        req = tuple(draw(st.integers(0, n_r - 1)) for _ in range(sizes[b]))
+        matrix = tuple(tuple(draw(cost) for _ in range(n_r)) for _ in range(n_o))
+        edges.append(Edge(f"e{len(edges)}", draw(st.integers(1, 2)), a, b, out, req, matrix))
+    # Integer memories and a half-integer budget: no assignment sits on the boundary.
+    budget = draw(st.integers(0, 60)) + 0.5
+    return Problem(groups, tuple(edges), float(budget))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_ilp_matches_brute_force(p: Problem) -> None:
+    best = brute_force(p)
+    if best is None:
+        with pytest.raises(Infeasible) as info:
+            solve(p)
+        exact = min(evaluate(p, c)[1] for c in itertools.product(
+            *(range(len(g.cost)) for g in p.groups)))
+        assert info.value.least_memory == pytest.approx(exact, rel=REL)
+        return
+    sol = solve(p)
+    assert sol.objective == pytest.approx(best[0], rel=1e-6, abs=1e-9)
+    t, mem = evaluate(p, sol.choice)
+    assert t == pytest.approx(best[0], rel=1e-6, abs=1e-9)
+    assert mem <= p.memory_budget
+    assert math.isfinite(sol.objective)
