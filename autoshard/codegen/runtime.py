@@ -102,7 +102,10 @@ class ParallelModule(torch.nn.Module):
                                          fix="pass pm.shard_inputs(*global_batch) to the module")
 
     def forward(self, *local_args: Any) -> Any:
+        """One forward; the ledger then holds this step's collectives (forward, and backward
+        once it has run), not every step's."""
         self._check_local(local_args)
+        self.runtime.ledger.clear()
         flat = []
         for ph in self.traced.placeholders:
             if ph.kind == "param":

@@ -90,6 +90,7 @@ class _Builder:
                  optimizer: str) -> None:
         self.t, self.mesh, self.budget, self.optimizer = traced, mesh, memory_budget, optimizer
         self.in_place: frozenset[str] = frozenset()
+        self.lower_on: tuple[Mesh, tuple[tuple[int, ...], ...]] | None = None
         self.ms = mesh.shape
         self.nodes = [n for n in traced.graph.nodes
                       if n.op == "placeholder" or (n.op == "call_function"
@@ -277,8 +278,14 @@ class _Builder:
         key = (src, dst, shape, itemsize, div, grad)
         t = self._rt_memo.get(key)
         if t is None:
-            r = reshard(src, dst, shape, itemsize, self.ms, div)
-            t = self._rt_memo[key] = reshard_time(r if grad else no_backward(r), self.mesh)
+            mesh, ms = self.mesh, self.ms
+            if self.lower_on is not None:      # price as it will run on the real mesh
+                mesh, groups = self.lower_on
+                ms = mesh.shape
+                src, dst = expand_spec(src, groups), expand_spec(dst, groups)
+                div = frozenset(a for g in div for a in groups[g])
+            r = reshard(src, dst, shape, itemsize, ms, div)
+            t = self._rt_memo[key] = reshard_time(r if grad else no_backward(r), mesh)
         return t
 
     def _internal_reshard(self, n: fx.Node, mb: Member, i: int, members: dict[str, Member]) -> float:
@@ -317,9 +324,12 @@ class _Builder:
             pm = members[pname]
             src_specs = [pm.strategies[i].outputs[o] for i in pm.pick]
             shape, itemsize = self.shapes[(pname, o)]
-            reqs = [self._requirements(c, k, members) for c, k in cons]
-            name = f"{pname}:{o}"
+            # Whether the value has a gradient is the producer's property: a template consumer
+            # may read a gradient-free input in its own layer (layer 0 reads the batch) and a
+            # gradient-carrying one in the others.
             grad = pname in self.grad
+            reqs = [self._requirements(c, k, members, grad) for c, k in cons]
+            name = f"{pname}:{o}"
             if len(cons) == 1:
                 (cgroup, req), = reqs
                 edges.append(self._edge(name, mult, pm.group, src_specs, cgroup, req, shape, itemsize,
@@ -337,12 +347,11 @@ class _Builder:
                                         itemsize, grad=grad, from_fanout=True))
         return edges
 
-    def _requirements(self, cname: str, k: int, members: dict[str, Member]
+    def _requirements(self, cname: str, k: int, members: dict[str, Member], grad: bool
                       ) -> tuple[int, list[tuple[Spec, frozenset[int]]]]:
         if cname == OUTPUT:
             return self._out_group, [(output_requirement(len(self.ms)), frozenset())]
         cm = members[cname]
-        grad = self.ins[cname][k][0] in self.grad
         out = []
         for j in cm.pick:
             s = cm.strategies[j]
@@ -360,8 +369,10 @@ class _Builder:
         in_place = name.split(":")[0] in self.in_place
 
         def price(src, dst: tuple[Spec, frozenset[int]]) -> float:
-            if in_place and not from_fanout and src != dst[0]:
-                return FORBIDDEN
+            if in_place and not from_fanout and src != dst[0] and any(
+                    st.kind != "to_partial" for st in reshard(src, dst[0], shape, itemsize,
+                                                              self.ms).forward):
+                return FORBIDDEN       # only a row-parallel bias may become a local summand
             if from_fanout:
                 if src == dst:
                     return 0.0
@@ -401,11 +412,18 @@ def _suffix(fqn: str) -> str:
     return fqn[len(f"{lk[0]}.{lk[1]}"):] if lk else fqn
 
 
+def expand_spec(spec: Spec | None, groups: tuple[tuple[int, ...], ...]) -> Spec | None:
+    """A spec on a mesh whose axes merge ``groups`` of real axes, on the real mesh."""
+    return None if spec is None else tuple(spec[i] for i, g in enumerate(groups) for _ in g)
+
+
 def build_problem(traced: TracedGraph, mesh: Mesh, *, memory_budget: float | None = None,
-                  optimizer: str = "adam", in_place: frozenset[str] = frozenset()) -> Built:
+                  optimizer: str = "adam", in_place: frozenset[str] = frozenset(),
+                  lower_on: tuple[Mesh, tuple[tuple[int, ...], ...]] | None = None) -> Built:
     """``in_place``: parameters every op must read in their stored layout (a hand-written plan's
-    weights are used where they lie, never resharded on the way in)."""
+    weights are used where they lie, never resharded on the way in). ``lower_on``: ``mesh``
+    merges axes of this real mesh (see planner.py); reshards are priced as they run there."""
     budget = mesh.cluster.memory_bytes if memory_budget is None else memory_budget
     b = _Builder(traced, mesh, budget, optimizer)
-    b.in_place = in_place
+    b.in_place, b.lower_on = in_place, lower_on
     return b.build()

@@ -15,9 +15,10 @@ from autoshard.ir import Strategy, shard_factor
 from autoshard.lowering import reshard_edges
 from autoshard.mesh import Mesh
 from autoshard.plans import CollectiveRecord, NodePlan, Plan
-from autoshard.solver.build import Built, build_problem, node_memory
+from autoshard.solver.build import Built, build_problem, expand_spec, node_memory
 from autoshard.solver.ilp import Infeasible, NoSolution, solve
 from autoshard.solver.problem import Solution
+from autoshard.solver.rules.registry import work_fraction
 from autoshard.trace.export import TracedGraph, op_info, output_infos, trace
 
 
@@ -47,7 +48,8 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any], mesh: Mesh, *,
 
 def plan_traced(traced: TracedGraph, mesh: Mesh, *, memory_budget: float | None = None,
                 time_limit_s: float = 20.0, optimizer: str = "adam", model_name: str = "",
-                fixed: dict[str, Strategy] | None = None, trace_s: float = 0.0) -> Plan:
+                fixed: dict[str, Strategy] | None = None, trace_s: float = 0.0,
+                lower_on: tuple[Mesh, tuple[tuple[int, ...], ...]] | None = None) -> Plan:
     check_mesh_fits(traced, mesh)
     if mesh.ndim >= 3:
         return _plan_by_merging(traced, mesh, memory_budget=memory_budget,
@@ -56,7 +58,7 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, *, memory_budget: float | None 
     t0 = time.perf_counter()
     in_place = frozenset(p.name for p in traced.params if p.name in (fixed or {}))
     built = build_problem(traced, mesh, memory_budget=memory_budget, optimizer=optimizer,
-                          in_place=in_place)
+                          in_place=in_place, lower_on=lower_on)
     problem = built.problem
     if fixed:
         problem = _with_fixed(built, fixed)
@@ -84,8 +86,8 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, *, memory_budget: float | None 
 
 # On a 3-axis mesh the full strategy space (about 5^3 placements per tensor) makes the ILP too
 # large to solve in seconds. We search the layouts in which adjacent axes act as one (their
-# placements are equal): each is a 1-D or 2-D problem, solved exactly, then priced exactly on the
-# real mesh, and the best is kept. Data x tensor, FSDP x tensor and 3-way tensor layouts, and every
+# placements are equal): each is a 1-D or 2-D problem whose reshards are priced as they run on the
+# real mesh, solved exactly, and the best is kept. Data x tensor, FSDP x tensor and 3-way tensor layouts, and every
 # hand-written baseline, lie in this space; layouts giving three axes three different roles do not.
 MERGES = {3: (((0, 1), (2,)), ((0,), (1, 2)), ((0, 1, 2),))}
 
@@ -94,10 +96,6 @@ def merged_mesh(mesh: Mesh, groups: tuple[tuple[int, ...], ...]) -> Mesh:
     return Mesh(tuple(math.prod(mesh.shape[a] for a in g) for g in groups),
                 tuple("*".join(mesh.axes[a] for a in g) for g in groups),
                 cluster=mesh.cluster, links=tuple(mesh.group_link(g) for g in groups))
-
-
-def _expand_spec(spec, groups):
-    return None if spec is None else tuple(spec[i] for i, g in enumerate(groups) for _ in g)
 
 
 def _contract_spec(spec, groups):
@@ -124,13 +122,17 @@ def _plan_by_merging(traced: TracedGraph, mesh: Mesh, *, fixed: dict[str, Strate
         else:
             sub_mesh = merged_mesh(mesh, groups)
             try:
-                sub = plan_traced(traced, sub_mesh, fixed=pins or None, **kwargs)
+                sub = plan_traced(traced, sub_mesh, fixed=pins or None, lower_on=(mesh, groups),
+                                  **kwargs)
             except AutoshardError as e:
                 errors.append(e)
                 continue
-            strategies = {n.name: Strategy(tuple(_expand_spec(x, groups) for x in n.inputs),
-                                           tuple(_expand_spec(x, groups) for x in n.outputs),
-                                           n.kernel) for n in sub.nodes}
+            strategies = {}
+            for n in sub.nodes:
+                ins = tuple(expand_spec(x, groups) for x in n.inputs)
+                outs = tuple(expand_spec(x, groups) for x in n.outputs)
+                strategies[n.name] = Strategy(ins, outs, n.kernel,
+                                              work_fraction(ins, outs, mesh.shape))
             plan = assemble(traced, mesh, strategies,
                             solver={**sub.solver, "merged_axes": [list(g) for g in groups]},
                             model_name=kwargs.get("model_name", ""),

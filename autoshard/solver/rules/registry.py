@@ -144,12 +144,20 @@ def expand(op: OpInfo, mesh_shape: tuple, per_axis: Sequence[tuple], *,
             continue
         if not all(spec_fits(t.shape, s, mesh_shape) for t, s in zip(out_infos, outs)):
             continue
-        scale = 1.0
-        for a, c in enumerate(combo):
-            if _splits_work(c):
-                scale /= mesh_shape[a]
-        out.append(Strategy(ins, outs, kernel(combo) if kernel else None, scale))
+        out.append(Strategy(ins, outs, kernel(combo) if kernel else None,
+                            work_fraction(ins, outs, mesh_shape)))
     return out
+
+
+def work_fraction(ins: tuple, outs: tuple, mesh_shape: tuple) -> float:
+    """The fraction of an op's work one rank does under these specs (``Strategy.compute_scale``):
+    1/n for every axis of size n on which the work is split."""
+    scale = 1.0
+    for a, n in enumerate(mesh_shape):
+        option = (tuple(s[a] for s in ins if s is not None), tuple(s[a] for s in outs))
+        if _splits_work(option):
+            scale /= n
+    return scale
 
 
 def _splits_work(option: tuple) -> bool:
