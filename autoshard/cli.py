@@ -4,8 +4,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import warnings
-from pathlib import Path
 
 from autoshard.errors import AutoshardError
 

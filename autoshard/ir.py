@@ -7,7 +7,7 @@ axis order (the first axis is the outer split), as DTensor does.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence, Union
 
 

@@ -9,7 +9,6 @@ rightly be replicated).
 """
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest

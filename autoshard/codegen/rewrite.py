@@ -14,7 +14,6 @@ import torch
 import torch.fx as fx
 
 from autoshard.codegen.collectives import redistribute
-from autoshard.cost.comm import Reshard
 from autoshard.ir import spec_str
 from autoshard.lowering import ReshardEdge, reshard_edges, value_ref
 from autoshard.plans import Plan

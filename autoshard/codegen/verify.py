@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from autoshard.errors import AutoshardError
 
 
 @dataclass(frozen=True)

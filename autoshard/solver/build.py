@@ -6,15 +6,15 @@ Three reductions keep the ILP small enough to solve in seconds for a 96-layer mo
 2. *Follower merging* (Alpa): a view-like or unary op reading one value made in the same layer
    takes, for each strategy of its producer's group, its own cheapest strategy given that input;
    it adds no variable.
-3. *Shared reshards*: an edge is priced per (value, requirement), see problem.py.
+3. *Fanouts*: a value several groups read is resharded once per requirement, see problem.py.
+Reshards are priced on ``lower_on`` when given: the real mesh whose axes ``mesh`` merges.
 """
 from __future__ import annotations
 
 import itertools
 import math
 import operator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -66,9 +66,6 @@ class Built:
     problem: Problem
     members: dict[str, Member]   # template node -> how it follows its group
     rep: dict[str, str]          # every node -> its template node
-    infos: dict[str, OpInfo]
-    shapes: dict[ValueRef, tuple[tuple[int, ...], int]]
-    member_memory: dict[str, dict[int, float]]   # template node -> strategy index -> bytes
 
     def strategy_of(self, name: str, choice: tuple[int, ...]) -> Strategy:
         m = self.members[self.rep[name]]
@@ -86,11 +83,11 @@ def placeholder_strategies(info: TensorInfo, mesh_shape: tuple[int, ...], kind: 
 
 
 class _Builder:
-    def __init__(self, traced: TracedGraph, mesh: Mesh, memory_budget: float,
-                 optimizer: str) -> None:
+    def __init__(self, traced: TracedGraph, mesh: Mesh, memory_budget: float, optimizer: str, *,
+                 in_place: frozenset[str] = frozenset(),
+                 lower_on: tuple[Mesh, tuple[tuple[int, ...], ...]] | None = None) -> None:
         self.t, self.mesh, self.budget, self.optimizer = traced, mesh, memory_budget, optimizer
-        self.in_place: frozenset[str] = frozenset()
-        self.lower_on: tuple[Mesh, tuple[tuple[int, ...], ...]] | None = None
+        self.in_place, self.lower_on = in_place, lower_on
         self.ms = mesh.shape
         self.nodes = [n for n in traced.graph.nodes
                       if n.op == "placeholder" or (n.op == "call_function"
@@ -197,8 +194,8 @@ class _Builder:
         for name, r in rep.items():
             mult[r] = mult.get(r, 0) + 1
         groups = []
-        member_memory: dict[str, dict[int, float]] = {}
-        for gi, names in enumerate(groups_nodes):
+        memory: dict[tuple[str, int], float] = {}     # members share strategies: price once
+        for names in groups_nodes:
             root = members[names[0]]
             cost, mem = [], []
             for i in range(len(root.pick)):
@@ -207,10 +204,10 @@ class _Builder:
                     mb, node = members[name], self.by_name[name]
                     s = mb.strategies[mb.pick[i]]
                     c += self.node_cost(node, s) + self._internal_reshard(node, mb, i, members)
-                    mm = member_memory.setdefault(name, {})
-                    if mb.pick[i] not in mm:
-                        mm[mb.pick[i]] = self.node_memory(node, s)
-                    m_ += mm[mb.pick[i]]
+                    key = (name, mb.pick[i])
+                    if key not in memory:
+                        memory[key] = self.node_memory(node, s)
+                    m_ += memory[key]
                 cost.append(c)
                 mem.append(m_)
             groups.append(Group(names[0], mult[names[0]], tuple(cost), tuple(mem)))
@@ -218,7 +215,7 @@ class _Builder:
         groups.append(Group(OUTPUT, 1, (0.0,), (0.0,)))
         edges = self._edges(rep, members, groups)
         problem = Problem(tuple(groups), tuple(edges), float(self.budget))
-        return Built(problem, members, rep, self.infos, self.shapes, member_memory)
+        return Built(problem, members, rep)
 
     def _merge_plan(self, n: fx.Node, members: dict[str, Member]
                     ) -> tuple[int, frozenset[int]] | None:
@@ -424,6 +421,4 @@ def build_problem(traced: TracedGraph, mesh: Mesh, *, memory_budget: float | Non
     weights are used where they lie, never resharded on the way in). ``lower_on``: ``mesh``
     merges axes of this real mesh (see planner.py); reshards are priced as they run there."""
     budget = mesh.cluster.memory_bytes if memory_budget is None else memory_budget
-    b = _Builder(traced, mesh, budget, optimizer)
-    b.in_place, b.lower_on = in_place, lower_on
-    return b.build()
+    return _Builder(traced, mesh, budget, optimizer, in_place=in_place, lower_on=lower_on).build()

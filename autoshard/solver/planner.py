@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import operator
 import time
 from typing import Any, Sequence
 
@@ -11,13 +10,12 @@ import torch
 from autoshard.cost.comm import reshard_time
 from autoshard.cost.compute import op_time
 from autoshard.errors import AutoshardError
-from autoshard.ir import Strategy, shard_factor
+from autoshard.ir import Strategy
 from autoshard.lowering import reshard_edges
 from autoshard.mesh import Mesh
 from autoshard.plans import CollectiveRecord, NodePlan, Plan
 from autoshard.solver.build import Built, build_problem, expand_spec, node_memory
 from autoshard.solver.ilp import Infeasible, NoSolution, solve
-from autoshard.solver.problem import Solution
 from autoshard.solver.rules.registry import work_fraction
 from autoshard.trace.export import TracedGraph, op_info, output_infos, trace
 

@@ -12,7 +12,7 @@ Every edge is pairwise, which keeps the ILP's relaxation tight (see ilp.py).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True, slots=True)

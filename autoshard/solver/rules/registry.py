@@ -17,12 +17,12 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
-from autoshard.ir import Partial, Replicate, Shard, Spec, Strategy, local_shape, spec_fits
+from autoshard.ir import Partial, Replicate, Shard, Strategy, local_shape, spec_fits
 
 aten = torch.ops.aten
 

@@ -159,7 +159,7 @@ def dim_map_strategy(op: OpInfo, mesh_shape: tuple) -> list:
 
 @register_strategy(aten.cat.default, aten.stack.default)
 def cat_strategy(op: OpInfo, mesh_shape: tuple) -> list:
-    out, ins = op.outputs[0], op.inputs
+    ins = op.inputs
     ndim = max(t.ndim for t in ins)
     if op.target == aten.stack.default:
         dim = norm_dim(arg(op, 1, "dim", 0), ndim + 1)
