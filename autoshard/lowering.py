@@ -49,6 +49,18 @@ def value_ref(node: fx.Node) -> ValueRef:
     return (node.name, 0)
 
 
+def value_shapes(graph: fx.Graph) -> dict[ValueRef, tuple[tuple[int, ...], int]]:
+    """(global shape, itemsize) of every value a node makes."""
+    import operator
+    from autoshard.trace.export import output_infos
+    out = {}
+    for n in graph.nodes:
+        if n.op in ("placeholder", "call_function") and n.target is not operator.getitem:
+            for i, ti in enumerate(output_infos(n)):
+                out[(n.name, i)] = (ti.shape, ti.dtype.itemsize)
+    return out
+
+
 def grad_values(graph: fx.Graph, param_names: set[str]) -> set[str]:
     """Nodes whose outputs carry a gradient in training: floating-point values computed from a
     parameter. Only these get backward collectives (an input batch or a mask has no gradient)."""

@@ -13,12 +13,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autoshard.codegen.collectives import redistribute
+from autoshard.codegen.collectives import Ledger, redistribute
 from autoshard.ir import spec_str
-from autoshard.lowering import ReshardEdge, reshard_edges, value_ref
+from autoshard.lowering import ReshardEdge, reshard_edges, value_ref, value_shapes
 from autoshard.plans import Plan
 from autoshard.solver.rules.registry import localize
-from autoshard.trace.export import TracedGraph, op_info, output_infos
+from autoshard.trace.export import TracedGraph, op_info
 
 
 class ReshardCall:
@@ -44,18 +44,14 @@ class RankRuntime:
     def __init__(self, groups: Any, device: torch.device) -> None:
         self.groups = groups
         self.device = device
-        self.ledger: list = []
+        self.ledger = Ledger()
 
 
 def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime) -> fx.GraphModule:
     mesh_shape = plan.mesh_shape
     coords = runtime.groups.coords
     strategies = plan.strategies()
-    shapes = {}
-    for n in traced.graph.nodes:
-        if n.op in ("placeholder", "call_function") and n.target is not operator.getitem:
-            for i, ti in enumerate(output_infos(n)):
-                shapes[(n.name, i)] = (ti.shape, ti.dtype.itemsize)
+    shapes = value_shapes(traced.graph)
     params = {p.name for p in traced.params}
     edges: dict[tuple, ReshardEdge] = {}
     for e in reshard_edges(traced.graph, strategies, mesh_shape, shapes, params,

@@ -37,7 +37,6 @@ class ParallelModule(torch.nn.Module):
         device = torch.device("cuda", torch.cuda.current_device()) if groups.device_type == "cuda" \
             else torch.device("cpu")
         self.runtime = RankRuntime(groups, device)
-        self.runtime.ledger = Ledger()
         self.program = emit(traced, plan, self.runtime)
         full = dict(model.named_parameters())      # canonical names, as the trace reports them
         full.update(dict(model.named_buffers()))

@@ -25,7 +25,7 @@ from autoshard.cost.compute import op_time
 from autoshard.cost.memory import param_state_bytes, saved_activation_bytes
 from autoshard.ir import Replicate, Shard, Spec, Strategy, local_shape, spec_fits
 from autoshard.lowering import (ValueRef, grad_values, input_divergence, output_requirement,
-                                no_backward, value_inputs, value_ref)
+                                no_backward, value_inputs, value_ref, value_shapes)
 from autoshard.mesh import Mesh
 from autoshard.solver.problem import Edge, Group, Problem
 from autoshard.solver.rules.registry import OpInfo, TensorInfo, strategies_for
@@ -94,10 +94,7 @@ class _Builder:
                                                    and n.target is not operator.getitem)]
         self.by_name = {n.name: n for n in traced.graph.nodes}
         self.infos: dict[str, OpInfo] = {}
-        self.shapes: dict[ValueRef, tuple[tuple[int, ...], int]] = {}
-        for n in self.nodes:
-            for i, ti in enumerate(output_infos(n)):
-                self.shapes[(n.name, i)] = (ti.shape, ti.dtype.itemsize)
+        self.shapes = value_shapes(traced.graph)
         params = {p.name for p in traced.params}
         self.grad = grad_values(traced.graph, params) if traced.training else set()
         self._follow_memo: dict[tuple, int] = {}

@@ -11,13 +11,13 @@ from autoshard.cost.comm import reshard_time
 from autoshard.cost.compute import op_time
 from autoshard.errors import AutoshardError
 from autoshard.ir import Strategy
-from autoshard.lowering import reshard_edges
+from autoshard.lowering import reshard_edges, value_shapes
 from autoshard.mesh import Mesh
 from autoshard.plans import CollectiveRecord, NodePlan, Plan
 from autoshard.solver.build import Built, build_problem, expand_spec, node_memory
 from autoshard.solver.ilp import Infeasible, NoSolution, solve
 from autoshard.solver.rules.registry import work_fraction
-from autoshard.trace.export import TracedGraph, op_info, output_infos, trace
+from autoshard.trace.export import TracedGraph, op_info, trace
 
 
 def check_mesh_fits(traced: TracedGraph, mesh: Mesh) -> None:
@@ -171,15 +171,13 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy], *
     nodes = [n for n in graph.nodes if n.name in strategies]
     params = {p.name: p.fqn for p in traced.params}
     compute_s = memory = 0.0
-    shapes = {}
     for n in nodes:
         s = strategies[n.name]
         info = op_info(n) if n.op == "call_function" else None
         if info is not None:
             compute_s += op_time(info, s, mesh, training=traced.training)
         memory += node_memory(traced, n, info, s, mesh.shape, optimizer)
-        for i, ti in enumerate(output_infos(n)):
-            shapes[(n.name, i)] = (ti.shape, ti.dtype.itemsize)
+    shapes = value_shapes(graph)
     collectives: list[CollectiveRecord] = []
     comm_s = 0.0
     for e in reshard_edges(graph, strategies, mesh.shape, shapes, set(params),

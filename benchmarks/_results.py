@@ -1,0 +1,72 @@
+"""Shared helpers of the benchmark scripts: the machine line and RESULTS.md sections."""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+import shlex
+import sys
+from pathlib import Path
+
+HEADER = """# autoshard benchmark results
+
+Each section below is (re)written by the benchmark script named in its markers; the scripts
+keep every other section intact. See benchmarks/README.md for what each one measures.
+"""
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine() -> str:
+    import torch
+    return (f"{platform.system()} {platform.release()} {platform.machine()}, {cpu_model()}, "
+            f"{os.cpu_count()} logical CPUs; Python {platform.python_version()}, "
+            f"torch {torch.__version__}")
+
+
+def command(script: str) -> str:
+    """The command line as typed from the repository root (no interpreter path)."""
+    return "python " + shlex.join([script, *sys.argv[1:]])
+
+
+def today() -> str:
+    return datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+
+
+def md_cell(text: object) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def write_section(path: str | Path, name: str, body: str) -> None:
+    """Replace the text between ``<!-- name:begin -->`` and ``<!-- name:end -->`` in ``path``
+    (appending the section if absent, creating the file with a header if missing)."""
+    path = Path(path)
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    block = f"{begin}\n{body.rstrip()}\n{end}"
+    text = path.read_text() if path.exists() else HEADER
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: block, text, count=1)
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    path.write_text(text if text.endswith("\n") else text + "\n")
+
+
+def timing(plan, key: str) -> float:
+    """A wall-clock figure of a plan (trace_s, build_s, solve_s): ``Plan.timings`` where the
+    planner keeps them, else the older ``Plan.solver`` keys (``seconds`` for the solve)."""
+    t = getattr(plan, "timings", None) or {}
+    if key in t:
+        return float(t[key])
+    s = plan.solver
+    return float(s["seconds"] if key == "solve_s" and "solve_s" not in s else s[key])
