@@ -68,6 +68,8 @@ class Plan:
     solver: dict[str, Any]
     model: str = ""
     node_sigs: dict[str, str] = field(default_factory=dict)
+    # Global shape and dtype of each model input, so a plan file can be run without example inputs.
+    input_meta: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
     # Wall-clock seconds of this run (trace_s, build_s, solve_s): shown by the CLI, never saved,
     # and not part of equality, so that the same planning gives byte-identical files.
     timings: dict[str, float] = field(default_factory=dict, compare=False)
@@ -125,7 +127,10 @@ class Plan:
             "fingerprint": self.fingerprint, "training": self.training,
             "nodes": [n.to_json() for n in self.nodes],
             "params": {k: {"placements": spec_str(v)} for k, v in self.params.items()},
-            "inputs": {k: {"placements": spec_str(v)} for k, v in self.inputs.items()},
+            "inputs": {k: {"placements": spec_str(v),
+                           **({"shape": list(self.input_meta[k][0]), "dtype": self.input_meta[k][1]}
+                              if k in self.input_meta else {})}
+                       for k, v in self.inputs.items()},
             "collectives": [c.to_json() for c in self.collectives],
             "predicted": self.predicted, "solver": self.solver,
             "node_signatures": self.node_sigs,
@@ -172,6 +177,8 @@ class Plan:
                    fingerprint=d["fingerprint"], training=bool(d["training"]), nodes=nodes,
                    params={k: parse_spec(v["placements"]) for k, v in d["params"].items()},
                    inputs={k: parse_spec(v["placements"]) for k, v in d["inputs"].items()},
+                   input_meta={k: (tuple(int(x) for x in v["shape"]), str(v["dtype"]))
+                               for k, v in d["inputs"].items() if "shape" in v},
                    collectives=colls, predicted=dict(d["predicted"]), solver=dict(d["solver"]),
                    model=d.get("model", ""), node_sigs=dict(d.get("node_signatures", {})))
 
@@ -200,6 +207,21 @@ class Plan:
                              got=f"a plan for fingerprint {self.fingerprint}; first differences: "
                                  + "; ".join(diffs or ["(the plan has no node signatures)"]),
                              fix="re-plan for this model and these input shapes")
+
+    def example_inputs(self, device: Any = "cpu") -> tuple:
+        """Zero tensors of the planned input shapes and dtypes: enough to trace the model again."""
+        import torch
+        dtypes = {"int64": torch.int64, "int32": torch.int32, "float32": torch.float32,
+                  "bfloat16": torch.bfloat16, "float16": torch.float16, "bool": torch.bool,
+                  "float64": torch.float64}
+        missing = [k for k in self.inputs if k not in self.input_meta or
+                   self.input_meta[k][1] not in dtypes]
+        if missing:
+            raise AutoshardError("a plan that records every input's shape and dtype",
+                                 got=f"none recorded for {missing}",
+                                 fix="pass example_inputs=... to parallelize")
+        return tuple(torch.zeros(self.input_meta[k][0], dtype=dtypes[self.input_meta[k][1]],
+                                 device=device) for k in self.inputs)
 
     def check_mesh(self, shape: tuple[int, ...], axes: tuple[str, ...]) -> None:
         if tuple(shape) != self.mesh_shape or tuple(axes) != self.mesh_axes:

@@ -116,6 +116,25 @@ def _state_round_trip(plan_json: str) -> bool:
     return all(torch.equal(full[k], original[k]) for k in full) and set(full) <= set(original)
 
 
+def _from_plan_file_alone(path: str) -> float:
+    """The issue's usage: parallelize(model, mesh, plan="plan.json"), no example inputs."""
+    import autoshard
+    plan = Plan.load(path)
+    model, inputs = build("gpt2-tiny", None, None, 0)
+    pm = autoshard.parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=path)
+    return float(pm.step(*pm.shard_inputs(*inputs)))
+
+
+def test_parallelize_from_a_plan_file_needs_no_example_inputs(world2, tmp_path):
+    plan = plan_for("gpt2-tiny", mesh_of((2,)))
+    plan.save(tmp_path / "p.json")
+    losses = world2.run(_from_plan_file_alone, str(tmp_path / "p.json"))
+    model, inputs = build("gpt2-tiny", None, None, 0)
+    from autoshard.loss import as_loss_module
+    want = float(as_loss_module(model)(*inputs).detach())
+    assert all(abs(l - want) <= 1e-5 * abs(want) for l in losses), (losses, want)
+
+
 def test_full_state_dict_round_trip_is_bit_exact(world4):
     plan = plan_for("gpt2-tiny", mesh_of((2, 2)), baseline="megatron-dp")
     assert all(world4.run(_state_round_trip, plan.dumps()))

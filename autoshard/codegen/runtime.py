@@ -214,9 +214,14 @@ def parallelize(model: torch.nn.Module, mesh: Any, *, plan: Plan | str | Path | 
     torch.distributed world is bound to it, ranks row-major over the mesh shape.
     """
     from torch.distributed.device_mesh import DeviceMesh
+    if isinstance(plan, (str, Path)):
+        plan = Plan.load(plan)
     if example_inputs is None:
-        raise AutoshardError("example_inputs (the global batch the plan is for)", got="None",
-                             fix="parallelize(model, mesh, plan=..., example_inputs=(x, y))")
+        if plan is None:
+            raise AutoshardError("example_inputs (the global batch to plan for) when no plan is "
+                                 "given", got="neither", fix="pass plan=... or example_inputs=...")
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        example_inputs = plan.example_inputs(device)
     if not dist.is_initialized():
         raise AutoshardError("an initialised torch.distributed world", got="none",
                              fix="launch with torchrun and call dist.init_process_group()")
@@ -230,8 +235,6 @@ def parallelize(model: torch.nn.Module, mesh: Any, *, plan: Plan | str | Path | 
     if plan is None:
         from autoshard.solver.planner import plan_traced
         plan = plan_traced(traced, pmesh, **plan_kwargs)
-    elif not isinstance(plan, Plan):
-        plan = Plan.load(plan)
     plan.check_mesh(groups.shape, groups.axes)
     plan.check_matches(traced.fingerprint, traced.node_sigs)
     return ParallelModule(traced, plan, groups, model)

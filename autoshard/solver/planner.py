@@ -201,6 +201,8 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy], *
         predicted={"step_time_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s,
                    "peak_memory_bytes": memory},
         solver=solver, model=model_name, node_sigs=traced.node_sigs,
+        input_meta={p.fqn: (p.info.shape, str(p.info.dtype).removeprefix("torch."))
+                    for p in traced.inputs if p.info is not None},
         # Wall-clock figures stay off the saved plan: they would make two runs' files differ.
         timings=timings)
 
