@@ -7,9 +7,7 @@ and prints one row per (model, mesh): predicted step times, the best baseline ov
 autoshard's peak memory, the solver status and gap. A row where autoshard is slower than the best
 baseline (or finds no plan where a baseline does) is flagged ``WORSE`` and listed after the table.
 
-The ILP of a (model, mesh) is built once and shared by autoshard and the baselines (a baseline
-only pins some of its variables), so each row pays one build; the plans are the ones
-``plan_traced`` and ``baseline_plan`` return.
+Each model is traced once; every plan is the one ``plan_traced`` or ``baseline_plan`` returns.
 
     python benchmarks/compare_plans.py                        # everything (~20 min on 2 cores)
     python benchmarks/compare_plans.py --models gpt2,llama-tiny --meshes 8,2x4
@@ -56,25 +54,6 @@ def mesh_str(shape: tuple[int, ...]) -> str:
 def short(e: BaseException, n: int = 160) -> str:
     text = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return text if len(text) <= n else text[: n - 3] + "..."
-
-
-class _SharedBuild:
-    """Memoise ``build_problem`` within a row: autoshard and the baselines solve the same ILPs
-    (a baseline pins some of their variables), so each is built once per (trace, mesh). On a
-    3-axis mesh the planner solves one ILP per way of merging adjacent axes, hence a dict."""
-
-    def __init__(self) -> None:
-        self.original = planner.build_problem
-        self.cache: dict[tuple, object] = {}
-
-    def __call__(self, traced, mesh, **kwargs):
-        key = (id(traced), mesh, tuple(sorted(kwargs.items())))
-        if key not in self.cache:
-            self.cache[key] = self.original(traced, mesh, **kwargs)
-        return self.cache[key]
-
-    def clear(self) -> None:
-        self.cache.clear()
 
 
 def failure_cell(e: BaseException) -> str:
@@ -199,37 +178,31 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown models {unknown}; known: {', '.join(ZOO)}")
     meshes = parse_meshes(args.meshes)
     started, t_all = today(), time.perf_counter()
-    shared = _SharedBuild()
-    planner.build_problem = shared
     rows: list[dict] = []
     traces: list[str] = []
-    try:
-        for name in models:
-            entry, seq = ZOO[name], seq_for(name)
-            shown_seq = seq if seq is not None else entry.seq
-            t0 = time.perf_counter()
-            try:
-                model, inputs = get_model(name, seq=seq)
-                traced = trace(model, inputs, training=True)
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                rows.append({"model": name, "mesh": "all", "trace_err": short(e, 300)})
-                print(table(rows[-1:]).splitlines()[-1], flush=True)
-                continue
-            took = time.perf_counter() - t0
-            traces.append(f"{name} (batch {entry.batch}, seq {shown_seq}): {took:.1f} s")
-            print(f"# {name}: batch {entry.batch}, seq {shown_seq}, traced in {took:.1f} s",
-                  flush=True)
-            for shape in meshes:
-                rows.append(plan_row(name, traced, shape, args.cluster, args.time_limit))
-                shared.clear()
-                print(table(rows[-1:]).splitlines()[-1], flush=True)
-            del traced, model, inputs
-    finally:
-        planner.build_problem = shared.original
+    for name in models:
+        entry, seq = ZOO[name], seq_for(name)
+        shown_seq = seq if seq is not None else entry.seq
+        t0 = time.perf_counter()
+        try:
+            model, inputs = get_model(name, seq=seq)
+            traced = trace(model, inputs, training=True)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            rows.append({"model": name, "mesh": "all", "trace_err": short(e, 300)})
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+            continue
+        took = time.perf_counter() - t0
+        traces.append(f"{name} (batch {entry.batch}, seq {shown_seq}): {took:.1f} s")
+        print(f"# {name}: batch {entry.batch}, seq {shown_seq}, traced in {took:.1f} s",
+              flush=True)
+        for shape in meshes:
+            rows.append(plan_row(name, traced, shape, args.cluster, args.time_limit))
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+        del traced, model, inputs
     total = time.perf_counter() - t_all
     notes = flagged(rows)
-    body = [f"## Plan quality: autoshard vs hand-written baselines", "",
+    body = ["## Plan quality: autoshard vs hand-written baselines", "",
             f"- command: `{command('benchmarks/compare_plans.py')}`",
             f"- machine: {machine()}",
             f"- date: {started}; total wall time {total / 60:.1f} min",
@@ -239,11 +212,11 @@ def main(argv: list[str] | None = None) -> int:
             f"time sane; ILP time limit {args.time_limit:g} s per plan.",
             "- step times are the cost model's predictions (ms) for autoshard and for each "
             "baseline (`dp`, `megatron` over every axis, `megatron-dp`: Megatron over the last "
-            "axis, DP over the others), solved on the same ILP; `infeasible: OOM` = no plan with "
+            "axis, DP over the others), each solved by the same ILP machinery; `infeasible: OOM` = no plan with "
             "that baseline's parameter layout fits device memory; `no solution: solver time "
             "limit` = the ILP found no solution within the time limit though a plan fitting "
             "memory exists. Ratio = best feasible baseline / autoshard (>= 1 means autoshard is "
-            "at least as fast). `wall s` = planning time of the row (build once + 4 solves).",
+            "at least as fast). `wall s` = planning time of the row (autoshard and the 3 baselines).",
             "", table(rows), ""]
     body += ["Rows flagged or failed:", ""] + (notes or ["- none"]) + [""]
     body += ["Rows where autoshard's ILP objective and its assembled predicted step differ by "
