@@ -31,9 +31,9 @@ from autoshard.ir import Partial, R, S, Shard, Spec, parse_spec, spec_str
 from autoshard.mesh import Mesh
 
 try:
-    from dist import RankError, world_fixture
+    from dist import RankCrash, RankError, world_fixture
 except ImportError:  # tests/ turned into a package
-    from tests.dist import RankError, world_fixture
+    from tests.dist import RankCrash, RankError, world_fixture
 
 SHAPE = (12, 4, 20)         # odd-ish sizes, each divisible by 4 (nested 2x2 sharding)
 PLACEMENTS = (R, Partial(), S(0), S(1), S(2))
@@ -191,6 +191,17 @@ def _from_device_mesh(transposed: bool) -> tuple:
     return g.axes, g.coords, peers
 
 
+def _crash_rank1(marker: str | None) -> int:
+    """Rank 1 dies from SIGSEGV: every time, or only while ``marker`` does not exist yet."""
+    import ctypes
+    import os
+    if tdist.get_rank() == 1 and (marker is None or not os.path.exists(marker)):
+        if marker is not None:
+            open(marker, "w").close()
+        ctypes.string_at(0)                           # a real segmentation fault
+    return tdist.get_rank()
+
+
 def _fail_on_rank1_then_barrier() -> None:
     if tdist.get_rank() == 1:
         raise ValueError("rank 1 fails on purpose")
@@ -274,6 +285,20 @@ def test_harness_rank_error_fails_fast(world2):
     assert set(info.value.failures) == {1}
     assert time.monotonic() - t0 < world2.timeout_s / 2      # the grace period, not the timeout
     assert not world2.alive                                  # rank 0 hung: world killed
+
+
+def test_harness_retries_a_crashed_rank_once(world2, tmp_path):
+    with pytest.warns(RuntimeWarning, match="rank 1 died") as caught:
+        assert world2.run(_crash_rank1, str(tmp_path / "crashed")) == [0, 1]
+    report = str(caught[0].message)
+    assert "Segmentation fault" in report and "_crash_rank1" in report   # faulthandler's trace
+    assert len(world2.crashes) == 1 and world2.alive
+
+
+def test_harness_crash_that_repeats_fails(world2):
+    with pytest.warns(RuntimeWarning), pytest.raises(RankCrash, match="Segmentation fault"):
+        world2.run(_crash_rank1, None)
+    assert not world2.alive
 
 
 def test_harness_timeout(world2):

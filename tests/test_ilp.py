@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from ortools.linear_solver import pywraplp
 
 from autoshard.solver.ilp import Infeasible, NoSolution, least_memory, solve
-from autoshard.solver.problem import Edge, Group, Problem, evaluate
+from autoshard.solver.problem import Edge, Fanout, Group, Problem, evaluate
 
 # Seconds-sized costs; the MIP's own tolerances are far below this on problems this small.
 REL = 1e-9
@@ -65,28 +65,41 @@ def test_chain_optimum_is_not_the_per_node_cheapest() -> None:
     assert sol.status == "OPTIMAL" and sol.gap == 0.0
 
 
-def test_fanout_shares_one_reshard() -> None:
-    """Value of P read by C1 and C2 through a zero-cost fanout F (as build.py makes them).
-
-    Each consumer saves 3 by running strategy 1, which needs the value in spec 1; resharding
-    spec 0 -> 1 costs 4. Priced per consumer, switching never pays (3 < 4); shared once through
-    the fanout, both switch: 4 - 6 = -2 better than staying."""
+def _fanout_problem(reshard: tuple[float, float, float]) -> Problem:
+    """Value of P (one spec, class 0) read by C1 and C2, each with strategy 0 (needs spec 0,
+    cost 5) or 1 (needs spec 1, cost 2) or, C2 only, 2 (needs spec 2, cost 1). ``reshard`` is
+    the price of spec 0 -> 0, 1, 2."""
     groups = (Group("P", 1, (0.0,), (0.0,)),
               Group("C1", 1, (5.0, 2.0), (0.0, 0.0)),
-              Group("C2", 1, (5.0, 2.0), (0.0, 0.0)),
-              Group("P:0:fanout", 1, (0.0, 0.0), (0.0, 0.0)))
-    edges = (_edge("P:0", 0, 3, ((0.0, 4.0),)),
-             _edge("P:0:fanout", 3, 1, _switch(4.0)),
-             _edge("P:0:fanout", 3, 2, _switch(4.0)))
-    p = Problem(groups, edges, memory_budget=1.0)
+              Group("C2", 1, (5.0, 2.0, 1.0), (0.0, 0.0, 0.0)))
+    fan = Fanout("P:0", 1, 0, (0,), ((1, (0, 1)), (2, (0, 1, 2))), (reshard,))
+    return Problem(groups, (), memory_budget=1.0, fanouts=(fan,))
+
+
+def test_fanout_shares_one_reshard() -> None:
+    """Each consumer saves 3 by running strategy 1, which needs the value in spec 1; resharding
+    spec 0 -> 1 costs 4. Priced per consumer, switching never pays (3 < 4); shared once by the
+    fanout, both switch: 4 - 6 = -2 better than staying."""
+    p = _fanout_problem((0.0, 4.0, 100.0))
     sol = solve(p)
-    assert sol.choice == (0, 1, 1, 1)
+    assert sol.choice == (0, 1, 1)
     assert sol.objective == pytest.approx(4.0 + 2.0 + 2.0, rel=REL)
-    # The same problem with a private reshard per consumer (no fanout) keeps spec 0.
-    private = Problem(groups[:3], (_edge("P:0", 0, 1, ((0.0, 4.0),)),
-                                   _edge("P:0", 0, 2, ((0.0, 4.0),))), memory_budget=1.0)
+    assert evaluate(p, sol.choice)[0] == pytest.approx(sol.objective, rel=REL)
+    # The same problem with a private reshard per consumer keeps spec 0.
+    private = Problem(p.groups, (_edge("P:0", 0, 1, ((0.0, 4.0),)),
+                                 _edge("P:0", 0, 2, ((0.0, 4.0, 100.0),))), memory_budget=1.0)
     sol = solve(private)
     assert sol.choice == (0, 0, 0) and sol.objective == pytest.approx(10.0, rel=REL)
+
+
+def test_fanout_pays_each_requirement_in_use_from_the_producer() -> None:
+    """Two different requirements are two reshards, each priced from the producer's spec.
+    With both at 1.5, C1 on spec 1 and C2 on spec 2 cost 1.5 + 1.5 + 2 + 1 = 6, more than both
+    sharing spec 1 (1.5 + 2 + 2 = 5.5); with spec 2 at 0.2 the split costs 4.7 and wins."""
+    sol = solve(_fanout_problem((0.0, 1.5, 1.5)))
+    assert sol.choice == (0, 1, 1) and sol.objective == pytest.approx(5.5, rel=REL)
+    sol = solve(_fanout_problem((0.0, 1.5, 0.2)))
+    assert sol.choice == (0, 1, 2) and sol.objective == pytest.approx(4.7, rel=REL)
 
 
 def two_ways(mult: int = 1) -> Problem:
@@ -152,8 +165,10 @@ def test_fixed_pins_a_strategy() -> None:
     assert sol.objective == pytest.approx(13.0, rel=REL)
 
 
-def test_json_round_trip_and_same_solution() -> None:
-    p = replace(chain(), fixed=((1, 1),), memory_budget=123.5)
+@pytest.mark.parametrize("make", [lambda: replace(chain(), fixed=((1, 1),), memory_budget=123.5),
+                                  lambda: _fanout_problem((0.0, 1.5, 0.2))])
+def test_json_round_trip_and_same_solution(make) -> None:
+    p = make()
     text = p.to_json()
     q = Problem.from_json(text)
     assert q == p
@@ -198,12 +213,22 @@ def problems(draw) -> Problem:
         req = tuple(draw(st.integers(0, n_r - 1)) for _ in range(sizes[b]))
         matrix = tuple(tuple(draw(cost) for _ in range(n_r)) for _ in range(n_o))
         edges.append(Edge(f"e{len(edges)}", draw(st.integers(1, 2)), a, b, out, req, matrix))
+    fanouts = []
+    for _ in range(draw(st.integers(0, 2)) if n > 2 else 0):
+        a, *cons = draw(st.lists(st.integers(0, n - 1), min_size=3, max_size=4, unique=True))
+        n_o, n_r = draw(st.integers(1, sizes[a])), draw(st.integers(1, 3))
+        out = tuple(draw(st.integers(0, n_o - 1)) for _ in range(sizes[a]))
+        classes = tuple((b, tuple(draw(st.integers(0, n_r - 1)) for _ in range(sizes[b])))
+                        for b in cons)
+        matrix = tuple(tuple(draw(cost) for _ in range(n_r)) for _ in range(n_o))
+        fanouts.append(Fanout(f"f{len(fanouts)}", draw(st.integers(1, 2)), a, out, classes,
+                              matrix))
     # Integer memories and a half-integer budget: no assignment sits on the boundary.
     budget = draw(st.integers(0, 60)) + 0.5
-    return Problem(groups, tuple(edges), float(budget))
+    return Problem(groups, tuple(edges), float(budget), fanouts=tuple(fanouts))
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_ilp_matches_brute_force(p: Problem) -> None:
     best = brute_force(p)

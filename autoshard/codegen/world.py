@@ -30,22 +30,31 @@ about a second after the first. They run with ``OMP_NUM_THREADS=1`` and get the 
 ``sys.path`` at start, so functions in test modules (pytest's default "prepend" import mode)
 pickle by reference. They do *not* see later changes to the parent's environment (they fork from
 the server): pass ``env=`` to set variables on every rank.
+
+A rank killed by a signal (a crash inside a native library, seen once as a SIGSEGV in a gloo rank
+on a loaded 2-core machine) leaves its faulthandler traceback in the :class:`RankError`; ``run``
+then starts a fresh world and runs the function once more, with a warning that carries the crash
+report, since a deterministic fault crashes again and still fails.
 """
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import pickle
 import queue
+import shutil
+import tempfile
 import time
 import traceback
+import warnings
 from typing import Any, Callable
 
 import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
 
-__all__ = ["RankError", "World", "world_fixture"]
+__all__ = ["RankCrash", "RankError", "World", "world_fixture"]
 
 _HOST = "127.0.0.1"
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.device_mesh",
@@ -62,6 +71,11 @@ class RankError(RuntimeError):
         super().__init__(f"{len(failures)} rank(s) failed:\n{text}")
 
 
+class RankCrash(RankError):
+    """A rank died from a signal (not from a Python exception); the failures hold its
+    faulthandler report."""
+
+
 def _context(start_method: str, preload: tuple[str, ...]) -> Any:
     """A forkserver imports torch once (~4 s) and forks every rank of every world from it; four
     spawned interpreters each importing torch take ~15 s on 2 cores."""
@@ -73,12 +87,14 @@ def _context(start_method: str, preload: tuple[str, ...]) -> Any:
 
 
 def _worker(rank: int, size: int, port: int, backend: str, pg_timeout_s: float,
-            env: dict[str, str], tasks: Any, results: Any) -> None:
+            env: dict[str, str], crash_log: str, tasks: Any, results: Any) -> None:
     # A forked rank has the forkserver's environment (from its first start), not the parent's.
     os.environ.update({"MASTER_ADDR": _HOST, "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(size), "OMP_NUM_THREADS": "1", **env})
     torch.set_num_threads(1)
+    log = open(crash_log, "w")                # noqa: SIM115 (open for the process's life)
+    faulthandler.enable(file=log, all_threads=True)
     try:
         store = tdist.TCPStore(_HOST, port, size, is_master=False,
                                timeout=datetime.timedelta(seconds=pg_timeout_s))
@@ -125,7 +141,9 @@ class World:
         self._results: Any = None
         self._store: Any = None
         self._next_task = 0
+        self._log_dir: str | None = None
         self.starts = 0       # how many times the ranks were (re)started; tests can watch it
+        self.crashes: list[str] = []    # reports of ranks that died from a signal
 
     # -- life cycle -----------------------------------------------------------------------------
 
@@ -142,6 +160,7 @@ class World:
         self._store = tdist.TCPStore(_HOST, 0, None, True, wait_for_workers=False,
                                      timeout=datetime.timedelta(seconds=self.start_timeout_s))
         port = self._store.port
+        self._log_dir = tempfile.mkdtemp(prefix="autoshard-world-")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.size)]
         saved = os.environ.get("OMP_NUM_THREADS")
@@ -150,7 +169,8 @@ class World:
             pg_timeout = max(self.timeout_s, 60.0)
             self._procs = [ctx.Process(target=_worker, daemon=True,
                                        args=(r, self.size, port, self.backend, pg_timeout,
-                                             self.env, self._tasks[r], self._results))
+                                             self.env, self._crash_log(r), self._tasks[r],
+                                             self._results))
                            for r in range(self.size)]
             for p in self._procs:
                 p.start()
@@ -199,13 +219,43 @@ class World:
             q.cancel_join_thread()
             q.close()
         self._procs, self._tasks, self._results, self._store = [], [], None, None
+        if self._log_dir is not None:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
+            self._log_dir = None
+
+    def _crash_log(self, rank: int) -> str:
+        assert self._log_dir is not None
+        return os.path.join(self._log_dir, f"rank{rank}.log")
+
+    def _death(self, rank: int) -> str:
+        """Why rank ``rank`` is dead: its exit code and, for a signal, what faulthandler wrote."""
+        code = self._procs[rank].exitcode
+        text = f"rank {rank} died (exit code {code})"
+        try:
+            with open(self._crash_log(rank)) as f:
+                report = f.read().strip()
+        except OSError:
+            report = ""
+        return f"{text}\n{report}" if report else text
 
     # -- running --------------------------------------------------------------------------------
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None,
             **kwargs: Any) -> list[Any]:
-        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
+
+        A rank that dies from a signal gets one more try in a fresh world (see the module doc).
+        """
         payload = pickle.dumps((fn, args, kwargs))   # fails here, not silently in a feeder thread
+        try:
+            return self._run(fn, payload, timeout_s)
+        except RankCrash as crash:
+            self.crashes.append(str(crash))
+            warnings.warn(f"{getattr(fn, '__name__', fn)}: {crash}\nrunning it once more in a "
+                          "fresh world", RuntimeWarning, stacklevel=2)
+            return self._run(fn, payload, timeout_s)
+
+    def _run(self, fn: Callable[..., Any], payload: bytes, timeout_s: float | None) -> list[Any]:
         self.start()
         replies = self._submit(payload, timeout_s if timeout_s is not None else self.timeout_s)
         if replies is None:
@@ -252,10 +302,10 @@ class World:
                 if any(not p.is_alive() for p in self._procs):
                     dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
                     errs = {r: v for r, (k, v) in replies.items() if k == "err"}
-                    errs.update({r: f"rank {r} died (exit code {self._procs[r].exitcode})"
-                                 for r in dead if r not in replies})
+                    errs.update({r: self._death(r) for r in dead if r not in replies})
+                    signalled = any((self._procs[r].exitcode or 0) < 0 for r in dead)
                     self._kill()
-                    raise RankError(errs)
+                    raise (RankCrash if signalled else RankError)(errs)
                 continue
             if tid != task_id:
                 continue           # a late reply to a task that already failed

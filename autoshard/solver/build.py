@@ -27,7 +27,7 @@ from autoshard.ir import Replicate, Shard, Spec, Strategy, local_shape, spec_fit
 from autoshard.lowering import (ValueRef, grad_values, input_divergence, output_requirement,
                                 no_backward, value_inputs, value_ref, value_shapes)
 from autoshard.mesh import Mesh
-from autoshard.solver.problem import Edge, Group, Problem
+from autoshard.solver.problem import Edge, Fanout, Group, Problem
 from autoshard.solver.rules.registry import OpInfo, TensorInfo, strategies_for
 from autoshard.trace.export import TracedGraph, layer_of, module_path, op_info, output_infos
 
@@ -210,8 +210,8 @@ class _Builder:
             groups.append(Group(names[0], mult[names[0]], tuple(cost), tuple(mem)))
         self._out_group = len(groups)
         groups.append(Group(OUTPUT, 1, (0.0,), (0.0,)))
-        edges = self._edges(rep, members, groups)
-        problem = Problem(tuple(groups), tuple(edges), float(self.budget))
+        edges, fanouts = self._edges(rep, members)
+        problem = Problem(tuple(groups), tuple(edges), float(self.budget), fanouts=tuple(fanouts))
         return Built(problem, members, rep)
 
     def _merge_plan(self, n: fx.Node, members: dict[str, Member]
@@ -291,8 +291,8 @@ class _Builder:
         srcs = {k: _spec(members[ins[k][0]], i, ins[k][1]) for k in positions}
         return self._follow_cost(n, s, srcs, 0.0)
 
-    def _edges(self, rep: dict[str, str], members: dict[str, Member],
-               groups: list[Group]) -> list[Edge]:
+    def _edges(self, rep: dict[str, str], members: dict[str, Member]
+               ) -> tuple[list[Edge], list[Fanout]]:
         consumers: dict[ValueRef, list[tuple[str, int]]] = {}
         for node in self.t.graph.nodes:
             if node.op == "output":
@@ -314,6 +314,7 @@ class _Builder:
                 key = (rep[ref[0]], ref[1], tuple(sorted(key_cons)))
                 keyed[key] = keyed.get(key, 0) + 1
         edges: list[Edge] = []
+        fanouts: list[Fanout] = []
         for (pname, o, cons), mult in keyed.items():
             pm = members[pname]
             src_specs = [pm.strategies[i].outputs[o] for i in pm.pick]
@@ -324,22 +325,18 @@ class _Builder:
             grad = pname in self.grad
             reqs = [self._requirements(c, k, members, grad) for c, k in cons]
             name = f"{pname}:{o}"
-            if len(cons) == 1:
-                (cgroup, req), = reqs
-                edges.append(self._edge(name, mult, pm.group, src_specs, cgroup, req, shape, itemsize,
-                                        grad=grad))
-                continue
-            # A value several groups read: a fanout picks the one requirement it is resharded to,
-            # and each consumer reshards from there only if it needs something else.
+            # One requirement list for every consumer: a fanout pays each requirement in use once.
             keys = list(dict.fromkeys(r for _, req in reqs for r in req))
-            fan = len(groups)
-            groups.append(Group(f"{name}:fanout", mult, (0.0,) * len(keys), (0.0,) * len(keys)))
-            edges.append(self._edge(name, mult, pm.group, src_specs, fan, keys, shape, itemsize,
-                                    grad=grad))
-            for cgroup, req in reqs:
-                edges.append(self._edge(f"{name}:fanout", mult, fan, keys, cgroup, req, shape,
-                                        itemsize, grad=grad, from_fanout=True))
-        return edges
+            specs = list(dict.fromkeys(src_specs))
+            cost = tuple(tuple(self._price(name, src, dst, shape, itemsize, grad) for dst in keys)
+                         for src in specs)
+            out = tuple(specs.index(sp) for sp in src_specs)
+            classes = [(cgroup, tuple(keys.index(r) for r in req)) for cgroup, req in reqs]
+            if len(classes) == 1:
+                edges.append(Edge(name, mult, pm.group, classes[0][0], out, classes[0][1], cost))
+            else:
+                fanouts.append(Fanout(name, mult, pm.group, out, tuple(classes), cost))
+        return edges, fanouts
 
     def _requirements(self, cname: str, k: int, members: dict[str, Member], grad: bool
                       ) -> tuple[int, list[tuple[Spec, frozenset[int]]]]:
@@ -352,30 +349,14 @@ class _Builder:
             out.append((s.inputs[k], input_divergence(s, k) if grad else frozenset()))
         return cm.group, out
 
-    def _edge(self, name: str, mult: int, producer: int, src_specs: list, consumer: int,
-              reqs: list[tuple[Spec, frozenset[int]]], shape: tuple[int, ...], itemsize: int,
-              *, grad: bool, from_fanout: bool = False) -> Edge:
-        """``src_specs`` per producer strategy: specs, or (from a fanout) requirement keys, which
-        cost nothing to a consumer with the same requirement."""
-        specs = list(dict.fromkeys(src_specs))
-        rkeys = list(dict.fromkeys(reqs))
-
-        in_place = name.split(":")[0] in self.in_place
-
-        def price(src, dst: tuple[Spec, frozenset[int]]) -> float:
-            if in_place and not from_fanout and src != dst[0] and any(
-                    st.kind != "to_partial" for st in reshard(src, dst[0], shape, itemsize,
-                                                              self.ms).forward):
-                return FORBIDDEN       # only a row-parallel bias may become a local summand
-            if from_fanout:
-                if src == dst:
-                    return 0.0
-                src = src[0]
-            return self._reshard_time(src, dst[0], shape, itemsize, dst[1], grad)
-
-        cost = tuple(tuple(price(s, d) for d in rkeys) for s in specs)
-        return Edge(name, mult, producer, consumer, tuple(specs.index(s) for s in src_specs),
-                    tuple(rkeys.index(r) for r in reqs), cost)
+    def _price(self, name: str, src: Spec, dst: tuple[Spec, frozenset[int]],
+               shape: tuple[int, ...], itemsize: int, grad: bool) -> float:
+        """Seconds to reshard value ``name`` from ``src`` to the requirement ``dst``."""
+        if name.split(":")[0] in self.in_place and src != dst[0] and any(
+                st.kind != "to_partial" for st in reshard(src, dst[0], shape, itemsize,
+                                                          self.ms).forward):
+            return FORBIDDEN       # only a row-parallel bias may become a local summand
+        return self._reshard_time(src, dst[0], shape, itemsize, dst[1], grad)
 
 
 def node_memory(traced: TracedGraph, n: fx.Node, info: OpInfo | None, s: Strategy,

@@ -4,7 +4,10 @@
     e[o,r] >= 0       per edge, the (output class, requirement class) pair in use:
                       sum_r e[o,r] = sum_{i in class o} x[producer,i]
                       sum_o e[o,r] = sum_{j in class r} x[consumer,j]
-    minimise   sum mult*cost*x + sum mult*cost*e
+    f[c,o,r] >= 0     per fanout and consumer c, the same transportation polytope as an edge
+    z[o,r] >= f[c,o,r] for every consumer c: the reshard o -> r is paid once if any consumer
+                      needs r (z is 1 exactly then, for integral x)
+    minimise   sum mult*cost*x + sum mult*cost*e + sum mult*cost*z
     subject to sum mult*memory*x <= budget
 
 The edge constraints are a transportation polytope per edge: their LP relaxation is tight on
@@ -73,24 +76,45 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0, minimise_memory: bool
     obj = [grp.cost[i] * grp.mult * v for g, grp in enumerate(problem.groups)
            for i, v in enumerate(x[g]) if grp.cost[i]]
     n_aux = 0
+
+    def transport(name: str, producer: int, out: tuple[int, ...], consumer: int,
+                  req: tuple[int, ...], n_o: int, n_r: int) -> list[list]:
+        """Flow variables f[o][r] whose margins are the producer's and consumer's classes."""
+        nonlocal n_aux
+        f = [[s.NumVar(0.0, 1.0, f"{name}_{o}_{r}") for r in range(n_r)] for o in range(n_o)]
+        n_aux += n_o * n_r
+        by_o: list[list] = [[] for _ in range(n_o)]
+        for i, o in enumerate(out):
+            by_o[o].append(x[producer][i])
+        by_r: list[list] = [[] for _ in range(n_r)]
+        for j, r in enumerate(req):
+            by_r[r].append(x[consumer][j])
+        for o in range(n_o):
+            s.Add(s.Sum(f[o]) == s.Sum(by_o[o]))
+        for r in range(n_r):
+            s.Add(s.Sum([f[o][r] for o in range(n_o)]) == s.Sum(by_r[r]))
+        return f
+
     for k, e in enumerate(problem.edges):
         n_o, n_r = len(e.cost), len(e.cost[0])
         if all(c == 0 for row in e.cost for c in row):
             continue
-        ev = [[s.NumVar(0.0, 1.0, f"e{k}_{o}_{r}") for r in range(n_r)] for o in range(n_o)]
-        n_aux += n_o * n_r
-        by_o: list[list] = [[] for _ in range(n_o)]
-        for i, o in enumerate(e.out):
-            by_o[o].append(x[e.producer][i])
-        by_r: list[list] = [[] for _ in range(n_r)]
-        for j, r in enumerate(e.req):
-            by_r[r].append(x[e.consumer][j])
-        for o in range(n_o):
-            s.Add(s.Sum(ev[o]) == s.Sum(by_o[o]))
-        for r in range(n_r):
-            s.Add(s.Sum([ev[o][r] for o in range(n_o)]) == s.Sum(by_r[r]))
+        ev = transport(f"e{k}", e.producer, e.out, e.consumer, e.req, n_o, n_r)
         obj += [e.cost[o][r] * e.mult * ev[o][r] for o in range(n_o) for r in range(n_r)
                 if e.cost[o][r]]
+    for k, fo in enumerate(problem.fanouts):
+        n_o, n_r = len(fo.cost), len(fo.cost[0])
+        paid = [(o, r) for o in range(n_o) for r in range(n_r) if fo.cost[o][r]]
+        if not paid:
+            continue
+        flows = [transport(f"f{k}_{c}", fo.producer, fo.out, g, req, n_o, n_r)
+                 for c, (g, req) in enumerate(fo.consumers)]
+        for o, r in paid:
+            z = s.NumVar(0.0, 1.0, f"z{k}_{o}_{r}")
+            n_aux += 1
+            for f in flows:
+                s.Add(z >= f[o][r])
+            obj.append(fo.cost[o][r] * fo.mult * z)
     mem = s.Sum([grp.memory[i] * grp.mult * v for g, grp in enumerate(problem.groups)
                  for i, v in enumerate(x[g]) if grp.memory[i]])
     if minimise_memory:

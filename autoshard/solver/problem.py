@@ -5,9 +5,9 @@ memory figure per strategy, and a multiplicity (how many identical repeated laye
 An *edge* joins a producer group to a consumer group: the producer's strategy picks an output
 spec class, the consumer's strategy a requirement class (the spec it needs plus the axes on which
 its gradient must be all-reduced), and ``cost[o][r]`` prices the reshard. A value read by several
-groups first goes through a zero-cost *fanout* group whose strategy is the requirement it is
-resharded to once, so consumers that need the same thing share one reshard, as the program does.
-Every edge is pairwise, which keeps the ILP's relaxation tight (see ilp.py).
+groups is a *fanout*: each distinct requirement its consumers pick is resharded once from the
+producer's output and shared by every consumer that needs it, which is what the program does
+(lowering.reshard_edges), so the objective is the plan's price.
 """
 from __future__ import annotations
 
@@ -35,11 +35,25 @@ class Edge:
 
 
 @dataclass(frozen=True, slots=True)
+class Fanout:
+    """One value read by several consumer groups. ``cost[o][r]`` is paid once for every
+    requirement class ``r`` that at least one consumer picks."""
+
+    name: str
+    mult: int
+    producer: int
+    out: tuple[int, ...]                               # output class per producer strategy
+    consumers: tuple[tuple[int, tuple[int, ...]], ...]  # (group, requirement class per strategy)
+    cost: tuple[tuple[float, ...], ...]                # [out class][requirement class] seconds
+
+
+@dataclass(frozen=True, slots=True)
 class Problem:
     groups: tuple[Group, ...]
     edges: tuple[Edge, ...]
     memory_budget: float
     fixed: tuple[tuple[int, int], ...] = ()   # (group, strategy) forced by the caller
+    fanouts: tuple[Fanout, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -51,7 +65,11 @@ class Problem:
                        for g in d["groups"])
         edges = tuple(Edge(e["name"], e["mult"], e["producer"], e["consumer"], tuple(e["out"]),
                            tuple(e["req"]), tuple(tuple(r) for r in e["cost"])) for e in d["edges"])
-        return cls(groups, edges, d["memory_budget"], tuple(tuple(f) for f in d["fixed"]))
+        fanouts = tuple(Fanout(f["name"], f["mult"], f["producer"], tuple(f["out"]),
+                               tuple((g, tuple(req)) for g, req in f["consumers"]),
+                               tuple(tuple(r) for r in f["cost"])) for f in d.get("fanouts", ()))
+        return cls(groups, edges, d["memory_budget"], tuple(tuple(f) for f in d["fixed"]),
+                   fanouts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,4 +93,7 @@ def evaluate(problem: Problem, choice: tuple[int, ...]) -> tuple[float, float]:
     mem = sum(g.memory[c] * g.mult for g, c in zip(problem.groups, choice))
     for e in problem.edges:
         t += e.cost[e.out[choice[e.producer]]][e.req[choice[e.consumer]]] * e.mult
+    for f in problem.fanouts:
+        row = f.cost[f.out[choice[f.producer]]]
+        t += sum(row[r] for r in {req[choice[g]] for g, req in f.consumers}) * f.mult
     return t, mem
