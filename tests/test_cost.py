@@ -309,7 +309,7 @@ def reshard_cases(draw, max_axes=3):
     return ms, shape, src, dst, divergent
 
 
-@settings(max_examples=150, deadline=None, database=None)
+@settings(max_examples=150, deadline=None, database=None, derandomize=True)
 @given(reshard_cases(), st.integers(0, 2**32 - 1))
 def test_reshard_steps_move_the_data(case, seed):
     ms, shape, src, dst, divergent = case
@@ -335,7 +335,7 @@ def _sent(steps, ms):
                if s.is_collective)
 
 
-@settings(max_examples=300, deadline=None, database=None)
+@settings(max_examples=300, deadline=None, database=None, derandomize=True)
 @given(reshard_cases())
 def test_reshard_never_sends_more_than_replicate_then_slice(case):
     # The plain plan: all-reduce every partial axis, all-gather every sharded axis (innermost
@@ -352,7 +352,7 @@ def test_reshard_never_sends_more_than_replicate_then_slice(case):
     assert _sent(reshard(src, dst, shape, ITEM, ms).forward, ms) <= bound * (1 + 1e-12)
 
 
-@settings(max_examples=100, deadline=None, database=None)
+@settings(max_examples=100, deadline=None, database=None, derandomize=True)
 @given(reshard_cases(max_axes=1), st.integers(0, 2**32 - 1))
 def test_round_trip_costs_each_direction(case, seed):
     ms, shape, src, dst, _ = case

@@ -198,16 +198,17 @@ def _mlp(width: int, batch: int) -> tuple[nn.Module, TracedGraph]:
     return model, trace(model, model.example_inputs(batch))
 
 
-def test_data_parallel_for_a_small_model_with_a_huge_batch() -> None:
-    """A 3-layer MLP of width 252 (Ψ = 191k) with 65536 samples on 8 devices: the plan is pure
-    data parallelism, and its gradient sync is one all-reduce of every gradient:
+@pytest.mark.parametrize("width", [252, 256])
+def test_data_parallel_for_a_small_model_with_a_huge_batch(width: int) -> None:
+    """A 3-layer MLP (Ψ ≈ 0.2M) with 65536 samples on 8 devices: the plan is pure data
+    parallelism, and its gradient sync is one all-reduce of every gradient:
     2(d-1)/d · Ψ · 4 bytes sent per device (REFERENCE.md §3).
 
-    252 is not divisible by 8, so no weight can be sharded and only DP competes with
-    replication. With a width divisible by 8, the cost model rightly ties DP with its ZeRO twin
-    (weights sharded, all-gathered in forward, gradients reduce-scattered: AG + RS = AR in bytes
-    and latency, REFERENCE.md §1), which the next test checks."""
-    model, traced = _mlp(252, 65536)
+    252 is not divisible by 8, so no weight can be sharded. At 256 the cost model ties DP with
+    its ZeRO twin (weights sharded, all-gathered in forward, gradients reduce-scattered: AG + RS =
+    AR in bytes and latency, REFERENCE.md §1); the planner breaks the tie towards replicated
+    weights (the next test shows the twin is taken when memory asks for it)."""
+    model, traced = _mlp(width, 65536)
     d = 8
     p = plan_traced(traced, Mesh((d,)))
     psi = sum(x.numel() for x in model.parameters())
@@ -234,16 +235,22 @@ def test_data_parallel_for_a_small_model_with_a_huge_batch() -> None:
     assert all(c.bytes <= itemsize for c in others), others
 
 
-def test_data_parallel_ties_with_its_zero_twin() -> None:
+def test_zero_twin_when_memory_asks_for_it() -> None:
+    """The same MLP at width 256 under a budget just below pure DP's peak: some weights are
+    stored sharded (ZeRO-3 style), at exactly DP's step time and bytes."""
     model, traced = _mlp(256, 65536)
     d, itemsize = 8, 4
     mesh = Mesh((d,))
-    p = plan_traced(traced, mesh)
-    dp = baseline_plan(traced, mesh, "dp")
+    dp = plan_traced(traced, mesh)
+    assert all(spec == R for spec in dp.params.values())
+    p = plan_traced(traced, mesh, memory_budget=dp.predicted["peak_memory_bytes"] - 1)
+    assert p.predicted["peak_memory_bytes"] < dp.predicted["peak_memory_bytes"]
+    assert any(spec != R for spec in p.params.values()), p.params
     assert p.predicted["step_time_s"] == pytest.approx(dp.predicted["step_time_s"], rel=REL)
     assert all(n.inputs[0] == S0 for n in p.nodes if n.op == str(aten.linear.default))
     params = {ph.name for ph in traced.params}
     moved = [c for c in p.collectives if c.value in params]
+    assert {c.kind for c in moved} >= {"all_gather", "reduce_scatter"}
     psi = sum(x.numel() for x in model.parameters())
     sent = sum(bytes_sent_per_device(c.kind, d, c.bytes) for c in moved)
     assert sent == pytest.approx(2 * (d - 1) / d * psi * itemsize, rel=REL)

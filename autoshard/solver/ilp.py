@@ -20,9 +20,12 @@ import time
 
 from ortools.linear_solver import pywraplp
 
-from autoshard.solver.problem import Problem, Solution
+from autoshard.solver.problem import Fanout, Problem, Solution, evaluate
 
 BACKENDS = ("CBC", "HIGHS", "SCIP")
+# Costs enter the MIP in microseconds: CBC drops objective coefficients below ~1e-8, and a small
+# op's seconds are that small.
+US = 1e6
 
 
 class Infeasible(Exception):
@@ -63,7 +66,7 @@ def _solver() -> tuple[pywraplp.Solver, str]:
     raise RuntimeError(f"OR-Tools offers none of the MIP backends {BACKENDS}")
 
 
-def solve(problem: Problem, *, time_limit_s: float = 30.0, minimise_memory: bool = False) -> Solution:
+def solve(problem: Problem, *, time_limit_s: float = 30.0) -> Solution:
     t0 = time.perf_counter()
     s, backend = _solver()
     s.SetNumThreads(1)
@@ -73,7 +76,7 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0, minimise_memory: bool
         s.Add(s.Sum(xs) == 1)
     for g, i in problem.fixed:
         s.Add(x[g][i] == 1)
-    obj = [grp.cost[i] * grp.mult * v for g, grp in enumerate(problem.groups)
+    obj = [US * grp.cost[i] * grp.mult * v for g, grp in enumerate(problem.groups)
            for i, v in enumerate(x[g]) if grp.cost[i]]
     n_aux = 0
 
@@ -100,7 +103,7 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0, minimise_memory: bool
         if all(c == 0 for row in e.cost for c in row):
             continue
         ev = transport(f"e{k}", e.producer, e.out, e.consumer, e.req, n_o, n_r)
-        obj += [e.cost[o][r] * e.mult * ev[o][r] for o in range(n_o) for r in range(n_r)
+        obj += [US * e.cost[o][r] * e.mult * ev[o][r] for o in range(n_o) for r in range(n_r)
                 if e.cost[o][r]]
     for k, fo in enumerate(problem.fanouts):
         n_o, n_r = len(fo.cost), len(fo.cost[0])
@@ -114,19 +117,14 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0, minimise_memory: bool
             n_aux += 1
             for f in flows:
                 s.Add(z >= f[o][r])
-            obj.append(fo.cost[o][r] * fo.mult * z)
+            obj.append(US * fo.cost[o][r] * fo.mult * z)
     mem = s.Sum([grp.memory[i] * grp.mult * v for g, grp in enumerate(problem.groups)
                  for i, v in enumerate(x[g]) if grp.memory[i]])
-    if minimise_memory:
-        s.Minimize(mem)
-    else:
-        s.Add(mem <= problem.memory_budget)
-        s.Minimize(s.Sum(obj))
+    s.Add(mem <= problem.memory_budget)
+    s.Minimize(s.Sum(obj))
     s.SetTimeLimit(int(time_limit_s * 1000))
     status = s.Solve()
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        if minimise_memory:
-            raise RuntimeError(f"the memory-minimising ILP found no solution (status {status})")
         # A time limit hit before the first incumbent also lands here (NOT_SOLVED): only a budget
         # below the least memory makes the problem infeasible.
         least = least_memory(problem)
@@ -134,8 +132,56 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0, minimise_memory: bool
             raise Infeasible(least)
         raise NoSolution(time_limit_s, status)
     choice = tuple(max(range(len(xs)), key=lambda i: xs[i].solution_value()) for xs in x)
-    objective = s.Objective().Value()
-    bound = s.Objective().BestBound() if status != pywraplp.Solver.OPTIMAL else objective
+    objective = evaluate(problem, choice)[0]     # exact, not within the solver's tolerances
+    bound = s.Objective().BestBound() / US if status != pywraplp.Solver.OPTIMAL else objective
     return Solution(choice=choice, status="OPTIMAL" if status == pywraplp.Solver.OPTIMAL else "FEASIBLE",
                     objective=objective, bound=bound,
                     variables=sum(len(xs) for xs in x) + n_aux, seconds=time.perf_counter() - t0)
+
+
+def break_ties(problem: Problem, choice: tuple[int, ...], order: dict[int, list[int]],
+               *, rel_tol: float = 1e-12) -> tuple[int, ...]:
+    """Break ties: move each group of ``order`` (in that order) to the first of its listed
+    strategies that leaves the objective unchanged (within ``rel_tol``) and memory in budget.
+
+    Equal-cost plans are common under alpha-beta pricing (a replicated weight's gradient
+    all-reduce costs exactly its sharded twin's all-gather + reduce-scatter); the ILP picks one
+    arbitrarily, so the planner lists the layouts a user expects first (fewest sharded axes)."""
+    choice = list(choice)
+    fixed = {g for g, _ in problem.fixed}
+    touching: dict[int, list] = {g: [] for g in order}
+    for e in problem.edges:
+        for g in {e.producer, e.consumer} & touching.keys():
+            touching[g].append(e)
+    for f in problem.fanouts:
+        for g in ({f.producer} | {c for c, _ in f.consumers}) & touching.keys():
+            touching[g].append(f)
+
+    def local(g: int) -> float:
+        grp = problem.groups[g]
+        t = grp.cost[choice[g]] * grp.mult
+        for x in touching[g]:
+            if isinstance(x, Fanout):
+                row = x.cost[x.out[choice[x.producer]]]
+                t += sum(row[r] for r in {req[choice[c]] for c, req in x.consumers}) * x.mult
+            else:
+                t += x.cost[x.out[choice[x.producer]]][x.req[choice[x.consumer]]] * x.mult
+        return t
+
+    total, mem = evaluate(problem, tuple(choice))
+    tol = rel_tol * max(total, 0.0)
+    for g, prefs in order.items():
+        if g in fixed:
+            continue
+        grp, now = problem.groups[g], choice[g]
+        before = local(g)
+        for i in prefs:
+            if i == now:
+                break
+            choice[g] = i
+            dmem = (grp.memory[i] - grp.memory[now]) * grp.mult
+            if local(g) - before <= tol and mem + dmem <= problem.memory_budget:
+                mem += dmem
+                break
+            choice[g] = now
+    return tuple(choice)

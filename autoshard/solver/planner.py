@@ -10,12 +10,12 @@ import torch
 from autoshard.cost.comm import reshard_time
 from autoshard.cost.compute import op_time
 from autoshard.errors import AutoshardError
-from autoshard.ir import Strategy
+from autoshard.ir import Replicate, Strategy
 from autoshard.lowering import reshard_edges, value_shapes
 from autoshard.mesh import Mesh
 from autoshard.plans import CollectiveRecord, NodePlan, Plan
 from autoshard.solver.build import Built, build_problem, expand_spec, node_memory
-from autoshard.solver.ilp import Infeasible, NoSolution, solve
+from autoshard.solver.ilp import Infeasible, NoSolution, break_ties, solve
 from autoshard.solver.rules.registry import work_fraction
 from autoshard.trace.export import TracedGraph, op_info, trace
 
@@ -74,12 +74,28 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, *, memory_budget: float | None 
             got=f"none after {e.time_limit_s:g} s (solver status {e.status}); the memory budget "
                 "is not the cause", fix="raise time_limit_s (--time-limit), or use a mesh with "
                 "fewer axes") from e
-    strategies = {name: built.strategy_of(name, sol.choice) for name in built.rep}
+    choice = break_ties(problem, sol.choice, _storage_preferences(traced, built))
+    strategies = {name: built.strategy_of(name, choice) for name in built.rep}
     solver = {"status": sol.status, "objective": sol.objective, "gap": sol.gap,
               "variables": sol.variables, "groups": len(built.problem.groups)}
     return assemble(traced, mesh, strategies, solver=solver, model_name=model_name,
                     optimizer=optimizer,
                     timings={"trace_s": trace_s, "build_s": build_s, "solve_s": sol.seconds})
+
+
+def _storage_preferences(traced: TracedGraph, built: Built) -> dict[int, list[int]]:
+    """Each parameter's group with its layouts, fewest sharded mesh axes first: among equally
+    fast plans, weights stay replicated (plain data parallelism, one gradient all-reduce) unless
+    sharding them buys time or is needed to fit memory."""
+    out = {}
+    for p in traced.params:
+        m = built.members.get(p.name)
+        if m is None:
+            continue                         # a repeated layer's copy: its template decides
+        def n_sharded(i: int, m=m) -> int:
+            return sum(not isinstance(x, Replicate) for x in m.strategies[m.pick[i]].outputs[0])
+        out[m.group] = sorted(range(len(m.pick)), key=lambda i: (n_sharded(i), i))
+    return out
 
 
 # On a 3-axis mesh the full strategy space (about 5^3 placements per tensor) makes the ILP too
