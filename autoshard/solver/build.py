@@ -331,7 +331,9 @@ class _Builder:
             cost = tuple(tuple(self._price(name, src, dst, shape, itemsize, grad) for dst in keys)
                          for src in specs)
             out = tuple(specs.index(sp) for sp in src_specs)
-            classes = [(cgroup, tuple(keys.index(r) for r in req)) for cgroup, req in reqs]
+            # Consumers alike (one template read by every layer) share their reshards: one entry.
+            classes = list(dict.fromkeys((cgroup, tuple(keys.index(r) for r in req))
+                                         for cgroup, req in reqs))
             if len(classes) == 1:
                 edges.append(Edge(name, mult, pm.group, classes[0][0], out, classes[0][1], cost))
             else:
