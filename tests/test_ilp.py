@@ -210,6 +210,12 @@ def test_determinism_on_ties() -> None:
 # -------------------------------------------------------------------- property: brute force
 
 
+def copy_memory(n_o: int, n_r: int):
+    """No reshard memory, or integer bytes per (output, requirement) class pair."""
+    return st.one_of(st.just(()), st.tuples(*[st.tuples(*[st.integers(0, 6).map(float)] * n_r)]
+                                            * n_o))
+
+
 @st.composite
 def problems(draw) -> Problem:
     n = draw(st.integers(1, 4))
@@ -227,7 +233,8 @@ def problems(draw) -> Problem:
         out = tuple(draw(st.integers(0, n_o - 1)) for _ in range(sizes[a]))
         req = tuple(draw(st.integers(0, n_r - 1)) for _ in range(sizes[b]))
         matrix = tuple(tuple(draw(cost) for _ in range(n_r)) for _ in range(n_o))
-        edges.append(Edge(f"e{len(edges)}", draw(st.integers(1, 2)), a, b, out, req, matrix))
+        edges.append(Edge(f"e{len(edges)}", draw(st.integers(1, 2)), a, b, out, req, matrix,
+                          draw(copy_memory(n_o, n_r))))
     fanouts = []
     for _ in range(draw(st.integers(0, 2)) if n > 2 else 0):
         a, *cons = draw(st.lists(st.integers(0, n - 1), min_size=3, max_size=4, unique=True))
@@ -237,7 +244,7 @@ def problems(draw) -> Problem:
                         for b in cons)
         matrix = tuple(tuple(draw(cost) for _ in range(n_r)) for _ in range(n_o))
         fanouts.append(Fanout(f"f{len(fanouts)}", draw(st.integers(1, 2)), a, out, classes,
-                              matrix))
+                              matrix, draw(copy_memory(n_o, n_r))))
     # Integer memories and a half-integer budget: no assignment sits on the boundary.
     budget = draw(st.integers(0, 60)) + 0.5
     return Problem(groups, tuple(edges), float(budget), fanouts=tuple(fanouts))

@@ -182,6 +182,17 @@ def _saved_rule(op: OpInfo) -> SavedRule:
     return SavedRule(inputs=tuple(range(n_in)))
 
 
+def saved_input_bytes(op: OpInfo, k: int, spec, mesh_shape: tuple[int, ...]) -> int:
+    """Bytes one device keeps of input ``k`` for ``op``'s backward when the op reads it in layout
+    ``spec``; 0 if the backward does not need it. A parameter read where it lies is already in
+    model state; read through a reshard, the resharded copy is what the backward keeps."""
+    prof = op_profile(op)
+    if k not in saved_rule(op).inputs or k >= len(prof.inputs):
+        return 0
+    shape, isz = prof.inputs[k]
+    return local_numel(shape, spec, tuple(mesh_shape)) * isz
+
+
 _SAVED_KEY = "_autoshard_saved_rule"
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ import torch.fx as fx
 import autoshard.solver.rules  # noqa: F401  (registers every rule)
 from autoshard.cost.comm import reshard, reshard_time
 from autoshard.cost.compute import op_time
-from autoshard.cost.memory import param_state_bytes, saved_activation_bytes
+from autoshard.cost.memory import param_state_bytes, saved_activation_bytes, saved_input_bytes
 from autoshard.ir import Replicate, Shard, Spec, Strategy, local_shape, spec_fits
 from autoshard.lowering import (ValueRef, grad_values, input_divergence, output_requirement,
                                 no_backward, value_inputs, value_ref, value_shapes)
@@ -95,7 +96,7 @@ class _Builder:
         self.by_name = {n.name: n for n in traced.graph.nodes}
         self.infos: dict[str, OpInfo] = {}
         self.shapes = value_shapes(traced.graph)
-        params = {p.name for p in traced.params}
+        params = self.params = {p.name for p in traced.params}
         self.grad = grad_values(traced.graph, params) if traced.training else set()
         self._follow_memo: dict[tuple, int] = {}
         self._own: dict[str, tuple[list[float], list[int]]] = {}
@@ -161,7 +162,8 @@ class _Builder:
         return op_time(self.infos[n.name], s, self.mesh, training=self.t.training)
 
     def node_memory(self, n: fx.Node, s: Strategy) -> float:
-        return node_memory(self.t, n, self.infos.get(n.name), s, self.ms, self.optimizer)
+        return node_memory(self.t, n, self.infos.get(n.name), s, self.ms, self.optimizer,
+                           param_inputs(self.ins.get(n.name, ()), self.params))
 
     def build(self) -> Built:
         rep = self.find_reps()
@@ -330,15 +332,31 @@ class _Builder:
             specs = list(dict.fromkeys(src_specs))
             cost = tuple(tuple(self._price(name, src, dst, shape, itemsize, grad) for dst in keys)
                          for src in specs)
+            memory = self._copy_memory(pname, cons, specs, keys)
             out = tuple(specs.index(sp) for sp in src_specs)
             # Consumers alike (one template read by every layer) share their reshards: one entry.
             classes = list(dict.fromkeys((cgroup, tuple(keys.index(r) for r in req))
                                          for cgroup, req in reqs))
             if len(classes) == 1:
-                edges.append(Edge(name, mult, pm.group, classes[0][0], out, classes[0][1], cost))
+                edges.append(Edge(name, mult, pm.group, classes[0][0], out, classes[0][1], cost,
+                                  memory))
             else:
-                fanouts.append(Fanout(name, mult, pm.group, out, tuple(classes), cost))
+                fanouts.append(Fanout(name, mult, pm.group, out, tuple(classes), cost, memory))
         return edges, fanouts
+
+    def _copy_memory(self, pname: str, cons: tuple[tuple[str, int], ...], specs: list[Spec],
+                     keys: list[tuple[Spec, frozenset[int]]]) -> tuple[tuple[float, ...], ...]:
+        """[src spec][requirement] bytes of a parameter's resharded copy that a consumer keeps
+        for backward (the parameter itself is in model state: node_memory leaves it out)."""
+        if pname not in self.params or not self.t.training:
+            return ()
+        saved = {}
+        for dst, _ in keys:
+            saved[dst] = max([saved_input_bytes(self.infos[c], k, dst, self.ms) for c, k in cons
+                              if c != OUTPUT and c in self.infos] or [0])
+        memory = tuple(tuple(float(saved[dst]) if src != dst else 0.0 for dst, _ in keys)
+                       for src in specs)
+        return memory if any(any(row) for row in memory) else ()
 
     def _requirements(self, cname: str, k: int, members: dict[str, Member], grad: bool
                       ) -> tuple[int, list[tuple[Spec, frozenset[int]]]]:
@@ -361,10 +379,18 @@ class _Builder:
         return self._reshard_time(src, dst[0], shape, itemsize, dst[1], grad)
 
 
+def param_inputs(ins: Sequence[tuple[str, int]], params: set[str]) -> frozenset[int]:
+    """Input positions that read a parameter directly."""
+    return frozenset(k for k, ref in enumerate(ins) if ref[0] in params)
+
+
 def node_memory(traced: TracedGraph, n: fx.Node, info: OpInfo | None, s: Strategy,
-                mesh_shape: tuple[int, ...], optimizer: str) -> float:
+                mesh_shape: tuple[int, ...], optimizer: str,
+                params_read: frozenset[int] = frozenset()) -> float:
     """Bytes one device holds for a node: a parameter's state (weights, gradient, optimizer), a
-    buffer, or what an op saves for backward (training only)."""
+    buffer, or what an op saves for backward (training only). ``params_read``: input positions
+    that read a parameter, which the op saves without a copy of its own (a resharded copy is
+    charged on the edge that makes it)."""
     if n.op == "placeholder":
         ph = traced.placeholder(n.name)
         if ph.info is None or ph.kind == "input":
@@ -376,7 +402,7 @@ def node_memory(traced: TracedGraph, n: fx.Node, info: OpInfo | None, s: Strateg
         return float(numel * ph.info.dtype.itemsize)
     if not traced.training or info is None:
         return 0.0
-    return float(saved_activation_bytes(info, s, mesh_shape))
+    return float(saved_activation_bytes(info, s, mesh_shape, exclude=params_read))
 
 
 def _spec(m: Member, i: int, out: int) -> Spec:

@@ -8,7 +8,9 @@
     z[o,r] >= f[c,o,r] for every consumer c: the reshard o -> r is paid once if any consumer
                       needs r (z is 1 exactly then, for integral x)
     minimise   sum mult*cost*x + sum mult*cost*e + sum mult*cost*z
-    subject to sum mult*memory*x <= budget
+    subject to sum mult*memory*x + sum mult*memory*e + sum mult*memory*z <= budget
+
+(the memory on e and z is a resharded copy of a parameter that its consumer keeps for backward).
 
 The edge constraints are a transportation polytope per edge: their LP relaxation is tight on
 chains and trees, so the MIP solver closes most of the problem at the root. The solver runs
@@ -20,7 +22,7 @@ import time
 
 from ortools.linear_solver import pywraplp
 
-from autoshard.solver.problem import Fanout, Problem, Solution, evaluate
+from autoshard.solver.problem import Fanout, Problem, Solution, evaluate, price
 
 BACKENDS = ("CBC", "HIGHS", "SCIP")
 # Costs enter the MIP in microseconds: CBC drops objective coefficients below ~1e-8, and a small
@@ -43,49 +45,93 @@ class NoSolution(Exception):
         super().__init__(f"the solver found no plan within {time_limit_s:g} s (status {status})")
 
 
-def least_memory(problem: Problem) -> float:
-    """The least memory (bytes per device) of any assignment. Memory depends on the group choices
-    alone and every choice satisfies the edge constraints, so it is a per-group minimum."""
+def least_memory(problem: Problem, *, time_limit_s: float = 30.0) -> float:
+    """The least memory (bytes per device) of any assignment. Without reshard memory on edges,
+    memory depends on the group choices alone and is a per-group minimum; with it, a MIP that
+    minimises memory finds it (if that MIP does not finish in time, the per-group minimum is
+    returned: a lower bound)."""
     pins: dict[int, set[int]] = {}
     for g, i in problem.fixed:
         pins.setdefault(g, set()).add(i)
-    total = 0.0
-    for g, grp in enumerate(problem.groups):
-        allowed = pins.get(g, range(len(grp.memory)))
-        if len(allowed) != 1 and g in pins:
-            return float("inf")      # two different strategies pinned on one group
-        total += grp.mult * min(grp.memory[i] for i in allowed)
-    return total
+    if any(len(v) > 1 for v in pins.values()):
+        return float("inf")          # two different strategies pinned on one group
+    bound = sum(grp.mult * min(grp.memory[i] for i in pins.get(g, range(len(grp.memory))))
+                for g, grp in enumerate(problem.groups))
+    if not any(e.memory for e in (*problem.edges, *problem.fanouts)):
+        return bound
+    m = _Model(problem)
+    m.s.Minimize(m.mem)
+    m.s.SetTimeLimit(int(time_limit_s * 1000))
+    status = m.s.Solve()
+    if status == pywraplp.Solver.OPTIMAL:
+        return evaluate(problem, m.choice())[1]
+    return bound
 
 
-def _solver() -> tuple[pywraplp.Solver, str]:
+def _solver() -> pywraplp.Solver:
     for name in BACKENDS:
         s = pywraplp.Solver.CreateSolver(name)
         if s is not None:
-            return s, name
+            return s
     raise RuntimeError(f"OR-Tools offers none of the MIP backends {BACKENDS}")
 
 
-def solve(problem: Problem, *, time_limit_s: float = 30.0) -> Solution:
-    t0 = time.perf_counter()
-    s, backend = _solver()
-    s.SetNumThreads(1)
-    x = [[s.BoolVar(f"x{g}_{i}") for i in range(len(grp.cost))]
-         for g, grp in enumerate(problem.groups)]
-    for xs in x:
-        s.Add(s.Sum(xs) == 1)
-    for g, i in problem.fixed:
-        s.Add(x[g][i] == 1)
-    obj = [US * grp.cost[i] * grp.mult * v for g, grp in enumerate(problem.groups)
-           for i, v in enumerate(x[g]) if grp.cost[i]]
-    n_aux = 0
+class _Model:
+    """The MIP of a problem: variables, the objective's terms and the memory expression."""
 
-    def transport(name: str, producer: int, out: tuple[int, ...], consumer: int,
-                  req: tuple[int, ...], n_o: int, n_r: int) -> list[list]:
+    def __init__(self, problem: Problem) -> None:
+        s = self.s = _solver()
+        s.SetNumThreads(1)
+        x = self.x = [[s.BoolVar(f"x{g}_{i}") for i in range(len(grp.cost))]
+                      for g, grp in enumerate(problem.groups)]
+        for xs in x:
+            s.Add(s.Sum(xs) == 1)
+        for g, i in problem.fixed:
+            s.Add(x[g][i] == 1)
+        obj = [US * grp.cost[i] * grp.mult * v for g, grp in enumerate(problem.groups)
+               for i, v in enumerate(x[g]) if grp.cost[i]]
+        mem = [grp.memory[i] * grp.mult * v for g, grp in enumerate(problem.groups)
+               for i, v in enumerate(x[g]) if grp.memory[i]]
+        self.n_aux = 0
+
+        def pays(item, o: int, r: int) -> bool:
+            return bool(item.cost[o][r] or (item.memory and item.memory[o][r]))
+
+        def charge(item, o: int, r: int, var) -> None:
+            if item.cost[o][r]:
+                obj.append(US * item.cost[o][r] * item.mult * var)
+            if item.memory and item.memory[o][r]:
+                mem.append(item.memory[o][r] * item.mult * var)
+
+        for k, e in enumerate(problem.edges):
+            n_o, n_r = len(e.cost), len(e.cost[0])
+            if not any(pays(e, o, r) for o in range(n_o) for r in range(n_r)):
+                continue
+            ev = self._transport(f"e{k}", e.producer, e.out, e.consumer, e.req, n_o, n_r)
+            for o in range(n_o):
+                for r in range(n_r):
+                    charge(e, o, r, ev[o][r])
+        for k, fo in enumerate(problem.fanouts):
+            n_o, n_r = len(fo.cost), len(fo.cost[0])
+            paid = [(o, r) for o in range(n_o) for r in range(n_r) if pays(fo, o, r)]
+            if not paid:
+                continue
+            flows = [self._transport(f"f{k}_{c}", fo.producer, fo.out, g, req, n_o, n_r)
+                     for c, (g, req) in enumerate(fo.consumers)]
+            for o, r in paid:
+                z = s.NumVar(0.0, 1.0, f"z{k}_{o}_{r}")
+                self.n_aux += 1
+                for f in flows:
+                    s.Add(z >= f[o][r])
+                charge(fo, o, r, z)
+        self.obj, self.mem = s.Sum(obj), s.Sum(mem)
+
+    def _transport(self, name: str, producer: int, out: tuple[int, ...], consumer: int,
+                   req: tuple[int, ...], n_o: int, n_r: int) -> list[list]:
         """Flow variables f[o][r] whose margins are the producer's and consumer's classes."""
-        nonlocal n_aux
+        s, x = self.s, self.x
         f = [[s.NumVar(0.0, 1.0, f"{name}_{o}_{r}") for r in range(n_r)] for o in range(n_o)]
-        n_aux += n_o * n_r
+        self.n_aux += n_o * n_r
         by_o: list[list] = [[] for _ in range(n_o)]
         for i, o in enumerate(out):
             by_o[o].append(x[producer][i])
@@ -98,45 +144,31 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0) -> Solution:
             s.Add(s.Sum([f[o][r] for o in range(n_o)]) == s.Sum(by_r[r]))
         return f
 
-    for k, e in enumerate(problem.edges):
-        n_o, n_r = len(e.cost), len(e.cost[0])
-        if all(c == 0 for row in e.cost for c in row):
-            continue
-        ev = transport(f"e{k}", e.producer, e.out, e.consumer, e.req, n_o, n_r)
-        obj += [US * e.cost[o][r] * e.mult * ev[o][r] for o in range(n_o) for r in range(n_r)
-                if e.cost[o][r]]
-    for k, fo in enumerate(problem.fanouts):
-        n_o, n_r = len(fo.cost), len(fo.cost[0])
-        paid = [(o, r) for o in range(n_o) for r in range(n_r) if fo.cost[o][r]]
-        if not paid:
-            continue
-        flows = [transport(f"f{k}_{c}", fo.producer, fo.out, g, req, n_o, n_r)
-                 for c, (g, req) in enumerate(fo.consumers)]
-        for o, r in paid:
-            z = s.NumVar(0.0, 1.0, f"z{k}_{o}_{r}")
-            n_aux += 1
-            for f in flows:
-                s.Add(z >= f[o][r])
-            obj.append(US * fo.cost[o][r] * fo.mult * z)
-    mem = s.Sum([grp.memory[i] * grp.mult * v for g, grp in enumerate(problem.groups)
-                 for i, v in enumerate(x[g]) if grp.memory[i]])
-    s.Add(mem <= problem.memory_budget)
-    s.Minimize(s.Sum(obj))
-    s.SetTimeLimit(int(time_limit_s * 1000))
-    status = s.Solve()
+    def choice(self) -> tuple[int, ...]:
+        return tuple(max(range(len(xs)), key=lambda i: xs[i].solution_value()) for xs in self.x)
+
+
+def solve(problem: Problem, *, time_limit_s: float = 30.0) -> Solution:
+    t0 = time.perf_counter()
+    m = _Model(problem)
+    m.s.Add(m.mem <= problem.memory_budget)
+    m.s.Minimize(m.obj)
+    m.s.SetTimeLimit(int(time_limit_s * 1000))
+    status = m.s.Solve()
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         # A time limit hit before the first incumbent also lands here (NOT_SOLVED): only a budget
         # below the least memory makes the problem infeasible.
-        least = least_memory(problem)
+        least = least_memory(problem, time_limit_s=time_limit_s)
         if least > problem.memory_budget or status == pywraplp.Solver.INFEASIBLE:
             raise Infeasible(least)
         raise NoSolution(time_limit_s, status)
-    choice = tuple(max(range(len(xs)), key=lambda i: xs[i].solution_value()) for xs in x)
+    choice = m.choice()
     objective = evaluate(problem, choice)[0]     # exact, not within the solver's tolerances
-    bound = s.Objective().BestBound() / US if status != pywraplp.Solver.OPTIMAL else objective
+    bound = m.s.Objective().BestBound() / US if status != pywraplp.Solver.OPTIMAL else objective
     return Solution(choice=choice, status="OPTIMAL" if status == pywraplp.Solver.OPTIMAL else "FEASIBLE",
                     objective=objective, bound=bound,
-                    variables=sum(len(xs) for xs in x) + n_aux, seconds=time.perf_counter() - t0)
+                    variables=sum(len(xs) for xs in m.x) + m.n_aux,
+                    seconds=time.perf_counter() - t0)
 
 
 def break_ties(problem: Problem, choice: tuple[int, ...], order: dict[int, list[int]],
@@ -150,38 +182,34 @@ def break_ties(problem: Problem, choice: tuple[int, ...], order: dict[int, list[
     choice = list(choice)
     fixed = {g for g, _ in problem.fixed}
     touching: dict[int, list] = {g: [] for g in order}
-    for e in problem.edges:
-        for g in {e.producer, e.consumer} & touching.keys():
-            touching[g].append(e)
-    for f in problem.fanouts:
-        for g in ({f.producer} | {c for c, _ in f.consumers}) & touching.keys():
-            touching[g].append(f)
+    for item in (*problem.edges, *problem.fanouts):
+        ends = {item.producer} | ({c for c, _ in item.consumers} if isinstance(item, Fanout)
+                                  else {item.consumer})
+        for g in ends & touching.keys():
+            touching[g].append(item)
 
-    def local(g: int) -> float:
+    def local(g: int) -> tuple[float, float]:
         grp = problem.groups[g]
-        t = grp.cost[choice[g]] * grp.mult
-        for x in touching[g]:
-            if isinstance(x, Fanout):
-                row = x.cost[x.out[choice[x.producer]]]
-                t += sum(row[r] for r in {req[choice[c]] for c, req in x.consumers}) * x.mult
-            else:
-                t += x.cost[x.out[choice[x.producer]]][x.req[choice[x.consumer]]] * x.mult
-        return t
+        t, mem = grp.cost[choice[g]] * grp.mult, grp.memory[choice[g]] * grp.mult
+        for item in touching[g]:
+            dt, dm = price(item, choice)
+            t, mem = t + dt, mem + dm
+        return t, mem
 
     total, mem = evaluate(problem, tuple(choice))
     tol = rel_tol * max(total, 0.0)
     for g, prefs in order.items():
         if g in fixed:
             continue
-        grp, now = problem.groups[g], choice[g]
-        before = local(g)
+        now = choice[g]
+        t0, m0 = local(g)
         for i in prefs:
             if i == now:
                 break
             choice[g] = i
-            dmem = (grp.memory[i] - grp.memory[now]) * grp.mult
-            if local(g) - before <= tol and mem + dmem <= problem.memory_budget:
-                mem += dmem
+            t1, m1 = local(g)
+            if t1 - t0 <= tol and mem + m1 - m0 <= problem.memory_budget:
+                mem += m1 - m0
                 break
             choice[g] = now
     return tuple(choice)

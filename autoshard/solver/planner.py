@@ -14,7 +14,9 @@ from autoshard.ir import Replicate, Strategy
 from autoshard.lowering import reshard_edges, value_shapes
 from autoshard.mesh import Mesh
 from autoshard.plans import CollectiveRecord, NodePlan, Plan
-from autoshard.solver.build import Built, build_problem, expand_spec, node_memory
+from autoshard.cost.memory import saved_input_bytes
+from autoshard.lowering import value_inputs
+from autoshard.solver.build import Built, build_problem, expand_spec, node_memory, param_inputs
 from autoshard.solver.ilp import Infeasible, NoSolution, break_ties, solve
 from autoshard.solver.rules.registry import work_fraction
 from autoshard.trace.export import TracedGraph, op_info, trace
@@ -187,18 +189,24 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy], *
     nodes = [n for n in graph.nodes if n.name in strategies]
     params = {p.name: p.fqn for p in traced.params}
     compute_s = memory = 0.0
+    infos = {}
     for n in nodes:
         s = strategies[n.name]
-        info = op_info(n) if n.op == "call_function" else None
+        info = infos[n.name] = op_info(n) if n.op == "call_function" else None
         if info is not None:
             compute_s += op_time(info, s, mesh, training=traced.training)
-        memory += node_memory(traced, n, info, s, mesh.shape, optimizer)
+        reads = param_inputs(value_inputs(n), set(params)) if info is not None else frozenset()
+        memory += node_memory(traced, n, info, s, mesh.shape, optimizer, reads)
     shapes = value_shapes(graph)
     collectives: list[CollectiveRecord] = []
     comm_s = 0.0
     for e in reshard_edges(graph, strategies, mesh.shape, shapes, set(params),
                            training=traced.training):
         comm_s += reshard_time(e.reshard, mesh)
+        if e.from_param and traced.training and e.src != e.dst:
+            # A parameter's resharded copy, kept if an op saves it for backward.
+            memory += max([saved_input_bytes(infos[c], k, e.dst, mesh.shape)
+                           for c, k in e.consumers if infos.get(c) is not None] or [0])
         node = e.consumers[0][0]
         for phase, step in e.reshard.collectives:
             if phase == "backward" and e.from_param:

@@ -32,6 +32,9 @@ class Edge:
     out: tuple[int, ...]         # output-spec class per strategy of the producer group
     req: tuple[int, ...]         # requirement class per strategy of the consumer group
     cost: tuple[tuple[float, ...], ...]   # [out class][requirement class] seconds
+    # [out class][requirement class] bytes per device the resharded copy keeps alive (a
+    # parameter gathered for an op that saves it for backward); () for none.
+    memory: tuple[tuple[float, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,7 @@ class Fanout:
     out: tuple[int, ...]                               # output class per producer strategy
     consumers: tuple[tuple[int, tuple[int, ...]], ...]  # (group, requirement class per strategy)
     cost: tuple[tuple[float, ...], ...]                # [out class][requirement class] seconds
+    memory: tuple[tuple[float, ...], ...] = ()         # as Edge.memory, paid once per class
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +68,13 @@ class Problem:
         groups = tuple(Group(g["name"], g["mult"], tuple(g["cost"]), tuple(g["memory"]))
                        for g in d["groups"])
         edges = tuple(Edge(e["name"], e["mult"], e["producer"], e["consumer"], tuple(e["out"]),
-                           tuple(e["req"]), tuple(tuple(r) for r in e["cost"])) for e in d["edges"])
+                           tuple(e["req"]), tuple(tuple(r) for r in e["cost"]),
+                           tuple(tuple(r) for r in e.get("memory", ()))) for e in d["edges"])
         fanouts = tuple(Fanout(f["name"], f["mult"], f["producer"], tuple(f["out"]),
                                tuple((g, tuple(req)) for g, req in f["consumers"]),
-                               tuple(tuple(r) for r in f["cost"])) for f in d.get("fanouts", ()))
+                               tuple(tuple(r) for r in f["cost"]),
+                               tuple(tuple(r) for r in f.get("memory", ())))
+                        for f in d.get("fanouts", ()))
         return cls(groups, edges, d["memory_budget"], tuple(tuple(f) for f in d["fixed"]),
                    fanouts)
 
@@ -86,14 +93,24 @@ class Solution:
         return 0.0 if self.objective <= 0 else max(0.0, (self.objective - self.bound) / self.objective)
 
 
+def price(item: Edge | Fanout, choice: tuple[int, ...] | list[int]) -> tuple[float, float]:
+    """Seconds and bytes per device an edge or fanout adds under a full assignment."""
+    if isinstance(item, Fanout):
+        o = item.out[choice[item.producer]]
+        used = {req[choice[g]] for g, req in item.consumers}
+    else:
+        o, used = item.out[choice[item.producer]], {item.req[choice[item.consumer]]}
+    t = sum(item.cost[o][r] for r in used) * item.mult
+    mem = sum(item.memory[o][r] for r in used) * item.mult if item.memory else 0.0
+    return t, mem
+
+
 def evaluate(problem: Problem, choice: tuple[int, ...]) -> tuple[float, float]:
     """Objective (s) and memory (bytes) of a full assignment, outside the ILP (for tests and
     for pricing hand-written plans in exactly the solver's terms)."""
     t = sum(g.cost[c] * g.mult for g, c in zip(problem.groups, choice))
     mem = sum(g.memory[c] * g.mult for g, c in zip(problem.groups, choice))
-    for e in problem.edges:
-        t += e.cost[e.out[choice[e.producer]]][e.req[choice[e.consumer]]] * e.mult
-    for f in problem.fanouts:
-        row = f.cost[f.out[choice[f.producer]]]
-        t += sum(row[r] for r in {req[choice[g]] for g, req in f.consumers}) * f.mult
+    for item in (*problem.edges, *problem.fanouts):
+        dt, dm = price(item, choice)
+        t, mem = t + dt, mem + dm
     return t, mem
