@@ -9,13 +9,12 @@ import torch
 
 from autoshard.cost.comm import reshard_time
 from autoshard.cost.compute import op_time
+from autoshard.cost.memory import saved_input_bytes
 from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Strategy
-from autoshard.lowering import reshard_edges, value_shapes
+from autoshard.lowering import reshard_edges, value_inputs, value_shapes
 from autoshard.mesh import Mesh
 from autoshard.plans import CollectiveRecord, NodePlan, Plan
-from autoshard.cost.memory import saved_input_bytes
-from autoshard.lowering import value_inputs
 from autoshard.solver.build import Built, build_problem, expand_spec, node_memory, param_inputs
 from autoshard.solver.ilp import Infeasible, NoSolution, break_ties, solve
 from autoshard.solver.rules.registry import work_fraction
