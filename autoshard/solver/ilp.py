@@ -22,7 +22,7 @@ import time
 
 from ortools.linear_solver import pywraplp
 
-from autoshard.solver.problem import Fanout, Problem, Solution, evaluate, price
+from autoshard.solver.problem import Problem, Solution, evaluate, price
 
 BACKENDS = ("CBC", "HIGHS", "SCIP")
 # Costs enter the MIP in microseconds: CBC drops objective coefficients below ~1e-8, and a small
@@ -103,27 +103,22 @@ class _Model:
             if item.memory and item.memory[o][r]:
                 mem.append(item.memory[o][r] * item.mult * var)
 
-        for k, e in enumerate(problem.edges):
-            n_o, n_r = len(e.cost), len(e.cost[0])
-            if not any(pays(e, o, r) for o in range(n_o) for r in range(n_r)):
-                continue
-            ev = self._transport(f"e{k}", e.producer, e.out, e.consumer, e.req, n_o, n_r)
-            for o in range(n_o):
-                for r in range(n_r):
-                    charge(e, o, r, ev[o][r])
-        for k, fo in enumerate(problem.fanouts):
-            n_o, n_r = len(fo.cost), len(fo.cost[0])
-            paid = [(o, r) for o in range(n_o) for r in range(n_r) if pays(fo, o, r)]
+        for k, item in enumerate((*problem.edges, *problem.fanouts)):
+            n_o, n_r = len(item.cost), len(item.cost[0])
+            paid = [(o, r) for o in range(n_o) for r in range(n_r) if pays(item, o, r)]
             if not paid:
                 continue
-            flows = [self._transport(f"f{k}_{c}", fo.producer, fo.out, g, req, n_o, n_r)
-                     for c, (g, req) in enumerate(fo.consumers)]
+            flows = [self._transport(f"f{k}_{c}", item.producer, item.out, g, req, n_o, n_r)
+                     for c, (g, req) in enumerate(item.consumers)]
             for o, r in paid:
+                if len(flows) == 1:              # an edge: the flow itself is the pair in use
+                    charge(item, o, r, flows[0][o][r])
+                    continue
                 z = s.NumVar(0.0, 1.0, f"z{k}_{o}_{r}")
                 self.n_aux += 1
                 for f in flows:
                     s.Add(z >= f[o][r])
-                charge(fo, o, r, z)
+                charge(item, o, r, z)
         self.obj, self.mem = s.Sum(obj), s.Sum(mem)
 
     def _transport(self, name: str, producer: int, out: tuple[int, ...], consumer: int,
@@ -183,9 +178,7 @@ def break_ties(problem: Problem, choice: tuple[int, ...], order: dict[int, list[
     fixed = {g for g, _ in problem.fixed}
     touching: dict[int, list] = {g: [] for g in order}
     for item in (*problem.edges, *problem.fanouts):
-        ends = {item.producer} | ({c for c, _ in item.consumers} if isinstance(item, Fanout)
-                                  else {item.consumer})
-        for g in ends & touching.keys():
+        for g in ({item.producer} | {c for c, _ in item.consumers}) & touching.keys():
             touching[g].append(item)
 
     def local(g: int) -> tuple[float, float]:

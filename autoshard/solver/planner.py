@@ -93,9 +93,9 @@ def _storage_preferences(traced: TracedGraph, built: Built) -> dict[int, list[in
         m = built.members.get(p.name)
         if m is None:
             continue                         # a repeated layer's copy: its template decides
-        def n_sharded(i: int, m=m) -> int:
-            return sum(not isinstance(x, Replicate) for x in m.strategies[m.pick[i]].outputs[0])
-        out[m.group] = sorted(range(len(m.pick)), key=lambda i: (n_sharded(i), i))
+        sharded = [sum(not isinstance(x, Replicate) for x in m.strategies[j].outputs[0])
+                   for j in m.pick]
+        out[m.group] = sorted(range(len(sharded)), key=lambda i: (sharded[i], i))
     return out
 
 

@@ -36,6 +36,11 @@ class Edge:
     # parameter gathered for an op that saves it for backward); () for none.
     memory: tuple[tuple[float, ...], ...] = ()
 
+    @property
+    def consumers(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """As :attr:`Fanout.consumers`: an edge is a fanout with one consumer."""
+        return ((self.consumer, self.req),)
+
 
 @dataclass(frozen=True, slots=True)
 class Fanout:
@@ -95,11 +100,8 @@ class Solution:
 
 def price(item: Edge | Fanout, choice: tuple[int, ...] | list[int]) -> tuple[float, float]:
     """Seconds and bytes per device an edge or fanout adds under a full assignment."""
-    if isinstance(item, Fanout):
-        o = item.out[choice[item.producer]]
-        used = {req[choice[g]] for g, req in item.consumers}
-    else:
-        o, used = item.out[choice[item.producer]], {item.req[choice[item.consumer]]}
+    o = item.out[choice[item.producer]]
+    used = {req[choice[g]] for g, req in item.consumers}
     t = sum(item.cost[o][r] for r in used) * item.mult
     mem = sum(item.memory[o][r] for r in used) * item.mult if item.memory else 0.0
     return t, mem
