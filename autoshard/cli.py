@@ -6,6 +6,7 @@ import sys
 import time
 
 from autoshard.errors import AutoshardError
+from autoshard.options import OPTIMIZERS, PlanOptions
 
 
 def parse_mesh(text: str) -> tuple[int, ...]:
@@ -19,13 +20,6 @@ def parse_mesh(text: str) -> tuple[int, ...]:
     return shape
 
 
-def load_model(name: str, *, batch: int | None, seq: int | None, device: str):
-    from autoshard.zoo.registry import get_model, load_factory
-    if ":" in name and name.split(":", 1)[0].endswith(".py"):
-        return load_factory(name)
-    return get_model(name, batch=batch, seq=seq, device=device)
-
-
 def make_mesh(args):
     from autoshard.mesh import Mesh
     shape = parse_mesh(args.mesh)
@@ -33,14 +27,21 @@ def make_mesh(args):
     return Mesh(shape, axes, cluster=args.cluster)
 
 
+def plan_options(args) -> PlanOptions:
+    """The CLI's flags as PlanOptions."""
+    return PlanOptions(training=not args.inference, optimizer=args.optimizer,
+                       memory_budget=args.memory_gb * 2**30 if args.memory_gb else None,
+                       time_limit_s=args.time_limit)
+
+
 def cmd_plan(args) -> int:
     from autoshard.solver.planner import plan
+    from autoshard.zoo.registry import load_model
     mesh = make_mesh(args)
+    options = plan_options(args)
     t0 = time.perf_counter()
     model, inputs = load_model(args.model, batch=args.batch, seq=args.seq, device="meta")
-    budget = args.memory_gb * 2**30 if args.memory_gb else None
-    p = plan(model, inputs, mesh, training=not args.inference, memory_budget=budget,
-             time_limit_s=args.time_limit, model_name=args.model)
+    p = plan(model, inputs, mesh, options, model_name=args.model)
     took = time.perf_counter() - t0
     print(p.summary())
     t = p.timings
@@ -62,8 +63,16 @@ def cmd_show(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from autoshard.codegen.verify import verify_main
-    return verify_main(args)
+    from autoshard.plans import Plan
+    from autoshard.verify import verify
+    mesh = make_mesh(args)
+    plan = Plan.load(args.plan) if args.plan else None
+    print(f"verifying {args.model} on {mesh} with {mesh.size} gloo ranks "
+          f"({'plan file ' + args.plan if args.plan else args.baseline or 'autoshard plan'})")
+    ok, text = verify(args.model, mesh, plan=plan, batch=args.batch, seq=args.seq,
+                      baseline=args.baseline, tolerance=args.tolerance)
+    print(text)
+    return 0 if ok else 1
 
 
 def cmd_zoo(args) -> int:
@@ -84,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--inference", action="store_true", help="plan forward only")
+    p.add_argument("--optimizer", default="adam", choices=OPTIMIZERS,
+                   help="optimizer state each parameter carries (default adam)")
     p.add_argument("--memory-gb", type=float, default=None, help="memory budget per device (GiB)")
     p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit (s)")
     p.add_argument("-o", "--output", default=None, help="write the plan here")

@@ -1,4 +1,4 @@
-"""One error family for user mistakes (DESIGN.md example 9).
+"""One error family for user mistakes (docs/design.md, "Errors").
 
 Messages state the contract, then "got ...", then the fix. Internal invariants use ``assert``.
 """

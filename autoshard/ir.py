@@ -7,8 +7,11 @@ axis order (the first axis is the outer split), as DTensor does.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Any, Callable, Sequence, Union
+
+import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +114,28 @@ def divergent_axes(in_spec: Spec, out_spec: Spec) -> frozenset[int]:
                      if isinstance(i, Replicate) and not isinstance(o, Replicate))
 
 
+def work_fraction(ins: tuple, outs: tuple, mesh_shape: tuple) -> float:
+    """The fraction of an op's work one rank does under these specs (``Strategy.compute_scale``):
+    1/n for every axis of size n on which the work is split."""
+    scale = 1.0
+    for a, n in enumerate(mesh_shape):
+        option = (tuple(s[a] for s in ins if s is not None), tuple(s[a] for s in outs))
+        if _splits_work(option):
+            scale /= n
+    return scale
+
+
+def _splits_work(option: tuple) -> bool:
+    """Whether a 1-D option divides the op's work over the axis: some output is sharded, or a
+    sharded input meets a partial output (a contraction). Partial in -> partial out (a linear op
+    on summands) does the whole work on every rank."""
+    ins, outs = option
+    if any(isinstance(p, Shard) for p in outs):
+        return True
+    return any(isinstance(p, Shard) for p in ins) and (
+        not outs or any(isinstance(p, Partial) for p in outs))
+
+
 @dataclass(frozen=True, slots=True)
 class Strategy:
     """One way to run an op: the spec each tensor input must arrive in, and the output specs.
@@ -132,3 +157,84 @@ class Strategy:
         outs = ", ".join(spec_str(s) for s in self.outputs)
         k = f" ({self.kernel})" if self.kernel else ""
         return f"{ins} -> {outs}{k}"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """What a rule sees of one node: its target, its arguments with every tensor replaced by a
+    :class:`TensorInfo`, and its tensor outputs (flattened, in order)."""
+
+    target: Any
+    args: tuple
+    kwargs: dict
+    outputs: tuple[TensorInfo, ...]
+    source: str = ""
+
+    @property
+    def inputs(self) -> list[TensorInfo]:
+        flat, _ = torch.utils._pytree.tree_flatten((self.args, self.kwargs))
+        return [a for a in flat if isinstance(a, TensorInfo)]
+
+    @property
+    def out(self) -> TensorInfo:
+        return self.outputs[0]
+
+
+def op_info(target: Any, args: tuple, kwargs: dict, outputs: Any, source: str = "") -> OpInfo:
+    """The one way to build an :class:`OpInfo`: a call's arguments and outputs with every tensor
+    (real, fake or meta) replaced by its shape and dtype."""
+    def conv(a: Any) -> Any:
+        return TensorInfo(tuple(int(s) for s in a.shape), a.dtype) if isinstance(
+            a, torch.Tensor) else a
+
+    flat, spec = torch.utils._pytree.tree_flatten((tuple(args), dict(kwargs)))
+    args, kwargs = torch.utils._pytree.tree_unflatten([conv(a) for a in flat], spec)
+    outs = tuple(conv(t) for t in torch.utils._pytree.tree_flatten(outputs)[0]
+                 if isinstance(t, torch.Tensor))
+    return OpInfo(target, tuple(args), dict(kwargs), outs, source)
+
+
+def cached_on(op: OpInfo, key: str, make: Callable[[OpInfo], Any]) -> Any:
+    """``make(op)``, computed once per op and kept on it (an OpInfo is immutable; the cost model
+    prices thousands of strategies of the same op)."""
+    value = op.__dict__.get(key)
+    if value is None:
+        value = make(op)
+        object.__setattr__(op, key, value)
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Layer:
+    """One instance of a repeated block of the model, as its module path names it
+    (``model.layers.3``): its graph nodes in order (its parameters and buffers first, as they are
+    graph inputs), and ``same_as``, the first layer of its container with the same ops, shapes and
+    wiring (itself if none). Identical layers share their sharding decisions; per-layer choices
+    (checkpointing) and pipeline stage cuts refer to layers by name."""
+
+    name: str
+    nodes: tuple[str, ...]
+    same_as: str
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.nodes:
+            raise ValueError(f"a Layer has a name and at least one node; got {self.name!r} with "
+                             f"{len(self.nodes)} nodes. Fix: build layers with trace.layers.")

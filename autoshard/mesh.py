@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from autoshard.cost.cluster import Cluster
+from autoshard.cluster import Cluster
 from autoshard.errors import AutoshardError
 
 
@@ -63,17 +63,19 @@ class Mesh:
 
     @property
     def ndim(self) -> int:
+        """The number of mesh axes."""
         return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
 
     def axis_index(self, name: str) -> int:
         if name not in self.axes:
             raise AutoshardError(f"a mesh axis name among {self.axes}", got=repr(name),
                                  fix="use one of the mesh's axis names")
         return self.axes.index(name)
+
+    @property
+    def size(self) -> int:
+        """The number of devices."""
+        return math.prod(self.shape)
 
     def coords(self, rank: int) -> tuple[int, ...]:
         out = []
@@ -83,7 +85,8 @@ class Mesh:
         return tuple(reversed(out))
 
     def group_link(self, axes: Sequence[int]) -> AxisLink:
-        """A collective over several axes runs at the slowest member's figures (REFERENCE.md §1)."""
+        """A collective over several axes runs at the slowest member's figures
+        (docs/cost-model.md §1.4)."""
         ls = [self.links[a] for a in axes]
         return AxisLink(alpha=max(l.alpha for l in ls), bandwidth=min(l.bandwidth for l in ls))
 
@@ -110,3 +113,41 @@ def _default_links(shape: tuple[int, ...], cluster: Cluster) -> tuple[AxisLink, 
         else:
             links.append(AxisLink(cluster.inter_alpha, cluster.inter_bandwidth))
     return tuple(reversed(links))
+
+
+Merges = tuple[tuple[int, ...], ...]   # groups of adjacent real axes that act as one
+
+
+@dataclass(frozen=True, slots=True)
+class AxisMerge:
+    """A mesh whose adjacent axes are merged into one: ``merges=((0, 1), (2,))`` on a 2x2x2 mesh
+    plans on a 4x2 mesh where the first axis stands for real axes 0 and 1 together. A plan made
+    on the merged mesh runs on the real one with every spec expanded (the merged axis's placement
+    on each of its real axes), and its reshards are priced as they run there."""
+
+    real: Mesh
+    merges: Merges
+
+    def merged(self) -> Mesh:
+        return Mesh(tuple(math.prod(self.real.shape[a] for a in g) for g in self.merges),
+                    tuple("*".join(self.real.axes[a] for a in g) for g in self.merges),
+                    cluster=self.real.cluster,
+                    links=tuple(self.real.group_link(g) for g in self.merges))
+
+    def expand_spec(self, spec: tuple | None) -> tuple | None:
+        """A spec on the merged mesh, on the real mesh."""
+        return None if spec is None else tuple(spec[i] for i, g in enumerate(self.merges)
+                                               for _ in g)
+
+    def contract_spec(self, spec: tuple) -> tuple | None:
+        """A spec on the real mesh on the merged one; None if a merge's axes differ in it."""
+        out = []
+        for g in self.merges:
+            placements = {spec[a] for a in g}
+            if len(placements) != 1:
+                return None
+            out.append(placements.pop())
+        return tuple(out)
+
+    def expand_axes(self, axes: frozenset[int]) -> frozenset[int]:
+        return frozenset(a for g in axes for a in self.merges[g])

@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from autoshard.errors import AutoshardError
-from autoshard.ir import Spec, Strategy, parse_spec, spec_str
+from autoshard.ir import Layer, Spec, Strategy, parse_spec, spec_str, work_fraction
+from autoshard.options import PlanOptions
 
 FORMAT = "autoshard.plan"
-VERSION = 1
+VERSION = 2      # 2: the options the plan was made with, and the model's layers
 PHASES = ("forward", "backward", "grad_sync", "optimizer")
 
 
@@ -25,10 +26,6 @@ class NodePlan:
     inputs: tuple[Spec, ...]
     outputs: tuple[Spec, ...]
     kernel: str | None = None
-
-    @property
-    def strategy(self) -> Strategy:
-        return Strategy(self.inputs, self.outputs, self.kernel)
 
     def to_json(self) -> dict:
         d = {"name": self.name, "op": self.op,
@@ -59,7 +56,7 @@ class Plan:
     mesh_axes: tuple[str, ...]
     cluster: str
     fingerprint: str
-    training: bool
+    options: PlanOptions
     nodes: tuple[NodePlan, ...]
     params: dict[str, Spec]
     inputs: dict[str, Spec]
@@ -70,6 +67,8 @@ class Plan:
     node_sigs: dict[str, str] = field(default_factory=dict)
     # Global shape and dtype of each model input, so a plan file can be run without example inputs.
     input_meta: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
+    # The model's repeated layers in order (trace/layers.py), for per-layer choices and stages.
+    layers: tuple[Layer, ...] = ()
     # Wall-clock seconds of this run (trace_s, build_s, solve_s): shown by the CLI, never saved,
     # and not part of equality, so that the same planning gives byte-identical files.
     timings: dict[str, float] = field(default_factory=dict, compare=False)
@@ -80,9 +79,16 @@ class Plan:
                                  got=f"shape {self.mesh_shape}, axes {self.mesh_axes}",
                                  fix="re-create the plan with autoshard.plan")
 
+    @property
+    def training(self) -> bool:
+        return self.options.training
+
     # -- views ---------------------------------------------------------------------------
     def strategies(self) -> dict[str, Strategy]:
-        return {n.name: n.strategy for n in self.nodes}
+        """Every node's strategy, with the share of the op's work one rank does."""
+        return {n.name: Strategy(n.inputs, n.outputs, n.kernel,
+                                 work_fraction(n.inputs, n.outputs, self.mesh_shape))
+                for n in self.nodes}
 
     def bytes_by(self, *, phase: str | None = None, kind: str | None = None) -> int:
         return sum(c.bytes for c in self.collectives
@@ -96,8 +102,8 @@ class Plan:
                  f"  predicted step {p['step_time_s'] * 1e3:.3f} ms = compute "
                  f"{p['compute_s'] * 1e3:.3f} ms + comm {p['comm_s'] * 1e3:.3f} ms; peak memory "
                  f"{_size(p['peak_memory_bytes'])} per device",
-                 f"  solver {s['status']}, {s['variables']} variables, {s.get('groups', '?')} "
-                 f"groups, gap {s['gap']:.2%}"]
+                 f"  solver {s['status']}, {s['variables']} variables, {s.get('decisions', '?')} "
+                 f"decisions, gap {s['gap']:.2%}"]
         by: dict[tuple[str, str, tuple[str, ...]], list[int]] = {}
         for c in self.collectives:
             by.setdefault((c.phase, c.kind, c.axes), []).append(c.bytes)
@@ -112,11 +118,33 @@ class Plan:
         for spec, fqn in shown.items():
             n = sum(1 for s in self.params.values() if spec_str(s) == spec)
             lines.append(f"    {spec:20s} x{n:<4d} e.g. {fqn}")
+        lines += self.layers_summary()
         return "\n".join(lines)
+
+    def layers_summary(self) -> list[str]:
+        """The layers found, one line per run of identical layers of a container."""
+        if not self.layers:
+            return ["  layers: none found (no module path with a numbered block)"]
+        lines = [f"  layers: {len(self.layers)}"]
+        runs: list[list[Layer]] = []
+        for layer in self.layers:
+            last = runs[-1][-1] if runs else None
+            if last is not None and layer.same_as == last.same_as and \
+                    layer.name.rsplit(".", 1)[0] == last.name.rsplit(".", 1)[0]:
+                runs[-1].append(layer)
+            else:
+                runs.append([layer])
+        for run in runs:
+            first, last = run[0], run[-1]
+            names = first.name if len(run) == 1 else f"{first.name} .. {last.name.rsplit('.', 1)[1]}"
+            same = ", identical (decided once)" if len(run) > 1 else ""
+            lines.append(f"    {names:32s} x{len(run):<4d} {len(first.nodes)} nodes each{same}")
+        return lines
 
     def explain(self) -> str:
         """One line per node: the strategy it runs."""
-        return "\n".join(f"{n.name:40s} {n.op:45s} {n.strategy}" for n in self.nodes)
+        strategies = self.strategies()
+        return "\n".join(f"{n.name:40s} {n.op:45s} {strategies[n.name]}" for n in self.nodes)
 
     # -- JSON ----------------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -124,7 +152,9 @@ class Plan:
             "format": FORMAT, "version": VERSION, "model": self.model,
             "mesh": {"shape": list(self.mesh_shape), "axes": list(self.mesh_axes),
                      "cluster": self.cluster},
-            "fingerprint": self.fingerprint, "training": self.training,
+            "fingerprint": self.fingerprint, "options": self.options.to_json(),
+            "layers": [{"name": l.name, "same_as": l.same_as, "nodes": list(l.nodes)}
+                       for l in self.layers],
             "nodes": [n.to_json() for n in self.nodes],
             "params": {k: {"placements": spec_str(v)} for k, v in self.params.items()},
             "inputs": {k: {"placements": spec_str(v),
@@ -174,7 +204,10 @@ class Plan:
                                        c["node"], c.get("value", "")) for c in d["collectives"])
         return cls(mesh_shape=tuple(int(x) for x in d["mesh"]["shape"]),
                    mesh_axes=tuple(d["mesh"]["axes"]), cluster=d["mesh"].get("cluster", ""),
-                   fingerprint=d["fingerprint"], training=bool(d["training"]), nodes=nodes,
+                   fingerprint=d["fingerprint"], options=PlanOptions.from_json(d["options"]),
+                   layers=tuple(Layer(l["name"], tuple(l["nodes"]), l["same_as"])
+                                for l in d["layers"]),
+                   nodes=nodes,
                    params={k: parse_spec(v["placements"]) for k, v in d["params"].items()},
                    inputs={k: parse_spec(v["placements"]) for k, v in d["inputs"].items()},
                    input_meta={k: (tuple(int(x) for x in v["shape"]), str(v["dtype"]))

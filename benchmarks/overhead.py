@@ -156,7 +156,7 @@ def megatron_pins(traced, mesh) -> dict:
     replicated (as DTensor computes them on its replicated local tensors)."""
     from autoshard.ir import Partial, Replicate, Shard
     from autoshard.solver.baselines import COLUMN, ROW, baseline_pins
-    from autoshard.solver.rules.registry import strategies_for
+    from autoshard.ops.registry import strategies_for
     from autoshard.trace.export import op_info, output_infos
     aten = torch.ops.aten
     R, P = (Replicate(),), (Partial(),)

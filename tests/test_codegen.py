@@ -2,7 +2,7 @@
 
 Each case plans in this process, then every rank of a shared world builds the same model (same
 seed), runs one training step of its per-rank program and of the whole model, and compares loss,
-every gradient (fp32: 1e-5 relative, DESIGN.md) and every collective's run-time bytes with the
+every gradient (fp32: 1e-5 relative) and every collective's run-time bytes with the
 plan. Plans are made with tests/data/compute_bound.json, a cluster on which compute is slow, so
 even these tiny models get sharded plans with many collectives (on a real cluster they would
 rightly be replicated).
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from autoshard import Mesh, Plan
-from autoshard.codegen.verify import VerifySpec, build, plan_for, summarize, verify_rank
+from autoshard.verify import VerifySpec, build, plan_for, summarize, verify_rank
 from autoshard.errors import AutoshardError
 from dist import world_fixture
 

@@ -1,7 +1,7 @@
 """The sharding ILP on hand-built problems (tier 0: pure data, no torch).
 
 Every problem here is small enough to solve by hand or by brute force, so each test states the
-known optimum and checks the solver finds it (DESIGN.md example 8: the solver input is pure data).
+known optimum and checks the solver finds it (the solver input is pure data).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from ortools.linear_solver import pywraplp
 
 from autoshard.solver.ilp import Infeasible, NoSolution, break_ties, least_memory, solve
-from autoshard.solver.problem import Edge, Fanout, Group, Problem, evaluate
+from autoshard.solver.problem import Edge, Fanout, Decision, Problem, evaluate
 
 # Seconds-sized costs; the MIP's own tolerances are far below this on problems this small.
 REL = 1e-9
@@ -27,27 +27,27 @@ def _switch(cost: float) -> tuple[tuple[float, ...], ...]:
     return ((0.0, cost), (cost, 0.0))
 
 
-def _edge(name: str, producer: int, consumer: int, cost, *, mult: int = 1) -> Edge:
+def _edge(name: str, producer: int, consumer: int, cost, *, multiplicity: int = 1) -> Edge:
     n_o, n_r = len(cost), len(cost[0])
-    return Edge(name, mult, producer, consumer, tuple(range(n_o)), tuple(range(n_r)), tuple(cost))
+    return Edge(name, multiplicity, producer, consumer, tuple(range(n_o)), tuple(range(n_r)), tuple(cost))
 
 
 def chain() -> Problem:
     """A -> B -> C, two strategies each. Per node, (A0, B0, C1) is cheapest (1 + 1 + 1) but the
     switch B0 -> C1 costs 10, so the optimum is (1, 1, 1) at 2 + 2 + 1 = 5, not 13, and not
     (0, 0, 0) at 7."""
-    groups = (Group("A", 1, (1.0, 2.0), (0.0, 0.0)), Group("B", 1, (1.0, 2.0), (0.0, 0.0)),
-              Group("C", 1, (5.0, 1.0), (0.0, 0.0)))
+    decisions = (Decision("A", 1, (1.0, 2.0), (0.0, 0.0)), Decision("B", 1, (1.0, 2.0), (0.0, 0.0)),
+              Decision("C", 1, (5.0, 1.0), (0.0, 0.0)))
     edges = (_edge("A:0", 0, 1, _switch(10.0)), _edge("B:0", 1, 2, _switch(10.0)))
-    return Problem(groups, edges, memory_budget=1e9)
+    return Problem(decisions, edges, memory_budget=1e9)
 
 
 def brute_force(problem: Problem) -> tuple[float, tuple[int, ...]] | None:
     """The optimum over every assignment within the budget (None: none fits)."""
     best = None
     pins = dict(problem.fixed)
-    ranges = [[pins[g]] if g in pins else range(len(grp.cost))
-              for g, grp in enumerate(problem.groups)]
+    ranges = [[pins[g]] if g in pins else range(len(dec.cost))
+              for g, dec in enumerate(problem.decisions)]
     for choice in itertools.product(*ranges):
         t, mem = evaluate(problem, choice)
         if mem <= problem.memory_budget and (best is None or t < best[0]):
@@ -57,7 +57,7 @@ def brute_force(problem: Problem) -> tuple[float, tuple[int, ...]] | None:
 
 def test_chain_optimum_is_not_the_per_node_cheapest() -> None:
     p = chain()
-    greedy = tuple(min(range(len(g.cost)), key=g.cost.__getitem__) for g in p.groups)
+    greedy = tuple(min(range(len(g.cost)), key=g.cost.__getitem__) for g in p.decisions)
     assert greedy == (0, 0, 1)
     assert evaluate(p, greedy)[0] == 13.0
     sol = solve(p)
@@ -70,11 +70,11 @@ def _fanout_problem(reshard: tuple[float, float, float]) -> Problem:
     """Value of P (one spec, class 0) read by C1 and C2, each with strategy 0 (needs spec 0,
     cost 5) or 1 (needs spec 1, cost 2) or, C2 only, 2 (needs spec 2, cost 1). ``reshard`` is
     the price of spec 0 -> 0, 1, 2."""
-    groups = (Group("P", 1, (0.0,), (0.0,)),
-              Group("C1", 1, (5.0, 2.0), (0.0, 0.0)),
-              Group("C2", 1, (5.0, 2.0, 1.0), (0.0, 0.0, 0.0)))
+    decisions = (Decision("P", 1, (0.0,), (0.0,)),
+              Decision("C1", 1, (5.0, 2.0), (0.0, 0.0)),
+              Decision("C2", 1, (5.0, 2.0, 1.0), (0.0, 0.0, 0.0)))
     fan = Fanout("P:0", 1, 0, (0,), ((1, (0, 1)), (2, (0, 1, 2))), (reshard,))
-    return Problem(groups, (), memory_budget=1.0, fanouts=(fan,))
+    return Problem(decisions, (), memory_budget=1.0, fanouts=(fan,))
 
 
 def test_fanout_shares_one_reshard() -> None:
@@ -87,7 +87,7 @@ def test_fanout_shares_one_reshard() -> None:
     assert sol.objective == pytest.approx(4.0 + 2.0 + 2.0, rel=REL)
     assert evaluate(p, sol.choice)[0] == pytest.approx(sol.objective, rel=REL)
     # The same problem with a private reshard per consumer keeps spec 0.
-    private = Problem(p.groups, (_edge("P:0", 0, 1, ((0.0, 4.0),)),
+    private = Problem(p.decisions, (_edge("P:0", 0, 1, ((0.0, 4.0),)),
                                  _edge("P:0", 0, 2, ((0.0, 4.0, 100.0),))), memory_budget=1.0)
     sol = solve(private)
     assert sol.choice == (0, 0, 0) and sol.objective == pytest.approx(10.0, rel=REL)
@@ -108,8 +108,8 @@ def test_break_ties_moves_only_at_equal_cost_and_within_memory() -> None:
     then reduce-scatter its gradient); replicated, its gradient all-reduce costs 2: a tie the
     tie-break resolves towards strategy 0, unless memory or time says otherwise."""
     def problem(ar: float, budget: float) -> Problem:
-        groups = (Group("W", 1, (0.0, 0.0), (16.0, 2.0)), Group("C", 2, (1.0,), (0.0,)))
-        return Problem(groups, (_edge("W:0", 0, 1, ((ar,), (2.0,))),), memory_budget=budget)
+        decisions = (Decision("W", 1, (0.0, 0.0), (16.0, 2.0)), Decision("C", 2, (1.0,), (0.0,)))
+        return Problem(decisions, (_edge("W:0", 0, 1, ((ar,), (2.0,))),), memory_budget=budget)
 
     assert break_ties(problem(2.0, 100.0), (1, 0), {0: [0, 1]}) == (0, 0)
     assert break_ties(problem(2.0, 10.0), (1, 0), {0: [0, 1]}) == (1, 0)      # 16 B > budget
@@ -117,31 +117,31 @@ def test_break_ties_moves_only_at_equal_cost_and_within_memory() -> None:
     assert break_ties(replace(problem(2.0, 100.0), fixed=((0, 1),)), (1, 0), {0: [0, 1]}) == (1, 0)
 
 
-def two_ways(mult: int = 1) -> Problem:
+def two_ways(multiplicity: int = 1) -> Problem:
     """One op, fast and memory-hungry (cost 1, 100 B) or slow and lean (cost 2, 10 B), fed by a
     producer whose two strategies cost 0.5 (7 B) or 0.9 (3 B)."""
-    groups = (Group("prod", 1, (0.5, 0.9), (7.0, 3.0)),
-              Group("op", mult, (1.0, 2.0), (100.0, 10.0)))
-    return Problem(groups, (_edge("prod:0", 0, 1, _switch(0.25)),), memory_budget=1e9)
+    decisions = (Decision("prod", 1, (0.5, 0.9), (7.0, 3.0)),
+              Decision("op", multiplicity, (1.0, 2.0), (100.0, 10.0)))
+    return Problem(decisions, (_edge("prod:0", 0, 1, _switch(0.25)),), memory_budget=1e9)
 
 
-@pytest.mark.parametrize("mult", [1, 3])
-def test_memory_budget_flips_to_the_lean_strategy(mult: int) -> None:
-    roomy = solve(two_ways(mult))
+@pytest.mark.parametrize("multiplicity", [1, 3])
+def test_memory_budget_flips_to_the_lean_strategy(multiplicity: int) -> None:
+    roomy = solve(two_ways(multiplicity))
     assert roomy.choice[1] == 0
-    assert roomy.objective == pytest.approx(0.5 + mult * 1.0, rel=REL)
+    assert roomy.objective == pytest.approx(0.5 + multiplicity * 1.0, rel=REL)
     # Room for the lean op but not the fast one: the op flips; the producer keeps its cheap
     # strategy and pays the switch (0.5 + 0.25 < 0.9).
-    tight = replace(two_ways(mult), memory_budget=mult * 10.0 + 7.0)
+    tight = replace(two_ways(multiplicity), memory_budget=multiplicity * 10.0 + 7.0)
     sol = solve(tight)
     assert sol.choice == (0, 1)
-    assert sol.objective == pytest.approx(0.5 + mult * 2.0 + 0.25, rel=REL)
+    assert sol.objective == pytest.approx(0.5 + multiplicity * 2.0 + 0.25, rel=REL)
     assert evaluate(tight, sol.choice)[1] <= tight.memory_budget
     # Tighter still: the producer must take its lean strategy too, and no switch is needed.
-    tighter = replace(two_ways(mult), memory_budget=mult * 10.0 + 3.0)
+    tighter = replace(two_ways(multiplicity), memory_budget=multiplicity * 10.0 + 3.0)
     sol = solve(tighter)
     assert sol.choice == (1, 1)
-    assert sol.objective == pytest.approx(0.9 + mult * 2.0, rel=REL)
+    assert sol.objective == pytest.approx(0.9 + multiplicity * 2.0, rel=REL)
 
 
 def test_infeasible_budget_reports_the_true_least_memory() -> None:
@@ -200,9 +200,9 @@ def test_evaluate_agrees_with_the_objective(make) -> None:
 
 def test_determinism_on_ties() -> None:
     """Every assignment costs the same: the solver must still pick the same one each time."""
-    groups = tuple(Group(f"g{i}", 1, (1.0, 1.0, 1.0), (1.0, 1.0, 1.0)) for i in range(5))
+    decisions = tuple(Decision(f"g{i}", 1, (1.0, 1.0, 1.0), (1.0, 1.0, 1.0)) for i in range(5))
     edges = tuple(_edge(f"g{i}:0", i, i + 1, ((0.0, 0.0, 0.0),) * 3) for i in range(4))
-    p = Problem(groups, edges, memory_budget=100.0)
+    p = Problem(decisions, edges, memory_budget=100.0)
     assert len({solve(p).choice for _ in range(3)}) == 1
     assert solve(chain()).choice == solve(chain()).choice
 
@@ -221,7 +221,7 @@ def problems(draw) -> Problem:
     n = draw(st.integers(1, 4))
     sizes = [draw(st.integers(1, 3)) for _ in range(n)]
     cost = st.floats(0.0, 10.0, allow_nan=False, allow_infinity=False)
-    groups = tuple(Group(f"g{g}", draw(st.integers(1, 3)),
+    decisions = tuple(Decision(f"g{g}", draw(st.integers(1, 3)),
                          tuple(draw(cost) for _ in range(k)),
                          tuple(float(draw(st.integers(0, 10))) for _ in range(k)))
                    for g, k in enumerate(sizes))
@@ -247,7 +247,7 @@ def problems(draw) -> Problem:
                               matrix, draw(copy_memory(n_o, n_r))))
     # Integer memories and a half-integer budget: no assignment sits on the boundary.
     budget = draw(st.integers(0, 60)) + 0.5
-    return Problem(groups, tuple(edges), float(budget), fanouts=tuple(fanouts))
+    return Problem(decisions, tuple(edges), float(budget), fanouts=tuple(fanouts))
 
 
 @settings(max_examples=int(os.environ.get("AUTOSHARD_EXAMPLES", 80)), deadline=None, derandomize=True,
@@ -259,7 +259,7 @@ def test_ilp_matches_brute_force(p: Problem) -> None:
         with pytest.raises(Infeasible) as info:
             solve(p)
         exact = min(evaluate(p, c)[1] for c in itertools.product(
-            *(range(len(g.cost)) for g in p.groups)))
+            *(range(len(g.cost)) for g in p.decisions)))
         assert info.value.least_memory == pytest.approx(exact, rel=REL)
         return
     sol = solve(p)

@@ -1,6 +1,6 @@
 """The plan file: round trip, refusal of bad or stale files, and committed plan snapshots.
 
-Snapshots (DESIGN.md example 14): ``tests/snapshots/<name>.txt`` hold ``plan.summary()`` and
+Snapshots: ``tests/snapshots/<name>.txt`` hold ``plan.summary()`` and
 ``plan.explain()`` of a few small models, so a change in planning shows up as a readable diff in
 review. After an intended change, regenerate them and commit the diff::
 
@@ -96,15 +96,15 @@ def test_wrong_format_is_refused(plans) -> None:
     _refused(json.dumps([1, 2]), '"format": "autoshard.plan"', "list")
 
 
-@pytest.mark.parametrize("version", [0, 2, "1", None])
+@pytest.mark.parametrize("version", [0, 1, 3, "2", None])
 def test_wrong_version_is_refused(plans, version) -> None:
     d = _doc(plans)
     d["version"] = version
-    _refused(json.dumps(d), "version 1", repr(version))
+    _refused(json.dumps(d), "version 2", repr(version))
 
 
-@pytest.mark.parametrize("key", ["mesh", "fingerprint", "training", "nodes", "params", "inputs",
-                                 "collectives", "predicted", "solver"])
+@pytest.mark.parametrize("key", ["mesh", "fingerprint", "options", "layers", "nodes", "params",
+                                 "inputs", "collectives", "predicted", "solver"])
 def test_missing_key_is_refused(plans, key: str) -> None:
     d = _doc(plans)
     del d[key]

@@ -1,6 +1,6 @@
 """The planner on known optima and on bad input (tier 1: one process, models on the meta device).
 
-Must-shows (DESIGN.md example 12, REFERENCE.md §3): the Megatron layout of a GPT block where
+Must-shows (docs/cost-model.md §5): the Megatron layout of a GPT block where
 compute dominates, pure data parallelism for a small model with a huge batch, layer dedup, and
 never losing to a hand-written plan priced by the same cost model. Each model is traced once per
 module (tracing GPT-2 124M on meta takes seconds).
@@ -22,8 +22,8 @@ import torch
 from ortools.linear_solver import pywraplp
 from torch import nn
 
-import autoshard.solver.rules.registry as registry
-from autoshard import Mesh, plan
+import autoshard.ops.registry as registry
+from autoshard import Mesh, PlanOptions, plan
 from autoshard.cost.comm import COLLECTIVE_KINDS, bytes_sent_per_device
 from autoshard.cost.memory import param_state_bytes
 from autoshard.errors import AutoshardError
@@ -52,7 +52,7 @@ def block_of(node) -> int | None:
 def activation_elements_by_block(traced: TracedGraph, p: Plan, t: int, itemsize: int, *,
                                  kinds=COLLECTIVE_KINDS) -> dict[int, float]:
     """Elements one device sends per block for activations (records whose moved value is not a
-    parameter), forward plus backward, REFERENCE.md §1 third column."""
+    parameter), forward plus backward, docs/cost-model.md §1.1."""
     params = {ph.name for ph in traced.params}
     nodes = {n.name: n for n in traced.graph.nodes}
     out: dict[int, float] = defaultdict(float)
@@ -66,7 +66,7 @@ def activation_elements_by_block(traced: TracedGraph, p: Plan, t: int, itemsize:
 
 
 def megatron_elements(b: int, s: int, h: int, t: int) -> float:
-    """REFERENCE.md §3: 2 all-reduces of b·s·h forward and 2 backward per layer."""
+    """docs/cost-model.md §5: 2 all-reduces of b·s·h forward and 2 backward per layer."""
     return 8 * b * s * h * (t - 1) / t
 
 
@@ -108,7 +108,7 @@ def test_gpt2_megatron_layout_where_compute_dominates(gpt2_b1, megatron_cpu) -> 
 def test_gpt2_megatron_block_bytes(gpt2_b1, megatron_cpu) -> None:
     """Per block, the activations' all-reduces (plain Megatron) or reduce-scatters + all-gathers
     (its sequence-parallel twin, Korthikanti et al. 2022) send exactly 8·b·s·h·(t-1)/t elements
-    per device, forward plus backward (REFERENCE.md §3), and nothing else moves activations.
+    per device, forward plus backward (docs/cost-model.md §5), and nothing else moves activations.
 
     The zoo's GPT projects Q, K and V separately (see autoshard/zoo/models.py on why a fused
     [Q|K|V] weight would add all-to-alls); the exact total over every kind is the test below."""
@@ -203,11 +203,11 @@ def _mlp(width: int, batch: int) -> tuple[nn.Module, TracedGraph]:
 def test_data_parallel_for_a_small_model_with_a_huge_batch(width: int) -> None:
     """A 3-layer MLP (Ψ ≈ 0.2M) with 65536 samples on 8 devices: the plan is pure data
     parallelism, and its gradient sync is one all-reduce of every gradient:
-    2(d-1)/d · Ψ · 4 bytes sent per device (REFERENCE.md §3).
+    2(d-1)/d · Ψ · 4 bytes sent per device (docs/cost-model.md §5).
 
     252 is not divisible by 8, so no weight can be sharded. At 256 the cost model ties DP with
     its ZeRO twin (weights sharded, all-gathered in forward, gradients reduce-scattered: AG + RS =
-    AR in bytes and latency, REFERENCE.md §1); the planner breaks the tie towards replicated
+    AR in bytes and latency, docs/cost-model.md §1); the planner breaks the tie towards replicated
     weights (the next test shows the twin is taken when memory asks for it)."""
     model, traced = _mlp(width, 65536)
     d = 8
@@ -286,13 +286,13 @@ def test_plans_fit_the_budget_they_were_given(baseline_traces, shape) -> None:
 # ------------------------------------------------------------------------------ layer dedup
 
 def test_layer_dedup(gpt2_b1, megatron_cpu) -> None:
-    """12 layers make no more ILP groups than 4, and every block runs block 0's strategies."""
+    """12 layers make no more ILP decisions than 4, and every block runs block 0's strategies."""
     cfg = replace(ZOO["gpt2"].config, n_layers=4)
     with torch.device("meta"):
         small = GPT(cfg)
     p4 = plan_traced(trace(small, small.example_inputs(1, 1024)), Mesh((4,), cluster="cpu"))
     p12 = megatron_cpu
-    assert p12.solver["groups"] == p4.solver["groups"]
+    assert p12.solver["decisions"] == p4.solver["decisions"]
     traced = gpt2_b1[1]
     strategies = p12.strategies()
     blocks: dict[int, list] = defaultdict(list)
@@ -369,13 +369,13 @@ def test_plan_contents(gpt2_b1, megatron_cpu) -> None:
     model, traced = gpt2_b1
     p = megatron_cpu
     d = json.loads(p.dumps())
-    assert {"format", "version", "model", "mesh", "fingerprint", "node_signatures", "training",
-            "nodes", "params", "inputs", "collectives", "predicted", "solver"} <= set(d)
-    assert d["format"] == "autoshard.plan" and d["version"] == 1
+    assert {"format", "version", "model", "mesh", "fingerprint", "node_signatures", "options",
+            "layers", "nodes", "params", "inputs", "collectives", "predicted", "solver"} <= set(d)
+    assert d["format"] == "autoshard.plan" and d["version"] == 2
     assert set(d["mesh"]) == {"shape", "axes", "cluster"}
     assert d["mesh"] == {"shape": [4], "axes": ["x"], "cluster": "cpu"}
     assert {"step_time_s", "compute_s", "comm_s", "peak_memory_bytes"} <= set(d["predicted"])
-    assert {"status", "objective", "gap", "variables", "groups"} <= set(d["solver"])
+    assert {"status", "objective", "gap", "variables", "decisions"} <= set(d["solver"])
     for n in d["nodes"]:
         assert {"name", "op", "placements", "inputs"} <= set(n), n
     assert set(d["params"]) == {n for n, _ in model.named_parameters()}
@@ -446,7 +446,7 @@ def test_infeasible_memory_budget_states_the_least_memory(gpt2_b1) -> None:
     traced = gpt2_b1[1]
     mesh = Mesh((4,), cluster="cpu")
     budget = 0.05 * 2**30
-    least = least_memory(build_problem(traced, mesh, memory_budget=budget).problem)
+    least = least_memory(build_problem(traced, mesh, PlanOptions(memory_budget=budget)).problem)
     assert least > budget
     with pytest.raises(AutoshardError) as info:
         plan_traced(traced, mesh, memory_budget=budget)
@@ -473,7 +473,7 @@ class _CumMax(nn.Module):
 
 
 def test_op_without_a_rule_is_replicated_with_one_warning(monkeypatch) -> None:
-    assert aten.cummax.default not in registry.RULES
+    assert aten.cummax.default not in registry.RECORDS
     monkeypatch.setattr(registry, "_warned", set())
     with torch.device("meta"):
         model = _CumMax()

@@ -1,4 +1,4 @@
-"""Every registered op rule, checked against single-device execution (DESIGN.md example 10).
+"""Every registered op rule, checked against single-device execution (as DTensor's strategy validation does).
 
 For each op and each of its samples, every strategy the rule gives on meshes (2,), (4,), (2, 2)
 (and (2, 2, 2) for a few ops) runs on a simulated mesh: inputs are sharded (Partial ones split
@@ -18,6 +18,7 @@ and fit.
 """
 from __future__ import annotations
 
+import math
 import random
 import warnings
 from typing import Any, Callable
@@ -25,11 +26,12 @@ from typing import Any, Callable
 import pytest
 import torch
 
-import autoshard.solver.rules  # noqa: F401  (registers every rule)
+import autoshard.ops  # noqa: F401  (registers every rule)
 from autoshard.ir import Replicate, spec_fits
-from autoshard.solver.rules import registry
-from autoshard.solver.rules.registry import RULES, strategies_for
-from autoshard.solver.rules.simulate import check_strategy, op_info
+from autoshard.ops import registry
+from autoshard.ops.registry import (FAMILIES, FOLLOWS, RECORDS, OpRecord, Saves, record_of,
+                                    strategies_for)
+from autoshard.ops.simulate import check_strategy, op_info
 
 aten = torch.ops.aten
 F64 = torch.float64
@@ -329,23 +331,53 @@ def _sharded_axes(s) -> int:
     return sum(any(not isinstance(sp[a], Replicate) for sp in specs) for a in range(n))
 
 
-@pytest.mark.parametrize("op", sorted(RULES, key=_key), ids=_key)
+@pytest.mark.parametrize("op", sorted(RECORDS, key=_key), ids=_key)
 def test_rule_matches_single_device(op: Any) -> None:
     if op not in SAMPLES:
-        pytest.fail(f"{op} has a rule but no sample in tests/test_rules.py")
+        pytest.fail(f"{op} has a record but no sample in tests/test_rules.py")
     checked, failures = _check_op(op)
     assert not failures, f"{len(failures)} failing strategies of {op}:\n" + "\n".join(failures[:20])
     assert checked > 0
 
 
 def test_every_registered_op_has_a_sample() -> None:
-    missing = sorted(str(op) for op in RULES if op not in SAMPLES)
-    assert not missing, f"rules without a validation sample: {missing}"
+    missing = sorted(str(op) for op in RECORDS if op not in SAMPLES)
+    assert not missing, f"records without a validation sample: {missing}"
+
+
+@pytest.mark.parametrize("op", sorted(RECORDS, key=_key), ids=_key)
+def test_every_record_is_complete(op: Any) -> None:
+    """Every part of an op's record is there and answers on the op's samples: its family and how
+    it joins the ILP are known values, what it saves names existing inputs and outputs, its FLOPs
+    are a finite, non-negative number."""
+    record = RECORDS[op]
+    assert isinstance(record, OpRecord) and record_of(op) is record
+    assert record.family in FAMILIES and record.follows in FOLLOWS
+    assert callable(record.strategies) and callable(record.flops) and callable(record.localize)
+    for si, make in enumerate(SAMPLES.get(op, ())):
+        args, kwargs, *_ = make(Gen(si))
+        info = op_info(op, args, kwargs, op(*args, **kwargs))
+        saves = record.saved(info)
+        assert isinstance(saves, Saves), f"{op} sample {si}: saves gave {saves!r}"
+        assert all(0 <= i < len(info.inputs) for i in saves.inputs), (op, si, saves)
+        assert all(0 <= j < len(info.outputs) for j in saves.outputs), (op, si, saves)
+        for side, idx, per, nbytes in saves.extra:
+            assert side in ("in", "out") and per in ("elem", "row") and nbytes >= 0, saves
+        flops = record.flops(info)
+        assert math.isfinite(flops) and flops >= 0, f"{op} sample {si}: flops {flops!r}"
+
+
+def test_registering_an_op_needs_every_part() -> None:
+    from autoshard.ops.registry import register_op
+    with pytest.raises(TypeError, match="flops"):
+        register_op(aten.erfinv.default, strategies=lambda op, mesh: [], family="elementwise",
+                    saves=Saves(), follows="no")       # no flops
+    assert aten.erfinv.default not in RECORDS
 
 
 def test_unruled_op_falls_back_to_replicate_with_one_warning(monkeypatch) -> None:
     op = aten.erfinv.default
-    assert op not in RULES
+    assert op not in RECORDS
     monkeypatch.setattr(registry, "_warned", set())
     x = torch.randn(4, 8)
     info = op_info(op, (x,), {}, op(x), source="model.py:12: y = x.erfinv()")
@@ -366,7 +398,7 @@ import operator  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from autoshard.solver.rules.registry import OpInfo, TensorInfo  # noqa: E402
+from autoshard.ir import OpInfo, TensorInfo  # noqa: E402
 
 
 class _GPT(nn.Module):
@@ -493,7 +525,7 @@ def _export(model: nn.Module, batch: int = 2, seq: int = 16, vocab: int = 64) ->
 
 def _assert_covered(gm: torch.fx.GraphModule, name: str) -> None:
     nodes = [n for n in _graph_ops(gm) if _is_op(n)]
-    missing = sorted({str(n.target) for n in nodes if n.target not in RULES})
+    missing = sorted({str(n.target) for n in nodes if n.target not in RECORDS})
     assert not missing, f"{name}: ops without a sharding rule: {missing}"
     for n in nodes:  # every rule accepts the real node, on 1-D and 2-D meshes
         info = _node_info(n)
@@ -564,8 +596,11 @@ def test_key_strategies() -> None:
     assert "[S(2)] -> [S(2)]" not in sm and "[S(1)] -> [S(1)]" in sm
 
 
+def op_flops(op) -> float:
+    return record_of(op.target).flops(op)
+
+
 def test_flops() -> None:
-    from autoshard.solver.rules.registry import op_flops
     a, b = torch.randn(4, 8), torch.randn(8, 16)
     assert op_flops(op_info(aten.mm.default, (a, b), {}, a @ b)) == 2 * 4 * 8 * 16
     x, w, bias = torch.randn(2, 4, 8), torch.randn(16, 8), torch.randn(16)

@@ -5,7 +5,7 @@ moves; this module only carries them out, on local tensors, through
 ``torch.distributed._functional_collectives`` (they run on gloo for CPU tensors and on NCCL alike;
 every result is waited on at once, so no ``AsyncCollectiveTensor`` escapes).
 
-Every collective executed is written to a :class:`Ledger` with its size ``S`` (REFERENCE.md §1)
+Every collective executed is written to a :class:`Ledger` with its size ``S`` (docs/cost-model.md §1)
 *measured on the tensor actually moved*, next to the ``Step.nbytes`` the cost model priced, so a
 caller can report any disagreement between plan and execution.
 """
@@ -20,12 +20,12 @@ import torch.distributed._functional_collectives as fc
 
 from autoshard.codegen.groups import MeshGroups
 from autoshard.cost.comm import Reshard, Step
+from autoshard.plans import PHASES
 
 # torch 2.13 renamed all_gather_tensor / reduce_scatter_tensor to *_single (the old names warn).
 _all_gather_single = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
 _reduce_scatter_single = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
 
-PHASES = ("forward", "backward", "grad_sync")
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
@@ -91,7 +91,7 @@ def to_partial(x: torch.Tensor, *, coord: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
-class CollectiveRecord:
+class ExecutedCollective:
     """One collective as executed. ``nbytes`` is S measured at run time; ``planned_nbytes`` the
     ``Step.nbytes`` the cost model charged for it."""
 
@@ -122,12 +122,12 @@ class CollectiveRecord:
 class Ledger:
     """Every collective a rank executed, in order."""
 
-    records: list[CollectiveRecord] = field(default_factory=list)
+    records: list[ExecutedCollective] = field(default_factory=list)
 
-    def add(self, record: CollectiveRecord) -> None:
+    def add(self, record: ExecutedCollective) -> None:
         self.records.append(record)
 
-    def mismatches(self) -> list[CollectiveRecord]:
+    def mismatches(self) -> list[ExecutedCollective]:
         """Records whose measured bytes differ from the planned ``Step.nbytes``."""
         return [r for r in self.records if not r.matches]
 
@@ -140,7 +140,7 @@ class Ledger:
     def __len__(self) -> int:
         return len(self.records)
 
-    def __iter__(self) -> Iterator[CollectiveRecord]:
+    def __iter__(self) -> Iterator[ExecutedCollective]:
         return iter(self.records)
 
     def __str__(self) -> str:
@@ -173,7 +173,7 @@ def apply_step(x: torch.Tensor, step: Step, groups: MeshGroups, *, ledger: Ledge
         raise ValueError(f"cannot execute step kind {step.kind!r}; known: all_gather, all_reduce, "
                          "reduce_scatter, all_to_all, slice, to_partial")
     if ledger is not None:
-        ledger.add(CollectiveRecord(kind=step.kind, axes=(groups.axes[a],),
+        ledger.add(ExecutedCollective(kind=step.kind, axes=(groups.axes[a],),
                                     nbytes=moved.numel() * moved.element_size(),
                                     planned_nbytes=step.nbytes, phase=phase, node=node,
                                     group_size=groups.shape[a]))

@@ -14,11 +14,12 @@ import torch
 import torch.fx as fx
 
 from autoshard.codegen.collectives import Ledger, redistribute
+from autoshard.cost.reshards import ReshardEdge, reshard_edges
 from autoshard.ir import spec_str
-from autoshard.lowering import ReshardEdge, reshard_edges, value_ref, value_shapes
+from autoshard.ops.registry import localize
 from autoshard.plans import Plan
-from autoshard.solver.rules.registry import localize
 from autoshard.trace.export import TracedGraph, op_info
+from autoshard.trace.graph import value_ref, value_shapes
 
 
 class ReshardCall:

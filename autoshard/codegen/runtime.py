@@ -18,8 +18,10 @@ from autoshard.cost.comm import reshard
 from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Spec, local_shape
 from autoshard.mesh import Mesh
+from autoshard.ops.simulate import shard_tensor
+from autoshard.options import PlanOptions, resolve_options
 from autoshard.plans import Plan
-from autoshard.solver.rules.simulate import shard_tensor
+from autoshard.solver.planner import plan_traced
 from autoshard.trace.export import TracedGraph, trace
 
 
@@ -206,9 +208,10 @@ def _dtensor_placements(spec: Spec):
 
 
 def parallelize(model: torch.nn.Module, mesh: Any, *, plan: Plan | str | Path | None = None,
-                example_inputs: Sequence[Any] | None = None, training: bool = True,
-                **plan_kwargs: Any) -> ParallelModule:
-    """This rank's :class:`ParallelModule` for ``model`` under ``plan`` (planned here if None).
+                example_inputs: Sequence[Any] | None = None, options: PlanOptions | None = None,
+                **overrides: Any) -> ParallelModule:
+    """This rank's :class:`ParallelModule` for ``model`` under ``plan`` (planned here with
+    ``options`` and keyword ``overrides`` of its fields if None; a given plan brings its own).
 
     ``mesh`` is the :class:`autoshard.Mesh` used for planning or a torch DeviceMesh; the current
     torch.distributed world is bound to it, ranks row-major over the mesh shape.
@@ -216,6 +219,11 @@ def parallelize(model: torch.nn.Module, mesh: Any, *, plan: Plan | str | Path | 
     from torch.distributed.device_mesh import DeviceMesh
     if isinstance(plan, (str, Path)):
         plan = Plan.load(plan)
+    if plan is not None and (options is not None or overrides):
+        raise AutoshardError("plan options only when planning here (plan=None)",
+                             got=f"a plan and options {sorted(overrides) or 'options'}",
+                             fix="drop the options: a plan was made with its own (plan.options)")
+    options = plan.options if plan is not None else resolve_options(options, overrides)
     if example_inputs is None:
         if plan is None:
             raise AutoshardError("example_inputs (the global batch to plan for) when no plan is "
@@ -225,7 +233,7 @@ def parallelize(model: torch.nn.Module, mesh: Any, *, plan: Plan | str | Path | 
     if not dist.is_initialized():
         raise AutoshardError("an initialised torch.distributed world", got="none",
                              fix="launch with torchrun and call dist.init_process_group()")
-    traced = trace(model, example_inputs, training=training)
+    traced = trace(model, example_inputs, training=options.training)
     if isinstance(mesh, DeviceMesh):
         groups = MeshGroups.from_device_mesh(mesh)
         pmesh = Mesh(groups.shape, groups.axes)
@@ -233,8 +241,7 @@ def parallelize(model: torch.nn.Module, mesh: Any, *, plan: Plan | str | Path | 
         groups = MeshGroups.from_mesh(mesh)
         pmesh = mesh
     if plan is None:
-        from autoshard.solver.planner import plan_traced
-        plan = plan_traced(traced, pmesh, **plan_kwargs)
+        plan = plan_traced(traced, pmesh, options)
     plan.check_mesh(groups.shape, groups.axes)
     plan.check_matches(traced.fingerprint, traced.node_sigs)
     return ParallelModule(traced, plan, groups, model)

@@ -1,6 +1,6 @@
 """A persistent multi-process torch.distributed world on this machine (gloo by default).
 
-Used by ``autoshard verify`` and by the tests (DESIGN.md, Tier 2).
+Used by ``autoshard verify`` and by the tests (tier 2 of docs/design.md, "Testing").
 
 Spawning processes costs seconds on a small machine, so a :class:`World` starts N ranks once
 (each calls ``init_process_group`` once) and then runs any number of module-level functions in

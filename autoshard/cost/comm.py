@@ -1,10 +1,10 @@
 """Collective costs (alpha-beta per mesh axis) and resharding plans.
 
-The single home of every collective formula (DESIGN.md example 5). ``S`` is the size in bytes of
-the collective's full buffer as REFERENCE.md §1 defines it: the tensor all-reduced, the
+The single home of every collective formula. ``S`` is the size in bytes of
+the collective's full buffer as docs/cost-model.md §1 defines it: the tensor all-reduced, the
 all-gather's output, the reduce-scatter's input, each device's all-to-all input.
 
-Ring algorithm times (REFERENCE.md §1, after nccl-tests doc/PERFORMANCE.md):
+Ring algorithm times (docs/cost-model.md §1.1, after nccl-tests doc/PERFORMANCE.md):
   all-reduce      2(p-1)·alpha + 2(p-1)/p · S/B
   all-gather      (p-1)·alpha + (p-1)/p · S/B
   reduce-scatter  (p-1)·alpha + (p-1)/p · S/B
@@ -38,7 +38,7 @@ def collective_time(kind: str, p: int, nbytes: float, alpha: float, bandwidth: f
 
 
 def bytes_sent_per_device(kind: str, p: int, nbytes: float) -> float:
-    """Bytes one device sends (REFERENCE.md §1 third column)."""
+    """Bytes one device sends (docs/cost-model.md §1.1)."""
     if kind == "send_recv":
         return nbytes
     if p <= 1:

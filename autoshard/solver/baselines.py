@@ -21,6 +21,7 @@ from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Shard, Spec, Strategy, spec_fits
 from autoshard.mesh import Mesh
 from autoshard.plans import Plan
+from autoshard.solver.planner import plan_traced
 from autoshard.trace.export import TracedGraph
 
 aten = torch.ops.aten
@@ -93,5 +94,4 @@ def _is_embedding_or_head(traced: TracedGraph, ph_name: str) -> bool:
 
 
 def baseline_plan(traced: TracedGraph, mesh: Mesh, name: str, **kwargs) -> Plan:
-    from autoshard.solver.planner import plan_traced
     return plan_traced(traced, mesh, fixed=baseline_pins(traced, mesh, name), **kwargs)

@@ -1,16 +1,17 @@
 """The sharding ILP (GShard/Alpa formulation), solved with OR-Tools.
 
-    x[g,i] in {0,1}   one strategy per group:            sum_i x[g,i] = 1
+    x[g,i] in {0,1}   one strategy per decision:            sum_i x[g,i] = 1
     e[o,r] >= 0       per edge, the (output class, requirement class) pair in use:
                       sum_r e[o,r] = sum_{i in class o} x[producer,i]
                       sum_o e[o,r] = sum_{j in class r} x[consumer,j]
     f[c,o,r] >= 0     per fanout and consumer c, the same transportation polytope as an edge
     z[o,r] >= f[c,o,r] for every consumer c: the reshard o -> r is paid once if any consumer
                       needs r (z is 1 exactly then, for integral x)
-    minimise   sum mult*cost*x + sum mult*cost*e + sum mult*cost*z
-    subject to sum mult*memory*x + sum mult*memory*e + sum mult*memory*z <= budget
+    minimise   sum n*cost*x + sum n*cost*e + sum n*cost*z
+    subject to sum n*memory*x + sum n*memory*e + sum n*memory*z <= budget
 
-(the memory on e and z is a resharded copy of a parameter that its consumer keeps for backward).
+(n is the multiplicity: how many identical layers a decision, edge or fanout stands for;
+the memory on e and z is a resharded copy of a parameter that its consumer keeps for backward).
 
 The edge constraints are a transportation polytope per edge: their LP relaxation is tight on
 chains and trees, so the MIP solver closes most of the problem at the root. The solver runs
@@ -47,16 +48,16 @@ class NoSolution(Exception):
 
 def least_memory(problem: Problem, *, time_limit_s: float = 30.0) -> float:
     """The least memory (bytes per device) of any assignment. Without reshard memory on edges,
-    memory depends on the group choices alone and is a per-group minimum; with it, a MIP that
-    minimises memory finds it (if that MIP does not finish in time, the per-group minimum is
+    memory depends on the decision choices alone and is a per-decision minimum; with it, a MIP that
+    minimises memory finds it (if that MIP does not finish in time, the per-decision minimum is
     returned: a lower bound)."""
     pins: dict[int, set[int]] = {}
     for g, i in problem.fixed:
         pins.setdefault(g, set()).add(i)
     if any(len(v) > 1 for v in pins.values()):
-        return float("inf")          # two different strategies pinned on one group
-    bound = sum(grp.mult * min(grp.memory[i] for i in pins.get(g, range(len(grp.memory))))
-                for g, grp in enumerate(problem.groups))
+        return float("inf")          # two different strategies pinned on one decision
+    bound = sum(dec.multiplicity * min(dec.memory[i] for i in pins.get(g, range(len(dec.memory))))
+                for g, dec in enumerate(problem.decisions))
     if not any(e.memory for e in (*problem.edges, *problem.fanouts)):
         return bound
     m = _Model(problem)
@@ -82,16 +83,16 @@ class _Model:
     def __init__(self, problem: Problem) -> None:
         s = self.s = _solver()
         s.SetNumThreads(1)
-        x = self.x = [[s.BoolVar(f"x{g}_{i}") for i in range(len(grp.cost))]
-                      for g, grp in enumerate(problem.groups)]
+        x = self.x = [[s.BoolVar(f"x{g}_{i}") for i in range(len(dec.cost))]
+                      for g, dec in enumerate(problem.decisions)]
         for xs in x:
             s.Add(s.Sum(xs) == 1)
         for g, i in problem.fixed:
             s.Add(x[g][i] == 1)
-        obj = [US * grp.cost[i] * grp.mult * v for g, grp in enumerate(problem.groups)
-               for i, v in enumerate(x[g]) if grp.cost[i]]
-        mem = [grp.memory[i] * grp.mult * v for g, grp in enumerate(problem.groups)
-               for i, v in enumerate(x[g]) if grp.memory[i]]
+        obj = [US * dec.cost[i] * dec.multiplicity * v for g, dec in enumerate(problem.decisions)
+               for i, v in enumerate(x[g]) if dec.cost[i]]
+        mem = [dec.memory[i] * dec.multiplicity * v for g, dec in enumerate(problem.decisions)
+               for i, v in enumerate(x[g]) if dec.memory[i]]
         self.n_aux = 0
 
         def pays(item, o: int, r: int) -> bool:
@@ -99,9 +100,9 @@ class _Model:
 
         def charge(item, o: int, r: int, var) -> None:
             if item.cost[o][r]:
-                obj.append(US * item.cost[o][r] * item.mult * var)
+                obj.append(US * item.cost[o][r] * item.multiplicity * var)
             if item.memory and item.memory[o][r]:
-                mem.append(item.memory[o][r] * item.mult * var)
+                mem.append(item.memory[o][r] * item.multiplicity * var)
 
         for k, item in enumerate((*problem.edges, *problem.fanouts)):
             n_o, n_r = len(item.cost), len(item.cost[0])
@@ -168,7 +169,7 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0) -> Solution:
 
 def break_ties(problem: Problem, choice: tuple[int, ...], order: dict[int, list[int]],
                *, rel_tol: float = 1e-12) -> tuple[int, ...]:
-    """Break ties: move each group of ``order`` (in that order) to the first of its listed
+    """Break ties: move each decision of ``order`` (in that order) to the first of its listed
     strategies that leaves the objective unchanged (within ``rel_tol``) and memory in budget.
 
     Equal-cost plans are common under alpha-beta pricing (a replicated weight's gradient
@@ -182,8 +183,8 @@ def break_ties(problem: Problem, choice: tuple[int, ...], order: dict[int, list[
             touching[g].append(item)
 
     def local(g: int) -> tuple[float, float]:
-        grp = problem.groups[g]
-        t, mem = grp.cost[choice[g]] * grp.mult, grp.memory[choice[g]] * grp.mult
+        dec = problem.decisions[g]
+        t, mem = dec.cost[choice[g]] * dec.multiplicity, dec.memory[choice[g]] * dec.multiplicity
         for item in touching[g]:
             dt, dm = price(item, choice)
             t, mem = t + dt, mem + dm

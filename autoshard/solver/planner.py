@@ -1,24 +1,21 @@
-"""trace -> build problem (with cost) -> ILP -> Plan."""
+"""trace -> build problem (priced by cost/price.py) -> ILP -> Plan."""
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Sequence
 
 import torch
 
-from autoshard.cost.comm import reshard_time
-from autoshard.cost.compute import op_time
-from autoshard.cost.memory import saved_input_bytes
+from autoshard.cost.price import Pricer
+from autoshard.cost.reshards import reshard_edges
 from autoshard.errors import AutoshardError
-from autoshard.ir import Replicate, Strategy
-from autoshard.lowering import reshard_edges, value_inputs, value_shapes
-from autoshard.mesh import Mesh
+from autoshard.ir import Replicate, Strategy, work_fraction
+from autoshard.mesh import AxisMerge, Mesh
+from autoshard.options import PlanOptions, resolve_options
 from autoshard.plans import CollectiveRecord, NodePlan, Plan
-from autoshard.solver.build import Built, build_problem, expand_spec, node_memory, param_inputs
+from autoshard.solver.build import Built, build_problem
 from autoshard.solver.ilp import Infeasible, NoSolution, break_ties, solve
-from autoshard.solver.rules.registry import work_fraction
-from autoshard.trace.export import TracedGraph, op_info, trace
+from autoshard.trace.export import TracedGraph, trace
 
 
 def check_mesh_fits(traced: TracedGraph, mesh: Mesh) -> None:
@@ -32,38 +29,47 @@ def check_mesh_fits(traced: TracedGraph, mesh: Mesh) -> None:
             fix="use a smaller mesh, or a larger batch/model")
 
 
-def plan(model: torch.nn.Module, example_inputs: Sequence[Any], mesh: Mesh, *,
-         training: bool = True, memory_budget: float | None = None, time_limit_s: float = 20.0,
-         optimizer: str = "adam", model_name: str = "") -> Plan:
-    """Choose a sharding for every op of ``model(*example_inputs)`` on ``mesh``."""
+def plan(model: torch.nn.Module, example_inputs: Sequence[Any], mesh: Mesh,
+         options: PlanOptions | None = None, *, model_name: str = "", **overrides: Any) -> Plan:
+    """Choose a sharding for every op of ``model(*example_inputs)`` on ``mesh``.
+
+    ``options`` (default :class:`PlanOptions()`) with any of its fields given as keywords, e.g.
+    ``plan(model, inputs, mesh, training=False, memory_budget=40 * 2**30)``."""
     if not isinstance(mesh, Mesh):
         raise AutoshardError("mesh is an autoshard.Mesh", got=type(mesh).__name__,
                              fix="autoshard.Mesh((8, 8), ('dp', 'tp'), cluster='h100')")
+    options = resolve_options(options, overrides)
     t0 = time.perf_counter()
-    traced = trace(model, example_inputs, training=training)
-    return plan_traced(traced, mesh, memory_budget=memory_budget, time_limit_s=time_limit_s,
-                       optimizer=optimizer, model_name=model_name, trace_s=time.perf_counter() - t0)
+    traced = trace(model, example_inputs, training=options.training)
+    return plan_traced(traced, mesh, options, model_name=model_name,
+                       trace_s=time.perf_counter() - t0)
 
 
-def plan_traced(traced: TracedGraph, mesh: Mesh, *, memory_budget: float | None = None,
-                time_limit_s: float = 20.0, optimizer: str = "adam", model_name: str = "",
-                fixed: dict[str, Strategy] | None = None, trace_s: float = 0.0,
-                lower_on: tuple[Mesh, tuple[tuple[int, ...], ...]] | None = None) -> Plan:
+def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = None, *,
+                model_name: str = "", fixed: dict[str, Strategy] | None = None,
+                trace_s: float = 0.0, merge: AxisMerge | None = None, **overrides: Any) -> Plan:
+    """Plan a traced graph. ``fixed`` pins the strategies of some nodes (a hand-written plan's
+    parameter layouts); ``merge``: ``mesh`` merges axes of a real mesh (see below)."""
+    if options is None:
+        overrides = {"training": traced.training, **overrides}
+    options = resolve_options(options, overrides)
+    if options.training != traced.training:
+        raise AutoshardError(f"options.training equal to the traced graph's ({traced.training})",
+                             got=f"training={options.training}",
+                             fix="trace with the same training flag the options ask for")
     check_mesh_fits(traced, mesh)
     if mesh.ndim >= 3:
-        return _plan_by_merging(traced, mesh, memory_budget=memory_budget,
-                                time_limit_s=time_limit_s, optimizer=optimizer,
-                                model_name=model_name, fixed=fixed, trace_s=trace_s)
+        return _plan_by_merging(traced, mesh, options, model_name=model_name, fixed=fixed,
+                                trace_s=trace_s)
     t0 = time.perf_counter()
     in_place = frozenset(p.name for p in traced.params if p.name in (fixed or {}))
-    built = build_problem(traced, mesh, memory_budget=memory_budget, optimizer=optimizer,
-                          in_place=in_place, lower_on=lower_on)
+    built = build_problem(traced, mesh, options, in_place=in_place, merge=merge)
     problem = built.problem
     if fixed:
         problem = _with_fixed(built, fixed)
     build_s = time.perf_counter() - t0
     try:
-        sol = solve(problem, time_limit_s=time_limit_s)
+        sol = solve(problem, time_limit_s=options.time_limit_s)
     except Infeasible as e:
         raise AutoshardError(
             f"a plan within the memory budget of {_gib(problem.memory_budget)} per device",
@@ -76,16 +82,15 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, *, memory_budget: float | None 
                 "is not the cause", fix="raise time_limit_s (--time-limit), or use a mesh with "
                 "fewer axes") from e
     choice = break_ties(problem, sol.choice, _storage_preferences(traced, built))
-    strategies = {name: built.strategy_of(name, choice) for name in built.rep}
+    strategies = {name: built.strategy_of(name, choice) for name in built.template}
     solver = {"status": sol.status, "objective": sol.objective, "gap": sol.gap,
-              "variables": sol.variables, "groups": len(built.problem.groups)}
-    return assemble(traced, mesh, strategies, solver=solver, model_name=model_name,
-                    optimizer=optimizer,
+              "variables": sol.variables, "decisions": len(built.problem.decisions)}
+    return assemble(traced, mesh, strategies, options, solver=solver, model_name=model_name,
                     timings={"trace_s": trace_s, "build_s": build_s, "solve_s": sol.seconds})
 
 
 def _storage_preferences(traced: TracedGraph, built: Built) -> dict[int, list[int]]:
-    """Each parameter's group with its layouts, fewest sharded mesh axes first: among equally
+    """Each parameter's decision with its layouts, fewest sharded mesh axes first: among equally
     fast plans, weights stay replicated (plain data parallelism, one gradient all-reduce) unless
     sharding them buys time or is needed to fit memory."""
     out = {}
@@ -94,64 +99,48 @@ def _storage_preferences(traced: TracedGraph, built: Built) -> dict[int, list[in
         if m is None:
             continue                         # a repeated layer's copy: its template decides
         sharded = [sum(not isinstance(x, Replicate) for x in m.strategies[j].outputs[0])
-                   for j in m.pick]
-        out[m.group] = sorted(range(len(sharded)), key=lambda i: (sharded[i], i))
+                   for j in m.index]
+        out[m.decision] = sorted(range(len(sharded)), key=lambda i: (sharded[i], i))
     return out
 
 
 # On a 3-axis mesh the full strategy space (about 5^3 placements per tensor) makes the ILP too
 # large to solve in seconds. We search the layouts in which adjacent axes act as one (their
-# placements are equal): each is a 1-D or 2-D problem whose reshards are priced as they run on the
-# real mesh, solved exactly, and the best is kept. Data x tensor, FSDP x tensor and 3-way tensor layouts, and every
-# hand-written baseline, lie in this space; layouts giving three axes three different roles do not.
+# placements are equal): each is a 1-D or 2-D problem whose reshards are priced as they run on
+# the real mesh, solved exactly, and the best is kept. Data x tensor, FSDP x tensor and 3-way
+# tensor layouts, and every hand-written baseline, lie in this space; layouts giving three axes
+# three different roles do not.
 MERGES = {3: (((0, 1), (2,)), ((0,), (1, 2)), ((0, 1, 2),))}
 
 
-def merged_mesh(mesh: Mesh, groups: tuple[tuple[int, ...], ...]) -> Mesh:
-    return Mesh(tuple(math.prod(mesh.shape[a] for a in g) for g in groups),
-                tuple("*".join(mesh.axes[a] for a in g) for g in groups),
-                cluster=mesh.cluster, links=tuple(mesh.group_link(g) for g in groups))
-
-
-def _contract_spec(spec, groups):
-    out = []
-    for g in groups:
-        ps = {spec[a] for a in g}
-        if len(ps) != 1:
-            return None
-        out.append(ps.pop())
-    return tuple(out)
-
-
-def _plan_by_merging(traced: TracedGraph, mesh: Mesh, *, fixed: dict[str, Strategy] | None,
-                     **kwargs: Any) -> Plan:
+def _plan_by_merging(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
+                     fixed: dict[str, Strategy] | None, model_name: str, trace_s: float) -> Plan:
     best: Plan | None = None
     errors = []
-    for groups in MERGES[mesh.ndim]:
+    for merges in MERGES[mesh.ndim]:
+        merge = AxisMerge(mesh, merges)
         pins = {}
         for name, st in (fixed or {}).items():
-            outs = tuple(_contract_spec(o, groups) for o in st.outputs)
+            outs = tuple(merge.contract_spec(o) for o in st.outputs)
             if any(o is None for o in outs):
                 break
             pins[name] = Strategy((), outs)
         else:
-            sub_mesh = merged_mesh(mesh, groups)
             try:
-                sub = plan_traced(traced, sub_mesh, fixed=pins or None, lower_on=(mesh, groups),
-                                  **kwargs)
+                sub = plan_traced(traced, merge.merged(), options, fixed=pins or None, merge=merge,
+                                  model_name=model_name, trace_s=trace_s)
             except AutoshardError as e:
                 errors.append(e)
                 continue
             strategies = {}
             for n in sub.nodes:
-                ins = tuple(expand_spec(x, groups) for x in n.inputs)
-                outs = tuple(expand_spec(x, groups) for x in n.outputs)
+                ins = tuple(merge.expand_spec(x) for x in n.inputs)
+                outs = tuple(merge.expand_spec(x) for x in n.outputs)
                 strategies[n.name] = Strategy(ins, outs, n.kernel,
                                               work_fraction(ins, outs, mesh.shape))
-            plan = assemble(traced, mesh, strategies,
-                            solver={**sub.solver, "merged_axes": [list(g) for g in groups]},
-                            model_name=kwargs.get("model_name", ""),
-                            optimizer=kwargs.get("optimizer", "adam"), timings=sub.timings)
+            plan = assemble(traced, mesh, strategies, options,
+                            solver={**sub.solver, "merged_axes": [list(g) for g in merges]},
+                            model_name=model_name, timings=sub.timings)
             if best is None or plan.predicted["step_time_s"] < best.predicted["step_time_s"]:
                 best = plan
     if best is None:
@@ -170,42 +159,36 @@ def _with_fixed(built: Built, fixed: dict[str, Strategy]):
     from dataclasses import replace
     pins = []
     for name, strat in fixed.items():
-        m = built.members[built.rep[name]]
-        assert m.pick == list(range(len(m.pick))), f"can only pin a group's root: {name}"
+        m = built.members[built.template[name]]
+        assert m.index == list(range(len(m.index))), f"can only pin a decision's root: {name}"
         if strat not in m.strategies:
             raise AutoshardError(f"a strategy {name} supports", got=str(strat),
                                  fix=f"choose among {[str(s) for s in m.strategies][:6]}...")
-        pins.append((m.group, m.strategies.index(strat)))
+        pins.append((m.decision, m.strategies.index(strat)))
     return replace(built.problem, fixed=tuple(sorted(set(pins))))
 
 
-def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy], *,
-             solver: dict[str, Any], model_name: str, optimizer: str,
+def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
+             options: PlanOptions, *, solver: dict[str, Any], model_name: str,
              timings: dict[str, float]) -> Plan:
-    """The Plan of a full assignment: its ledger and predicted figures, priced node by node on
-    ``mesh`` (the same walk codegen makes, so the ledger is what the program will run)."""
+    """The Plan of a full assignment on ``mesh``: its ledger, and its predicted figures as the
+    sum of the prices the ILP's coefficients come from (cost/price.py), over the nodes and the
+    reshards the program will run (cost/reshards.py, the walk codegen makes)."""
     graph = traced.graph
+    pricer = Pricer(traced, mesh, options)
     nodes = [n for n in graph.nodes if n.name in strategies]
     params = {p.name: p.fqn for p in traced.params}
-    compute_s = memory = 0.0
-    infos = {}
+    compute_s = memory = comm_s = 0.0
     for n in nodes:
-        s = strategies[n.name]
-        info = infos[n.name] = op_info(n) if n.op == "call_function" else None
-        if info is not None:
-            compute_s += op_time(info, s, mesh, training=traced.training)
-        reads = param_inputs(value_inputs(n), set(params)) if info is not None else frozenset()
-        memory += node_memory(traced, n, info, s, mesh.shape, optimizer, reads)
-    shapes = value_shapes(graph)
+        price = pricer.node(n.name, strategies[n.name])
+        compute_s += price.seconds
+        memory += price.bytes
     collectives: list[CollectiveRecord] = []
-    comm_s = 0.0
-    for e in reshard_edges(graph, strategies, mesh.shape, shapes, set(params),
+    for e in reshard_edges(graph, strategies, mesh.shape, pricer.shapes, set(params),
                            training=traced.training):
-        comm_s += reshard_time(e.reshard, mesh)
-        if e.from_param and traced.training and e.src != e.dst:
-            # A parameter's resharded copy, kept if an op saves it for backward.
-            memory += max([saved_input_bytes(infos[c], k, e.dst, mesh.shape)
-                           for c, k in e.consumers if infos.get(c) is not None] or [0])
+        price = pricer.reshard(e.value, e.src, e.dst, e.divergent, e.consumers)
+        comm_s += price.seconds
+        memory += price.bytes
         node = e.consumers[0][0]
         for phase, step in e.reshard.collectives:
             if phase == "backward" and e.from_param:
@@ -217,13 +200,13 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy], *
                        for n in nodes)
     return Plan(
         mesh_shape=mesh.shape, mesh_axes=mesh.axes, cluster=mesh.cluster.name,
-        fingerprint=traced.fingerprint, training=traced.training, nodes=node_plans,
+        fingerprint=traced.fingerprint, options=options, nodes=node_plans,
         params={params[n]: strategies[n].outputs[0] for n in params},
         inputs={p.fqn: strategies[p.name].outputs[0] for p in traced.inputs},
         collectives=tuple(collectives),
         predicted={"step_time_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s,
                    "peak_memory_bytes": memory},
-        solver=solver, model=model_name, node_sigs=traced.node_sigs,
+        solver=solver, model=model_name, node_sigs=traced.node_sigs, layers=traced.layers,
         input_meta={p.fqn: (p.info.shape, str(p.info.dtype).removeprefix("torch."))
                     for p in traced.inputs if p.info is not None},
         # Wall-clock figures stay off the saved plan: they would make two runs' files differ.

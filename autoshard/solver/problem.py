@@ -1,11 +1,11 @@
-"""The solver's input as pure data (DESIGN.md example 8): JSON round-trippable, no torch.
+"""The solver's input as pure data (docs/design.md): JSON round-trippable, no torch.
 
-A *group* is one decision: a node plus the follower ops merged into it, with one cost and one
-memory figure per strategy, and a multiplicity (how many identical repeated layers it stands for).
-An *edge* joins a producer group to a consumer group: the producer's strategy picks an output
+A *decision* is one choice of the ILP: a node plus the follower ops merged into it, with one cost
+and one memory figure per strategy, and a multiplicity (how many identical layers it stands for).
+An *edge* joins a producer decision to a consumer decision: the producer's strategy picks an output
 spec class, the consumer's strategy a requirement class (the spec it needs plus the axes on which
 its gradient must be all-reduced), and ``cost[o][r]`` prices the reshard. A value read by several
-groups is a *fanout*: each distinct requirement its consumers pick is resharded once from the
+decisions is a *fanout*: each distinct requirement its consumers pick is resharded once from the
 producer's output and shared by every consumer that needs it, which is what the program does
 (lowering.reshard_edges), so the objective is the plan's price.
 """
@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True, slots=True)
-class Group:
+class Decision:
     name: str
-    mult: int
+    multiplicity: int
     cost: tuple[float, ...]      # seconds per strategy (compute + internal reshards), one copy
     memory: tuple[float, ...]    # bytes per device per strategy, one copy
 
@@ -26,11 +26,11 @@ class Group:
 @dataclass(frozen=True, slots=True)
 class Edge:
     name: str
-    mult: int
+    multiplicity: int
     producer: int
     consumer: int
-    out: tuple[int, ...]         # output-spec class per strategy of the producer group
-    req: tuple[int, ...]         # requirement class per strategy of the consumer group
+    out: tuple[int, ...]         # output-spec class per strategy of the producer decision
+    req: tuple[int, ...]         # requirement class per strategy of the consumer decision
     cost: tuple[tuple[float, ...], ...]   # [out class][requirement class] seconds
     # [out class][requirement class] bytes per device the resharded copy keeps alive (a
     # parameter gathered for an op that saves it for backward); () for none.
@@ -44,24 +44,24 @@ class Edge:
 
 @dataclass(frozen=True, slots=True)
 class Fanout:
-    """One value read by several consumer groups. ``cost[o][r]`` is paid once for every
+    """One value read by several consumer decisions. ``cost[o][r]`` is paid once for every
     requirement class ``r`` that at least one consumer picks."""
 
     name: str
-    mult: int
+    multiplicity: int
     producer: int
     out: tuple[int, ...]                               # output class per producer strategy
-    consumers: tuple[tuple[int, tuple[int, ...]], ...]  # (group, requirement class per strategy)
+    consumers: tuple[tuple[int, tuple[int, ...]], ...]  # (decision, requirement class per strategy)
     cost: tuple[tuple[float, ...], ...]                # [out class][requirement class] seconds
     memory: tuple[tuple[float, ...], ...] = ()         # as Edge.memory, paid once per class
 
 
 @dataclass(frozen=True, slots=True)
 class Problem:
-    groups: tuple[Group, ...]
+    decisions: tuple[Decision, ...]
     edges: tuple[Edge, ...]
     memory_budget: float
-    fixed: tuple[tuple[int, int], ...] = ()   # (group, strategy) forced by the caller
+    fixed: tuple[tuple[int, int], ...] = ()   # (decision, strategy) forced by the caller
     fanouts: tuple[Fanout, ...] = ()
 
     def to_json(self) -> str:
@@ -70,23 +70,23 @@ class Problem:
     @classmethod
     def from_json(cls, text: str) -> "Problem":
         d = json.loads(text)
-        groups = tuple(Group(g["name"], g["mult"], tuple(g["cost"]), tuple(g["memory"]))
-                       for g in d["groups"])
-        edges = tuple(Edge(e["name"], e["mult"], e["producer"], e["consumer"], tuple(e["out"]),
+        decisions = tuple(Decision(g["name"], g["multiplicity"], tuple(g["cost"]), tuple(g["memory"]))
+                       for g in d["decisions"])
+        edges = tuple(Edge(e["name"], e["multiplicity"], e["producer"], e["consumer"], tuple(e["out"]),
                            tuple(e["req"]), tuple(tuple(r) for r in e["cost"]),
                            tuple(tuple(r) for r in e.get("memory", ()))) for e in d["edges"])
-        fanouts = tuple(Fanout(f["name"], f["mult"], f["producer"], tuple(f["out"]),
+        fanouts = tuple(Fanout(f["name"], f["multiplicity"], f["producer"], tuple(f["out"]),
                                tuple((g, tuple(req)) for g, req in f["consumers"]),
                                tuple(tuple(r) for r in f["cost"]),
                                tuple(tuple(r) for r in f.get("memory", ())))
                         for f in d.get("fanouts", ()))
-        return cls(groups, edges, d["memory_budget"], tuple(tuple(f) for f in d["fixed"]),
+        return cls(decisions, edges, d["memory_budget"], tuple(tuple(f) for f in d["fixed"]),
                    fanouts)
 
 
 @dataclass(frozen=True, slots=True)
 class Solution:
-    choice: tuple[int, ...]      # strategy per group
+    choice: tuple[int, ...]      # strategy per decision
     status: str                  # OPTIMAL | FEASIBLE
     objective: float             # seconds
     bound: float
@@ -102,16 +102,16 @@ def price(item: Edge | Fanout, choice: tuple[int, ...] | list[int]) -> tuple[flo
     """Seconds and bytes per device an edge or fanout adds under a full assignment."""
     o = item.out[choice[item.producer]]
     used = {req[choice[g]] for g, req in item.consumers}
-    t = sum(item.cost[o][r] for r in used) * item.mult
-    mem = sum(item.memory[o][r] for r in used) * item.mult if item.memory else 0.0
+    t = sum(item.cost[o][r] for r in used) * item.multiplicity
+    mem = sum(item.memory[o][r] for r in used) * item.multiplicity if item.memory else 0.0
     return t, mem
 
 
 def evaluate(problem: Problem, choice: tuple[int, ...]) -> tuple[float, float]:
     """Objective (s) and memory (bytes) of a full assignment, outside the ILP (for tests and
     for pricing hand-written plans in exactly the solver's terms)."""
-    t = sum(g.cost[c] * g.mult for g, c in zip(problem.groups, choice))
-    mem = sum(g.memory[c] * g.mult for g, c in zip(problem.groups, choice))
+    t = sum(g.cost[c] * g.multiplicity for g, c in zip(problem.decisions, choice))
+    mem = sum(g.memory[c] * g.multiplicity for g, c in zip(problem.decisions, choice))
     for item in (*problem.edges, *problem.fanouts):
         dt, dm = price(item, choice)
         t, mem = t + dt, mem + dm

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import operator
-import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -19,7 +18,10 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from autoshard.errors import AutoshardError
-from autoshard.solver.rules.registry import OpInfo, TensorInfo
+from autoshard.ir import Layer, OpInfo, TensorInfo
+from autoshard.ir import op_info as make_op_info
+from autoshard.trace.graph import output_infos, tensor_info
+from autoshard.trace.layers import find_layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,7 @@ class TracedGraph:
     fingerprint: str
     node_sigs: dict[str, str] = field(default_factory=dict)
     constants: dict[str, torch.Tensor] = field(default_factory=dict)  # placeholder -> value
+    layers: tuple[Layer, ...] = ()
 
     @property
     def graph(self) -> fx.Graph:
@@ -50,6 +53,7 @@ class TracedGraph:
 
     def __post_init__(self) -> None:
         self._by_name = {p.name: p for p in self.placeholders}
+        self.layer_of_node = {n: layer.name for layer in self.layers for n in layer.nodes}
 
     @property
     def params(self) -> list[Placeholder]:
@@ -60,30 +64,15 @@ class TracedGraph:
         return [p for p in self.placeholders if p.kind == "input"]
 
 
-def tensor_info(val: Any) -> TensorInfo | None:
-    if isinstance(val, torch.Tensor):
-        return TensorInfo(tuple(int(s) for s in val.shape), val.dtype)
-    return None
-
-
-def output_infos(node: fx.Node) -> tuple[TensorInfo, ...]:
-    val = node.meta.get("val")
-    flat, _ = torch.utils._pytree.tree_flatten(val)
-    return tuple(t for t in (tensor_info(v) for v in flat) if t is not None)
-
-
 def op_info(node: fx.Node) -> OpInfo:
     """The rule's view of a call_function node: tensors replaced by their shapes and dtypes."""
-    def conv(a: Any) -> Any:
-        if isinstance(a, fx.Node):
-            info = tensor_info(a.meta.get("val"))
-            assert info is not None, f"non-tensor node input {a.format_node()} to {node.format_node()}"
-            return info
-        return a
+    def val(a: fx.Node) -> Any:
+        v = a.meta.get("val")
+        assert isinstance(v, torch.Tensor), f"non-tensor input {a.format_node()} to {node.format_node()}"
+        return v
 
-    args = fx.node.map_aggregate(node.args, conv)
-    kwargs = fx.node.map_aggregate(node.kwargs, conv)
-    return OpInfo(node.target, tuple(args), dict(kwargs), output_infos(node), source_line(node))
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), val)
+    return make_op_info(node.target, args, kwargs, node.meta.get("val"), source_line(node))
 
 
 def source_line(node: fx.Node) -> str:
@@ -198,7 +187,9 @@ def from_exported(ep: ExportedProgram, *, training: bool, strip: str = "",
                                  "only with training=False (--inference)")
     sigs = node_signatures(gm.graph)
     digest = hashlib.sha256("\n".join(f"{k} {v}" for k, v in sigs.items()).encode()).hexdigest()
-    return TracedGraph(gm, placeholders, training, digest[:32], sigs, constants)
+    fqns = {p.name: p.fqn for p in placeholders if p.kind in ("param", "buffer")}
+    return TracedGraph(gm, placeholders, training, digest[:32], sigs, constants,
+                       find_layers(gm.graph, fqns, strip))
 
 
 def node_signatures(graph: fx.Graph) -> dict[str, str]:
@@ -221,12 +212,3 @@ def _target_name(node: fx.Node) -> str:
     if isinstance(t, str):
         return t
     return str(t) if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
-
-
-_LAYER = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
-
-
-def layer_of(path: str) -> tuple[str, int] | None:
-    """``model.layers.3.attn.q_proj`` -> ("model.layers", 3): the repeated-layer container."""
-    m = _LAYER.match(path)
-    return (m.group(1), int(m.group(2))) if m else None

@@ -13,8 +13,8 @@ Conventions the tracer and planner rely on:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field, fields
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -47,14 +47,18 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.zeros_(module.bias)
 
 
+def _require_batch(batch: int) -> None:
+    if batch < 1:
+        raise AutoshardError("batch is a positive int", got=f"batch={batch!r}",
+                             fix="pass batch >= 1")
+
+
 def _token_inputs(batch: int, seq: int | None, *, vocab: int, max_seq: int, model: str,
                   device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     if seq is None or seq < 1 or seq > max_seq:
         raise AutoshardError(f"{model} takes a sequence length in 1..{max_seq}",
                              got=f"seq={seq!r}", fix=f"pass seq <= {max_seq}")
-    if batch < 1:
-        raise AutoshardError("batch is a positive int", got=f"batch={batch!r}",
-                             fix="pass batch >= 1")
+    _require_batch(batch)
     input_ids = torch.randint(0, vocab, (batch, seq), device=device)
     labels = torch.randint(0, vocab, (batch, seq), device=device)
     return input_ids, labels
@@ -128,54 +132,103 @@ class MLP(nn.Module):
         if seq is not None:
             raise AutoshardError("an MLP takes inputs of shape (batch, width), no sequence",
                                  got=f"seq={seq}", fix="leave seq unset for MLP models")
-        if batch < 1:
-            raise AutoshardError("batch is a positive int", got=f"batch={batch!r}",
-                                 fix="pass batch >= 1")
+        _require_batch(batch)
         shape, dtype = (batch, self.config.width), self.config.dtype
         return (torch.randn(shape, device=device, dtype=dtype),
                 torch.randn(shape, device=device, dtype=dtype))
 
 
-# ------------------------------------------------------------------------------------------ GPT
+# --------------------------------------------------------------- shared by GPT, Llama and BERT
 
 
 @dataclass(frozen=True, slots=True)
-class GPTConfig:
+class _TransformerConfig:
+    """The leading fields every transformer config has; each family's config adds its own.
+
+    Every int field of a config is a count or a size and must be positive, and ``hidden`` must
+    split evenly into ``n_heads`` heads.
+    """
+
     n_layers: int
     hidden: int
     n_heads: int
-    vocab_size: int = 50257
-    context: int = 1024
-    ffn_mult: int = 4
-    bias: bool = True
-    layer_norm_eps: float = 1e-5
-    dtype: torch.dtype = torch.float32
+    # Keyword-only, so each family's own fields keep their positions after n_heads.
+    dtype: torch.dtype = field(default=torch.float32, kw_only=True)
 
     def __post_init__(self) -> None:
-        _require_positive("GPTConfig", n_layers=self.n_layers, hidden=self.hidden,
-                          n_heads=self.n_heads, vocab_size=self.vocab_size,
-                          context=self.context, ffn_mult=self.ffn_mult)
-        _require_divisible("GPTConfig", "hidden", "n_heads", self.hidden, self.n_heads)
+        name = type(self).__name__
+        # Annotations stay strings under `from __future__ import annotations`.
+        _require_positive(name, **{f.name: getattr(self, f.name) for f in fields(self)
+                                   if f.type == "int"})
+        _require_divisible(name, "hidden", "n_heads", self.hidden, self.n_heads)
 
 
-class _GPTAttention(nn.Module):
-    """Separate Q, K and V projections (the same function and parameter count as GPT-2's fused
+def _layer_norm(cfg: GPTConfig | BertConfig) -> nn.LayerNorm:
+    return nn.LayerNorm(cfg.hidden, eps=cfg.layer_norm_eps, bias=cfg.bias, dtype=cfg.dtype)
+
+
+class _SelfAttention(nn.Module):
+    """GPT's (causal) and BERT's (bidirectional) multi-head attention.
+
+    Separate Q, K and V projections (the same function and parameter count as GPT-2's fused
     ``c_attn``). A fused [Q|K|V] weight split column-parallel puts all of Q on the first ranks,
     so its ``split`` needs all-to-alls; Megatron avoids that by interleaving heads in the fused
     weight, a strided layout autoshard's placements do not express yet."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig | BertConfig, *, causal: bool) -> None:
         super().__init__()
-        self.n_heads = cfg.n_heads
+        self.n_heads, self.causal = cfg.n_heads, causal
         self.q_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias, dtype=cfg.dtype)
         self.k_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias, dtype=cfg.dtype)
         self.v_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias, dtype=cfg.dtype)
         self.out = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias, dtype=cfg.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = (_split_heads(p(x), self.n_heads) for p in (self.q_proj, self.k_proj, self.v_proj))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = (_split_heads(p(x), self.n_heads) for p in projections)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.out(_merge_heads(y))
+
+
+class _TokenLM(nn.Module):
+    """A language model on token ids: GPT, Llama and BERT.
+
+    ``tok_emb`` is each family's first module; a subclass registers the rest, then applies
+    ``_init_weights``, and computes ``_logits(input_ids)``. ``forward`` adds the loss, and
+    ``example_inputs`` draws random ids from the vocabulary, at most ``context`` of them a row.
+    """
+
+    family: ClassVar[str]  # the model's name in error messages
+
+    def __init__(self, cfg: GPTConfig | LlamaConfig | BertConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.hidden, dtype=cfg.dtype)
+
+    def _logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self._logits(input_ids)
+        return logits if labels is None else _lm_loss(logits, labels)
+
+    def example_inputs(self, batch: int, seq: int | None, *,
+                       device: torch.device | str = "meta") -> tuple[torch.Tensor, torch.Tensor]:
+        return _token_inputs(batch, seq, vocab=self.config.vocab_size, max_seq=self.config.context,
+                             model=self.family, device=device)
+
+
+# ------------------------------------------------------------------------------------------ GPT
+
+
+@dataclass(frozen=True, slots=True)
+class GPTConfig(_TransformerConfig):
+    vocab_size: int = 50257
+    context: int = 1024
+    ffn_mult: int = 4
+    bias: bool = True
+    layer_norm_eps: float = 1e-5
 
 
 class _GPTMLP(nn.Module):
@@ -193,9 +246,9 @@ class _GPTMLP(nn.Module):
 class _GPTBlock(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.hidden, eps=cfg.layer_norm_eps, bias=cfg.bias, dtype=cfg.dtype)
-        self.attn = _GPTAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.hidden, eps=cfg.layer_norm_eps, bias=cfg.bias, dtype=cfg.dtype)
+        self.ln1 = _layer_norm(cfg)
+        self.attn = _SelfAttention(cfg, causal=True)
+        self.ln2 = _layer_norm(cfg)
         self.mlp = _GPTMLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -203,58 +256,44 @@ class _GPTBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class GPT(nn.Module):
+class GPT(_TokenLM):
     """GPT-2 / GPT-3: learned positions, pre-LN blocks, LM head tied to the token embedding.
 
     The head is ``F.linear(h, tok_emb.weight)`` rather than a second module sharing the weight,
     so the tied weight has exactly one name (``tok_emb.weight``) in the traced graph.
     """
 
+    family = "GPT"
+
     def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.hidden, dtype=cfg.dtype)
+        super().__init__(cfg)
         self.pos_emb = nn.Embedding(cfg.context, cfg.hidden, dtype=cfg.dtype)
         self.layers = nn.ModuleList(_GPTBlock(cfg) for _ in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.hidden, eps=cfg.layer_norm_eps, bias=cfg.bias, dtype=cfg.dtype)
+        self.ln_f = _layer_norm(cfg)
         self.apply(_init_weights)
 
-    def forward(self, input_ids: torch.Tensor,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+    def _logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self.tok_emb(input_ids) + self.pos_emb(pos)
         for layer in self.layers:
             x = layer(x)
-        logits = F.linear(self.ln_f(x), self.tok_emb.weight)
-        return logits if labels is None else _lm_loss(logits, labels)
-
-    def example_inputs(self, batch: int, seq: int | None, *,
-                       device: torch.device | str = "meta") -> tuple[torch.Tensor, torch.Tensor]:
-        return _token_inputs(batch, seq, vocab=self.config.vocab_size, max_seq=self.config.context,
-                             model="GPT", device=device)
+        return F.linear(self.ln_f(x), self.tok_emb.weight)
 
 
 # ---------------------------------------------------------------------------------------- Llama
 
 
 @dataclass(frozen=True, slots=True)
-class LlamaConfig:
-    n_layers: int
-    hidden: int
-    n_heads: int
+class LlamaConfig(_TransformerConfig):
     n_kv_heads: int
     ffn: int
     vocab_size: int = 32000
     context: int = 4096
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
-    dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
-        _require_positive("LlamaConfig", n_layers=self.n_layers, hidden=self.hidden,
-                          n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, ffn=self.ffn,
-                          vocab_size=self.vocab_size, context=self.context)
-        _require_divisible("LlamaConfig", "hidden", "n_heads", self.hidden, self.n_heads)
+        _TransformerConfig.__post_init__(self)  # zero-argument super() fails in slots classes
         _require_divisible("LlamaConfig", "n_heads", "n_kv_heads", self.n_heads, self.n_kv_heads)
         _require_divisible("LlamaConfig", "head_dim", "2", self.hidden // self.n_heads, 2)
 
@@ -347,20 +386,19 @@ class _LlamaBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class Llama(nn.Module):
+class Llama(_TokenLM):
     """Llama 2 / 3: RMSNorm, rotary positions, grouped-query attention, SwiGLU, untied head."""
 
+    family = "Llama"
+
     def __init__(self, cfg: LlamaConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.hidden, dtype=cfg.dtype)
+        super().__init__(cfg)
         self.layers = nn.ModuleList(_LlamaBlock(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False, dtype=cfg.dtype)
         self.apply(_init_weights)
 
-    def forward(self, input_ids: torch.Tensor,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+    def _logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         x = self.tok_emb(input_ids)
         # The tables follow the activations' dtype, so a model cast with .to() stays consistent.
@@ -368,65 +406,33 @@ class Llama(nn.Module):
                                  theta=cfg.rope_theta, dtype=x.dtype, device=input_ids.device)
         for layer in self.layers:
             x = layer(x, cos, sin)
-        logits = self.lm_head(self.norm(x))
-        return logits if labels is None else _lm_loss(logits, labels)
-
-    def example_inputs(self, batch: int, seq: int | None, *,
-                       device: torch.device | str = "meta") -> tuple[torch.Tensor, torch.Tensor]:
-        return _token_inputs(batch, seq, vocab=self.config.vocab_size, max_seq=self.config.context,
-                             model="Llama", device=device)
+        return self.lm_head(self.norm(x))
 
 
 # ----------------------------------------------------------------------------------------- BERT
 
 
 @dataclass(frozen=True, slots=True)
-class BertConfig:
-    n_layers: int
-    hidden: int
-    n_heads: int
+class BertConfig(_TransformerConfig):
+    """BERT's defaults are the published BERT-base/large ones (Devlin et al. 2018): a 30,522-token
+    WordPiece vocabulary, 512 positions, two segment types, layer-norm epsilon 1e-12."""
+
     ffn: int
     vocab_size: int = 30522
     context: int = 512
     type_vocab_size: int = 2
     bias: bool = True
     layer_norm_eps: float = 1e-12
-    dtype: torch.dtype = torch.float32
-
-    def __post_init__(self) -> None:
-        _require_positive("BertConfig", n_layers=self.n_layers, hidden=self.hidden,
-                          n_heads=self.n_heads, ffn=self.ffn, vocab_size=self.vocab_size,
-                          context=self.context, type_vocab_size=self.type_vocab_size)
-        _require_divisible("BertConfig", "hidden", "n_heads", self.hidden, self.n_heads)
-
-
-def _bert_ln(cfg: BertConfig) -> nn.LayerNorm:
-    return nn.LayerNorm(cfg.hidden, eps=cfg.layer_norm_eps, bias=cfg.bias, dtype=cfg.dtype)
-
-
-class _BertAttention(nn.Module):
-    def __init__(self, cfg: BertConfig) -> None:
-        super().__init__()
-        self.n_heads = cfg.n_heads
-        self.q_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias, dtype=cfg.dtype)
-        self.k_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias, dtype=cfg.dtype)
-        self.v_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias, dtype=cfg.dtype)
-        self.out = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias, dtype=cfg.dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        q, k, v = (_split_heads(p(x), self.n_heads) for p in projections)
-        return self.out(_merge_heads(F.scaled_dot_product_attention(q, k, v)))
 
 
 class _BertBlock(nn.Module):
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
-        self.attn = _BertAttention(cfg)
-        self.ln1 = _bert_ln(cfg)
+        self.attn = _SelfAttention(cfg, causal=False)
+        self.ln1 = _layer_norm(cfg)
         self.fc1 = nn.Linear(cfg.hidden, cfg.ffn, bias=cfg.bias, dtype=cfg.dtype)
         self.fc2 = nn.Linear(cfg.ffn, cfg.hidden, bias=cfg.bias, dtype=cfg.dtype)
-        self.ln2 = _bert_ln(cfg)
+        self.ln2 = _layer_norm(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Post-LN, as in the original BERT: normalise after each residual add.
@@ -438,42 +444,35 @@ class _BertMLMHead(nn.Module):
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
         self.dense = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias, dtype=cfg.dtype)
-        self.ln = _bert_ln(cfg)
+        self.ln = _layer_norm(cfg)
         self.bias = nn.Parameter(torch.zeros(cfg.vocab_size, dtype=cfg.dtype))
 
     def forward(self, x: torch.Tensor, decoder_weight: torch.Tensor) -> torch.Tensor:
         return F.linear(self.ln(F.gelu(self.dense(x))), decoder_weight, self.bias)
 
 
-class Bert(nn.Module):
+class Bert(_TokenLM):
     """BERT encoder with the masked-LM head; the decoder weight is the word embedding (tied)."""
 
+    family = "BERT"
+
     def __init__(self, cfg: BertConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.hidden, dtype=cfg.dtype)
+        super().__init__(cfg)
         self.pos_emb = nn.Embedding(cfg.context, cfg.hidden, dtype=cfg.dtype)
         self.type_emb = nn.Embedding(cfg.type_vocab_size, cfg.hidden, dtype=cfg.dtype)
-        self.emb_ln = _bert_ln(cfg)
+        self.emb_ln = _layer_norm(cfg)
         self.layers = nn.ModuleList(_BertBlock(cfg) for _ in range(cfg.n_layers))
         self.head = _BertMLMHead(cfg)
         self.apply(_init_weights)
 
-    def forward(self, input_ids: torch.Tensor,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+    def _logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)
         # Single-segment input: every token has type 0, as HF does when token_type_ids is None.
         types = torch.zeros_like(input_ids)
         x = self.emb_ln(self.tok_emb(input_ids) + self.pos_emb(pos) + self.type_emb(types))
         for layer in self.layers:
             x = layer(x)
-        logits = self.head(x, self.tok_emb.weight)
-        return logits if labels is None else _lm_loss(logits, labels)
-
-    def example_inputs(self, batch: int, seq: int | None, *,
-                       device: torch.device | str = "meta") -> tuple[torch.Tensor, torch.Tensor]:
-        return _token_inputs(batch, seq, vocab=self.config.vocab_size, max_seq=self.config.context,
-                             model="BERT", device=device)
+        return self.head(x, self.tok_emb.weight)
 
 
 def count_parameters(model: nn.Module) -> int:

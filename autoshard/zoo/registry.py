@@ -62,22 +62,53 @@ def _entry(description: str, cfg: ModelConfig, *, batch: int = 8,
     return ZooEntry(description, partial(_from_config, cls[type(cfg)], cfg), batch, seq, cfg)
 
 
-def _gpt3(n_layers: int, hidden: int, n_heads: int) -> GPTConfig:
-    return GPTConfig(n_layers, hidden, n_heads, vocab_size=50257, context=2048, dtype=BF16)
+def _presets(family: Callable[..., ModelConfig],
+             rows: list[tuple[Any, ...]]) -> dict[str, ZooEntry]:
+    """A zoo entry per ``(name, description, *dims)`` row with config ``family(*dims)``.
+
+    ``dims`` are the config's leading positional fields; ``family`` fixes the rest.
+    """
+    return {name: _entry(description, family(*dims)) for name, description, *dims in rows}
 
 
-def _gpt2(n_layers: int, hidden: int, n_heads: int) -> GPTConfig:
-    return GPTConfig(n_layers, hidden, n_heads, vocab_size=50257, context=1024, dtype=BF16)
+# The settings a family's sizes share: tokenizer, training context, rotary base, dtype.
+_GPT2 = partial(GPTConfig, vocab_size=50257, context=1024, dtype=BF16)
+_GPT3 = partial(GPTConfig, vocab_size=50257, context=2048, dtype=BF16)
+_LLAMA2 = partial(LlamaConfig, vocab_size=32000, context=4096, rope_theta=10000.0, dtype=BF16)
+_LLAMA3 = partial(LlamaConfig, vocab_size=128256, context=8192, rope_theta=500000.0, dtype=BF16)
 
-
-def _llama(n_layers: int, hidden: int, n_heads: int, n_kv: int, ffn: int, *,
-           llama3: bool) -> LlamaConfig:
-    if llama3:
-        return LlamaConfig(n_layers, hidden, n_heads, n_kv, ffn, vocab_size=128256, context=8192,
-                           rope_theta=500000.0, dtype=BF16)
-    return LlamaConfig(n_layers, hidden, n_heads, n_kv, ffn, vocab_size=32000, context=4096,
-                       rope_theta=10000.0, dtype=BF16)
-
+# GPT dims: n_layers, hidden, n_heads.
+_GPT2_PRESETS = _presets(_GPT2, [
+    ("gpt2", "GPT-2 small 124M (12 layers, 768, 12 heads)", 12, 768, 12),
+    ("gpt2-medium", "GPT-2 medium 355M (24, 1024, 16)", 24, 1024, 16),
+    ("gpt2-large", "GPT-2 large 774M (36, 1280, 20)", 36, 1280, 20),
+    ("gpt2-xl", "GPT-2 XL 1.5B (48, 1600, 25)", 48, 1600, 25),
+])
+_GPT3_PRESETS = _presets(_GPT3, [
+    ("gpt3-125m", "GPT-3 125M (12, 768, 12)", 12, 768, 12),
+    ("gpt3-350m", "GPT-3 350M (24, 1024, 16)", 24, 1024, 16),
+    ("gpt3-760m", "GPT-3 760M (24, 1536, 16)", 24, 1536, 16),
+    # The paper prints 24 heads of 128, which does not divide 2048; 32 heads as Alpa does.
+    ("gpt3-1.3b", "GPT-3 1.3B (24, 2048, 32)", 24, 2048, 32),
+    ("gpt3-2.7b", "GPT-3 2.7B (32, 2560, 32)", 32, 2560, 32),
+    ("gpt3-6.7b", "GPT-3 6.7B (32, 4096, 32)", 32, 4096, 32),
+    # The paper prints d_model 5140, which 40 heads do not divide; 5120 (head dim 128) is the
+    # value every reimplementation trains with.
+    ("gpt3-13b", "GPT-3 13B (40, 5120, 40)", 40, 5120, 40),
+    ("gpt3-175b", "GPT-3 175B (96, 12288, 96)", 96, 12288, 96),
+])
+# Llama dims: n_layers, hidden, n_heads, n_kv_heads, ffn.
+_LLAMA2_PRESETS = _presets(_LLAMA2, [
+    ("llama2-7b", "Llama-2 7B (32, 4096, 32 heads, MHA)", 32, 4096, 32, 32, 11008),
+    ("llama2-13b", "Llama-2 13B (40, 5120, 40 heads, MHA)", 40, 5120, 40, 40, 13824),
+    ("llama2-70b", "Llama-2 70B (80, 8192, 64 heads, 8 kv heads)", 80, 8192, 64, 8, 28672),
+])
+_LLAMA3_PRESETS = _presets(_LLAMA3, [
+    ("llama3-8b", "Llama-3 8B (32, 4096, 32 heads, 8 kv heads, vocab 128256)",
+     32, 4096, 32, 8, 14336),
+    ("llama3-70b", "Llama-3 70B (80, 8192, 64 heads, 8 kv heads, vocab 128256)",
+     80, 8192, 64, 8, 28672),
+])
 
 _TINY_GPT = GPTConfig(2, 32, 4, vocab_size=64, context=16)
 _TINY_LLAMA = LlamaConfig(2, 32, 4, 2, 64, vocab_size=64, context=16)
@@ -87,31 +118,10 @@ ZOO: dict[str, ZooEntry] = {
     "mlp": _entry("MLP, 8 Linear+ReLU layers of width 4096 (134M params), MSE loss",
                   MLPConfig(8, 4096, dtype=BF16), batch=1024),
     "mlp-tiny": _entry("MLP, 3 layers of width 16, fp32", MLPConfig(3, 16), batch=8),
-    "gpt2": _entry("GPT-2 small 124M (12 layers, 768, 12 heads)", _gpt2(12, 768, 12)),
-    "gpt2-medium": _entry("GPT-2 medium 355M (24, 1024, 16)", _gpt2(24, 1024, 16)),
-    "gpt2-large": _entry("GPT-2 large 774M (36, 1280, 20)", _gpt2(36, 1280, 20)),
-    "gpt2-xl": _entry("GPT-2 XL 1.5B (48, 1600, 25)", _gpt2(48, 1600, 25)),
-    "gpt3-125m": _entry("GPT-3 125M (12, 768, 12)", _gpt3(12, 768, 12)),
-    "gpt3-350m": _entry("GPT-3 350M (24, 1024, 16)", _gpt3(24, 1024, 16)),
-    "gpt3-760m": _entry("GPT-3 760M (24, 1536, 16)", _gpt3(24, 1536, 16)),
-    # The paper prints 24 heads of 128, which does not divide 2048; 32 heads as Alpa does.
-    "gpt3-1.3b": _entry("GPT-3 1.3B (24, 2048, 32)", _gpt3(24, 2048, 32)),
-    "gpt3-2.7b": _entry("GPT-3 2.7B (32, 2560, 32)", _gpt3(32, 2560, 32)),
-    "gpt3-6.7b": _entry("GPT-3 6.7B (32, 4096, 32)", _gpt3(32, 4096, 32)),
-    # The paper prints d_model 5140, which 40 heads do not divide; 5120 (head dim 128) is the
-    # value every reimplementation trains with.
-    "gpt3-13b": _entry("GPT-3 13B (40, 5120, 40)", _gpt3(40, 5120, 40)),
-    "gpt3-175b": _entry("GPT-3 175B (96, 12288, 96)", _gpt3(96, 12288, 96)),
-    "llama2-7b": _entry("Llama-2 7B (32, 4096, 32 heads, MHA)",
-                        _llama(32, 4096, 32, 32, 11008, llama3=False)),
-    "llama2-13b": _entry("Llama-2 13B (40, 5120, 40 heads, MHA)",
-                         _llama(40, 5120, 40, 40, 13824, llama3=False)),
-    "llama2-70b": _entry("Llama-2 70B (80, 8192, 64 heads, 8 kv heads)",
-                         _llama(80, 8192, 64, 8, 28672, llama3=False)),
-    "llama3-8b": _entry("Llama-3 8B (32, 4096, 32 heads, 8 kv heads, vocab 128256)",
-                        _llama(32, 4096, 32, 8, 14336, llama3=True)),
-    "llama3-70b": _entry("Llama-3 70B (80, 8192, 64 heads, 8 kv heads, vocab 128256)",
-                         _llama(80, 8192, 64, 8, 28672, llama3=True)),
+    **_GPT2_PRESETS,
+    **_GPT3_PRESETS,
+    **_LLAMA2_PRESETS,
+    **_LLAMA3_PRESETS,
     "bert-large": _entry("BERT-large 335M MLM (24, 1024, 16 heads)",
                          BertConfig(24, 1024, 16, 4096, vocab_size=30522, context=512, dtype=BF16)),
     "gpt2-tiny": _entry("GPT-2 style, 2 layers, hidden 32, fp32", _TINY_GPT, batch=4),
@@ -222,4 +232,11 @@ def load_factory(spec: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return _check_factory_result(spec, factory())
 
 
-__all__ = ["ZOO", "ZooEntry", "get_model", "load_factory"]
+__all__ = ["ZOO", "ZooEntry", "get_model", "load_factory", "load_model"]
+
+
+def load_model(name: str, *, batch: int | None, seq: int | None, device: str):
+    """A zoo model by name, or ``path/to/file.py:factory`` returning (model, example_inputs)."""
+    if ":" in name and name.split(":", 1)[0].endswith(".py"):
+        return load_factory(name)
+    return get_model(name, batch=batch, seq=seq, device=device)

@@ -1,4 +1,5 @@
-"""Hardware figures per device and per link, with presets from REFERENCE.md §2.
+"""Hardware figures per device and per link, with presets and their sources in
+docs/cost-model.md §2.
 
 Every figure can be overridden from a JSON profile: ``Cluster.load("my_cluster.json")`` takes any
 subset of the fields below on top of a ``"base"`` preset.
@@ -26,8 +27,8 @@ class Cluster:
     intra_bandwidth: float       # bytes/s, bus bandwidth inside a node (NCCL busbw)
     inter_alpha: float           # s, latency of one step across nodes
     inter_bandwidth: float       # bytes/s per device across nodes
-    matmul_efficiency: float = 0.75   # achievable / peak on large matmuls (REFERENCE.md §2)
-    kernel_floor_s: float = 4e-6      # launch-bound floor per op (REFERENCE.md §2: "a few µs")
+    matmul_efficiency: float = 0.75   # achievable / peak on large matmuls (docs/cost-model.md §2.6)
+    kernel_floor_s: float = 4e-6      # launch-bound floor per op (docs/cost-model.md §2.6)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -46,7 +47,7 @@ class Cluster:
         if self.matmul_efficiency > 1:
             raise AutoshardError("Cluster field 'matmul_efficiency' is a fraction of peak, (0, 1]",
                                  got=repr(self.matmul_efficiency),
-                                 fix="e.g. 0.75 (REFERENCE.md §2: ~70-80% on large matmuls)")
+                                 fix="e.g. 0.75 (docs/cost-model.md §2.6: ~70-80% on large matmuls)")
 
     @classmethod
     def preset(cls, name: str) -> "Cluster":

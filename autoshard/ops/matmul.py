@@ -1,4 +1,4 @@
-"""Matmul-like ops, every rule generated from an einsum equation (DESIGN.md example 4).
+"""Matmul-like ops, every rule generated from an einsum equation (as DTensor's einsum strategies are).
 
 One 1-D option per index letter: a letter kept in the output shards every operand holding it and
 the output; a contracted letter shards its operands and makes the output Partial (each rank holds
@@ -17,9 +17,10 @@ from typing import Sequence
 
 import torch
 
-from autoshard.ir import Shard
-from autoshard.solver.rules._common import P, R, Option, arg
-from autoshard.solver.rules.registry import OpInfo, TensorInfo, expand, register_flops, register_strategy
+from autoshard.ir import Shard, TensorInfo
+from autoshard.ops._common import P, R, Option, arg
+from autoshard.ops.registry import (ELEMENTWISE, MATMUL, NO, OpInfo, Saves, all_inputs,
+                                    expand, register_op)
 
 aten = torch.ops.aten
 
@@ -136,14 +137,28 @@ MATMUL_OPS = (aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbm
               aten.dot.default, aten.outer.default)
 
 
-@register_strategy(*MATMUL_OPS)
 def matmul_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     subs, out, addends = _subs(op)
     opts = einsum_options(op, subs, out, addends=addends)
     return expand(op, mesh_shape, opts)
 
 
-@register_flops(*MATMUL_OPS)
 def matmul_flops(op: OpInfo) -> float:
     subs, out, addends = _subs(op)
     return einsum_flops(op, [s for i, s in enumerate(subs) if i not in addends], out)
+
+
+def matmul_saves(op: OpInfo) -> Saves:
+    """Both operands (each gradient needs the other), never the bias of addmm/baddbmm."""
+    if op.target in (aten.addmm.default, aten.baddbmm.default):
+        return Saves(inputs=(1, 2))
+    if op.target == aten.einsum.default:
+        return all_inputs(op)
+    return Saves(inputs=(0, 1))
+
+
+register_op(*(t for t in MATMUL_OPS if t != aten.outer.default), strategies=matmul_strategy,
+            family=MATMUL, saves=matmul_saves, follows=NO, flops=matmul_flops)
+# An outer product contracts nothing: it is bound by the bytes it writes, like an elementwise op.
+register_op(aten.outer.default, strategies=matmul_strategy, family=ELEMENTWISE, saves=all_inputs,
+            follows=NO, flops=matmul_flops)

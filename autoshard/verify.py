@@ -13,7 +13,15 @@ from typing import Any
 
 import torch
 
-
+from autoshard.codegen.runtime import parallelize
+from autoshard.codegen.world import World
+from autoshard.loss import as_loss_module
+from autoshard.mesh import Mesh
+from autoshard.plans import Plan
+from autoshard.solver.baselines import baseline_plan
+from autoshard.solver.planner import plan_traced
+from autoshard.trace.export import trace
+from autoshard.zoo.registry import load_model
 
 @dataclass(frozen=True)
 class VerifySpec:
@@ -27,7 +35,6 @@ class VerifySpec:
 
 
 def build(spec_model: str, batch: int | None, seq: int | None, seed: int):
-    from autoshard.cli import load_model
     torch.manual_seed(seed)
     model, inputs = load_model(spec_model, batch=batch, seq=seq, device="cpu")
     model = model.float().train()
@@ -37,7 +44,7 @@ def build(spec_model: str, batch: int | None, seq: int | None, seed: int):
 
 # Errors are relative to the tensor's largest magnitude, floored at 1e-3: some exact gradients
 # are zero up to rounding (an attention key bias cancels in softmax), and relative noise on
-# a zero is no error. With fp32 on gloo, 1e-5 of that is the tolerance (DESIGN.md).
+# a zero is no error. With fp32 on gloo, 1e-5 of that is the tolerance.
 ERR_FLOOR = 1e-3
 
 
@@ -57,11 +64,6 @@ def ledger_diff(plan_records: list[tuple], run_records: list[tuple]) -> list[str
 
 def verify_rank(spec: VerifySpec) -> dict[str, Any]:
     """Runs on every rank of an initialised gloo world."""
-    from autoshard.codegen.runtime import parallelize
-    from autoshard.loss import as_loss_module
-    from autoshard.mesh import Mesh
-    from autoshard.plans import Plan
-
     model, inputs = build(spec.model, spec.batch, spec.seq, spec.seed)
     ref = as_loss_module(copy.deepcopy(model))
     ref_loss = ref(*inputs)
@@ -89,9 +91,6 @@ def verify_rank(spec: VerifySpec) -> dict[str, Any]:
 
 def plan_for(model_name: str, mesh, *, batch: int | None = None, seq: int | None = None,
              baseline: str | None = None, seed: int = 0, **plan_kwargs: Any):
-    from autoshard.solver.baselines import baseline_plan
-    from autoshard.solver.planner import plan_traced
-    from autoshard.trace.export import trace
     model, inputs = build(model_name, batch, seq, seed)
     traced = trace(model, inputs)
     if baseline:
@@ -123,21 +122,16 @@ def summarize(reports: list[dict[str, Any]], tolerance: float) -> tuple[bool, st
     return ok, "\n".join(lines)
 
 
-def verify_main(args) -> int:
-    from autoshard.cli import make_mesh
-    from autoshard.codegen.world import World
-    from autoshard.plans import Plan
-    mesh = make_mesh(args)
-    if args.plan:
-        plan = Plan.load(args.plan)
+def verify(model_name: str, mesh: Mesh, *, plan: Plan | None = None, batch: int | None = None,
+           seq: int | None = None, baseline: str | None = None,
+           tolerance: float = 1e-5) -> tuple[bool, str]:
+    """Run ``plan`` (or a fresh plan, or a hand-written ``baseline``) on ``mesh.size`` gloo ranks
+    here; (passed, report)."""
+    if plan is not None:
         plan.check_mesh(mesh.shape, mesh.axes)
     else:
-        plan = plan_for(args.model, mesh, batch=args.batch, seq=args.seq, baseline=args.baseline)
-    spec = VerifySpec(args.model, mesh.shape, mesh.axes, plan.dumps(), args.batch, args.seq)
-    print(f"verifying {args.model} on {mesh} with {mesh.size} gloo ranks "
-          f"({'plan file ' + args.plan if args.plan else args.baseline or 'autoshard plan'})")
+        plan = plan_for(model_name, mesh, batch=batch, seq=seq, baseline=baseline)
+    spec = VerifySpec(model_name, mesh.shape, mesh.axes, plan.dumps(), batch, seq)
     with World(mesh.size, timeout_s=600) as world:
         reports = world.run(verify_rank, spec)
-    ok, text = summarize(reports, args.tolerance)
-    print(text)
-    return 0 if ok else 1
+    return summarize(reports, tolerance)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterable, Sequence
 
-from autoshard.ir import Partial, Replicate, Shard, Spec, Strategy
-from autoshard.solver.rules.registry import OpInfo, TensorInfo, expand
+from autoshard.ir import OpInfo, Partial, Replicate, Shard, Spec, Strategy, TensorInfo
+from autoshard.ops.registry import expand
 
 R, P = Replicate(), Partial()
 Option = tuple  # (input placements, output placements): one 1-D option for expand()

@@ -15,8 +15,9 @@ import math
 import torch
 
 from autoshard.ir import Shard, Strategy
-from autoshard.solver.rules._common import P, Option, arg, is_float, norm_dim, norm_dims, with_kernel
-from autoshard.solver.rules.registry import OpInfo, expand, register_localize, register_strategy
+from autoshard.ops._common import P, Option, arg, is_float, norm_dim, norm_dims, with_kernel
+from autoshard.ops.registry import (ELEMENTWISE, NO, NOTHING, OpInfo, Saves, all_inputs, expand,
+                                    per_output_element, register_op)
 
 aten = torch.ops.aten
 
@@ -60,7 +61,6 @@ def _reduction_options(op: OpInfo, *, linear: bool) -> list[Option]:
     return opts
 
 
-@register_strategy(*SUMS, *MEANS)
 def sum_mean_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     strategies = expand(op, mesh_shape, _reduction_options(op, linear=True))
     if op.target in MEANS:
@@ -69,7 +69,6 @@ def sum_mean_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     return strategies
 
 
-@register_strategy(*EXTREMA)
 def extrema_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     return expand(op, mesh_shape, _reduction_options(op, linear=False))
 
@@ -80,13 +79,11 @@ def _mean_factor(op: OpInfo, in_spec: tuple, mesh_shape: tuple) -> int:
                      if isinstance(p, Shard) and p.dim in reduced)
 
 
-@register_localize(*SUMS, *EXTREMA)
 def reduction_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
                        args: tuple, kwargs: dict) -> tuple:
     return op.target, args, kwargs  # dim lists are dims, never sizes
 
 
-@register_localize(*MEANS)
 def mean_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
                   args: tuple, kwargs: dict) -> tuple:
     f = _mean_factor(op, strategy.inputs[0], mesh_shape)
@@ -108,13 +105,23 @@ def _along_dim_options(op: OpInfo, dim: int, *, linear: bool) -> list[Option]:
     return opts
 
 
-@register_strategy(*SOFTMAX)
 def softmax_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     dim = norm_dim(arg(op, 1, "dim"), op.inputs[0].ndim)
     return expand(op, mesh_shape, _along_dim_options(op, dim, linear=False))
 
 
-@register_strategy(aten.cumsum.default)
 def cumsum_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     dim = norm_dim(arg(op, 1, "dim"), op.inputs[0].ndim)
     return expand(op, mesh_shape, _along_dim_options(op, dim, linear=True))
+
+
+_REDUCTION = dict(family=ELEMENTWISE, follows=NO, flops=per_output_element)
+register_op(*SUMS, strategies=sum_mean_strategy, saves=NOTHING, localize=reduction_localize,
+            **_REDUCTION)
+register_op(*MEANS, strategies=sum_mean_strategy, saves=NOTHING, localize=mean_localize,
+            **_REDUCTION)
+register_op(*EXTREMA, strategies=extrema_strategy, saves=all_inputs, localize=reduction_localize,
+            **_REDUCTION)
+# Softmax's backward needs only its output.
+register_op(*SOFTMAX, strategies=softmax_strategy, saves=Saves(outputs=(0,)), **_REDUCTION)
+register_op(aten.cumsum.default, strategies=cumsum_strategy, saves=NOTHING, **_REDUCTION)

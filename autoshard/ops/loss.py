@@ -23,8 +23,9 @@ import math
 import torch
 
 from autoshard.ir import Shard, Strategy
-from autoshard.solver.rules._common import P, R, Option, arg, shard_index, with_kernel
-from autoshard.solver.rules.registry import OpInfo, expand, register_localize, register_strategy
+from autoshard.ops._common import P, R, Option, arg, shard_index, with_kernel
+from autoshard.ops.registry import (ELEMENTWISE, NO, OpInfo, Saves, all_inputs, expand,
+                                    per_output_element, register_op)
 
 aten = torch.ops.aten
 
@@ -40,7 +41,6 @@ def _dim_pairs(op: OpInfo) -> list[tuple[int, int]]:
     return [(0, 0)] + [(d, d - 1) for d in range(2, x.ndim)]
 
 
-@register_strategy(*CLASS_LOSSES)
 def class_loss_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     reduction = arg(op, 3, "reduction", MEAN)
     n_extra = len(op.inputs) - 2  # class weight, replicated
@@ -61,7 +61,6 @@ def class_loss_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     return strategies
 
 
-@register_localize(*CLASS_LOSSES)
 def class_loss_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
                         args: tuple, kwargs: dict) -> tuple:
     if strategy.kernel != "loss_rows":
@@ -89,7 +88,6 @@ def class_loss_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coord
     return loss_rows, (args[0], args[1], w_local), {}
 
 
-@register_strategy(aten.mse_loss.default)
 def mse_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     x, t = op.inputs
     reduction = arg(op, 2, "reduction", MEAN)
@@ -108,7 +106,6 @@ def _factor(spec: tuple, mesh_shape: tuple) -> int:
     return math.prod(n for p, n in zip(spec, mesh_shape) if isinstance(p, Shard))
 
 
-@register_localize(aten.mse_loss.default)
 def mse_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
                  args: tuple, kwargs: dict) -> tuple:
     f = _factor(strategy.inputs[0], mesh_shape)
@@ -119,3 +116,18 @@ def mse_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tupl
         return aten.mse_loss.default(*a, **k) / f
 
     return mse_mean_partial, args, kwargs
+
+
+def cross_entropy_saves(op: OpInfo) -> Saves:
+    """The composite keeps the target and a logits-sized log-softmax."""
+    return Saves(inputs=tuple(range(1, len(op.inputs))), extra=(("in", 0, "elem", 0),))
+
+
+register_op(aten.cross_entropy_loss.default, strategies=class_loss_strategy, family=ELEMENTWISE,
+            saves=cross_entropy_saves, follows=NO, flops=per_output_element,
+            localize=class_loss_localize)
+register_op(aten.nll_loss_nd.default, aten.nll_loss.default, strategies=class_loss_strategy,
+            family=ELEMENTWISE, saves=all_inputs, follows=NO, flops=per_output_element,
+            localize=class_loss_localize)
+register_op(aten.mse_loss.default, strategies=mse_strategy, family=ELEMENTWISE, saves=all_inputs,
+            follows=NO, flops=per_output_element, localize=mse_localize)

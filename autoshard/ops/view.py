@@ -17,9 +17,10 @@ import bisect
 import torch
 
 from autoshard.ir import Shard, Strategy, local_shape
-from autoshard.solver.rules._common import (P, Option, arg, is_float, mapped_options, norm_dim,
+from autoshard.ops._common import (P, Option, arg, is_float, mapped_options, norm_dim,
                                             plain_localize)
-from autoshard.solver.rules.registry import OpInfo, expand, register_localize, register_strategy
+from autoshard.ops.registry import (ELEMENTWISE, INPUT, LARGEST, NO, NOTHING, VIEW, OpInfo,
+                                    all_inputs, expand, per_output_element, register_op)
 
 aten = torch.ops.aten
 
@@ -54,7 +55,6 @@ def _linear(op: OpInfo) -> list[Option]:
     return [(tuple(P for _ in op.inputs), tuple(P for _ in op.outputs))]
 
 
-@register_strategy(*RESHAPES, aten.flatten.using_ints, aten.unflatten.int)
 def reshape_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     x, out = op.inputs[0], op.outputs[0]
     opts: list[Option] = [((Shard(min(i)),), (Shard(min(o)),))
@@ -62,7 +62,6 @@ def reshape_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     return expand(op, mesh_shape, opts + _linear(op))
 
 
-@register_localize(*RESHAPES)
 def reshape_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
                      args: tuple, kwargs: dict) -> tuple:
     size = list(local_shape(op.outputs[0].shape, strategy.outputs[0], mesh_shape))
@@ -71,7 +70,6 @@ def reshape_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: 
     return aten.reshape.default, (args[0], size), {}
 
 
-@register_localize(aten.unflatten.int)
 def unflatten_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
                        args: tuple, kwargs: dict) -> tuple:
     x = op.inputs[0]
@@ -81,7 +79,6 @@ def unflatten_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords
     return op.target, (args[0], dim, list(loc[dim:dim + n])), {}
 
 
-@register_strategy(aten.expand.default)
 def expand_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     # A broadcast (size-1 or new) dim may be sharded in the output while the input stays
     # replicated: every rank expands the same data to its local size.
@@ -91,7 +88,6 @@ def expand_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     return expand(op, mesh_shape, opts + _linear(op))
 
 
-@register_localize(aten.expand.default)
 def expand_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
                     args: tuple, kwargs: dict) -> tuple:
     size = list(local_shape(op.outputs[0].shape, strategy.outputs[0], mesh_shape))
@@ -152,12 +148,10 @@ DIM_MAPPED = (aten.permute.default, aten.transpose.int, aten.t.default, aten.uns
               aten.split_with_sizes.default, aten.chunk.default)
 
 
-@register_strategy(*DIM_MAPPED)
 def dim_map_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     return expand(op, mesh_shape, mapped_options(op, [_dim_map(op)]) + _linear(op))
 
 
-@register_strategy(aten.cat.default, aten.stack.default)
 def cat_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     ins = op.inputs
     ndim = max(t.ndim for t in ins)
@@ -174,7 +168,6 @@ def cat_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     return expand(op, mesh_shape, opts)
 
 
-@register_strategy(aten.broadcast_tensors.default)
 def broadcast_tensors_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     out_nd = op.outputs[0].ndim
     maps = [{d: d + out_nd - t.ndim for d in range(t.ndim)} for t in op.inputs]
@@ -184,7 +177,27 @@ def broadcast_tensors_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     return expand(op, mesh_shape, opts)
 
 
-register_localize(*SQUEEZES)(squeeze_localize)
-register_localize(*(t for t in DIM_MAPPED if t not in SQUEEZES), aten.cat.default, aten.stack.default,
-                  aten.broadcast_tensors.default, aten.flatten.using_ints)(
-    plain_localize)
+_VIEW = dict(family=VIEW, saves=NOTHING, flops=per_output_element)
+register_op(*RESHAPES, strategies=reshape_strategy, follows=INPUT, localize=reshape_localize, **_VIEW)
+register_op(aten.flatten.using_ints, strategies=reshape_strategy, follows=NO,
+            localize=plain_localize, **_VIEW)
+register_op(aten.unflatten.int, strategies=reshape_strategy, follows=NO,
+            localize=unflatten_localize, **_VIEW)
+register_op(aten.expand.default, strategies=expand_strategy, follows=INPUT,
+            localize=expand_localize, **_VIEW)
+register_op(aten.squeeze.dim, aten.squeeze.default, strategies=dim_map_strategy, follows=INPUT,
+            localize=squeeze_localize, **_VIEW)
+register_op(aten.squeeze.dims, strategies=dim_map_strategy, follows=NO,
+            localize=squeeze_localize, **_VIEW)
+register_op(aten.permute.default, aten.transpose.int, aten.t.default, aten.unsqueeze.default,
+            aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+            strategies=dim_map_strategy, follows=INPUT, localize=plain_localize, **_VIEW)
+register_op(aten.select.int, aten.unbind.int, aten.slice.Tensor, aten.narrow.default,
+            strategies=dim_map_strategy, follows=NO, localize=plain_localize, **_VIEW)
+register_op(aten.cat.default, strategies=cat_strategy, family=ELEMENTWISE, saves=NOTHING,
+            follows=LARGEST, flops=per_output_element, localize=plain_localize)
+register_op(aten.stack.default, strategies=cat_strategy, family=ELEMENTWISE, saves=NOTHING,
+            follows=NO, flops=per_output_element, localize=plain_localize)
+register_op(aten.broadcast_tensors.default, strategies=broadcast_tensors_strategy,
+            family=ELEMENTWISE, saves=all_inputs, follows=NO, flops=per_output_element,
+            localize=plain_localize)

@@ -18,13 +18,13 @@ from __future__ import annotations
 import torch
 
 from autoshard.ir import Shard, Strategy
-from autoshard.solver.rules._common import P, R, Option, arg, shard_index, with_kernel
-from autoshard.solver.rules.registry import OpInfo, expand, register_localize, register_strategy
+from autoshard.ops._common import P, R, Option, arg, shard_index, with_kernel
+from autoshard.ops.registry import (GATHER, NO, OpInfo, all_but_first, expand, per_output_element,
+                                    register_op)
 
 aten = torch.ops.aten
 
 
-@register_strategy(aten.embedding.default)
 def embedding_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     weight, idx = op.inputs
     out_nd = op.outputs[0].ndim
@@ -37,7 +37,6 @@ def embedding_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     return with_kernel(strategies, lambda s: "vocab_parallel" if Shard(0) in s.inputs[0] else None)
 
 
-@register_localize(aten.embedding.default)
 def embedding_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
                        args: tuple, kwargs: dict) -> tuple:
     if strategy.kernel != "vocab_parallel":
@@ -57,3 +56,9 @@ def embedding_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords
         return out.masked_fill(outside.unsqueeze(-1), 0)
 
     return vocab_parallel_embedding, tuple(args[:2]), {}
+
+
+# Backward keeps the indices, not the table.
+register_op(aten.embedding.default, strategies=embedding_strategy, family=GATHER,
+            saves=all_but_first, follows=NO, flops=per_output_element,
+            localize=embedding_localize)

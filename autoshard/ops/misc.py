@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 
 from autoshard.ir import Shard
-from autoshard.solver.rules._common import P, Option, arg, is_float, plain_localize
-from autoshard.solver.rules.registry import (OpInfo, expand, register_localize, register_strategy,
-                                             replicate_strategy)
+from autoshard.ops._common import P, Option, arg, is_float, plain_localize
+from autoshard.ops.registry import (ELEMENTWISE, GATHER, NO, NOTHING, OpInfo, all_but_first,
+                                    all_inputs, expand, per_output_element, register_op,
+                                    replicate_strategy)
 
 aten = torch.ops.aten
 
@@ -21,12 +22,10 @@ REPLICATE_ONLY = (aten.diff.default, aten.index.Tensor, aten.gather.default,
                   aten.one_hot.default, aten.bincount.default)
 
 
-@register_strategy(*REPLICATE_ONLY)
 def replicate_only(op: OpInfo, mesh_shape: tuple) -> list:
     return [replicate_strategy(op, mesh_shape)]
 
 
-@register_strategy(aten.triu.default, aten.tril.default)
 def triangle_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     x = op.inputs[0]
     opts: list[Option] = [((Shard(d),), (Shard(d),)) for d in range(x.ndim - 2) if x.shape[d] > 1]
@@ -35,7 +34,6 @@ def triangle_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     return expand(op, mesh_shape, opts)
 
 
-@register_strategy(aten.pad.default, aten.constant_pad_nd.default)
 def pad_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     x = op.inputs[0]
     padded = len(arg(op, 1, "pad")) // 2  # pads the last dims
@@ -44,5 +42,17 @@ def pad_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     return expand(op, mesh_shape, opts)
 
 
-register_localize(*REPLICATE_ONLY, aten.triu.default, aten.tril.default, aten.pad.default,
-                  aten.constant_pad_nd.default)(plain_localize)
+_MISC = dict(follows=NO, flops=per_output_element, localize=plain_localize)
+# Gathers read a few rows of their first input; backward keeps the indices.
+register_op(aten.index.Tensor, aten.gather.default, aten.index_select.default,
+            strategies=replicate_only, family=GATHER, saves=all_but_first, **_MISC)
+register_op(aten.scatter.src, aten.scatter.value, strategies=replicate_only, family=ELEMENTWISE,
+            saves=all_but_first, **_MISC)
+register_op(aten.flip.default, aten.roll.default, aten.repeat.default, strategies=replicate_only,
+            family=ELEMENTWISE, saves=NOTHING, **_MISC)
+register_op(aten.diff.default, aten.one_hot.default, aten.bincount.default,
+            strategies=replicate_only, family=ELEMENTWISE, saves=all_inputs, **_MISC)
+register_op(aten.triu.default, aten.tril.default, strategies=triangle_strategy,
+            family=ELEMENTWISE, saves=all_inputs, **_MISC)
+register_op(aten.pad.default, aten.constant_pad_nd.default, strategies=pad_strategy,
+            family=ELEMENTWISE, saves=NOTHING, **_MISC)

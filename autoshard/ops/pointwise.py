@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from autoshard.solver.rules._common import P, R, broadcast_map, is_float, mapped_options
-from autoshard.solver.rules.registry import OpInfo, expand, register_strategy
+from autoshard.ops._common import P, R, broadcast_map, is_float, mapped_options
+from autoshard.ops.registry import (ELEMENTWISE, INPUT, LARGEST, NO, NOTHING, VIEW, OpInfo, Saves,
+                                    all_but_first, all_inputs, expand, per_output_element,
+                                    register_op)
 
 aten = torch.ops.aten
 
@@ -62,7 +64,6 @@ def _partial_ok(op: OpInfo) -> str | None:
     return None
 
 
-@register_strategy(*POINTWISE)
 def pointwise_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     ins, out = op.inputs, op.outputs[0]
     opts = mapped_options(op, [broadcast_map(t, out.ndim) for t in ins])
@@ -74,3 +75,49 @@ def pointwise_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     elif mode == "first":
         opts.append((tuple(P if j == 0 else R for j in range(len(ins))), (P,)))
     return expand(op, mesh_shape, opts)
+
+
+def operands_saved(op: OpInfo) -> Saves:
+    """``x * y`` needs both operands for its gradients; ``x * 2`` needs nothing."""
+    return Saves(inputs=(0, 1)) if len(op.inputs) >= 2 else NOTHING
+
+
+INPUT0, OUTPUT0 = Saves(inputs=(0,)), Saves(outputs=(0,))
+# (targets, family, what backward keeps, how the op joins the ILP). Unary ops that follow their
+# input are the ones between a matmul and the next (activations, casts, copies).
+_RECORDS = (
+    ((aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar), ELEMENTWISE, NOTHING,
+     LARGEST),
+    (SCALING, ELEMENTWISE, operands_saved, LARGEST),
+    ((aten.neg.default, aten.clone.default, aten.contiguous.default, aten.to.dtype,
+      aten.to.dtype_layout, aten._to_copy.default), ELEMENTWISE, NOTHING, INPUT),
+    ((aten.alias.default, aten.detach.default), VIEW, NOTHING, INPUT),
+    ((aten.lift_fresh_copy.default,), VIEW, NOTHING, NO),
+    ((aten.to.device, aten.rsub.Scalar), ELEMENTWISE, NOTHING, NO),
+    ((aten.rsqrt.default, aten.tanh.default, aten.relu.default), ELEMENTWISE, OUTPUT0, INPUT),
+    ((aten.sqrt.default, aten.exp.default, aten.sigmoid.default, aten.reciprocal.default),
+     ELEMENTWISE, OUTPUT0, NO),
+    ((aten.gelu.default, aten.silu.default), ELEMENTWISE, INPUT0, INPUT),
+    ((aten.log.default, aten.cos.default, aten.sin.default, aten.abs.default, aten.erf.default,
+      aten.square.default, aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default),
+     ELEMENTWISE, INPUT0, NO),
+    ((aten.pow.Tensor_Scalar,), ELEMENTWISE, all_inputs, LARGEST),
+    ((aten.pow.Scalar, aten.pow.Tensor_Tensor), ELEMENTWISE, all_inputs, NO),
+    # A dropout keeps its boolean mask, one byte per element.
+    ((aten.dropout.default,), ELEMENTWISE, Saves(extra=(("out", 0, "elem", 1),)), INPUT),
+    ((aten.positive.default, aten.logical_not.default, aten.bitwise_not.default,
+      aten.isnan.default, aten.isinf.default, aten.maximum.default, aten.minimum.default,
+      aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.lt.Tensor,
+      aten.lt.Scalar, aten.le.Tensor, aten.le.Scalar, aten.gt.Tensor, aten.gt.Scalar,
+      aten.ge.Tensor, aten.ge.Scalar, aten.__and__.Tensor, aten.__or__.Tensor,
+      aten.__xor__.Tensor, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
+      aten.bitwise_xor.Tensor, aten.logical_and.default, aten.logical_or.default),
+     ELEMENTWISE, all_inputs, NO),
+    # ``where`` keeps its condition; ``masked_fill`` its mask.
+    ((aten.where.self,), ELEMENTWISE, INPUT0, LARGEST),
+    ((aten.where.ScalarOther, aten.where.ScalarSelf), ELEMENTWISE, INPUT0, NO),
+    ((aten.masked_fill.Scalar, aten.masked_fill.Tensor), ELEMENTWISE, all_but_first, LARGEST),
+)
+for _targets, _family, _saves, _follows in _RECORDS:
+    register_op(*_targets, strategies=pointwise_strategy, family=_family, saves=_saves,
+                follows=_follows, flops=per_output_element)

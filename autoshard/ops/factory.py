@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from autoshard.ir import Shard, Strategy
-from autoshard.solver.rules._common import P, R, Option, shard_index, with_kernel
-from autoshard.solver.rules.registry import OpInfo, TensorInfo, expand, register_localize, register_strategy
+from autoshard.ir import Shard, Strategy, TensorInfo
+from autoshard.ops._common import P, R, Option, shard_index, with_kernel
+from autoshard.ops.registry import (FACTORY, NO, NOTHING, VIEW, OpInfo, expand,
+                                    per_output_element, register_op)
 
 aten = torch.ops.aten
 
@@ -37,7 +38,6 @@ def _out_shards(op: OpInfo) -> list:
     return [Shard(d) for d in range(out.ndim) if out.shape[d] > 1]
 
 
-@register_strategy(*FILLS, *ARANGES, aten.scalar_tensor.default)
 def fill_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     opts: list[Option] = [((), (s,)) for s in _out_shards(op)]
     strategies = expand(op, mesh_shape, opts)
@@ -47,7 +47,6 @@ def fill_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     return strategies
 
 
-@register_strategy(*NEW_FILLS)
 def new_fill_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     x = op.inputs[0]
     opts: list[Option] = [((p,), (R,)) for p in _any_placement(x)]
@@ -55,7 +54,6 @@ def new_fill_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     return expand(op, mesh_shape, opts)
 
 
-@register_strategy(*LIKES)
 def like_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     x = op.inputs[0]
     opts: list[Option] = [((Shard(d),), (Shard(d),)) for d in range(x.ndim) if x.shape[d] > 1]
@@ -63,12 +61,10 @@ def like_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     return expand(op, mesh_shape, opts)
 
 
-@register_strategy(aten._assert_tensor_metadata.default)
 def assert_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     return expand(op, mesh_shape, [((p,), ()) for p in _any_placement(op.inputs[0])])
 
 
-@register_localize(aten._assert_tensor_metadata.default)
 def assert_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
                     args: tuple, kwargs: dict) -> tuple:
     # size and stride describe the global tensor; the local one is checked for the rest
@@ -76,7 +72,6 @@ def assert_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: t
     return op.target, tuple(args[:1]), kwargs
 
 
-@register_localize(*ARANGES)
 def arange_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
                     args: tuple, kwargs: dict) -> tuple:
     if strategy.kernel != "arange_shard":
@@ -93,3 +88,20 @@ def arange_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: t
     end = lo + n * step if ints else lo + (n - 0.5) * step
     extra = {k: v for k, v in kwargs.items() if k != "step"}
     return aten.arange.start_step, (lo, end, step), extra
+
+
+# Factories: no gradient flows through them, and their backward keeps nothing. ``empty`` and
+# ``empty_like`` allocate without writing, so they cost nothing (the view family).
+_FACTORY = dict(family=FACTORY, saves=NOTHING, follows=NO, flops=per_output_element)
+register_op(aten.full.default, aten.zeros.default, aten.ones.default, aten.scalar_tensor.default,
+            strategies=fill_strategy, **_FACTORY)
+register_op(*ARANGES, strategies=fill_strategy, localize=arange_localize, **_FACTORY)
+register_op(aten.empty.memory_format, strategies=fill_strategy, family=VIEW, saves=NOTHING,
+            follows=NO, flops=per_output_element)
+register_op(*NEW_FILLS, strategies=new_fill_strategy, **_FACTORY)
+register_op(aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+            strategies=like_strategy, **_FACTORY)
+register_op(aten.empty_like.default, strategies=like_strategy, family=VIEW, saves=NOTHING,
+            follows=NO, flops=per_output_element)
+register_op(aten._assert_tensor_metadata.default, strategies=assert_strategy, family=VIEW,
+            saves=NOTHING, follows=NO, flops=per_output_element, localize=assert_localize)

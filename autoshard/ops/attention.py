@@ -20,15 +20,14 @@ import math
 import torch
 
 from autoshard.ir import Shard
-from autoshard.solver.rules._common import R, Option
-from autoshard.solver.rules.registry import OpInfo, expand, register_flops, register_strategy
+from autoshard.ops._common import R, Option
+from autoshard.ops.registry import ATTENTION, NO, OpInfo, Saves, expand, register_op
 
 aten = torch.ops.aten
 
 SDPA = aten.scaled_dot_product_attention.default
 
 
-@register_strategy(SDPA)
 def sdpa_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     q, k, v = op.inputs[:3]
     rest = op.inputs[3:]  # attn_mask, when a tensor
@@ -47,8 +46,16 @@ def sdpa_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     return expand(op, mesh_shape, opts)
 
 
-@register_flops(SDPA)
 def sdpa_flops(op: OpInfo) -> float:
     """4·b·h·s_q·s_k·d: two matmuls (scores and the weighted sum) of 2·s_q·s_k·d each."""
     q, k = op.inputs[:2]
     return 4.0 * math.prod(q.shape[:-2]) * q.shape[-2] * k.shape[-2] * q.shape[-1]
+
+
+def sdpa_saves(op: OpInfo) -> Saves:
+    """q, k, v (and a mask), the output, and the fp32 logsumexp per query row (FlashAttention)."""
+    return Saves(inputs=tuple(range(len(op.inputs))), outputs=(0,), extra=(("in", 0, "row", 4),))
+
+
+register_op(SDPA, strategies=sdpa_strategy, family=ATTENTION, saves=sdpa_saves, follows=NO,
+            flops=sdpa_flops)

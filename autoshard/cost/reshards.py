@@ -1,4 +1,4 @@
-"""What moves between nodes under a given assignment of strategies.
+"""What moves between nodes under a given assignment of strategies: the reshard edges.
 
 Both the planner (to write the plan's collective ledger and price it) and codegen (to insert the
 collectives) walk the graph through this one function, so the plan's ledger and the program's
@@ -11,6 +11,7 @@ one reshard: one set of collectives, one gradient all-reduce.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -19,8 +20,8 @@ import torch.fx as fx
 
 from autoshard.cost.comm import Reshard, reshard
 from autoshard.ir import Replicate, Spec, Strategy, divergent_axes
+from autoshard.trace.graph import ValueRef, value_inputs
 
-ValueRef = tuple[str, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,37 +35,9 @@ class ReshardEdge:
     from_param: bool
 
 
-def value_inputs(node: fx.Node) -> list[ValueRef]:
-    """The values a node reads, in the order rules number tensor inputs."""
-    flat, _ = torch.utils._pytree.tree_flatten((node.args, node.kwargs))
-    return [value_ref(a) for a in flat if isinstance(a, fx.Node)]
-
-
-def value_ref(node: fx.Node) -> ValueRef:
-    """getitem on a multi-output node is that node's i-th output, not a node of its own."""
-    import operator
-    if node.op == "call_function" and node.target is operator.getitem:
-        src, idx = node.args
-        return (src.name, int(idx))
-    return (node.name, 0)
-
-
-def value_shapes(graph: fx.Graph) -> dict[ValueRef, tuple[tuple[int, ...], int]]:
-    """(global shape, itemsize) of every value a node makes."""
-    import operator
-    from autoshard.trace.export import output_infos
-    out = {}
-    for n in graph.nodes:
-        if n.op in ("placeholder", "call_function") and n.target is not operator.getitem:
-            for i, ti in enumerate(output_infos(n)):
-                out[(n.name, i)] = (ti.shape, ti.dtype.itemsize)
-    return out
-
-
 def grad_values(graph: fx.Graph, param_names: set[str]) -> set[str]:
     """Nodes whose outputs carry a gradient in training: floating-point values computed from a
     parameter. Only these get backward collectives (an input batch or a mask has no gradient)."""
-    import operator
     needs: set[str] = set()
     for node in graph.nodes:
         if node.op == "placeholder":

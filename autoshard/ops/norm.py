@@ -10,15 +10,15 @@ from __future__ import annotations
 import torch
 
 from autoshard.ir import Shard
-from autoshard.solver.rules._common import R, Option, arg, plain_localize
-from autoshard.solver.rules.registry import OpInfo, expand, register_localize, register_strategy
+from autoshard.ops._common import R, Option, arg, plain_localize
+from autoshard.ops.registry import (ELEMENTWISE, NO, OpInfo, Saves, expand, per_output_element,
+                                    register_op)
 
 aten = torch.ops.aten
 
 NORMS = (aten.layer_norm.default, aten.rms_norm.default)
 
 
-@register_strategy(*NORMS)
 def norm_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     x = op.inputs[0]
     lead = x.ndim - len(arg(op, 1, "normalized_shape"))
@@ -27,4 +27,11 @@ def norm_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     return expand(op, mesh_shape, opts)
 
 
-register_localize(*NORMS)(plain_localize)
+# Backward keeps the input and per-row fp32 statistics: mean and rstd (8 bytes) for layer norm,
+# rstd (4 bytes) for RMSNorm.
+register_op(aten.layer_norm.default, strategies=norm_strategy, family=ELEMENTWISE,
+            saves=Saves(inputs=(0,), extra=(("in", 0, "row", 8),)), follows=NO,
+            flops=per_output_element, localize=plain_localize)
+register_op(aten.rms_norm.default, strategies=norm_strategy, family=ELEMENTWISE,
+            saves=Saves(inputs=(0,), extra=(("in", 0, "row", 4),)), follows=NO,
+            flops=per_output_element, localize=plain_localize)

@@ -1,6 +1,6 @@
 """A single-process simulator of a device mesh: shard tensors, run one op per rank, reassemble.
 
-Used to validate every rule against single-device execution (DESIGN.md example 10), and reusable
+Used to validate every rule against single-device execution (as DTensor's strategy validation does), and reusable
 by codegen to build local shards. Ranks are addressed by their coordinates on the mesh.
 
 Conventions (DTensor's): ``Shard(d)`` holds a slice of dim ``d`` (several axes on one dim split it
@@ -16,8 +16,9 @@ from typing import Any, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from autoshard.ir import Partial, Replicate, Shard, Spec, Strategy, divergent_axes, local_shape
-from autoshard.solver.rules.registry import OpInfo, TensorInfo, localize
+from autoshard.ir import (OpInfo, Partial, Replicate, Shard, Spec, Strategy, TensorInfo,  # noqa: F401
+                          divergent_axes, local_shape, op_info)
+from autoshard.ops.registry import localize
 
 Coords = tuple[int, ...]
 
@@ -90,17 +91,6 @@ def _close(x: torch.Tensor, y: torch.Tensor, rtol: float, atol: float) -> bool:
 def grad_spec(spec: Spec) -> Spec:
     """The placement of a tensor's gradient: a Partial tensor's gradient is replicated."""
     return tuple(Replicate() if isinstance(p, Partial) else p for p in spec)
-
-
-def op_info(target: Any, args: tuple, kwargs: dict, outputs: Any, source: str = "") -> OpInfo:
-    """The rule's view of a call with real tensors (what tracing builds from node metadata)."""
-    def conv(a: Any) -> Any:
-        return TensorInfo(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
-
-    flat, spec = tree_flatten((args, kwargs))
-    args, kwargs = tree_unflatten([conv(a) for a in flat], spec)
-    outs = tuple(conv(t) for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor))
-    return OpInfo(target, tuple(args), dict(kwargs), outs, source)
 
 
 def _swap_tensors(args: tuple, kwargs: dict, new: Sequence[torch.Tensor]) -> tuple[tuple, dict]:

@@ -1,0 +1,209 @@
+"""One record per ATen op: everything the planner knows about it, registered in one place.
+
+An :class:`OpRecord` holds, for one op target:
+
+- ``strategies``: the sharding rule, a plain function ``(op: OpInfo, mesh_shape) ->
+  list[Strategy]`` giving every N-D strategy the op supports (most rules describe one mesh axis
+  and let :func:`expand` take the product over axes; einsum-shaped ops come from an equation);
+- ``family``: how the cost model prices it (docs/cost-model.md §3): a view costs nothing, a
+  matmul or attention runs at the matmul efficiency, a gather reads rows of a table, a factory
+  has no backward, everything else is elementwise;
+- ``saves``: what its backward keeps alive (docs/cost-model.md §4), a :class:`Saves` or a
+  function of the op giving one;
+- ``follows``: whether the ILP merges it into the op that makes its input (``INPUT``: a view or
+  unary op follows its one input; ``LARGEST``: a broadcasting op follows its one full-size
+  input; ``NO``: a decision of its own);
+- ``flops``: its whole (unsharded) forward FLOPs;
+- ``localize``: how one rank calls it on its local tensors (default: the op unchanged, with every
+  int-list argument equal to the global output shape replaced by the local one).
+
+Adding an op is one :func:`register_op` call plus one validation sample in tests/test_rules.py;
+every part is a required argument. Ops with no record are replicated, with one warning per op
+naming it and the model's source line, and priced as elementwise ops that save every input.
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence, Union
+
+import torch
+
+from autoshard.ir import OpInfo, Replicate, Strategy, local_shape, spec_fits, work_fraction
+
+aten = torch.ops.aten
+
+RuleFn = Callable[[OpInfo, tuple], list]
+LocalizeFn = Callable[..., tuple]   # (op, strategy, mesh_shape, coords, args, kwargs) -> (fn, args, kwargs)
+FlopsFn = Callable[[OpInfo], float]
+
+# Families (docs/cost-model.md §3).
+VIEW, MATMUL, ATTENTION, GATHER = "view", "matmul", "attention", "gather"
+FACTORY = "factory"          # builds a tensor from sizes or another's shape: no gradient flows
+ELEMENTWISE = "elementwise"  # elementwise ops, reductions, norms, copies, losses
+FAMILIES = (VIEW, MATMUL, ATTENTION, GATHER, FACTORY, ELEMENTWISE)
+
+# How an op joins the ILP (solver/build.py).
+NO, INPUT, LARGEST = "no", "input", "largest"
+FOLLOWS = (NO, INPUT, LARGEST)
+
+
+@dataclass(frozen=True, slots=True)
+class Saves:
+    """What an op keeps alive for backward, independent of the strategy.
+
+    ``inputs``/``outputs`` are positions in ``op.inputs``/``op.outputs``. ``extra`` lists buffers
+    that are not graph tensors, each ``(side, index, per, nbytes)``: ``nbytes`` for every element
+    (``per="elem"``) or every row (``per="row"``, rows = all dims but the last) of that tensor;
+    ``nbytes=0`` means the tensor's own itemsize.
+    """
+
+    inputs: tuple[int, ...] = ()
+    outputs: tuple[int, ...] = ()
+    extra: tuple[tuple[str, int, str, int], ...] = ()
+
+
+NOTHING = Saves()
+SavesFn = Callable[[OpInfo], Saves]
+
+
+def all_inputs(op: OpInfo) -> Saves:
+    """Every tensor input: the safe side for an op whose derivative needs its operands."""
+    return Saves(inputs=tuple(range(len(op.inputs))))
+
+
+def all_but_first(op: OpInfo) -> Saves:
+    """Every input but the first: a mask, an index or a target, not the data."""
+    return Saves(inputs=tuple(range(1, len(op.inputs))))
+
+
+def per_output_element(op: OpInfo) -> float:
+    """One FLOP per output element: the count for elementwise ops and copies."""
+    return float(sum(t.numel for t in op.outputs))
+
+
+@dataclass(frozen=True, slots=True)
+class OpRecord:
+    strategies: RuleFn
+    family: str
+    saves: Union[Saves, SavesFn]
+    follows: str
+    flops: FlopsFn
+    localize: LocalizeFn
+
+    def __post_init__(self) -> None:
+        assert self.family in FAMILIES, f"family is one of {FAMILIES}; got {self.family!r}"
+        assert self.follows in FOLLOWS, f"follows is one of {FOLLOWS}; got {self.follows!r}"
+
+    def saved(self, op: OpInfo) -> Saves:
+        return self.saves(op) if callable(self.saves) else self.saves
+
+
+RECORDS: dict[Any, OpRecord] = {}
+
+
+def register_op(*targets: Any, strategies: RuleFn, family: str, saves: Union[Saves, SavesFn],
+                follows: str, flops: FlopsFn, localize: LocalizeFn | None = None) -> None:
+    """Register everything about ``targets`` at once (one record each)."""
+    record = OpRecord(strategies, family, saves, follows, flops, localize or default_localize)
+    for t in targets:
+        assert t not in RECORDS, f"{t} is registered twice"
+        RECORDS[t] = record
+
+
+def _unregistered(op: OpInfo, mesh_shape: tuple) -> list[Strategy]:
+    return [replicate_strategy(op, mesh_shape)]
+
+
+
+
+def record_of(target: Any) -> OpRecord:
+    """The op's record; an op without one is replicated, elementwise and saves every input."""
+    if target is operator.getitem:      # picks one output of a multi-output op: no kernel
+        return TUPLE_ITEM
+    return RECORDS.get(target, UNREGISTERED)
+
+
+def replicate_strategy(op: OpInfo, mesh_shape: tuple) -> Strategy:
+    r = (Replicate(),) * len(mesh_shape)
+    return Strategy(tuple(r for _ in op.inputs), tuple(r for _ in op.outputs))
+
+
+def expand(op: OpInfo, mesh_shape: tuple, per_axis: Sequence[tuple], *,
+           kernel: Callable[[tuple], str | None] | None = None) -> list[Strategy]:
+    """The product over mesh axes of 1-D options.
+
+    ``per_axis`` lists 1-D options ``(input placements, output placements)``, each a tuple with
+    one placement per tensor input / output. The all-replicate option is always included. A
+    combination is kept when every spec fits its tensor (dims exist and divide evenly).
+    """
+    n_in, n_out = len(op.inputs), len(op.outputs)
+    rep = (tuple(Replicate() for _ in range(n_in)), tuple(Replicate() for _ in range(n_out)))
+    # dict.fromkeys: a rule may generate the same 1-D option twice (e.g. two dims that map alike);
+    # a duplicate option would give the ILP duplicate strategies.
+    options = list(dict.fromkeys([rep] + [tuple(map(tuple, o)) for o in per_axis]))
+    in_infos, out_infos = op.inputs, op.outputs
+    out: list[Strategy] = []
+    for combo in itertools.product(options, repeat=len(mesh_shape)):
+        ins = tuple(tuple(c[0][i] for c in combo) for i in range(n_in))
+        outs = tuple(tuple(c[1][j] for c in combo) for j in range(n_out))
+        if not all(spec_fits(t.shape, s, mesh_shape) for t, s in zip(in_infos, ins)):
+            continue
+        if not all(spec_fits(t.shape, s, mesh_shape) for t, s in zip(out_infos, outs)):
+            continue
+        out.append(Strategy(ins, outs, kernel(combo) if kernel else None,
+                            work_fraction(ins, outs, mesh_shape)))
+    return out
+
+
+_warned: set = set()
+
+
+def strategies_for(op: OpInfo, mesh_shape: tuple) -> list[Strategy]:
+    """All strategies of ``op``; an op with no record is replicated with one warning."""
+    record = RECORDS.get(op.target)
+    if record is None:
+        if op.target not in _warned:
+            _warned.add(op.target)
+            warnings.warn(f"autoshard: no sharding rule for {op.target}; it is replicated on "
+                          f"every device. First seen at: {op.source or 'unknown source'}",
+                          stacklevel=2)
+        return [replicate_strategy(op, mesh_shape)]
+    return record.strategies(op, mesh_shape) or [replicate_strategy(op, mesh_shape)]
+
+
+def _local_out_shapes(op: OpInfo, strategy: Strategy, mesh_shape: tuple) -> list[tuple[int, ...]]:
+    return [local_shape(t.shape, spec, mesh_shape) for t, spec in zip(op.outputs, strategy.outputs)]
+
+
+def default_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
+                     args: tuple, kwargs: dict) -> tuple:
+    """The op unchanged, except that a top-level int-list argument equal to the global shape of
+    an output (a size argument: ``full``, ``new_ones``, ``expand``...) becomes that output's
+    local shape. ``args``/``kwargs`` hold the rank's local tensors."""
+    pairs = [(tuple(t.shape), loc) for t, loc in
+             zip(op.outputs, _local_out_shapes(op, strategy, mesh_shape)) if tuple(t.shape) != loc]
+
+    def fix(a: Any) -> Any:
+        if isinstance(a, (list, tuple)) and a and all(
+                isinstance(x, int) and not isinstance(x, bool) for x in a):
+            for glob, loc in pairs:
+                if tuple(a) == glob:
+                    return list(loc)
+        return a
+
+    return op.target, tuple(fix(a) for a in args), {k: fix(v) for k, v in kwargs.items()}
+
+
+def localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
+             args: tuple, kwargs: dict) -> tuple:
+    """``(fn, args, kwargs)`` to run ``op`` on one rank under ``strategy``."""
+    fn = record_of(op.target).localize
+    return fn(op, strategy, tuple(mesh_shape), tuple(coords), tuple(args), dict(kwargs))
+
+
+UNREGISTERED = OpRecord(_unregistered, ELEMENTWISE, all_inputs, NO, per_output_element,
+                        default_localize)
+TUPLE_ITEM = OpRecord(_unregistered, VIEW, NOTHING, NO, per_output_element, default_localize)

@@ -1,0 +1,92 @@
+"""PlanOptions: every knob of planning in one frozen, validated value.
+
+``autoshard.plan(model, inputs, mesh, options=None, **overrides)`` and ``autoshard.parallelize``
+take it; the CLI maps its flags onto it; the Plan JSON records it (``"options"``) and
+``Plan.load`` restores it. A planning technique adds its field here, with a default that keeps
+plans as they were.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from autoshard.errors import AutoshardError
+
+OPTIMIZERS = ("adam", "adamw", "sgd", "none")
+# "model": parameters, activations and gradients in the model's own dtypes; a 16-bit model is
+# priced as mixed-precision training (fp32 master weights and Adam states, docs/cost-model.md §4).
+PRECISIONS = ("model",)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanOptions:
+    """How to plan. Every field has a default; construct with keywords only.
+
+    - ``training``: plan forward + backward + optimizer (True) or forward only.
+    - ``optimizer``: what optimizer state each parameter carries: "adam"/"adamw" (two moments),
+      "sgd" (none), "none" (parameters only; implied for inference).
+    - ``precision``: the dtypes the step runs in (see PRECISIONS).
+    - ``memory_budget``: bytes per device a plan may use; None = the cluster's device memory.
+    - ``time_limit_s``: the ILP solver's time limit per solve, seconds.
+    """
+
+    training: bool = True
+    optimizer: str = "adam"
+    precision: str = "model"
+    memory_budget: float | None = None
+    time_limit_s: float = 20.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.training, bool):
+            raise AutoshardError("PlanOptions.training is True or False", got=repr(self.training),
+                                 fix="pass training=False to plan forward only")
+        if self.optimizer not in OPTIMIZERS:
+            raise AutoshardError(f"PlanOptions.optimizer is one of {OPTIMIZERS}",
+                                 got=repr(self.optimizer),
+                                 fix="pass optimizer='adam' (Adam/AdamW), 'sgd' or 'none'")
+        if self.precision not in PRECISIONS:
+            raise AutoshardError(f"PlanOptions.precision is one of {PRECISIONS}",
+                                 got=repr(self.precision),
+                                 fix="pass precision='model' (the model's own dtypes)")
+        if self.memory_budget is not None and not _positive(self.memory_budget):
+            raise AutoshardError("PlanOptions.memory_budget is a positive number of bytes or None",
+                                 got=repr(self.memory_budget),
+                                 fix="e.g. memory_budget=70 * 2**30, or None for the device's")
+        if not _positive(self.time_limit_s):
+            raise AutoshardError("PlanOptions.time_limit_s is a positive number of seconds",
+                                 got=repr(self.time_limit_s), fix="e.g. time_limit_s=20")
+
+    @property
+    def state_optimizer(self) -> str:
+        """The optimizer whose state parameters carry: none when only the forward runs."""
+        return self.optimizer if self.training else "none"
+
+    def replace(self, **overrides: Any) -> "PlanOptions":
+        """A copy with ``overrides`` applied; an unknown name is an error naming the fields."""
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise AutoshardError(f"plan options among {sorted(known)}", got=str(unknown),
+                                 fix="check the spelling, or pass options=PlanOptions(...)")
+        return dataclasses.replace(self, **overrides) if overrides else self
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "PlanOptions":
+        return cls().replace(**data)
+
+
+def _positive(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def resolve_options(options: PlanOptions | None, overrides: dict[str, Any]) -> PlanOptions:
+    """``options`` (default: all defaults) with keyword ``overrides`` applied."""
+    if options is not None and not isinstance(options, PlanOptions):
+        raise AutoshardError("options is an autoshard.PlanOptions", got=type(options).__name__,
+                             fix="pass options=autoshard.PlanOptions(...) or keywords")
+    return (options or PlanOptions()).replace(**overrides)

@@ -1,0 +1,52 @@
+"""Graph helpers shared by trace/ and the passes above it: shapes of values, how nodes read them.
+
+A *value* is one tensor a node makes, ``(node name, output index)``; a getitem on a multi-output
+node is that node's i-th output, not a node of its own.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autoshard.ir import TensorInfo
+
+ValueRef = tuple[str, int]
+
+
+def tensor_info(val: Any) -> TensorInfo | None:
+    if isinstance(val, torch.Tensor):
+        return TensorInfo(tuple(int(s) for s in val.shape), val.dtype)
+    return None
+
+
+def output_infos(node: fx.Node) -> tuple[TensorInfo, ...]:
+    val = node.meta.get("val")
+    flat, _ = torch.utils._pytree.tree_flatten(val)
+    return tuple(t for t in (tensor_info(v) for v in flat) if t is not None)
+
+
+def value_inputs(node: fx.Node) -> list[ValueRef]:
+    """The values a node reads, in the order rules number tensor inputs."""
+    flat, _ = torch.utils._pytree.tree_flatten((node.args, node.kwargs))
+    return [value_ref(a) for a in flat if isinstance(a, fx.Node)]
+
+
+def value_ref(node: fx.Node) -> ValueRef:
+    """getitem on a multi-output node is that node's i-th output, not a node of its own."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        src, idx = node.args
+        return (src.name, int(idx))
+    return (node.name, 0)
+
+
+def value_shapes(graph: fx.Graph) -> dict[ValueRef, tuple[tuple[int, ...], int]]:
+    """(global shape, itemsize) of every value a node makes."""
+    out = {}
+    for n in graph.nodes:
+        if n.op in ("placeholder", "call_function") and n.target is not operator.getitem:
+            for i, ti in enumerate(output_infos(n)):
+                out[(n.name, i)] = (ti.shape, ti.dtype.itemsize)
+    return out
