@@ -17,6 +17,10 @@ repeated-layer folding should keep it well under 4x (target < 1.5x).
 
     python benchmarks/plan_time.py                       # 3 runs of every case
     python benchmarks/plan_time.py --runs 5 --out benchmarks/RESULTS.md
+
+``--against REV`` times the same cases on a checkout of git revision REV as well (a temporary
+worktree), runs alternating between the two so that machine noise falls on both alike, and writes
+a before/after table (section ``plan_time_against``): is a change slower than what it replaces?
 """
 from __future__ import annotations
 
@@ -79,7 +83,8 @@ def one(case: str, time_limit: float) -> dict:
     return {"case": case, "layers": cfg.n_layers, "seq": seq, "batch": batch,
             "import_s": import_s, "model_s": t1 - t0, "trace_s": t2 - t1, "after_s": t3 - t2,
             "build_s": timing(p, "build_s"), "solve_s": timing(p, "solve_s"),
-            "total_s": t3 - t0, "variables": p.solver["variables"], "groups": p.solver["groups"],
+            "total_s": t3 - t0, "variables": p.solver["variables"],
+            "groups": p.solver.get("decisions", p.solver.get("groups")),
             "status": p.solver["status"], "gap": p.solver["gap"],
             "step_ms": p.predicted["step_time_s"] * 1e3,
             "peak_gib": p.predicted["peak_memory_bytes"] / 2**30}
@@ -92,10 +97,15 @@ def loadavg() -> str:
         return "n/a"
 
 
-def run_fresh(case: str, time_limit: float) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", case,
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_fresh(case: str, time_limit: float, root: Path = REPO) -> dict:
+    """One fresh-process run of ``case`` with the autoshard of checkout ``root``."""
+    cmd = [sys.executable, str(root / "benchmarks" / "plan_time.py"), "--one", case,
            "--time-limit", str(time_limit)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env)
     if r.returncode != 0:
         tail = (r.stderr.strip().splitlines() or ["(no stderr)"])[-1]
         sys.stderr.write(r.stderr)
@@ -127,7 +137,7 @@ def summarise(case: str, runs: list[dict]) -> dict:
 def report(summ: dict[str, dict], n_runs: int, time_limit: float, started: str,
            wall: float, load: str) -> str:
     head = (["case", "layers", "runs ok"] + [c for _, c in COLS]
-            + ["totals (each run)", "ILP variables", "groups", "status", "gap", "target", "met"])
+            + ["totals (each run)", "ILP variables", "decisions", "status", "gap", "target", "met"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for case, s in summ.items():
         if not s["ok"]:
@@ -154,7 +164,7 @@ def report(summ: dict[str, dict], n_runs: int, time_limit: float, started: str,
                    f"**{ratio:.2f}x** (target < {SCALING_TARGET:g}x: "
                    f"{'met' if ratio < SCALING_TARGET else 'NOT met'}); ILP "
                    f"{small['variables']} -> {big['variables']} variables, "
-                   f"{small['groups']} -> {big['groups']} groups")
+                   f"{small['groups']} -> {big['groups']} decisions")
     extra = []
     for case, s in summ.items():
         if s["ok"]:
@@ -175,8 +185,54 @@ def report(summ: dict[str, dict], n_runs: int, time_limit: float, started: str,
             "75 s for 2 layers and 150 s for 8 layers of Llama-3-8B on 8x8 on this kind of "
             "machine (figures from the issue), and reports 15 s to build and 37 s to solve its "
             "ILP (CBC) for the full Llama-3-8B on 64 GPUs; Alpa took 2,393 s to compile GPT-39B "
-            "for 64 GPUs, 1.65 s of it in its stage DP (REFERENCE.md §4)."]
+            "for 64 GPUs, 1.65 s of it in its stage DP (Zheng et al., Alpa, OSDI 2022, arXiv 2201.12023)."]
     return "\n".join(body)
+
+
+def against(rev: str, cases: list[str], n_runs: int, time_limit: float) -> str:
+    """Before (``rev``) and after (this checkout), alternating run by run; a markdown section."""
+    import tempfile
+    started, t0, load0 = today(), time.perf_counter(), loadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp) / "base"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(base),
+                        rev], check=True)
+        try:
+            commit = subprocess.run(["git", "-C", str(base), "rev-parse", "--short", "HEAD"],
+                                    capture_output=True, text=True, check=True).stdout.strip()
+            runs = {(c, side): [] for c in cases for side in ("before", "after")}
+            for i in range(n_runs):
+                for c in cases:
+                    for side, root in (("before", base), ("after", REPO)):
+                        r = run_fresh(c, time_limit, root)
+                        runs[(c, side)].append(r)
+                        print(f"run {i + 1}/{n_runs} {c} {side}: "
+                              f"{r.get('error') or format(r['total_s'], '.2f') + ' s'}", flush=True)
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)])
+    head = ["case", "before total s", "after total s", "after / before", "before after-tracing s",
+            "after after-tracing s", "before runs", "after runs"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in cases:
+        b, a = (summarise(c, runs[(c, side)]) for side in ("before", "after"))
+        if not (b["ok"] and a["ok"]):
+            lines.append(f"| {c} | failed: {md_cell(b['errors'] + a['errors'])} |")
+            continue
+        lines.append("| " + " | ".join(md_cell(x) for x in [
+            c, f"{b['total_s']:.2f}", f"{a['total_s']:.2f}", f"{a['total_s'] / b['total_s']:.3f}",
+            f"{b['after_s']:.2f}", f"{a['after_s']:.2f}",
+            ", ".join(f"{t:.2f}" for t in b["totals"]),
+            ", ".join(f"{t:.2f}" for t in a["totals"])]) + " |")
+    return "\n".join([
+        "## Planning time against an earlier revision", "",
+        f"- command: `{command('benchmarks/plan_time.py')}`",
+        f"- machine: {machine()}",
+        f"- date: {started}; total wall time {(time.perf_counter() - t0) / 60:.1f} min; load "
+        f"average (1/5/15 min) {load0} at the start, {loadavg()} at the end",
+        f"- before = revision `{rev}` ({commit}), after = this checkout; medians of {n_runs} runs "
+        "each, every run a fresh Python process, before and after alternating run by run; mesh "
+        f"{'x'.join(map(str, MESH))} (dp,tp), cluster h100, ILP time limit {time_limit:g} s. "
+        "`total` = model + trace + after tracing (import excluded).", "", *lines])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-limit", type=float, default=20.0,
                     help="ILP time limit, s (default 20, the planner's)")
     ap.add_argument("--out", default=None, help="rewrite this section of a RESULTS.md")
+    ap.add_argument("--against", default=None, metavar="REV",
+                    help="also time git revision REV, alternating; write a before/after table")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)   # internal: one fresh run
     args = ap.parse_args(argv)
     if args.one:
@@ -196,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     bad = [c for c in cases if c not in CASES]
     if bad:
         ap.error(f"unknown cases {bad}; known: {', '.join(CASES)}")
+    if args.against:
+        text = against(args.against, cases, args.runs, args.time_limit)
+        print(text)
+        if args.out:
+            write_section(args.out, "plan_time_against", text)
+        return 0
     started, t0, load0 = today(), time.perf_counter(), loadavg()
     runs: dict[str, list[dict]] = {c: [] for c in cases}
     for i in range(args.runs):          # interleaved, so machine noise spreads over the cases
