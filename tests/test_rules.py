@@ -9,7 +9,9 @@ over divergent axes, is compared with the whole op's input gradients.
 Tolerance: float64 with rtol 1e-5. A wrong rule is off by O(1); float64 keeps the legitimate
 differences (summation order, random Partial splits) near 1e-15, so 1e-5 cannot hide an error
 and never flakes. Ops cast to float32 compare float32 outputs with the same rtol (fp32 rounding
-is ~1e-7 relative).
+is ~1e-7 relative). Samples in float32 (ops with no float64 kernel: ``_grouped_mm``) add atol
+1e-5: an output near zero keeps the ~1e-6 absolute rounding of the random Partial summands.
+tests/test_dtypes.py runs the samples again in bfloat16 and complex64.
 
 Sampling: a (sample, mesh) with more than ``CAP`` strategies checks a fixed pseudo-random subset
 of ``CAP`` (seeded by the op, sample and mesh, so a failure reproduces), always including every
@@ -25,13 +27,15 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from torch.utils._pytree import tree_flatten
 
 import autoshard.ops  # noqa: F401  (registers every rule)
 from autoshard.ir import Replicate, spec_fits
 from autoshard.ops import registry
+from autoshard.ops.inplace import TWINS as INPLACE_TWINS
 from autoshard.ops.registry import (FAMILIES, FOLLOWS, RECORDS, OpRecord, Saves, record_of,
                                     strategies_for)
-from autoshard.ops.simulate import check_strategy, op_info
+from autoshard.ops.simulate import call_on_copies, check_strategy, op_info
 
 aten = torch.ops.aten
 F64 = torch.float64
@@ -59,6 +63,9 @@ class Gen:
 
     def b(self, *shape: int) -> torch.Tensor:
         return torch.rand(shape, generator=self.g) > 0.5
+
+    def c(self, *shape: int) -> torch.Tensor:
+        return torch.complex(self.t(*shape), self.t(*shape))
 
 
 Sample = Callable[[Gen], tuple]  # -> (args, kwargs) or (args, kwargs, {"no_grad": {i, ...}})
@@ -151,6 +158,11 @@ simple([aten.argmax.default, aten.argmin.default], lambda g: ((g.t(2, 4, 8), -1)
 simple([aten.softmax.int, aten.log_softmax.int], lambda g: ((g.t(2, 4, 8), -1), {}))
 simple([aten._softmax.default, aten._log_softmax.default], lambda g: ((g.t(2, 4, 8), 1, False), {}))
 simple([aten.cumsum.default], lambda g: ((g.t(2, 4, 8), 1), {}), lambda g: ((g.b(4, 8), -1), {}))
+simple([aten.fft_fft.default], lambda g: ((g.c(2, 4, 8), None, 1), {}), lambda g: ((g.t(4, 8),), {}))
+simple([aten.fft_ifft.default], lambda g: ((g.c(4, 8), None, -1, "ortho"), {}))
+simple([aten.fft_rfft.default], lambda g: ((g.t(2, 4, 16),), {}), lambda g: ((g.t(4, 16), 8, 0), {}))
+simple([aten.fft_irfft.default], lambda g: ((g.c(2, 4, 9), 16), {}),
+       lambda g: ((g.c(4, 8), None, 0, "forward"), {}))
 
 # ---- views ----------------------------------------------------------------------------------
 for _op in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
@@ -260,6 +272,70 @@ simple([aten.pad.default], lambda g: ((g.i(16, 2, 8), [0, 1], "constant", -100.0
        lambda g: ((g.t(2, 4, 8), [1, 1]), {}))
 simple([aten.constant_pad_nd.default], lambda g: ((g.t(2, 4, 8), [1, 1], 0.0), {}))
 
+# ---- shape and dtype of another tensor, overwrites, more binaries ---------------------------
+simple([aten.numpy_T.default, aten.matrix_H.default], lambda g: ((g.t(4, 8),), {}))
+simple([aten.numpy_T.default, aten.mT.default, aten.mH.default], lambda g: ((g.t(2, 4, 8),), {}))
+simple([aten.mH.default, aten.view_as_real.default, aten.real.default, aten.imag.default],
+       lambda g: ((g.c(2, 4, 8),), {}))
+simple([aten.view_as_complex.default], lambda g: ((g.t(2, 4, 8, 2),), {}))
+simple([aten.type_as.default], lambda g: ((g.t(2, 4, 8), g.t(2, 4, 8).float()), {}),
+       lambda g: ((g.t(4, 8), g.t(8)), {}), lambda g: ((g.t(4, 8), g.i(3, 4, 8)), {}))
+
+
+def _copy_src(g: Gen) -> tuple:
+    return (g.t(2, 4, 8), g.t(4, 8)), {}
+
+
+# Functional ``copy`` has no eager derivative (only functionalized graphs hold it); ``copy_``,
+# which training graphs hold, is checked with gradients below.
+simple([aten.copy.default], lambda g: (*_copy_src(g), {"no_grad": {0, 1}}),
+       lambda g: ((g.i(3, 4, 8), g.t(4, 8)), {}, {"no_grad": {1}}))
+simple([aten.fill.Scalar], lambda g: ((g.t(4, 8), 1.5), {}))
+simple([aten.fill.Tensor], lambda g: ((g.t(4, 8), g.t(1).view(())), {}))
+simple([aten.zero.default], lambda g: ((g.t(2, 4, 8),), {}))
+simple([aten.floor_divide.default], lambda g: ((g.i(16, 4, 8), 3), {}),
+       lambda g: ((g.i(16, 4, 8), g.i(3, 8) + 1), {}))
+simple([aten.max.other, aten.min.other], lambda g: ((g.t(4, 8), g.t(4, 1)), {}))
+
+# ---- convolutions ---------------------------------------------------------------------------
+simple([aten.conv2d.default], lambda g: ((g.t(2, 4, 8, 8), g.t(8, 4, 4, 4), g.t(8), [4, 4]), {}),
+       lambda g: ((g.t(2, 4, 8, 8), g.t(8, 4, 3, 3), None, [2, 1], [1, 0], [1, 2]), {}),
+       lambda g: ((g.t(2, 4, 8, 8), g.t(8, 2, 3, 3), g.t(8), [1, 1], [1, 1], [1, 1], 2), {}),
+       lambda g: ((g.t(4, 8, 8), g.t(8, 4, 3, 3)), {}))
+simple([aten.conv1d.default], lambda g: ((g.t(2, 4, 16), g.t(8, 4, 3), g.t(8), [2]), {}))
+simple([aten.conv3d.default], lambda g: ((g.t(2, 4, 4, 4, 4), g.t(4, 4, 2, 2, 2)), {}))
+simple([aten.conv1d.padding], lambda g: ((g.t(2, 4, 16), g.t(8, 4, 3), None, [1], "same"), {}))
+simple([aten.conv2d.padding], lambda g: ((g.t(2, 4, 8, 8), g.t(8, 4, 3, 3), g.t(8), [1, 1], "same"), {}))
+simple([aten.convolution.default],
+       lambda g: ((g.t(2, 4, 8, 8), g.t(8, 4, 3, 3), g.t(8), [1, 1], [1, 1], [1, 1], False, [0, 0], 1), {}),
+       lambda g: ((g.t(2, 4, 8, 8), g.t(4, 8, 3, 3), g.t(8), [2, 2], [1, 1], [1, 1], True, [1, 1], 1), {}))
+
+# ---- mixture-of-experts routing -------------------------------------------------------------
+simple([aten.sort.default], lambda g: ((g.t(4, 8),), {}), lambda g: ((g.t(4, 8), 0, True), {}))
+simple([aten.sort.stable], lambda g: ((g.t(4, 8),), {"stable": True, "dim": 0}))
+simple([aten.topk.default], lambda g: ((g.t(4, 8), 3), {}), lambda g: ((g.t(8, 4), 2, 0, False), {}))
+simple([aten.histc.default], lambda g: ((g.t(4, 8), 4, -2.0, 2.0), {}), lambda g: ((g.t(16),), {}),
+       lambda g: ((g.i(4, 16).double(), 4, 0, 3), {}))
+
+
+def _perm(g: Gen, n: int, k: int) -> torch.Tensor:
+    return torch.randperm(n, generator=g.g)[:k]  # distinct: a repeated index writes in any order
+
+
+simple([aten.index_put.default], lambda g: ((g.t(8, 4), [_perm(g, 8, 3)], g.t(3, 4)), {}),
+       lambda g: ((g.t(8, 4), [g.i(8, 5)], g.t(5, 4), True), {}),
+       lambda g: ((g.t(4, 8), [None, _perm(g, 8, 3)], g.t(4, 3)), {}))
+# The CPU kernel takes float32/bfloat16 with 16-byte row strides: K and N stay multiples of
+# 16 bytes after a 4-way split in bfloat16 too (tests/test_dtypes.py).
+_OFFS = torch.tensor([2, 2, 5, 8], dtype=torch.int32)  # cumulative rows per expert; one empty
+simple([aten._grouped_mm.default], lambda g: ((g.t(8, 32).float(), g.t(4, 32, 32).float(), _OFFS), {}),
+       lambda g: ((g.t(4, 8, 32).float(), g.t(4, 32, 32).float()), {}))
+
+# ---- in-place ops: their functional twin's samples --------------------------------------------
+for _op, _twin in INPLACE_TWINS.items():
+    simple([_op], *SAMPLES[_twin])
+simple([aten.copy_.default], _copy_src, lambda g: ((g.t(4, 8), g.t(4, 8).float()), {}))
+
 
 # ---- the checks -----------------------------------------------------------------------------
 
@@ -277,28 +353,60 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
+# (rtol, atol) of a sample by its floating tensors' dtype (see the module docstring).
+TOLERANCE = {F64: (1e-5, 1e-8), torch.float32: (1e-5, 1e-5)}
+
+
+def sample_tolerance(args: tuple, kwargs: dict) -> tuple[float, float]:
+    f32 = any(isinstance(t, torch.Tensor) and t.dtype == torch.float32
+              for t in tree_flatten((args, kwargs))[0])
+    return TOLERANCE[torch.float32 if f32 else F64]
+
+
+def make_sample(op: Any, si: int) -> tuple[tuple, dict, tuple]:
+    """``(args, kwargs, no_grad)`` of the op's sample ``si``."""
+    args, kwargs, *extra = SAMPLES[op][si](Gen(si))
+    return args, kwargs, tuple(extra[0].get("no_grad", ()) if extra else ())
+
+
+def check_sample(op: Any, si: int, args: tuple, kwargs: dict, no_grad: tuple, *,
+                 meshes: list, cap: dict, tol: tuple[float, float],
+                 backward: bool = True) -> tuple[int, list[str]]:
+    """Every strategy of one sample on ``meshes`` (at most ``cap[mesh rank]`` of them run):
+    ``(strategies run, failures)``."""
+    checked, failures = 0, []
+    info = op_info(op, args, kwargs, call_on_copies(op, args, kwargs))
+    for mesh in meshes:
+        strategies = strategies_for(info, mesh)
+        failures += _static_checks(op, si, mesh, info, strategies)
+        for s in _pick(strategies, f"{op}/{si}/{mesh}", cap[len(mesh)]):
+            checked += 1
+            try:
+                bad = check_strategy(op, args, kwargs, s, mesh, rtol=tol[0], atol=tol[1],
+                                     backward=backward, compare_values=op not in NO_VALUES,
+                                     no_grad=no_grad)
+            except Exception as e:  # a crash is a failure of that strategy, not of the test
+                bad = [f"raised {type(e).__name__}: {e}"]
+            if bad:
+                failures.append(f"{op} sample {si} mesh {mesh}: {s}: "
+                                + "; ".join(str(b) for b in bad))
+    return checked, failures
+
+
 def _check_op(op: Any) -> tuple[int, list[str]]:
     checked, failures = 0, []
     meshes = MESHES + ([(2, 2, 2)] if op in DEEP else [])
-    for si, make in enumerate(SAMPLES[op]):
-        args, kwargs, *extra = make(Gen(si))
-        no_grad = extra[0].get("no_grad", ()) if extra else ()
-        out = op(*args, **kwargs)
-        info = op_info(op, args, kwargs, out)
-        for mesh in meshes:
-            strategies = strategies_for(info, mesh)
-            failures += _static_checks(op, si, mesh, info, strategies)
-            for s in _pick(strategies, f"{op}/{si}/{mesh}", CAP[len(mesh)]):
-                checked += 1
-                try:
-                    bad = check_strategy(op, args, kwargs, s, mesh,
-                                         compare_values=op not in NO_VALUES, no_grad=no_grad)
-                except Exception as e:  # a crash is a failure of that strategy, not of the test
-                    bad = [f"raised {type(e).__name__}: {e}"]
-                if bad:
-                    failures.append(f"{op} sample {si} mesh {mesh}: {s}: "
-                                    + "; ".join(str(b) for b in bad))
+    for si in range(len(SAMPLES[op])):
+        args, kwargs, no_grad = make_sample(op, si)
+        c, f = check_sample(op, si, args, kwargs, no_grad, meshes=meshes, cap=CAP,
+                            tol=sample_tolerance(args, kwargs))
+        checked, failures = checked + c, failures + f
     return checked, failures
+
+
+def _writes_first_input(op: Any) -> bool:
+    alias = op._schema.arguments[0].alias_info if op._schema.arguments else None
+    return alias is not None and alias.is_write
 
 
 def _static_checks(op, si, mesh, info, strategies) -> list[str]:
@@ -313,6 +421,8 @@ def _static_checks(op, si, mesh, info, strategies) -> list[str]:
         for t, spec in list(zip(info.inputs, s.inputs)) + list(zip(info.outputs, s.outputs)):
             if len(spec) != len(mesh) or not spec_fits(t.shape, spec, mesh):
                 errs.append(f"{where}: {s}: spec {spec} does not fit {t.shape}")
+        if _writes_first_input(op) and s.outputs[0] != s.inputs[0]:
+            errs.append(f"{where}: {s}: an in-place op's output must lie as its first input")
     return errs
 
 
@@ -541,31 +651,62 @@ def test_stand_in_models_are_covered(cls) -> None:
     _assert_covered(_export(model), cls.__name__)
 
 
-def test_hugging_face_models_are_covered() -> None:
+class _HFLoss(nn.Module):
+    """A Hugging Face model whose loss is the graph's output."""
+
+    def __init__(self, m: nn.Module, key: str = "input_ids") -> None:
+        super().__init__()
+        self.m, self.key = m, key
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.m(**{self.key: x}, labels=labels).loss
+
+
+_SMALL = dict(vocab_size=64, max_position_embeddings=32, use_cache=False)
+_LAYER = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4)
+# One-layer models, each a family of graphs: what its export holds beyond the others is noted.
+HF_MODELS = {
+    "GPT2LMHeadModel": lambda tr: tr.GPT2LMHeadModel(tr.GPT2Config(
+        n_layer=1, n_embd=32, n_head=4, vocab_size=64, n_positions=32, use_cache=False)),
+    "LlamaForCausalLM": lambda tr: tr.LlamaForCausalLM(tr.LlamaConfig(
+        num_key_value_heads=2, **_LAYER, **_SMALL)),
+    "BertForMaskedLM": lambda tr: tr.BertForMaskedLM(tr.BertConfig(
+        **_LAYER, vocab_size=64, max_position_embeddings=32)),
+    # x @ weight.T (numpy_T), add_
+    "FalconForCausalLM": lambda tr: tr.FalconForCausalLM(tr.FalconConfig(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64,
+        use_cache=False)),
+    # type_as
+    "GemmaForCausalLM": lambda tr: tr.GemmaForCausalLM(tr.GemmaConfig(
+        num_key_value_heads=2, head_dim=8, **_LAYER, **_SMALL)),
+    # masked_fill_, copy_ and fill_ through views, min.other
+    "T5ForConditionalGeneration": lambda tr: tr.T5ForConditionalGeneration(tr.T5Config(
+        num_layers=1, num_decoder_layers=1, d_model=32, d_ff=64, num_heads=4, d_kv=8,
+        vocab_size=64, use_cache=False, decoder_start_token_id=0, pad_token_id=0)),
+    # topk, div_, sort, floor_divide, histc, _grouped_mm, index_put_. In bfloat16, as it trains:
+    # in float32 transformers routes the experts through its own transformers::grouped_mm_fallback.
+    "MixtralForCausalLM": lambda tr: tr.MixtralForCausalLM(tr.MixtralConfig(
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **_LAYER,
+        **_SMALL)).to(torch.bfloat16),
+    # conv2d (patch embedding)
+    "ViTForImageClassification": lambda tr: tr.ViTForImageClassification(tr.ViTConfig(
+        **_LAYER, image_size=16, patch_size=4, num_labels=10)),
+}
+
+
+@pytest.mark.parametrize("name", list(HF_MODELS))
+def test_hugging_face_models_are_covered(name: str) -> None:
     tr = pytest.importorskip("transformers")
-
-    class Loss(nn.Module):
-        def __init__(self, m: nn.Module) -> None:
-            super().__init__()
-            self.m = m
-
-        def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return self.m(input_ids=ids, labels=labels).loss
-
-    small = dict(vocab_size=64, max_position_embeddings=32)
     with torch.device("meta"):
-        models = {
-            "GPT2LMHeadModel": tr.GPT2LMHeadModel(tr.GPT2Config(
-                n_layer=1, n_embd=32, n_head=4, vocab_size=64, n_positions=32, use_cache=False)),
-            "LlamaForCausalLM": tr.LlamaForCausalLM(tr.LlamaConfig(
-                num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                num_key_value_heads=2, use_cache=False, **small)),
-            "BertForMaskedLM": tr.BertForMaskedLM(tr.BertConfig(
-                num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                **small)),
-        }
-    for name, m in models.items():
-        _assert_covered(_export(Loss(m)), name)
+        model = HF_MODELS[name](tr)
+    if name.startswith("ViT"):
+        images = torch.randn(2, 3, 16, 16, device="meta")
+        labels = torch.zeros(2, dtype=torch.long, device="meta")
+        ep = torch.export.export(_HFLoss(model, "pixel_values"), (images, labels), strict=False)
+        gm = ep.graph_module
+    else:
+        gm = _export(_HFLoss(model))
+    _assert_covered(gm, name)
 
 
 # ---- the strategies the planner relies on exist, and the ones that are wrong do not -----------

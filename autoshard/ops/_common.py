@@ -5,7 +5,7 @@ import dataclasses
 from typing import Any, Callable, Iterable, Sequence
 
 from autoshard.ir import OpInfo, Partial, Replicate, Shard, Spec, Strategy, TensorInfo
-from autoshard.ops.registry import expand
+from autoshard.ops.registry import expand, replicate_strategy
 
 R, P = Replicate(), Partial()
 Option = tuple  # (input placements, output placements): one 1-D option for expand()
@@ -41,6 +41,11 @@ def shard_index(spec: Spec, dim: int, mesh_shape: Sequence[int], coords: Sequenc
         if isinstance(p, Shard) and p.dim == dim:
             index, factor = index * n + c, factor * n
     return index, factor
+
+
+def replicate_only(op: OpInfo, mesh_shape: tuple) -> list[Strategy]:
+    """The rule of an op that is not sharded: every tensor whole on every device."""
+    return [replicate_strategy(op, mesh_shape)]
 
 
 def plain_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,

@@ -48,9 +48,12 @@ def fill_strategy(op: OpInfo, mesh_shape: tuple) -> list:
 
 
 def new_fill_strategy(op: OpInfo, mesh_shape: tuple) -> list:
-    x = op.inputs[0]
+    x, out = op.inputs[0], op.outputs[0]
     opts: list[Option] = [((p,), (R,)) for p in _any_placement(x)]
     opts += [((R,), (s,)) for s in _out_shards(op)]
+    # ``x.new_zeros(x.shape)`` (T5's label shift): built sharded where ``x`` already lies so,
+    # rather than gathering a tensor whose values it never reads.
+    opts += [((s,), (s,)) for s in _out_shards(op) if x.shape == out.shape]
     return expand(op, mesh_shape, opts)
 
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 import torch
 
 from autoshard.ir import Shard
-from autoshard.ops._common import P, Option, arg, is_float, plain_localize
+from autoshard.ops._common import P, Option, arg, is_float, plain_localize, replicate_only
 from autoshard.ops.registry import (ELEMENTWISE, GATHER, NO, NOTHING, OpInfo, all_but_first,
-                                    all_inputs, expand, per_output_element, register_op,
-                                    replicate_strategy)
+                                    all_inputs, expand, per_output_element, register_op)
 
 aten = torch.ops.aten
 
@@ -20,10 +19,6 @@ REPLICATE_ONLY = (aten.diff.default, aten.index.Tensor, aten.gather.default,
                   aten.index_select.default, aten.scatter.src, aten.scatter.value,
                   aten.flip.default, aten.roll.default, aten.repeat.default,
                   aten.one_hot.default, aten.bincount.default)
-
-
-def replicate_only(op: OpInfo, mesh_shape: tuple) -> list:
-    return [replicate_strategy(op, mesh_shape)]
 
 
 def triangle_strategy(op: OpInfo, mesh_shape: tuple) -> list:

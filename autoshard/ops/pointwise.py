@@ -3,7 +3,9 @@ stay replicated. Partial passes through ops that are linear in their tensor oper
 
 - additive (``add``, ``sub`` with two tensors): all operands Partial -> Partial;
 - scaling (``mul``, ``div`` by a replicated divisor): one operand Partial, the others replicated;
-- unary linear (``neg``, copies, views, float-to-float casts): Partial -> Partial.
+- unary linear (``neg``, copies, views, float-to-float casts, ``type_as``): Partial -> Partial;
+- overwrites (``copy``, ``fill.Tensor``, ``zero``): the first operand gives only the shape and
+  dtype, its values are discarded, so it may be Partial too: Partial -> Partial.
 
 An op with a Python-number operand that is *added* (``x + 1``) is not linear in ``x``: the
 constant would be added once per rank, so it gets no Partial option.
@@ -28,7 +30,9 @@ ADDITIVE = (aten.add.Tensor, aten.sub.Tensor)
 SCALING = (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar)
 UNARY_LINEAR = (aten.neg.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
                 aten.detach.default, aten.lift_fresh_copy.default, aten.positive.default)
-CASTS = (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default)
+CASTS = (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default,
+         aten.type_as.default)
+OVERWRITES = (aten.copy.default, aten.fill.Tensor, aten.zero.default)
 UNARY = (aten.rsqrt.default, aten.sqrt.default, aten.exp.default, aten.log.default,
          aten.tanh.default, aten.gelu.default, aten.silu.default, aten.relu.default,
          aten.sigmoid.default, aten.cos.default, aten.sin.default, aten.abs.default,
@@ -36,8 +40,9 @@ UNARY = (aten.rsqrt.default, aten.sqrt.default, aten.exp.default, aten.log.defau
          aten.pow.Tensor_Scalar, aten.pow.Scalar, aten.rsub.Scalar, aten.add.Scalar, aten.sub.Scalar,
          aten.dropout.default, aten.logical_not.default, aten.bitwise_not.default,
          aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default,
-         aten.isnan.default, aten.isinf.default)
-BINARY = (aten.pow.Tensor_Tensor, aten.maximum.default, aten.minimum.default,
+         aten.isnan.default, aten.isinf.default, aten.fill.Scalar)
+BINARY = (aten.pow.Tensor_Tensor, aten.maximum.default, aten.minimum.default, aten.max.other,
+          aten.min.other, aten.floor_divide.default,
           aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.lt.Tensor,
           aten.lt.Scalar, aten.le.Tensor, aten.le.Scalar, aten.gt.Tensor, aten.gt.Scalar,
           aten.ge.Tensor, aten.ge.Scalar, aten.__and__.Tensor, aten.__or__.Tensor,
@@ -45,7 +50,7 @@ BINARY = (aten.pow.Tensor_Tensor, aten.maximum.default, aten.minimum.default,
           aten.bitwise_xor.Tensor, aten.logical_and.default, aten.logical_or.default,
           aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf,
           aten.masked_fill.Scalar, aten.masked_fill.Tensor)
-POINTWISE = ADDITIVE + SCALING + UNARY_LINEAR + CASTS + UNARY + BINARY
+POINTWISE = ADDITIVE + SCALING + UNARY_LINEAR + CASTS + OVERWRITES + UNARY + BINARY
 
 
 def _partial_ok(op: OpInfo) -> str | None:
@@ -59,7 +64,7 @@ def _partial_ok(op: OpInfo) -> str | None:
         return "first"  # linear in the dividend only
     if t in SCALING:
         return "one"
-    if t in UNARY_LINEAR or t in CASTS:
+    if t in UNARY_LINEAR or t in CASTS or t in OVERWRITES:
         return "all"
     return None
 
@@ -90,7 +95,11 @@ _RECORDS = (
      LARGEST),
     (SCALING, ELEMENTWISE, operands_saved, LARGEST),
     ((aten.neg.default, aten.clone.default, aten.contiguous.default, aten.to.dtype,
-      aten.to.dtype_layout, aten._to_copy.default), ELEMENTWISE, NOTHING, INPUT),
+      aten.to.dtype_layout, aten._to_copy.default, aten.type_as.default, aten.zero.default,
+      aten.fill.Scalar), ELEMENTWISE, NOTHING, INPUT),
+    # ``copy`` and ``fill.Tensor`` write their second operand over the first; no gradient
+    # needs either. ``floor_divide`` has no gradient.
+    ((aten.copy.default, aten.fill.Tensor, aten.floor_divide.default), ELEMENTWISE, NOTHING, NO),
     ((aten.alias.default, aten.detach.default), VIEW, NOTHING, INPUT),
     ((aten.lift_fresh_copy.default,), VIEW, NOTHING, NO),
     ((aten.to.device, aten.rsub.Scalar), ELEMENTWISE, NOTHING, NO),
@@ -107,6 +116,7 @@ _RECORDS = (
     ((aten.dropout.default,), ELEMENTWISE, Saves(extra=(("out", 0, "elem", 1),)), INPUT),
     ((aten.positive.default, aten.logical_not.default, aten.bitwise_not.default,
       aten.isnan.default, aten.isinf.default, aten.maximum.default, aten.minimum.default,
+      aten.max.other, aten.min.other,
       aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.lt.Tensor,
       aten.lt.Scalar, aten.le.Tensor, aten.le.Scalar, aten.gt.Tensor, aten.gt.Scalar,
       aten.ge.Tensor, aten.ge.Scalar, aten.__and__.Tensor, aten.__or__.Tensor,

@@ -7,6 +7,9 @@
 - ``amax``/``amin``/``max.dim``/``min.dim``/``argmax``, ``softmax``/``log_softmax``, ``cumsum``: the
   reduced (or normalised, or scanned) dim stays replicated; the rest shard through. ``cumsum`` is
   linear, so it also passes Partial.
+- ``fft_fft``/``fft_ifft``/``fft_rfft``/``fft_irfft``: the transformed dim stays whole, the rest
+  shard through; every one is linear over the reals (``rfft`` of a real input, ``irfft`` keeping
+  the real part), so Partial passes too.
 """
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ import math
 import torch
 
 from autoshard.ir import Shard, Strategy
-from autoshard.ops._common import P, Option, arg, is_float, norm_dim, norm_dims, with_kernel
+from autoshard.ops._common import (P, Option, arg, is_float, norm_dim, norm_dims, plain_localize,
+                                   with_kernel)
 from autoshard.ops.registry import (ELEMENTWISE, NO, NOTHING, OpInfo, Saves, all_inputs, expand,
                                     per_output_element, register_op)
 
@@ -105,6 +109,26 @@ def _along_dim_options(op: OpInfo, dim: int, *, linear: bool) -> list[Option]:
     return opts
 
 
+FFTS = (aten.fft_fft.default, aten.fft_ifft.default, aten.fft_rfft.default,
+        aten.fft_irfft.default)
+REAL_FFTS = (aten.fft_rfft.default, aten.fft_irfft.default)
+
+
+def fft_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    dim = norm_dim(arg(op, 2, "dim", -1), op.inputs[0].ndim)
+    return expand(op, mesh_shape, _along_dim_options(op, dim, linear=True))
+
+
+def fft_flops(op: OpInfo) -> float:
+    """5·n·log2(n) per complex transform of length n (the radix-2 Cooley-Tukey count FFT
+    benchmarks quote), half that for a real one; n is the longer side of the transformed dim."""
+    x, out = op.inputs[0], op.outputs[0]
+    dim = norm_dim(arg(op, 2, "dim", -1), x.ndim)
+    n = max(x.shape[dim], out.shape[dim], 2)
+    per_point = 2.5 if op.target in REAL_FFTS else 5.0
+    return per_point * x.numel / max(x.shape[dim], 1) * n * math.log2(n)
+
+
 def softmax_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     dim = norm_dim(arg(op, 1, "dim"), op.inputs[0].ndim)
     return expand(op, mesh_shape, _along_dim_options(op, dim, linear=False))
@@ -125,3 +149,6 @@ register_op(*EXTREMA, strategies=extrema_strategy, saves=all_inputs, localize=re
 # Softmax's backward needs only its output.
 register_op(*SOFTMAX, strategies=softmax_strategy, saves=Saves(outputs=(0,)), **_REDUCTION)
 register_op(aten.cumsum.default, strategies=cumsum_strategy, saves=NOTHING, **_REDUCTION)
+# Linear: backward keeps nothing. ``n`` is the length of the dim kept whole, never a local size.
+register_op(*FFTS, strategies=fft_strategy, family=ELEMENTWISE, saves=NOTHING, follows=NO,
+            flops=fft_flops, localize=plain_localize)

@@ -109,6 +109,16 @@ def _differentiable(t: torch.Tensor) -> bool:
     return t.dtype.is_floating_point or t.dtype.is_complex
 
 
+def call_on_copies(fn: Any, args: tuple, kwargs: dict) -> Any:
+    """``fn`` on copies of its tensor arguments. An in-place op (``add_``, ``copy_``) must write
+    neither into the caller's tensors nor into another rank's (a replicated local tensor shares
+    the whole one's storage), and autograd refuses in-place ops on leaves; a copy is a
+    differentiable non-leaf, so gradients still reach the originals."""
+    copies = [t.clone() for t in _tensors((args, kwargs))]
+    a, k = _swap_tensors(args, kwargs, copies)
+    return fn(*a, **k)
+
+
 @dataclass
 class SimResult:
     outputs: list[torch.Tensor]               # reassembled, one per tensor output
@@ -129,7 +139,7 @@ def run_strategy(op_target: Any, args: tuple, kwargs: dict, strategy: Strategy,
     """
     mesh_shape = tuple(mesh_shape)
     if op is None:
-        op = op_info(op_target, args, kwargs, op_target(*args, **kwargs))
+        op = op_info(op_target, args, kwargs, call_on_copies(op_target, args, kwargs))
     full_ins = _tensors((args, kwargs))
     assert len(full_ins) == len(strategy.inputs), "one spec per tensor input"
     if grad_inputs is None:
@@ -146,7 +156,7 @@ def run_strategy(op_target: Any, args: tuple, kwargs: dict, strategy: Strategy,
             ins = [t.requires_grad_() if want else t for t, want in zip(ins, grad_inputs)]
         largs, lkwargs = _swap_tensors(args, kwargs, ins)
         fn, largs, lkwargs = localize(op, strategy, mesh_shape, coords, largs, lkwargs)
-        outs = _tensors(fn(*largs, **lkwargs))
+        outs = _tensors(call_on_copies(fn, largs, lkwargs))
         assert len(outs) == len(strategy.outputs), f"{len(outs)} outputs, {len(strategy.outputs)} specs"
         local_outs[coords] = [o.detach() for o in outs]
         if backward:
@@ -209,7 +219,7 @@ def check_strategy(op_target: Any, args: tuple, kwargs: dict, strategy: Strategy
     leaves = [t.detach().requires_grad_() if backward and _differentiable(t) and i not in no_grad
               else t.detach() for i, t in enumerate(full_ins)]
     gargs, gkwargs = _swap_tensors(args, kwargs, leaves)
-    ref = _tensors(op_target(*gargs, **gkwargs))
+    ref = _tensors(call_on_copies(op_target, gargs, gkwargs))
     op = op_info(op_target, args, kwargs, ref)
     grad_outputs = None
     ref_grads: list[torch.Tensor | None] = [None] * len(leaves)

@@ -95,6 +95,10 @@ def expand_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: t
 
 
 SQUEEZES = (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+MATRIX_T = (aten.mT.default, aten.mH.default, aten.matrix_H.default)
+# Complex views: a complex tensor as its real parts (and back, through a trailing dim of 2).
+COMPLEX_VIEWS = (aten.view_as_real.default, aten.view_as_complex.default, aten.real.default,
+                 aten.imag.default)
 
 
 def _squeezed(op: OpInfo) -> list[int]:
@@ -112,16 +116,30 @@ def squeeze_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: 
     return aten.squeeze.dims, (args[0], _squeezed(op)), {}
 
 
+def _swapped(op: OpInfo) -> tuple[int, int]:
+    """The two dims a transpose swaps; ``x.mT``, ``x.mH`` and ``x.H`` swap (and conjugate) the
+    last two."""
+    ndim = op.inputs[0].ndim
+    if op.target == aten.t.default:
+        return 0, 1
+    if op.target in MATRIX_T:
+        return ndim - 2, ndim - 1
+    return norm_dim(arg(op, 1, "dim0"), ndim), norm_dim(arg(op, 2, "dim1"), ndim)
+
+
 def _dim_map(op: OpInfo) -> dict[int, int]:
     """Input dim -> output dim for the ops that move, add or drop dims."""
     t, x, out = op.target, op.inputs[0], op.outputs[0]
     if t == aten.permute.default:
         dims = [norm_dim(d, x.ndim) for d in arg(op, 1, "dims")]
         return {d: dims.index(d) for d in range(x.ndim)}
-    if t in (aten.transpose.int, aten.t.default):
-        d0, d1 = ((0, 1) if t == aten.t.default else
-                  (norm_dim(arg(op, 1, "dim0"), x.ndim), norm_dim(arg(op, 2, "dim1"), x.ndim)))
+    if t == aten.numpy_T.default:  # ``x.T``: every dim reversed
+        return {d: x.ndim - 1 - d for d in range(x.ndim)}
+    if t in (aten.transpose.int, aten.t.default, *MATRIX_T):
+        d0, d1 = _swapped(op)
         return {d: {d0: d1, d1: d0}.get(d, d) for d in range(x.ndim)}
+    if t in COMPLEX_VIEWS:  # ``view_as_complex`` drops the trailing (real, imaginary) dim
+        return {d: d for d in range(min(x.ndim, out.ndim))}
     if t == aten.unsqueeze.default:
         dim = norm_dim(arg(op, 1, "dim"), out.ndim)
         return {d: d if d < dim else d + 1 for d in range(x.ndim)}
@@ -142,7 +160,8 @@ def _dim_map(op: OpInfo) -> dict[int, int]:
     raise AssertionError(f"no dim map for {t}")
 
 
-DIM_MAPPED = (aten.permute.default, aten.transpose.int, aten.t.default, aten.unsqueeze.default,
+DIM_MAPPED = (aten.permute.default, aten.transpose.int, aten.t.default, aten.numpy_T.default,
+              *MATRIX_T, *COMPLEX_VIEWS, aten.unsqueeze.default,
               *SQUEEZES, aten.select.int,
               aten.unbind.int, aten.slice.Tensor, aten.narrow.default, aten.split.Tensor,
               aten.split_with_sizes.default, aten.chunk.default)
@@ -189,7 +208,8 @@ register_op(aten.squeeze.dim, aten.squeeze.default, strategies=dim_map_strategy,
             localize=squeeze_localize, **_VIEW)
 register_op(aten.squeeze.dims, strategies=dim_map_strategy, follows=NO,
             localize=squeeze_localize, **_VIEW)
-register_op(aten.permute.default, aten.transpose.int, aten.t.default, aten.unsqueeze.default,
+register_op(aten.permute.default, aten.transpose.int, aten.t.default, aten.numpy_T.default,
+            *MATRIX_T, *COMPLEX_VIEWS, aten.unsqueeze.default,
             aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
             strategies=dim_map_strategy, follows=INPUT, localize=plain_localize, **_VIEW)
 register_op(aten.select.int, aten.unbind.int, aten.slice.Tensor, aten.narrow.default,

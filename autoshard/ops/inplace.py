@@ -1,0 +1,72 @@
+"""In-place ops (``add_``, ``mul_``, ``copy_``, ``masked_fill_``, ``relu_``...), which
+torch.export's training IR keeps as written (T5, Falcon, Mixtral and ``inplace=True`` modules).
+
+An in-place op writes its result into its first input, so on every rank the output *is* the
+local first input: the output spec must equal the first input's. Each in-place op takes the
+record of its functional twin (``add_`` -> ``add``) with the strategies that break that
+removed: ``mul_``'s ``R x P -> P`` would have each rank write a summand into a tensor that is
+replicated, while ``P x R -> P`` scales each rank's own summand. Family, saved tensors, how it
+joins the ILP and FLOPs are the twin's (autograd saves what the functional op saves). The local
+call is the in-place op itself on the rank's local tensor.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from autoshard.ir import OpInfo, Strategy
+from autoshard.ops import misc, moe, pointwise  # noqa: F401  (register the twins first)
+from autoshard.ops._common import plain_localize
+from autoshard.ops.registry import RECORDS, Saves, default_localize, register_op
+
+aten = torch.ops.aten
+
+TWINS = {
+    aten.add_.Tensor: aten.add.Tensor, aten.sub_.Tensor: aten.sub.Tensor,
+    aten.mul_.Tensor: aten.mul.Tensor, aten.div_.Tensor: aten.div.Tensor,
+    aten.masked_fill_.Scalar: aten.masked_fill.Scalar,
+    aten.masked_fill_.Tensor: aten.masked_fill.Tensor,
+    aten.copy_.default: aten.copy.default, aten.fill_.Scalar: aten.fill.Scalar,
+    aten.fill_.Tensor: aten.fill.Tensor, aten.zero_.default: aten.zero.default,
+    aten.clamp_.default: aten.clamp.default, aten.clamp_min_.default: aten.clamp_min.default,
+    aten.clamp_max_.default: aten.clamp_max.default, aten.neg_.default: aten.neg.default,
+    aten.exp_.default: aten.exp.default, aten.sqrt_.default: aten.sqrt.default,
+    aten.rsqrt_.default: aten.rsqrt.default, aten.tanh_.default: aten.tanh.default,
+    aten.sigmoid_.default: aten.sigmoid.default, aten.relu_.default: aten.relu.default,
+    aten.silu_.default: aten.silu.default, aten.gelu_.default: aten.gelu.default,
+    aten.pow_.Scalar: aten.pow.Tensor_Scalar, aten.dropout_.default: aten.dropout.default,
+    aten.detach_.default: aten.detach.default, aten.index_put_.default: aten.index_put.default,
+    aten.scatter_.src: aten.scatter.src, aten.scatter_.value: aten.scatter.value,
+}
+
+
+def _as_twin(op: OpInfo, twin: Any) -> OpInfo:
+    return dataclasses.replace(op, target=twin)
+
+
+def writes_first_input(s: Strategy) -> bool:
+    """Whether a strategy can run in place: the output lies as the first input does."""
+    return s.outputs[0] == s.inputs[0]
+
+
+def _register(target: Any, twin: Any) -> None:
+    rec = RECORDS[twin]
+    # These localizers call ``op.target``, the in-place op here; a twin with a local kernel of
+    # its own would need an in-place kernel too.
+    assert rec.localize in (default_localize, plain_localize), f"{twin} has a local kernel"
+
+    def strategies(op: OpInfo, mesh_shape: tuple) -> list[Strategy]:
+        return [s for s in rec.strategies(_as_twin(op, twin), mesh_shape) if writes_first_input(s)]
+
+    def saves(op: OpInfo) -> Saves:
+        return rec.saved(_as_twin(op, twin))
+
+    register_op(target, strategies=strategies, family=rec.family, saves=saves,
+                follows=rec.follows, flops=lambda op: rec.flops(_as_twin(op, twin)),
+                localize=rec.localize)
+
+
+for _target, _twin in TWINS.items():
+    _register(_target, _twin)
