@@ -30,7 +30,8 @@ def make_mesh(args):
 def plan_options(args) -> PlanOptions:
     """The CLI's flags as PlanOptions."""
     return PlanOptions(training=not args.inference, optimizer=args.optimizer,
-                       memory_budget=args.memory_gb * 2**30 if args.memory_gb else None,
+                       # `is not None`: 0 must be refused, not read as "unset"
+                       memory_budget=None if args.memory_gb is None else args.memory_gb * 2**30,
                        time_limit_s=args.time_limit)
 
 
@@ -48,7 +49,12 @@ def cmd_plan(args) -> int:
     print(f"  planned in {took:.2f} s (trace {t['trace_s']:.2f} s, build "
           f"{t['build_s']:.2f} s, solve {t['solve_s']:.2f} s)")
     if args.output:
-        p.save(args.output)
+        try:
+            p.save(args.output)
+        except OSError as e:
+            raise AutoshardError("a writable path for the plan (-o)",
+                                 got=f"{args.output}: {e.strerror}",
+                                 fix="write into an existing directory you may write to") from e
         print(f"  wrote {args.output}")
     return 0
 
@@ -126,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except AutoshardError as e:
-        print(f"autoshard: error: {e}", file=sys.stderr)
+        # One line, as promised: a value quoted from a file may hold a line break.
+        print("autoshard: error: " + " ".join(str(e).splitlines()), file=sys.stderr)
         return 2
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,9 +36,11 @@ class Cluster:
                                  got=repr(self.name), fix="name the profile, e.g. \"my_h100\"")
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            # bool is an int subclass and JSON's true would pass as 1; inf/nan are not figures.
+            # bool is an int subclass and JSON's true would pass as 1. The upper bound refuses
+            # inf, and an int too large for a float (the cost model divides by these); nan
+            # fails every comparison.
             if f.name != "name" and not (isinstance(v, (int, float)) and not isinstance(v, bool)
-                                         and math.isfinite(v) and v > 0):
+                                         and 0 < v <= sys.float_info.max):
                 raise AutoshardError(f"Cluster field {f.name!r} must be a positive, finite number",
                                      got=repr(v), fix=f"set {f.name} to the device's figure")
         if not isinstance(self.devices_per_node, int):
@@ -60,12 +62,21 @@ class Cluster:
     def load(cls, path: str | Path) -> "Cluster":
         try:
             data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
+        # UnicodeDecodeError: a binary file; ValueError: bad JSON or an integer of over 4300
+        # digits; RecursionError: deep nesting.
+        except (OSError, ValueError, RecursionError) as e:
             raise AutoshardError("a cluster profile is a readable JSON object", got=f"{path}: {e}",
                                  fix="write e.g. {\"base\": \"h100\", \"inter_bandwidth\": 25e9}") from e
         if not isinstance(data, dict):
-            raise AutoshardError("a cluster profile is a JSON object", got=type(data).__name__,
-                                 fix="wrap the figures in {...}")
+            raise AutoshardError("a cluster profile is a JSON object",
+                                 got=f"{path}: {type(data).__name__}", fix="wrap the figures in {...}")
+        try:
+            return cls._from_profile(data)
+        except AutoshardError as e:     # the same mistake, said of this file
+            raise AutoshardError(e.expected, got=f"{path}: {e.got}", fix=e.fix) from e
+
+    @classmethod
+    def _from_profile(cls, data: dict) -> "Cluster":
         base = cls.preset(data.pop("base", "h100"))
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)

@@ -81,7 +81,13 @@ class PlanOptions:
 
 
 def _positive(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        v = float(v)
+    except OverflowError:        # an int beyond any float (10**400) is no budget either
+        return False
+    return math.isfinite(v) and v > 0
 
 
 def resolve_options(options: PlanOptions | None, overrides: dict[str, Any]) -> PlanOptions:

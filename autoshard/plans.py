@@ -6,12 +6,16 @@ docs/plan-format.md. Loading a plan parses JSON and nothing else: it never execu
 from __future__ import annotations
 
 import json
+import re
+import reprlib
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from autoshard.errors import AutoshardError
-from autoshard.ir import Layer, Spec, Strategy, parse_spec, spec_str, work_fraction
+from autoshard.ir import (Layer, Spec, Strategy, parse_spec, replicated, spec_fits, spec_str,
+                          work_fraction)
 from autoshard.options import PlanOptions
 
 FORMAT = "autoshard.plan"
@@ -69,6 +73,10 @@ class Plan:
     input_meta: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
     # The model's repeated layers in order (trace/layers.py), for per-layer choices and stages.
     layers: tuple[Layer, ...] = ()
+    # A tied weight (one tensor under several names) -> every layout an op reads it in.
+    tied: dict[str, tuple[Spec, ...]] = field(default_factory=dict)
+    # What the user should know about the plan: devices repeating work, ops without a rule.
+    warnings: tuple[str, ...] = ()
     # Wall-clock seconds of this run (trace_s, build_s, solve_s): shown by the CLI, never saved,
     # and not part of equality, so that the same planning gives byte-identical files.
     timings: dict[str, float] = field(default_factory=dict, compare=False)
@@ -118,7 +126,11 @@ class Plan:
         for spec, fqn in shown.items():
             n = sum(1 for s in self.params.values() if spec_str(s) == spec)
             lines.append(f"    {spec:20s} x{n:<4d} e.g. {fqn}")
+        for fqn, reads in self.tied.items():
+            lines.append(f"  tied weight {fqn}: stored {spec_str(self.params[fqn])}, read as "
+                         + ", ".join(spec_str(r) for r in reads))
         lines += self.layers_summary()
+        lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
     def layers_summary(self) -> list[str]:
@@ -156,6 +168,8 @@ class Plan:
             "layers": [{"name": l.name, "same_as": l.same_as, "nodes": list(l.nodes)}
                        for l in self.layers],
             "nodes": [n.to_json() for n in self.nodes],
+            "tied": {k: [spec_str(r) for r in v] for k, v in self.tied.items()},
+            "warnings": list(self.warnings),
             "params": {k: {"placements": spec_str(v)} for k, v in self.params.items()},
             "inputs": {k: {"placements": spec_str(v),
                            **({"shape": list(self.input_meta[k][0]), "dtype": self.input_meta[k][1]}
@@ -176,7 +190,8 @@ class Plan:
     def loads(cls, text: str, *, source: str = "<string>") -> "Plan":
         try:
             d = json.loads(text)
-        except json.JSONDecodeError as e:
+        # ValueError: bad JSON, or an integer of over 4300 digits; RecursionError: deep nesting.
+        except (ValueError, RecursionError) as e:
             raise AutoshardError("a plan file is JSON written by Plan.save", got=f"{source}: {e}",
                                  fix="re-create it with `autoshard plan ... -o plan.json`") from e
         if not isinstance(d, dict) or d.get("format") != FORMAT:
@@ -188,39 +203,45 @@ class Plan:
                                  fix="re-plan with this version of autoshard")
         try:
             return cls._from_dict(d)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            if isinstance(e, AutoshardError):
-                raise
+        except _Malformed as e:
             raise AutoshardError("a complete plan (mesh, nodes, params, collectives, predicted, "
-                                 "solver)", got=f"{source}: malformed ({type(e).__name__}: {e})",
+                                 f"solver), with {e.where} {e.expected}",
+                                 got=f"{source}: malformed, {e.got}",
                                  fix="re-create the plan; do not edit plan files by hand") from e
 
     @classmethod
     def _from_dict(cls, d: dict) -> "Plan":
-        nodes = tuple(NodePlan(n["name"], n["op"], tuple(parse_spec(s) for s in n["inputs"]),
-                               tuple(parse_spec(s) for s in n["placements"]), n.get("kernel"))
-                      for n in d["nodes"])
-        colls = tuple(CollectiveRecord(c["kind"], tuple(c["axes"]), int(c["bytes"]), c["phase"],
-                                       c["node"], c.get("value", "")) for c in d["collectives"])
-        return cls(mesh_shape=tuple(int(x) for x in d["mesh"]["shape"]),
-                   mesh_axes=tuple(d["mesh"]["axes"]), cluster=d["mesh"].get("cluster", ""),
-                   fingerprint=d["fingerprint"], options=PlanOptions.from_json(d["options"]),
-                   layers=tuple(Layer(l["name"], tuple(l["nodes"]), l["same_as"])
-                                for l in d["layers"]),
-                   nodes=nodes,
-                   params={k: parse_spec(v["placements"]) for k, v in d["params"].items()},
-                   inputs={k: parse_spec(v["placements"]) for k, v in d["inputs"].items()},
-                   input_meta={k: (tuple(int(x) for x in v["shape"]), str(v["dtype"]))
-                               for k, v in d["inputs"].items() if "shape" in v},
-                   collectives=colls, predicted=dict(d["predicted"]), solver=dict(d["solver"]),
-                   model=d.get("model", ""), node_sigs=dict(d.get("node_signatures", {})))
+        """Every value is checked as it is read (docs/plan-format.md), so that a hand-edited or
+        damaged file is refused here, naming the value, and not later inside summary(),
+        planning or the runtime."""
+        root = _Field(d, "")
+        shape, axes, cluster = _read_mesh(root.key("mesh"))
+        nodes = _read_nodes(root.key("nodes"), len(shape))
+        inputs = _read_inputs(root.key("inputs"), shape)
+        params = {k: f.key("placements").spec(len(shape)) for k, f in root.key("params").items()}
+        return cls(mesh_shape=shape, mesh_axes=axes, cluster=cluster,
+                   fingerprint=root.key("fingerprint").text(),
+                   options=_read_options(root.key("options")),
+                   layers=_read_layers(root.key("layers"), {n.name for n in nodes}),
+                   nodes=nodes, params=params,
+                   # Optional: plans written before tied weights and warnings were recorded.
+                   tied=_read_tied(root.key("tied", {}), params, len(shape)),
+                   warnings=tuple(w.text() for w in root.key("warnings", []).entries()),
+                   inputs={k: spec for k, (spec, _) in inputs.items()},
+                   input_meta={k: meta for k, (_, meta) in inputs.items() if meta is not None},
+                   collectives=tuple(_read_collective(f) for f in root.key("collectives").entries()),
+                   predicted=_read_numbers(root.key("predicted"), PREDICTED),
+                   solver=_read_solver(root.key("solver")),
+                   model=root.key("model", "").text(),
+                   node_sigs={k: f.text() for k, f in root.key("node_signatures", {}).items()})
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
         try:
             text = Path(path).read_text()
-        except OSError as e:
-            raise AutoshardError("a readable plan file", got=f"{path}: {e.strerror}",
+        except (OSError, UnicodeDecodeError) as e:    # a binary file is not UTF-8 text
+            raise AutoshardError("a readable plan file",
+                                 got=f"{path}: {getattr(e, 'strerror', None) or e}",
                                  fix="check the path, or make one with `autoshard plan -o`") from e
         return cls.loads(text, source=str(path))
 
@@ -262,6 +283,192 @@ class Plan:
                                  got=f"mesh {tuple(shape)} {tuple(axes)}",
                                  fix="use the plan's mesh, or re-plan for this mesh")
 
+
+# ------------------------------------------------------------------------------ reading a file
+
+# The figures summary() prints; a plan may carry more.
+PREDICTED = ("step_time_s", "compute_s", "comm_s", "peak_memory_bytes")
+_REQUIRED = object()
+
+
+class _Malformed(Exception):
+    """A missing or ill-typed value of a plan file; ``Plan.loads`` adds the file and the fix."""
+
+    def __init__(self, where: str, expected: str, got: str) -> None:
+        super().__init__(f"{where} {expected}; got {got}")
+        self.where, self.expected, self.got = where, expected, got
+
+
+class _Field:
+    """One JSON value of a plan file and where it sits (``nodes[3].inputs[0]``), read through a
+    check of its kind. JSON puts any type anywhere, bool passes for int and a float may be nan
+    or inf: a bad value must fail here, named, not later inside summary() or the runtime."""
+
+    __slots__ = ("value", "where")
+
+    def __init__(self, value: Any, where: str) -> None:
+        self.value, self.where = value, where
+
+    def fail(self, expected: str) -> NoReturn:
+        raise _Malformed(self.where, expected, f"{self.where} = {reprlib.repr(self.value)}")
+
+    def key(self, name: str, default: Any = _REQUIRED) -> "_Field":
+        obj, where = self.obj(), f"{self.where}.{name}".lstrip(".")
+        if name not in obj and default is _REQUIRED:
+            raise _Malformed(where, "given", f"no key {name!r}")
+        return _Field(obj.get(name, default), where)
+
+    def obj(self) -> dict:
+        if not isinstance(self.value, dict):
+            self.fail("a JSON object")
+        return self.value
+
+    def items(self) -> list[tuple[str, "_Field"]]:
+        return [(k, _Field(v, f"{self.where}[{k!r}]")) for k, v in self.obj().items()]
+
+    def entries(self, *, nonempty: bool = False) -> list["_Field"]:
+        if not isinstance(self.value, list) or (nonempty and not self.value):
+            self.fail("a non-empty list" if nonempty else "a list")
+        return [_Field(v, f"{self.where}[{i}]") for i, v in enumerate(self.value)]
+
+    def text(self, *, nonempty: bool = False) -> str:
+        if not isinstance(self.value, str) or (nonempty and not self.value):
+            self.fail("a non-empty string" if nonempty else "a string")
+        return self.value
+
+    def integer(self, *, least: int = 0) -> int:
+        # Below 2**63, as every size and count is: a huge int overflows float arithmetic.
+        v = self.value
+        if isinstance(v, bool) or not isinstance(v, int) or not least <= v < 2**63:
+            self.fail(f"an integer from {least} to 2**63 - 1")
+        return v
+
+    def number(self) -> float:
+        # The upper bound refuses inf and an int too large for a float; nan fails both bounds.
+        v = self.value
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= sys.float_info.max:
+            self.fail("a finite number >= 0")
+        return v
+
+    def spec(self, ndim: int) -> Spec:
+        try:
+            spec = parse_spec(self.text())
+        except ValueError:          # fail() shows the text; the parser's fix speaks to code
+            spec = None
+        if spec is None or len(spec) != ndim:
+            self.fail(f"a spec with one placement (R, P or S(dim)) per mesh axis, like "
+                      f"'{spec_str(replicated(ndim))}'")
+        return spec
+
+
+def _read_mesh(f: _Field) -> tuple[tuple[int, ...], tuple[str, ...], str]:
+    shape = tuple(n.integer(least=1) for n in f.key("shape").entries(nonempty=True))
+    axes_field = f.key("axes")
+    axes = tuple(a.text(nonempty=True) for a in axes_field.entries())
+    if len(axes) != len(shape) or len(set(axes)) != len(axes):
+        axes_field.fail(f"one distinct name per dimension of the mesh shape {list(shape)}")
+    return shape, axes, f.key("cluster", "").text()
+
+
+def _read_nodes(f: _Field, ndim: int) -> tuple[NodePlan, ...]:
+    nodes: dict[str, NodePlan] = {}
+    for n in f.entries():
+        name, kernel = n.key("name"), n.key("kernel", None)
+        if name.text(nonempty=True) in nodes:
+            name.fail("a node name used once")
+        nodes[name.value] = NodePlan(
+            name.value, n.key("op").text(),
+            tuple(s.spec(ndim) for s in n.key("inputs").entries()),
+            tuple(s.spec(ndim) for s in n.key("placements").entries()),
+            None if kernel.value is None else kernel.text())
+    return tuple(nodes.values())
+
+
+def _read_inputs(f: _Field, mesh_shape: tuple[int, ...]) -> dict[str, tuple[Spec, Any]]:
+    """Each model input's (spec, (shape, dtype) or None), in positional order: the file's keys
+    are sorted as text, input10 before input2, and example_inputs() needs them by position."""
+    position = {k: _input_position(k, x) for k, x in f.items()}
+    if sorted(position.values()) != list(range(len(position))):
+        f.fail(f"inputs keyed input0 .. input{len(position) - 1}, one per model input")
+    out: dict[str, tuple[Spec, Any]] = {}
+    for k, x in sorted(f.items(), key=lambda kv: position[kv[0]]):
+        placements = x.key("placements")
+        spec = placements.spec(len(mesh_shape))
+        if "shape" not in x.obj():
+            out[k] = (spec, None)
+            continue
+        shape = tuple(d.integer(least=1) for d in x.key("shape").entries())
+        if not spec_fits(shape, spec, mesh_shape):
+            placements.fail(f"a spec that splits the input's shape {list(shape)} evenly")
+        out[k] = (spec, (shape, x.key("dtype").text(nonempty=True)))
+    return out
+
+
+def _input_position(name: str, f: _Field) -> int:
+    # At most 9 digits: int() of thousands of digits is refused (and no model has that many).
+    match = re.fullmatch(r"input([0-9]{1,9})", name)
+    if match is None:
+        f.fail(f"keyed input<i> (the input's position), not {name!r}")
+    return int(match.group(1))
+
+
+def _read_options(f: _Field) -> PlanOptions:
+    try:
+        return PlanOptions.from_json(f.obj())
+    except AutoshardError as e:      # its fix speaks to code that builds options
+        raise _Malformed(f.where, f"valid: {e.expected}", e.got) from e
+    except OverflowError as e:       # PlanOptions' finiteness check on an int beyond any float
+        raise _Malformed(f.where, "valid: numbers within float range", str(e)) from e
+
+
+def _read_layers(f: _Field, node_names: set[str]) -> tuple[Layer, ...]:
+    layers = []
+    for x in f.entries():
+        members, name = x.key("nodes"), x.key("name")
+        nodes = tuple(n.text() for n in members.entries(nonempty=True))
+        if not set(nodes) <= node_names:
+            members.fail("names of the plan's nodes")
+        # As trace/layers.py names them; summary() splits the block's number off.
+        if not re.fullmatch(r".+\.[0-9]+", name.text()):
+            name.fail("a module path ending in the block's number, like 'layers.3'")
+        layers.append(Layer(name.value, nodes, x.key("same_as").text()))
+    names = {layer.name for layer in layers}
+    for x, layer in zip(f.entries(), layers):
+        if layer.same_as not in names:      # summary() groups identical layers by it
+            x.key("same_as").fail("the name of one of the plan's layers")
+    return tuple(layers)
+
+
+def _read_tied(f: _Field, params: dict[str, Spec], ndim: int) -> dict[str, tuple[Spec, ...]]:
+    tied = {}
+    for fqn, reads in f.items():
+        if fqn not in params:      # summary() shows the layout it is stored in
+            reads.fail("a tied weight among the plan's params")
+        tied[fqn] = tuple(r.spec(ndim) for r in reads.entries())
+    return tied
+
+
+def _read_collective(f: _Field) -> CollectiveRecord:
+    # Kinds, phases and axes are not held to today's lists: they describe a step and steer
+    # nothing (verify compares them with the collectives that ran).
+    return CollectiveRecord(f.key("kind").text(), tuple(a.text() for a in f.key("axes").entries()),
+                            f.key("bytes").integer(), f.key("phase").text(), f.key("node").text(),
+                            f.key("value", "").text())
+
+
+def _read_numbers(f: _Field, keys: tuple[str, ...]) -> dict[str, Any]:
+    for k in keys:
+        f.key(k).number()
+    return dict(f.obj())
+
+
+def _read_solver(f: _Field) -> dict[str, Any]:
+    """The solver's record: the fields summary() prints are checked, the rest kept as they are."""
+    f.key("status").text()
+    f.key("variables").integer()
+    f.key("gap").number()
+    f.key("decisions", 0).integer()
+    return dict(f.obj())
 
 def _size(nbytes: float) -> str:
     """Bytes in the largest binary unit that keeps the figure >= 1: a tiny model's plan must not

@@ -7,6 +7,7 @@ each collective's bytes as counted at run time against the plan's ledger.
 from __future__ import annotations
 
 import copy
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 
 from autoshard.codegen.runtime import parallelize
 from autoshard.codegen.world import World
+from autoshard.errors import AutoshardError
 from autoshard.loss import as_loss_module
 from autoshard.mesh import Mesh
 from autoshard.plans import Plan
@@ -63,7 +65,16 @@ def ledger_diff(plan_records: list[tuple], run_records: list[tuple]) -> list[str
 
 
 def verify_rank(spec: VerifySpec) -> dict[str, Any]:
-    """Runs on every rank of an initialised gloo world."""
+    """Runs on every rank of an initialised gloo world. A user mistake found here comes back as
+    ``{"error": (expected, got, fix)}`` for the parent to raise as one line: raised here, World
+    would hand it back as a RankError holding a traceback."""
+    try:
+        return _run_rank(spec)
+    except AutoshardError as e:
+        return {"error": (e.expected, e.got, e.fix)}
+
+
+def _run_rank(spec: VerifySpec) -> dict[str, Any]:
     model, inputs = build(spec.model, spec.batch, spec.seq, spec.seed)
     ref = as_loss_module(copy.deepcopy(model))
     ref_loss = ref(*inputs)
@@ -91,8 +102,7 @@ def verify_rank(spec: VerifySpec) -> dict[str, Any]:
 
 def plan_for(model_name: str, mesh, *, batch: int | None = None, seq: int | None = None,
              baseline: str | None = None, seed: int = 0, **plan_kwargs: Any):
-    model, inputs = build(model_name, batch, seq, seed)
-    traced = trace(model, inputs)
+    traced = trace(*build(model_name, batch, seq, seed))
     if baseline:
         return baseline_plan(traced, mesh, baseline, **plan_kwargs)
     return plan_traced(traced, mesh, model_name=model_name, **plan_kwargs)
@@ -127,11 +137,35 @@ def verify(model_name: str, mesh: Mesh, *, plan: Plan | None = None, batch: int 
            tolerance: float = 1e-5) -> tuple[bool, str]:
     """Run ``plan`` (or a fresh plan, or a hand-written ``baseline``) on ``mesh.size`` gloo ranks
     here; (passed, report)."""
+    if not (isinstance(tolerance, (int, float)) and 0 < tolerance < math.inf):   # nan fails too
+        raise AutoshardError("a tolerance that is a positive number", got=repr(tolerance),
+                             fix="e.g. --tolerance 1e-5")
+    if plan is not None and baseline:
+        raise AutoshardError("a plan file or a baseline to verify, not both",
+                             got=f"a plan and baseline {baseline!r}", fix="drop one of them")
     if plan is not None:
-        plan.check_mesh(mesh.shape, mesh.axes)
+        check_plan(plan, model_name, mesh, batch=batch, seq=seq)
     else:
         plan = plan_for(model_name, mesh, batch=batch, seq=seq, baseline=baseline)
     spec = VerifySpec(model_name, mesh.shape, mesh.axes, plan.dumps(), batch, seq)
     with World(mesh.size, timeout_s=600) as world:
         reports = world.run(verify_rank, spec)
+    for r in reports:
+        if "error" in r:
+            expected, got, fix = r["error"]
+            raise AutoshardError(expected, got=f"{got} (on the gloo ranks)", fix=fix)
     return summarize(reports, tolerance)
+
+
+def check_plan(plan: Plan, model_name: str, mesh: Mesh, *, batch: int | None,
+               seq: int | None) -> None:
+    """Refuse, before any rank is spawned, a plan that cannot run here: one made for another
+    mesh, for forward only (verify runs a training step), or for another model or input shapes
+    (a stale plan). The ranks would find the same, but late and as tracebacks."""
+    plan.check_mesh(mesh.shape, mesh.axes)
+    if not plan.training:
+        raise AutoshardError("a plan made for training: verify runs a training step",
+                             got="a forward-only plan (options.training is false)",
+                             fix="re-plan without --inference")
+    traced = trace(*build(model_name, batch, seq, seed=0))
+    plan.check_matches(traced.fingerprint, traced.node_sigs)

@@ -45,6 +45,7 @@ def test_defaults_and_frozen() -> None:
     ("memory_budget", -1.0, "memory_budget is a positive number"),
     ("memory_budget", float("nan"), "memory_budget is a positive number"),
     ("memory_budget", True, "memory_budget is a positive number"),
+    ("memory_budget", 10**400, "memory_budget is a positive number"),
     ("time_limit_s", 0, "time_limit_s is a positive number"),
 ])
 def test_bad_option_is_refused(field: str, value, fragment: str) -> None:

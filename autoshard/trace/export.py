@@ -8,7 +8,10 @@ decisions, and every one of them is differentiable, so the per-rank program trai
 from __future__ import annotations
 
 import hashlib
+import inspect
 import operator
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -16,6 +19,7 @@ import torch
 import torch.fx as fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from autoshard.errors import AutoshardError
 from autoshard.ir import Layer, OpInfo, TensorInfo
@@ -43,6 +47,8 @@ class TracedGraph:
     node_sigs: dict[str, str] = field(default_factory=dict)
     constants: dict[str, torch.Tensor] = field(default_factory=dict)  # placeholder -> value
     layers: tuple[Layer, ...] = ()
+    # What a wrapper (autoshard's loss wrapper) adds to module paths: "model." or "".
+    module_prefix: str = ""
 
     @property
     def graph(self) -> fx.Graph:
@@ -54,6 +60,12 @@ class TracedGraph:
     def __post_init__(self) -> None:
         self._by_name = {p.name: p for p in self.placeholders}
         self.layer_of_node = {n: layer.name for layer in self.layers for n in layer.nodes}
+
+    def module_of(self, node: fx.Node) -> str:
+        """The model's own module path of a node ("" at the model's top level)."""
+        path = module_path(node)
+        return "" if path == self.module_prefix.rstrip(".") else path.removeprefix(
+            self.module_prefix)
 
     @property
     def params(self) -> list[Placeholder]:
@@ -104,22 +116,99 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any], *, training: bo
     if not isinstance(model, torch.nn.Module):
         raise AutoshardError("model is a torch.nn.Module", got=type(model).__name__,
                              fix="pass the nn.Module itself")
-    example_inputs = tuple(example_inputs)
+    example_inputs = _checked_inputs(example_inputs)
     wrapped = as_loss_module(model) if training else model
     try:
         ep = torch.export.export(wrapped, example_inputs, strict=False)
-    except Exception as e:  # export's own errors are long; keep them, but say what to do
-        raise AutoshardError("a model that torch.export can capture (non-strict)",
-                             got=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                             fix="remove data-dependent Python control flow from forward, or "
-                                 "turn off caches (use_cache=False); the full export error is "
-                                 "chained below") from e
+    except Exception as e:  # export's own errors are long: name the likely cause and its fix
+        raise _export_failure(e, model, example_inputs, training) from e
     # Our own loss wrapper holds the model as ``model``: report the model's own names. A tied
     # parameter may be lifted under any of its names; use the one named_parameters() gives.
     canonical = {id(p): n for n, p in model.named_parameters()}
     aliases = {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
     strip = "model." if wrapped is not model else ""
-    return from_exported(ep, training=training, strip=strip, aliases=aliases)
+    try:
+        return from_exported(ep, training=training, strip=strip, aliases=aliases)
+    except GuardOnDataDependentSymNode as e:    # a shape that depends on values, as of x[mask]
+        raise _export_failure(e, model, example_inputs, training) from e
+
+
+_DICT_INPUTS_FIX = ("pass a tuple of tensors in the order of forward's parameters, e.g. "
+                    "(input_ids, labels); for a forward that takes keywords, wrap the model in "
+                    "a module whose forward takes them positionally")
+
+
+def _checked_inputs(example_inputs: Any) -> tuple:
+    """The example inputs as a tuple, refusing what tuple() would silently get wrong (a dict
+    gives its keys, a tensor its rows) and inputs with nothing in them."""
+    if isinstance(example_inputs, Mapping):
+        raise AutoshardError("example_inputs is a tuple of forward's positional inputs",
+                             got=f"a {type(example_inputs).__name__} with keys "
+                                 f"{list(example_inputs)[:5]}", fix=_DICT_INPUTS_FIX)
+    if not isinstance(example_inputs, (tuple, list)):
+        raise AutoshardError("example_inputs is a tuple of forward's positional inputs",
+                             got=f"a {type(example_inputs).__name__}",
+                             fix="wrap a single input in a tuple: (x,)")
+    leaves = torch.utils._pytree.tree_leaves(tuple(example_inputs))
+    for i, t in enumerate(x for x in leaves if isinstance(x, torch.Tensor)):
+        if 0 in t.shape:    # export and planning would go through, planning nothing
+            raise AutoshardError("example inputs without a dimension of size 0",
+                                 got=f"input{i} of shape {list(t.shape)}",
+                                 fix="use a batch of at least 1 (--batch) and non-empty dims")
+    return tuple(example_inputs)
+
+
+def _export_failure(e: Exception, model: torch.nn.Module, inputs: tuple,
+                    training: bool) -> AutoshardError:
+    """The AutoshardError for a failed export, with the fix for its likely cause."""
+    text = str(e)
+    cause = _likely_cause(e, text, model, inputs, training)
+    if isinstance(e, AutoshardError):   # raised by our loss wrappers while export ran forward
+        expected, fix = cause or (e.expected, e.fix)
+        return AutoshardError(expected, got=e.got, fix=fix)
+    expected, fix = cause or ("a model that torch.export can capture (non-strict)",
+                              "make forward traceable by torch.export.export(model, inputs, "
+                              "strict=False)")
+    return AutoshardError(expected, got=f"{type(e).__name__}: {text.splitlines()[0] if text else ''}",
+                          fix=f"{fix}; the full export error is chained below")
+
+
+def _likely_cause(e: Exception, text: str, model: torch.nn.Module, inputs: tuple,
+                  training: bool) -> tuple[str, str] | None:
+    """(what export needed, how to give it), told from the exception's type and message; None
+    when no common cause fits. Order matters: a dict output also reads "loss=NoneType"."""
+    if isinstance(e, TypeError) and re.search(r"\bforward\(\) (takes|missing|got)", text):
+        return ("example inputs that match the parameters of forward",
+                f"pass one example input per parameter of {type(model).__name__}.forward"
+                f"{_signature(model)}, in order (for training, the target last)")
+    if any(isinstance(x, Mapping) for x in inputs):
+        return "example inputs that are tensors, not dicts", _DICT_INPUTS_FIX
+    # Our loss wrapper's refusal (autoshard/loss.py) names the type of the output it got.
+    if training and re.search(r"\bgot (dict|tuple|list) with loss=", text):
+        return ("for training, a forward that returns one scalar loss",
+                "wrap the model: autoshard.with_loss(model, loss_fn), with a loss_fn that picks "
+                "the logits out of the output, or plan forward only with training=False "
+                "(--inference)")
+    if training and (any(x is None for x in inputs) or re.search(r"NoneType|\btarget\b", text)):
+        return ("for training, example inputs that end with the target (labels)",
+                "pass the target tensor as the last example input (a Hugging Face model "
+                "computes .loss only when given labels), or plan forward only with "
+                "training=False (--inference)")
+    if isinstance(e, GuardOnDataDependentSymNode) or "data-dependent" in text:
+        return ("a forward whose control flow and shapes do not depend on tensor values",
+                "replace branches on values (if x.sum() > 0) with torch.where, and value-sized "
+                "results (int(t), x[mask], nonzero) with fixed shapes")
+    if "cache" in text.lower():
+        return ("a model that torch.export can capture (non-strict)",
+                "turn off caches (use_cache=False)")
+    return None
+
+
+def _signature(model: torch.nn.Module) -> str:
+    try:
+        return str(inspect.signature(model.forward))
+    except (TypeError, ValueError):    # a forward without a Python signature
+        return "(...)"
 
 
 def inline_subgraphs(gm: fx.GraphModule) -> None:
@@ -183,13 +272,15 @@ def from_exported(ep: ExportedProgram, *, training: bool, strip: str = "",
     if training and not (len(outs) == 1 and outs[0].ndim == 0 and outs[0].dtype.is_floating_point):
         raise AutoshardError("for training, the model returns one scalar floating-point loss",
                              got=f"outputs {[(list(o.shape), str(o.dtype)) for o in outs]}",
-                             fix="wrap it: autoshard.with_loss(model, loss_fn), or plan forward "
-                                 "only with training=False (--inference)")
+                             fix="pass the target (labels) as the last example input if forward "
+                                 "computes the loss from it, else wrap it: autoshard.with_loss("
+                                 "model, loss_fn); or plan forward only with training=False "
+                                 "(--inference)")
     sigs = node_signatures(gm.graph)
     digest = hashlib.sha256("\n".join(f"{k} {v}" for k, v in sigs.items()).encode()).hexdigest()
     fqns = {p.name: p.fqn for p in placeholders if p.kind in ("param", "buffer")}
     return TracedGraph(gm, placeholders, training, digest[:32], sigs, constants,
-                       find_layers(gm.graph, fqns, strip))
+                       find_layers(gm.graph, fqns, strip), strip)
 
 
 def node_signatures(graph: fx.Graph) -> dict[str, str]:

@@ -138,6 +138,9 @@ ZOO: dict[str, ZooEntry] = {
 
 
 def _lookup(name: str) -> ZooEntry:
+    if not isinstance(name, str):      # a list would fail as unhashable below
+        raise AutoshardError("a model name from the zoo (a string)", got=repr(name),
+                             fix=f"known names: {', '.join(sorted(ZOO))}")
     if name in ZOO:
         return ZOO[name]
     close = difflib.get_close_matches(name, list(ZOO), n=3, cutoff=0.5)
@@ -155,6 +158,8 @@ def get_model(name: str, *, batch: int | None = None, seq: int | None = None,
     global RNG: seed torch first for reproducible CPU models.
     """
     entry = _lookup(name)
+    _check_size("batch", batch)
+    _check_size("seq", seq)
     if entry.seq is None and seq is not None:
         raise AutoshardError(f"{name} has no sequence dimension", got=f"seq={seq}",
                              fix="leave seq unset for this model")
@@ -164,6 +169,14 @@ def get_model(name: str, *, batch: int | None = None, seq: int | None = None,
     batch = entry.batch if batch is None else batch
     seq = entry.seq if seq is None else seq
     return model, model.example_inputs(batch, seq, device=device)
+
+
+def _check_size(what: str, value: object) -> None:
+    # The models check the range as well, but a float or a bool would first reach torch.randint
+    # and fail there with a TypeError.
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise AutoshardError(f"{what} is a positive int (or None for the model's default)",
+                             got=f"{what}={value!r}", fix=f"pass e.g. {what}=8")
 
 
 # ------------------------------------------------------------------------------ user factories
@@ -196,8 +209,8 @@ def _check_factory_result(spec: str, result: object) -> tuple[nn.Module, tuple[t
         inputs = (inputs,)
     if not isinstance(model, nn.Module):
         raise AutoshardError(contract, got=f"a model of type {type(model).__name__}", fix=fix)
-    if not isinstance(inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor)
-                                                         for t in inputs):
+    if not isinstance(inputs, (tuple, list)) or not inputs or not all(
+            isinstance(t, torch.Tensor) for t in inputs):
         raise AutoshardError(contract, got=f"example_inputs {_describe(inputs)}", fix=fix)
     return model, tuple(inputs)
 
@@ -215,21 +228,43 @@ def load_factory(spec: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     The factory takes no arguments and returns ``(model, example_inputs)``; the model and inputs
     live wherever the factory puts them (build on ``torch.device("meta")`` to plan big models).
     """
-    path_text, sep, func_name = spec.rpartition(":")
-    if not sep or not path_text or not func_name.isidentifier():
+    path_text, sep, func_name = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
+    # Only a .py file: importlib has no loader for other suffixes.
+    if not sep or not path_text.endswith(".py") or not func_name.isidentifier():
         raise AutoshardError("a model factory is given as 'path/to/file.py:function'",
                              got=repr(spec), fix="e.g. 'models/my_model.py:build'")
     path = Path(path_text)
     if not path.is_file():
         raise AutoshardError(f"a Python file at {path_text}", got="no such file",
                              fix="check the path (relative paths start at the working directory)")
-    factory = getattr(_import_file(path), func_name, None)
+    module = _run_user_code(partial(_import_file, path),
+                            expected=f"a Python file {path_text} that imports without error",
+                            fix=f"make `python {path_text}` run cleanly")
+    factory = getattr(module, func_name, None)
     if not callable(factory):
         raise AutoshardError(f"a function {func_name}() in {path_text}",
                              got="no such function" if factory is None
                              else f"an object of type {type(factory).__name__}",
                              fix=f"define `def {func_name}(): ... return model, example_inputs`")
-    return _check_factory_result(spec, factory())
+    result = _run_user_code(factory, expected=f"factory {spec}, called with no arguments, "
+                                              "returns (model, example_inputs)",
+                            fix=f"repair {func_name}() (a factory takes no arguments)")
+    return _check_factory_result(spec, result)
+
+
+def _run_user_code(fn: Callable[[], Any], *, expected: str, fix: str) -> Any:
+    """``fn()``, which runs the user's file: its mistakes (a syntax error, a failing import, a
+    factory that raises) become an AutoshardError, the original chained for its traceback."""
+    try:
+        return fn()
+    except AutoshardError:
+        raise               # already says what to fix (a zoo name the factory looked up)
+    # SystemExit: a script that parses sys.argv or exits at import. SyntaxError's text carries
+    # the file and the line.
+    except (Exception, SystemExit) as e:
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise AutoshardError(expected, got=f"{type(e).__name__}: {first}",
+                             fix=f"{fix}; the full error is chained below") from e
 
 
 __all__ = ["ZOO", "ZooEntry", "get_model", "load_factory", "load_model"]
@@ -237,6 +272,10 @@ __all__ = ["ZOO", "ZooEntry", "get_model", "load_factory", "load_model"]
 
 def load_model(name: str, *, batch: int | None, seq: int | None, device: str):
     """A zoo model by name, or ``path/to/file.py:factory`` returning (model, example_inputs)."""
-    if ":" in name and name.split(":", 1)[0].endswith(".py"):
+    if isinstance(name, str) and ":" in name and name.split(":", 1)[0].endswith(".py"):
+        if batch is not None or seq is not None:    # the factory's inputs would ignore them
+            raise AutoshardError("batch and seq for zoo models only: a factory builds its own "
+                                 "example inputs", got=f"batch={batch}, seq={seq} for {name}",
+                                 fix="drop --batch/--seq, or set the sizes inside the factory")
         return load_factory(name)
     return get_model(name, batch=batch, seq=seq, device=device)
