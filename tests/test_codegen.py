@@ -253,3 +253,13 @@ def _bad_inputs(plan_json: str) -> str | None:
 def test_inputs_of_other_shapes_are_refused(world2):
     msg = world2.run(_bad_inputs, plan_for("gpt2-tiny", mesh_of((2,))).dumps())[0]
     assert msg and "planned shape" in msg and "got shape (4, 8)" in msg, msg
+
+
+def test_complex_values_carry_their_gradients(world4):
+    """An rfft between two linear layers: its complex output carries a gradient like a float one.
+    Planned as float-only once, the reshards after the rfft lost their backward steps and the
+    run failed (or, with rfft sharded, trained on wrong gradients)."""
+    factory = f"{Path(__file__).parent / 'data' / 'fft_model.py'}:make"
+    plan = plan_for(factory, mesh_of((4,)))
+    assert any(n.op == "aten.fft_rfft.default" for n in plan.nodes)
+    check(world4, factory, plan)

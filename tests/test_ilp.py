@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ortools.linear_solver import pywraplp
 
-from autoshard.solver.ilp import Infeasible, NoSolution, break_ties, least_memory, solve
+from autoshard.solver.ilp import (Infeasible, NoSolution, break_ties, least_memory,
+                                  least_memory_plan, solve)
 from autoshard.solver.problem import Edge, Fanout, Decision, Problem, evaluate
 
 # Seconds-sized costs; the MIP's own tolerances are far below this on problems this small.
@@ -159,14 +160,69 @@ def test_infeasible_budget_reports_the_true_least_memory() -> None:
     assert info.value.least_memory == pytest.approx(303.0, rel=REL)
 
 
+# The four outcomes of a solve, each forced: optimal (the tests above), feasible with a stated
+# gap, no incumbent in time (a plan of least memory when one fits, else no solution), infeasible
+# (with the least memory, exact or a bound).
+
+def _status(monkeypatch, status: int, *, solve_first: bool = False) -> None:
+    """Make every MIP solve report ``status`` (after really solving, with ``solve_first``)."""
+    real = pywraplp.Solver.Solve
+
+    def fake(self, *a):
+        if solve_first:
+            real(self, *a)
+        return status
+
+    monkeypatch.setattr(pywraplp.Solver, "Solve", fake)
+
+
+def test_feasible_incumbent_states_its_gap(monkeypatch) -> None:
+    _status(monkeypatch, pywraplp.Solver.FEASIBLE, solve_first=True)
+    sol = solve(chain())
+    assert sol.status == "FEASIBLE" and sol.objective == pytest.approx(5.0, rel=REL)
+    assert 0.0 <= sol.gap <= 1.0 and sol.note == ""
+
+
 def test_time_limit_without_a_plan_is_not_reported_as_infeasible(monkeypatch) -> None:
     """The solver stopping before its first incumbent (status NOT_SOLVED) used to be reported as
-    an infeasible memory budget, quoting a least memory far below the budget."""
-    monkeypatch.setattr(pywraplp.Solver, "Solve", lambda self, *a: pywraplp.Solver.NOT_SOLVED)
+    an infeasible memory budget, quoting a least memory far below the budget. Now the plan of
+    least memory, which fits, is returned as a feasible plan that says why."""
+    _status(monkeypatch, pywraplp.Solver.NOT_SOLVED)
+    p = two_ways(3)
+    sol = solve(p, time_limit_s=0.5)
+    assert sol.status == "FEASIBLE" and sol.choice == (1, 1)          # the leanest strategies
+    assert sol.objective == pytest.approx(evaluate(p, (1, 1))[0], rel=REL)
+    assert "no plan within 0.5 s" in sol.note and "least memory" in sol.note
+    # Some backends say INFEASIBLE on a time limit too: the least memory contradicts them.
+    _status(monkeypatch, pywraplp.Solver.INFEASIBLE)
+    assert solve(p).status == "FEASIBLE"
+
+
+def _with_copy_memory(p: Problem) -> Problem:
+    """Reshard memory on the edge makes the least memory a MIP of its own."""
+    e = p.edges[0]
+    return replace(p, edges=(replace(e, memory=((0.0, 1.0), (1.0, 0.0))),))
+
+
+def test_no_incumbent_and_no_least_memory_plan_is_no_solution(monkeypatch) -> None:
+    _status(monkeypatch, pywraplp.Solver.NOT_SOLVED)
     with pytest.raises(NoSolution) as info:
-        solve(chain(), time_limit_s=0.5)
+        solve(_with_copy_memory(two_ways(3)), time_limit_s=0.5)
     assert info.value.time_limit_s == 0.5
     assert not isinstance(info.value, Infeasible)
+
+
+def test_infeasible_by_a_bound_says_so(monkeypatch) -> None:
+    """A lower bound above the budget proves infeasibility even when the least-memory MIP does not
+    finish; the verdict says the figure is a bound."""
+    _status(monkeypatch, pywraplp.Solver.NOT_SOLVED)
+    p = replace(_with_copy_memory(two_ways(3)), memory_budget=32.9)    # bound 3 + 3 * 10 = 33
+    with pytest.raises(Infeasible) as info:
+        solve(p)
+    assert info.value.least_memory == pytest.approx(33.0) and not info.value.exact
+    assert "at least" in str(info.value)
+    bound = least_memory_plan(_with_copy_memory(two_ways(3)))
+    assert not bound.exact and bound.choice is None
 
 
 def test_fixed_pins_a_strategy() -> None:

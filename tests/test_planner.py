@@ -27,7 +27,7 @@ from autoshard import Mesh, PlanOptions, plan
 from autoshard.cost.comm import COLLECTIVE_KINDS, bytes_sent_per_device
 from autoshard.cost.memory import param_state_bytes
 from autoshard.errors import AutoshardError
-from autoshard.ir import Replicate, Shard
+from autoshard.ir import Replicate, Shard, Strategy
 from autoshard.plans import PHASES, Plan
 from autoshard.solver.baselines import BASELINES, baseline_plan
 from autoshard.solver.build import build_problem
@@ -488,3 +488,59 @@ def test_op_without_a_rule_is_replicated_with_one_warning(monkeypatch) -> None:
     cummax = [n for n in p.nodes if n.op == str(aten.cummax.default)]
     assert len(cummax) == 1
     assert all(s == R for s in cummax[0].inputs + cummax[0].outputs)
+
+
+def test_infeasible_verdict_names_the_ops_without_a_rule() -> None:
+    """An op without a rule keeps its tensors whole on every device; when no plan fits, the
+    verdict names it, where it is and what it holds."""
+    with torch.device("meta"):
+        model = _CumMax()
+    x = torch.randn(8, 16, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(AutoshardError) as info:
+            plan(model, (x,), Mesh((2,)), memory_budget=64.0)
+    msg = str(info.value)
+    assert "none fits" in msg and "aten.cummax.default at (top level)" in msg, msg
+    assert "ops without a sharding rule" in msg
+
+
+def test_tied_weight_is_stored_once() -> None:
+    """HF GPT-2 ties its LM head to the token embedding: export lifts the one tensor as two graph
+    inputs. Both take one stored layout, its state is counted once, and the plan lists every
+    layout an op reads it in."""
+    from autoshard.cost.price import Pricer
+    model, inputs = get_model("hf-gpt2-tiny", device="meta")
+    traced = trace(model, inputs)
+    names = [p.name for p in traced.params if p.fqn == "model.transformer.wte.weight"]
+    assert len(names) == 2
+    p = plan_traced(traced, Mesh((2, 2), cluster="stress"))
+    specs = {n.name: n.outputs[0] for n in p.nodes if n.name in names}
+    assert len(set(specs.values())) == 1
+    fqn = "model.transformer.wte.weight"
+    assert p.params[fqn] == next(iter(specs.values()))
+    assert p.tied[fqn] and all(len(spec) == 2 for spec in p.tied[fqn])
+    pricer = Pricer(traced, Mesh((2, 2), cluster="stress"), p.options)
+    one, other = (pricer.memory(n, Strategy((), (specs[n],))) for n in names)
+    assert one > 0 and other == 0
+    assert f"tied weight {fqn}: stored" in p.summary()
+
+
+def test_a_plan_that_wastes_its_mesh_says_so() -> None:
+    """GPT-2 at batch 8 on 8x8 H100s: every weight replicated over dp, 56 devices repeat the
+    work of 8. The plan says so, with the plan of the smaller mesh that does the same work; a
+    plan that splits its work over every axis says nothing."""
+    model, inputs = get_model("gpt2", device="meta")
+    p = plan(model, inputs, Mesh((8, 8), cluster="h100"))
+    (note,) = [w for w in p.warnings if w.startswith("devices repeat work")]
+    assert "idle axes: dp" in note and "The same work on mesh 8 (axes tp)" in note, note
+    assert f"against {p.predicted['step_time_s'] * 1e3:.3f} ms here" in note
+    assert "warning: devices repeat work" in p.summary()
+    model, inputs = get_model("gpt2-tiny", batch=256, device="meta")
+    busy = plan(model, inputs, Mesh((2, 2), cluster="stress"))
+    assert not [w for w in busy.warnings if w.startswith("devices repeat work")]
+    # A tiny model on 4 H100s: replicated everywhere; the same work needs one device.
+    model, inputs = get_model("mlp-tiny", device="meta")
+    tiny = plan(model, inputs, Mesh((4,), cluster="h100"))
+    (note,) = tiny.warnings
+    assert "4.0x the ideal share of 4 devices" in note and "on one device" in note, note

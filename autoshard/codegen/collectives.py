@@ -200,13 +200,18 @@ class Redistribute(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, reshard: Reshard, groups: MeshGroups,
                 ledger: Ledger | None, node: str, grad_phase: str) -> torch.Tensor:
         ctx.reshard, ctx.groups, ctx.ledger, ctx.node = reshard, groups, ledger, node
-        ctx.grad_phase = grad_phase
+        ctx.grad_phase, ctx.in_shape = grad_phase, x.shape
         return apply_steps(x, reshard.forward, groups, ledger=ledger, phase="forward", node=node)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         g = apply_steps(grad, ctx.reshard.backward, ctx.groups, ledger=ctx.ledger,
                         phase=ctx.grad_phase, node=ctx.node)
+        # A gradient of another shape means the plan lacks a backward step; autograd would sum
+        # it down to the input's shape without a word and train on wrong gradients.
+        assert g.shape == ctx.in_shape, (
+            f"reshard at {ctx.node}: gradient {tuple(g.shape)} for an input of "
+            f"{tuple(ctx.in_shape)}; backward steps {ctx.reshard.backward}")
         return g, None, None, None, None, None
 
 

@@ -60,10 +60,10 @@ def _make_profile(op: OpInfo) -> OpProfile:
     ins, outs = op.inputs, op.outputs
     if family == VIEW:
         return OpProfile(VIEW, 0.0, False, False, (), ())
-    floats = [t.dtype for t in ins if t.dtype.is_floating_point]
+    floats = [t.dtype for t in ins if t.dtype.is_floating_point or t.dtype.is_complex]
     dtype = floats[0] if floats else (outs[0].dtype if outs else torch.float32)
     has_backward = family != FACTORY and bool(floats) and any(
-        t.dtype.is_floating_point for t in outs)
+        t.dtype.is_floating_point or t.dtype.is_complex for t in outs)
     return OpProfile(
         family=family, flops=float(record.flops(op)),
         low_precision=dtype.is_floating_point and dtype.itemsize <= 2,

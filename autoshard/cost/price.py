@@ -48,6 +48,14 @@ class Pricer:
         self.traced, self.mesh, self.options, self.merge = traced, mesh, options, merge
         self.training = traced.training
         self.params = {p.name for p in traced.params}
+        # A tied weight (one tensor under several names) is lifted as one graph input per name;
+        # each later input maps to the first, which alone holds the weight's state.
+        first: dict[str, str] = {}
+        self.tied_to = {p.name: first.setdefault(p.fqn, p.name) for p in traced.params
+                        if first.setdefault(p.fqn, p.name) != p.name}
+        tied = {first[p.fqn] for p in traced.params if p.name in self.tied_to}
+        self.tied_fqns = {p.name: p.fqn for p in traced.params
+                          if p.name in self.tied_to or p.name in tied}
         self.shapes = value_shapes(traced.graph)
         self.grads = grad_values(traced.graph, self.params) if self.training else set()
         self._nodes = {n.name: n for n in traced.graph.nodes}
@@ -77,7 +85,7 @@ class Pricer:
         node = self._nodes[name]
         if node.op == "placeholder":
             ph = self.traced.placeholder(name)
-            if ph.info is None or ph.kind == "input":
+            if ph.info is None or ph.kind == "input" or name in self.tied_to:
                 return 0.0
             numel = math.prod(local_shape(ph.info.shape, strategy.outputs[0], self.mesh.shape))
             if ph.kind == "param":
@@ -88,6 +96,10 @@ class Pricer:
             return 0.0
         return float(saved_activation_bytes(self.info(name), strategy, self.mesh.shape,
                                             exclude=self._param_reads(node)))
+
+    def reads(self, name: str) -> list[str]:
+        """The nodes whose values ``name`` reads, by input position."""
+        return [ref[0] for ref in value_inputs(self._nodes[name])]
 
     def _param_reads(self, node: fx.Node) -> frozenset[int]:
         reads = self._reads.get(node.name)

@@ -47,7 +47,9 @@ def grad_values(graph: fx.Graph, param_names: set[str]) -> set[str]:
             if node.target is torch.ops.aten.detach.default:
                 continue
             vals = torch.utils._pytree.tree_flatten(node.meta.get("val"))[0]
-            floating = any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in vals)
+            # Complex values carry gradients too (an rfft's output).
+            floating = any(isinstance(v, torch.Tensor) and (v.dtype.is_floating_point
+                                                            or v.dtype.is_complex) for v in vals)
             if floating and any(r[0] in needs for r in value_inputs(node)):
                 needs.add(node.name)
     return needs

@@ -48,6 +48,7 @@ class Built:
     problem: Problem
     members: dict[str, Member]   # template node -> how it follows its decision
     template: dict[str, str]     # every node -> the node of its layer's template it copies
+    tied_to: dict[str, str]      # a tied weight's later graph input -> its first
 
     def strategy_of(self, name: str, choice: tuple[int, ...]) -> Strategy:
         m = self.members[self.template[name]]
@@ -108,7 +109,14 @@ class _Builder:
                 continue
             strats = self.node_strategies(n)
             merge = self._merge_plan(n, members)
-            if merge is not None:
+            tied = self.pricer.tied_to.get(n.name)
+            if tied is not None:
+                # A tied weight is stored once: every graph input it is lifted as takes the
+                # first one's layout (its reads may still reshard it).
+                first = members[tied]
+                members[n.name] = Member(first.decision, strats, list(first.index))
+                decision_nodes[first.decision].append(n.name)
+            elif merge is not None:
                 decision, positions = merge
                 ins = self.ins[n.name]
                 size = len(members[decision_nodes[decision][0]].index)
@@ -147,7 +155,7 @@ class _Builder:
         decisions.append(Decision(OUTPUT, 1, (0.0,), (0.0,)))
         edges, fanouts = self._edges(template, members)
         problem = Problem(tuple(decisions), tuple(edges), float(self.budget), fanouts=tuple(fanouts))
-        return Built(problem, members, template)
+        return Built(problem, members, template, self.pricer.tied_to)
 
     def _merge_plan(self, n: fx.Node, members: dict[str, Member]
                     ) -> tuple[int, frozenset[int]] | None:

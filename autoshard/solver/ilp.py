@@ -19,7 +19,9 @@ single-threaded with a fixed seed, so two runs give the same plan.
 """
 from __future__ import annotations
 
+import math
 import time
+from dataclasses import dataclass
 
 from ortools.linear_solver import pywraplp
 
@@ -32,41 +34,62 @@ US = 1e6
 
 
 class Infeasible(Exception):
-    def __init__(self, least_memory: float) -> None:
-        self.least_memory = least_memory
-        super().__init__(f"no plan fits; the least memory per device is {least_memory:.4g} bytes")
+    """No assignment fits the memory budget: ``least_memory`` is the least memory any plan needs,
+    exactly (``exact``) or a lower bound that already exceeds the budget."""
+
+    def __init__(self, least_memory: float, *, exact: bool = True) -> None:
+        self.least_memory, self.exact = least_memory, exact
+        what = "is" if exact else "is at least"
+        super().__init__(f"no plan fits; the least memory per device {what} "
+                         f"{least_memory:.4g} bytes")
 
 
 class NoSolution(Exception):
-    """The solver stopped (time limit) before it found any plan, though plans within the memory
-    budget exist: not an infeasible budget, and must not be reported as one."""
+    """The solver stopped (time limit) before it found any plan, and no plan within the memory
+    budget could be built without it either: not an infeasible budget, and must not be reported
+    as one. ``bound`` is the solver's best lower bound on the step time (0 if it had none)."""
 
-    def __init__(self, time_limit_s: float, status: int) -> None:
-        self.time_limit_s, self.status = time_limit_s, status
+    def __init__(self, time_limit_s: float, status: int, bound: float = 0.0) -> None:
+        self.time_limit_s, self.status, self.bound = time_limit_s, status, bound
         super().__init__(f"the solver found no plan within {time_limit_s:g} s (status {status})")
 
 
+@dataclass(frozen=True, slots=True)
+class LeastMemory:
+    """The least memory per device of any assignment: ``exact``, with an assignment that reaches
+    it (``choice``), or a lower bound without one."""
+
+    bytes: float
+    exact: bool
+    choice: tuple[int, ...] | None
+
+
 def least_memory(problem: Problem, *, time_limit_s: float = 30.0) -> float:
-    """The least memory (bytes per device) of any assignment. Without reshard memory on edges,
-    memory depends on the decision choices alone and is a per-decision minimum; with it, a MIP that
-    minimises memory finds it (if that MIP does not finish in time, the per-decision minimum is
-    returned: a lower bound)."""
+    """The least memory (bytes per device) of any assignment (see :func:`least_memory_plan`)."""
+    return least_memory_plan(problem, time_limit_s=time_limit_s).bytes
+
+
+def least_memory_plan(problem: Problem, *, time_limit_s: float = 30.0) -> LeastMemory:
+    """The least memory of any assignment. Without reshard memory on edges, memory depends on the
+    decisions alone: each decision's least-memory strategy, exactly. With it, a MIP that
+    minimises memory; if that MIP does not finish in time, the per-decision minimum, a bound."""
     pins: dict[int, set[int]] = {}
     for g, i in problem.fixed:
         pins.setdefault(g, set()).add(i)
     if any(len(v) > 1 for v in pins.values()):
-        return float("inf")          # two different strategies pinned on one decision
-    bound = sum(dec.multiplicity * min(dec.memory[i] for i in pins.get(g, range(len(dec.memory))))
-                for g, dec in enumerate(problem.decisions))
+        return LeastMemory(float("inf"), True, None)   # two strategies pinned on one decision
+    leanest = tuple(min(pins.get(g, range(len(dec.memory))), key=lambda i: dec.memory[i])
+                    for g, dec in enumerate(problem.decisions))
+    bound = sum(dec.multiplicity * dec.memory[i] for dec, i in zip(problem.decisions, leanest))
     if not any(e.memory for e in (*problem.edges, *problem.fanouts)):
-        return bound
+        return LeastMemory(bound, True, leanest)
     m = _Model(problem)
     m.s.Minimize(m.mem)
     m.s.SetTimeLimit(int(time_limit_s * 1000))
-    status = m.s.Solve()
-    if status == pywraplp.Solver.OPTIMAL:
-        return evaluate(problem, m.choice())[1]
-    return bound
+    if m.s.Solve() == pywraplp.Solver.OPTIMAL:
+        choice = m.choice()
+        return LeastMemory(evaluate(problem, choice)[1], True, choice)
+    return LeastMemory(bound, False, None)
 
 
 def _solver() -> pywraplp.Solver:
@@ -145,26 +168,41 @@ class _Model:
 
 
 def solve(problem: Problem, *, time_limit_s: float = 30.0) -> Solution:
+    """The best plan the solver finds in ``time_limit_s``: optimal, or feasible with its gap to
+    the best bound. Raises :class:`Infeasible` when no plan fits memory, :class:`NoSolution` when
+    the solver found no plan in time and none could be built without it."""
     t0 = time.perf_counter()
     m = _Model(problem)
     m.s.Add(m.mem <= problem.memory_budget)
     m.s.Minimize(m.obj)
     m.s.SetTimeLimit(int(time_limit_s * 1000))
     status = m.s.Solve()
-    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        # A time limit hit before the first incumbent also lands here (NOT_SOLVED): only a budget
-        # below the least memory makes the problem infeasible.
-        least = least_memory(problem, time_limit_s=time_limit_s)
-        if least > problem.memory_budget or status == pywraplp.Solver.INFEASIBLE:
-            raise Infeasible(least)
-        raise NoSolution(time_limit_s, status)
-    choice = m.choice()
-    objective = evaluate(problem, choice)[0]     # exact, not within the solver's tolerances
-    bound = m.s.Objective().BestBound() / US if status != pywraplp.Solver.OPTIMAL else objective
-    return Solution(choice=choice, status="OPTIMAL" if status == pywraplp.Solver.OPTIMAL else "FEASIBLE",
-                    objective=objective, bound=bound,
-                    variables=sum(len(xs) for xs in m.x) + m.n_aux,
-                    seconds=time.perf_counter() - t0)
+    variables = sum(len(xs) for xs in m.x) + m.n_aux
+    bound = m.s.Objective().BestBound() / US
+    if status in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        choice = m.choice()
+        objective = evaluate(problem, choice)[0]     # exact, not within the solver's tolerances
+        optimal = status == pywraplp.Solver.OPTIMAL
+        return Solution(choice, "OPTIMAL" if optimal else "FEASIBLE", objective,
+                        objective if optimal else _finite(bound, objective), variables,
+                        time.perf_counter() - t0)
+    # No incumbent: the budget is infeasible, or the time limit came first (status NOT_SOLVED;
+    # some backends then say INFEASIBLE too). Only the least memory tells which.
+    least = least_memory_plan(problem, time_limit_s=time_limit_s)
+    if least.bytes > problem.memory_budget:
+        raise Infeasible(least.bytes, exact=least.exact)
+    if least.choice is None:
+        raise NoSolution(time_limit_s, status, _finite(bound, 0.0))
+    objective = evaluate(problem, least.choice)[0]
+    return Solution(least.choice, "FEASIBLE", objective, _finite(bound, 0.0), variables,
+                    time.perf_counter() - t0,
+                    note=f"the solver found no plan within {time_limit_s:g} s; this is the plan "
+                         "of least memory, whose step time was not optimised")
+
+
+def _finite(bound: float, default: float) -> float:
+    """The solver's best bound where it has a meaningful one (CBC reports +-inf without)."""
+    return bound if math.isfinite(bound) and bound >= 0 else default
 
 
 def break_ties(problem: Problem, choice: tuple[int, ...], order: dict[int, list[int]],

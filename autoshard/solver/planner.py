@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
@@ -15,6 +16,7 @@ from autoshard.options import PlanOptions, resolve_options
 from autoshard.plans import CollectiveRecord, NodePlan, Plan
 from autoshard.solver.build import Built, build_problem
 from autoshard.solver.ilp import Infeasible, NoSolution, break_ties, solve
+from autoshard.solver.diagnostics import gib, mesh_use, smaller_mesh, unruled_note, unruled_ops
 from autoshard.trace.export import TracedGraph, trace
 
 
@@ -49,7 +51,8 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = N
                 model_name: str = "", fixed: dict[str, Strategy] | None = None,
                 trace_s: float = 0.0, merge: AxisMerge | None = None, **overrides: Any) -> Plan:
     """Plan a traced graph. ``fixed`` pins the strategies of some nodes (a hand-written plan's
-    parameter layouts); ``merge``: ``mesh`` merges axes of a real mesh (see below)."""
+    parameter layouts); ``merge``: ``mesh`` merges axes of a real mesh (see below). A plan of the
+    search (not pinned, not a merged sub-problem) says when it leaves devices repeating work."""
     if options is None:
         overrides = {"training": traced.training, **overrides}
     options = resolve_options(options, overrides)
@@ -57,6 +60,44 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = N
         raise AutoshardError(f"options.training equal to the traced graph's ({traced.training})",
                              got=f"training={options.training}",
                              fix="trace with the same training flag the options ask for")
+    plan = _plan_traced(traced, mesh, options, model_name=model_name, fixed=fixed,
+                        trace_s=trace_s, merge=merge)
+    if fixed or merge is not None:
+        return plan
+    notes = [unruled_note(traced).removeprefix("; ")] if unruled_ops(traced) else []
+    notes += _mesh_use_note(traced, mesh, options, plan, model_name)
+    return replace(plan, warnings=tuple(notes)) if notes else plan
+
+
+def _mesh_use_note(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan,
+                   model_name: str) -> list[str]:
+    use = mesh_use(Pricer(traced, mesh, options), plan.strategies())
+    if not use.wasteful:
+        return []
+    small = smaller_mesh(mesh, use.idle_axes)
+    idle = ", ".join(f"{mesh.axes[a]} ({use.split[a]:.0%} of compute split over it)"
+                     for a in use.idle_axes)
+    head = (f"devices repeat work: compute per device is {use.redundancy:.1f}x the ideal share "
+            f"of {mesh.size} devices; idle axes: {idle}")
+    try:
+        other = _plan_traced(traced, small, options, model_name=model_name, fixed=None,
+                             trace_s=0.0, merge=None)
+    except AutoshardError:
+        return [f"{head}. The same work does not fit on {_devices(small)} alone."]
+    return [f"{head}. The same work on {_devices(small)}: predicted step "
+            f"{other.predicted['step_time_s'] * 1e3:.3f} ms against "
+            f"{plan.predicted['step_time_s'] * 1e3:.3f} ms here"]
+
+
+def _devices(mesh: Mesh) -> str:
+    if mesh.size == 1:
+        return "one device"
+    return f"mesh {'x'.join(map(str, mesh.shape))} (axes {','.join(mesh.axes)})"
+
+
+def _plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_name: str,
+                 fixed: dict[str, Strategy] | None, trace_s: float,
+                 merge: AxisMerge | None) -> Plan:
     check_mesh_fits(traced, mesh)
     if mesh.ndim >= 3:
         return _plan_by_merging(traced, mesh, options, model_name=model_name, fixed=fixed,
@@ -71,20 +112,24 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = N
     try:
         sol = solve(problem, time_limit_s=options.time_limit_s)
     except Infeasible as e:
+        least = f"{'' if e.exact else 'at least '}{gib(e.least_memory)}"
         raise AutoshardError(
-            f"a plan within the memory budget of {_gib(problem.memory_budget)} per device",
-            got=f"none fits; the least memory any plan needs is {_gib(e.least_memory)} "
-                "per device", fix="raise memory_budget, use a larger mesh, or a smaller batch") from e
+            f"a plan within the memory budget of {gib(problem.memory_budget)} per device",
+            got=f"none fits; the least memory any plan needs is {least} per device"
+                f"{unruled_note(traced)}",
+            fix="raise memory_budget, use a larger mesh, or a smaller batch") from e
     except NoSolution as e:
         raise AutoshardError(
             "a plan found within the solver's time limit",
-            got=f"none after {e.time_limit_s:g} s (solver status {e.status}); the memory budget "
-                "is not the cause", fix="raise time_limit_s (--time-limit), or use a mesh with "
-                "fewer axes") from e
+            got=f"none after {e.time_limit_s:g} s (solver status {e.status}, best bound "
+                f"{e.bound * 1e3:.4g} ms per step); the memory budget is not the cause",
+            fix="raise time_limit_s (--time-limit), or use a mesh with fewer axes") from e
     choice = break_ties(problem, sol.choice, _storage_preferences(traced, built))
     strategies = {name: built.strategy_of(name, choice) for name in built.template}
     solver = {"status": sol.status, "objective": sol.objective, "gap": sol.gap,
               "variables": sol.variables, "decisions": len(built.problem.decisions)}
+    if sol.note:
+        solver["note"] = sol.note
     return assemble(traced, mesh, strategies, options, solver=solver, model_name=model_name,
                     timings={"trace_s": trace_s, "build_s": build_s, "solve_s": sol.seconds})
 
@@ -127,8 +172,8 @@ def _plan_by_merging(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
             pins[name] = Strategy((), outs)
         else:
             try:
-                sub = plan_traced(traced, merge.merged(), options, fixed=pins or None, merge=merge,
-                                  model_name=model_name, trace_s=trace_s)
+                sub = _plan_traced(traced, merge.merged(), options, fixed=pins or None,
+                                   merge=merge, model_name=model_name, trace_s=trace_s)
             except AutoshardError as e:
                 errors.append(e)
                 continue
@@ -150,16 +195,12 @@ def _plan_by_merging(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
     return best
 
 
-def _gib(nbytes: float) -> str:
-    # 4 significant digits: a small model's figure must not print as "0.00 GiB".
-    return f"{nbytes / 2**30:.4g} GiB"
-
-
 def _with_fixed(built: Built, fixed: dict[str, Strategy]):
-    from dataclasses import replace
     pins = []
     for name, strat in fixed.items():
         m = built.members[built.template[name]]
+        if name in built.tied_to:
+            continue                 # a tied weight's later name: its first name's pin decides
         assert m.index == list(range(len(m.index))), f"can only pin a decision's root: {name}"
         if strat not in m.strategies:
             raise AutoshardError(f"a strategy {name} supports", got=str(strat),
@@ -195,6 +236,13 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
                 phase = "grad_sync"
             collectives.append(CollectiveRecord(step.kind, (mesh.axes[step.axis],), step.nbytes,
                                                 phase, node, e.value[0]))
+    tied: dict[str, list] = {}
+    for n in nodes:
+        for k, ref in enumerate(pricer.reads(n.name)):
+            if ref in pricer.tied_fqns:
+                reads = tied.setdefault(pricer.tied_fqns[ref], [])
+                if strategies[n.name].inputs[k] not in reads:
+                    reads.append(strategies[n.name].inputs[k])
     node_plans = tuple(NodePlan(n.name, _op_name(n), strategies[n.name].inputs,
                                 strategies[n.name].outputs, strategies[n.name].kernel)
                        for n in nodes)
@@ -207,6 +255,7 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
         predicted={"step_time_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s,
                    "peak_memory_bytes": memory},
         solver=solver, model=model_name, node_sigs=traced.node_sigs, layers=traced.layers,
+        tied={fqn: tuple(reads) for fqn, reads in tied.items()},
         input_meta={p.fqn: (p.info.shape, str(p.info.dtype).removeprefix("torch."))
                     for p in traced.inputs if p.info is not None},
         # Wall-clock figures stay off the saved plan: they would make two runs' files differ.

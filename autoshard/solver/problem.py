@@ -92,6 +92,7 @@ class Solution:
     bound: float
     variables: int
     seconds: float
+    note: str = ""               # why a FEASIBLE plan is not the solver's own incumbent
 
     @property
     def gap(self) -> float:

@@ -232,6 +232,8 @@ class GPTConfig(_TransformerConfig):
 
 
 class _GPTMLP(nn.Module):
+    """fc1 to ``ffn_mult`` x hidden, GELU, fc2 back: GPT-2's MLP."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         ffn = cfg.ffn_mult * cfg.hidden
