@@ -86,6 +86,8 @@ def per_output_element(op: OpInfo) -> float:
 
 @dataclass(frozen=True, slots=True)
 class OpRecord:
+    """Everything the planner knows about one op (see the module docstring)."""
+
     strategies: RuleFn
     family: str
     saves: Union[Saves, SavesFn]
@@ -113,10 +115,8 @@ def register_op(*targets: Any, strategies: RuleFn, family: str, saves: Union[Sav
         RECORDS[t] = record
 
 
-def _unregistered(op: OpInfo, mesh_shape: tuple) -> list[Strategy]:
+def _replicated(op: OpInfo, mesh_shape: tuple) -> list[Strategy]:
     return [replicate_strategy(op, mesh_shape)]
-
-
 
 
 def record_of(target: Any) -> OpRecord:
@@ -204,6 +204,8 @@ def localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
     return fn(op, strategy, tuple(mesh_shape), tuple(coords), tuple(args), dict(kwargs))
 
 
-UNREGISTERED = OpRecord(_unregistered, ELEMENTWISE, all_inputs, NO, per_output_element,
+# An op without a record: replicated, priced as an elementwise op that saves every input (the
+# safe side for memory). getitem picks an output of a multi-output op: no kernel runs.
+UNREGISTERED = OpRecord(_replicated, ELEMENTWISE, all_inputs, NO, per_output_element,
                         default_localize)
-TUPLE_ITEM = OpRecord(_unregistered, VIEW, NOTHING, NO, per_output_element, default_localize)
+TUPLE_ITEM = OpRecord(_replicated, VIEW, NOTHING, NO, per_output_element, default_localize)

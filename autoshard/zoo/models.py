@@ -427,6 +427,30 @@ class BertConfig(_TransformerConfig):
     layer_norm_eps: float = 1e-12
 
 
+class Bert(_TokenLM):
+    """BERT encoder with the masked-LM head; the decoder weight is the word embedding (tied)."""
+
+    family = "BERT"
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__(cfg)
+        self.pos_emb = nn.Embedding(cfg.context, cfg.hidden, dtype=cfg.dtype)
+        self.type_emb = nn.Embedding(cfg.type_vocab_size, cfg.hidden, dtype=cfg.dtype)
+        self.emb_ln = _layer_norm(cfg)
+        self.layers = nn.ModuleList(_BertBlock(cfg) for _ in range(cfg.n_layers))
+        self.head = _BertMLMHead(cfg)
+        self.apply(_init_weights)
+
+    def _logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        # Single-segment input: every token has type 0, as HF does when token_type_ids is None.
+        types = torch.zeros_like(input_ids)
+        x = self.emb_ln(self.tok_emb(input_ids) + self.pos_emb(pos) + self.type_emb(types))
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x, self.tok_emb.weight)
+
+
 class _BertBlock(nn.Module):
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
@@ -451,30 +475,6 @@ class _BertMLMHead(nn.Module):
 
     def forward(self, x: torch.Tensor, decoder_weight: torch.Tensor) -> torch.Tensor:
         return F.linear(self.ln(F.gelu(self.dense(x))), decoder_weight, self.bias)
-
-
-class Bert(_TokenLM):
-    """BERT encoder with the masked-LM head; the decoder weight is the word embedding (tied)."""
-
-    family = "BERT"
-
-    def __init__(self, cfg: BertConfig) -> None:
-        super().__init__(cfg)
-        self.pos_emb = nn.Embedding(cfg.context, cfg.hidden, dtype=cfg.dtype)
-        self.type_emb = nn.Embedding(cfg.type_vocab_size, cfg.hidden, dtype=cfg.dtype)
-        self.emb_ln = _layer_norm(cfg)
-        self.layers = nn.ModuleList(_BertBlock(cfg) for _ in range(cfg.n_layers))
-        self.head = _BertMLMHead(cfg)
-        self.apply(_init_weights)
-
-    def _logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
-        # Single-segment input: every token has type 0, as HF does when token_type_ids is None.
-        types = torch.zeros_like(input_ids)
-        x = self.emb_ln(self.tok_emb(input_ids) + self.pos_emb(pos) + self.type_emb(types))
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x, self.tok_emb.weight)
 
 
 def count_parameters(model: nn.Module) -> int:
