@@ -48,14 +48,14 @@ class Pricer:
         self.traced, self.mesh, self.options, self.merge = traced, mesh, options, merge
         self.training = traced.training
         self.params = {p.name for p in traced.params}
-        # A tied weight (one tensor under several names) is lifted as one graph input per name;
-        # each later input maps to the first, which alone holds the weight's state.
-        first: dict[str, str] = {}
-        self.tied_to = {p.name: first.setdefault(p.fqn, p.name) for p in traced.params
-                        if first.setdefault(p.fqn, p.name) != p.name}
-        tied = {first[p.fqn] for p in traced.params if p.name in self.tied_to}
-        self.tied_fqns = {p.name: p.fqn for p in traced.params
-                          if p.name in self.tied_to or p.name in tied}
+        # A tied weight (one tensor under several names) is lifted as one graph input per name:
+        # the first holds the weight's state, every later one maps to it.
+        names: dict[str, list[str]] = {}
+        for p in traced.params:
+            names.setdefault(p.fqn, []).append(p.name)
+        tied = {fqn: ns for fqn, ns in names.items() if len(ns) > 1}
+        self.tied_to = {n: ns[0] for ns in tied.values() for n in ns[1:]}
+        self.tied_fqns = {n: fqn for fqn, ns in tied.items() for n in ns}
         self.shapes = value_shapes(traced.graph)
         self.grads = grad_values(traced.graph, self.params) if self.training else set()
         self._nodes = {n.name: n for n in traced.graph.nodes}
