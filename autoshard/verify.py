@@ -25,6 +25,7 @@ from autoshard.solver.planner import plan_traced
 from autoshard.trace.export import trace
 from autoshard.zoo.registry import load_model
 
+
 @dataclass(frozen=True)
 class VerifySpec:
     model: str                   # zoo name or path/to/file.py:factory
