@@ -16,7 +16,6 @@ Each model is traced once; every plan is the one ``plan_traced`` or ``baseline_p
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 import traceback
@@ -30,6 +29,7 @@ from autoshard.errors import AutoshardError  # noqa: E402
 from autoshard.mesh import Mesh  # noqa: E402
 from autoshard.solver import planner  # noqa: E402
 from autoshard.solver.baselines import BASELINES, baseline_plan  # noqa: E402
+from autoshard.solver.ilp import Infeasible, NoSolution  # noqa: E402
 from autoshard.trace.export import trace  # noqa: E402
 from autoshard.zoo.registry import ZOO, get_model  # noqa: E402
 
@@ -57,18 +57,14 @@ def short(e: BaseException, n: int = 160) -> str:
 
 
 def failure_cell(e: BaseException) -> str:
-    """What a plan's failure means: OOM (no plan fits memory), a solver timeout, or an error."""
-    if isinstance(e, AutoshardError):
-        m = re.search(r"memory budget of ([\d.]+) GiB", str(e))
-        least = getattr(e.__cause__, "least_memory", None)
-        if m and least is not None:
-            budget = float(m.group(1)) * 2**30
-            if least > budget * (1 + 1e-9):
-                return f"infeasible: OOM (needs {least / 2**30:.1f} GiB)"
-            # The ILP found no solution in its time limit although a plan fitting memory exists:
-            # ilp.solve reports that as Infeasible too.
-            return "no solution: solver time limit (not OOM)"
-        return "error: " + short(e)
+    """What a plan's failure means, from the solver verdict the planner's error chains: OOM (no
+    plan fits memory), a solver timeout, or an error."""
+    cause = e.__cause__ if isinstance(e, AutoshardError) else None
+    if isinstance(cause, Infeasible):
+        bound = "" if cause.exact else "at least "
+        return f"infeasible: OOM (needs {bound}{cause.least_memory / 2**30:.1f} GiB)"
+    if isinstance(cause, NoSolution):
+        return "no solution: solver time limit (not OOM)"
     return "error: " + short(e)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -38,6 +39,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import command, machine, md_cell, today, write_section  # noqa: E402
+
+from autoshard.cli import parse_mesh  # noqa: E402
 
 SECTION = "holdout"
 HERE = Path(__file__).resolve().parent
@@ -124,21 +127,18 @@ def max_positions(config) -> int:
     return 1 << 30
 
 
-def parse_mesh(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.lower().split("x"))
-
-
 def verdict_of(error: Exception) -> str:
     """One line saying why planning failed: infeasible (with autoshard's least memory), no
     solution within the time limit, or the error itself."""
-    text = str(error)
-    least = re.search(r"least memory any plan needs is ((?:at least )?[\d.e+]+ GiB)", text)
-    budget = re.search(r"memory budget of ([\d.e+]+ GiB)", text)
-    if least:
-        return f"infeasible: least {least.group(1)} (budget {budget.group(1) if budget else '?'})"
-    if "within the solver's time limit" in text:
+    from autoshard.solver.diagnostics import gib
+    from autoshard.solver.ilp import Infeasible, NoSolution
+
+    text, cause = str(error), error.__cause__
+    if isinstance(cause, Infeasible):
+        least = ("" if cause.exact else "at least ") + gib(cause.least_memory)
+        return f"infeasible: least {least} (budget {gib(cause.budget)})"
+    if isinstance(cause, NoSolution):
         return "no solution within time limit: " + text.split("got ", 1)[-1].split(". Fix")[0]
-    cause = error.__cause__
     detail = f" [cause: {type(cause).__name__}: {str(cause).strip().splitlines()[0]}]" \
         if cause is not None and str(cause).strip() else ""
     return f"error: {type(error).__name__}: {text.strip().splitlines()[0] if text else ''}{detail}"
@@ -154,7 +154,7 @@ def one(name: str, mesh_text: str, batch: int, seq: int | None, time_limit: floa
     params = sum(p.numel() for p in model.parameters())     # tied weights counted once
     mesh_shape = parse_mesh(mesh_text)
     out = {"model": name, "kind": spec["kind"], "params": params, "mesh": mesh_text,
-           "inputs": shape, "devices": _prod(mesh_shape)}
+           "inputs": shape, "devices": math.prod(mesh_shape)}
     mesh = autoshard.Mesh(mesh_shape, cluster="h100")
     wrapped = Keywords(model, names)
     with warnings.catch_warnings(record=True) as caught:
@@ -217,13 +217,6 @@ def unruled_ops(caught) -> dict[str, str]:
             where = re.sub(r'File "[^"]*/site-packages/', 'File "', m.group(2).strip())
             ops.setdefault(m.group(1), where)
     return ops
-
-
-def _prod(xs) -> int:
-    n = 1
-    for x in xs:
-        n *= x
-    return n
 
 
 # ---------------------------------------------------------------- running cases (parent side)

@@ -30,12 +30,12 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 import autoshard.ops  # noqa: F401  (registers every rule)
-from autoshard.ir import Replicate, spec_fits
+from autoshard.ir import Replicate, op_info, spec_fits
 from autoshard.ops import registry
 from autoshard.ops.inplace import TWINS as INPLACE_TWINS
 from autoshard.ops.registry import (FAMILIES, FOLLOWS, RECORDS, OpRecord, Saves, record_of,
                                     strategies_for)
-from autoshard.ops.simulate import call_on_copies, check_strategy, op_info
+from autoshard.ops.simulate import call_on_copies, check_strategy
 
 aten = torch.ops.aten
 F64 = torch.float64

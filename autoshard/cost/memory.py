@@ -6,7 +6,6 @@ Table 2). ``saved_activation_bytes`` is the per-op model the planner sums over a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 

@@ -16,8 +16,8 @@ from typing import Any, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from autoshard.ir import (OpInfo, Partial, Replicate, Shard, Spec, Strategy, TensorInfo,  # noqa: F401
-                          divergent_axes, local_shape, op_info)
+from autoshard.ir import (OpInfo, Partial, Replicate, Shard, Spec, Strategy, divergent_axes,
+                          local_shape, op_info)
 from autoshard.ops.registry import localize
 
 Coords = tuple[int, ...]

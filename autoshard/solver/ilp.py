@@ -34,11 +34,11 @@ US = 1e6
 
 
 class Infeasible(Exception):
-    """No assignment fits the memory budget: ``least_memory`` is the least memory any plan needs,
-    exactly (``exact``) or a lower bound that already exceeds the budget."""
+    """No assignment fits the memory ``budget``: ``least_memory`` is the least memory any plan
+    needs, exactly (``exact``) or a lower bound that already exceeds the budget."""
 
-    def __init__(self, least_memory: float, *, exact: bool = True) -> None:
-        self.least_memory, self.exact = least_memory, exact
+    def __init__(self, least_memory: float, *, budget: float, exact: bool = True) -> None:
+        self.least_memory, self.budget, self.exact = least_memory, budget, exact
         what = "is" if exact else "is at least"
         super().__init__(f"no plan fits; the least memory per device {what} "
                          f"{least_memory:.4g} bytes")
@@ -190,7 +190,7 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0) -> Solution:
     # some backends then say INFEASIBLE too). Only the least memory tells which.
     least = least_memory_plan(problem, time_limit_s=time_limit_s)
     if least.bytes > problem.memory_budget:
-        raise Infeasible(least.bytes, exact=least.exact)
+        raise Infeasible(least.bytes, budget=problem.memory_budget, exact=least.exact)
     if least.choice is None:
         raise NoSolution(time_limit_s, status, _finite(bound, 0.0))
     objective = evaluate(problem, least.choice)[0]

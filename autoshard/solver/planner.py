@@ -16,7 +16,7 @@ from autoshard.options import PlanOptions, resolve_options
 from autoshard.plans import CollectiveRecord, NodePlan, Plan
 from autoshard.solver.build import Built, build_problem
 from autoshard.solver.ilp import Infeasible, NoSolution, break_ties, solve
-from autoshard.solver.diagnostics import gib, mesh_use, smaller_mesh, unruled_note, unruled_ops
+from autoshard.solver.diagnostics import gib, mesh_use, smaller_mesh, unruled_note
 from autoshard.trace.export import TracedGraph, trace
 
 
@@ -64,7 +64,8 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = N
                         trace_s=trace_s, merge=merge)
     if fixed or merge is not None:
         return plan
-    notes = [unruled_note(traced).removeprefix("; ")] if unruled_ops(traced) else []
+    unruled = unruled_note(traced)
+    notes = [unruled.removeprefix("; ")] if unruled else []
     notes += _mesh_use_note(traced, mesh, options, plan, model_name)
     return replace(plan, warnings=tuple(notes)) if notes else plan
 
@@ -114,7 +115,7 @@ def _plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model
     except Infeasible as e:
         least = f"{'' if e.exact else 'at least '}{gib(e.least_memory)}"
         raise AutoshardError(
-            f"a plan within the memory budget of {gib(problem.memory_budget)} per device",
+            f"a plan within the memory budget of {gib(e.budget)} per device",
             got=f"none fits; the least memory any plan needs is {least} per device"
                 f"{unruled_note(traced)}",
             fix="raise memory_budget, use a larger mesh, or a smaller batch") from e
