@@ -30,6 +30,9 @@ class PlanOptions:
     - ``precision``: the dtypes the step runs in (see PRECISIONS).
     - ``memory_budget``: bytes per device a plan may use; None = the cluster's device memory.
     - ``time_limit_s``: the ILP solver's time limit per solve, seconds.
+    - ``bucket_mb``: gradient all-reduces of data-parallel parameters are fused into buckets of
+      up to this many MiB (DDP's ``bucket_cap_mb``, default 25), issued as soon as their
+      gradients are ready and overlapped with the rest of backward (docs/cost-model.md §7).
     """
 
     training: bool = True
@@ -37,6 +40,7 @@ class PlanOptions:
     precision: str = "model"
     memory_budget: float | None = None
     time_limit_s: float = 20.0
+    bucket_mb: float = 25.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.training, bool):
@@ -57,6 +61,14 @@ class PlanOptions:
         if not _positive(self.time_limit_s):
             raise AutoshardError("PlanOptions.time_limit_s is a positive number of seconds",
                                  got=repr(self.time_limit_s), fix="e.g. time_limit_s=20")
+        if not _positive(self.bucket_mb):
+            raise AutoshardError("PlanOptions.bucket_mb is a positive number of MiB",
+                                 got=repr(self.bucket_mb),
+                                 fix="e.g. bucket_mb=25 (DDP's default bucket size)")
+
+    @property
+    def bucket_bytes(self) -> float:
+        return self.bucket_mb * 2**20
 
     @property
     def state_optimizer(self) -> str:

@@ -48,10 +48,16 @@ class CollectiveRecord:
     phase: str
     node: str
     value: str = ""      # the node whose output moves (a parameter's placeholder for grad_sync)
+    # A gradient bucket (node "bucket<k>"): the parameters' placeholders whose gradients it
+    # all-reduces together, in the order they become ready.
+    members: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, "axes": list(self.axes), "bytes": self.bytes,
-                "phase": self.phase, "node": self.node, "value": self.value}
+        out = {"kind": self.kind, "axes": list(self.axes), "bytes": self.bytes,
+               "phase": self.phase, "node": self.node, "value": self.value}
+        if self.members:
+            out["members"] = list(self.members)
+        return out
 
 
 @dataclass(frozen=True)
@@ -102,14 +108,22 @@ class Plan:
         return sum(c.bytes for c in self.collectives
                    if (phase is None or c.phase == phase) and (kind is None or c.kind == kind))
 
+    def _comm_by_axis(self) -> list[str]:
+        exposed, hidden = (self.predicted.get(k, {}) for k in PER_AXIS)
+        return [f"    comm over {a}: {exposed.get(a, 0.0) * 1e3:.3f} ms exposed, "
+                f"{hidden.get(a, 0.0) * 1e3:.3f} ms hidden behind backward"
+                for a in self.mesh_axes if exposed.get(a) or hidden.get(a)]
+
     def summary(self) -> str:
         p, s = self.predicted, self.solver
         dims = "x".join(map(str, self.mesh_shape))
         lines = [f"autoshard plan {self.model or ''} on mesh {dims} ({','.join(self.mesh_axes)}), "
                  f"cluster {self.cluster}, {'training' if self.training else 'inference'}",
                  f"  predicted step {p['step_time_s'] * 1e3:.3f} ms = compute "
-                 f"{p['compute_s'] * 1e3:.3f} ms + comm {p['comm_s'] * 1e3:.3f} ms; peak memory "
-                 f"{_size(p['peak_memory_bytes'])} per device",
+                 f"{p['compute_s'] * 1e3:.3f} ms + exposed comm "
+                 f"{(p['step_time_s'] - p['compute_s']) * 1e3:.3f} ms (of {p['comm_s'] * 1e3:.3f} "
+                 f"ms comm); peak memory {_size(p['peak_memory_bytes'])} per device",
+                 *self._comm_by_axis(),
                  f"  solver {s['status']}, {s['variables']} variables, {s.get('decisions', '?')} "
                  f"decisions, gap {s['gap']:.2%}"]
         by: dict[tuple[str, str, tuple[str, ...]], list[int]] = {}
@@ -288,6 +302,9 @@ class Plan:
 
 # The figures summary() prints; a plan may carry more.
 PREDICTED = ("step_time_s", "compute_s", "comm_s", "peak_memory_bytes")
+# Per mesh axis: communication the step waits for (blocking, and gradient sync that backward
+# compute does not hide), and gradient sync hidden behind backward (docs/cost-model.md §7).
+PER_AXIS = ("exposed_comm_s", "overlapped_comm_s")
 _REQUIRED = object()
 
 
@@ -453,12 +470,16 @@ def _read_collective(f: _Field) -> CollectiveRecord:
     # nothing (verify compares them with the collectives that ran).
     return CollectiveRecord(f.key("kind").text(), tuple(a.text() for a in f.key("axes").entries()),
                             f.key("bytes").integer(), f.key("phase").text(), f.key("node").text(),
-                            f.key("value", "").text())
+                            f.key("value", "").text(),
+                            tuple(m.text(nonempty=True) for m in f.key("members", []).entries()))
 
 
 def _read_numbers(f: _Field, keys: tuple[str, ...]) -> dict[str, Any]:
     for k in keys:
         f.key(k).number()
+    for k in PER_AXIS:        # absent from plans made before overlap was priced
+        for x in f.key(k, {}).obj():
+            f.key(k).key(x).number()
     return dict(f.obj())
 
 

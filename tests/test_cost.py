@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import operator
 
 import numpy as np
 import pytest
@@ -676,3 +677,121 @@ def test_saved_activation_rules():
     assert saved_activation_bytes(sdpa, heads, (4,)) == (4 * q.nbytes + lse) // 4
     ints = OpInfo(aten.eq.Tensor, (idx, idx), {}, (t_((8, 512), torch.bool),))
     assert saved_activation_bytes(ints, rep(ints), (4,)) == 0      # no gradient
+
+
+class _ThreeReads(torch.nn.Module):
+    """One activation read by three linears (the Q, K, V pattern), after ``act``."""
+
+    def __init__(self, act, h: int = 16) -> None:
+        super().__init__()
+        self.act = act
+        self.q, self.k, self.v = (torch.nn.Linear(h, h, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        y = self.act(x)
+        return (self.q(y) + self.k(y) + self.v(y)).sum()
+
+
+def _replicated_memory(model, x):
+    from autoshard.cost.price import Pricer
+    from autoshard.ops.registry import strategies_for
+    from autoshard.options import PlanOptions
+    from autoshard.trace.export import trace
+    traced = trace(model, (x,), training=True)
+    mesh = Mesh((2,), cluster="cpu")
+    pricer = Pricer(traced, mesh, PlanOptions(optimizer="none"))
+    strategies = {}
+    for n in traced.graph.nodes:
+        if n.op == "placeholder":
+            strategies[n.name] = Strategy((), ((R,),))
+        elif n.op == "call_function" and n.target is not operator.getitem:
+            strategies[n.name] = next(s for s in strategies_for(pricer.info(n.name), (2,))
+                                      if all(sp is None or sp == (R,) for sp in
+                                             (*s.inputs, *s.outputs)))
+    params = {p.name for p in traced.placeholders}
+    activations = sum(pricer.memory(n, s) for n, s in strategies.items() if n not in params)
+    return activations + pricer.saved_copies(strategies)
+
+
+@pytest.mark.parametrize("act,kept", [(torch.nn.Tanh(), "output"), (torch.nn.GELU(), "both")])
+def test_a_value_saved_by_several_ops_is_counted_once(act, kept) -> None:
+    """q, k and v projections all save their shared input: one tensor, not three (§4.4). tanh
+    saves its output (the same tensor: nothing more); gelu saves its input x, a tensor of its
+    own, and its output is kept once for the three linears."""
+    x = torch.randn(4, 8, 16)
+    one = x.numel() * 4
+    expected = one if kept == "output" else 2 * one
+    assert _replicated_memory(_ThreeReads(act), x) == expected
+
+
+# -- §7 gradient buckets and overlap -----------------------------------------------------------
+
+def test_buckets_fill_in_ready_order_and_split_by_axes_and_dtype() -> None:
+    from autoshard.cost.overlap import Sync, form_buckets
+    mb = 2**20
+    syncs = [Sync("a", (0,), "float32", 10 * mb), Sync("b", (0,), "float32", 10 * mb),
+             Sync("c", (0, 1), "float32", 1 * mb), Sync("d", (0,), "float32", 10 * mb),
+             Sync("e", (0,), "bfloat16", 3 * mb), Sync("f", (0,), "float32", 40 * mb)]
+    buckets = form_buckets(syncs, 25 * mb)
+    got = [(b.members, b.nbytes // mb) for b in buckets]
+    # a+b fit (20 MB); d would overflow them (30 > 25): a+b close, d opens the next; f (40 MB)
+    # is larger than a bucket and closes d's; the rest close at the end, in opening order.
+    assert got == [(("a", "b"), 20), (("d",), 10), (("c",), 1), (("e",), 3), (("f",), 40)]
+
+
+def test_one_latency_per_bucket_and_a_share_per_gradient() -> None:
+    """A bucket of four 1 MB gradients over 8 devices pays 2(p-1) alpha once (§7); the ILP's
+    per-gradient price charges each its 1/25 share of it."""
+    from autoshard.cost.comm import Step, reshard
+    from autoshard.cost.overlap import (Bucket, bucket_seconds, is_grad_sync,
+                                        sync_share_seconds)
+    mesh = Mesh((8,), cluster="h100")
+    link = mesh.links[0]
+    mb = 2**20
+    b = Bucket((0,), "bfloat16", ("a", "b", "c", "d"), 4 * mb)
+    assert bucket_seconds(b, mesh) == pytest.approx(
+        2 * 7 * link.alpha + 2 * 7 / 8 * 4 * mb / link.bandwidth)
+    r = reshard((R,), (R,), (mb // 2,), 2, (8,), frozenset({0}))     # 1 MB of bf16
+    assert is_grad_sync(r) and r.backward == (Step("all_reduce", 0, nbytes=mb),)
+    assert sync_share_seconds(r, mesh, 25 * mb) == pytest.approx(
+        2 * 7 * link.alpha / 25 + 2 * 7 / 8 * mb / link.bandwidth)
+    assert not is_grad_sync(reshard((S(0),), (R,), (mb,), 2, (8,), frozenset({0})))
+
+
+def test_exposed_is_what_backward_does_not_hide() -> None:
+    from autoshard.cost.overlap import exposed_seconds
+    assert exposed_seconds(0.010, 0.030) == 0.0
+    assert exposed_seconds(0.030, 0.010) == pytest.approx(0.020)
+
+
+@pytest.mark.parametrize("batch,hidden", [(512, True), (64, False)])
+def test_data_parallel_gradient_sync_hides_behind_backward(batch, hidden) -> None:
+    """GPT-2 124M data parallel over 8 nodes (the sync crosses InfiniBand): at batch 512 backward
+    compute hides every bucket; at batch 64 it cannot, and the rest is exposed (§7)."""
+    from autoshard.cost.comm import collective_time
+    from autoshard.solver.baselines import baseline_plan
+    from autoshard.trace.export import trace
+    from autoshard.zoo.registry import load_model
+    model, inputs = load_model("gpt2", batch=batch, seq=1024, device="meta")
+    h100 = PRESETS["h100"]
+    link = AxisLink(h100.inter_alpha, h100.inter_bandwidth)
+    p = baseline_plan(trace(model, inputs, training=True), Mesh((8,), ("dp",), cluster="h100",
+                                                                links=[link]), "dp")
+    pred = p.predicted
+    buckets = [c for c in p.collectives if c.members]
+    blocking = sum(collective_time(c.kind, 8, c.bytes, link.alpha, link.bandwidth)
+                   for c in p.collectives if not c.members)
+    # Each gradient is charged its share of a bucket's latency: the buckets as run cost at most
+    # one latency more per bucket (the last one partly filled).
+    run = sum(collective_time("all_reduce", 8, c.bytes, link.alpha, link.bandwidth)
+              for c in buckets)
+    sync = pred["comm_s"] - blocking
+    assert buckets and run - 2 * 7 * link.alpha <= sync <= run
+    if hidden:
+        assert pred["overlapped_comm_s"]["dp"] == pytest.approx(sync, rel=1e-9)
+        assert pred["exposed_comm_s"]["dp"] == pytest.approx(blocking, rel=1e-9, abs=1e-15)
+    else:
+        assert 0 < pred["overlapped_comm_s"]["dp"] < sync
+        assert pred["exposed_comm_s"]["dp"] > blocking
+    assert pred["step_time_s"] == pytest.approx(
+        pred["compute_s"] + pred["exposed_comm_s"]["dp"], rel=1e-12)

@@ -263,6 +263,26 @@ def test_determinism_on_ties() -> None:
     assert solve(chain()).choice == solve(chain()).choice
 
 
+def _window(sync_a: float) -> Problem:
+    """One decision: strategy 0 costs 10 s with 5 s of backward and a gradient sync of
+    ``sync_a`` s; strategy 1 costs 12 s and syncs nothing."""
+    decisions = (Decision("w", 1, (10.0, 12.0), (0.0, 0.0), (5.0, 6.0)),
+                 Decision("out", 1, (0.0,), (0.0,)))
+    edge = Edge("w:0", 1, 0, 1, (0, 1), (0,), ((0.0,), (0.0,)), (), ((sync_a,), (0.0,)))
+    return Problem(decisions, (edge,), memory_budget=1e9)
+
+
+@pytest.mark.parametrize("sync_a,step,choice", [(4.0, 10.0, 0), (5.0, 10.0, 0), (6.5, 11.5, 0),
+                                                (8.0, 12.0, 1)])
+def test_overlap_window_exposes_only_what_backward_cannot_hide(sync_a, step, choice) -> None:
+    """Sync within the backward's 5 s is free; beyond it the excess is paid (cost/overlap.py),
+    until the strategy without sync wins."""
+    sol = solve(_window(sync_a))
+    assert sol.choice[0] == choice
+    assert sol.objective == pytest.approx(step, rel=REL)
+    assert evaluate(_window(sync_a), (0, 0))[0] == pytest.approx(10.0 + max(0.0, sync_a - 5.0))
+
+
 # -------------------------------------------------------------------- property: brute force
 
 
@@ -277,10 +297,18 @@ def problems(draw) -> Problem:
     n = draw(st.integers(1, 4))
     sizes = [draw(st.integers(1, 3)) for _ in range(n)]
     cost = st.floats(0.0, 10.0, allow_nan=False, allow_infinity=False)
+    # Some problems carry an overlap window: backward seconds on decisions, gradient-sync
+    # seconds on edges and fanouts (the step adds max(0, sync - backward)).
+    window = draw(st.booleans())
     decisions = tuple(Decision(f"g{g}", draw(st.integers(1, 3)),
-                         tuple(draw(cost) for _ in range(k)),
-                         tuple(float(draw(st.integers(0, 10))) for _ in range(k)))
-                   for g, k in enumerate(sizes))
+                               tuple(draw(cost) for _ in range(k)),
+                               tuple(float(draw(st.integers(0, 10))) for _ in range(k)),
+                               tuple(draw(cost) for _ in range(k)) if window else ())
+                      for g, k in enumerate(sizes))
+
+    def sync(n_o: int, n_r: int) -> tuple:
+        return tuple(tuple(draw(cost) for _ in range(n_r)) for _ in range(n_o)) if window else ()
+
     edges = []
     for _ in range(draw(st.integers(0, 4)) if n > 1 else 0):
         a, b = draw(st.lists(st.integers(0, n - 1), min_size=2, max_size=2, unique=True))
@@ -290,7 +318,7 @@ def problems(draw) -> Problem:
         req = tuple(draw(st.integers(0, n_r - 1)) for _ in range(sizes[b]))
         matrix = tuple(tuple(draw(cost) for _ in range(n_r)) for _ in range(n_o))
         edges.append(Edge(f"e{len(edges)}", draw(st.integers(1, 2)), a, b, out, req, matrix,
-                          draw(copy_memory(n_o, n_r))))
+                          draw(copy_memory(n_o, n_r)), sync(n_o, n_r)))
     fanouts = []
     for _ in range(draw(st.integers(0, 2)) if n > 2 else 0):
         a, *cons = draw(st.lists(st.integers(0, n - 1), min_size=3, max_size=4, unique=True))
@@ -300,7 +328,7 @@ def problems(draw) -> Problem:
                         for b in cons)
         matrix = tuple(tuple(draw(cost) for _ in range(n_r)) for _ in range(n_o))
         fanouts.append(Fanout(f"f{len(fanouts)}", draw(st.integers(1, 2)), a, out, classes,
-                              matrix, draw(copy_memory(n_o, n_r))))
+                              matrix, draw(copy_memory(n_o, n_r)), sync(n_o, n_r)))
     # Integer memories and a half-integer budget: no assignment sits on the boundary.
     budget = draw(st.integers(0, 60)) + 0.5
     return Problem(decisions, tuple(edges), float(budget), fanouts=tuple(fanouts))

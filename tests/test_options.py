@@ -46,6 +46,8 @@ def test_defaults_and_frozen() -> None:
     ("memory_budget", True, "memory_budget is a positive number"),
     ("memory_budget", 10**400, "memory_budget is a positive number"),
     ("time_limit_s", 0, "time_limit_s is a positive number"),
+    ("bucket_mb", 0, "bucket_mb is a positive number"),
+    ("bucket_mb", float("inf"), "bucket_mb is a positive number"),
 ])
 def test_bad_option_is_refused(field: str, value, fragment: str) -> None:
     with pytest.raises(AutoshardError) as info:
@@ -69,7 +71,7 @@ def test_plan_records_its_options_and_load_restores_them(gpt2_tiny, tmp_path) ->
     assert p.options == PlanOptions(optimizer="sgd", time_limit_s=5.0, memory_budget=2**30)
     d = json.loads(p.dumps())
     assert d["options"] == {"training": True, "optimizer": "sgd", "precision": "model",
-                            "memory_budget": 2**30, "time_limit_s": 5.0}
+                            "memory_budget": 2**30, "time_limit_s": 5.0, "bucket_mb": 25.0}
     p.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json").options == p.options
 
@@ -177,11 +179,10 @@ def test_predicted_figures_are_the_prices_summed(gpt2_tiny, shape, cluster) -> N
     strategies = p.strategies()
     compute = sum(pricer.node(n, s).seconds for n, s in strategies.items())
     memory = sum(pricer.node(n, s).bytes for n, s in strategies.items())
-    comm = 0.0
-    for e in reshard_edges(traced.graph, strategies, mesh.shape, pricer.shapes,
-                           {q.name for q in traced.params}, training=True):
-        price = pricer.reshard(e.value, e.src, e.dst, e.divergent, e.consumers)
-        comm, memory = comm + price.seconds, memory + price.bytes
+    memory += pricer.saved_copies(strategies)
+    comm = sum(pricer.reshard_seconds(e.value, e.src, e.dst, e.divergent)
+               for e in reshard_edges(traced.graph, strategies, mesh.shape, pricer.shapes,
+                                      {q.name for q in traced.params}, training=True))
     assert p.predicted["compute_s"] == pytest.approx(compute, rel=1e-12)
     assert p.predicted["comm_s"] == pytest.approx(comm, rel=1e-12)
     assert p.predicted["peak_memory_bytes"] == pytest.approx(memory, rel=1e-12)

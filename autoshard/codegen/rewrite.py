@@ -7,13 +7,16 @@ duals in backward. The graph is stamped with the plan that produced it.
 """
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from autoshard.codegen.buckets import DeferredGradSync, GradBuckets
 from autoshard.codegen.collectives import Ledger, redistribute
+from autoshard.cost.overlap import is_grad_sync
 from autoshard.cost.reshards import ReshardEdge, reshard_edges
 from autoshard.ir import spec_str
 from autoshard.ops.registry import localize
@@ -25,13 +28,18 @@ from autoshard.trace.graph import value_ref, value_shapes
 class ReshardCall:
     """A graph target that moves one value from its spec to what its consumers need."""
 
-    def __init__(self, edge: ReshardEdge, runtime: "RankRuntime") -> None:
-        self.edge, self.rt = edge, runtime
+    def __init__(self, edge: ReshardEdge, runtime: "RankRuntime", *, bucketed: bool = False
+                 ) -> None:
+        self.edge, self.rt, self.bucketed = edge, runtime, bucketed
         self.__name__ = f"reshard_{spec_str(edge.src)}_to_{spec_str(edge.dst)}".replace(
             "[", "").replace("]", "").replace(", ", "_").replace("(", "").replace(")", "")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         e = self.edge
+        if self.bucketed:
+            # A bucketed gradient sync: the bucket all-reduces it (codegen/buckets.py).
+            return DeferredGradSync.apply(x, functools.partial(self.rt.buckets.arrive,
+                                                               e.value[0]))
         return redistribute(x, e.reshard, self.rt.groups, ledger=self.rt.ledger,
                             node=e.consumers[0][0], grad_phase="grad_sync" if e.from_param else "backward")
 
@@ -40,12 +48,15 @@ class ReshardCall:
 
 
 class RankRuntime:
-    """What the emitted program needs at run time: this rank's groups and the byte ledger."""
+    """What the emitted program needs at run time: this rank's groups, the byte ledger and the
+    plan's gradient buckets."""
 
-    def __init__(self, groups: Any, device: torch.device) -> None:
+    def __init__(self, groups: Any, device: torch.device, plan: Plan | None = None) -> None:
         self.groups = groups
         self.device = device
         self.ledger = Ledger()
+        records = [c for c in (plan.collectives if plan else ()) if c.members]
+        self.buckets = GradBuckets(records, groups, self.ledger) if records else None
 
 
 def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime) -> fx.GraphModule:
@@ -55,10 +66,16 @@ def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime) -> fx.GraphModul
     shapes = value_shapes(traced.graph)
     params = {p.name for p in traced.params}
     edges: dict[tuple, ReshardEdge] = {}
+    # The first pure gradient sync of each bucket member, as planner.gradient_buckets picks it.
+    members = set(runtime.buckets.of) if runtime.buckets is not None else set()
+    bucketed: set[ReshardEdge] = set()
     for e in reshard_edges(traced.graph, strategies, mesh_shape, shapes, params,
                            training=traced.training):
         for c in e.consumers:
             edges[(e.value, c)] = e
+        if e.value[0] in members and is_grad_sync(e.reshard):
+            members.discard(e.value[0])
+            bucketed.add(e)
 
     g = fx.Graph()
     env: dict[str, fx.Node] = {}
@@ -71,7 +88,7 @@ def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime) -> fx.GraphModul
             return src
         key = (ref, e.dst, e.divergent)
         if key not in moved:
-            moved[key] = g.call_function(ReshardCall(e, runtime), (src,))
+            moved[key] = g.call_function(ReshardCall(e, runtime, bucketed=e in bucketed), (src,))
             moved[key].meta["autoshard"] = {"reshard": f"{spec_str(e.src)} -> {spec_str(e.dst)}",
                                             "divergent": sorted(e.divergent)}
         return moved[key]

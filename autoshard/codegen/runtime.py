@@ -38,7 +38,7 @@ class ParallelModule(torch.nn.Module):
         self.plan, self.groups, self.traced = plan, groups, traced
         device = torch.device("cuda", torch.cuda.current_device()) if groups.device_type == "cuda" \
             else torch.device("cpu")
-        self.runtime = RankRuntime(groups, device)
+        self.runtime = RankRuntime(groups, device, plan)
         self.program = emit(traced, plan, self.runtime)
         full = dict(model.named_parameters())      # canonical names, as the trace reports them
         full.update(dict(model.named_buffers()))
@@ -62,6 +62,14 @@ class ParallelModule(torch.nn.Module):
             else:
                 self._buffers_local[ph.name] = self._shard(traced.constants[ph.name], spec)
         self._param_ph = {ph.fqn: ph.name for ph in traced.params}
+        if self.runtime.buckets is not None:
+            known = {ph.name: self.params[_key(ph.fqn)] for ph in traced.params}
+            unknown = sorted(set(self.runtime.buckets.of) - set(known))
+            if unknown:
+                raise AutoshardError("gradient buckets whose members are the model's parameters",
+                                     got=f"unknown members {unknown[:5]}",
+                                     fix="re-plan: the plan file was edited or is damaged")
+            self.runtime.buckets.params = known
         self._input_specs = [strategies[ph.name].outputs[0] for ph in traced.inputs]
         self._input_shapes = [ph.info.shape if ph.info else None for ph in traced.inputs]
 

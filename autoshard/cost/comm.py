@@ -227,13 +227,16 @@ def _backward(fwd: tuple[Step, ...], dst: Spec, shape: tuple[int, ...], itemsize
     return tuple(out)
 
 
+def step_seconds(s: Step, mesh: Mesh) -> float:
+    """One step's collective time on its axis's link (0 for a local step)."""
+    if not s.is_collective:
+        return 0.0
+    link = mesh.links[s.axis]
+    return collective_time(s.kind, mesh.shape[s.axis], s.nbytes, link.alpha, link.bandwidth)
+
+
 def steps_time(steps: Sequence[Step], mesh: Mesh) -> float:
-    t = 0.0
-    for s in steps:
-        if s.is_collective:
-            link = mesh.links[s.axis]
-            t += collective_time(s.kind, mesh.shape[s.axis], s.nbytes, link.alpha, link.bandwidth)
-    return t
+    return sum(step_seconds(s, mesh) for s in steps)
 
 
 def reshard_time(r: Reshard, mesh: Mesh) -> float:

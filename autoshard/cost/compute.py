@@ -108,9 +108,17 @@ def op_bytes(op: OpInfo, strategy: Strategy, mesh_shape: tuple[int, ...]) -> tup
 
 def op_time(op: OpInfo, strategy: Strategy, mesh: Mesh, *, training: bool) -> float:
     """Seconds one device spends on ``op`` under ``strategy``: forward, + backward if training."""
+    fwd, bwd = op_times(op, strategy, mesh, training=training)
+    return fwd + bwd
+
+
+def op_times(op: OpInfo, strategy: Strategy, mesh: Mesh, *,
+             training: bool) -> tuple[float, float]:
+    """(forward, backward) seconds one device spends on ``op`` under ``strategy``; backward is
+    0 for inference and for ops without a gradient."""
     prof = op_profile(op)
     if prof.family == VIEW:
-        return 0.0
+        return 0.0, 0.0
     c = mesh.cluster
     b_in, b_out = op_bytes(op, strategy, mesh.shape)
     nbytes = b_in + b_out
@@ -121,20 +129,17 @@ def op_time(op: OpInfo, strategy: Strategy, mesh: Mesh, *, training: bool) -> fl
     rate = peak * (c.matmul_efficiency if heavy else 1.0)
     fwd = max(flops / rate, nbytes / c.mem_bandwidth, c.kernel_floor_s)
     if not training or not prof.has_backward:
-        return fwd
+        return fwd, 0.0
     if prof.family == MATMUL:
-        return fwd * (1.0 + MATMUL_BACKWARD_FACTOR)   # two kernels priced like the forward
+        return fwd, fwd * MATMUL_BACKWARD_FACTOR    # two kernels priced like the forward
     if prof.family == ATTENTION:
-        bwd = max(flops * ATTENTION_BACKWARD_FACTOR / rate,
-                  ELEMENTWISE_BACKWARD_BYTES * nbytes / c.mem_bandwidth, c.kernel_floor_s)
-        return fwd + bwd
+        return fwd, max(flops * ATTENTION_BACKWARD_FACTOR / rate,
+                        ELEMENTWISE_BACKWARD_BYTES * nbytes / c.mem_bandwidth, c.kernel_floor_s)
     if prof.family == GATHER:
         # embedding_dense_backward: zero the table's gradient, then scatter-add the rows.
         shape, isz = prof.inputs[prof.table]
         spec = _specs(strategy.inputs, len(prof.inputs))
         table = local_numel(shape, spec[prof.table] if spec else None, mesh.shape) * isz
-        bwd = max(flops / rate, (table + nbytes) / c.mem_bandwidth, c.kernel_floor_s)
-        return fwd + bwd
-    bwd = max(flops / rate, ELEMENTWISE_BACKWARD_BYTES * nbytes / c.mem_bandwidth,
-              c.kernel_floor_s)
-    return fwd + bwd
+        return fwd, max(flops / rate, (table + nbytes) / c.mem_bandwidth, c.kernel_floor_s)
+    return fwd, max(flops / rate, ELEMENTWISE_BACKWARD_BYTES * nbytes / c.mem_bandwidth,
+                    c.kernel_floor_s)

@@ -98,17 +98,6 @@ def _saves(op: OpInfo) -> Saves:
     return record_of(op.target).saved(op)
 
 
-def saved_input_bytes(op: OpInfo, k: int, spec, mesh_shape: tuple[int, ...]) -> int:
-    """Bytes one device keeps of input ``k`` for ``op``'s backward when the op reads it in layout
-    ``spec``; 0 if the backward does not need it. A parameter read where it lies is already in
-    model state; read through a reshard, the resharded copy is what the backward keeps."""
-    prof = op_profile(op)
-    if k not in saved_rule(op).inputs or k >= len(prof.inputs):
-        return 0
-    shape, isz = prof.inputs[k]
-    return local_numel(shape, spec, tuple(mesh_shape)) * isz
-
-
 _SAVED_KEY = "_autoshard_saves"
 
 
@@ -123,9 +112,8 @@ def saved_activation_bytes(op: OpInfo, strategy: Strategy, mesh_shape: tuple[int
     """Bytes one device keeps alive from ``op``'s forward until its backward (training).
 
     Local sizes under ``strategy``. ``exclude`` lists positions in ``op.inputs`` whose storage is
-    counted elsewhere (parameters and views of them, which live in model state). A tensor saved
-    by several consumers is counted once per consumer here; a caller that sums over a graph can
-    dedupe by producer with :func:`saved_rule`. Approximate by design: it follows PyTorch's
+    counted elsewhere: the planner passes every saved input, and counts each saved value once per
+    layout across its consumers (``Pricer.saved_copy_bytes``). Approximate by design: it follows PyTorch's
     derivative formulas for the common ops (each op's record says what it saves).
     """
     rule = saved_rule(op)

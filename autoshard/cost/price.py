@@ -7,25 +7,30 @@ requirement) the search may pick, the second over the ones a plan picked. A chan
 
 - :meth:`Pricer.node`: seconds of compute on one device (forward, + backward in training;
   docs/cost-model.md §3) and bytes one device holds for the node: a parameter's state (weights,
-  gradient, optimizer), a buffer, or what an op saves for backward (§4).
-- :meth:`Pricer.reshard`: seconds of the collectives that move a value from its producer's layout
-  to a requirement, both directions (§1), and the bytes of a parameter's resharded copy kept for
-  backward (a ZeRO-3 weight gathered for a linear).
+  gradient, optimizer), a buffer, or the outputs (and per-row statistics) an op saves for
+  backward (§4).
+- :meth:`Pricer.reshard_cost`: seconds of the collectives that move a value from its
+  producer's layout to a requirement, both directions (§1): blocking seconds, and the seconds of
+  a data-parallel gradient sync that runs in buckets behind backward compute (§7), which the
+  step pays only where backward compute (:meth:`Pricer.backward`) cannot hide it.
+- :meth:`Pricer.saved_copy_bytes`: the bytes of a value that the ops reading it keep for backward,
+  once per layout they read it in (§4.4): the normed input that q, k and v projections all save
+  is one tensor, and a ZeRO-3 weight gathered for a linear is one gathered copy.
 """
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
-from typing import Sequence
-
-import torch.fx as fx
 
 from autoshard.cost.comm import Reshard, reshard, reshard_time
-from autoshard.cost.compute import op_time
-from autoshard.cost.memory import param_state_bytes, saved_activation_bytes, saved_input_bytes
+from autoshard.cost.compute import local_numel, op_times
+from autoshard.cost.memory import param_state_bytes, saved_activation_bytes, saved_rule
+from autoshard.cost.overlap import is_grad_sync, sync_share_seconds
 from autoshard.cost.reshards import grad_values, no_backward
 from autoshard.ir import OpInfo, Spec, Strategy, local_shape
 from autoshard.mesh import AxisMerge, Mesh
+from autoshard.ops.registry import VIEW, record_of
 from autoshard.options import PlanOptions
 from autoshard.trace.export import TracedGraph, op_info
 from autoshard.trace.graph import ValueRef, value_inputs, value_shapes
@@ -60,7 +65,8 @@ class Pricer:
         self.grads = grad_values(traced.graph, self.params) if self.training else set()
         self._nodes = {n.name: n for n in traced.graph.nodes}
         self._infos: dict[str, OpInfo] = {}
-        self._reads: dict[str, frozenset[int]] = {}
+        self._saved_inputs: dict[ValueRef, list[Consumer]] | None = None
+        self._kept: dict[ValueRef, bool] = {}
         self._reshard_memo: dict[tuple, float] = {}
 
     # -- per node ---------------------------------------------------------------------------
@@ -75,13 +81,21 @@ class Pricer:
         return Price(self.compute(name, strategy), self.memory(name, strategy))
 
     def compute(self, name: str, strategy: Strategy) -> float:
+        """Forward + backward seconds."""
+        return sum(self._times(name, strategy))
+
+    def backward(self, name: str, strategy: Strategy) -> float:
+        """The backward part of :meth:`compute`: the window gradient syncs hide behind."""
+        return self._times(name, strategy)[1]
+
+    def _times(self, name: str, strategy: Strategy) -> tuple[float, float]:
         if self._nodes[name].op == "placeholder":
-            return 0.0
-        return op_time(self.info(name), strategy, self.mesh, training=self.training)
+            return 0.0, 0.0
+        return op_times(self.info(name), strategy, self.mesh, training=self.training)
 
     def memory(self, name: str, strategy: Strategy) -> float:
-        """Bytes one device holds for the node. An input a parameter feeds directly is not saved
-        again (it lives in model state); a resharded copy is charged on its reshard."""
+        """Bytes one device holds for the node: a parameter's state or a buffer; for an op, what
+        it saves for backward apart from its inputs (those are :meth:`saved_copy_bytes`)."""
         node = self._nodes[name]
         if node.op == "placeholder":
             ph = self.traced.placeholder(name)
@@ -94,37 +108,89 @@ class Pricer:
             return float(numel * ph.info.dtype.itemsize)
         if not self.training:
             return 0.0
-        return float(saved_activation_bytes(self.info(name), strategy, self.mesh.shape,
-                                            exclude=self._param_reads(node)))
+        info = self.info(name)
+        return float(saved_activation_bytes(info, strategy, self.mesh.shape,
+                                            exclude=frozenset(saved_rule(info).inputs)))
 
     def reads(self, name: str) -> list[str]:
         """The nodes whose values ``name`` reads, by input position."""
         return [ref[0] for ref in value_inputs(self._nodes[name])]
 
-    def _param_reads(self, node: fx.Node) -> frozenset[int]:
-        reads = self._reads.get(node.name)
-        if reads is None:
-            reads = self._reads[node.name] = frozenset(
-                k for k, ref in enumerate(value_inputs(node)) if ref[0] in self.params)
-        return reads
+    # -- saved inputs -----------------------------------------------------------------------
+    def saved_inputs(self) -> dict[ValueRef, list[Consumer]]:
+        """Each value some op keeps for its backward, with those (consumer, input position)
+        pairs (training only; empty for inference)."""
+        if self._saved_inputs is None:
+            out: dict[ValueRef, list[Consumer]] = {}
+            if self.training:
+                for node in self.traced.graph.nodes:
+                    if node.op != "call_function" or node.target is operator.getitem:
+                        continue
+                    refs = value_inputs(node)
+                    for k in saved_rule(self.info(node.name)).inputs:
+                        if k < len(refs):
+                            out.setdefault(refs[k], []).append((node.name, k))
+            self._saved_inputs = out
+        return self._saved_inputs
+
+    def saved_copy_bytes(self, value: ValueRef, src: Spec, dst: Spec) -> float:
+        """Bytes one device keeps of ``value`` in layout ``dst`` for the ops that save it there
+        (one tensor however many ops save it). Nothing when that tensor is the producer's own
+        (``dst == src``) and already counted: a parameter or buffer, an output its op saves, or
+        a view of one."""
+        if dst == src and self.kept(value):
+            return 0.0
+        shape, itemsize = self.shapes[value]
+        return float(local_numel(shape, dst, self.mesh.shape) * itemsize)
+
+    def saved_copies(self, strategies: dict[str, Strategy]) -> float:
+        """:meth:`saved_copy_bytes` summed over a full assignment: every value once per layout
+        its saving consumers read it in."""
+        total = 0.0
+        for ref, cons in self.saved_inputs().items():
+            src = strategies[ref[0]].outputs[ref[1]]
+            for dst in dict.fromkeys(strategies[c].inputs[k] for c, k in cons):
+                total += self.saved_copy_bytes(ref, src, dst)
+        return total
+
+    def kept(self, value: ValueRef) -> bool:
+        """Whether ``value`` in its producer's layout is already counted in memory."""
+        known = self._kept.get(value)
+        if known is None:
+            node = self._nodes[value[0]]
+            if node.op == "placeholder":
+                ph = self.traced.placeholder(node.name)
+                known = ph.kind != "input"
+            elif record_of(node.target).family == VIEW:
+                refs = value_inputs(node)
+                known = bool(refs) and self.kept(refs[0])
+            else:
+                known = value[1] in saved_rule(self.info(node.name)).outputs
+            self._kept[value] = known
+        return known
 
     # -- per reshard ------------------------------------------------------------------------
-    def reshard(self, value: ValueRef, src: Spec, dst: Spec, divergent: frozenset[int],
-                consumers: Sequence[Consumer]) -> Price:
-        """Moving ``value`` from ``src`` to what ``consumers`` need: ``dst``, with the gradient
-        all-reduced over ``divergent`` axes (only if the value carries a gradient)."""
-        return Price(self.reshard_seconds(value, src, dst, divergent),
-                     self.copy_bytes(value, src, dst, consumers))
-
     def reshard_seconds(self, value: ValueRef, src: Spec, dst: Spec,
                         divergent: frozenset[int]) -> float:
+        """All the seconds of :meth:`reshard_cost`, blocking or not."""
+        return sum(self.reshard_cost(value, src, dst, divergent))
+
+    def reshard_cost(self, value: ValueRef, src: Spec, dst: Spec,
+                     divergent: frozenset[int]) -> tuple[float, float]:
+        """(blocking seconds, bucketed gradient-sync seconds) of the reshard."""
         shape, itemsize = self.shapes[value]
         grad = value[0] in self.grads
-        key = (src, dst, shape, itemsize, divergent if grad else frozenset(), grad)
+        param = value[0] in self.params
+        key = (src, dst, shape, itemsize, divergent if grad else frozenset(), grad, param)
         t = self._reshard_memo.get(key)
         if t is None:
-            t = self._reshard_memo[key] = reshard_time(self.steps(value, src, dst, divergent),
-                                                       self.merge.real if self.merge else self.mesh)
+            steps = self.steps(value, src, dst, divergent)
+            mesh = self.merge.real if self.merge else self.mesh
+            if param and is_grad_sync(steps):
+                t = (0.0, sync_share_seconds(steps, mesh, self.options.bucket_bytes))
+            else:
+                t = (reshard_time(steps, mesh), 0.0)
+            self._reshard_memo[key] = t
         return t
 
     def steps(self, value: ValueRef, src: Spec, dst: Spec, divergent: frozenset[int]) -> Reshard:
@@ -138,13 +204,3 @@ class Pricer:
             mesh_shape = self.merge.real.shape
         r = reshard(src, dst, shape, itemsize, mesh_shape, divergent if grad else frozenset())
         return r if grad else no_backward(r)
-
-    def copy_bytes(self, value: ValueRef, src: Spec, dst: Spec,
-                   consumers: Sequence[Consumer]) -> float:
-        """A parameter's resharded copy, kept if a consumer saves it for backward (the
-        parameter itself is in model state)."""
-        if value[0] not in self.params or not self.training or src == dst:
-            return 0.0
-        return float(max([saved_input_bytes(self.info(c), k, dst, self.mesh.shape)
-                          for c, k in consumers if c in self._nodes
-                          and self._nodes[c].op == "call_function"] or [0]))

@@ -137,20 +137,23 @@ class _Builder:
         memory: dict[tuple[str, int], float] = {}     # members share strategies: price once
         for names in decision_nodes:
             root = members[names[0]]
-            cost, mem = [], []
+            cost, mem, bwd = [], [], []
             for i in range(len(root.index)):
-                c = m_ = 0.0
+                c = m_ = b = 0.0
                 for name in names:
                     mb = members[name]
                     s = mb.strategies[mb.index[i]]
                     c += self.pricer.compute(name, s) + self._internal_reshard(name, mb, i, members)
+                    b += self.pricer.backward(name, s)
                     key = (name, mb.index[i])
                     if key not in memory:
                         memory[key] = self.pricer.memory(name, s)
                     m_ += memory[key]
                 cost.append(c)
                 mem.append(m_)
-            decisions.append(Decision(names[0], multiplicity[names[0]], tuple(cost), tuple(mem)))
+                bwd.append(b)
+            decisions.append(Decision(names[0], multiplicity[names[0]], tuple(cost), tuple(mem),
+                                      tuple(bwd) if any(bwd) else ()))
         self._out_decision = len(decisions)
         decisions.append(Decision(OUTPUT, 1, (0.0,), (0.0,)))
         edges, fanouts = self._edges(template, members)
@@ -253,22 +256,55 @@ class _Builder:
             keys = list(dict.fromkeys(r for _, req in reqs for r in req))
             specs = list(dict.fromkeys(src_specs))
             value = (pname, o)
-            cost = tuple(tuple(self._price(value, src, dst) for dst in keys) for src in specs)
-            memory = tuple(tuple(self.pricer.copy_bytes(value, src, dst, cons) for dst, _ in keys)
-                           for src in specs)
-            memory = memory if any(any(row) for row in memory) else ()
+            prices = [[self._price(value, src, dst) for dst in keys] for src in specs]
+            cost = tuple(tuple(p[0] for p in row) for row in prices)
+            sync = tuple(tuple(p[1] for p in row) for row in prices)
             out = tuple(specs.index(sp) for sp in src_specs)
             # Consumers alike (one template read by every layer) share their reshards: one entry.
             classes = list(dict.fromkeys((cdec, tuple(keys.index(r) for r in req))
                                          for cdec, req in reqs))
-            name = f"{pname}:{o}"
-            if len(classes) == 1:
-                edges.append(Edge(name, multiplicity, pm.decision, classes[0][0], out,
-                                  classes[0][1], cost, memory))
-            else:
-                fanouts.append(Fanout(name, multiplicity, pm.decision, out, tuple(classes), cost,
-                                      memory))
+            self._add(edges, fanouts, f"{pname}:{o}", multiplicity, pm.decision, out, classes,
+                      cost, (), sync if any(any(row) for row in sync) else ())
+        self._saved_items(template, members, edges, fanouts)
         return edges, fanouts
+
+    @staticmethod
+    def _add(edges: list[Edge], fanouts: list[Fanout], name: str, multiplicity: int,
+             producer: int, out: tuple[int, ...], classes: list, cost: tuple, memory: tuple,
+             sync: tuple = ()) -> None:
+        if len(classes) == 1:
+            edges.append(Edge(name, multiplicity, producer, classes[0][0], out, classes[0][1],
+                              cost, memory, sync))
+        else:
+            fanouts.append(Fanout(name, multiplicity, producer, out, tuple(classes), cost, memory,
+                                  sync))
+
+    def _saved_items(self, template: dict[str, str], members: dict[str, Member],
+                     edges: list[Edge], fanouts: list[Fanout]) -> None:
+        """Memory-only items: a value its consumers save for backward is kept once per layout
+        they read it in (Pricer.saved_copy_bytes), whichever decision (or follower merged into
+        one) reads it."""
+        keyed: dict[tuple, int] = {}
+        for ref, cons in self.pricer.saved_inputs().items():
+            key = (template[ref[0]], ref[1], tuple(sorted({(template[c], k) for c, k in cons})))
+            keyed[key] = keyed.get(key, 0) + 1
+        for (pname, o, cons), multiplicity in keyed.items():
+            pm = members[pname]
+            src_specs = [pm.strategies[i].outputs[o] for i in pm.index]
+            reqs = [(members[c].decision, [members[c].strategies[j].inputs[k]
+                                           for j in members[c].index]) for c, k in cons]
+            keys = list(dict.fromkeys(r for _, req in reqs for r in req))
+            specs = list(dict.fromkeys(src_specs))
+            value = (pname, o)
+            memory = tuple(tuple(self.pricer.saved_copy_bytes(value, src, dst) for dst in keys)
+                           for src in specs)
+            if not any(any(row) for row in memory):
+                continue
+            classes = list(dict.fromkeys((cdec, tuple(keys.index(r) for r in req))
+                                         for cdec, req in reqs))
+            zero = tuple((0.0,) * len(keys) for _ in specs)
+            self._add(edges, fanouts, f"{pname}:{o}:saved", multiplicity, pm.decision,
+                      tuple(specs.index(sp) for sp in src_specs), classes, zero, memory)
 
     def _requirements(self, cname: str, k: int, members: dict[str, Member], grad: bool
                       ) -> tuple[int, list[tuple[Spec, frozenset[int]]]]:
@@ -281,14 +317,15 @@ class _Builder:
             out.append((s.inputs[k], input_divergence(s, k) if grad else frozenset()))
         return cm.decision, out
 
-    def _price(self, value: ValueRef, src: Spec, dst: tuple[Spec, frozenset[int]]) -> float:
-        """Seconds to reshard ``value`` from ``src`` to the requirement ``dst``."""
+    def _price(self, value: ValueRef, src: Spec, dst: tuple[Spec, frozenset[int]]
+               ) -> tuple[float, float]:
+        """(Blocking, gradient-sync) seconds to reshard ``value`` from ``src`` to ``dst``."""
         if value[0] in self.in_place and src != dst[0] and any(
                 st.kind != "to_partial" for st in reshard(src, dst[0], self.shapes[value][0],
                                                           self.shapes[value][1],
                                                           self.mesh_shape).forward):
-            return FORBIDDEN       # only a row-parallel bias may become a local summand
-        return self.pricer.reshard_seconds(value, src, dst[0], dst[1])
+            return FORBIDDEN, 0.0  # only a row-parallel bias may become a local summand
+        return self.pricer.reshard_cost(value, src, dst[0], dst[1])
 
 
 def _spec(m: Member, i: int, out: int) -> Spec:

@@ -7,11 +7,14 @@
     f[c,o,r] >= 0     per fanout and consumer c, the same transportation polytope as an edge
     z[o,r] >= f[c,o,r] for every consumer c: the reshard o -> r is paid once if any consumer
                       needs r (z is 1 exactly then, for integral x)
-    minimise   sum n*cost*x + sum n*cost*e + sum n*cost*z
+    w >= 0            the overlap window's exposed seconds (cost/overlap.py):
+                      w >= sum n*sync*e + sum n*sync*z - sum n*backward*x
+    minimise   sum n*cost*x + sum n*cost*e + sum n*cost*z + w
     subject to sum n*memory*x + sum n*memory*e + sum n*memory*z <= budget
 
 (n is the multiplicity: how many identical layers a decision, edge or fanout stands for;
-the memory on e and z is a resharded copy of a parameter that its consumer keeps for backward).
+the memory on e and z is a value its consumers save for backward, once per layout they read it
+in: build.py adds one memory-only edge or fanout per saved value).
 
 The edge constraints are a transportation polytope per edge: their LP relaxation is tight on
 chains and trees, so the MIP solver closes most of the problem at the root. The solver runs
@@ -70,7 +73,7 @@ def least_memory(problem: Problem, *, time_limit_s: float = 30.0) -> float:
 
 
 def least_memory_plan(problem: Problem, *, time_limit_s: float = 30.0) -> LeastMemory:
-    """The least memory of any assignment. Without reshard memory on edges, memory depends on the
+    """The least memory of any assignment. Without memory on edges, memory depends on the
     decisions alone: each decision's least-memory strategy, exactly. With it, a MIP that
     minimises memory; if that MIP does not finish in time, the per-decision minimum, a bound."""
     pins: dict[int, set[int]] = {}
@@ -116,16 +119,20 @@ class _Model:
                for i, v in enumerate(x[g]) if dec.cost[i]]
         mem = [dec.memory[i] * dec.multiplicity * v for g, dec in enumerate(problem.decisions)
                for i, v in enumerate(x[g]) if dec.memory[i]]
+        sync: list = []
         self.n_aux = 0
 
         def pays(item, o: int, r: int) -> bool:
-            return bool(item.cost[o][r] or (item.memory and item.memory[o][r]))
+            return bool(item.cost[o][r] or (item.memory and item.memory[o][r])
+                        or (item.sync and item.sync[o][r]))
 
         def charge(item, o: int, r: int, var) -> None:
             if item.cost[o][r]:
                 obj.append(US * item.cost[o][r] * item.multiplicity * var)
             if item.memory and item.memory[o][r]:
                 mem.append(item.memory[o][r] * item.multiplicity * var)
+            if item.sync and item.sync[o][r]:
+                sync.append(US * item.sync[o][r] * item.multiplicity * var)
 
         for k, item in enumerate((*problem.edges, *problem.fanouts)):
             n_o, n_r = len(item.cost), len(item.cost[0])
@@ -143,6 +150,14 @@ class _Model:
                 for f in flows:
                     s.Add(z >= f[o][r])
                 charge(item, o, r, z)
+        if sync:
+            w = s.NumVar(0.0, s.infinity(), "exposed")
+            self.n_aux += 1
+            backward = [US * dec.backward[i] * dec.multiplicity * v
+                        for g, dec in enumerate(problem.decisions) if dec.backward
+                        for i, v in enumerate(x[g]) if dec.backward[i]]
+            s.Add(w >= s.Sum(sync) - s.Sum(backward))
+            obj.append(w)
         self.obj, self.mem = s.Sum(obj), s.Sum(mem)
 
     def _transport(self, name: str, producer: int, out: tuple[int, ...], consumer: int,
@@ -220,28 +235,41 @@ def break_ties(problem: Problem, choice: tuple[int, ...], order: dict[int, list[
         for g in ({item.producer} | {c for c, _ in item.consumers}) & touching.keys():
             touching[g].append(item)
 
-    def local(g: int) -> tuple[float, float]:
-        dec = problem.decisions[g]
-        t, mem = dec.cost[choice[g]] * dec.multiplicity, dec.memory[choice[g]] * dec.multiplicity
+    def local(g: int) -> tuple[float, float, float, float]:
+        """(cost, memory, sync, backward) of decision ``g`` and the items touching it."""
+        dec, c = problem.decisions[g], choice[g]
+        t, mem = dec.cost[c] * dec.multiplicity, dec.memory[c] * dec.multiplicity
+        bwd = dec.backward[c] * dec.multiplicity if dec.backward else 0.0
+        sync = 0.0
         for item in touching[g]:
-            dt, dm = price(item, choice)
-            t, mem = t + dt, mem + dm
-        return t, mem
+            dt, dm, ds = price(item, choice)
+            t, mem, sync = t + dt, mem + dm, sync + ds
+        return t, mem, sync, bwd
 
+    # The step is cost + max(0, sync - backward); keep the three sums as choices move.
+    cost = sum(d.cost[c] * d.multiplicity for d, c in zip(problem.decisions, choice))
+    bwd = sum(d.backward[c] * d.multiplicity for d, c in zip(problem.decisions, choice)
+              if d.backward)
+    sync = 0.0
+    for item in (*problem.edges, *problem.fanouts):
+        dt, _, ds = price(item, choice)
+        cost, sync = cost + dt, sync + ds
     total, mem = evaluate(problem, tuple(choice))
     tol = rel_tol * max(total, 0.0)
     for g, prefs in order.items():
         if g in fixed:
             continue
         now = choice[g]
-        t0, m0 = local(g)
+        before = local(g)
         for i in prefs:
             if i == now:
                 break
             choice[g] = i
-            t1, m1 = local(g)
-            if t1 - t0 <= tol and mem + m1 - m0 <= problem.memory_budget:
-                mem += m1 - m0
+            after = local(g)
+            c1, m1, s1, b1 = (a + x - y for a, x, y in zip((cost, mem, sync, bwd), after, before))
+            if c1 + max(0.0, s1 - b1) - total <= tol and m1 <= problem.memory_budget:
+                cost, mem, sync, bwd = c1, m1, s1, b1
+                total = cost + max(0.0, sync - bwd)
                 break
             choice[g] = now
     return tuple(choice)

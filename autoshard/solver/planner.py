@@ -8,7 +8,10 @@ from typing import Any, Sequence
 import torch
 
 from autoshard.cost.price import Pricer
-from autoshard.cost.reshards import reshard_edges
+from autoshard.cost.comm import step_seconds
+from autoshard.cost.overlap import (Bucket, Sync, exposed_seconds, form_buckets, is_grad_sync,
+                                    sync_share_by_axis)
+from autoshard.cost.reshards import ReshardEdge, reshard_edges
 from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Strategy, work_fraction
 from autoshard.mesh import AxisMerge, Mesh
@@ -18,6 +21,7 @@ from autoshard.solver.build import Built, build_problem
 from autoshard.solver.ilp import Infeasible, NoSolution, break_ties, solve
 from autoshard.solver.diagnostics import gib, mesh_use, smaller_mesh, unruled_note
 from autoshard.trace.export import TracedGraph, trace
+from autoshard.trace.graph import value_inputs
 
 
 def check_mesh_fits(traced: TracedGraph, mesh: Mesh) -> None:
@@ -220,23 +224,44 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
     pricer = Pricer(traced, mesh, options)
     nodes = [n for n in graph.nodes if n.name in strategies]
     params = {p.name: p.fqn for p in traced.params}
-    compute_s = memory = comm_s = 0.0
+    compute_s = memory = backward_s = 0.0
     for n in nodes:
         price = pricer.node(n.name, strategies[n.name])
         compute_s += price.seconds
         memory += price.bytes
+        backward_s += pricer.backward(n.name, strategies[n.name])
+    memory += pricer.saved_copies(strategies)
+    edges = list(reshard_edges(graph, strategies, mesh.shape, pricer.shapes, set(params),
+                               training=traced.training))
+    buckets = gradient_buckets(edges, nodes, options.bucket_bytes)
+    bucketed = {m for b in buckets for m in b.members}
     collectives: list[CollectiveRecord] = []
-    for e in reshard_edges(graph, strategies, mesh.shape, pricer.shapes, set(params),
-                           training=traced.training):
-        price = pricer.reshard(e.value, e.src, e.dst, e.divergent, e.consumers)
-        comm_s += price.seconds
-        memory += price.bytes
-        node = e.consumers[0][0]
+    blocking = dict.fromkeys(mesh.axes, 0.0)
+    sync = dict.fromkeys(mesh.axes, 0.0)
+    for e in edges:
+        if e.value[0] in bucketed and is_grad_sync(e.reshard):
+            bucketed.discard(e.value[0])         # the first such reshard of the parameter
+            for a, t in sync_share_by_axis(e.reshard, mesh, options.bucket_bytes).items():
+                sync[mesh.axes[a]] += t
+            continue
         for phase, step in e.reshard.collectives:
             if phase == "backward" and e.from_param:
                 phase = "grad_sync"
-            collectives.append(CollectiveRecord(step.kind, (mesh.axes[step.axis],), step.nbytes,
-                                                phase, node, e.value[0]))
+            axis = mesh.axes[step.axis]
+            blocking[axis] += step_seconds(step, mesh)
+            collectives.append(CollectiveRecord(step.kind, (axis,), step.nbytes, phase,
+                                                e.consumers[0][0], e.value[0]))
+    for k, b in enumerate(buckets):
+        for a in b.axes:
+            collectives.append(CollectiveRecord("all_reduce", (mesh.axes[a],), b.nbytes,
+                                                "grad_sync", f"bucket{k}", "", b.members))
+    # One overlap window (cost/overlap.py): the buckets run behind backward compute; what does
+    # not fit is exposed, shared over the axes by their sync seconds.
+    total_sync = sum(sync.values())
+    hidden_frac = 1.0 - exposed_seconds(total_sync, backward_s) / total_sync if total_sync else 1.0
+    overlapped = {a: t * hidden_frac for a, t in sync.items()}
+    exposed = {a: blocking[a] + sync[a] - overlapped[a] for a in mesh.axes}
+    comm_s = sum(blocking.values()) + total_sync
     tied: dict[str, list] = {}
     for n in nodes:
         for k, ref in enumerate(pricer.reads(n.name)):
@@ -253,14 +278,36 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
         params={params[n]: strategies[n].outputs[0] for n in params},
         inputs={p.fqn: strategies[p.name].outputs[0] for p in traced.inputs},
         collectives=tuple(collectives),
-        predicted={"step_time_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s,
-                   "peak_memory_bytes": memory},
+        predicted={"step_time_s": compute_s + sum(exposed.values()), "compute_s": compute_s,
+                   "comm_s": comm_s, "peak_memory_bytes": memory,
+                   "exposed_comm_s": exposed, "overlapped_comm_s": overlapped},
         solver=solver, model=model_name, node_sigs=traced.node_sigs, layers=traced.layers,
         tied={fqn: tuple(reads) for fqn, reads in tied.items()},
         input_meta={p.fqn: (p.info.shape, str(p.info.dtype).removeprefix("torch."))
                     for p in traced.inputs if p.info is not None},
         # Wall-clock figures stay off the saved plan: they would make two runs' files differ.
         timings=timings)
+
+
+def gradient_buckets(edges: list[ReshardEdge], nodes: list, bucket_bytes: float) -> list[Bucket]:
+    """The buckets of a plan's gradient syncs (cost/overlap.py), the ones the runtime issues: the
+    gradient a parameter gets through a reshard that is a pure gradient sync, summed over that
+    reshard's consumers (other reads of the parameter add their own, unsynced, as autograd
+    does). Gradients become ready in the reverse order of their parameter's first use in
+    forward. A parameter read through two such reshards (in two layouts) buckets the first."""
+    first_use: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        for ref in value_inputs(n):
+            first_use.setdefault(ref[0], i)
+    dtypes = {n.name: str(n.meta["val"].dtype).removeprefix("torch.") for n in nodes
+              if n.op == "placeholder"}
+    syncs: dict[str, Sync] = {}
+    for e in edges:
+        if e.from_param and e.value[0] not in syncs and is_grad_sync(e.reshard):
+            syncs[e.value[0]] = Sync(e.value[0], tuple(s.axis for s in e.reshard.backward),
+                                     dtypes[e.value[0]], e.reshard.backward[0].nbytes)
+    order = sorted(syncs, key=lambda name: -first_use.get(name, 0))
+    return form_buckets([syncs[name] for name in order], bucket_bytes)
 
 
 def _op_name(n) -> str:

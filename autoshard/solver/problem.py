@@ -21,6 +21,7 @@ class Decision:
     multiplicity: int
     cost: tuple[float, ...]      # seconds per strategy (compute + internal reshards), one copy
     memory: tuple[float, ...]    # bytes per device per strategy, one copy
+    backward: tuple[float, ...] = ()   # of ``cost``, the backward compute seconds; () for none
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,9 +33,13 @@ class Edge:
     out: tuple[int, ...]         # output-spec class per strategy of the producer decision
     req: tuple[int, ...]         # requirement class per strategy of the consumer decision
     cost: tuple[tuple[float, ...], ...]   # [out class][requirement class] seconds
-    # [out class][requirement class] bytes per device the resharded copy keeps alive (a
-    # parameter gathered for an op that saves it for backward); () for none.
+    # [out class][requirement class] bytes per device kept alive for backward: the value in
+    # the requirement's layout, saved by the consumers (0 where that is the producer's own
+    # tensor, already counted); () for none.
     memory: tuple[tuple[float, ...], ...] = ()
+    # [out class][requirement class] seconds of bucketed gradient sync, which backward compute
+    # hides (the overlap window, see Problem); () for none.
+    sync: tuple[tuple[float, ...], ...] = ()
 
     @property
     def consumers(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
@@ -54,10 +59,14 @@ class Fanout:
     consumers: tuple[tuple[int, tuple[int, ...]], ...]  # (decision, requirement class per strategy)
     cost: tuple[tuple[float, ...], ...]                # [out class][requirement class] seconds
     memory: tuple[tuple[float, ...], ...] = ()         # as Edge.memory, paid once per class
+    sync: tuple[tuple[float, ...], ...] = ()           # as Edge.sync, paid once per class
 
 
 @dataclass(frozen=True, slots=True)
 class Problem:
+    """The step time of an assignment is the sum of the chosen costs plus the overlap window's
+    exposed part, ``max(0, sum of chosen sync - sum of chosen backward)`` (cost/overlap.py)."""
+
     decisions: tuple[Decision, ...]
     edges: tuple[Edge, ...]
     memory_budget: float
@@ -70,15 +79,20 @@ class Problem:
     @classmethod
     def from_json(cls, text: str) -> "Problem":
         d = json.loads(text)
-        decisions = tuple(Decision(g["name"], g["multiplicity"], tuple(g["cost"]), tuple(g["memory"]))
-                       for g in d["decisions"])
-        edges = tuple(Edge(e["name"], e["multiplicity"], e["producer"], e["consumer"], tuple(e["out"]),
-                           tuple(e["req"]), tuple(tuple(r) for r in e["cost"]),
-                           tuple(tuple(r) for r in e.get("memory", ()))) for e in d["edges"])
+        def table(rows) -> tuple:
+            return tuple(tuple(r) for r in rows)
+
+        decisions = tuple(Decision(g["name"], g["multiplicity"], tuple(g["cost"]),
+                                   tuple(g["memory"]), tuple(g.get("backward", ())))
+                          for g in d["decisions"])
+        edges = tuple(Edge(e["name"], e["multiplicity"], e["producer"], e["consumer"],
+                           tuple(e["out"]), tuple(e["req"]), table(e["cost"]),
+                           table(e.get("memory", ())), table(e.get("sync", ())))
+                      for e in d["edges"])
         fanouts = tuple(Fanout(f["name"], f["multiplicity"], f["producer"], tuple(f["out"]),
                                tuple((g, tuple(req)) for g, req in f["consumers"]),
-                               tuple(tuple(r) for r in f["cost"]),
-                               tuple(tuple(r) for r in f.get("memory", ())))
+                               table(f["cost"]), table(f.get("memory", ())),
+                               table(f.get("sync", ())))
                         for f in d.get("fanouts", ()))
         return cls(decisions, edges, d["memory_budget"], tuple(tuple(f) for f in d["fixed"]),
                    fanouts)
@@ -99,21 +113,27 @@ class Solution:
         return 0.0 if self.objective <= 0 else max(0.0, (self.objective - self.bound) / self.objective)
 
 
-def price(item: Edge | Fanout, choice: tuple[int, ...] | list[int]) -> tuple[float, float]:
-    """Seconds and bytes per device an edge or fanout adds under a full assignment."""
+def price(item: Edge | Fanout, choice: tuple[int, ...] | list[int]) -> tuple[float, float, float]:
+    """Blocking seconds, bytes per device and gradient-sync seconds an edge or fanout adds under
+    a full assignment."""
     o = item.out[choice[item.producer]]
     used = {req[choice[g]] for g, req in item.consumers}
-    t = sum(item.cost[o][r] for r in used) * item.multiplicity
-    mem = sum(item.memory[o][r] for r in used) * item.multiplicity if item.memory else 0.0
-    return t, mem
+    n = item.multiplicity
+    t = sum(item.cost[o][r] for r in used) * n
+    mem = sum(item.memory[o][r] for r in used) * n if item.memory else 0.0
+    sync = sum(item.sync[o][r] for r in used) * n if item.sync else 0.0
+    return t, mem, sync
 
 
 def evaluate(problem: Problem, choice: tuple[int, ...]) -> tuple[float, float]:
-    """Objective (s) and memory (bytes) of a full assignment, outside the ILP (for tests and
+    """Step time (s) and memory (bytes) of a full assignment, outside the ILP (for tests and
     for pricing hand-written plans in exactly the solver's terms)."""
     t = sum(g.cost[c] * g.multiplicity for g, c in zip(problem.decisions, choice))
     mem = sum(g.memory[c] * g.multiplicity for g, c in zip(problem.decisions, choice))
+    backward = sum(g.backward[c] * g.multiplicity for g, c in zip(problem.decisions, choice)
+                   if g.backward)
+    sync = 0.0
     for item in (*problem.edges, *problem.fanouts):
-        dt, dm = price(item, choice)
-        t, mem = t + dt, mem + dm
-    return t, mem
+        dt, dm, ds = price(item, choice)
+        t, mem, sync = t + dt, mem + dm, sync + ds
+    return t + max(0.0, sync - backward), mem

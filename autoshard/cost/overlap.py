@@ -1,0 +1,102 @@
+"""Gradient buckets, and what of their communication hides behind backward compute.
+
+docs/cost-model.md §7. A data-parallel parameter's gradient sync (a reshard with no forward
+steps whose backward is all-reduces only) is not run where its gradient appears: gradients are
+fused into buckets of up to ``PlanOptions.bucket_mb``, as PyTorch DDP's Reducer does (Li et al.
+2020, "PyTorch Distributed", VLDB, §3.2), each bucket is all-reduced asynchronously once all its
+gradients are ready, and the step waits for every bucket at the end of backward. So
+
+- one latency per bucket, not per gradient: each gradient is charged its bandwidth term and its
+  share ``S / bucket_bytes`` (at most one) of a bucket's latency, so full buckets pay one latency
+  each; the last, partly filled bucket of an axis is charged its share only (at most one latency
+  per axis below :func:`bucket_seconds` of the buckets the runtime issues). The ILP and the plan's
+  predicted step use this one price, so the plan's step is the ILP's objective;
+- one overlap window: the buckets' communication runs while backward compute goes on, and the
+  step waits only for the part that does not fit behind it, ``max(0, sync - backward)``
+  (:func:`exposed_seconds`). Every other collective (tensor and sequence parallel, a sharded
+  parameter's gather) is on the critical path: blocking.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from autoshard.cost.comm import Reshard, collective_time
+from autoshard.mesh import Mesh
+
+
+def is_grad_sync(r: Reshard) -> bool:
+    """A pure gradient sync: nothing moves in forward, the gradient is all-reduced in backward."""
+    return not r.forward and bool(r.backward) and all(s.kind == "all_reduce" for s in r.backward)
+
+
+def sync_share_seconds(r: Reshard, mesh: Mesh, bucket_bytes: float) -> float:
+    """The price of one gradient's sync inside buckets: its bandwidth term and its share
+    ``min(1, S / bucket_bytes)`` of one all-reduce latency per axis."""
+    return sum(sync_share_by_axis(r, mesh, bucket_bytes).values())
+
+
+def sync_share_by_axis(r: Reshard, mesh: Mesh, bucket_bytes: float) -> dict[int, float]:
+    """:func:`sync_share_seconds` per mesh axis."""
+    out: dict[int, float] = {}
+    for s in r.backward:
+        link = mesh.links[s.axis]
+        share = min(1.0, s.nbytes / bucket_bytes)
+        out[s.axis] = out.get(s.axis, 0.0) + collective_time(
+            "all_reduce", mesh.shape[s.axis], s.nbytes, link.alpha * share, link.bandwidth)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """Gradients all-reduced together: over ``axes`` (in order), of one dtype."""
+
+    axes: tuple[int, ...]
+    dtype: str
+    members: tuple[str, ...]     # parameter placeholders, in the order their gradients appear
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Sync:
+    """One parameter's gradient sync, for :func:`form_buckets`."""
+
+    param: str
+    axes: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+
+def form_buckets(syncs: Iterable[Sync], bucket_bytes: float) -> list[Bucket]:
+    """Fill buckets in the order the gradients become ready (``syncs``' order): one open bucket
+    per (axes, dtype); a gradient that would overflow its open bucket closes it and starts the
+    next; a gradient larger than a bucket travels alone. Buckets are listed in closing order
+    (the order they are issued)."""
+    open_: dict[tuple, list[Sync]] = {}
+    out: list[Bucket] = []
+
+    def close(key: tuple) -> None:
+        members = open_.pop(key)
+        out.append(Bucket(key[0], key[1], tuple(m.param for m in members),
+                          sum(m.nbytes for m in members)))
+
+    for s in syncs:
+        key = (s.axes, s.dtype)
+        if key in open_ and sum(m.nbytes for m in open_[key]) + s.nbytes > bucket_bytes:
+            close(key)
+        open_.setdefault(key, []).append(s)
+    for key in list(open_):
+        close(key)
+    return out
+
+
+def bucket_seconds(b: Bucket, mesh: Mesh) -> float:
+    """One all-reduce of the whole bucket per axis, one latency each."""
+    return sum(collective_time("all_reduce", mesh.shape[a], b.nbytes, mesh.links[a].alpha,
+                               mesh.links[a].bandwidth) for a in b.axes)
+
+
+def exposed_seconds(sync_s: float, backward_s: float) -> float:
+    """What the step waits for of ``sync_s`` seconds of bucketed gradient sync issued during
+    ``backward_s`` seconds of backward compute."""
+    return max(0.0, sync_s - backward_s)
