@@ -18,6 +18,10 @@ OPTIMIZERS = ("adam", "adamw", "sgd", "none")
 # "model": parameters, activations and gradients in the model's own dtypes; a 16-bit model is
 # priced as mixed-precision training (fp32 master weights and Adam states, docs/cost-model.md §4).
 PRECISIONS = ("model",)
+# Activation checkpointing of the model's repeated layers (docs/cost-model.md §8): "none",
+# "full" (every such layer keeps its inputs only and recomputes its forward in backward), or
+# "auto" (the planner decides: full only where it makes a plan fit or run faster).
+RECOMPUTE = ("auto", "none", "full")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +37,7 @@ class PlanOptions:
     - ``bucket_mb``: gradient all-reduces of data-parallel parameters are fused into buckets of
       up to this many MiB (DDP's ``bucket_cap_mb``, default 25), issued as soon as their
       gradients are ready and overlapped with the rest of backward (docs/cost-model.md §7).
+    - ``recompute``: activation checkpointing of repeated layers (see RECOMPUTE).
     """
 
     training: bool = True
@@ -41,6 +46,7 @@ class PlanOptions:
     memory_budget: float | None = None
     time_limit_s: float = 20.0
     bucket_mb: float = 25.0
+    recompute: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.training, bool):
@@ -65,6 +71,11 @@ class PlanOptions:
             raise AutoshardError("PlanOptions.bucket_mb is a positive number of MiB",
                                  got=repr(self.bucket_mb),
                                  fix="e.g. bucket_mb=25 (DDP's default bucket size)")
+
+        if self.recompute not in RECOMPUTE:
+            raise AutoshardError(f"PlanOptions.recompute is one of {RECOMPUTE}",
+                                 got=repr(self.recompute),
+                                 fix="pass recompute='auto' (the planner decides), 'none' or 'full'")
 
     @property
     def bucket_bytes(self) -> float:

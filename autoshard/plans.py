@@ -20,7 +20,8 @@ from autoshard.options import PlanOptions
 
 FORMAT = "autoshard.plan"
 VERSION = 2      # 2: the options the plan was made with, and the model's layers
-PHASES = ("forward", "backward", "grad_sync", "optimizer")
+# "recompute": a checkpointed layer's forward collectives, run again in backward.
+PHASES = ("forward", "backward", "grad_sync", "optimizer", "recompute")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +84,8 @@ class Plan:
     tied: dict[str, tuple[Spec, ...]] = field(default_factory=dict)
     # What the user should know about the plan: devices repeating work, ops without a rule.
     warnings: tuple[str, ...] = ()
+    # Layer name -> activation checkpointing policy ("full"), for the layers that recompute.
+    recompute: dict[str, str] = field(default_factory=dict)
     # Wall-clock seconds of this run (trace_s, build_s, solve_s): shown by the CLI, never saved,
     # and not part of equality, so that the same planning gives byte-identical files.
     timings: dict[str, float] = field(default_factory=dict, compare=False)
@@ -143,6 +146,9 @@ class Plan:
         for fqn, reads in self.tied.items():
             lines.append(f"  tied weight {fqn}: stored {spec_str(self.params[fqn])}, read as "
                          + ", ".join(spec_str(r) for r in reads))
+        if self.recompute:
+            lines.append(f"  activation checkpointing: {len(self.recompute)} of "
+                         f"{len(self.layers)} layers recompute their forward in backward (full)")
         lines += self.layers_summary()
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
@@ -183,7 +189,7 @@ class Plan:
                        for l in self.layers],
             "nodes": [n.to_json() for n in self.nodes],
             "tied": {k: [spec_str(r) for r in v] for k, v in self.tied.items()},
-            "warnings": list(self.warnings),
+            "warnings": list(self.warnings), "recompute": dict(self.recompute),
             "params": {k: {"placements": spec_str(v)} for k, v in self.params.items()},
             "inputs": {k: {"placements": spec_str(v),
                            **({"shape": list(self.input_meta[k][0]), "dtype": self.input_meta[k][1]}
@@ -233,10 +239,12 @@ class Plan:
         nodes = _read_nodes(root.key("nodes"), len(shape))
         inputs = _read_inputs(root.key("inputs"), shape)
         params = {k: f.key("placements").spec(len(shape)) for k, f in root.key("params").items()}
+        layers = _read_layers(root.key("layers"), {n.name for n in nodes})
         return cls(mesh_shape=shape, mesh_axes=axes, cluster=cluster,
                    fingerprint=root.key("fingerprint").text(),
                    options=_read_options(root.key("options")),
-                   layers=_read_layers(root.key("layers"), {n.name for n in nodes}),
+                   layers=layers,
+                   recompute=_read_recompute(root.key("recompute", {}), layers),
                    nodes=nodes, params=params,
                    # Optional: plans written before tied weights and warnings were recorded.
                    tied=_read_tied(root.key("tied", {}), params, len(shape)),
@@ -463,6 +471,18 @@ def _read_tied(f: _Field, params: dict[str, Spec], ndim: int) -> dict[str, tuple
             reads.fail("a tied weight among the plan's params")
         tied[fqn] = tuple(r.spec(ndim) for r in reads.entries())
     return tied
+
+
+def _read_recompute(f: _Field, layers: tuple[Layer, ...]) -> dict[str, str]:
+    names = {layer.name for layer in layers}
+    out = {}
+    for name, policy in f.items():
+        if name not in names:       # the runtime checkpoints the layer by this name
+            policy.fail(f"a policy for one of the plan's layers, not {name!r}")
+        if policy.text() != "full":
+            policy.fail('"full"')
+        out[name] = "full"
+    return out
 
 
 def _read_collective(f: _Field) -> CollectiveRecord:

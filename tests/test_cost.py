@@ -795,3 +795,22 @@ def test_data_parallel_gradient_sync_hides_behind_backward(batch, hidden) -> Non
         assert pred["exposed_comm_s"]["dp"] > blocking
     assert pred["step_time_s"] == pytest.approx(
         pred["compute_s"] + pred["exposed_comm_s"]["dp"], rel=1e-12)
+
+
+class _Rotate(torch.nn.Module):
+    """``linear(x) * cos`` with ``cos`` a buffer: RoPE's pattern."""
+
+    def __init__(self, h: int = 16) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(h, h, bias=False)
+        self.register_buffer("cos", torch.randn(4, 8, h))
+
+    def forward(self, x):
+        return (self.lin(x) * self.cos).sum()
+
+
+def test_a_product_keeps_a_factor_only_for_the_others_gradient() -> None:
+    """``y * cos`` keeps ``cos`` (for y's gradient; a buffer, counted once as such) and not
+    ``y``, as cos needs no gradient: the activations are linear's input alone (§4.4)."""
+    x = torch.randn(4, 8, 16)
+    assert _replicated_memory(_Rotate(), x) == x.numel() * 4

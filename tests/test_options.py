@@ -71,7 +71,8 @@ def test_plan_records_its_options_and_load_restores_them(gpt2_tiny, tmp_path) ->
     assert p.options == PlanOptions(optimizer="sgd", time_limit_s=5.0, memory_budget=2**30)
     d = json.loads(p.dumps())
     assert d["options"] == {"training": True, "optimizer": "sgd", "precision": "model",
-                            "memory_budget": 2**30, "time_limit_s": 5.0, "bucket_mb": 25.0}
+                            "memory_budget": 2**30, "time_limit_s": 5.0, "bucket_mb": 25.0,
+                            "recompute": "auto"}
     p.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json").options == p.options
 

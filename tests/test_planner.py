@@ -456,11 +456,20 @@ def test_infeasible_memory_budget_states_the_least_memory(gpt2_b1) -> None:
     traced = gpt2_b1[1]
     mesh = Mesh((4,), cluster="cpu")
     budget = 0.05 * 2**30
-    least = least_memory(build_problem(traced, mesh, PlanOptions(memory_budget=budget)).problem)
+    from autoshard.trace.layers import checkpointable
+    options = PlanOptions(memory_budget=budget)
+    least = least_memory(build_problem(traced, mesh, options).problem)
     assert least > budget
     with pytest.raises(AutoshardError) as info:
-        plan_traced(traced, mesh, memory_budget=budget)
+        plan_traced(traced, mesh, memory_budget=budget, recompute="none")
     _assert_user_error(info.value, f"{least / 2**30:.4g} GiB", "memory_budget")
+    # With checkpointing allowed (the default), the least memory of that search, and it says so.
+    layers = frozenset(checkpointable(traced.graph, traced.layers))
+    least = least_memory(build_problem(traced, mesh, options, recompute=layers).problem)
+    with pytest.raises(AutoshardError) as info:
+        plan_traced(traced, mesh, memory_budget=budget)
+    _assert_user_error(info.value, f"{least / 2**30:.4g} GiB", "memory_budget",
+                       "even with full activation checkpointing of its 12 repeated layers")
 
 
 def test_solver_time_limit_is_not_called_a_memory_problem(monkeypatch) -> None:
@@ -554,3 +563,67 @@ def test_a_plan_that_wastes_its_mesh_says_so() -> None:
     tiny = plan(model, inputs, Mesh((4,), cluster="h100"))
     (note,) = tiny.warnings
     assert "4.0x the ideal share of 4 devices" in note and "on one device" in note, note
+
+
+# ------------------------------------------------------------------------------ recompute
+
+@pytest.fixture(scope="module")
+def gpt2_b8() -> TracedGraph:
+    model, inputs = get_model("gpt2", batch=8, seq=1024)
+    return trace(model, inputs)
+
+
+def test_recompute_is_not_chosen_where_memory_is_plentiful(gpt2_b8) -> None:
+    p = plan_traced(gpt2_b8, Mesh((8,), cluster="h100"))
+    assert p.recompute == {}
+    assert not [c for c in p.collectives if c.phase == "recompute"]
+
+
+def test_recompute_where_only_it_fits(gpt2_b8) -> None:
+    """GPT-2 124M on 8 H100s under a 0.5 GiB budget: no plan fits without activation
+    checkpointing (the least memory is 0.63 GiB), every layer recomputing fits (0.37 GiB)."""
+    mesh = Mesh((8,), cluster="h100")
+    with pytest.raises(AutoshardError):
+        plan_traced(gpt2_b8, mesh, memory_budget=0.5 * 2**30, recompute="none")
+    p = plan_traced(gpt2_b8, mesh, memory_budget=0.5 * 2**30)
+    assert set(p.recompute) == {f"layers.{i}" for i in range(12)}
+    assert p.predicted["peak_memory_bytes"] <= 0.5 * 2**30
+    with pytest.raises(AutoshardError) as info:
+        plan_traced(gpt2_b8, mesh, memory_budget=0.2 * 2**30)
+    assert "even with full activation checkpointing of its 12 repeated layers" in str(info.value)
+
+
+def test_recompute_prices_the_forward_again_and_keeps_one_layer(gpt2_b1) -> None:
+    """The same layouts (Megatron's, on 4 cpu devices) priced without and with full
+    recomputation of the 12 layers (docs/cost-model.md §8): compute grows by exactly the layers'
+    forward, every forward collective read inside a layer runs once more (phase "recompute"),
+    and of the layers' saved activations one layer's worth is left, plus each layer's input:
+    the residual stream, b·s·h in the model's dtype (Korthikanti et al. 2022: full recompute
+    keeps the layer input only)."""
+    from autoshard.cost.compute import op_times
+    from autoshard.cost.price import Pricer
+    from autoshard.solver.planner import assemble
+    from autoshard.trace.layers import checkpointable
+    model, traced = gpt2_b1
+    mesh = Mesh((4,), cluster="cpu")
+    base = baseline_plan(traced, mesh, "megatron", recompute="none")
+    layers = frozenset(checkpointable(traced.graph, traced.layers))
+    assert len(layers) == 12
+    strategies = base.strategies()
+    full = assemble(traced, mesh, strategies, base.options, solver=base.solver, model_name="",
+                    timings={}, recompute=layers)
+    pricer = Pricer(traced, mesh, base.options, recompute=layers)
+    ops = [n for n in traced.graph.nodes if pricer.recomputed(n.name)]
+    forward = sum(op_times(pricer.info(n.name), strategies[n.name], mesh, training=True)[0]
+                  for n in ops)
+    assert full.predicted["compute_s"] - base.predicted["compute_s"] == pytest.approx(forward)
+    again = [c for c in full.collectives if c.phase == "recompute"]
+    assert again
+    first = Counter((c.kind, c.bytes, c.node) for c in base.collectives if c.phase == "forward"
+                    and pricer.recomputed(c.node))
+    assert Counter((c.kind, c.bytes, c.node) for c in again) == first
+    inputs = pricer.checkpoint_inputs()
+    b, s, h = 1, 1024, model.config.hidden
+    itemsize = next(model.parameters()).element_size()
+    assert len(inputs) == 12 and all(pricer.shapes[v] == ((b, s, h), itemsize) for v in inputs)
+    assert full.predicted["peak_memory_bytes"] < base.predicted["peak_memory_bytes"]

@@ -198,10 +198,11 @@ class Redistribute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, reshard: Reshard, groups: MeshGroups,
-                ledger: Ledger | None, node: str, grad_phase: str) -> torch.Tensor:
+                ledger: Ledger | None, node: str, grad_phase: str,
+                phase: str = "forward") -> torch.Tensor:
         ctx.reshard, ctx.groups, ctx.ledger, ctx.node = reshard, groups, ledger, node
         ctx.grad_phase, ctx.in_shape = grad_phase, x.shape
-        return apply_steps(x, reshard.forward, groups, ledger=ledger, phase="forward", node=node)
+        return apply_steps(x, reshard.forward, groups, ledger=ledger, phase=phase, node=node)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -212,14 +213,15 @@ class Redistribute(torch.autograd.Function):
         assert g.shape == ctx.in_shape, (
             f"reshard at {ctx.node}: gradient {tuple(g.shape)} for an input of "
             f"{tuple(ctx.in_shape)}; backward steps {ctx.reshard.backward}")
-        return g, None, None, None, None, None
+        return g, None, None, None, None, None, None
 
 
 def redistribute(x: torch.Tensor, reshard: Reshard, groups: MeshGroups, *,
                  ledger: Ledger | None = None, node: str = "",
-                 grad_phase: str = "backward") -> torch.Tensor:
+                 grad_phase: str = "backward", phase: str = "forward") -> torch.Tensor:
     """Move the local shard ``x`` as ``reshard`` says, differentiably. ``grad_phase`` labels the
-    backward collectives in the ledger ("grad_sync" for a parameter's)."""
+    backward collectives in the ledger ("grad_sync" for a parameter's); ``phase`` the forward
+    ones ("recompute" when a checkpointed layer runs its forward again)."""
     if not reshard.forward and not reshard.backward:
         return x
-    return Redistribute.apply(x, reshard, groups, ledger, node, grad_phase)
+    return Redistribute.apply(x, reshard, groups, ledger, node, grad_phase, phase)

@@ -16,7 +16,9 @@ import torch.fx as fx
 
 from autoshard.codegen.buckets import DeferredGradSync, GradBuckets
 from autoshard.codegen.collectives import Ledger, redistribute
+from autoshard.codegen.recompute import outline
 from autoshard.cost.overlap import is_grad_sync
+from autoshard.errors import AutoshardError
 from autoshard.cost.reshards import ReshardEdge, reshard_edges
 from autoshard.ir import spec_str
 from autoshard.ops.registry import localize
@@ -41,7 +43,8 @@ class ReshardCall:
             return DeferredGradSync.apply(x, functools.partial(self.rt.buckets.arrive,
                                                                e.value[0]))
         return redistribute(x, e.reshard, self.rt.groups, ledger=self.rt.ledger,
-                            node=e.consumers[0][0], grad_phase="grad_sync" if e.from_param else "backward")
+                            node=e.consumers[0][0], phase=self.rt.phase,
+                            grad_phase="grad_sync" if e.from_param else "backward")
 
     def __repr__(self) -> str:
         return self.__name__
@@ -55,6 +58,7 @@ class RankRuntime:
         self.groups = groups
         self.device = device
         self.ledger = Ledger()
+        self.phase = "forward"      # "recompute" while a checkpointed layer runs again
         records = [c for c in (plan.collectives if plan else ()) if c.members]
         self.buckets = GradBuckets(records, groups, self.ledger) if records else None
 
@@ -93,7 +97,13 @@ def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime) -> fx.GraphModul
                                             "divergent": sorted(e.divergent)}
         return moved[key]
 
+    # Checkpointed layers: (node before the layer's first op, the layer's last op) in g.
+    layer_of = {n: layer for layer in plan.recompute for n in _layer_nodes(traced, layer)}
+    regions: dict[str, list] = {}
     for node in traced.graph.nodes:
+        layer = layer_of.get(node.name)
+        if layer is not None and layer not in regions:
+            regions[layer] = [list(g.nodes)[-1], None]
         if node.op == "placeholder":
             env[node.name] = g.placeholder(node.name)
             continue
@@ -120,7 +130,22 @@ def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime) -> fx.GraphModul
         new = g.call_function(fn, tuple(args), dict(kwargs))
         new.meta["autoshard"] = {"strategy": str(strat)}
         env[node.name] = new
+        if layer is not None:
+            regions[layer][1] = new
+    for layer, (after, last) in regions.items():
+        outline(g, after, last, runtime, layer)
     gm = fx.GraphModule(torch.nn.Module(), g, class_name="AutoshardRankProgram")
     gm.meta["autoshard_plan"] = {"fingerprint": plan.fingerprint, "mesh": list(mesh_shape),
                                  "axes": list(plan.mesh_axes), "coords": list(coords)}
     return gm
+
+
+def _layer_nodes(traced: TracedGraph, layer: str) -> tuple[str, ...]:
+    """The ops of a layer (trace/layers.py: contiguous in the graph, the planner checked)."""
+    found = next((lay for lay in traced.layers if lay.name == layer), None)
+    if found is None:
+        raise AutoshardError(f"layers to recompute among the model's {len(traced.layers)}",
+                             got=repr(layer), fix="re-plan: the plan file was edited or is damaged")
+    ops = {n.name for n in traced.graph.nodes if n.op == "call_function"}
+    return tuple(n for n in found.nodes if n in ops)
+

@@ -23,7 +23,10 @@ import math
 import operator
 from dataclasses import dataclass
 
-from autoshard.cost.comm import Reshard, reshard, reshard_time
+import torch
+import torch.fx as fx
+
+from autoshard.cost.comm import Reshard, reshard, reshard_time, steps_time
 from autoshard.cost.compute import local_numel, op_times
 from autoshard.cost.memory import param_state_bytes, saved_activation_bytes, saved_rule
 from autoshard.cost.overlap import is_grad_sync, sync_share_seconds
@@ -46,12 +49,24 @@ class Price:
 
 class Pricer:
     """Prices on ``mesh`` (the mesh the strategies are written for). With ``merge``, ``mesh`` is
-    ``merge.merged()`` and reshards are priced as they run on the real mesh."""
+    ``merge.merged()`` and reshards are priced as they run on the real mesh.
+
+    ``recompute``: layers (by name) whose activations are checkpointed: full recomputation,
+    docs/cost-model.md §8. Their ops run their forward twice; of what they save, one layer's
+    worth per group of identical layers is alive at once (the layer being recomputed), which
+    :meth:`memory_weight` expresses as a weight of 1/(group size) on each such node; the
+    values they read from outside the layer are kept whole (:meth:`checkpoint_inputs`)."""
 
     def __init__(self, traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
-                 merge: AxisMerge | None = None) -> None:
+                 merge: AxisMerge | None = None, recompute: frozenset[str] = frozenset()) -> None:
         self.traced, self.mesh, self.options, self.merge = traced, mesh, options, merge
         self.training = traced.training
+        self.recompute = recompute if self.training else frozenset()
+        groups: dict[str, int] = {}
+        for layer in traced.layers:
+            groups[layer.same_as] = groups.get(layer.same_as, 0) + 1
+        self._group_size = {layer.name: groups[layer.same_as] for layer in traced.layers
+                            if layer.name in self.recompute}
         self.params = {p.name for p in traced.params}
         # A tied weight (one tensor under several names) is lifted as one graph input per name:
         # the first holds the weight's state, every later one maps to it.
@@ -67,6 +82,7 @@ class Pricer:
         self._infos: dict[str, OpInfo] = {}
         self._saved_inputs: dict[ValueRef, list[Consumer]] | None = None
         self._kept: dict[ValueRef, bool] = {}
+        self._ckpt_inputs: dict[ValueRef, None] | None = None
         self._reshard_memo: dict[tuple, float] = {}
 
     # -- per node ---------------------------------------------------------------------------
@@ -81,8 +97,40 @@ class Pricer:
         return Price(self.compute(name, strategy), self.memory(name, strategy))
 
     def compute(self, name: str, strategy: Strategy) -> float:
-        """Forward + backward seconds."""
-        return sum(self._times(name, strategy))
+        """Forward + backward seconds (+ the forward again in a recomputed layer)."""
+        fwd, bwd = self._times(name, strategy)
+        return fwd * (2 if self.recomputed(name) else 1) + bwd
+
+    def recomputed(self, name: str) -> bool:
+        """Whether ``name`` is an op of a checkpointed layer."""
+        return bool(self.recompute) and self.traced.layer_of_node.get(name) in self.recompute \
+            and self._nodes[name].op == "call_function"
+
+    def memory_weight(self, name: str) -> float:
+        """How much of what ``name`` saves for backward counts toward the peak: 1, or for an op
+        of a checkpointed layer 1/(its group of identical layers): one layer's worth per group
+        is alive, while that layer is recomputed."""
+        if not self.recomputed(name):
+            return 1.0
+        return 1.0 / self._group_size[self.traced.layer_of_node[name]]
+
+    def checkpoint_inputs(self) -> dict[ValueRef, None]:
+        """The activations checkpointed layers read from outside themselves: what
+        ``torch.utils.checkpoint`` keeps for each (parameters are model state)."""
+        if self._ckpt_inputs is not None:
+            return self._ckpt_inputs
+        out: dict[ValueRef, None] = {}
+        self._ckpt_inputs = out
+        if not self.recompute:
+            return out
+        where = self.traced.layer_of_node
+        for node in self.traced.graph.nodes:
+            if not self.recomputed(node.name) or node.target is operator.getitem:
+                continue
+            for ref in value_inputs(node):
+                if where.get(ref[0]) != where[node.name] and ref[0] not in self.params:
+                    out[ref] = None
+        return out
 
     def backward(self, name: str, strategy: Strategy) -> float:
         """The backward part of :meth:`compute`: the window gradient syncs hide behind."""
@@ -109,8 +157,18 @@ class Pricer:
         if not self.training:
             return 0.0
         info = self.info(name)
-        return float(saved_activation_bytes(info, strategy, self.mesh.shape,
-                                            exclude=frozenset(saved_rule(info).inputs)))
+        saved = saved_activation_bytes(info, strategy, self.mesh.shape,
+                                       exclude=frozenset(saved_rule(info).inputs))
+        return saved * self.memory_weight(name) + self._kept_for_checkpoint(name, strategy)
+
+    def _kept_for_checkpoint(self, name: str, strategy: Strategy) -> float:
+        """The outputs of ``name`` a checkpointed layer keeps as its inputs, in their layout."""
+        total = 0.0
+        for i, spec in enumerate(strategy.outputs):
+            if (name, i) in self.checkpoint_inputs():
+                shape, itemsize = self.shapes[(name, i)]
+                total += local_numel(shape, spec, self.mesh.shape) * itemsize
+        return total
 
     def reads(self, name: str) -> list[str]:
         """The nodes whose values ``name`` reads, by input position."""
@@ -128,10 +186,19 @@ class Pricer:
                         continue
                     refs = value_inputs(node)
                     for k in saved_rule(self.info(node.name)).inputs:
-                        if k < len(refs):
+                        if k < len(refs) and self._needed(node, refs, k):
                             out.setdefault(refs[k], []).append((node.name, k))
             self._saved_inputs = out
         return self._saved_inputs
+
+    def _needed(self, node: fx.Node, refs: list[ValueRef], k: int) -> bool:
+        """A product's backward keeps one factor only for the other's gradient: PyTorch saves
+        ``a`` of ``a * b`` only if ``b`` needs a gradient (RoPE's ``q * cos`` keeps ``cos``,
+        not ``q``)."""
+        if node.target is not torch.ops.aten.mul.Tensor or len(refs) != 2:
+            return True
+        other = refs[1 - k][0]
+        return other in self.grads or other in self.params
 
     def saved_copy_bytes(self, value: ValueRef, src: Spec, dst: Spec) -> float:
         """Bytes one device keeps of ``value`` in layout ``dst`` for the ops that save it there
@@ -145,12 +212,14 @@ class Pricer:
 
     def saved_copies(self, strategies: dict[str, Strategy]) -> float:
         """:meth:`saved_copy_bytes` summed over a full assignment: every value once per layout
-        its saving consumers read it in."""
+        its saving consumers read it in (weighted as the most-kept of its savers, see
+        :meth:`memory_weight`)."""
         total = 0.0
         for ref, cons in self.saved_inputs().items():
             src = strategies[ref[0]].outputs[ref[1]]
+            weight = min(self.memory_weight(c) for c, _ in cons)
             for dst in dict.fromkeys(strategies[c].inputs[k] for c, k in cons):
-                total += self.saved_copy_bytes(ref, src, dst)
+                total += self.saved_copy_bytes(ref, src, dst) * weight
         return total
 
     def kept(self, value: ValueRef) -> bool:
@@ -192,6 +261,11 @@ class Pricer:
                 t = (reshard_time(steps, mesh), 0.0)
             self._reshard_memo[key] = t
         return t
+
+    def forward_seconds(self, value: ValueRef, src: Spec, dst: Spec) -> float:
+        """The forward collectives of a reshard alone: what recomputing it runs again."""
+        steps = self.steps(value, src, dst, frozenset())
+        return steps_time(steps.forward, self.merge.real if self.merge else self.mesh)
 
     def steps(self, value: ValueRef, src: Spec, dst: Spec, divergent: frozenset[int]) -> Reshard:
         """The collectives, forward and backward, on the mesh the program runs on."""

@@ -219,7 +219,11 @@ class _Builder:
         ins = self.ins[name]
         s = mb.strategies[mb.index[i]]
         srcs = {k: _spec(members[ins[k][0]], i, ins[k][1]) for k in positions}
-        return self._follow_cost(name, s, srcs, 0.0)
+        t = self._follow_cost(name, s, srcs, 0.0)
+        if self.pricer.recomputed(name):      # the reshard runs again in recompute
+            t += sum(self.pricer.forward_seconds(ins[k], src, s.inputs[k])
+                     for k, src in srcs.items())
+        return t
 
     def _edges(self, template: dict[str, str], members: dict[str, Member]
                ) -> tuple[list[Edge], list[Fanout]]:
@@ -257,6 +261,11 @@ class _Builder:
             specs = list(dict.fromkeys(src_specs))
             value = (pname, o)
             prices = [[self._price(value, src, dst) for dst in keys] for src in specs]
+            if all(c != OUTPUT and self.pricer.recomputed(c) for c, _ in cons):
+                # Read only inside checkpointed layers: the reshard runs again in recompute.
+                prices = [[(t + self.pricer.forward_seconds(value, src, dst[0]), sync)
+                           for (t, sync), dst in zip(row, keys)]
+                          for row, src in zip(prices, specs)]
             cost = tuple(tuple(p[0] for p in row) for row in prices)
             sync = tuple(tuple(p[1] for p in row) for row in prices)
             out = tuple(specs.index(sp) for sp in src_specs)
@@ -296,8 +305,9 @@ class _Builder:
             keys = list(dict.fromkeys(r for _, req in reqs for r in req))
             specs = list(dict.fromkeys(src_specs))
             value = (pname, o)
-            memory = tuple(tuple(self.pricer.saved_copy_bytes(value, src, dst) for dst in keys)
-                           for src in specs)
+            weight = min(self.pricer.memory_weight(c) for c, _ in cons)
+            memory = tuple(tuple(self.pricer.saved_copy_bytes(value, src, dst) * weight
+                                 for dst in keys) for src in specs)
             if not any(any(row) for row in memory):
                 continue
             classes = list(dict.fromkeys((cdec, tuple(keys.index(r) for r in req))
@@ -334,10 +344,12 @@ def _spec(m: Member, i: int, out: int) -> Spec:
 
 
 def build_problem(traced: TracedGraph, mesh: Mesh, options: PlanOptions = PlanOptions(), *,
-                  in_place: frozenset[str] = frozenset(), merge: AxisMerge | None = None) -> Built:
+                  in_place: frozenset[str] = frozenset(), merge: AxisMerge | None = None,
+                  recompute: frozenset[str] = frozenset()) -> Built:
     """``in_place``: parameters every op must read in their stored layout (a hand-written plan's
     weights are used where they lie, never resharded on the way in). ``merge``: ``mesh`` merges
-    axes of a real mesh (see planner.py); reshards are priced as they run there."""
+    axes of a real mesh (see planner.py); reshards are priced as they run there. ``recompute``:
+    the layers whose activations are checkpointed (cost/price.py)."""
     budget = mesh.cluster.memory_bytes if options.memory_budget is None else options.memory_budget
-    pricer = Pricer(traced, mesh, options, merge=merge)
+    pricer = Pricer(traced, mesh, options, merge=merge, recompute=recompute)
     return _Builder(traced, pricer, budget, in_place=in_place).build()

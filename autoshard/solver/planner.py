@@ -22,6 +22,7 @@ from autoshard.solver.ilp import Infeasible, NoSolution, break_ties, solve
 from autoshard.solver.diagnostics import gib, mesh_use, smaller_mesh, unruled_note
 from autoshard.trace.export import TracedGraph, trace
 from autoshard.trace.graph import value_inputs
+from autoshard.trace.layers import checkpointable
 
 
 def check_mesh_fits(traced: TracedGraph, mesh: Mesh) -> None:
@@ -64,14 +65,46 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = N
         raise AutoshardError(f"options.training equal to the traced graph's ({traced.training})",
                              got=f"training={options.training}",
                              fix="trace with the same training flag the options ask for")
-    plan = _plan_traced(traced, mesh, options, model_name=model_name, fixed=fixed,
-                        trace_s=trace_s, merge=merge)
+    plan = _plan_recompute(traced, mesh, options, model_name=model_name, fixed=fixed,
+                           trace_s=trace_s, merge=merge)
     if fixed or merge is not None:
         return plan
     unruled = unruled_note(traced)
     notes = [unruled.removeprefix("; ")] if unruled else []
     notes += _mesh_use_note(traced, mesh, options, plan, model_name)
     return replace(plan, warnings=tuple(notes)) if notes else plan
+
+
+def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw: Any) -> Plan:
+    """Plan with activation checkpointing as ``options.recompute`` says. "auto": without it
+    first; recomputing only adds time to the same layouts, so it is tried only when memory
+    binds (no plan fits, or the plan fills the budget), and kept if it makes the step faster
+    (freed memory can buy faster layouts) or is the only plan that fits."""
+    layers = frozenset(checkpointable(traced.graph, traced.layers)) if traced.training \
+        else frozenset()
+    if not layers or options.recompute == "none":
+        return _plan_traced(traced, mesh, options, recompute=frozenset(), **kw)
+    if options.recompute == "full":
+        return _plan_traced(traced, mesh, options, recompute=layers, **kw)
+    budget = mesh.cluster.memory_bytes if options.memory_budget is None else options.memory_budget
+    try:
+        plain = _plan_traced(traced, mesh, options, recompute=frozenset(), **kw)
+    except AutoshardError as e:
+        if not isinstance(e.__cause__, Infeasible):
+            raise
+        try:
+            return _plan_traced(traced, mesh, options, recompute=layers, **kw)
+        except AutoshardError as e2:
+            raise AutoshardError(e2.expected, got=f"{e2.got}, even with full activation "
+                                 f"checkpointing of its {len(layers)} repeated layers",
+                                 fix=e2.fix) from e2.__cause__
+    if plain.predicted["peak_memory_bytes"] < budget * (1 - 1e-6):
+        return plain
+    try:
+        full = _plan_traced(traced, mesh, options, recompute=layers, **kw)
+    except AutoshardError:
+        return plain
+    return full if full.predicted["step_time_s"] < plain.predicted["step_time_s"] else plain
 
 
 def _mesh_use_note(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan,
@@ -85,8 +118,8 @@ def _mesh_use_note(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: 
     head = (f"devices repeat work: compute per device is {use.redundancy:.1f}x the ideal share "
             f"of {mesh.size} devices; idle axes: {idle}")
     try:
-        other = _plan_traced(traced, small, options, model_name=model_name, fixed=None,
-                             trace_s=0.0, merge=None)
+        other = _plan_recompute(traced, small, options, model_name=model_name, fixed=None,
+                                trace_s=0.0, merge=None)
     except AutoshardError:
         return [f"{head}. The same work does not fit on {_devices(small)} alone."]
     return [f"{head}. The same work on {_devices(small)}: predicted step "
@@ -102,14 +135,15 @@ def _devices(mesh: Mesh) -> str:
 
 def _plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_name: str,
                  fixed: dict[str, Strategy] | None, trace_s: float,
-                 merge: AxisMerge | None) -> Plan:
+                 merge: AxisMerge | None, recompute: frozenset[str]) -> Plan:
     check_mesh_fits(traced, mesh)
     if mesh.ndim >= 3:
         return _plan_by_merging(traced, mesh, options, model_name=model_name, fixed=fixed,
-                                trace_s=trace_s)
+                                trace_s=trace_s, recompute=recompute)
     t0 = time.perf_counter()
     in_place = frozenset(p.name for p in traced.params if p.name in (fixed or {}))
-    built = build_problem(traced, mesh, options, in_place=in_place, merge=merge)
+    built = build_problem(traced, mesh, options, in_place=in_place, merge=merge,
+                          recompute=recompute)
     problem = built.problem
     if fixed:
         problem = _with_fixed(built, fixed)
@@ -136,7 +170,8 @@ def _plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model
     if sol.note:
         solver["note"] = sol.note
     return assemble(traced, mesh, strategies, options, solver=solver, model_name=model_name,
-                    timings={"trace_s": trace_s, "build_s": build_s, "solve_s": sol.seconds})
+                    timings={"trace_s": trace_s, "build_s": build_s, "solve_s": sol.seconds},
+                    recompute=recompute)
 
 
 def _storage_preferences(traced: TracedGraph, built: Built) -> dict[int, list[int]]:
@@ -164,7 +199,8 @@ MERGES = {3: (((0, 1), (2,)), ((0,), (1, 2)), ((0, 1, 2),))}
 
 
 def _plan_by_merging(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
-                     fixed: dict[str, Strategy] | None, model_name: str, trace_s: float) -> Plan:
+                     fixed: dict[str, Strategy] | None, model_name: str, trace_s: float,
+                     recompute: frozenset[str]) -> Plan:
     best: Plan | None = None
     errors = []
     for merges in MERGES[mesh.ndim]:
@@ -178,7 +214,8 @@ def _plan_by_merging(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
         else:
             try:
                 sub = _plan_traced(traced, merge.merged(), options, fixed=pins or None,
-                                   merge=merge, model_name=model_name, trace_s=trace_s)
+                                   merge=merge, model_name=model_name, trace_s=trace_s,
+                                   recompute=recompute)
             except AutoshardError as e:
                 errors.append(e)
                 continue
@@ -190,7 +227,7 @@ def _plan_by_merging(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
                                               work_fraction(ins, outs, mesh.shape))
             plan = assemble(traced, mesh, strategies, options,
                             solver={**sub.solver, "merged_axes": [list(g) for g in merges]},
-                            model_name=model_name, timings=sub.timings)
+                            model_name=model_name, timings=sub.timings, recompute=recompute)
             if best is None or plan.predicted["step_time_s"] < best.predicted["step_time_s"]:
                 best = plan
     if best is None:
@@ -216,12 +253,12 @@ def _with_fixed(built: Built, fixed: dict[str, Strategy]):
 
 def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
              options: PlanOptions, *, solver: dict[str, Any], model_name: str,
-             timings: dict[str, float]) -> Plan:
+             timings: dict[str, float], recompute: frozenset[str] = frozenset()) -> Plan:
     """The Plan of a full assignment on ``mesh``: its ledger, and its predicted figures as the
     sum of the prices the ILP's coefficients come from (cost/price.py), over the nodes and the
     reshards the program will run (cost/reshards.py, the walk codegen makes)."""
     graph = traced.graph
-    pricer = Pricer(traced, mesh, options)
+    pricer = Pricer(traced, mesh, options, recompute=recompute)
     nodes = [n for n in graph.nodes if n.name in strategies]
     params = {p.name: p.fqn for p in traced.params}
     compute_s = memory = backward_s = 0.0
@@ -244,7 +281,11 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
             for a, t in sync_share_by_axis(e.reshard, mesh, options.bucket_bytes).items():
                 sync[mesh.axes[a]] += t
             continue
-        for phase, step in e.reshard.collectives:
+        # A reshard runs where its first consumer runs: inside a checkpointed layer, its
+        # forward collectives run again when the layer is recomputed (codegen/recompute.py).
+        again = [("recompute", st) for st in e.reshard.forward if st.is_collective] \
+            if pricer.recomputed(e.consumers[0][0]) else []
+        for phase, step in [*e.reshard.collectives, *again]:
             if phase == "backward" and e.from_param:
                 phase = "grad_sync"
             axis = mesh.axes[step.axis]
@@ -283,6 +324,7 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
                    "exposed_comm_s": exposed, "overlapped_comm_s": overlapped},
         solver=solver, model=model_name, node_sigs=traced.node_sigs, layers=traced.layers,
         tied={fqn: tuple(reads) for fqn, reads in tied.items()},
+        recompute={layer.name: "full" for layer in traced.layers if layer.name in recompute},
         input_meta={p.fqn: (p.info.shape, str(p.info.dtype).removeprefix("torch."))
                     for p in traced.inputs if p.info is not None},
         # Wall-clock figures stay off the saved plan: they would make two runs' files differ.

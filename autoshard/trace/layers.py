@@ -83,3 +83,20 @@ def _signature(nodes: list[fx.Node], fqns: dict[str, str], shapes: dict) -> list
 
         sig.append((str(n.target), repr(fx.node.map_aggregate((n.args, n.kwargs), arg)), outs))
     return sig
+
+
+def checkpointable(graph: fx.Graph, layers: tuple[Layer, ...]) -> tuple[str, ...]:
+    """The layers that can be checkpointed as one region of the program: those that repeat
+    (a group of identical layers, where recomputing one at a time saves memory) and whose ops
+    come one after another in the graph, no other op between them."""
+    group: dict[str, int] = {}
+    for layer in layers:
+        group[layer.same_as] = group.get(layer.same_as, 0) + 1
+    ops = [n.name for n in graph.nodes if n.op == "call_function" and not _is_getitem(n)]
+    where = {name: i for i, name in enumerate(ops)}
+    out = []
+    for layer in layers:
+        idx = sorted(where[n] for n in layer.nodes if n in where)
+        if group[layer.same_as] > 1 and idx and idx[-1] - idx[0] + 1 == len(idx):
+            out.append(layer.name)
+    return tuple(out)

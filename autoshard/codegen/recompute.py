@@ -1,0 +1,80 @@
+"""Activation checkpointing in the rank program (docs/cost-model.md §8).
+
+Each layer the plan recomputes is a contiguous region of the emitted graph: its ops and the
+reshards they read (a reshard is emitted just before its first consumer). The region becomes a
+submodule run under ``torch.utils.checkpoint`` (non-reentrant): forward keeps only the region's
+inputs, and backward runs the region's forward again, its collectives included, which the ledger
+records in phase "recompute", as the plan lists them (planner.assemble).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+
+class Checkpointed:
+    """A graph target: the region's submodule, run under torch.utils.checkpoint."""
+
+    def __init__(self, gm: fx.GraphModule, runtime: Any, layer: str) -> None:
+        self.gm, self.rt, self.layer = gm, runtime, layer
+        self.__name__ = "checkpoint_" + layer.replace(".", "_")
+        self.calls = 0
+
+    def __call__(self, *args: Any) -> tuple:
+        if not torch.is_grad_enabled():
+            return tuple(self.gm(*args))
+        self.calls = 0
+        # The whole forward again, as priced: early stop would skip the region's tail (ops
+        # whose outputs backward does not need, and their collectives).
+        with set_checkpoint_early_stop(False):
+            return checkpoint(self._run, *args, use_reentrant=False)
+
+    def _run(self, *args: Any) -> tuple:
+        self.calls += 1                   # the first call is forward, a later one recompute
+        previous = self.rt.phase
+        self.rt.phase = "recompute" if self.calls > 1 else previous
+        try:
+            return tuple(self.gm(*args))
+        finally:
+            self.rt.phase = previous
+
+    def __repr__(self) -> str:
+        return self.__name__
+
+
+def outline(g: fx.Graph, after: fx.Node, last: fx.Node, runtime: Any, layer: str) -> None:
+    """Replace the nodes strictly after ``after`` up to ``last`` by one call of a
+    :class:`Checkpointed` submodule taking what they read from outside and returning what the
+    rest of the graph reads from them."""
+    region: list[fx.Node] = []
+    n = after.next
+    while True:
+        region.append(n)
+        if n is last:
+            break
+        n = n.next
+    inside = set(region)
+    inputs: dict[fx.Node, None] = {}
+    for n in region:
+        for a in n.all_input_nodes:
+            if a not in inside:
+                inputs[a] = None
+    outputs = [n for n in region if any(u not in inside for u in n.users)]
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {a: sub.placeholder(a.name) for a in inputs}
+    for n in region:
+        env[n] = sub.node_copy(n, lambda x: env[x])
+    sub.output(tuple(env[o] for o in outputs))
+    gm = fx.GraphModule(torch.nn.Module(), sub, class_name="CheckpointedLayer")
+    with g.inserting_before(region[0]):
+        call = g.call_function(Checkpointed(gm, runtime, layer), tuple(inputs))
+        call.meta["autoshard"] = {"checkpoint": layer}
+        for k, o in enumerate(outputs):
+            item = g.call_function(operator.getitem, (call, k))
+            o.replace_all_uses_with(item, delete_user_cb=lambda user: user not in inside)
+    for n in reversed(region):
+        g.erase_node(n)
