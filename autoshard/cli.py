@@ -1,4 +1,4 @@
-"""``autoshard`` command line: plan, show, verify, zoo."""
+"""``autoshard`` command line: plan, show, verify, diff, zoo."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,7 @@ import sys
 import time
 
 from autoshard.errors import AutoshardError
-from autoshard.options import OPTIMIZERS, PlanOptions
+from autoshard.options import OPTIMIZERS, RECOMPUTE, PlanOptions
 
 
 def parse_mesh(text: str) -> tuple[int, ...]:
@@ -32,7 +32,8 @@ def plan_options(args) -> PlanOptions:
     return PlanOptions(training=not args.inference, optimizer=args.optimizer,
                        # `is not None`: 0 must be refused, not read as "unset"
                        memory_budget=None if args.memory_gb is None else args.memory_gb * 2**30,
-                       time_limit_s=args.time_limit)
+                       time_limit_s=args.time_limit, recompute=args.recompute,
+                       bucket_mb=args.bucket_mb)
 
 
 def cmd_plan(args) -> int:
@@ -41,7 +42,8 @@ def cmd_plan(args) -> int:
     mesh = make_mesh(args)
     options = plan_options(args)
     t0 = time.perf_counter()
-    model, inputs = load_model(args.model, batch=args.batch, seq=args.seq, device="meta")
+    model, inputs = load_model(args.model, batch=args.batch, seq=args.seq, device="meta",
+                               task=args.task)
     p = plan(model, inputs, mesh, options, model_name=args.model)
     took = time.perf_counter() - t0
     print(p.summary())
@@ -76,9 +78,32 @@ def cmd_verify(args) -> int:
     print(f"verifying {args.model} on {mesh} with {mesh.size} gloo ranks "
           f"({'plan file ' + args.plan if args.plan else args.baseline or 'autoshard plan'})")
     ok, text = verify(args.model, mesh, plan=plan, batch=args.batch, seq=args.seq,
-                      baseline=args.baseline, tolerance=args.tolerance)
+                      baseline=args.baseline, tolerance=args.tolerance, task=args.task)
     print(text)
     return 0 if ok else 1
+
+
+def cmd_diff(args) -> int:
+    import json
+
+    from autoshard.diff import diff_files, render
+    if args.limit < 0:
+        raise AutoshardError("--limit is a number of lines >= 0 (0: all)", got=str(args.limit),
+                             fix="e.g. --limit 40, or --limit 0 for every line")
+    d = diff_files(args.a, args.b, force=args.force)
+    print(json.dumps(d.to_json(), indent=1) if args.json else render(d, limit=args.limit))
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from autoshard.calibrate import calibrate, summary, write_profile, writes_profile
+    prof = calibrate(args.device, args.world, quick=args.quick)
+    if not writes_profile():
+        return 0                       # under torchrun every rank measured; rank 0 writes
+    write_profile(prof, args.output)
+    print(summary(prof))
+    print(f"  wrote {args.output} (use it with --cluster {args.output})")
+    return 0
 
 
 def cmd_zoo(args) -> int:
@@ -88,11 +113,16 @@ def cmd_zoo(args) -> int:
     return 0
 
 
+TASK_HELP = ("for a Hugging Face config: causal-lm | masked-lm | seq2seq | image-classification "
+             "(default: from the config's architectures)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="autoshard", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("plan", help="plan a model on a mesh and write the plan JSON")
-    p.add_argument("model", help="zoo name (see `autoshard zoo`) or path/to/file.py:factory")
+    p.add_argument("model", help="zoo name (see `autoshard zoo`), path/to/file.py:factory, or a "
+                                 "Hugging Face config.json (or a directory holding one)")
     p.add_argument("--mesh", required=True, help="mesh shape, e.g. 8x8")
     p.add_argument("--axes", default=None, help="axis names, e.g. dp,tp")
     p.add_argument("--cluster", default="h100", help="h100 | h200 | a100 | cpu | profile.json")
@@ -103,14 +133,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer state each parameter carries (default adam)")
     p.add_argument("--memory-gb", type=float, default=None, help="memory budget per device (GiB)")
     p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit (s)")
+    p.add_argument("--recompute", default="auto", choices=RECOMPUTE,
+                   help="activation checkpointing of repeated layers (default auto: where "
+                        "memory requires it or it makes the step faster)")
+    p.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="gradient all-reduce bucket size in MiB (default 25, as DDP)")
     p.add_argument("-o", "--output", default=None, help="write the plan here")
+    p.add_argument("--task", default=None, help=TASK_HELP)
     p.set_defaults(fn=cmd_plan)
     s = sub.add_parser("show", help="print a plan file")
     s.add_argument("plan")
     s.add_argument("--nodes", action="store_true", help="also print every node's strategy")
     s.set_defaults(fn=cmd_show)
     v = sub.add_parser("verify", help="run a plan on gloo ranks here and compare with one device")
-    v.add_argument("model")
+    v.add_argument("model", help="as for plan: zoo name, path/to/file.py:factory or config.json")
+    v.add_argument("--task", default=None, help=TASK_HELP)
     v.add_argument("--mesh", required=True)
     v.add_argument("--axes", default=None)
     v.add_argument("--cluster", default="stress",
@@ -122,6 +159,25 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--baseline", default=None, help="force a hand-written plan: dp | megatron | megatron-dp")
     v.add_argument("--tolerance", type=float, default=1e-5)
     v.set_defaults(fn=cmd_verify)
+    d = sub.add_parser("diff", help="what two plans of one model place differently, and the "
+                                    "predicted change of each part of the step (b - a)")
+    d.add_argument("a", help="plan file")
+    d.add_argument("b", help="plan file of the same model (same fingerprint)")
+    d.add_argument("--force", action="store_true",
+                   help="compare plans of different graphs anyway, by parameter and op name")
+    d.add_argument("--json", action="store_true", help="print the diff as JSON")
+    d.add_argument("--limit", type=int, default=40,
+                   help="lines shown per section (default 40; 0: all)")
+    d.set_defaults(fn=cmd_diff)
+    c = sub.add_parser("calibrate", help="measure this machine (matmul, memory, kernels, "
+                                         "collectives) and write a cluster profile JSON")
+    c.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    c.add_argument("--world", type=int, default=None,
+                   help="ranks to measure collectives over (default 2; under torchrun its "
+                        "WORLD_SIZE)")
+    c.add_argument("--quick", action="store_true", help="small sizes, a few seconds (tests)")
+    c.add_argument("-o", "--output", required=True, help="write the profile here")
+    c.set_defaults(fn=cmd_calibrate)
     z = sub.add_parser("zoo", help="list the built-in models")
     z.set_defaults(fn=cmd_zoo)
     return ap

@@ -2,7 +2,8 @@
 docs/cost-model.md §2.
 
 Every figure can be overridden from a JSON profile: ``Cluster.load("my_cluster.json")`` takes any
-subset of the fields below on top of a ``"base"`` preset.
+subset of the fields below on top of a ``"base"`` preset, and ignores a ``"measured"`` record (the
+raw measurements ``autoshard calibrate`` writes beside its figures).
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autoshard.errors import AutoshardError
+
+MEASURED_KEY = "measured"    # a profile's raw measurements, not a figure (docs/cost-model.md §2.1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,9 @@ class Cluster:
     @classmethod
     def _from_profile(cls, data: dict) -> "Cluster":
         base = cls.preset(data.pop("base", "h100"))
+        # The raw measurements `autoshard calibrate` keeps beside its figures: a record for
+        # people, ignored here (docs/cost-model.md §2.1).
+        data.pop(MEASURED_KEY, None)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

@@ -3,11 +3,17 @@
 Every rank builds the same model (same seed), runs one training step of the per-rank program and
 of the whole model, and reports the largest relative error of the loss and of every gradient, and
 each collective's bytes as counted at run time against the plan's ledger.
+
+After that comparison, each rank measures the peak memory of a full training step of its program
+(:func:`measure_step_memory`: forward, backward and the optimizer step, with its optimizer state
+already there) beside the plan's predicted peak. The measurement runs on the same per-rank module
+once its gradients have been compared, so it cannot change them.
 """
 from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -28,18 +34,21 @@ from autoshard.zoo.registry import load_model
 
 @dataclass(frozen=True)
 class VerifySpec:
-    model: str                   # zoo name or path/to/file.py:factory
+    model: str                   # zoo name, path/to/file.py:factory or a HF config.json
     mesh_shape: tuple[int, ...]
     axes: tuple[str, ...]
     plan_json: str
     batch: int | None = None
     seq: int | None = None
     seed: int = 0
+    task: str | None = None      # of a Hugging Face config (default: from the config)
+    measure_memory: bool = True  # also measure the peak memory of a training step
 
 
-def build(spec_model: str, batch: int | None, seq: int | None, seed: int):
+def build(spec_model: str, batch: int | None, seq: int | None, seed: int,
+          task: str | None = None):
     torch.manual_seed(seed)
-    model, inputs = load_model(spec_model, batch=batch, seq=seq, device="cpu")
+    model, inputs = load_model(spec_model, batch=batch, seq=seq, device="cpu", task=task)
     model = model.float().train()
     inputs = tuple(t.float() if t.is_floating_point() else t for t in inputs)
     return model, inputs
@@ -76,7 +85,7 @@ def verify_rank(spec: VerifySpec) -> dict[str, Any]:
 
 
 def _run_rank(spec: VerifySpec) -> dict[str, Any]:
-    model, inputs = build(spec.model, spec.batch, spec.seq, spec.seed)
+    model, inputs = build(spec.model, spec.batch, spec.seq, spec.seed, spec.task)
     ref = as_loss_module(copy.deepcopy(model))
     ref_loss = ref(*inputs)
     ref_loss.backward()
@@ -91,7 +100,7 @@ def _run_rank(spec: VerifySpec) -> dict[str, Any]:
     missing = sorted(set(ref_grads) - set(grads))
     planned = [(c.kind, c.axes, c.bytes, c.phase, c.node) for c in plan.collectives]
     ran = [(r.kind, r.axes, r.nbytes, r.phase, r.node) for r in pm.ledger]
-    return {
+    report = {
         "loss": float(loss), "ref_loss": float(ref_loss.detach()),
         "loss_err": abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-30),
         "grad_errs": grad_errs, "missing_grads": missing,
@@ -99,11 +108,165 @@ def _run_rank(spec: VerifySpec) -> dict[str, Any]:
         "collectives": len(ran), "bytes": sum(r.nbytes for r in pm.ledger),
         "planned_bytes": sum(c.bytes for c in plan.collectives),
     }
+    if spec.measure_memory:
+        # After the comparison (its figures are final above): the same module, gradients dropped.
+        del grads, ref, ref_grads
+        report["memory"] = measure_step_memory(pm, pm.shard_inputs(*inputs))
+    return report
+
+
+# ------------------------------------------------------------------------------ memory
+
+# MemTracker's reference types (torch.distributed._tools.mem_tracker._MemRefType values) under
+# the names verify reports them by.
+_MEM_PARTS = {"Parameter": "params", "Gradient": "grads", "Optstate": "optimizer",
+              "Activation": "activations", "Temp": "temporaries", "Buffer": "buffers",
+              "Other": "other"}
+MEM_PARTS = tuple(_MEM_PARTS.values())
+
+
+def _optimizer_for(pm, optimizer: str):
+    """The torch optimizer whose state the plan's ``options.optimizer`` counts (docs/cost-model.md
+    §4.1): AdamW for adam/adamw (the same two moments), plain SGD for sgd, none for none."""
+    params = [p for p in pm.parameters() if p.requires_grad]
+    if optimizer in ("adam", "adamw"):
+        return torch.optim.AdamW(params, lr=1e-4), "AdamW"
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=1e-4), "SGD"
+    return None, "no optimizer"
+
+
+def predicted_memory(pm) -> dict[str, int]:
+    """The plan's predicted peak split as the cost model sums it (docs/cost-model.md §4.4): model
+    state (parameter, gradient and optimizer state of this rank's shards, §4.1), buffers, and the
+    rest, what the forward saves for backward (activations and resharded copies)."""
+    from autoshard.cost.memory import param_state_bytes
+    plan = pm.plan
+    state = sum(param_state_bytes(p.numel(), p.dtype, optimizer=plan.options.state_optimizer)
+                for p in pm.local_parameters().values())
+    buffers = sum(t.numel() * t.element_size() for t in pm._buffers_local.values())
+    peak = int(plan.predicted["peak_memory_bytes"])
+    return {"peak": peak, "model_state": state, "buffers": buffers,
+            "saved": peak - state - buffers}
+
+
+def measure_step_memory(pm, local_inputs: tuple, *, warmup: bool = True) -> dict[str, Any]:
+    """Peak bytes this rank holds during one training step of ``pm``: forward, backward (the
+    gradient syncs included), the optimizer step (the plan's optimizer: AdamW for adam/adamw)
+    and ``zero_grad``. Collective: every rank of the world must call it.
+
+    With ``warmup`` (the default) a first, untracked step creates the optimizer state and the
+    second step is measured: the steady state, whose moments exist through forward and backward
+    (the first step's peak is not higher). On CPU the figure is the peak of
+    ``torch.distributed._tools.mem_tracker.MemTracker``; on CUDA it is the caching allocator's
+    ``max_memory_allocated`` over the step (every tensor on the device: the module, its inputs
+    and whatever else the process keeps there), with the tracker's peak beside it
+    (``tracked_peak``). The breakdown is the tracker's at its peak: params, grads, optimizer,
+    activations (made in forward), temporaries (made in backward: activation gradients, and
+    parameter gradients while the runtime still holds them in a sync bucket), buffers, and other
+    (the module's buffers and the step's inputs). The module's gradients are dropped before and
+    after.
+
+    Returns ``{"measured": bytes, "breakdown": {...}, "tracked_peak": bytes, "after_forward":
+    {...}, "source": ..., "step": ..., "predicted": predicted_memory(pm), "error": (predicted -
+    measured) / measured}``; ``after_forward`` holds the same parts when the forward returned
+    (its activations are what the forward keeps for backward, the predicted "saved" part). When
+    the step fails under the tracker (an op or tensor type it cannot follow) it returns
+    ``{"not_measured": reason, "predicted": ...}``. A failure that strikes one rank only would
+    leave the others waiting in a collective; the program is the same on every rank, so a
+    failure of the tracker strikes them all."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    predicted = predicted_memory(pm)
+    params = list(pm.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    opt, opt_name = _optimizer_for(pm, pm.plan.options.state_optimizer)
+    tracker = MemTracker()
+    pm.zero_grad(set_to_none=True)
+    try:
+        with warnings.catch_warnings():
+            # The runtime hands bucketed gradients over itself: the tracker's gradient hook
+            # then sees a parameter whose .grad is not set yet, and warns (harmlessly).
+            warnings.filterwarnings("ignore", message="Expected a tensor or a traceable")
+            allocator_peak = _measured_step(pm, local_inputs, opt, device, tracker, warmup)
+    except Exception as e:         # noqa: BLE001 (reported, not raised: verify goes on)
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return {"not_measured": f"{type(e).__name__}: {reason}" if reason else type(e).__name__,
+                "predicted": predicted}
+    finally:
+        pm.zero_grad(set_to_none=True)
+    breakdown, tracked = _parts(tracker.get_tracker_snapshot("peak"), device)
+    measured = int(allocator_peak if allocator_peak is not None else tracked)
+    return {"measured": measured, "breakdown": breakdown, "tracked_peak": tracked,
+            "after_forward": _after_forward(tracker, pm, device),
+            "source": ("torch.cuda.max_memory_allocated" if allocator_peak is not None
+                       else "MemTracker"),
+            "step": f"{'second (steady-state)' if warmup else 'first'} step: forward, "
+                    f"backward, {opt_name} step",
+            "predicted": predicted,
+            "error": (predicted["peak"] - measured) / measured if measured else math.inf}
+
+
+def _parts(snap: dict, device: torch.device) -> tuple[dict[str, int], int]:
+    """A MemTracker snapshot (device -> reference type -> bytes) as verify's parts, and total."""
+    dev_snap = next((v for d, v in snap.items() if torch.device(d).type == device.type), {})
+    parts = dict.fromkeys(MEM_PARTS, 0)
+    for k, v in dev_snap.items():
+        name = getattr(k, "value", str(k))
+        if name in _MEM_PARTS:
+            parts[_MEM_PARTS[name]] += int(v)
+    return parts, int(dev_snap.get("Total", sum(parts.values())))
+
+
+def _after_forward(tracker, pm, device: torch.device) -> dict[str, int] | None:
+    """What the rank held when its forward returned (the tracker's post-forward snapshot of the
+    module): the activations then are what the forward keeps for backward, plus the loss, the
+    quantity the plan's "saved" part predicts. None where the tracker kept no such snapshot."""
+    try:
+        stats = tracker.memory_tracking[pm]
+        snap = next(v[-1] for k, v in stats.snapshots.items()
+                    if getattr(k, "value", k) == "Post-Forward" and v)
+    except (KeyError, StopIteration, AttributeError, TypeError):
+        return None
+    return _parts(snap, device)[0]
+
+
+def _measured_step(pm, local_inputs: tuple, opt, device: torch.device, tracker,
+                   warmup: bool) -> int | None:
+    """The (warm-up and) measured step of :func:`measure_step_memory`; on CUDA the allocator's
+    peak over the measured step."""
+    if warmup:
+        pm.step(*local_inputs)
+        if opt is not None:
+            opt.step()
+        pm.zero_grad(set_to_none=True)
+    externals = [pm, *pm._buffers_local.values(),
+                 *(t for t in local_inputs if isinstance(t, torch.Tensor))]
+    if opt is not None:
+        externals.append(opt)
+    tracker.track_external(*externals)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    with tracker:
+        pm.step(*local_inputs)
+        # Gradients the runtime hands over itself (a bucket's sync assigns ``.grad`` at the end
+        # of backward) pass no gradient hook: label them gradients before the optimizer reads
+        # them. Until then the tracker counts them as temporaries.
+        tracker.track_external(pm)
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device)
 
 
 def plan_for(model_name: str, mesh, *, batch: int | None = None, seq: int | None = None,
-             baseline: str | None = None, seed: int = 0, **plan_kwargs: Any):
-    traced = trace(*build(model_name, batch, seq, seed))
+             baseline: str | None = None, seed: int = 0, task: str | None = None,
+             **plan_kwargs: Any):
+    traced = trace(*build(model_name, batch, seq, seed, task))
     if baseline:
         return baseline_plan(traced, mesh, baseline, **plan_kwargs)
     return plan_traced(traced, mesh, model_name=model_name, **plan_kwargs)
@@ -129,15 +292,55 @@ def summarize(reports: list[dict[str, Any]], tolerance: float) -> tuple[bool, st
             lines.append(f"rank {rank}: beyond tolerance {tolerance:g}: loss {rep['loss_err']:.2e}; "
                          + ", ".join(f"{n} {e:.2e}" for e, n in bad[:5]))
             ok = False
+    lines += memory_lines(reports)
     lines.append("PASS" if ok else "FAIL")
     return ok, "\n".join(lines)
 
 
+def _unit(nbytes: float) -> tuple[str, float]:
+    """The largest binary unit that keeps ``nbytes`` >= 1 (a tiny model must not read 0.00)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return unit, scale
+    return "B", 1
+
+
+def memory_lines(reports: list[dict[str, Any]]) -> list[str]:
+    """One line per rank: the plan's predicted peak memory against the measured peak of a
+    training step, with what each held. For information: it does not decide PASS or FAIL."""
+    mems = [(rank, r["memory"]) for rank, r in enumerate(reports) if r.get("memory")]
+    if not mems:
+        return []
+    largest = max(max(m["predicted"]["peak"], m.get("measured", 0)) for _, m in mems)
+    unit, scale = _unit(largest)
+
+    def f(n: float) -> str:
+        return f"{n / scale:.2f}" if scale > 1 else f"{n:.0f}"
+
+    first = next((m for _, m in mems if "measured" in m), None)
+    head = f"peak memory per rank, {unit}"
+    if first is not None:
+        head += f" ({first['step']}; measured by {first['source']})"
+    lines = [head + ":"]
+    for rank, m in mems:
+        p = m["predicted"]
+        pred = (f"predicted {f(p['peak'])} (model state {f(p['model_state'])} + saved "
+                f"{f(p['saved'])}" + (f" + buffers {f(p['buffers'])}" if p["buffers"] else "")
+                + ")")
+        if "not_measured" in m:
+            lines.append(f"  rank {rank}: {pred}, not measured: {m['not_measured']}")
+            continue
+        parts = " + ".join(f"{k} {f(v)}" for k, v in m["breakdown"].items() if v)
+        lines.append(f"  rank {rank}: {pred}, measured {f(m['measured'])} ({parts}); "
+                     f"error {100 * m['error']:+.1f}%")
+    return lines
+
+
 def verify(model_name: str, mesh: Mesh, *, plan: Plan | None = None, batch: int | None = None,
            seq: int | None = None, baseline: str | None = None,
-           tolerance: float = 1e-5) -> tuple[bool, str]:
+           tolerance: float = 1e-5, task: str | None = None) -> tuple[bool, str]:
     """Run ``plan`` (or a fresh plan, or a hand-written ``baseline``) on ``mesh.size`` gloo ranks
-    here; (passed, report)."""
+    here; (passed, report). ``task``: of a Hugging Face config.json model."""
     if not (isinstance(tolerance, (int, float)) and 0 < tolerance < math.inf):   # nan fails too
         raise AutoshardError("a tolerance that is a positive number", got=repr(tolerance),
                              fix="e.g. --tolerance 1e-5")
@@ -145,10 +348,10 @@ def verify(model_name: str, mesh: Mesh, *, plan: Plan | None = None, batch: int 
         raise AutoshardError("a plan file or a baseline to verify, not both",
                              got=f"a plan and baseline {baseline!r}", fix="drop one of them")
     if plan is not None:
-        check_plan(plan, model_name, mesh, batch=batch, seq=seq)
+        check_plan(plan, model_name, mesh, batch=batch, seq=seq, task=task)
     else:
-        plan = plan_for(model_name, mesh, batch=batch, seq=seq, baseline=baseline)
-    spec = VerifySpec(model_name, mesh.shape, mesh.axes, plan.dumps(), batch, seq)
+        plan = plan_for(model_name, mesh, batch=batch, seq=seq, baseline=baseline, task=task)
+    spec = VerifySpec(model_name, mesh.shape, mesh.axes, plan.dumps(), batch, seq, task=task)
     with World(mesh.size, timeout_s=600) as world:
         reports = world.run(verify_rank, spec)
     for r in reports:
@@ -159,7 +362,7 @@ def verify(model_name: str, mesh: Mesh, *, plan: Plan | None = None, batch: int 
 
 
 def check_plan(plan: Plan, model_name: str, mesh: Mesh, *, batch: int | None,
-               seq: int | None) -> None:
+               seq: int | None, task: str | None = None) -> None:
     """Refuse, before any rank is spawned, a plan that cannot run here: one made for another
     mesh, for forward only (verify runs a training step), or for another model or input shapes
     (a stale plan). The ranks would find the same, but late and as tracebacks."""
@@ -168,5 +371,5 @@ def check_plan(plan: Plan, model_name: str, mesh: Mesh, *, batch: int | None,
         raise AutoshardError("a plan made for training: verify runs a training step",
                              got="a forward-only plan (options.training is false)",
                              fix="re-plan without --inference")
-    traced = trace(*build(model_name, batch, seq, seed=0))
+    traced = trace(*build(model_name, batch, seq, seed=0, task=task))
     plan.check_matches(traced.fingerprint, traced.node_sigs)

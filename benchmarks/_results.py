@@ -39,6 +39,22 @@ def command(script: str) -> str:
     return "python " + shlex.join([script, *sys.argv[1:]])
 
 
+def revision() -> str:
+    """The git revision measured, and whether the working tree had changes."""
+    import subprocess
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True,
+                               check=True).stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return "revision unknown"
+    return f"revision {rev}" + (f" with uncommitted changes to {len(dirty)} tracked files"
+                                if dirty else "")
+
+
 def today() -> str:
     return datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
 

@@ -16,6 +16,7 @@ Each model is traced once; every plan is the one ``plan_traced`` or ``baseline_p
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 import traceback
@@ -28,7 +29,9 @@ from _results import command, machine, md_cell, today, write_section  # noqa: E4
 from autoshard.errors import AutoshardError  # noqa: E402
 from autoshard.mesh import Mesh  # noqa: E402
 from autoshard.solver import planner  # noqa: E402
-from autoshard.solver.baselines import BASELINES, baseline_plan  # noqa: E402
+from autoshard.solver.baselines import BASELINES, STORED, baseline_plan, stored_plan  # noqa: E402
+
+ALL = BASELINES + STORED
 from autoshard.solver.ilp import Infeasible, NoSolution  # noqa: E402
 from autoshard.trace.export import trace  # noqa: E402
 from autoshard.zoo.registry import ZOO, get_model  # noqa: E402
@@ -76,20 +79,25 @@ def plan_row(name: str, traced, shape: tuple[int, ...], cluster: str, time_limit
         p = planner.plan_traced(traced, mesh, time_limit_s=time_limit, model_name=name)
         row.update(auto=p.predicted["step_time_s"], peak=p.predicted["peak_memory_bytes"],
                    status=p.solver["status"], gap=p.solver["gap"],
-                   objective=p.solver.get("objective"), merged=p.solver.get("merged_axes"))
+                   objective=p.solver.get("objective"), merged=p.solver.get("merged_axes"),
+                   techniques=techniques(p), small=small_sharded(traced, p))
     except Exception as e:  # noqa: BLE001 -- a failing model is a row, not a crash
         traceback.print_exc()
         row["auto_err"] = failure_cell(e)
-    for b in BASELINES:
+    for b in ALL:
+        if b in STORED and len(shape) > 2:
+            row[b + "_err"] = "n/a (1-D, 2-D meshes)"
+            continue
         try:
-            bp = baseline_plan(traced, mesh, b, time_limit_s=time_limit)
+            make = baseline_plan if b in BASELINES else stored_plan
+            bp = make(traced, mesh, b, time_limit_s=time_limit)
             row[b] = bp.predicted["step_time_s"]
         except Exception as e:  # noqa: BLE001
             if not isinstance(e, AutoshardError):
                 traceback.print_exc()
             row[b + "_err"] = failure_cell(e)
     row["wall_s"] = time.perf_counter() - t0
-    feasible = [row[b] for b in BASELINES if b in row]
+    feasible = [row[b] for b in ALL if b in row]
     row["best"] = min(feasible) if feasible else None
     if "auto" in row:
         row["worse"] = row["best"] is not None and row["auto"] > row["best"] * (1 + TOL)
@@ -98,28 +106,50 @@ def plan_row(name: str, traced, shape: tuple[int, ...], cluster: str, time_limit
     return row
 
 
+def techniques(p) -> str:
+    """What the plan does beyond placing tensors: gradient buckets, recomputed layers."""
+    buckets = len({c.node for c in p.collectives if c.members})
+    out = [f"{buckets} buckets"] if buckets else []
+    if p.recompute:
+        out.append(f"recompute {len(p.recompute)}/{len(p.layers)} layers")
+    return ", ".join(out) or "-"
+
+
+SMALL = 2**20     # bytes: a parameter below 1 MiB is not worth sharding unless memory asks
+
+
+def small_sharded(traced, p) -> int:
+    """Parameters under 1 MiB the plan stores sharded."""
+    fqn_size = {ph.fqn: math.prod(ph.info.shape) * ph.info.dtype.itemsize
+                for ph in traced.params if ph.info is not None}
+    return sum(1 for fqn, spec in p.params.items()
+               if fqn_size.get(fqn, SMALL) < SMALL and any(str(x) != "R" for x in spec))
+
+
 def fmt_row(r: dict) -> list[str]:
     if "trace_err" in r:
         return ([r["model"], r["mesh"], "trace failed: " + r["trace_err"]]
                 + [""] * (len(HEAD) - 3))
     ms = lambda v: f"{v * 1e3:.3f}"  # noqa: E731
     cells = [r["model"], r["mesh"], ms(r["auto"]) if "auto" in r else r["auto_err"]]
-    cells += [ms(r[b]) if b in r else r[b + "_err"] for b in BASELINES]
+    cells += [ms(r[b]) if b in r else r[b + "_err"] for b in ALL]
     if "auto" in r and r["best"] is not None:
         cells.append(f"{r['best'] / r['auto']:.3f}" if r["auto"] > 0 else "-")
     else:
         cells.append("-")
     if "auto" in r:
-        cells += [f"{r['peak'] / 2**30:.3g}", r["status"], f"{r['gap']:.2%}"]
+        cells += [f"{r['peak'] / 2**30:.3g}", r["status"], f"{r['gap']:.2%}", r["techniques"],
+                  str(r["small"])]
     else:
-        cells += ["-", "-", "-"]
+        cells += ["-", "-", "-", "-", "-"]
     cells.append("**WORSE**" if r["worse"] else "")
     cells.append(f"{r['wall_s']:.0f}")
     return cells
 
 
-HEAD = (["model", "mesh", "autoshard ms"] + [f"{b} ms" for b in BASELINES]
-        + ["best baseline / autoshard", "autoshard peak GiB", "status", "gap", "flag", "wall s"])
+HEAD = (["model", "mesh", "autoshard ms"] + [f"{b} ms" for b in ALL]
+        + ["best baseline / autoshard", "autoshard peak GiB", "status", "gap", "techniques",
+           "params < 1 MiB sharded", "flag", "wall s"])
 
 
 def table(rows: list[dict]) -> str:
@@ -135,7 +165,7 @@ def flagged(rows: list[dict]) -> list[str]:
             out.append(f"- {r['model']}: trace failed: {r['trace_err']}")
         elif r.get("worse"):
             auto = f"{r['auto'] * 1e3:.3f} ms" if "auto" in r else r["auto_err"]
-            base = ", ".join(f"{b} {r[b] * 1e3:.3f} ms" for b in BASELINES if b in r)
+            base = ", ".join(f"{b} {r[b] * 1e3:.3f} ms" for b in ALL if b in r)
             detail = ""
             if "auto" in r and r.get("objective") is not None:
                 # The ILP's own objective next to the assembled prediction: they should agree.

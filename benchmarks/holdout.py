@@ -2,7 +2,8 @@
 
 The zoo's models are the ones autoshard was developed against; these are not. Each model in
 ``benchmarks/holdout/<name>.json`` is its config.json as released (the file's ``source`` says
-which), built with transformers' Auto classes on the meta device (no weights, no downloads), and
+which), built with transformers' Auto classes on the meta device (no weights, no downloads) by
+``autoshard.zoo.hf.from_config``, the code path of ``autoshard plan path/to/config.json``, and
 planned for a training step (mixed-precision Adam) on an 8-device and an 8x8-device h100 mesh.
 
 Every (model, mesh) case runs in a fresh Python process with a wall-clock timeout, so one model
@@ -38,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import command, machine, md_cell, today, write_section  # noqa: E402
+from _results import command, machine, md_cell, revision, today, write_section  # noqa: E402
 
 from autoshard.cli import parse_mesh  # noqa: E402
 
@@ -47,15 +48,15 @@ HERE = Path(__file__).resolve().parent
 CONFIGS = HERE / "holdout"
 REPO = HERE.parent
 
-# Keys of a holdout JSON that describe the file rather than the model; the rest go to AutoConfig.
-META_KEYS = ("model_type", "kind", "source", "torch_dtype")
-# kind -> (transformers Auto class, input builder name, default sequence length)
+# Keys of a holdout JSON that describe the file rather than the model; the rest is config.json.
+META_KEYS = ("kind", "source")
+# kind -> the task of autoshard.zoo.hf.from_config (which picks the Auto class and the inputs)
 KINDS = {
-    "decoder": ("AutoModelForCausalLM", "tokens", 2048),
-    "moe": ("AutoModelForCausalLM", "tokens", 2048),
-    "encoder": ("AutoModelForMaskedLM", "tokens", 512),
-    "encoder-decoder": ("AutoModelForSeq2SeqLM", "tokens", 512),
-    "vision": ("AutoModelForImageClassification", "images", None),
+    "decoder": "causal-lm",
+    "moe": "causal-lm",
+    "encoder": "masked-lm",
+    "encoder-decoder": "seq2seq",
+    "vision": "image-classification",
 }
 ADAM_BYTES_PER_PARAM = 16          # docs/cost-model.md §4.1, mixed-precision Adam
 UNRULED = re.compile(r"autoshard: no sharding rule for (\S+); .*?First seen at: (.*)", re.S)
@@ -74,57 +75,26 @@ def known_models() -> list[str]:
     return sorted(p.stem for p in CONFIGS.glob("*.json"))
 
 
-class Keywords(torch.nn.Module):
-    """Calls a Hugging Face model with keyword arguments from positional ones: autoshard traces
-    ``model(*example_inputs)``, but HF forwards take ``labels`` (and ViT's ``pixel_values``) only
-    by keyword."""
-
-    def __init__(self, model: torch.nn.Module, names: tuple[str, ...]) -> None:
-        super().__init__()
-        self.model, self.names = model, names
-
-    def forward(self, *args):
-        return self.model(**dict(zip(self.names, args)))
-
-
 def build(name: str, dtype_name: str):
-    """The model of ``holdout/<name>.json`` on the meta device, wrapped to take positional
-    inputs, in ``dtype`` (training runs in bf16: the memory model's 16 bytes per parameter)."""
-    import transformers
+    """The model of ``holdout/<name>.json`` on the meta device in ``dtype`` (training runs in
+    bf16: the memory model's 16 bytes per parameter), wrapped so that it takes positional inputs
+    and returns its loss, and the holdout spec."""
+    from autoshard.zoo.hf import from_config
 
     spec = load_config(name)
     fields = {k: v for k, v in spec.items() if k not in META_KEYS}
-    # use_cache=False: a KV cache is inference state, and export would trace it as an output.
-    fields.update(use_cache=False, attn_implementation="sdpa")
-    transformers.utils.logging.set_verbosity_error()   # advice about random init, not ours
-    config = transformers.AutoConfig.for_model(spec["model_type"], **fields)
-    auto = getattr(transformers, KINDS[spec["kind"]][0])
-    with torch.device("meta"):
-        model = auto.from_config(config, dtype=getattr(torch, dtype_name))
-    return model, config, spec
+    model = from_config(fields, task=KINDS[spec["kind"]], dtype=getattr(torch, dtype_name))
+    return model, spec
 
 
-def example_inputs(spec: dict, config, batch: int, seq: int | None):
-    """(input names, tensors, shape text) for one training step with labels, on meta."""
-    meta = torch.device("meta")
-    if KINDS[spec["kind"]][1] == "images":
-        size = config.image_size
-        pixels = torch.empty(batch, config.num_channels, size, size, dtype=torch.bfloat16,
-                             device=meta)
-        labels = torch.randint(0, config.num_labels, (batch,), device=meta)
-        return ("pixel_values", "labels"), (pixels, labels), f"{batch}x{size}x{size}"
-    seq = min(seq or KINDS[spec["kind"]][2], max_positions(config))
-    tokens = torch.randint(0, config.vocab_size, (batch, seq), device=meta)
-    labels = torch.randint(0, config.vocab_size, (batch, seq), device=meta)
-    return ("input_ids", "labels"), (tokens, labels), f"{batch}x{seq}"
-
-
-def max_positions(config) -> int:
-    # T5 has relative positions (no limit), published with n_positions 512.
-    for key in ("max_position_embeddings", "n_positions"):
-        if getattr(config, key, None):
-            return int(getattr(config, key))
-    return 1 << 30
+def example_inputs(model, batch: int, seq: int | None):
+    """(tensors, shape text) for one training step with labels, on meta: token ids of ``seq``
+    (default 2048) capped at the model's max positions, or images of the config's size."""
+    if model.task == "image-classification":
+        pixels, labels = model.example_inputs(batch, None)
+        return (pixels, labels), "x".join(map(str, [batch, *pixels.shape[2:]]))
+    tokens, labels = model.example_inputs(batch, min(seq, model.context) if seq else None)
+    return (tokens, labels), "x".join(map(str, tokens.shape))
 
 
 def verdict_of(error: Exception) -> str:
@@ -149,25 +119,24 @@ def one(name: str, mesh_text: str, batch: int, seq: int | None, time_limit: floa
     """Build and plan one case in this process; a JSON-able dict of what the table needs."""
     import autoshard
 
-    model, config, spec = build(name, dtype_name)
-    names, inputs, shape = example_inputs(spec, config, batch, seq)
+    model, spec = build(name, dtype_name)
+    inputs, shape = example_inputs(model, batch, seq)
     params = sum(p.numel() for p in model.parameters())     # tied weights counted once
     mesh_shape = parse_mesh(mesh_text)
     out = {"model": name, "kind": spec["kind"], "params": params, "mesh": mesh_text,
            "inputs": shape, "devices": math.prod(mesh_shape)}
     mesh = autoshard.Mesh(mesh_shape, cluster="h100")
-    wrapped = Keywords(model, names)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t0 = time.perf_counter()
         try:
-            plan = autoshard.plan(wrapped, inputs, mesh, time_limit_s=time_limit, model_name=name)
+            plan = autoshard.plan(model, inputs, mesh, time_limit_s=time_limit, model_name=name)
         except Exception as e:          # a crash in the planner is a finding, not a stop
             plan = None
             out.update(verdict=verdict_of(e), detail=failure_text(e))
         out["plan_s"] = time.perf_counter() - t0
     if plan is not None:
-        out.update(plan_figures(plan), **replicated_params(plan, wrapped))
+        out.update(plan_figures(plan), **replicated_params(plan, model))
     out["unruled"] = unruled_ops(caught)
     return out
 
@@ -312,22 +281,13 @@ def case_notes(rows: list[dict]) -> list[str]:
     return out or ["- none"]
 
 
-def revision() -> str:
-    def git(*a):
-        return subprocess.run(["git", "-C", str(REPO), *a], capture_output=True,
-                              text=True).stdout.strip()
-    dirty = [l for l in git("status", "--porcelain", "--untracked-files=no").splitlines() if l]
-    return git("rev-parse", "--short", "HEAD") + (
-        f" with uncommitted changes to {len(dirty)} tracked files" if dirty else "")
-
-
 def report(rows: list[dict], args, started: str, wall: float) -> str:
     runs = f"median of {args.runs} runs" if args.runs > 1 else "one run"
     return "\n".join([
         "## Holdout: published Hugging Face architectures", "",
         f"- command: `{command('benchmarks/holdout.py')}`",
         f"- machine: {machine()}",
-        f"- date: {started}; revision {revision()}; total wall time {wall / 60:.1f} min",
+        f"- date: {started}; {revision()}; total wall time {wall / 60:.1f} min",
         f"- each model built from its published config (benchmarks/holdout/*.json, `source` "
         f"field) with transformers' Auto classes on the meta device in {args.dtype}, "
         f"use_cache=False, sdpa attention; inputs batch x seq (decoders seq 2048 capped at the "

@@ -20,7 +20,8 @@ LAYERS: list[set[str]] = [
     {"solver"},
     {"codegen"},
     {"zoo"},        # model definitions used by the CLI, verify and tests
-    {"cli", "verify", "__main__"},   # the command line and the verify command on top
+    # the command line, verify, diff and calibrate on top
+    {"cli", "verify", "diff", "calibrate", "__main__"},
 ]
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,6 +10,13 @@ is left to the solver, for the baselines and autoshard alike.
 - ``megatron``: Megatron-LM tensor parallelism over every mesh axis (Shoeybi et al. 2019):
   QKV / fc1 / gate / up column-parallel, attention out-proj / fc2 / down row-parallel.
 - ``megatron-dp``: Megatron over the last axis, data parallel over the others.
+
+Stored-layout baselines (``STORED``, :func:`stored_plan`): the parameters are stored as the
+expert writes them, and the ILP may reshard them on the way into an op (a sharded weight
+all-gathered for the matmul that reads it, as FSDP does):
+
+- ``fsdp``: ZeRO-3 / FSDP, every parameter sharded over every axis (``zero3_layouts``).
+- ``fsdp-tp``: torchtitan's 2-D layout, Megatron over the last axis and FSDP over the others.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Shard, Spec, Strategy, spec_fits
 from autoshard.mesh import Mesh
 from autoshard.plans import Plan
+from autoshard.solver.alternatives import plan_stored
 from autoshard.solver.planner import plan_traced
 from autoshard.trace.export import TracedGraph
 
@@ -95,3 +103,77 @@ def _is_embedding_or_head(traced: TracedGraph, ph_name: str) -> bool:
 
 def baseline_plan(traced: TracedGraph, mesh: Mesh, name: str, **kwargs) -> Plan:
     return plan_traced(traced, mesh, fixed=baseline_pins(traced, mesh, name), **kwargs)
+
+
+STORED = ("fsdp", "fsdp-tp")
+
+
+def stored_plan(traced: TracedGraph, mesh: Mesh, name: str, **kwargs) -> Plan:
+    """The cheapest plan storing parameters as the ``STORED`` baseline ``name`` does."""
+    if name not in STORED:
+        raise AutoshardError(f"a stored-layout baseline among {STORED}", got=repr(name),
+                             fix="pick one of the listed names")
+    layouts = zero3_layouts(traced, mesh) if name == "fsdp" else fsdp_tp_layouts(traced, mesh)
+    return plan_stored(traced, mesh, layouts, label=name, **kwargs)
+
+
+def fsdp_tp_layouts(traced: TracedGraph, mesh: Mesh) -> dict[str, Strategy]:
+    """torchtitan's 2-D storage: Megatron's spec over the last axis (embeddings and head
+    replicated there), and over every other axis FSDP's shard of the first dim that divides
+    evenly; the batch split over the other axes."""
+    nd = mesh.ndim
+    out = dict(zero3_layouts(traced, mesh))
+    for p in traced.params:
+        if p.info is None:
+            continue
+        tp = tensor_parallel_spec(traced, p.name, p.fqn, p.info.shape, [nd - 1], nd)
+        if _is_embedding_or_head(traced, p.name) or not spec_fits(p.info.shape, tp, mesh.shape):
+            tp = (Replicate(),) * nd
+        spec = tp
+        for d in range(len(p.info.shape)):
+            cand = tuple(Shard(d) if a < nd - 1 else tp[a] for a in range(nd))
+            if spec_fits(p.info.shape, cand, mesh.shape):
+                spec = cand
+                break
+        out[p.name] = Strategy((), (spec,))
+    for p in traced.inputs:
+        if p.info is not None and p.info.ndim > 0:
+            spec_l, used = [Replicate()] * nd, 1
+            for a in range(nd - 1):
+                if p.info.shape[0] % (used * mesh.shape[a]) == 0:
+                    spec_l[a] = Shard(0)
+                    used *= mesh.shape[a]
+            out[p.name] = Strategy((), (tuple(spec_l),))
+    return out
+
+
+def zero3_layouts(traced: TracedGraph, mesh: Mesh) -> dict[str, Strategy]:
+    """ZeRO-3 / FSDP storage (Rajbhandari et al., "ZeRO", arXiv 1910.02054, stage 3): every
+    parameter sharded over all mesh axes on its first dim that divides evenly (replicated if
+    none does), the inputs split on the batch over every axis that divides it.
+
+    These are *stored* layouts, for ``solver.alternatives.plan_stored``: the ILP may all-gather
+    a weight for the ops that read it whole, which ``baseline_plan`` (weights read in place)
+    would not allow."""
+    nd = mesh.ndim
+    out: dict[str, Strategy] = {}
+    for p in traced.params:
+        if p.info is None:
+            continue
+        spec: Spec = (Replicate(),) * nd
+        for d in range(len(p.info.shape)):
+            cand = (Shard(d),) * nd
+            if spec_fits(p.info.shape, cand, mesh.shape):
+                spec = cand
+                break
+        out[p.name] = Strategy((), (spec,))
+    for p in traced.inputs:
+        if p.info is None or p.info.ndim == 0:
+            continue
+        spec_l, used = [Replicate()] * nd, 1
+        for a in range(nd):
+            if p.info.shape[0] % (used * mesh.shape[a]) == 0:
+                spec_l[a] = Shard(0)
+                used *= mesh.shape[a]
+        out[p.name] = Strategy((), (tuple(spec_l),))
+    return out

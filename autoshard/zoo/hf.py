@@ -1,15 +1,21 @@
-"""Tiny Hugging Face transformers models, built from their config classes (no downloads).
+"""Hugging Face transformers models: tiny ones built from their config classes, and any model
+built from a ``config.json`` with transformers' Auto classes (``from_config``; no weights, no
+downloads, on the meta device by default).
 
 transformers is an optional dependency: it is imported only when one of these is built, and a
 missing install raises ``AutoshardError``. Each model is wrapped in ``HFLossModel`` so that
-``forward(input_ids, labels)`` returns the scalar training loss; the HF model is the attribute
-``model``, so its parameter names read ``model.<hf name>`` (``model.transformer.h.0...``).
+``forward(input_ids, labels)`` (``(pixel_values, labels)`` for image classification) returns the
+scalar training loss; the HF model is the attribute ``model``, so its parameter names read
+``model.<hf name>`` (``model.transformer.h.0...``).
 """
 from __future__ import annotations
 
 import contextlib
+import difflib
+import json
+from pathlib import Path
 from types import ModuleType
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -24,7 +30,8 @@ def _transformers() -> ModuleType:
     try:
         import transformers
     except ImportError as exc:
-        raise AutoshardError("the hf-* zoo models need the optional dependency transformers",
+        raise AutoshardError("Hugging Face models (the hf-* zoo models, config.json files) need "
+                             "the optional dependency transformers",
                              got=f"ImportError: {exc}",
                              fix="pip install 'transformers>=4.45' (or autoshard[test])") from None
     return transformers
@@ -42,34 +49,102 @@ def _quiet(transformers: ModuleType) -> Iterator[None]:
         logging.set_verbosity(previous)
 
 
+TASKS = ("causal-lm", "masked-lm", "seq2seq", "image-classification")
+# task -> (transformers Auto class, the name of its model_type -> class name table)
+_AUTO = {
+    "causal-lm": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+    "masked-lm": ("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+    "seq2seq": ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
+    "image-classification": ("AutoModelForImageClassification",
+                             "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
+}
+# The sequence length a text model is planned at when none is given: the usual pretraining
+# length, capped at the model's position limit (BERT and T5: 512).
+DEFAULT_SEQ = 2048
+
+
+def max_positions(config: Any) -> int:
+    """The longest sequence a text model's config allows (T5's positions are relative: its
+    published n_positions, 512, is the length it was trained at)."""
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 1 << 30
+
+
 class HFLossModel(nn.Module):
-    """``forward(input_ids, labels) -> model(input_ids=..., labels=...).loss``."""
+    """``forward(*inputs) -> model(**dict(zip(input_names, inputs))).loss``.
 
-    def __init__(self, model: nn.Module, *, vocab_size: int, context: int) -> None:
+    Hugging Face forwards take ``labels`` (and ViT its ``pixel_values``) only by keyword, while
+    autoshard traces ``model(*example_inputs)``: the inputs are ``(input_ids, labels)``, or
+    ``(pixel_values, labels)`` for ``task="image-classification"``.
+    """
+
+    def __init__(self, model: nn.Module, *, vocab_size: int | None = None,
+                 context: int | None = None, task: str = "causal-lm") -> None:
         super().__init__()
-        self.model = model
-        self.vocab_size, self.context = vocab_size, context
+        assert task in TASKS, task
+        self.model, self.task = model, task
+        config = getattr(model, "config", None)
+        self.input_names = ("pixel_values" if task == "image-classification" else "input_ids",
+                            "labels")
+        self.vocab_size = vocab_size if vocab_size is not None else getattr(config, "vocab_size", 0)
+        self.context = context if context is not None else max_positions(config)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, labels=labels).loss
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        if len(inputs) != len(self.input_names):
+            raise AutoshardError(f"this model takes ({', '.join(self.input_names)})",
+                                 got=f"{len(inputs)} positional inputs",
+                                 fix="pass them in that order, as example_inputs() makes them")
+        return self.model(**dict(zip(self.input_names, inputs))).loss
 
     def example_inputs(self, batch: int, seq: int | None, *,
                        device: torch.device | str = "meta") -> tuple[torch.Tensor, torch.Tensor]:
-        if seq is None or not 1 <= seq <= self.context or batch < 1:
+        """One training step's inputs with labels: token ids (``seq`` None: the default length,
+        DEFAULT_SEQ capped at the model's positions), or images of the config's size."""
+        if self.task == "image-classification":
+            return self._images(batch, seq, device)
+        if not isinstance(self.vocab_size, int) or self.vocab_size < 1:
+            raise AutoshardError("a text model whose config gives its vocab_size",
+                                 got=f"vocab_size {self.vocab_size!r}",
+                                 fix="add vocab_size to the config (or build the model yourself "
+                                     "and plan it with a factory)")
+        if seq is None:
+            seq = min(DEFAULT_SEQ, self.context)
+        if not 1 <= seq <= self.context or batch < 1:
             raise AutoshardError(f"this model takes batch >= 1 and seq in 1..{self.context}",
                                  got=f"batch={batch!r}, seq={seq!r}",
                                  fix=f"pass batch >= 1 and seq <= {self.context}")
         return (torch.randint(0, self.vocab_size, (batch, seq), device=device),
                 torch.randint(0, self.vocab_size, (batch, seq), device=device))
 
+    def _images(self, batch: int, seq: int | None,
+                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        if seq is not None:
+            raise AutoshardError("no sequence length for an image-classification model (its "
+                                 "inputs are images of the config's image_size)",
+                                 got=f"seq={seq}", fix="leave seq (--seq) unset")
+        if batch < 1:
+            raise AutoshardError("batch >= 1", got=f"batch={batch!r}", fix="pass batch >= 1")
+        config = self.model.config
+        size = getattr(config, "image_size", 224)     # a ResNet config names none: ImageNet's
+        size = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+        dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()),
+                     torch.float32)
+        pixels = torch.randn(batch, getattr(config, "num_channels", 3), *size, dtype=dtype,
+                             device=device)
+        return pixels, torch.randint(0, config.num_labels, (batch,), device=device)
 
-def _wrap(build: Callable[[ModuleType], nn.Module], dtype: torch.dtype | None) -> HFLossModel:
+
+def _wrap(build: Callable[[ModuleType], nn.Module], dtype: torch.dtype | None,
+          task: str = "causal-lm") -> HFLossModel:
     transformers = _transformers()
     with _quiet(transformers):
         model = build(transformers)
     if dtype is not None:
         model = model.to(dtype)
-    return HFLossModel(model, vocab_size=TINY_VOCAB, context=TINY_SEQ)
+    return HFLossModel(model, vocab_size=TINY_VOCAB, context=TINY_SEQ, task=task)
 
 
 def _gpt2(tf: ModuleType) -> nn.Module:
@@ -116,7 +191,189 @@ def hf_llama_tiny(dtype: torch.dtype | None = None) -> HFLossModel:
 
 def hf_bert_tiny(dtype: torch.dtype | None = None) -> HFLossModel:
     """BertForMaskedLM: 2 layers, hidden 32, 4 heads, ffn 64, vocab 64, context 16."""
-    return _wrap(_bert, dtype)
+    return _wrap(_bert, dtype, "masked-lm")
 
 
-__all__ = ["HFLossModel", "hf_gpt2_tiny", "hf_llama_tiny", "hf_bert_tiny"]
+# ------------------------------------------------------------------ any model from a config.json
+
+_CONFIG_FIX = "pass the config.json published with the model, or the directory holding it"
+# Keys that say how to store weights, not what the model is: the dtype is chosen here.
+_DTYPE_KEYS = ("torch_dtype", "dtype")
+
+
+def is_config_path(name: object) -> bool:
+    """Whether a model argument names a Hugging Face config: ``*.json``, or a directory."""
+    return isinstance(name, (str, Path)) and (str(name).endswith(".json") or Path(name).is_dir())
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """The fields of ``path`` (a config.json, or a directory holding one) as a dict."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        got = (f"directory {path} has no config.json" if path.is_dir()
+               else f"{path}: no such file")
+        raise AutoshardError("a Hugging Face config.json, or a directory holding one", got=got,
+                             fix=_CONFIG_FIX)
+    try:
+        fields = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise AutoshardError("a Hugging Face config.json that is readable JSON",
+                             got=f"{file}: {getattr(e, 'strerror', None) or e}",
+                             fix=_CONFIG_FIX) from e
+    if not isinstance(fields, dict):
+        raise AutoshardError("a Hugging Face config.json holding one JSON object",
+                             got=f"{file}: a JSON {type(fields).__name__}", fix=_CONFIG_FIX)
+    return fields
+
+
+def _model_type(fields: Mapping[str, Any], where: str, tf: ModuleType) -> str:
+    model_type = fields.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise AutoshardError('a Hugging Face config with a model_type (e.g. "llama")',
+                             got=f"{where}: model_type {model_type!r}" if "model_type" in fields
+                             else f"{where}: no model_type among its keys "
+                                  f"{sorted(fields)[:8]}",
+                             fix="add the model_type of its architecture, as the config.json "
+                                 "published with the model has it")
+    known = tf.models.auto.configuration_auto.CONFIG_MAPPING
+    if model_type not in known:
+        close = difflib.get_close_matches(model_type, list(known.keys()), n=3, cutoff=0.6)
+        raise AutoshardError(f"a model_type that transformers {tf.__version__} knows",
+                             got=f"{where}: model_type {model_type!r}",
+                             fix=(f"did you mean {', '.join(close)}? " if close else "")
+                             + "a newer transformers may know it (pip install -U transformers)")
+    return model_type
+
+
+def supported_tasks(model_type: str) -> list[str]:
+    """The tasks (of TASKS) transformers has a model class for, for this ``model_type``."""
+    tf = _transformers()
+    names = tf.models.auto.modeling_auto
+    return [task for task, (_, table) in _AUTO.items() if model_type in getattr(names, table)]
+
+
+def infer_task(fields: Mapping[str, Any], *, where: str = "the config") -> str:
+    """The task a config was published for: its ``architectures`` (``LlamaForCausalLM`` ->
+    causal-lm), else the one task its model_type has a model class for."""
+    tf = _transformers()
+    model_type = _model_type(fields, where, tf)
+    tasks = supported_tasks(model_type)
+    archs = fields.get("architectures") or []
+    archs = [a for a in (archs if isinstance(archs, list) else [archs]) if isinstance(a, str)]
+    names = tf.models.auto.modeling_auto
+    for arch in archs:
+        for task in tasks:             # the class the Auto class would build for this task
+            if arch in _as_tuple(getattr(names, _AUTO[task][1]).get(model_type)):
+                return task
+        guess = _task_of_class_name(arch, bool(fields.get("is_encoder_decoder")))
+        if guess in tasks:
+            return guess
+    if not archs and len(tasks) == 1:
+        return tasks[0]
+    said = f"architectures {archs}" if archs else "no architectures"
+    raise AutoshardError(f"a task for the {model_type} config: {_tasks_text(tasks)}",
+                         got=f"{where}: {said}, which does not pick one",
+                         fix=f"pass --task (task=...), one of {', '.join(tasks) or TASKS}")
+
+
+def _as_tuple(value: Any) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def _task_of_class_name(arch: str, encoder_decoder: bool) -> str | None:
+    if arch.endswith(("ForCausalLM", "LMHeadModel")):
+        return "seq2seq" if encoder_decoder else "causal-lm"
+    if arch.endswith(("ForMaskedLM", "ForPreTraining")):
+        return "masked-lm"
+    if arch.endswith(("ForConditionalGeneration", "ForSeq2SeqLM")):
+        return "seq2seq"
+    if arch.endswith("ForImageClassification"):
+        return "image-classification"
+    return None
+
+
+def _tasks_text(tasks: list[str]) -> str:
+    if not tasks:
+        return f"none of {', '.join(TASKS)} has a class"
+    return tasks[0] if len(tasks) == 1 else f"one of {', '.join(tasks)}"
+
+
+def _dtype(fields: Mapping[str, Any], dtype: torch.dtype | None, where: str) -> torch.dtype:
+    """``dtype``, else the config's torch_dtype, else bfloat16 (mixed-precision training, as
+    the zoo's real-size presets)."""
+    if dtype is not None:
+        return dtype
+    for key in _DTYPE_KEYS:
+        name = fields.get(key)
+        if name is None or name == "auto":
+            continue
+        value = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
+        if not isinstance(value, torch.dtype) or not value.is_floating_point:
+            raise AutoshardError(f"a floating-point {key} in the config (e.g. \"bfloat16\")",
+                                 got=f"{where}: {key} {name!r}",
+                                 fix=f"write a torch dtype name, or drop {key} (bfloat16 then)")
+        return value
+    return torch.bfloat16
+
+
+def from_config(config: str | Path | Mapping[str, Any], *, task: str | None = None,
+                dtype: torch.dtype | None = None,
+                device: str | torch.device = "meta") -> HFLossModel:
+    """Build the model of a Hugging Face config with transformers' Auto classes, wrapped so that
+    ``forward(*model.example_inputs(batch, seq))`` returns the training loss.
+
+    ``config``: a config.json, a directory holding one, or its fields as a dict. ``task``:
+    causal-lm | masked-lm | seq2seq | image-classification (default: from the config's
+    ``architectures``, see ``infer_task``). ``dtype``: default the config's ``torch_dtype``, else
+    bfloat16. Built on ``device`` (meta: no memory); random weights from the global RNG. The
+    config is built as published, dropout included, with ``use_cache=False`` (a KV cache is
+    inference state) and sdpa attention where the model has it.
+    """
+    tf = _transformers()
+    where = str(config) if isinstance(config, (str, Path)) else "the config"
+    fields = read_config(config) if isinstance(config, (str, Path)) else dict(config)
+    model_type = _model_type(fields, where, tf)
+    if task is None:
+        task = infer_task(fields, where=where)
+    elif task not in TASKS:
+        close = difflib.get_close_matches(str(task), TASKS, n=1, cutoff=0.5)
+        raise AutoshardError(f"a task among {', '.join(TASKS)}", got=repr(task),
+                             fix=f"did you mean {close[0]}?" if close
+                             else f"pass one of {', '.join(TASKS)}")
+    tasks = supported_tasks(model_type)
+    if task not in tasks:
+        raise AutoshardError(f"a task transformers has a {model_type} model class for: "
+                             f"{_tasks_text(tasks)}", got=f"task {task!r} for {where}",
+                             fix=f"pass --task {tasks[0]}" if tasks
+                             else "plan it from Python with a model you build (a factory)")
+    dtype = _dtype(fields, dtype, where)
+    auto = getattr(tf, _AUTO[task][0])
+    config_cls = tf.models.auto.configuration_auto.CONFIG_MAPPING[model_type]
+    model_cls = auto._model_mapping[config_cls]
+    kwargs = {k: v for k, v in fields.items() if k not in ("model_type", *_DTYPE_KEYS)}
+    kwargs["use_cache"] = False
+    kwargs.setdefault("attn_implementation",
+                      "sdpa" if getattr(model_cls, "_supports_sdpa", False) else "eager")
+    with _quiet(tf):
+        try:
+            hf_config = tf.AutoConfig.for_model(model_type, **kwargs)
+            with torch.device(device):
+                model = auto.from_config(hf_config, dtype=dtype)
+        except Exception as e:       # transformers' own checks: a field out of range, say
+            text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+            text = text[:300].rstrip(".")
+            raise AutoshardError(f"a {model_type} config transformers can build a "
+                                 f"{model_cls.__name__} from", got=f"{where}: "
+                                 f"{type(e).__name__}: {text}",
+                                 fix="correct the field it names (the config.json published "
+                                     "with a model builds unchanged)") from e
+    if task == "causal-lm" and getattr(model, "loss_type", None) is None:
+        # A class name without a loss family (GPT2LMHeadModel): HF would warn on every call
+        # before falling back to this very loss.
+        model.loss_type = "ForCausalLM"
+    return HFLossModel(model, task=task)
+
+
+__all__ = ["HFLossModel", "TASKS", "from_config", "infer_task", "read_config",
+           "supported_tasks", "hf_gpt2_tiny", "hf_llama_tiny", "hf_bert_tiny"]

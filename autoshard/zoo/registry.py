@@ -267,15 +267,38 @@ def _run_user_code(fn: Callable[[], Any], *, expected: str, fix: str) -> Any:
                              fix=f"{fix}; the full error is chained below") from e
 
 
-__all__ = ["ZOO", "ZooEntry", "get_model", "load_factory", "load_model"]
+__all__ = ["ZOO", "ZooEntry", "get_model", "load_config", "load_factory", "load_model"]
 
 
-def load_model(name: str, *, batch: int | None, seq: int | None, device: str):
-    """A zoo model by name, or ``path/to/file.py:factory`` returning (model, example_inputs)."""
+def load_model(name: str, *, batch: int | None, seq: int | None, device: str,
+               task: str | None = None):
+    """(model, example_inputs) for a zoo name, ``path/to/file.py:factory`` returning them, or a
+    Hugging Face config (``path/config.json`` or a directory holding one; ``task`` as
+    ``hf.from_config`` takes it, default from the config). A zoo name wins over a directory of
+    the same name: write ``./gpt2`` for the directory."""
+    if task is not None and (not hf.is_config_path(name) or name in ZOO):
+        raise AutoshardError("a task (--task) only for a Hugging Face config.json",
+                             got=f"task={task!r} for {name!r}",
+                             fix="drop --task: zoo models and factories build their own loss")
     if isinstance(name, str) and ":" in name and name.split(":", 1)[0].endswith(".py"):
         if batch is not None or seq is not None:    # the factory's inputs would ignore them
             raise AutoshardError("batch and seq for zoo models only: a factory builds its own "
                                  "example inputs", got=f"batch={batch}, seq={seq} for {name}",
                                  fix="drop --batch/--seq, or set the sizes inside the factory")
         return load_factory(name)
+    if hf.is_config_path(name) and name not in ZOO:
+        return load_config(name, batch=batch, seq=seq, device=device, task=task)
     return get_model(name, batch=batch, seq=seq, device=device)
+
+
+def load_config(path: str | Path, *, batch: int | None = None, seq: int | None = None,
+                device: str | torch.device = "meta", task: str | None = None,
+                dtype: torch.dtype | None = None) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """The model of a Hugging Face config.json (``hf.from_config``) and one training step's
+    example inputs: batch (default 8) x seq (default 2048, capped at the model's positions), or
+    images of the config's size."""
+    _check_size("batch", batch)
+    _check_size("seq", seq)
+    device = torch.device(device)
+    model = hf.from_config(path, task=task, dtype=dtype, device=device)
+    return model, model.example_inputs(8 if batch is None else batch, seq, device=device)

@@ -1,0 +1,190 @@
+"""Other plans from the same ILP: runners-up, and plans whose stored parameter layouts are fixed.
+
+- :func:`runners_up`: the next-best plans whose parameter layouts differ from every plan before
+  them. Each is the same problem solved again with a *no-good cut* per excluded plan (Balas and
+  Jeroslow, "Canonical cuts on the unit hypercube", SIAM J. Appl. Math. 1972): of the parameter
+  decisions, at least one must leave the layout that plan gave it,
+
+      sum over parameters p of  sum_{i : layout_p(i) = L_p}  x[p, i]   <=   #parameters - 1.
+
+  Activations are free: a runner-up is the cheapest program for a different way of storing the
+  weights, which is what a user chooses between.
+- :func:`plan_stored`: a plan whose parameters are *stored* in given layouts but, unlike the
+  hand-written baselines (solver/baselines.py, which read every weight where it lies), may be
+  resharded on the way into an op: a ZeRO-3-style plan stores every weight sharded and lets the
+  ILP all-gather it for the ops that need it whole.
+
+Both build the problem as the planner does (solver/build.py), solve it with the ILP's model
+(solver/ilp.py, ``_Model``) under extra constraints, and assemble the Plan with the planner's
+``assemble``, so their predicted figures are the same prices as any other plan's. 1-D and 2-D
+meshes only (the planner searches 3-axis meshes over axis merges).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from ortools.linear_solver import pywraplp
+
+from autoshard.errors import AutoshardError
+from autoshard.ir import Replicate, Spec, Strategy
+from autoshard.mesh import Mesh
+from autoshard.options import PlanOptions, resolve_options
+from autoshard.plans import Plan
+from autoshard.solver.build import Built, build_problem
+from autoshard.solver.ilp import US, _Model, break_ties
+from autoshard.solver.planner import assemble, check_mesh_fits
+from autoshard.solver.problem import evaluate
+from autoshard.trace.export import TracedGraph
+
+
+def _options(traced: TracedGraph, options: PlanOptions | None,
+             overrides: dict[str, Any]) -> PlanOptions:
+    if options is None:
+        overrides = {"training": traced.training, **overrides}
+    return resolve_options(options, overrides)
+
+
+def _check_mesh(traced: TracedGraph, mesh: Mesh) -> None:
+    if mesh.ndim > 2:
+        raise AutoshardError("a 1-D or 2-D mesh for runners-up and stored-layout plans",
+                             got=f"mesh {mesh.shape}",
+                             fix="merge axes into a 2-D mesh, e.g. (2, 2, 2) -> (4, 2)")
+    check_mesh_fits(traced, mesh)
+
+
+def _param_classes(traced: TracedGraph, built: Built) -> dict[str, tuple[int, list[Spec]]]:
+    """Each parameter that owns its decision (not a repeated layer's copy, not a tied weight's
+    second name) -> (its decision, its stored layout under each strategy of the decision)."""
+    out = {}
+    for p in traced.params:
+        m = built.members.get(p.name)
+        if m is None or p.name in built.tied_to:
+            continue
+        out[p.name] = (m.decision, [m.strategies[j].outputs[0] for j in m.index])
+    return out
+
+
+def _layouts_of(plan: Plan, traced: TracedGraph) -> dict[str, Spec]:
+    """A plan's stored layout per parameter placeholder."""
+    return {p.name: tuple(plan.params[p.fqn]) for p in traced.params if p.fqn in plan.params}
+
+
+def _storage_preferences(classes: dict[str, tuple[int, list[Spec]]]) -> dict[int, list[int]]:
+    """Each parameter decision's strategies, fewest sharded mesh axes first (as the planner
+    breaks ties: replicated weights unless sharding them buys time or memory)."""
+    out = {}
+    for g, layouts in classes.values():
+        sharded = [sum(not isinstance(x, Replicate) for x in spec) for spec in layouts]
+        out[g] = sorted(range(len(layouts)), key=lambda i: (sharded[i], i))
+    return out
+
+
+def _pins(built: Built, fixed: dict[str, Strategy]) -> list[tuple[int, int]]:
+    """(decision, strategy) pairs that store each named placeholder in the given layout."""
+    pins = []
+    for name, strat in fixed.items():
+        if name in built.tied_to or built.template.get(name, name) != name:
+            continue          # a tied weight's second name, or a repeated layer's copy
+        m = built.members[name]
+        want = strat.outputs[0]
+        idx = [i for i, j in enumerate(m.index) if m.strategies[j].outputs[0] == want]
+        if not idx:
+            raise AutoshardError(f"a layout {name} can be stored in",
+                                 got=str(want), fix="pick a spec whose sharded dims divide evenly")
+        pins.append((m.decision, idx[0]))
+    return pins
+
+
+def _solve(traced: TracedGraph, mesh: Mesh, options: PlanOptions, built: Built, *,
+           pins: Sequence[tuple[int, int]], exclude: Sequence[dict[str, Spec]],
+           model_name: str, label: str) -> Plan | None:
+    """The cheapest plan under ``pins`` and a no-good cut per ``exclude`` (None if none is
+    feasible within the memory budget and the time limit)."""
+    t0 = time.perf_counter()
+    problem = built.problem
+    classes = _param_classes(traced, built)
+    m = _Model(problem)
+    m.s.Add(m.mem <= problem.memory_budget)
+    for g, i in pins:
+        m.s.Add(m.x[g][i] == 1)
+    for layouts in exclude:
+        same = [m.x[g][i] for name, (g, specs) in classes.items() if name in layouts
+                for i, spec in enumerate(specs) if spec == layouts[name]]
+        n = sum(1 for name in classes if name in layouts)
+        if n:
+            m.s.Add(m.s.Sum(same) <= n - 1)
+    m.s.Minimize(m.obj)
+    m.s.SetTimeLimit(int(options.time_limit_s * 1000))
+    status = m.s.Solve()
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        return None
+    raw = m.choice()
+    pinned = {g for g, _ in pins}
+    prefs = {g: order for g, order in _storage_preferences(classes).items() if g not in pinned}
+    choice = break_ties(problem, raw, prefs)
+    if exclude and _excluded(choice, classes, exclude):
+        choice = raw      # the tie-break walked back onto an excluded plan: keep the solver's
+    objective = evaluate(problem, choice)[0]
+    strategies = {name: built.strategy_of(name, choice) for name in built.template}
+    solver = {"status": "OPTIMAL" if status == pywraplp.Solver.OPTIMAL else "FEASIBLE",
+              "objective": objective, "gap": 0.0, "decisions": len(problem.decisions),
+              "variables": sum(len(xs) for xs in m.x) + m.n_aux,
+              "bound": m.s.Objective().BestBound() / US, "alternative": label}
+    return assemble(traced, mesh, strategies, options, solver=solver, model_name=model_name,
+                    timings={"trace_s": 0.0, "build_s": 0.0, "solve_s": time.perf_counter() - t0})
+
+
+def _excluded(choice: tuple[int, ...], classes: dict[str, tuple[int, list[Spec]]],
+              exclude: Sequence[dict[str, Spec]]) -> bool:
+    for layouts in exclude:
+        if all(specs[choice[g]] == layouts[name] for name, (g, specs) in classes.items()
+               if name in layouts):
+            return True
+    return False
+
+
+def runners_up(traced: TracedGraph, mesh: Mesh, best: Plan, count: int = 2,
+               options: PlanOptions | None = None, *, model_name: str = "",
+               **overrides: Any) -> list[Plan]:
+    """Up to ``count`` plans, each the cheapest whose parameter layouts differ from ``best``'s
+    and from every earlier runner-up's (fewer when no other plan fits memory). Ordered by
+    predicted step time, as found; a runner-up may tie with the plan before it."""
+    if not (isinstance(count, int) and not isinstance(count, bool) and count >= 0):
+        raise AutoshardError("a count of runners-up that is an int >= 0", got=repr(count),
+                             fix="e.g. count=2")
+    options = _options(traced, options, overrides)
+    _check_mesh(traced, mesh)
+    built = build_problem(traced, mesh, options)
+    exclude = [_layouts_of(best, traced)]
+    out: list[Plan] = []
+    for k in range(count):
+        plan = _solve(traced, mesh, options, built, pins=(), exclude=exclude,
+                      model_name=model_name, label=f"runner-up {k + 1}")
+        if plan is None:
+            break
+        out.append(plan)
+        exclude.append(_layouts_of(plan, traced))
+    return out
+
+
+def plan_stored(traced: TracedGraph, mesh: Mesh, stored: dict[str, Strategy],
+                options: PlanOptions | None = None, *, model_name: str = "",
+                label: str = "stored layouts", **overrides: Any) -> Plan:
+    """The cheapest plan that stores the placeholders named in ``stored`` (parameters, inputs)
+    in the given layouts; ops may still reshard them on the way in (unlike
+    ``solver.baselines.baseline_plan``, which pins weights in place)."""
+    options = _options(traced, options, overrides)
+    _check_mesh(traced, mesh)
+    built = build_problem(traced, mesh, options)
+    plan = _solve(traced, mesh, options, built, pins=_pins(built, stored), exclude=(),
+                  model_name=model_name, label=label)
+    if plan is None:
+        raise AutoshardError(f"a plan with the {label} within the memory budget and time limit",
+                             got="none found",
+                             fix="raise memory_budget or time_limit_s, or store fewer weights "
+                                 "whole")
+    return plan
+
+
+__all__ = ["plan_stored", "runners_up"]

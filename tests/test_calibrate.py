@@ -1,0 +1,185 @@
+"""``autoshard calibrate``: the alpha-beta fit against closed forms, and a quick run on 2 gloo
+ranks whose profile ``Cluster.load`` and ``autoshard plan --cluster`` accept."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+
+import pytest
+import torch
+
+from autoshard.calibrate import (MIN_ALPHA, alpha_beta_terms, fit_alpha_beta, predicted_time,
+                                 profile)
+from autoshard.cli import main
+from autoshard.cluster import PRESETS, Cluster
+from autoshard.cost.comm import COLLECTIVE_KINDS, collective_time
+from autoshard.errors import AutoshardError
+
+SIZES = (4096, 65536, 1 << 20, 16 << 20)
+
+
+def _samples(kind: str, p: int, alpha: float, bw: float, sizes=SIZES):
+    return [(kind, p, float(s), collective_time(kind, p, s, alpha, bw)) for s in sizes]
+
+
+# ------------------------------------------------------------------------------ closed forms
+
+@pytest.mark.parametrize("kind", COLLECTIVE_KINDS)
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_terms_are_the_cost_models_ring_formulas(kind: str, p: int) -> None:
+    # docs/cost-model.md §1.1: time = c·alpha + d·S/B
+    c, d = alpha_beta_terms(kind, p)
+    for s in SIZES:
+        assert math.isclose(c * 3e-5 + d * s / 2e9, collective_time(kind, p, s, 3e-5, 2e9),
+                            rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("kind", COLLECTIVE_KINDS)
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_fit_recovers_alpha_and_bandwidth_exactly(kind: str, p: int) -> None:
+    alpha, bw = 37e-6, 1.7e9
+    fit = fit_alpha_beta(_samples(kind, p, alpha, bw))
+    assert math.isclose(fit.alpha, alpha, rel_tol=1e-9)
+    assert math.isclose(fit.bandwidth, bw, rel_tol=1e-9)
+    assert fit.max_rel_err < 1e-9 and fit.samples == len(SIZES) and not fit.clamped
+    assert math.isclose(predicted_time(kind, p, 1 << 22, fit),
+                        collective_time(kind, p, 1 << 22, alpha, bw), rel_tol=1e-9)
+
+
+def test_one_fit_over_every_kind_is_the_link_the_model_prices() -> None:
+    # all kinds on one link, as the model prices them (one alpha, one B per axis)
+    alpha, bw = 2.5e-6, 370e9
+    samples = [s for k in COLLECTIVE_KINDS for s in _samples(k, 8, alpha, bw)]
+    fit = fit_alpha_beta(samples)
+    assert math.isclose(fit.alpha, alpha, rel_tol=1e-9)
+    assert math.isclose(fit.bandwidth, bw, rel_tol=1e-9)
+
+
+def test_least_squares_is_on_relative_residuals() -> None:
+    # Two exact points and one 10% slow: the relative fit is the closed-form weighted solution.
+    alpha, bw = 1e-4, 1e9
+    samples = _samples("all_reduce", 2, alpha, bw, sizes=(1e3, 1e6))
+    samples.append(("all_reduce", 2, 1e7, 1.1 * collective_time("all_reduce", 2, 1e7, alpha, bw)))
+    fit = fit_alpha_beta(samples)
+    rows = [(c / t, d * s / t) for k, p, s, t in samples for c, d in [alpha_beta_terms(k, p)]]
+    suu = sum(u * u for u, _ in rows)
+    suv = sum(u * v for u, v in rows)
+    svv = sum(v * v for _, v in rows)
+    su, sv = sum(u for u, _ in rows), sum(v for _, v in rows)
+    det = suu * svv - suv * suv
+    assert math.isclose(fit.alpha, (svv * su - suv * sv) / det, rel_tol=1e-9)
+    assert math.isclose(1 / fit.bandwidth, (suu * sv - suv * su) / det, rel_tol=1e-9)
+
+
+def test_no_visible_latency_clamps_alpha_and_keeps_the_bandwidth() -> None:
+    samples = [("all_gather", 2, float(s), 0.5 * s / 1e9) for s in SIZES]   # alpha = 0 exactly
+    fit = fit_alpha_beta(samples)
+    assert fit.clamped == "alpha" and fit.alpha == MIN_ALPHA
+    assert math.isclose(fit.bandwidth, 1e9, rel_tol=1e-3)
+
+
+def test_fit_needs_two_sizes() -> None:
+    with pytest.raises(AutoshardError, match="two or more distinct message sizes"):
+        fit_alpha_beta(_samples("all_reduce", 2, 1e-5, 1e9, sizes=(4096,)))
+    with pytest.raises(AutoshardError, match="two or more"):
+        fit_alpha_beta(_samples("all_reduce", 2, 1e-5, 1e9, sizes=(4096, 4096)))
+    with pytest.raises(AutoshardError, match="at least 2 devices"):
+        fit_alpha_beta(_samples("all_reduce", 1, 1e-5, 1e9))
+
+
+# ---------------------------------------------------------------------------- the profile file
+
+def test_cluster_load_ignores_the_measured_record(tmp_path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"base": "cpu", "measured": {"anything": [1, 2]}}))
+    assert Cluster.load(path) == PRESETS["cpu"]
+    path.write_text(json.dumps({"base": "cpu", "measured": {}, "mesured": 1}))
+    with pytest.raises(AutoshardError, match="mesured"):
+        Cluster.load(path)
+
+
+def _fake_report(rate: float, comm: bool = True) -> dict:
+    """One rank's measurements with exact figures: matmuls at ``rate``, collectives on a link of
+    alpha 50 µs and 1 GB/s."""
+    mm = [{"shape": [64, 64, 64], "flops": 2.0 * 64**3, "forward_s": 2.0 * 64**3 / rate,
+           "grad_input_s": 2.0 * 64**3 / rate, "grad_weight_s": 2.0 * 64**3 / (rate / 2)}]
+    out = {"matmul": {"float32": mm},
+           "bandwidth": {"copy_bytes_per_s": 2e10, "add_bytes_per_s": 3e10},
+           "elementwise": {}, "attention": {"training_flops_per_s": rate / 2},
+           "kernel_floor": {"autograd_per_kernel_s": 7e-6}, "threads": 1, "comm": {}}
+    if comm:
+        out["comm"] = {k: [{"bytes": s, "times_s": [collective_time(k, 2, s, 5e-5, 1e9)
+                                                    * (2 if k == "send_recv" else 1)]}
+                           for s in SIZES] for k in COLLECTIVE_KINDS}
+    return out
+
+
+def test_profile_maps_measurements_onto_cluster_fields() -> None:
+    from autoshard.calibrate import CalibrateSpec
+    prof = profile(CalibrateSpec("cpu", 2), [_fake_report(1e11), _fake_report(1e11)])
+    c = Cluster._from_profile(dict(prof))
+    # overall rate: 3 matmuls of F flops in F/r + F/r + 2F/r = 4F/r -> 3r/4; peak r
+    assert math.isclose(c.fp32_flops, 1e11) and math.isclose(c.matmul_efficiency, 0.75)
+    assert c.flops == c.fp32_flops                  # no 16-bit matmul measured on a CPU
+    assert c.mem_bandwidth == 3e10 and c.kernel_floor_s == 7e-6
+    assert math.isclose(c.intra_alpha, 5e-5) and math.isclose(c.intra_bandwidth, 1e9)
+    assert (c.inter_alpha, c.inter_bandwidth) == (c.intra_alpha, c.intra_bandwidth)
+    fits = prof["measured"]["collectives"]["per_kind_fit"]
+    assert math.isclose(fits["send_recv"]["alpha"], 5e-5)   # a round trip is two messages
+    assert c.memory_bytes == PRESETS["cpu"].memory_bytes
+
+
+def test_cuda_profile_takes_bf16_peak_and_the_gpus_preset() -> None:
+    # The CUDA mapping, fed a GPU's measurements (no GPU needed): bf16 sets flops and the
+    # efficiency; fp32_flops is scaled so that fp32_flops * efficiency is the measured fp32 rate.
+    from autoshard.calibrate import CalibrateSpec
+    reports = []
+    for _ in range(2):
+        r = _fake_report(50e12)                       # fp32: peak 50 T, overall 37.5 T
+        r["matmul"]["bfloat16"] = _fake_report(800e12)["matmul"]["float32"]
+        r.update(device_name="NVIDIA H100 80GB HBM3", device_memory_bytes=85_000_000_000)
+        reports.append(r)
+    prof = profile(CalibrateSpec("cuda", 2), reports)
+    c = Cluster._from_profile(dict(prof))
+    assert prof["base"] == "h100" and c.name == "calibrated-cuda"
+    assert math.isclose(c.flops, 800e12) and math.isclose(c.matmul_efficiency, 0.75)
+    assert math.isclose(c.fp32_flops * c.matmul_efficiency, 0.75 * 50e12)
+    assert c.memory_bytes == 85e9 and c.devices_per_node >= 2
+    assert prof["measured"]["backend"] == "nccl"
+
+
+# ---------------------------------------------------------------------- a real run on 2 ranks
+
+def _cli(argv: list[str]) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(argv)
+    return code, out.getvalue()
+
+
+def test_quick_calibration_on_two_gloo_ranks_plans(tmp_path) -> None:
+    path = tmp_path / "cluster.json"
+    code, out = _cli(["calibrate", "--device", "cpu", "--world", "2", "--quick", "-o", str(path)])
+    assert code == 0, out
+    assert "calibrated cpu x2 (gloo" in out and f"wrote {path}" in out
+    prof = json.loads(path.read_text())
+    assert prof["base"] == "cpu" and prof["measured"]["world"] == 2
+    link = prof["measured"]["collectives"]["link_fit"]
+    assert set(prof["measured"]["collectives"]["per_kind_fit"]) == set(COLLECTIVE_KINDS)
+    c = Cluster.load(path)
+    assert c.name == "calibrated-cpu"
+    assert (c.intra_alpha, c.intra_bandwidth) == (link["alpha"], link["bandwidth"])
+    assert 0 < c.matmul_efficiency <= 1 and c.fp32_flops > 1e8 and c.mem_bandwidth > 1e8
+    code, out = _cli(["plan", "gpt2-tiny", "--mesh", "2", "--cluster", str(path)])
+    assert code == 0 and "cluster calibrated-cpu" in out
+
+
+def test_calibrate_refuses_bad_arguments(capsys, tmp_path) -> None:
+    assert main(["calibrate", "--world", "0", "-o", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--world is a positive number of ranks" in err and "Fix" in err
+    if not torch.cuda.is_available():
+        assert main(["calibrate", "--device", "cuda", "-o", str(tmp_path / "c.json")]) == 2
+        assert "a CUDA device for --device cuda" in capsys.readouterr().err
