@@ -352,3 +352,16 @@ def test_ilp_matches_brute_force(p: Problem) -> None:
     assert t == pytest.approx(best[0], rel=1e-6, abs=1e-9)
     assert mem <= p.memory_budget
     assert math.isfinite(sol.objective)
+
+
+@pytest.mark.parametrize("budget,choice", [(100.0, 0), (5.0, 1)])
+def test_memory_only_items_count_when_the_budget_binds(budget, choice) -> None:
+    """A memory-only edge (a saved activation, no seconds): strategy 0 is faster but keeps 10
+    bytes through the edge. With room, the plan solved without the edge stands; under a budget
+    of 5 it does not fit once the edge is counted, and the whole problem gives strategy 1."""
+    decisions = (Decision("a", 1, (1.0, 2.0), (0.0, 0.0)), Decision("b", 1, (0.0,), (0.0,)))
+    saved = Edge("a:saved", 1, 0, 1, (0, 1), (0,), ((0.0,), (0.0,)), ((10.0,), (1.0,)))
+    p = Problem(decisions, (saved,), memory_budget=budget)
+    sol = solve(p)
+    assert sol.choice[0] == choice
+    assert evaluate(p, sol.choice)[1] <= budget

@@ -205,7 +205,8 @@ class Pricer:
         (one tensor however many ops save it). Nothing when that tensor is the producer's own
         (``dst == src``) and already counted: a parameter or buffer, an output its op saves, or
         a view of one."""
-        if dst == src and self.kept(value):
+        same = dst == src or not self.steps(value, src, dst, frozenset()).forward
+        if same and self.kept(value):      # (specs that differ only on 1-device axes: same)
             return 0.0
         shape, itemsize = self.shapes[value]
         return float(local_numel(shape, dst, self.mesh.shape) * itemsize)
