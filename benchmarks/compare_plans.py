@@ -237,13 +237,20 @@ def main(argv: list[str] | None = None) -> int:
             f"training step (Adam); each preset's default batch and sequence, except the llama3 "
             f"presets, traced at seq {LLAMA3_SEQ} instead of their 8192 context to keep tracing "
             f"time sane; ILP time limit {args.time_limit:g} s per plan.",
-            "- step times are the cost model's predictions (ms) for autoshard and for each "
+            "- step times are the cost model's predictions (ms), overlap of bucketed gradient "
+            "sync with backward priced (docs/cost-model.md §7), for autoshard and for each "
             "baseline (`dp`, `megatron` over every axis, `megatron-dp`: Megatron over the last "
-            "axis, DP over the others), each solved by the same ILP machinery; `infeasible: OOM` = no plan with "
-            "that baseline's parameter layout fits device memory; `no solution: solver time "
-            "limit` = the ILP found no solution within the time limit though a plan fitting "
-            "memory exists. Ratio = best feasible baseline / autoshard (>= 1 means autoshard is "
-            "at least as fast). `wall s` = planning time of the row (autoshard and the 3 baselines).",
+            "axis, DP over the others, weights read where they lie; `fsdp`: every parameter "
+            "stored sharded over every axis, `fsdp-tp`: torchtitan's 2-D storage, FSDP x "
+            "Megatron over the last axis, both read as the ILP finds cheapest, 1-D and 2-D "
+            "meshes), each solved by the same ILP machinery, activation checkpointing allowed "
+            "where memory binds (§8); `infeasible: OOM` = no plan with that baseline's "
+            "parameter layout fits device memory; `no solution: solver time limit` = the ILP "
+            "found no solution within the time limit though a plan fitting memory exists. "
+            "Ratio = best feasible baseline / autoshard (>= 1 means autoshard is at least as "
+            "fast). `techniques`: gradient buckets, recomputed layers; `params < 1 MiB gathered "
+            "per use`: small parameters the plan stores sharded and gathers where read. `wall s` "
+            "= planning time of the row (autoshard and every baseline).",
             "", table(rows), ""]
     body += ["Rows flagged or failed:", ""] + (notes or ["- none"]) + [""]
     body += ["Rows where autoshard's ILP objective and its assembled predicted step differ by "
