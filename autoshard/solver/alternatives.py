@@ -27,13 +27,13 @@ from typing import Any, Sequence
 from ortools.linear_solver import pywraplp
 
 from autoshard.errors import AutoshardError
-from autoshard.ir import Replicate, Spec, Strategy
+from autoshard.ir import Spec, Strategy
 from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions, resolve_options
 from autoshard.plans import Plan
 from autoshard.solver.build import Built, build_problem
 from autoshard.solver.ilp import US, _Model, break_ties
-from autoshard.solver.planner import assemble, check_mesh_fits
+from autoshard.solver.planner import assemble, check_mesh_fits, storage_preferences
 from autoshard.solver.problem import evaluate
 from autoshard.trace.export import TracedGraph
 
@@ -68,16 +68,6 @@ def _param_classes(traced: TracedGraph, built: Built) -> dict[str, tuple[int, li
 def _layouts_of(plan: Plan, traced: TracedGraph) -> dict[str, Spec]:
     """A plan's stored layout per parameter placeholder."""
     return {p.name: tuple(plan.params[p.fqn]) for p in traced.params if p.fqn in plan.params}
-
-
-def _storage_preferences(classes: dict[str, tuple[int, list[Spec]]]) -> dict[int, list[int]]:
-    """Each parameter decision's strategies, fewest sharded mesh axes first (as the planner
-    breaks ties: replicated weights unless sharding them buys time or memory)."""
-    out = {}
-    for g, layouts in classes.values():
-        sharded = [sum(not isinstance(x, Replicate) for x in spec) for spec in layouts]
-        out[g] = sorted(range(len(layouts)), key=lambda i: (sharded[i], i))
-    return out
 
 
 def _pins(built: Built, fixed: dict[str, Strategy]) -> list[tuple[int, int]]:
@@ -121,7 +111,7 @@ def _solve(traced: TracedGraph, mesh: Mesh, options: PlanOptions, built: Built, 
         return None
     raw = m.choice()
     pinned = {g for g, _ in pins}
-    prefs = {g: order for g, order in _storage_preferences(classes).items() if g not in pinned}
+    prefs = {g: order for g, order in storage_preferences(traced, built).items() if g not in pinned}
     choice = break_ties(problem, raw, prefs)
     if exclude and _excluded(choice, classes, exclude):
         choice = raw      # the tie-break walked back onto an excluded plan: keep the solver's

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 from ortools.linear_solver import pywraplp
 
-from autoshard.solver.problem import Edge, Fanout, Problem, Solution, evaluate, price
+from autoshard.solver.problem import Edge, Fanout, Problem, Solution, evaluate, price, totals
 
 BACKENDS = ("CBC", "HIGHS", "SCIP")
 # Costs enter the MIP in microseconds: CBC drops objective coefficients below ~1e-8, and a small
@@ -271,15 +271,9 @@ def break_ties(problem: Problem, choice: tuple[int, ...], order: dict[int, list[
             t, mem, sync = t + dt, mem + dm, sync + ds
         return t, mem, sync, bwd
 
-    # The step is cost + max(0, sync - backward); keep the three sums as choices move.
-    cost = sum(d.cost[c] * d.multiplicity for d, c in zip(problem.decisions, choice))
-    bwd = sum(d.backward[c] * d.multiplicity for d, c in zip(problem.decisions, choice)
-              if d.backward)
-    sync = 0.0
-    for item in (*problem.edges, *problem.fanouts):
-        dt, _, ds = price(item, choice)
-        cost, sync = cost + dt, sync + ds
-    total, mem = evaluate(problem, tuple(choice))
+    # The step is cost + max(0, sync - backward); keep the sums as choices move.
+    cost, mem, sync, bwd = totals(problem, choice)
+    total = cost + max(0.0, sync - bwd)
     tol = rel_tol * max(total, 0.0)
     for g, prefs in order.items():
         if g in fixed:

@@ -163,7 +163,7 @@ def _plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model
             got=f"none after {e.time_limit_s:g} s (solver status {e.status}, best bound "
                 f"{e.bound * 1e3:.4g} ms per step); the memory budget is not the cause",
             fix="raise time_limit_s (--time-limit), or use a mesh with fewer axes") from e
-    choice = break_ties(problem, sol.choice, _storage_preferences(traced, built))
+    choice = break_ties(problem, sol.choice, storage_preferences(traced, built))
     strategies = {name: built.strategy_of(name, choice) for name in built.template}
     solver = {"status": sol.status, "objective": sol.objective, "gap": sol.gap,
               "variables": sol.variables, "decisions": len(built.problem.decisions)}
@@ -174,7 +174,7 @@ def _plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model
                     recompute=recompute)
 
 
-def _storage_preferences(traced: TracedGraph, built: Built) -> dict[int, list[int]]:
+def storage_preferences(traced: TracedGraph, built: Built) -> dict[int, list[int]]:
     """Each parameter's decision with its layouts, fewest sharded mesh axes first: among equally
     fast plans, weights stay replicated (plain data parallelism, one gradient all-reduce) unless
     sharding them buys time or is needed to fit memory."""

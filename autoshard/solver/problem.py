@@ -125,9 +125,10 @@ def price(item: Edge | Fanout, choice: tuple[int, ...] | list[int]) -> tuple[flo
     return t, mem, sync
 
 
-def evaluate(problem: Problem, choice: tuple[int, ...]) -> tuple[float, float]:
-    """Step time (s) and memory (bytes) of a full assignment, outside the ILP (for tests and
-    for pricing hand-written plans in exactly the solver's terms)."""
+def totals(problem: Problem, choice: tuple[int, ...] | list[int]
+           ) -> tuple[float, float, float, float]:
+    """The sums a step is made of under a full assignment: blocking seconds (costs), memory
+    bytes, bucketed gradient-sync seconds and backward compute seconds."""
     t = sum(g.cost[c] * g.multiplicity for g, c in zip(problem.decisions, choice))
     mem = sum(g.memory[c] * g.multiplicity for g, c in zip(problem.decisions, choice))
     backward = sum(g.backward[c] * g.multiplicity for g, c in zip(problem.decisions, choice)
@@ -136,4 +137,11 @@ def evaluate(problem: Problem, choice: tuple[int, ...]) -> tuple[float, float]:
     for item in (*problem.edges, *problem.fanouts):
         dt, dm, ds = price(item, choice)
         t, mem, sync = t + dt, mem + dm, sync + ds
+    return t, mem, sync, backward
+
+
+def evaluate(problem: Problem, choice: tuple[int, ...]) -> tuple[float, float]:
+    """Step time (s) and memory (bytes) of a full assignment, outside the ILP (for tests and
+    for pricing hand-written plans in exactly the solver's terms)."""
+    t, mem, sync, backward = totals(problem, choice)
     return t + max(0.0, sync - backward), mem
