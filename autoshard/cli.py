@@ -6,7 +6,7 @@ import sys
 import time
 
 from autoshard.errors import AutoshardError
-from autoshard.options import OPTIMIZERS, RECOMPUTE, PlanOptions
+from autoshard.options import OFFLOAD, OPTIMIZERS, PRECISIONS, RECOMPUTE, ZERO, PlanOptions
 
 
 def parse_mesh(text: str) -> tuple[int, ...]:
@@ -33,7 +33,8 @@ def plan_options(args) -> PlanOptions:
                        # `is not None`: 0 must be refused, not read as "unset"
                        memory_budget=None if args.memory_gb is None else args.memory_gb * 2**30,
                        time_limit_s=args.time_limit, recompute=args.recompute,
-                       bucket_mb=args.bucket_mb)
+                       bucket_mb=args.bucket_mb, zero=args.zero, offload=args.offload,
+                       precision=args.precision)
 
 
 def cmd_plan(args) -> int:
@@ -138,6 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "memory requires it or it makes the step faster)")
     p.add_argument("--bucket-mb", type=float, default=25.0,
                    help="gradient all-reduce bucket size in MiB (default 25, as DDP)")
+    p.add_argument("--zero", default="auto", choices=ZERO,
+                   help="gradients and optimizer state sharded apart from the parameters "
+                        "(default auto: the planner chooses ZeRO-1/2 per parameter)")
+    p.add_argument("--offload", default="auto", choices=OFFLOAD,
+                   help="optimizer state and step on the host (default auto: only when no plan "
+                        "fits without it)")
+    p.add_argument("--precision", default="model", choices=PRECISIONS,
+                   help="model: the model's own dtypes (a bf16 model trains mixed precision); "
+                        "bf16-mixed: bf16 step, fp32 masters and optimizer state")
     p.add_argument("-o", "--output", default=None, help="write the plan here")
     p.add_argument("--task", default=None, help=TASK_HELP)
     p.set_defaults(fn=cmd_plan)

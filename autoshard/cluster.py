@@ -32,6 +32,12 @@ class Cluster:
     inter_bandwidth: float       # bytes/s per device across nodes
     matmul_efficiency: float = 0.75   # achievable / peak on large matmuls (docs/cost-model.md §2.6)
     kernel_floor_s: float = 4e-6      # launch-bound floor per op (docs/cost-model.md §2.6)
+    # The host side of one device (docs/cost-model.md §2.10), for CPU offload: the host link's
+    # bandwidth each way, the host memory one device's process may use, and the host memory
+    # bandwidth one device's share of the CPUs streams the optimizer step at.
+    host_bandwidth: float = 55e9
+    host_memory_bytes: float = 250e9
+    host_mem_bandwidth: float = 76.75e9
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -110,27 +116,35 @@ PRESETS: dict[str, Cluster] = {
     # achieved (nccl-tests #290); ~45 µs inter-node small all-reduce latency (nccl #1244).
     "h100": Cluster(name="h100", flops=989e12, fp32_flops=67e12, mem_bandwidth=3.35e12,
                     memory_bytes=80 * GB, devices_per_node=8, intra_alpha=3e-6,
-                    intra_bandwidth=370 * GB, inter_alpha=45e-6 / 2, inter_bandwidth=46 * GB),
+                    intra_bandwidth=370 * GB, inter_alpha=45e-6 / 2, inter_bandwidth=46 * GB,
+                    host_bandwidth=55 * GB, host_memory_bytes=2000 * GB / 8,
+                    host_mem_bandwidth=614 * GB / 8),
     # H200: 141 GB HBM3e at 4.8 TB/s, same compute and links as H100 (NVIDIA).
     "h200": Cluster(name="h200", flops=989e12, fp32_flops=67e12, mem_bandwidth=4.8e12,
                     memory_bytes=141 * GB, devices_per_node=8, intra_alpha=3e-6,
-                    intra_bandwidth=370 * GB, inter_alpha=45e-6 / 2, inter_bandwidth=46 * GB),
+                    intra_bandwidth=370 * GB, inter_alpha=45e-6 / 2, inter_bandwidth=46 * GB,
+                    host_bandwidth=55 * GB, host_memory_bytes=2000 * GB / 8,
+                    host_mem_bandwidth=614 * GB / 8),
     # A100 SXM: 312 TFLOP/s bf16, 19.5 TFLOP/s fp32, 80 GB at 2.039 TB/s; all-reduce busbw
     # ~200 GB/s (NVIDIA; nccl-tests #149); HDR IB 200 Gb/s per GPU.
     "a100": Cluster(name="a100", flops=312e12, fp32_flops=19.5e12, mem_bandwidth=2.039e12,
                     memory_bytes=80 * GB, devices_per_node=8, intra_alpha=5e-6,
-                    intra_bandwidth=200 * GB, inter_alpha=45e-6 / 2, inter_bandwidth=23 * GB),
+                    intra_bandwidth=200 * GB, inter_alpha=45e-6 / 2, inter_bandwidth=23 * GB,
+                    host_bandwidth=25 * GB, host_memory_bytes=2000 * GB / 8,
+                    host_mem_bandwidth=410 * GB / 8),
     # A laptop/CI CPU with gloo over loopback: rough figures, useful for tests and for ranking
     # plans that will run on this machine.
     "cpu": Cluster(name="cpu", flops=2e11, fp32_flops=1e11, mem_bandwidth=2e10,
                    memory_bytes=16 * GB, devices_per_node=64, intra_alpha=3e-5,
                    intra_bandwidth=2 * GB, inter_alpha=3e-5, inter_bandwidth=2 * GB,
-                   kernel_floor_s=5e-6),
+                   kernel_floor_s=5e-6, host_bandwidth=2e10, host_memory_bytes=16 * GB,
+                   host_mem_bandwidth=2e10),
     # Not hardware: a CPU whose compute is 10,000x slower than the "cpu" preset and whose links
     # have ~no latency, so every op is worth sharding. `autoshard verify` plans with it by
     # default, so that even tiny models get plans that shard and move data on gloo.
     "stress": Cluster(name="stress", flops=1e7, fp32_flops=1e7, mem_bandwidth=2e10,
                       memory_bytes=16 * GB, devices_per_node=64, intra_alpha=1e-6,
                       intra_bandwidth=2 * GB, inter_alpha=1e-6, inter_bandwidth=2 * GB,
-                      kernel_floor_s=1e-9),
+                      kernel_floor_s=1e-9, host_bandwidth=2e10, host_memory_bytes=16 * GB,
+                      host_mem_bandwidth=2e10),
 }

@@ -17,11 +17,22 @@ from autoshard.errors import AutoshardError
 OPTIMIZERS = ("adam", "adamw", "sgd", "none")
 # "model": parameters, activations and gradients in the model's own dtypes; a 16-bit model is
 # priced as mixed-precision training (fp32 master weights and Adam states, docs/cost-model.md §4).
-PRECISIONS = ("model",)
+# "bf16-mixed": the step runs in bf16 whatever the model's dtype, with fp32 masters and Adam
+# states (autoshard/precision.py).
+PRECISIONS = ("model", "bf16-mixed")
 # Activation checkpointing of the model's repeated layers (docs/cost-model.md §8): "none",
-# "full" (every such layer keeps its inputs only and recomputes its forward in backward), or
-# "auto" (the planner decides: full only where it makes a plan fit or run faster).
-RECOMPUTE = ("auto", "none", "full")
+# "selective" (every such layer keeps the outputs of its matmuls, attention and collectives and
+# recomputes the rest in backward), "full" (every such layer keeps its inputs only and
+# recomputes its forward), or "auto" (the planner decides: selective or full only where it
+# makes a plan fit or run faster).
+RECOMPUTE = ("auto", "none", "selective", "full")
+# Where gradients and optimizer state live apart from the parameter (docs/cost-model.md §9):
+# "auto" (the planner chooses per parameter among plain, ZeRO-1 and ZeRO-2), "none" (they follow
+# the parameter), or one of "zero1"/"zero2" on every parameter that has a replicated axis.
+ZERO = ("auto", "none", "zero1", "zero2")
+# Optimizer state and step on the host (ZeRO-Offload): "auto" (only where no plan fits without
+# it), "none", or "optimizer" (every parameter).
+OFFLOAD = ("auto", "none", "optimizer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +49,8 @@ class PlanOptions:
       up to this many MiB (DDP's ``bucket_cap_mb``, default 25), issued as soon as their
       gradients are ready and overlapped with the rest of backward (docs/cost-model.md §7).
     - ``recompute``: activation checkpointing of repeated layers (see RECOMPUTE).
+    - ``zero``: gradient and optimizer-state sharding apart from the parameter (see ZERO).
+    - ``offload``: optimizer state and step on the host (see OFFLOAD).
     """
 
     training: bool = True
@@ -47,6 +60,8 @@ class PlanOptions:
     time_limit_s: float = 20.0
     bucket_mb: float = 25.0
     recompute: str = "auto"
+    zero: str = "auto"
+    offload: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.training, bool):
@@ -59,7 +74,8 @@ class PlanOptions:
         if self.precision not in PRECISIONS:
             raise AutoshardError(f"PlanOptions.precision is one of {PRECISIONS}",
                                  got=repr(self.precision),
-                                 fix="pass precision='model' (the model's own dtypes)")
+                                 fix="pass precision='model' (the model's own dtypes) or "
+                                     "'bf16-mixed'")
         if self.memory_budget is not None and not _positive(self.memory_budget):
             raise AutoshardError("PlanOptions.memory_budget is a positive number of bytes or None",
                                  got=repr(self.memory_budget),
@@ -75,7 +91,18 @@ class PlanOptions:
         if self.recompute not in RECOMPUTE:
             raise AutoshardError(f"PlanOptions.recompute is one of {RECOMPUTE}",
                                  got=repr(self.recompute),
-                                 fix="pass recompute='auto' (the planner decides), 'none' or 'full'")
+                                 fix="pass recompute='auto' (the planner decides), 'none', "
+                                     "'selective' or 'full'")
+
+        if self.zero not in ZERO:
+            raise AutoshardError(f"PlanOptions.zero is one of {ZERO}", got=repr(self.zero),
+                                 fix="pass zero='auto' (the planner decides), 'none', 'zero1' "
+                                     "or 'zero2'")
+        if self.offload not in OFFLOAD:
+            raise AutoshardError(f"PlanOptions.offload is one of {OFFLOAD}",
+                                 got=repr(self.offload),
+                                 fix="pass offload='auto' (only where nothing fits without it), "
+                                     "'none' or 'optimizer'")
 
     @property
     def bucket_bytes(self) -> float:
@@ -101,6 +128,16 @@ class PlanOptions:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "PlanOptions":
         return cls().replace(**data)
+
+
+def state_modes(options: PlanOptions, offload: bool) -> tuple[str | None, ...]:
+    """The state modes (cost/state.py) parameters may take under ``options``; ``offload``: the
+    planner is trying offload (``options.offload`` "auto") or it is forced ("optimizer")."""
+    if options.offload == "optimizer":
+        return ("offload",)
+    zero = {"auto": (None, "zero1", "zero2"), "none": (None,), "zero1": ("zero1",),
+            "zero2": ("zero2",)}[options.zero]
+    return zero + (("offload",) if offload and options.offload == "auto" else ())
 
 
 def _positive(v: Any) -> bool:

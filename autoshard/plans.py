@@ -61,6 +61,18 @@ class CollectiveRecord:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class ParamState:
+    """Where a parameter's gradient and optimizer state live when not with the parameter
+    (docs/cost-model.md §9): ``mode`` "zero1", "zero2" or "offload"; the gradient's and the
+    optimizer state's specs; ``offload``: the optimizer state and step are on the host."""
+
+    mode: str
+    grad: Spec
+    optimizer: Spec
+    offload: bool = False
+
+
 @dataclass(frozen=True)
 class Plan:
     mesh_shape: tuple[int, ...]
@@ -84,8 +96,12 @@ class Plan:
     tied: dict[str, tuple[Spec, ...]] = field(default_factory=dict)
     # What the user should know about the plan: devices repeating work, ops without a rule.
     warnings: tuple[str, ...] = ()
-    # Layer name -> activation checkpointing policy ("full"), for the layers that recompute.
+    # Layer name -> activation checkpointing policy ("selective" or "full"), for the layers that
+    # recompute.
     recompute: dict[str, str] = field(default_factory=dict)
+    # Parameter fqn -> where its gradient and optimizer state live, for the parameters whose
+    # state is not laid out as the parameter is (ZeRO-1/2, offload).
+    param_state: dict[str, ParamState] = field(default_factory=dict)
     # Wall-clock seconds of this run (trace_s, build_s, solve_s): shown by the CLI, never saved,
     # and not part of equality, so that the same planning gives byte-identical files.
     timings: dict[str, float] = field(default_factory=dict, compare=False)
@@ -146,12 +162,40 @@ class Plan:
         for fqn, reads in self.tied.items():
             lines.append(f"  tied weight {fqn}: stored {spec_str(self.params[fqn])}, read as "
                          + ", ".join(spec_str(r) for r in reads))
-        if self.recompute:
-            lines.append(f"  activation checkpointing: {len(self.recompute)} of "
-                         f"{len(self.layers)} layers recompute their forward in backward (full)")
+        lines += self._state_summary()
+        for policy in ("selective", "full"):
+            n = sum(1 for p in self.recompute.values() if p == policy)
+            if n:
+                what = ("their forward in backward" if policy == "full" else
+                        "all but matmul, attention and collective outputs in backward")
+                lines.append(f"  activation checkpointing ({policy}): {n} of {len(self.layers)} "
+                             f"layers recompute {what}")
         lines += self.layers_summary()
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+    def _state_summary(self) -> list[str]:
+        """Where gradients and optimizer state live (ZeRO-1/2, offload) and the memory split."""
+        lines = []
+        by: dict[str, int] = {}
+        for st in self.param_state.values():
+            by[st.mode] = by.get(st.mode, 0) + 1
+        names = {"zero1": "ZeRO-1 (optimizer state sharded)",
+                 "zero2": "ZeRO-2 (gradients and optimizer state sharded)",
+                 "offload": "optimizer state and step on the host (offload)"}
+        for mode, n in sorted(by.items()):
+            lines.append(f"  {names[mode]}: {n} of {len(self.params)} parameters")
+        mem = self.predicted.get("memory")
+        if isinstance(mem, dict):
+            parts = ", ".join(f"{k} {_size(mem[k])}" for k in
+                              ("parameters", "gradients", "optimizer", "buffers", "activations")
+                              if mem.get(k))
+            host = f"; host {_size(mem['host'])}" if mem.get("host") else ""
+            lines.append(f"  memory per device: {parts}{host}")
+        if self.predicted.get("optimizer_s"):
+            lines.append(f"  optimizer step: {self.predicted['optimizer_s'] * 1e3:.3f} ms "
+                         f"(in compute)")
+        return lines
 
     def layers_summary(self) -> list[str]:
         """The layers found, one line per run of identical layers of a container."""
@@ -190,7 +234,7 @@ class Plan:
             "nodes": [n.to_json() for n in self.nodes],
             "tied": {k: [spec_str(r) for r in v] for k, v in self.tied.items()},
             "warnings": list(self.warnings), "recompute": dict(self.recompute),
-            "params": {k: {"placements": spec_str(v)} for k, v in self.params.items()},
+            "params": {k: self._param_json(k) for k in self.params},
             "inputs": {k: {"placements": spec_str(v),
                            **({"shape": list(self.input_meta[k][0]), "dtype": self.input_meta[k][1]}
                               if k in self.input_meta else {})}
@@ -199,6 +243,14 @@ class Plan:
             "predicted": self.predicted, "solver": self.solver,
             "node_signatures": self.node_sigs,
         }
+
+    def _param_json(self, fqn: str) -> dict:
+        spec = self.params[fqn]
+        st = self.param_state.get(fqn)
+        return {"placements": spec_str(spec),
+                "grad_placements": spec_str(st.grad if st else spec),
+                "optimizer_placements": spec_str(st.optimizer if st else spec),
+                "offload": bool(st and st.offload)}
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n"
@@ -239,13 +291,14 @@ class Plan:
         nodes = _read_nodes(root.key("nodes"), len(shape))
         inputs = _read_inputs(root.key("inputs"), shape)
         params = {k: f.key("placements").spec(len(shape)) for k, f in root.key("params").items()}
+        param_state = _read_param_state(root.key("params"), params, nodes, len(shape))
         layers = _read_layers(root.key("layers"), {n.name for n in nodes})
         return cls(mesh_shape=shape, mesh_axes=axes, cluster=cluster,
                    fingerprint=root.key("fingerprint").text(),
                    options=_read_options(root.key("options")),
                    layers=layers,
                    recompute=_read_recompute(root.key("recompute", {}), layers),
-                   nodes=nodes, params=params,
+                   nodes=nodes, params=params, param_state=param_state,
                    # Optional: plans written before tied weights and warnings were recorded.
                    tied=_read_tied(root.key("tied", {}), params, len(shape)),
                    warnings=tuple(w.text() for w in root.key("warnings", []).entries()),
@@ -479,9 +532,9 @@ def _read_recompute(f: _Field, layers: tuple[Layer, ...]) -> dict[str, str]:
     for name, policy in f.items():
         if name not in names:       # the runtime checkpoints the layer by this name
             policy.fail(f"a policy for one of the plan's layers, not {name!r}")
-        if policy.text() != "full":
-            policy.fail('"full"')
-        out[name] = "full"
+        if policy.text() not in ("selective", "full"):
+            policy.fail('"selective" or "full"')
+        out[name] = policy.text()
     return out
 
 
@@ -494,10 +547,35 @@ def _read_collective(f: _Field) -> CollectiveRecord:
                             tuple(m.text(nonempty=True) for m in f.key("members", []).entries()))
 
 
+def _read_param_state(f: _Field, params: dict[str, Spec], nodes: tuple[NodePlan, ...],
+                      ndim: int) -> dict[str, ParamState]:
+    """Each parameter's gradient and optimizer placements (absent in plans made before they
+    were recorded: both follow the parameter). The mode is the parameter's placeholder's kernel
+    (docs/plan-format.md); the placements must agree with it."""
+    out = {}
+    for fqn, pf in f.items():
+        spec = params[fqn]
+        grad = pf.key("grad_placements", spec_str(spec)).spec(ndim)
+        opt = pf.key("optimizer_placements", spec_str(spec)).spec(ndim)
+        off = pf.key("offload", False)
+        if not isinstance(off.value, bool):
+            off.fail("true or false")
+        if grad == spec and opt == spec and not off.value:
+            continue
+        mode = "offload" if off.value else "zero2" if grad != spec else "zero1"
+        if mode != "offload" and grad not in (spec, opt):
+            pf.key("grad_placements").fail(f"the parameter's placements or its "
+                                           f"optimizer_placements {spec_str(opt)}")
+        out[fqn] = ParamState(mode, grad, opt, bool(off.value))
+    return out
+
+
 def _read_numbers(f: _Field, keys: tuple[str, ...]) -> dict[str, Any]:
     for k in keys:
         f.key(k).number()
-    for k in PER_AXIS:        # absent from plans made before overlap was priced
+    if "optimizer_s" in f.obj():      # absent from plans made before it was priced
+        f.key("optimizer_s").number()
+    for k in (*PER_AXIS, "memory"):   # absent from plans made before they were priced
         for x in f.key(k, {}).obj():
             f.key(k).key(x).number()
     return dict(f.obj())

@@ -23,6 +23,7 @@ import torch
 from autoshard.codegen.runtime import parallelize
 from autoshard.codegen.world import World
 from autoshard.errors import AutoshardError
+from autoshard.precision import cast_inputs, running_as
 from autoshard.loss import as_loss_module
 from autoshard.mesh import Mesh
 from autoshard.plans import Plan
@@ -98,6 +99,11 @@ def _run_rank(spec: VerifySpec) -> dict[str, Any]:
     grads = pm.full_grads()
     grad_errs = {n: rel_err(grads[n], g) for n, g in ref_grads.items() if n in grads}
     missing = sorted(set(ref_grads) - set(grads))
+    # The optimizer step too: its all-gathers (ZeRO-1/2, offload) are in the plan's ledger.
+    opt, _ = _optimizer_for(pm, plan.options.state_optimizer)
+    if opt is not None:
+        opt.step()
+        opt.zero_grad()
     planned = [(c.kind, c.axes, c.bytes, c.phase, c.node) for c in plan.collectives]
     ran = [(r.kind, r.axes, r.nbytes, r.phase, r.node) for r in pm.ledger]
     report = {
@@ -128,11 +134,10 @@ MEM_PARTS = tuple(_MEM_PARTS.values())
 def _optimizer_for(pm, optimizer: str):
     """The torch optimizer whose state the plan's ``options.optimizer`` counts (docs/cost-model.md
     §4.1): AdamW for adam/adamw (the same two moments), plain SGD for sgd, none for none."""
-    params = [p for p in pm.parameters() if p.requires_grad]
     if optimizer in ("adam", "adamw"):
-        return torch.optim.AdamW(params, lr=1e-4), "AdamW"
+        return pm.optimizer(torch.optim.AdamW, lr=1e-4), "AdamW"
     if optimizer == "sgd":
-        return torch.optim.SGD(params, lr=1e-4), "SGD"
+        return pm.optimizer(torch.optim.SGD, lr=1e-4), "SGD"
     return None, "no optimizer"
 
 
@@ -140,10 +145,14 @@ def predicted_memory(pm) -> dict[str, int]:
     """The plan's predicted peak split as the cost model sums it (docs/cost-model.md §4.4): model
     state (parameter, gradient and optimizer state of this rank's shards, §4.1), buffers, and the
     rest, what the forward saves for backward (activations and resharded copies)."""
-    from autoshard.cost.memory import param_state_bytes
     plan = pm.plan
-    state = sum(param_state_bytes(p.numel(), p.dtype, optimizer=plan.options.state_optimizer)
-                for p in pm.local_parameters().values())
+    mem = plan.predicted.get("memory")
+    if isinstance(mem, dict):
+        state = int(mem["parameters"] + mem["gradients"] + mem["optimizer"])
+    else:                       # a plan made before the split was recorded
+        from autoshard.cost.memory import param_state_bytes
+        state = sum(param_state_bytes(p.numel(), p.dtype, optimizer=plan.options.state_optimizer)
+                    for p in pm.local_parameters().values())
     buffers = sum(t.numel() * t.element_size() for t in pm._buffers_local.values())
     peak = int(plan.predicted["peak_memory_bytes"])
     return {"peak": peak, "model_state": state, "buffers": buffers,
@@ -239,11 +248,11 @@ def _measured_step(pm, local_inputs: tuple, opt, device: torch.device, tracker,
         pm.step(*local_inputs)
         if opt is not None:
             opt.step()
-        pm.zero_grad(set_to_none=True)
+        opt.zero_grad() if opt is not None else pm.zero_grad(set_to_none=True)
     externals = [pm, *pm._buffers_local.values(),
                  *(t for t in local_inputs if isinstance(t, torch.Tensor))]
     if opt is not None:
-        externals.append(opt)
+        externals.append(opt.optimizer)      # the torch optimizer inside pm.optimizer(...)
     tracker.track_external(*externals)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -266,7 +275,10 @@ def _measured_step(pm, local_inputs: tuple, opt, device: torch.device, tracker,
 def plan_for(model_name: str, mesh, *, batch: int | None = None, seq: int | None = None,
              baseline: str | None = None, seed: int = 0, task: str | None = None,
              **plan_kwargs: Any):
-    traced = trace(*build(model_name, batch, seq, seed, task))
+    model, inputs = build(model_name, batch, seq, seed, task)
+    precision = plan_kwargs.get("precision", "model")
+    with running_as(model, precision):
+        traced = trace(model, cast_inputs(inputs, precision))
     if baseline:
         return baseline_plan(traced, mesh, baseline, **plan_kwargs)
     return plan_traced(traced, mesh, model_name=model_name, **plan_kwargs)

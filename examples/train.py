@@ -5,8 +5,9 @@
 
 Every rank builds the same model (same seed). Rank 0 plans (``autoshard.plan``) and broadcasts
 the plan as JSON, or every rank loads ``--plan plan.json``; then each rank runs its shard of the
-program (``autoshard.parallelize``) and a plain ``torch.optim.AdamW`` over its local parameter
-shards. The data is a synthetic language with a learnable rule (each next token is a fixed
+program (``autoshard.parallelize``) and AdamW through ``pm.optimizer``, which keeps the
+optimizer state where the plan puts it (with each parameter shard, or sharded apart from it:
+ZeRO-1/2, or on the host). The data is a synthetic language with a learnable rule (each next token is a fixed
 permutation of the current one), so the loss falls from ln(vocab) towards zero in a few dozen
 steps. Every rank draws the same global batch; ``pm.shard_inputs`` keeps this rank's share.
 """
@@ -109,14 +110,14 @@ def main(argv=None) -> int:
                 plan.save(args.save_plan)
         del model   # the full model is no longer needed: pm holds this rank's shards
 
-        opt = torch.optim.AdamW(pm.parameters(), lr=args.lr)
+        opt = pm.optimizer(torch.optim.AdamW, lr=args.lr)
         t0, last = time.perf_counter(), 0
         for step in range(1, args.steps + 1):
             x, y = synthetic_batch(step, batch=args.batch, seq=args.seq, vocab=args.vocab,
                                    perm=perm, device=device)
             loss = pm.step(*pm.shard_inputs(x, y))
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad()
             pm.ledger.clear()   # it records every collective run; uncleared, it grows every step
             if rank == 0 and (step % args.log_every == 0 or step == 1 or step == args.steps):
                 now = time.perf_counter()

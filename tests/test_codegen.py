@@ -311,20 +311,24 @@ def test_complex_values_carry_their_gradients(world4):
 
 # -- activation checkpointing -------------------------------------------------------------------
 
-RECOMPUTE_CASES = [("gpt2-tiny", (4,), "megatron"), ("llama-tiny", (4,), "megatron"),
-                   ("llama-tiny", (2, 2), None)]
+RECOMPUTE_CASES = [("gpt2-tiny", (4,), "megatron", "full"), ("llama-tiny", (4,), "megatron", "full"),
+                   ("llama-tiny", (2, 2), None, "full"),
+                   ("gpt2-tiny", (4,), "megatron", "selective"),
+                   ("llama-tiny", (2, 2), "megatron-dp", "selective")]
 
 
-@pytest.mark.parametrize("model,shape,baseline", RECOMPUTE_CASES,
-                         ids=[f"{m}-{'x'.join(map(str, s))}-{b or 'autoshard'}"
-                              for m, s, b in RECOMPUTE_CASES])
-def test_recomputed_layers_equal_single_device(world4, model, shape, baseline):
+@pytest.mark.parametrize("model,shape,baseline,policy", RECOMPUTE_CASES,
+                         ids=[f"{m}-{'x'.join(map(str, s))}-{b or 'autoshard'}-{p}"
+                              for m, s, b, p in RECOMPUTE_CASES])
+def test_recomputed_layers_equal_single_device(world4, model, shape, baseline, policy):
     """Every layer checkpointed: loss and gradients equal the single-device model's, and the
     collectives a recomputed layer runs again are the plan's "recompute" entries, byte for
-    byte (verify compares the whole ledger)."""
-    plan = plan_for(model, mesh_of(shape), baseline=baseline, recompute="full")
-    assert len(plan.recompute) == 2
+    byte (verify compares the whole ledger). Selective checkpointing stores collective outputs:
+    nothing runs again."""
+    plan = plan_for(model, mesh_of(shape), baseline=baseline, recompute=policy)
+    assert set(plan.recompute.values()) == {policy} and len(plan.recompute) == 2
     report = check(world4, model, plan)
+    again = [c for c in plan.collectives if c.phase == "recompute"]
     if baseline == "megatron":
-        assert [c for c in plan.collectives if c.phase == "recompute"]
+        assert bool(again) == (policy == "full")
     assert report["bytes"] == report["planned_bytes"]

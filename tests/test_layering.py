@@ -13,7 +13,7 @@ import pytest
 
 LAYERS: list[set[str]] = [
     # bottom: the IR and plain data every package may use
-    {"errors", "ir", "options", "cluster", "mesh", "plans", "loss"},
+    {"errors", "ir", "options", "cluster", "mesh", "plans", "loss", "precision"},
     {"ops"},        # per-op records: family, strategies, saved-for-backward, follows, flops, localize
     {"trace"},
     {"cost"},

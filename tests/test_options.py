@@ -72,22 +72,27 @@ def test_plan_records_its_options_and_load_restores_them(gpt2_tiny, tmp_path) ->
     d = json.loads(p.dumps())
     assert d["options"] == {"training": True, "optimizer": "sgd", "precision": "model",
                             "memory_budget": 2**30, "time_limit_s": 5.0, "bucket_mb": 25.0,
-                            "recompute": "auto"}
+                            "recompute": "auto", "zero": "auto", "offload": "auto"}
     p.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json").options == p.options
 
 
 def test_optimizer_option_prices_model_state(gpt2_tiny) -> None:
     """SGD keeps no optimizer state: parameter state is 2 copies (value, gradient) in place of
-    Adam's 4 in fp32 (docs/cost-model.md §4.1), and nothing else changes."""
+    Adam's 4 in fp32 (docs/cost-model.md §4.1); its step streams 12 bytes per element in place
+    of Adam's 28 (docs/cost-model.md §9), and nothing else changes."""
     _, _, traced = gpt2_tiny
     mesh = Mesh((1,), cluster="cpu")
     adam = plan_traced(traced, mesh)
     sgd = plan_traced(traced, mesh, optimizer="sgd")
-    n_bytes = sum(math.prod(p.info.shape) * 4 for p in traced.params)
+    n = sum(math.prod(p.info.shape) for p in traced.params)
     assert adam.predicted["peak_memory_bytes"] - sgd.predicted["peak_memory_bytes"] == \
-        pytest.approx(2 * n_bytes)
-    assert adam.predicted["step_time_s"] == sgd.predicted["step_time_s"]
+        pytest.approx(2 * 4 * n)
+    bw = mesh.cluster.mem_bandwidth
+    assert adam.predicted["optimizer_s"] == pytest.approx(28 * n / bw)
+    assert sgd.predicted["optimizer_s"] == pytest.approx(12 * n / bw)
+    assert adam.predicted["step_time_s"] - sgd.predicted["step_time_s"] == \
+        pytest.approx((28 - 12) * n / bw)
 
 
 def test_edited_options_in_a_plan_file_are_refused(gpt2_tiny) -> None:

@@ -248,13 +248,17 @@ def test_zero_twin_when_memory_asks_for_it() -> None:
     model, traced = _mlp(256, 65536)
     d, itemsize = 8, 4
     mesh = Mesh((d,))
-    dp = plan_traced(traced, mesh)
+    dp = plan_traced(traced, mesh, zero="none")
     assert all(spec == R for spec in dp.params.values())
-    p = plan_traced(traced, mesh, memory_budget=dp.predicted["peak_memory_bytes"] - 1)
+    p = plan_traced(traced, mesh, memory_budget=dp.predicted["peak_memory_bytes"] - 1,
+                    zero="none")
     assert p.predicted["peak_memory_bytes"] < dp.predicted["peak_memory_bytes"]
     assert any(spec != R for spec in p.params.values()), p.params
     assert p.predicted["step_time_s"] > dp.predicted["step_time_s"]
-    assert p.predicted["compute_s"] == pytest.approx(dp.predicted["compute_s"], rel=REL)
+    # The same op compute; the optimizer step of a sharded weight updates 1/d of it.
+    assert p.predicted["compute_s"] - p.predicted["optimizer_s"] == pytest.approx(
+        dp.predicted["compute_s"] - dp.predicted["optimizer_s"], rel=REL)
+    assert p.predicted["optimizer_s"] < dp.predicted["optimizer_s"]
     assert all(n.inputs[0] == S0 for n in p.nodes if n.op == str(aten.linear.default))
     params = {ph.name for ph in traced.params}
     moved = [c for c in p.collectives if c.value in params or c.members]
@@ -453,23 +457,29 @@ def test_training_needs_a_scalar_loss() -> None:
 
 
 def test_infeasible_memory_budget_states_the_least_memory(gpt2_b1) -> None:
+    """The error gives the least memory of the widest search the options allow, and names the
+    techniques that search had."""
     traced = gpt2_b1[1]
     mesh = Mesh((4,), cluster="cpu")
-    budget = 0.05 * 2**30
+    budget = 0.02 * 2**30
     from autoshard.trace.layers import checkpointable
     options = PlanOptions(memory_budget=budget)
     least = least_memory(build_problem(traced, mesh, options).problem)
     assert least > budget
     with pytest.raises(AutoshardError) as info:
-        plan_traced(traced, mesh, memory_budget=budget, recompute="none")
-    _assert_user_error(info.value, f"{least / 2**30:.4g} GiB", "memory_budget")
-    # With checkpointing allowed (the default), the least memory of that search, and it says so.
+        plan_traced(traced, mesh, memory_budget=budget, recompute="none", offload="none")
+    _assert_user_error(info.value, f"{least / 2**30:.4g} GiB", "memory_budget",
+                       "techniques tried: parameter sharding (ZeRO-3), ZeRO-1/2",
+                       "allow optimizer offload", "allow activation checkpointing")
+    # With checkpointing and offload allowed (the defaults): the least memory of that search.
     layers = frozenset(checkpointable(traced.graph, traced.layers))
-    least = least_memory(build_problem(traced, mesh, options, recompute=layers).problem)
+    least = least_memory(build_problem(traced, mesh, options, recompute=layers,
+                                       offload=True).problem)
     with pytest.raises(AutoshardError) as info:
         plan_traced(traced, mesh, memory_budget=budget)
     _assert_user_error(info.value, f"{least / 2**30:.4g} GiB", "memory_budget",
-                       "even with full activation checkpointing of its 12 repeated layers")
+                       "full activation checkpointing of its 12 repeated layers",
+                       "optimizer offload to the host")
 
 
 def test_solver_time_limit_is_not_called_a_memory_problem(monkeypatch) -> None:
@@ -580,17 +590,59 @@ def test_recompute_is_not_chosen_where_memory_is_plentiful(gpt2_b8) -> None:
 
 
 def test_recompute_where_only_it_fits(gpt2_b8) -> None:
-    """GPT-2 124M on 8 H100s under a 0.5 GiB budget: no plan fits without activation
-    checkpointing (the least memory is 0.63 GiB), every layer recomputing fits (0.37 GiB)."""
+    """GPT-2 124M on 8 H100s under a 0.5 GiB budget, with gradients and optimizer state kept
+    with the parameters: no plan fits without activation checkpointing (the least memory is
+    0.63 GiB), every layer recomputing fits (0.37 GiB)."""
     mesh = Mesh((8,), cluster="h100")
+    kw = dict(zero="none", offload="none")
     with pytest.raises(AutoshardError):
-        plan_traced(gpt2_b8, mesh, memory_budget=0.5 * 2**30, recompute="none")
-    p = plan_traced(gpt2_b8, mesh, memory_budget=0.5 * 2**30)
+        plan_traced(gpt2_b8, mesh, memory_budget=0.5 * 2**30, recompute="none", **kw)
+    p = plan_traced(gpt2_b8, mesh, memory_budget=0.5 * 2**30, **kw)
     assert set(p.recompute) == {f"layers.{i}" for i in range(12)}
     assert p.predicted["peak_memory_bytes"] <= 0.5 * 2**30
     with pytest.raises(AutoshardError) as info:
-        plan_traced(gpt2_b8, mesh, memory_budget=0.2 * 2**30)
-    assert "even with full activation checkpointing of its 12 repeated layers" in str(info.value)
+        plan_traced(gpt2_b8, mesh, memory_budget=0.2 * 2**30, **kw)
+    assert "full activation checkpointing of its 12 repeated layers" in str(info.value)
+    assert "offload" not in str(info.value).split("Fix")[0]
+
+
+def test_selective_recompute_sits_between_none_and_full(gpt2_b1) -> None:
+    """The same layouts priced with every layer selectively checkpointed (docs/cost-model.md
+    §8): compute grows by exactly the forward of the ops that are not matmuls or attention; no
+    collective runs again (selective stores their outputs). Under data parallelism the peak lies
+    between no checkpointing and full checkpointing; under Megatron's layout selective stores
+    each row-parallel matmul's full-size partial sum and the all-reduced copy of it, and keeps
+    more than no checkpointing at all (so the planner would not choose it there)."""
+    from autoshard.cost.compute import op_times
+    from autoshard.cost.price import Pricer
+    from autoshard.solver.planner import assemble
+    from autoshard.trace.layers import checkpointable
+    _, traced = gpt2_b1
+    mesh = Mesh((4,), cluster="cpu")
+    layers = checkpointable(traced.graph, traced.layers)
+    meg = baseline_plan(traced, mesh, "megatron", recompute="none")
+    meg_sel = assemble(traced, mesh, meg.strategies(), meg.options, solver=meg.solver,
+                       model_name="", timings={}, recompute=dict.fromkeys(layers, "selective"))
+    assert meg_sel.predicted["peak_memory_bytes"] > meg.predicted["peak_memory_bytes"]
+    assert not [c for c in meg_sel.collectives if c.phase == "recompute"]
+    base = baseline_plan(traced, mesh, "dp", recompute="none")
+    strategies = base.strategies()
+    plans = {policy: assemble(traced, mesh, strategies, base.options, solver=base.solver,
+                              model_name="", timings={},
+                              recompute=dict.fromkeys(layers, policy))
+             for policy in ("selective", "full")}
+    pricer = Pricer(traced, mesh, base.options, recompute=dict.fromkeys(layers, "selective"))
+    rerun = [n for n in traced.graph.nodes if pricer.reruns(n.name)]
+    stored = [n for n in traced.graph.nodes if pricer.recomputed(n.name) and pricer.stores(n.name)]
+    assert rerun and stored and {str(n.target) for n in stored} >= {"aten.linear.default"}
+    forward = sum(op_times(pricer.info(n.name), strategies[n.name], mesh, training=True)[0]
+                  for n in rerun)
+    sel, full = plans["selective"], plans["full"]
+    assert sel.predicted["compute_s"] - base.predicted["compute_s"] == pytest.approx(forward)
+    assert base.predicted["compute_s"] < sel.predicted["compute_s"] < full.predicted["compute_s"]
+    assert full.predicted["peak_memory_bytes"] < sel.predicted["peak_memory_bytes"] \
+        < base.predicted["peak_memory_bytes"]
+    assert "activation checkpointing (selective): 12 of 12 layers" in sel.summary()
 
 
 def test_recompute_prices_the_forward_again_and_keeps_one_layer(gpt2_b1) -> None:

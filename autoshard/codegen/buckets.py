@@ -11,6 +11,13 @@ bucket's first axis with ``async_op=True`` while autograd goes on with the earli
 end of backward (an autograd engine callback) each bucket is waited for, all-reduced over any
 further axes, and added to its parameters' ``.grad`` (so gradient accumulation over several
 backward passes stays right).
+
+A ``reduce_scatter`` bucket (parameters whose gradients are sharded apart from them: ZeRO-2 and
+offload, cost/state.py) lays its members out so that the reduce-scatter over each axis leaves
+every rank its own shard of every member along the member's shard dim (chunk ``r`` of every
+member, then chunk ``r + 1``, ...: FSDP's copy-in layout), and adds those shards to
+:attr:`GradBuckets.shards` instead of ``.grad``; the sharded optimizer (codegen/optim.py) reads
+them there.
 """
 from __future__ import annotations
 
@@ -21,7 +28,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from autoshard.codegen.collectives import ExecutedCollective, Ledger
+from autoshard.codegen.collectives import (ExecutedCollective, Ledger, _reduce_scatter_single,
+                                           _wait, reduce_scatter)
 from autoshard.codegen.groups import MeshGroups
 from autoshard.errors import AutoshardError
 from autoshard.plans import CollectiveRecord
@@ -31,9 +39,11 @@ from autoshard.plans import CollectiveRecord
 class _Bucket:
     name: str                       # "bucket<k>", as the plan's records name it
     axes: tuple[int, ...]
-    planned_nbytes: int
+    planned_nbytes: tuple[int, ...]   # per axis
     members: tuple[str, ...]
+    kind: str = "all_reduce"
     buffer: torch.Tensor | None = None
+    grads: dict[str, torch.Tensor] | None = None     # reduce_scatter: the arrived gradients
     offsets: dict[str, tuple[int, torch.Size]] | None = None
     arrived: int = 0
     work: object | None = None
@@ -56,7 +66,11 @@ class GradBuckets:
                                      fix="re-plan: the plan file was edited or is damaged")
             b = by_name.get(r.node)
             if b is None:
-                b = by_name[r.node] = _Bucket(r.node, (), r.bytes, r.members)
+                if r.kind not in ("all_reduce", "reduce_scatter"):
+                    raise AutoshardError("gradient buckets that all-reduce or reduce-scatter",
+                                         got=f"{r.node}: {r.kind}",
+                                         fix="re-plan: the plan file was edited or is damaged")
+                b = by_name[r.node] = _Bucket(r.node, (), (), r.members, r.kind)
                 self.buckets.append(b)
                 for m in r.members:
                     if m in self.of:
@@ -65,12 +79,19 @@ class GradBuckets:
                                              fix="re-plan: the plan file is damaged")
                     self.of[m] = b
             b.axes += (axis,)
+            b.planned_nbytes += (r.bytes,)
         self.params: dict[str, torch.nn.Parameter] = {}
+        # reduce_scatter buckets: each member's shard dim (set by the module), and the shards.
+        self.shard_dim: dict[str, int] = {}
+        self.shards: dict[str, torch.Tensor] = {}
         self._pending = False
 
     # -- during backward ------------------------------------------------------------------
     def arrive(self, member: str, grad: torch.Tensor) -> None:
         b = self.of[member]
+        if b.kind == "reduce_scatter":
+            self._arrive_scatter(b, member, grad)
+            return
         if b.buffer is None:
             self._start(b, grad.dtype, grad.device)
         off, shape = b.offsets[member]
@@ -81,9 +102,64 @@ class GradBuckets:
         b.arrived += 1
         if b.arrived == len(b.members):
             b.work = dist.all_reduce(b.buffer, group=self.groups.groups[b.axes[0]], async_op=True)
+        self._queue_finish()
+
+    def _arrive_scatter(self, b: _Bucket, member: str, grad: torch.Tensor) -> None:
+        if tuple(grad.shape) != tuple(self.params[member].shape):
+            raise RuntimeError(f"gradient of {member} has shape {tuple(grad.shape)}, the bucket "
+                               f"expects {tuple(self.params[member].shape)}")
+        if b.grads is None:
+            b.grads = {}
+        b.grads[member] = grad
+        if len(b.grads) == len(b.members):
+            self._scatter_first(b)
+        self._queue_finish()
+
+    def _scatter_first(self, b: _Bucket) -> None:
+        pieces = [self._grad_or_zero(b, m) for m in b.members]
+        b.buffer = _interleave(pieces, [self.shard_dim[m] for m in b.members],
+                               self.groups.shape[b.axes[0]])
+        b.grads = None
+        b.work = _reduce_scatter_single(b.buffer, "sum", 0, self.groups.groups[b.axes[0]])
+
+    def _grad_or_zero(self, b: _Bucket, m: str) -> torch.Tensor:
+        g = b.grads.get(m) if b.grads else None
+        return g if g is not None else torch.zeros_like(self.params[m])
+
+    def _queue_finish(self) -> None:
         if not self._pending:
             self._pending = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    def _finish_scatter(self, b: _Bucket) -> None:
+        """Wait for the first axis's reduce-scatter, run the further axes', keep the shards."""
+        if b.work is None:            # a member's gradient never came: it is zero
+            self._scatter_first(b)
+        out = _wait(b.work)
+        shapes = [list(self.params[m].shape) for m in b.members]
+        dims = [self.shard_dim[m] for m in b.members]
+        for k, a in enumerate(b.axes):
+            self._record(b, a, b.buffer if k == 0 else None, k)
+            for sh, d in zip(shapes, dims):
+                sh[d] //= self.groups.shape[a]
+            pieces = _split(out, shapes)
+            if k + 1 < len(b.axes):
+                nxt = b.axes[k + 1]
+                b.buffer = _interleave(pieces, dims, self.groups.shape[nxt])
+                out = reduce_scatter(b.buffer, 0, self.groups.groups[nxt])
+        for m, g in zip(b.members, pieces):
+            if m in self.shards:
+                self.shards[m].add_(g)
+            else:
+                self.shards[m] = g
+        b.buffer, b.work = None, None
+
+    def _record(self, b: _Bucket, axis: int, buffer: torch.Tensor | None, k: int) -> None:
+        buf = b.buffer if buffer is None else buffer
+        self.ledger.add(ExecutedCollective(
+            kind=b.kind, axes=(self.groups.axes[axis],),
+            nbytes=buf.numel() * buf.element_size(), planned_nbytes=b.planned_nbytes[k],
+            phase="grad_sync", node=b.name, group_size=self.groups.shape[axis]))
 
     def _start(self, b: _Bucket, dtype: torch.dtype, device: torch.device) -> None:
         b.offsets, off = {}, 0
@@ -98,6 +174,10 @@ class GradBuckets:
         """Wait for every bucket issued in this backward, finish it, add it to ``.grad``."""
         self._pending = False
         for b in self.buckets:
+            if b.kind == "reduce_scatter":
+                if b.grads is not None or b.buffer is not None:
+                    self._finish_scatter(b)
+                continue
             if b.buffer is None:
                 continue              # no member's gradient flowed in this backward
             if b.work is None:        # a member's gradient never came: it is zero
@@ -106,12 +186,8 @@ class GradBuckets:
             b.work.wait()
             for a in b.axes[1:]:
                 dist.all_reduce(b.buffer, group=self.groups.groups[a])
-            for a in b.axes:
-                self.ledger.add(ExecutedCollective(
-                    kind="all_reduce", axes=(self.groups.axes[a],),
-                    nbytes=b.buffer.numel() * b.buffer.element_size(),
-                    planned_nbytes=b.planned_nbytes, phase="grad_sync", node=b.name,
-                    group_size=self.groups.shape[a]))
+            for k, a in enumerate(b.axes):
+                self._record(b, a, b.buffer, k)
             for m, (off, shape) in b.offsets.items():
                 g = b.buffer[off:off + math.prod(shape)].view(shape)
                 p = self.params[m]
@@ -120,6 +196,22 @@ class GradBuckets:
                 else:
                     p.grad.add_(g)
             b.buffer, b.offsets, b.arrived, b.work = None, None, 0, None
+
+
+def _interleave(pieces: list[torch.Tensor], dims: list[int], n: int) -> torch.Tensor:
+    """One flat buffer: chunk 0 of every piece (along its dim), then chunk 1, ...: a
+    reduce-scatter over ``n`` ranks leaves rank ``r`` the sum of every piece's chunk ``r``."""
+    return torch.cat([t.chunk(n, d)[r].reshape(-1) for r in range(n)
+                      for t, d in zip(pieces, dims)])
+
+
+def _split(flat: torch.Tensor, shapes: list[list[int]]) -> list[torch.Tensor]:
+    out, off = [], 0
+    for sh in shapes:
+        k = math.prod(sh)
+        out.append(flat[off:off + k].view(sh))
+        off += k
+    return out
 
 
 class DeferredGradSync(torch.autograd.Function):

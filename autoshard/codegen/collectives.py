@@ -202,6 +202,8 @@ class Redistribute(torch.autograd.Function):
                 phase: str = "forward") -> torch.Tensor:
         ctx.reshard, ctx.groups, ctx.ledger, ctx.node = reshard, groups, ledger, node
         ctx.grad_phase, ctx.in_shape = grad_phase, x.shape
+        if phase == "replay":     # selective recompute: the collectives return stored outputs
+            return apply_steps(x, reshard.forward, groups, phase="recompute", node=node)
         return apply_steps(x, reshard.forward, groups, ledger=ledger, phase=phase, node=node)
 
     @staticmethod
@@ -221,7 +223,9 @@ def redistribute(x: torch.Tensor, reshard: Reshard, groups: MeshGroups, *,
                  grad_phase: str = "backward", phase: str = "forward") -> torch.Tensor:
     """Move the local shard ``x`` as ``reshard`` says, differentiably. ``grad_phase`` labels the
     backward collectives in the ledger ("grad_sync" for a parameter's); ``phase`` the forward
-    ones ("recompute" when a checkpointed layer runs its forward again)."""
+    ones ("recompute" when a checkpointed layer runs its forward again; "replay" when a
+    selectively checkpointed one does, and the collectives, whose outputs were stored, are not
+    counted)."""
     if not reshard.forward and not reshard.backward:
         return x
     return Redistribute.apply(x, reshard, groups, ledger, node, grad_phase, phase)

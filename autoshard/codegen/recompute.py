@@ -2,25 +2,55 @@
 
 Each layer the plan recomputes is a contiguous region of the emitted graph: its ops and the
 reshards they read (a reshard is emitted just before its first consumer). The region becomes a
-submodule run under ``torch.utils.checkpoint`` (non-reentrant): forward keeps only the region's
-inputs, and backward runs the region's forward again, its collectives included, which the ledger
-records in phase "recompute", as the plan lists them (planner.assemble).
+submodule run under ``torch.utils.checkpoint`` (non-reentrant).
+
+- "full": forward keeps only the region's inputs, and backward runs the region's forward again,
+  its collectives included, which the ledger records in phase "recompute", as the plan lists
+  them (planner.assemble).
+- "selective": torch's selective activation checkpointing
+  (``torch.utils.checkpoint.create_selective_checkpoint_contexts``) stores the outputs of the
+  matmuls, attention kernels and collectives (:data:`STORED`) and recomputes everything else from
+  them; a collective replayed in recompute returns its stored output and moves nothing, so the
+  ledger does not count it (phase "replay" below).
 """
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts,
+                                    set_checkpoint_early_stop)
+
+aten = torch.ops.aten
+# What selective checkpointing stores (the pricing's ``Pricer.stores``: matmul and attention
+# ops; and every collective), as the ATen ops they dispatch to.
+STORED = frozenset(op for op in (
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    getattr(aten, "_grouped_mm", None) and aten._grouped_mm.default,
+    aten.convolution.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    getattr(aten, "_scaled_dot_product_cudnn_attention", None)
+    and aten._scaled_dot_product_cudnn_attention.default) if op)
+
+
+def _selective(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    if op in STORED or getattr(op, "namespace", "") == "_c10d_functional":
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class Checkpointed:
     """A graph target: the region's submodule, run under torch.utils.checkpoint."""
 
-    def __init__(self, gm: fx.GraphModule, runtime: Any, layer: str) -> None:
-        self.gm, self.rt, self.layer = gm, runtime, layer
+    def __init__(self, gm: fx.GraphModule, runtime: Any, layer: str,
+                 policy: str = "full") -> None:
+        self.gm, self.rt, self.layer, self.policy = gm, runtime, layer, policy
         self.__name__ = "checkpoint_" + layer.replace(".", "_")
         self.calls = 0
 
@@ -28,15 +58,19 @@ class Checkpointed:
         if not torch.is_grad_enabled():
             return tuple(self.gm(*args))
         self.calls = 0
+        kw: dict[str, Any] = {}
+        if self.policy == "selective":
+            kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _selective)
         # The whole forward again, as priced: early stop would skip the region's tail (ops
         # whose outputs backward does not need, and their collectives).
         with set_checkpoint_early_stop(False):
-            return checkpoint(self._run, *args, use_reentrant=False)
+            return checkpoint(self._run, *args, use_reentrant=False, **kw)
 
     def _run(self, *args: Any) -> tuple:
         self.calls += 1                   # the first call is forward, a later one recompute
         previous = self.rt.phase
-        self.rt.phase = "recompute" if self.calls > 1 else previous
+        again = "replay" if self.policy == "selective" else "recompute"
+        self.rt.phase = again if self.calls > 1 else previous
         try:
             return tuple(self.gm(*args))
         finally:
@@ -46,7 +80,8 @@ class Checkpointed:
         return self.__name__
 
 
-def outline(g: fx.Graph, after: fx.Node, last: fx.Node, runtime: Any, layer: str) -> None:
+def outline(g: fx.Graph, after: fx.Node, last: fx.Node, runtime: Any, layer: str,
+            policy: str = "full") -> None:
     """Replace the nodes strictly after ``after`` up to ``last`` by one call of a
     :class:`Checkpointed` submodule taking what they read from outside and returning what the
     rest of the graph reads from them."""
@@ -71,8 +106,8 @@ def outline(g: fx.Graph, after: fx.Node, last: fx.Node, runtime: Any, layer: str
     sub.output(tuple(env[o] for o in outputs))
     gm = fx.GraphModule(torch.nn.Module(), sub, class_name="CheckpointedLayer")
     with g.inserting_before(region[0]):
-        call = g.call_function(Checkpointed(gm, runtime, layer), tuple(inputs))
-        call.meta["autoshard"] = {"checkpoint": layer}
+        call = g.call_function(Checkpointed(gm, runtime, layer, policy), tuple(inputs))
+        call.meta["autoshard"] = {"checkpoint": layer, "policy": policy}
         for k, o in enumerate(outputs):
             item = g.call_function(operator.getitem, (call, k))
             o.replace_all_uses_with(item, delete_user_cb=lambda user: user not in inside)

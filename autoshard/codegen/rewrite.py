@@ -58,7 +58,9 @@ class RankRuntime:
         self.groups = groups
         self.device = device
         self.ledger = Ledger()
-        self.phase = "forward"      # "recompute" while a checkpointed layer runs again
+        # "recompute" while a checkpointed layer runs again; "replay" while a selectively
+        # checkpointed one does (its collectives return stored outputs: nothing is counted).
+        self.phase = "forward"
         records = [c for c in (plan.collectives if plan else ()) if c.members]
         self.buckets = GradBuckets(records, groups, self.ledger) if records else None
 
@@ -126,6 +128,8 @@ def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime) -> fx.GraphModul
         strat = strategies[node.name]
         if "device" in kwargs:   # traced on meta or another device: run where this rank runs
             kwargs = {**kwargs, "device": runtime.device}
+        if node.target is torch.ops.aten.to.device:    # (self, device, dtype, ...) positionally
+            args = (args[0], runtime.device, *args[2:])
         fn, args, kwargs = localize(op_info(node), strat, mesh_shape, coords, args, kwargs)
         new = g.call_function(fn, tuple(args), dict(kwargs))
         new.meta["autoshard"] = {"strategy": str(strat)}
@@ -133,7 +137,7 @@ def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime) -> fx.GraphModul
         if layer is not None:
             regions[layer][1] = new
     for layer, (after, last) in regions.items():
-        outline(g, after, last, runtime, layer)
+        outline(g, after, last, runtime, layer, plan.recompute[layer])
     gm = fx.GraphModule(torch.nn.Module(), g, class_name="AutoshardRankProgram")
     gm.meta["autoshard_plan"] = {"fingerprint": plan.fingerprint, "mesh": list(mesh_shape),
                                  "axes": list(plan.mesh_axes), "coords": list(coords)}

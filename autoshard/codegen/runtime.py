@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,8 +19,12 @@ from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Spec, local_shape
 from autoshard.mesh import Mesh
 from autoshard.ops.simulate import shard_tensor
+
+if TYPE_CHECKING:
+    from autoshard.codegen.optim import ShardedOptimizer
 from autoshard.options import PlanOptions, resolve_options
 from autoshard.plans import Plan
+from autoshard.precision import cast_inputs, running_as
 from autoshard.solver.planner import plan_traced
 from autoshard.trace.export import TracedGraph, trace
 
@@ -53,15 +57,23 @@ class ParallelModule(torch.nn.Module):
                 continue
             spec = strategies[ph.name].outputs[0] if ph.info is not None else None
             self._specs[ph.name] = spec
+            # Values cut from the model's tensors; on the meta device, this rank's shard only
+            # is materialised from the model's init or left for a state dict (materialize.py).
+            from autoshard.codegen.materialize import local_shard
+            here = (self.plan.mesh_shape, self.groups.coords, device)
             if ph.kind == "param":
                 self.fqns.append(ph.fqn)
-                local = self._shard(full[ph.fqn].detach(), spec)
+                local = local_shard(model, ph.fqn, full[ph.fqn], spec, *here)
                 self.params[_key(ph.fqn)] = torch.nn.Parameter(local, requires_grad=full[ph.fqn].requires_grad)
             elif ph.kind == "buffer":
-                self._buffers_local[ph.name] = self._shard(full[ph.fqn].detach(), spec)
+                self._buffers_local[ph.name] = local_shard(model, ph.fqn, full[ph.fqn], spec, *here)
             else:
-                self._buffers_local[ph.name] = self._shard(traced.constants[ph.name], spec)
+                const = traced.constants[ph.name]
+                self._buffers_local[ph.name] = local_shard(model, ph.name, const, spec, *here)
         self._param_ph = {ph.fqn: ph.name for ph in traced.params}
+        # fqn -> this rank's fp32 shard of a weight the step runs in bf16 (bf16-mixed): the
+        # optimizer's master starts from it (codegen/optim.py takes it).
+        self.master_source: dict[str, torch.Tensor] = {}
         if self.runtime.buckets is not None:
             known = {ph.name: self.params[_key(ph.fqn)] for ph in traced.params}
             unknown = sorted(set(self.runtime.buckets.of) - set(known))
@@ -70,6 +82,14 @@ class ParallelModule(torch.nn.Module):
                                      got=f"unknown members {unknown[:5]}",
                                      fix="re-plan: the plan file was edited or is damaged")
             self.runtime.buckets.params = known
+            # reduce_scatter buckets cut each member along its state dim (codegen/optim.py).
+            for fqn, st in plan.param_state.items():
+                dim = next((q.dim for q, r in zip(st.grad, plan.params[fqn]) if q != r), None)
+                if dim is not None:
+                    self.runtime.buckets.shard_dim[self._param_ph[fqn]] = dim
+        if plan.param_state:        # their state lives apart: only pm.optimizer steps them
+            from autoshard.codegen.optim import watch
+            watch([self.params[_key(fqn)] for fqn in plan.param_state])
         self._input_specs = [strategies[ph.name].outputs[0] for ph in traced.inputs]
         self._input_shapes = [ph.info.shape if ph.info else None for ph in traced.inputs]
 
@@ -92,6 +112,7 @@ class ParallelModule(torch.nn.Module):
                                  got=f"{len(global_args)} inputs",
                                  fix="pass the same arguments as the example inputs")
         out = []
+        global_args = cast_inputs(global_args, self.plan.options.precision)
         for i, (a, spec, shape) in enumerate(zip(global_args, self._input_specs, self._input_shapes)):
             if isinstance(a, torch.Tensor) and shape is not None and tuple(a.shape) != tuple(shape):
                 raise AutoshardError(f"input {i} of shape {tuple(shape)}, the planned shape",
@@ -151,9 +172,42 @@ class ParallelModule(torch.nn.Module):
         ph = self.traced.placeholder(self._param_ph[fqn])
         return self._gather(t, self._specs[ph.name], ph.info.shape)
 
+    def optimizer(self, optimizer_cls: type, **kwargs: Any) -> "ShardedOptimizer":
+        """A torch.optim-compatible optimizer (``optimizer_cls(**kwargs)`` inside) that keeps
+        fp32 masters for 16-bit parameters, shards its state as the plan says (ZeRO-1/2, on the
+        host for offload) and gathers the updated parameters (codegen/optim.py). Required when
+        the plan places gradients or optimizer state apart from the parameters."""
+        from autoshard.codegen.optim import ShardedOptimizer
+        return ShardedOptimizer(self, optimizer_cls, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        if self.runtime.buckets is not None:
+            self.runtime.buckets.shards.clear()
+
+    def local_grads(self) -> dict[str, torch.Tensor]:
+        """Each parameter's gradient in its stored layout on this rank: ``.grad``, plus, where a
+        reduce-scatter bucket holds it as a shard (ZeRO-2, offload), that shard gathered back.
+        Collective when any shard is held: every rank calls it."""
+        shards = self.runtime.buckets.shards if self.runtime.buckets is not None else {}
+        out = {}
+        for fqn, p in self.local_parameters().items():
+            g = p.grad
+            shard = shards.get(self._param_ph[fqn])
+            if shard is not None:
+                st = self.plan.param_state[fqn]
+                ph = self.traced.placeholder(self._param_ph[fqn])
+                r = reshard(tuple(st.grad), tuple(self.plan.params[fqn]), tuple(ph.info.shape),
+                            shard.element_size(), self.plan.mesh_shape)
+                with torch.no_grad():
+                    whole = apply_steps(shard, r.forward, self.groups)
+                g = whole if g is None else g + whole
+            if g is not None:
+                out[fqn] = g
+        return out
+
     def full_grads(self) -> dict[str, torch.Tensor]:
-        return {fqn: self._full(fqn, p.grad) for fqn, p in self.local_parameters().items()
-                if p.grad is not None}
+        return {fqn: self._full(fqn, g) for fqn, g in self.local_grads().items()}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         out = {fqn: self._full(fqn, p) for fqn, p in self.local_parameters().items()}
@@ -217,12 +271,22 @@ def _dtensor_placements(spec: Spec):
 
 def parallelize(model: torch.nn.Module, mesh: Any, *, plan: Plan | str | Path | None = None,
                 example_inputs: Sequence[Any] | None = None, options: PlanOptions | None = None,
-                **overrides: Any) -> ParallelModule:
+                init: Any = "auto", seed: int = 0, **overrides: Any) -> ParallelModule:
     """This rank's :class:`ParallelModule` for ``model`` under ``plan`` (planned here with
     ``options`` and keyword ``overrides`` of its fields if None; a given plan brings its own).
 
     ``mesh`` is the :class:`autoshard.Mesh` used for planning or a torch DeviceMesh; the current
     torch.distributed world is bound to it, ranks row-major over the mesh shape.
+
+    ``model`` may hold its tensors on the meta device: each rank then materialises only its own
+    shard of each, never a whole sharded tensor (autoshard/codegen/materialize.py). ``init``
+    says from what: ``"auto"`` (default: the construction recorded by
+    ``autoshard.codegen.materialize.deferred_init()`` when the model was built inside it, else
+    ``"model"``), ``"model"`` (every submodule's ``reset_parameters()``, then the model's own
+    ``init_weights``/``_init_weights``), a callable ``init_fn(model)`` run on the meta model and
+    recorded, or ``"empty"`` (NaN until ``pm.load_full_state_dict`` / ``pm.load_sharded_state_dict``
+    fills it). Random draws are keyed by (``seed``, tensor name, element index), so every shard
+    equals its slice of the tensor ``materialize(model, seed=seed)`` gives on one device.
     """
     from torch.distributed.device_mesh import DeviceMesh
     if isinstance(plan, (str, Path)):
@@ -241,15 +305,28 @@ def parallelize(model: torch.nn.Module, mesh: Any, *, plan: Plan | str | Path | 
     if not dist.is_initialized():
         raise AutoshardError("an initialised torch.distributed world", got="none",
                              fix="launch with torchrun and call dist.init_process_group()")
-    traced = trace(model, example_inputs, training=options.training)
     if isinstance(mesh, DeviceMesh):
         groups = MeshGroups.from_device_mesh(mesh)
         pmesh = Mesh(groups.shape, groups.axes)
     else:
         groups = MeshGroups.from_mesh(mesh)
         pmesh = mesh
-    if plan is None:
-        plan = plan_traced(traced, pmesh, options)
-    plan.check_mesh(groups.shape, groups.axes)
-    plan.check_matches(traced.fingerprint, traced.node_sigs)
-    return ParallelModule(traced, plan, groups, model)
+    from autoshard.codegen.materialize import bound, prepare
+    sources = prepare(model, init=init, seed=seed)
+    # Under bf16-mixed the step runs (and is traced) in bf16; the model's own fp32 weights seed
+    # the optimizer's fp32 masters (autoshard/precision.py).
+    with running_as(model, options.precision) as originals:
+        traced = trace(model, cast_inputs(example_inputs, options.precision),
+                       training=options.training)
+        if plan is None:
+            plan = plan_traced(traced, pmesh, options)
+        plan.check_mesh(groups.shape, groups.axes)
+        plan.check_matches(traced.fingerprint, traced.node_sigs)
+        sources.check([ph.fqn for ph in traced.placeholders if ph.kind in ("param", "buffer")])
+        with bound(model, sources):
+            pm = ParallelModule(traced, plan, groups, model)
+    for fqn in pm.fqns:
+        full = originals.get(fqn)
+        if full is not None and full.device.type != "meta":
+            pm.master_source[fqn] = pm._shard(full.detach(), pm._specs[pm._param_ph[fqn]])
+    return pm

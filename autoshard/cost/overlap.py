@@ -26,13 +26,14 @@ from autoshard.mesh import Mesh
 
 
 def is_grad_sync(r: Reshard) -> bool:
-    """A pure gradient sync: nothing moves in forward, the gradient is all-reduced in backward."""
+    """A pure gradient sync: nothing moves in forward, the gradient is all-reduced in backward
+    (a zero2/offload parameter's bucket reduce-scatters it instead: cost/state.py)."""
     return not r.forward and bool(r.backward) and all(s.kind == "all_reduce" for s in r.backward)
 
 
 def sync_share_seconds(r: Reshard, mesh: Mesh, bucket_bytes: float) -> float:
     """The price of one gradient's sync inside buckets: its bandwidth term and its share
-    ``min(1, S / bucket_bytes)`` of one all-reduce latency per axis."""
+    ``min(1, S / bucket_bytes)`` of one collective latency per axis."""
     return sum(sync_share_by_axis(r, mesh, bucket_bytes).values())
 
 
@@ -43,18 +44,20 @@ def sync_share_by_axis(r: Reshard, mesh: Mesh, bucket_bytes: float) -> dict[int,
         link = mesh.links[s.axis]
         share = min(1.0, s.nbytes / bucket_bytes)
         out[s.axis] = out.get(s.axis, 0.0) + collective_time(
-            "all_reduce", mesh.shape[s.axis], s.nbytes, link.alpha * share, link.bandwidth)
+            s.kind, mesh.shape[s.axis], s.nbytes, link.alpha * share, link.bandwidth)
     return out
 
 
 @dataclass(frozen=True, slots=True)
 class Bucket:
-    """Gradients all-reduced together: over ``axes`` (in order), of one dtype."""
+    """Gradients synced together: over ``axes`` (in order), of one dtype, all-reduced or (zero2,
+    offload) reduce-scattered; ``nbytes`` is the flat buffer the first axis's collective takes."""
 
     axes: tuple[int, ...]
     dtype: str
     members: tuple[str, ...]     # parameter placeholders, in the order their gradients appear
     nbytes: int
+    kind: str = "all_reduce"
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,11 +68,12 @@ class Sync:
     axes: tuple[int, ...]
     dtype: str
     nbytes: int
+    kind: str = "all_reduce"
 
 
 def form_buckets(syncs: Iterable[Sync], bucket_bytes: float) -> list[Bucket]:
     """Fill buckets in the order the gradients become ready (``syncs``' order): one open bucket
-    per (axes, dtype); a gradient that would overflow its open bucket closes it and starts the
+    per (axes, dtype, kind); a gradient that would overflow its open bucket closes it and starts the
     next; a gradient larger than a bucket travels alone. Buckets are listed in closing order
     (the order they are issued)."""
     open_: dict[tuple, list[Sync]] = {}
@@ -78,10 +82,10 @@ def form_buckets(syncs: Iterable[Sync], bucket_bytes: float) -> list[Bucket]:
     def close(key: tuple) -> None:
         members = open_.pop(key)
         out.append(Bucket(key[0], key[1], tuple(m.param for m in members),
-                          sum(m.nbytes for m in members)))
+                          sum(m.nbytes for m in members), key[2]))
 
     for s in syncs:
-        key = (s.axes, s.dtype)
+        key = (s.axes, s.dtype, s.kind)
         if key in open_ and sum(m.nbytes for m in open_[key]) + s.nbytes > bucket_bytes:
             close(key)
         open_.setdefault(key, []).append(s)
@@ -90,10 +94,22 @@ def form_buckets(syncs: Iterable[Sync], bucket_bytes: float) -> list[Bucket]:
     return out
 
 
+def bucket_bytes_by_axis(b: Bucket, mesh_shape: tuple[int, ...]) -> list[int]:
+    """The bytes of the bucket's collective on each of its axes: the whole buffer for
+    all-reduces; what the earlier reduce-scatters left for reduce-scatters."""
+    out, n = [], b.nbytes
+    for a in b.axes:
+        out.append(n)
+        if b.kind == "reduce_scatter":
+            n //= mesh_shape[a]
+    return out
+
+
 def bucket_seconds(b: Bucket, mesh: Mesh) -> float:
-    """One all-reduce of the whole bucket per axis, one latency each."""
-    return sum(collective_time("all_reduce", mesh.shape[a], b.nbytes, mesh.links[a].alpha,
-                               mesh.links[a].bandwidth) for a in b.axes)
+    """One collective of the bucket per axis, one latency each."""
+    return sum(collective_time(b.kind, mesh.shape[a], n, mesh.links[a].alpha,
+                               mesh.links[a].bandwidth)
+               for a, n in zip(b.axes, bucket_bytes_by_axis(b, mesh.shape)))
 
 
 def exposed_seconds(sync_s: float, backward_s: float) -> float:

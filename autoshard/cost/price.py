@@ -21,20 +21,24 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from autoshard.cost.comm import Reshard, reshard, reshard_time, steps_time
-from autoshard.cost.compute import local_numel, op_times
-from autoshard.cost.memory import param_state_bytes, saved_activation_bytes, saved_rule
+from autoshard.cost.compute import local_numel, op_profile, op_times
+from autoshard.cost.memory import saved_activation_bytes, saved_rule
 from autoshard.cost.overlap import is_grad_sync, sync_share_seconds
 from autoshard.cost.reshards import grad_values, no_backward
+from autoshard.cost.state import (ADAM_STEP_BYTES, SGD_STEP_BYTES, StateBytes, modes_for,
+                                  state_bytes, state_spec, step_elements, zero_axes,
+                                  zero_grad_sync)
 from autoshard.ir import OpInfo, Spec, Strategy, local_shape
 from autoshard.mesh import AxisMerge, Mesh
-from autoshard.ops.registry import VIEW, record_of
-from autoshard.options import PlanOptions
+from autoshard.ops.registry import ATTENTION, MATMUL, VIEW, record_of
+from autoshard.options import PlanOptions, state_modes
 from autoshard.trace.export import TracedGraph, op_info
 from autoshard.trace.graph import ValueRef, value_inputs, value_shapes
 
@@ -51,17 +55,29 @@ class Pricer:
     """Prices on ``mesh`` (the mesh the strategies are written for). With ``merge``, ``mesh`` is
     ``merge.merged()`` and reshards are priced as they run on the real mesh.
 
-    ``recompute``: layers (by name) whose activations are checkpointed: full recomputation,
-    docs/cost-model.md §8. Their ops run their forward twice; of what they save, one layer's
-    worth per group of identical layers is alive at once (the layer being recomputed), which
-    :meth:`memory_weight` expresses as a weight of 1/(group size) on each such node; the
-    values they read from outside the layer are kept whole (:meth:`checkpoint_inputs`)."""
+    ``recompute``: layer name -> activation checkpointing policy (docs/cost-model.md §8), or a
+    set of layer names (all "full"). "full": every op of the layer runs its forward again in
+    backward, its reshards' collectives included; of what its ops save, one layer's worth per
+    group of identical layers is alive at once (the layer being recomputed), which
+    :meth:`memory_weight` expresses as a weight of 1/(group size); the values the layer reads
+    from outside are kept whole (:meth:`checkpoint_inputs`). "selective" (Korthikanti et al.
+    2022, §5): the outputs of matmuls, attention and collectives are stored (:meth:`stores`)
+    and everything else (norms, activations, RoPE, residual adds, local slices) is recomputed
+    from them.
+
+    ``offload``: whether parameters may keep their optimizer state on the host
+    (cost/state.py); the ZeRO modes ``options`` allows are offered either way."""
 
     def __init__(self, traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
-                 merge: AxisMerge | None = None, recompute: frozenset[str] = frozenset()) -> None:
+                 merge: AxisMerge | None = None,
+                 recompute: Mapping[str, str] | frozenset[str] = frozenset(),
+                 offload: bool = False) -> None:
         self.traced, self.mesh, self.options, self.merge = traced, mesh, options, merge
         self.training = traced.training
-        self.recompute = recompute if self.training else frozenset()
+        self.modes = state_modes(options, offload) if self.training else (None,)
+        if not isinstance(recompute, Mapping):
+            recompute = {layer: "full" for layer in recompute}
+        self.recompute: dict[str, str] = dict(recompute) if self.training else {}
         groups: dict[str, int] = {}
         for layer in traced.layers:
             groups[layer.same_as] = groups.get(layer.same_as, 0) + 1
@@ -97,22 +113,79 @@ class Pricer:
         return Price(self.compute(name, strategy), self.memory(name, strategy))
 
     def compute(self, name: str, strategy: Strategy) -> float:
-        """Forward + backward seconds (+ the forward again in a recomputed layer)."""
+        """Forward + backward seconds (+ the forward again where it is recomputed)."""
         fwd, bwd = self._times(name, strategy)
-        return fwd * (2 if self.recomputed(name) else 1) + bwd
+        return fwd * (2 if self.reruns(name) else 1) + bwd
+
+    def policy(self, name: str) -> str | None:
+        """The checkpointing policy of the layer op ``name`` is in, if any."""
+        if not self.recompute or self._nodes[name].op != "call_function":
+            return None
+        return self.recompute.get(self.traced.layer_of_node.get(name))
 
     def recomputed(self, name: str) -> bool:
         """Whether ``name`` is an op of a checkpointed layer."""
-        return bool(self.recompute) and self.traced.layer_of_node.get(name) in self.recompute \
-            and self._nodes[name].op == "call_function"
+        return self.policy(name) is not None
+
+    def stores(self, name: str) -> bool:
+        """Whether selective checkpointing keeps the op's outputs: a matmul or attention (their
+        outputs are what is costly to recompute: Korthikanti et al. 2022, §5)."""
+        return record_of(self._nodes[name].target).family in (MATMUL, ATTENTION)
+
+    def reruns(self, name: str) -> bool:
+        """Whether the op's forward runs again in backward."""
+        policy = self.policy(name)
+        return policy == "full" or (policy == "selective" and not self.stores(name))
+
+    def reshards_again(self, name: str) -> bool:
+        """Whether reshards read by ``name`` run their forward collectives again in backward:
+        under full recomputation; selective stores collective outputs."""
+        return self.policy(name) == "full"
 
     def memory_weight(self, name: str) -> float:
         """How much of what ``name`` saves for backward counts toward the peak: 1, or for an op
-        of a checkpointed layer 1/(its group of identical layers): one layer's worth per group
-        is alive, while that layer is recomputed."""
+        of a checkpointed layer whose saved tensors are recomputed, 1/(its group of identical
+        layers): one layer's worth per group is alive, while that layer is recomputed."""
+        if self.policy(name) == "selective" and self.stores(name):
+            return 1.0
+        return self._layer_weight(name)
+
+    def copy_weight(self, value: ValueRef, consumers: list[Consumer], src: Spec, dst: Spec
+                    ) -> float:
+        """The weight of a saved copy of ``value`` in layout ``dst`` (:meth:`memory_weight`):
+        the least of its savers'. Under selective checkpointing a copy is recomputed (one
+        layer's worth alive) unless a collective delivered it (stored, counted by
+        :meth:`stored_reshard_bytes`)."""
+        if any(self.policy(c) == "selective" for c, _ in consumers):
+            if self._collective(value, src, dst):
+                return 0.0      # a stored collective output: :meth:`stored_reshard_bytes`
+            # Recomputed in backward from what is stored (a stored op's own output, kept in
+            # its producer's layout, is :meth:`memory`'s and costs nothing here).
+            return min(self._layer_weight(c) for c, _ in consumers)
+        return min(self.memory_weight(c) for c, _ in consumers)
+
+    def _layer_weight(self, name: str) -> float:
         if not self.recomputed(name):
             return 1.0
         return 1.0 / self._group_size[self.traced.layer_of_node[name]]
+
+    def _collective(self, value: ValueRef, src: Spec, dst: Spec) -> bool:
+        return any(st.is_collective for st in self.steps(value, src, dst, frozenset()).forward)
+
+    def stored_reshard_bytes(self, value: ValueRef, src: Spec, dst: Spec, consumer: str
+                             ) -> float:
+        """Bytes selective checkpointing stores for a reshard run inside a selectively
+        checkpointed layer (``consumer`` is where it runs): its output, when it comes from a
+        collective."""
+        if self.policy(consumer) != "selective" or not self._collective(value, src, dst):
+            return 0.0
+        shape, itemsize = self.shapes[value]
+        return float(local_numel(shape, dst, self.mesh.shape) * itemsize)
+
+    def _stored(self, value: ValueRef) -> bool:
+        node = self._nodes[value[0]]
+        return node.op == "call_function" and self.policy(node.name) == "selective" \
+            and self.stores(node.name)
 
     def checkpoint_inputs(self) -> dict[ValueRef, None]:
         """The activations checkpointed layers read from outside themselves: what
@@ -138,27 +211,83 @@ class Pricer:
 
     def _times(self, name: str, strategy: Strategy) -> tuple[float, float]:
         if self._nodes[name].op == "placeholder":
-            return 0.0, 0.0
+            return self.optimizer_seconds(name, strategy), 0.0
         return op_times(self.info(name), strategy, self.mesh, training=self.training)
+
+    # -- model state ------------------------------------------------------------------------
+    def param_modes(self, name: str, spec) -> list[str | None]:
+        """The state modes (cost/state.py) a parameter stored in ``spec`` may take."""
+        ph = self.traced.placeholder(name)
+        return modes_for(ph.info.shape, spec, self.mesh.shape, self.options.state_optimizer,
+                         self.modes)
+
+    def state_bytes(self, name: str, strategy: Strategy) -> StateBytes:
+        """What one device (and its host) holds for a parameter or buffer placeholder: the
+        parameter, its gradient, its optimizer state (docs/cost-model.md §4.1, §9)."""
+        ph = self.traced.placeholder(name)
+        if ph.info is None or ph.kind == "input" or name in self.tied_to:
+            return StateBytes()
+        spec = strategy.outputs[0]
+        if ph.kind != "param":
+            numel = math.prod(local_shape(ph.info.shape, spec, self.mesh.shape))
+            return StateBytes(buffers=numel * ph.info.dtype.itemsize)
+        return state_bytes(ph.info.shape, ph.info.dtype, spec, strategy.kernel, self.mesh.shape,
+                           self.options.state_optimizer)
+
+    def optimizer_seconds(self, name: str, strategy: Strategy) -> float:
+        """The optimizer step's seconds for one parameter (docs/cost-model.md §9): its shard of
+        the update, streamed at the device's (or with offload the host's) memory bandwidth, and
+        with offload the gradient shard down and the updated shard up the host link. The
+        all-gather of the updated shards is a collective (:meth:`optimizer_steps`)."""
+        ph = self.traced.placeholder(name)
+        opt = self.options.state_optimizer
+        if ph.kind != "param" or opt == "none" or name in self.tied_to:
+            return 0.0
+        spec, mode = strategy.outputs[0], strategy.kernel
+        n = step_elements(ph.info.shape, spec, mode, self.mesh.shape)
+        per = SGD_STEP_BYTES if opt == "sgd" else ADAM_STEP_BYTES
+        c = self.mesh.cluster
+        if mode == "offload":
+            return n * per / c.host_mem_bandwidth + 2 * n * ph.info.dtype.itemsize / c.host_bandwidth
+        return n * per / c.mem_bandwidth
+
+    def optimizer_steps(self, name: str, strategy: Strategy) -> Reshard | None:
+        """The all-gather(s) that bring the updated state shards back to the parameter's
+        layout after the step (zero1/zero2/offload over its zero axes), or None."""
+        ph = self.traced.placeholder(name)
+        if strategy.kernel is None or ph.kind != "param" or name in self.tied_to:
+            return None
+        spec = strategy.outputs[0]
+        sspec = state_spec(ph.info.shape, spec, self.mesh.shape)
+        if sspec is None:
+            return None
+        if self.merge is not None:
+            sspec, spec = self.merge.expand_spec(sspec), self.merge.expand_spec(spec)
+            mesh_shape = self.merge.real.shape
+        else:
+            mesh_shape = self.mesh.shape
+        return reshard(sspec, spec, ph.info.shape, ph.info.dtype.itemsize, mesh_shape)
+
+    def optimizer_comm_seconds(self, name: str, strategy: Strategy) -> float:
+        r = self.optimizer_steps(name, strategy)
+        return steps_time(r.forward, self.merge.real if self.merge else self.mesh) if r else 0.0
 
     def memory(self, name: str, strategy: Strategy) -> float:
         """Bytes one device holds for the node: a parameter's state or a buffer; for an op, what
         it saves for backward apart from its inputs (those are :meth:`saved_copy_bytes`)."""
         node = self._nodes[name]
         if node.op == "placeholder":
-            ph = self.traced.placeholder(name)
-            if ph.info is None or ph.kind == "input" or name in self.tied_to:
-                return 0.0
-            numel = math.prod(local_shape(ph.info.shape, strategy.outputs[0], self.mesh.shape))
-            if ph.kind == "param":
-                return float(param_state_bytes(numel, ph.info.dtype,
-                                               optimizer=self.options.state_optimizer))
-            return float(numel * ph.info.dtype.itemsize)
+            return float(self.state_bytes(name, strategy).device)
         if not self.training:
             return 0.0
         info = self.info(name)
         saved = saved_activation_bytes(info, strategy, self.mesh.shape,
                                        exclude=frozenset(saved_rule(info).inputs))
+        if self.policy(name) == "selective" and self.stores(name):
+            # Selective checkpointing stores every output of the op, saved or not.
+            saved = max(saved, sum(local_numel(shape, spec, self.mesh.shape) * isz
+                                   for (shape, isz), spec in zip(
+                                       op_profile(info).outputs, strategy.outputs)))
         return saved * self.memory_weight(name) + self._kept_for_checkpoint(name, strategy)
 
     def _kept_for_checkpoint(self, name: str, strategy: Strategy) -> float:
@@ -218,9 +347,9 @@ class Pricer:
         total = 0.0
         for ref, cons in self.saved_inputs().items():
             src = strategies[ref[0]].outputs[ref[1]]
-            weight = min(self.memory_weight(c) for c, _ in cons)
             for dst in dict.fromkeys(strategies[c].inputs[k] for c, k in cons):
-                total += self.saved_copy_bytes(ref, src, dst) * weight
+                total += self.saved_copy_bytes(ref, src, dst) * self.copy_weight(ref, cons, src,
+                                                                                  dst)
         return total
 
     def kept(self, value: ValueRef) -> bool:
@@ -235,7 +364,8 @@ class Pricer:
                 refs = value_inputs(node)
                 known = bool(refs) and self.kept(refs[0])
             else:
-                known = value[1] in saved_rule(self.info(node.name)).outputs
+                known = value[1] in saved_rule(self.info(node.name)).outputs \
+                    or self._stored(value)
             self._kept[value] = known
         return known
 
@@ -246,22 +376,39 @@ class Pricer:
         return sum(self.reshard_cost(value, src, dst, divergent))
 
     def reshard_cost(self, value: ValueRef, src: Spec, dst: Spec,
-                     divergent: frozenset[int]) -> tuple[float, float]:
-        """(blocking seconds, bucketed gradient-sync seconds) of the reshard."""
+                     divergent: frozenset[int], mode: str | None = None) -> tuple[float, float]:
+        """(blocking seconds, bucketed gradient-sync seconds) of the reshard; ``mode``: the
+        state mode of the parameter ``value`` is (zero2 and offload reduce-scatter the bucketed
+        gradient, cost/state.py)."""
         shape, itemsize = self.shapes[value]
         grad = value[0] in self.grads
         param = value[0] in self.params
-        key = (src, dst, shape, itemsize, divergent if grad else frozenset(), grad, param)
+        key = (src, dst, shape, itemsize, divergent if grad else frozenset(), grad, param, mode)
         t = self._reshard_memo.get(key)
         if t is None:
             steps = self.steps(value, src, dst, divergent)
             mesh = self.merge.real if self.merge else self.mesh
             if param and is_grad_sync(steps):
+                steps = self.bucketed_sync(value, src, steps, mode)
                 t = (0.0, sync_share_seconds(steps, mesh, self.options.bucket_bytes))
             else:
                 t = (reshard_time(steps, mesh), 0.0)
             self._reshard_memo[key] = t
         return t
+
+    def bucketed_sync(self, value: ValueRef, src: Spec, steps: Reshard, mode: str | None
+                      ) -> Reshard:
+        """A parameter's pure gradient sync as its bucket runs it: all-reduces, or under
+        zero2/offload reduce-scatters over its zero axes (on the real mesh)."""
+        if mode not in ("zero2", "offload"):
+            return steps
+        shape = self.shapes[value][0]
+        if state_spec(shape, src, self.mesh.shape) is None:
+            return steps
+        mesh_shape = self.mesh.shape
+        if self.merge is not None:
+            src, mesh_shape = self.merge.expand_spec(src), self.merge.real.shape
+        return zero_grad_sync(steps, zero_axes(src, mesh_shape), mesh_shape)
 
     def forward_seconds(self, value: ValueRef, src: Spec, dst: Spec) -> float:
         """The forward collectives of a reshard alone: what recomputing it runs again."""

@@ -102,6 +102,9 @@ def _is_embedding_or_head(traced: TracedGraph, ph_name: str) -> bool:
 
 
 def baseline_plan(traced: TracedGraph, mesh: Mesh, name: str, **kwargs) -> Plan:
+    """A hand-written layout as its user writes it: gradients and optimizer state with the
+    parameters (no ZeRO-1/2, no offload) unless ``kwargs`` ask for them."""
+    kwargs = {"zero": "none", "offload": "none", **kwargs}
     return plan_traced(traced, mesh, fixed=baseline_pins(traced, mesh, name), **kwargs)
 
 
@@ -114,6 +117,7 @@ def stored_plan(traced: TracedGraph, mesh: Mesh, name: str, **kwargs) -> Plan:
         raise AutoshardError(f"a stored-layout baseline among {STORED}", got=repr(name),
                              fix="pick one of the listed names")
     layouts = zero3_layouts(traced, mesh) if name == "fsdp" else fsdp_tp_layouts(traced, mesh)
+    kwargs = {"zero": "none", "offload": "none", **kwargs}
     return plan_stored(traced, mesh, layouts, label=name, **kwargs)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -96,7 +97,12 @@ class _Builder:
             ph = self.traced.placeholder(n.name)
             if ph.info is None:
                 return [Strategy((), ())]
-            return placeholder_strategies(ph.info, self.mesh_shape, ph.kind)
+            out = placeholder_strategies(ph.info, self.mesh_shape, ph.kind)
+            if ph.kind != "param":
+                return out
+            # One strategy per (layout, state mode): the mode rides in ``kernel`` (cost/state.py).
+            return [Strategy((), st.outputs, mode) for st in out
+                    for mode in self.pricer.param_modes(n.name, st.outputs[0])]
         return strategies_for(self.pricer.info(n.name), self.mesh_shape)
 
     def build(self) -> Built:
@@ -144,6 +150,8 @@ class _Builder:
                     mb = members[name]
                     s = mb.strategies[mb.index[i]]
                     c += self.pricer.compute(name, s) + self._internal_reshard(name, mb, i, members)
+                    if self.by_name[name].op == "placeholder":
+                        c += self.pricer.optimizer_comm_seconds(name, s)
                     b += self.pricer.backward(name, s)
                     key = (name, mb.index[i])
                     if key not in memory:
@@ -220,7 +228,7 @@ class _Builder:
         s = mb.strategies[mb.index[i]]
         srcs = {k: _spec(members[ins[k][0]], i, ins[k][1]) for k in positions}
         t = self._follow_cost(name, s, srcs, 0.0)
-        if self.pricer.recomputed(name):      # the reshard runs again in recompute
+        if self.pricer.reshards_again(name):  # the reshard runs again in recompute
             t += sum(self.pricer.forward_seconds(ins[k], src, s.inputs[k])
                      for k, src in srcs.items())
         return t
@@ -251,7 +259,11 @@ class _Builder:
         fanouts: list[Fanout] = []
         for (pname, o, cons), multiplicity in keyed.items():
             pm = members[pname]
-            src_specs = [pm.strategies[i].outputs[o] for i in pm.index]
+            # A parameter's source is its layout and its state mode (a zero2 gradient is
+            # reduce-scattered, not all-reduced); any other value's, its layout.
+            param = pname in self.pricer.params
+            src_specs = [(pm.strategies[i].outputs[o], pm.strategies[i].kernel if param else None)
+                         for i in pm.index]
             # Whether the value has a gradient is the producer's property: a template consumer
             # may read a gradient-free input in its own layer (layer 0 reads the batch) and a
             # gradient-carrying one in the others.
@@ -260,20 +272,29 @@ class _Builder:
             keys = list(dict.fromkeys(r for _, req in reqs for r in req))
             specs = list(dict.fromkeys(src_specs))
             value = (pname, o)
-            prices = [[self._price(value, src, dst) for dst in keys] for src in specs]
-            if all(c != OUTPUT and self.pricer.recomputed(c) for c, _ in cons):
-                # Read only inside checkpointed layers: the reshard runs again in recompute.
+            prices = [[self._price(value, src, dst, mode) for dst in keys]
+                      for src, mode in specs]
+            if all(c != OUTPUT and self.pricer.reshards_again(c) for c, _ in cons):
+                # Read only inside fully checkpointed layers: it runs again in recompute.
                 prices = [[(t + self.pricer.forward_seconds(value, src, dst[0]), sync)
                            for (t, sync), dst in zip(row, keys)]
-                          for row, src in zip(prices, specs)]
+                          for row, (src, _) in zip(prices, specs)]
             cost = tuple(tuple(p[0] for p in row) for row in prices)
             sync = tuple(tuple(p[1] for p in row) for row in prices)
+            memory: tuple = ()
+            if all(c != OUTPUT and self.pricer.policy(c) == "selective" for c, _ in cons):
+                # Read only inside selectively checkpointed layers: a collective's output is
+                # stored.
+                memory = tuple(tuple(self.pricer.stored_reshard_bytes(value, src, dst[0],
+                                                                      cons[0][0])
+                                     for dst in keys) for src, _ in specs)
+                memory = memory if any(any(row) for row in memory) else ()
             out = tuple(specs.index(sp) for sp in src_specs)
             # Consumers alike (one template read by every layer) share their reshards: one entry.
             classes = list(dict.fromkeys((cdec, tuple(keys.index(r) for r in req))
                                          for cdec, req in reqs))
             self._add(edges, fanouts, f"{pname}:{o}", multiplicity, pm.decision, out, classes,
-                      cost, (), sync if any(any(row) for row in sync) else ())
+                      cost, memory, sync if any(any(row) for row in sync) else ())
         self._saved_items(template, members, edges, fanouts)
         return edges, fanouts
 
@@ -305,8 +326,10 @@ class _Builder:
             keys = list(dict.fromkeys(r for _, req in reqs for r in req))
             specs = list(dict.fromkeys(src_specs))
             value = (pname, o)
-            weight = min(self.pricer.memory_weight(c) for c, _ in cons)
-            memory = tuple(tuple(self.pricer.saved_copy_bytes(value, src, dst) * weight
+            real = self.pricer.saved_inputs()[value] if value in self.pricer.saved_inputs() \
+                else cons
+            memory = tuple(tuple(self.pricer.saved_copy_bytes(value, src, dst)
+                                 * self.pricer.copy_weight(value, real, src, dst)
                                  for dst in keys) for src in specs)
             if not any(any(row) for row in memory):
                 continue
@@ -327,15 +350,16 @@ class _Builder:
             out.append((s.inputs[k], input_divergence(s, k) if grad else frozenset()))
         return cm.decision, out
 
-    def _price(self, value: ValueRef, src: Spec, dst: tuple[Spec, frozenset[int]]
-               ) -> tuple[float, float]:
-        """(Blocking, gradient-sync) seconds to reshard ``value`` from ``src`` to ``dst``."""
+    def _price(self, value: ValueRef, src: Spec, dst: tuple[Spec, frozenset[int]],
+               mode: str | None = None) -> tuple[float, float]:
+        """(Blocking, gradient-sync) seconds to reshard ``value`` from ``src`` to ``dst``
+        (``mode``: a parameter's state mode)."""
         if value[0] in self.in_place and src != dst[0] and any(
                 st.kind != "to_partial" for st in reshard(src, dst[0], self.shapes[value][0],
                                                           self.shapes[value][1],
                                                           self.mesh_shape).forward):
             return FORBIDDEN, 0.0  # only a row-parallel bias may become a local summand
-        return self.pricer.reshard_cost(value, src, dst[0], dst[1])
+        return self.pricer.reshard_cost(value, src, dst[0], dst[1], mode)
 
 
 def _spec(m: Member, i: int, out: int) -> Spec:
@@ -345,11 +369,13 @@ def _spec(m: Member, i: int, out: int) -> Spec:
 
 def build_problem(traced: TracedGraph, mesh: Mesh, options: PlanOptions = PlanOptions(), *,
                   in_place: frozenset[str] = frozenset(), merge: AxisMerge | None = None,
-                  recompute: frozenset[str] = frozenset()) -> Built:
+                  recompute: Mapping[str, str] | frozenset[str] = frozenset(),
+                  offload: bool = False) -> Built:
     """``in_place``: parameters every op must read in their stored layout (a hand-written plan's
     weights are used where they lie, never resharded on the way in). ``merge``: ``mesh`` merges
     axes of a real mesh (see planner.py); reshards are priced as they run there. ``recompute``:
-    the layers whose activations are checkpointed (cost/price.py)."""
+    layer -> checkpointing policy, or the layers fully checkpointed (cost/price.py); ``offload``: offer optimizer
+    offload as a state mode (cost/state.py)."""
     budget = mesh.cluster.memory_bytes if options.memory_budget is None else options.memory_budget
-    pricer = Pricer(traced, mesh, options, merge=merge, recompute=recompute)
+    pricer = Pricer(traced, mesh, options, merge=merge, recompute=recompute, offload=offload)
     return _Builder(traced, pricer, budget, in_place=in_place).build()

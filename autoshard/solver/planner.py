@@ -9,14 +9,16 @@ import torch
 
 from autoshard.cost.price import Pricer
 from autoshard.cost.comm import step_seconds
-from autoshard.cost.overlap import (Bucket, Sync, exposed_seconds, form_buckets, is_grad_sync,
-                                    sync_share_by_axis)
+from autoshard.cost.overlap import (Bucket, Sync, bucket_bytes_by_axis, exposed_seconds,
+                                    form_buckets, is_grad_sync, sync_share_by_axis)
+from autoshard.cost.state import StateBytes, state_spec
 from autoshard.cost.reshards import ReshardEdge, reshard_edges
 from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Strategy, work_fraction
 from autoshard.mesh import AxisMerge, Mesh
 from autoshard.options import PlanOptions, resolve_options
-from autoshard.plans import CollectiveRecord, NodePlan, Plan
+from autoshard.precision import cast_inputs, running_as
+from autoshard.plans import CollectiveRecord, NodePlan, ParamState, Plan
 from autoshard.solver.build import Built, build_problem
 from autoshard.solver.ilp import Infeasible, NoSolution, break_ties, solve
 from autoshard.solver.diagnostics import gib, mesh_use, smaller_mesh, unruled_note
@@ -47,7 +49,9 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any], mesh: Mesh,
                              fix="autoshard.Mesh((8, 8), ('dp', 'tp'), cluster='h100')")
     options = resolve_options(options, overrides)
     t0 = time.perf_counter()
-    traced = trace(model, example_inputs, training=options.training)
+    with running_as(model, options.precision):
+        traced = trace(model, cast_inputs(example_inputs, options.precision),
+                       training=options.training)
     return plan_traced(traced, mesh, options, model_name=model_name,
                        trace_s=time.perf_counter() - t0)
 
@@ -65,8 +69,8 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = N
         raise AutoshardError(f"options.training equal to the traced graph's ({traced.training})",
                              got=f"training={options.training}",
                              fix="trace with the same training flag the options ask for")
-    plan = _plan_recompute(traced, mesh, options, model_name=model_name, fixed=fixed,
-                           trace_s=trace_s, merge=merge)
+    plan = _plan_memory(traced, mesh, options, model_name=model_name, fixed=fixed,
+                        trace_s=trace_s, merge=merge)
     if fixed or merge is not None:
         return plan
     unruled = unruled_note(traced)
@@ -75,36 +79,95 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = N
     return replace(plan, warnings=tuple(notes)) if notes else plan
 
 
-def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw: Any) -> Plan:
-    """Plan with activation checkpointing as ``options.recompute`` says. "auto": without it
-    first; recomputing only adds time to the same layouts, so it is tried only when memory
-    binds (no plan fits, or the plan fills the budget), and kept if it makes the step faster
-    (freed memory can buy faster layouts) or is the only plan that fits."""
-    layers = frozenset(checkpointable(traced.graph, traced.layers)) if traced.training \
-        else frozenset()
-    if not layers or options.recompute == "none":
-        return _plan_traced(traced, mesh, options, recompute=frozenset(), **kw)
-    if options.recompute == "full":
-        return _plan_traced(traced, mesh, options, recompute=layers, **kw)
-    budget = mesh.cluster.memory_bytes if options.memory_budget is None else options.memory_budget
+def _plan_memory(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw: Any) -> Plan:
+    """Plan with the memory techniques ``options`` allows, cheapest first: parameter, gradient
+    and optimizer-state sharding (ZeRO-1/2/3) are always in the search; activation
+    checkpointing as :func:`_plan_recompute` decides; optimizer offload ("auto") only when no
+    plan fits without it, since it always costs host-link time. When nothing fits, the error
+    names the least memory found and the techniques that were tried."""
+    offload = options.offload == "optimizer"
     try:
-        plain = _plan_traced(traced, mesh, options, recompute=frozenset(), **kw)
+        plan = _plan_recompute(traced, mesh, options, offload=offload, **kw)
+    except AutoshardError as e:
+        if not isinstance(e.__cause__, Infeasible) or offload or options.offload == "none" \
+                or not traced.training or options.state_optimizer in ("none", "sgd"):
+            raise _with_techniques(e, traced, options, offload)
+        try:
+            plan = _plan_recompute(traced, mesh, options, offload=True, **kw)
+        except AutoshardError as e2:
+            raise _with_techniques(e2, traced, options, True)
+    _check_host(plan, mesh)
+    return plan
+
+
+def _with_techniques(e: AutoshardError, traced: TracedGraph, options: PlanOptions,
+                     offload: bool) -> AutoshardError:
+    if not isinstance(e.__cause__, Infeasible):
+        return e
+    tried = ["parameter sharding (ZeRO-3)"]
+    if traced.training and options.state_optimizer not in ("none", "sgd"):
+        tried.append({"auto": "ZeRO-1/2", "none": "", "zero1": "ZeRO-1",
+                      "zero2": "ZeRO-2"}[options.zero])
+    layers = checkpointable(traced.graph, traced.layers) if traced.training else []
+    if layers and options.recompute != "none":
+        tried.append(f"full activation checkpointing of its {len(layers)} repeated layers")
+    if offload:
+        tried.append("optimizer offload to the host")
+    fix = e.fix
+    if not offload and traced.training and options.offload == "none":
+        fix += ", or allow optimizer offload (offload='auto')"
+    if layers and options.recompute == "none":
+        fix += ", or allow activation checkpointing (recompute='auto')"
+    return AutoshardError(e.expected, got=f"{e.got}; techniques tried: "
+                          f"{', '.join(t for t in tried if t)}", fix=fix)
+
+
+def _check_host(plan: Plan, mesh: Mesh) -> None:
+    host = plan.predicted.get("memory", {}).get("host", 0.0)
+    if host > mesh.cluster.host_memory_bytes:
+        raise AutoshardError(
+            f"optimizer state offloaded within the host memory of one device "
+            f"({gib(mesh.cluster.host_memory_bytes)}, cluster field host_memory_bytes)",
+            got=f"the plan offloads {gib(host)} per device",
+            fix="use a larger mesh, or a cluster profile with more host memory per device")
+
+
+def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw: Any) -> Plan:
+    """Plan with activation checkpointing as ``options.recompute`` says: "none", "selective" or
+    "full" on every checkpointable layer. "auto": without it first; recomputing only adds time
+    to the same layouts, so it is tried only when memory binds (no plan fits, or the plan fills
+    the budget): selective and full, each kept if it is the fastest plan that fits (memory it
+    frees can buy faster layouts)."""
+    layers = checkpointable(traced.graph, traced.layers) if traced.training else []
+    if not layers or options.recompute == "none":
+        return _plan_traced(traced, mesh, options, recompute={}, **kw)
+    if options.recompute in ("selective", "full"):
+        return _plan_traced(traced, mesh, options,
+                            recompute=dict.fromkeys(layers, options.recompute), **kw)
+    budget = mesh.cluster.memory_bytes if options.memory_budget is None else options.memory_budget
+    plans: list[Plan] = []
+    try:
+        plans.append(_plan_traced(traced, mesh, options, recompute={}, **kw))
     except AutoshardError as e:
         if not isinstance(e.__cause__, Infeasible):
             raise
+        error = e
+    if plans and plans[0].predicted["peak_memory_bytes"] < budget * (1 - 1e-6):
+        return plans[0]
+    for policy in ("selective", "full"):
         try:
-            return _plan_traced(traced, mesh, options, recompute=layers, **kw)
-        except AutoshardError as e2:
-            raise AutoshardError(e2.expected, got=f"{e2.got}, even with full activation "
-                                 f"checkpointing of its {len(layers)} repeated layers",
-                                 fix=e2.fix) from e2.__cause__
-    if plain.predicted["peak_memory_bytes"] < budget * (1 - 1e-6):
-        return plain
-    try:
-        full = _plan_traced(traced, mesh, options, recompute=layers, **kw)
-    except AutoshardError:
-        return plain
-    return full if full.predicted["step_time_s"] < plain.predicted["step_time_s"] else plain
+            plans.append(_plan_traced(traced, mesh, options,
+                                      recompute=dict.fromkeys(layers, policy), **kw))
+        except AutoshardError as e:
+            if not isinstance(e.__cause__, Infeasible):
+                raise
+            error = e
+            continue
+        if policy == "selective" and plans[-1].predicted["peak_memory_bytes"] < budget * 0.98:
+            break    # memory no longer binds: full recomputation would only add time
+    if not plans:
+        raise error
+    return min(plans, key=lambda p: p.predicted["step_time_s"])
 
 
 def _mesh_use_note(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan,
@@ -118,7 +181,7 @@ def _mesh_use_note(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: 
     head = (f"devices repeat work: compute per device is {use.redundancy:.1f}x the ideal share "
             f"of {mesh.size} devices; idle axes: {idle}")
     try:
-        other = _plan_recompute(traced, small, options, model_name=model_name, fixed=None,
+        other = _plan_memory(traced, small, options, model_name=model_name, fixed=None,
                                 trace_s=0.0, merge=None)
     except AutoshardError:
         return [f"{head}. The same work does not fit on {_devices(small)} alone."]
@@ -135,15 +198,15 @@ def _devices(mesh: Mesh) -> str:
 
 def _plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_name: str,
                  fixed: dict[str, Strategy] | None, trace_s: float,
-                 merge: AxisMerge | None, recompute: frozenset[str]) -> Plan:
+                 merge: AxisMerge | None, recompute: dict[str, str], offload: bool) -> Plan:
     check_mesh_fits(traced, mesh)
     if mesh.ndim >= 3:
         return _plan_by_merging(traced, mesh, options, model_name=model_name, fixed=fixed,
-                                trace_s=trace_s, recompute=recompute)
+                                trace_s=trace_s, recompute=recompute, offload=offload)
     t0 = time.perf_counter()
     in_place = frozenset(p.name for p in traced.params if p.name in (fixed or {}))
     built = build_problem(traced, mesh, options, in_place=in_place, merge=merge,
-                          recompute=recompute)
+                          recompute=recompute, offload=offload)
     problem = built.problem
     if fixed:
         problem = _with_fixed(built, fixed)
@@ -200,7 +263,7 @@ MERGES = {3: (((0, 1), (2,)), ((0,), (1, 2)), ((0, 1, 2),))}
 
 def _plan_by_merging(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
                      fixed: dict[str, Strategy] | None, model_name: str, trace_s: float,
-                     recompute: frozenset[str]) -> Plan:
+                     recompute: dict[str, str], offload: bool) -> Plan:
     best: Plan | None = None
     errors = []
     for merges in MERGES[mesh.ndim]:
@@ -210,12 +273,12 @@ def _plan_by_merging(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
             outs = tuple(merge.contract_spec(o) for o in st.outputs)
             if any(o is None for o in outs):
                 break
-            pins[name] = Strategy((), outs)
+            pins[name] = Strategy((), outs, st.kernel)
         else:
             try:
                 sub = _plan_traced(traced, merge.merged(), options, fixed=pins or None,
                                    merge=merge, model_name=model_name, trace_s=trace_s,
-                                   recompute=recompute)
+                                   recompute=recompute, offload=offload)
             except AutoshardError as e:
                 errors.append(e)
                 continue
@@ -244,6 +307,9 @@ def _with_fixed(built: Built, fixed: dict[str, Strategy]):
         if name in built.tied_to:
             continue                 # a tied weight's later name: its first name's pin decides
         assert m.index == list(range(len(m.index))), f"can only pin a decision's root: {name}"
+        if strat not in m.strategies and strat.kernel is None:
+            # A pinned parameter layout with no state mode: the first mode the options allow.
+            strat = next((s for s in m.strategies if s.outputs == strat.outputs), strat)
         if strat not in m.strategies:
             raise AutoshardError(f"a strategy {name} supports", got=str(strat),
                                  fix=f"choose among {[str(s) for s in m.strategies][:6]}...")
@@ -253,24 +319,32 @@ def _with_fixed(built: Built, fixed: dict[str, Strategy]):
 
 def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
              options: PlanOptions, *, solver: dict[str, Any], model_name: str,
-             timings: dict[str, float], recompute: frozenset[str] = frozenset()) -> Plan:
+             timings: dict[str, float],
+             recompute: dict[str, str] | frozenset[str] | None = None) -> Plan:
     """The Plan of a full assignment on ``mesh``: its ledger, and its predicted figures as the
     sum of the prices the ILP's coefficients come from (cost/price.py), over the nodes and the
     reshards the program will run (cost/reshards.py, the walk codegen makes)."""
     graph = traced.graph
+    if not isinstance(recompute, dict):       # a set of layers: all fully checkpointed
+        recompute = dict.fromkeys(recompute or (), "full")
     pricer = Pricer(traced, mesh, options, recompute=recompute)
     nodes = [n for n in graph.nodes if n.name in strategies]
     params = {p.name: p.fqn for p in traced.params}
-    compute_s = memory = backward_s = 0.0
+    compute_s = memory = backward_s = optimizer_s = 0.0
+    state = StateBytes()
     for n in nodes:
         price = pricer.node(n.name, strategies[n.name])
         compute_s += price.seconds
         memory += price.bytes
         backward_s += pricer.backward(n.name, strategies[n.name])
+        if n.op == "placeholder":
+            state += pricer.state_bytes(n.name, strategies[n.name])
+            optimizer_s += pricer.optimizer_seconds(n.name, strategies[n.name])
     memory += pricer.saved_copies(strategies)
     edges = list(reshard_edges(graph, strategies, mesh.shape, pricer.shapes, set(params),
                                training=traced.training))
-    buckets = gradient_buckets(edges, nodes, options.bucket_bytes)
+    modes = {n: strategies[n].kernel for n in params}
+    buckets = gradient_buckets(edges, nodes, options.bucket_bytes, modes, mesh.shape)
     bucketed = {m for b in buckets for m in b.members}
     collectives: list[CollectiveRecord] = []
     blocking = dict.fromkeys(mesh.axes, 0.0)
@@ -278,13 +352,15 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
     for e in edges:
         if e.value[0] in bucketed and is_grad_sync(e.reshard):
             bucketed.discard(e.value[0])         # the first such reshard of the parameter
-            for a, t in sync_share_by_axis(e.reshard, mesh, options.bucket_bytes).items():
+            steps = pricer.bucketed_sync(e.value, e.src, e.reshard, modes[e.value[0]])
+            for a, t in sync_share_by_axis(steps, mesh, options.bucket_bytes).items():
                 sync[mesh.axes[a]] += t
             continue
-        # A reshard runs where its first consumer runs: inside a checkpointed layer, its
+        # A reshard runs where its first consumer runs: inside a fully checkpointed layer, its
         # forward collectives run again when the layer is recomputed (codegen/recompute.py).
         again = [("recompute", st) for st in e.reshard.forward if st.is_collective] \
-            if pricer.recomputed(e.consumers[0][0]) else []
+            if pricer.reshards_again(e.consumers[0][0]) else []
+        memory += pricer.stored_reshard_bytes(e.value, e.src, e.dst, e.consumers[0][0])
         for phase, step in [*e.reshard.collectives, *again]:
             if phase == "backward" and e.from_param:
                 phase = "grad_sync"
@@ -293,9 +369,21 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
             collectives.append(CollectiveRecord(step.kind, (axis,), step.nbytes, phase,
                                                 e.consumers[0][0], e.value[0]))
     for k, b in enumerate(buckets):
-        for a in b.axes:
-            collectives.append(CollectiveRecord("all_reduce", (mesh.axes[a],), b.nbytes,
+        for a, nbytes in zip(b.axes, bucket_bytes_by_axis(b, mesh.shape)):
+            collectives.append(CollectiveRecord(b.kind, (mesh.axes[a],), nbytes,
                                                 "grad_sync", f"bucket{k}", "", b.members))
+    # After the optimizer step, the updated state shards are all-gathered back into each
+    # parameter's layout (zero1/zero2/offload, cost/state.py): blocking, phase "optimizer".
+    param_state = {}
+    for name, fqn in params.items():
+        r = pricer.optimizer_steps(name, strategies[name])
+        if modes[name] is not None:
+            param_state[fqn] = _state_record(pricer, name, strategies[name])
+        for step in (r.forward if r else ()):
+            if step.is_collective:
+                blocking[mesh.axes[step.axis]] += step_seconds(step, mesh)
+                collectives.append(CollectiveRecord(step.kind, (mesh.axes[step.axis],),
+                                                    step.nbytes, "optimizer", "optimizer", name))
     # One overlap window (cost/overlap.py): the buckets run behind backward compute; what does
     # not fit is exposed, shared over the axes by their sync seconds.
     total_sync = sum(sync.values())
@@ -320,23 +408,40 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
         inputs={p.fqn: strategies[p.name].outputs[0] for p in traced.inputs},
         collectives=tuple(collectives),
         predicted={"step_time_s": compute_s + sum(exposed.values()), "compute_s": compute_s,
-                   "comm_s": comm_s, "peak_memory_bytes": memory,
+                   "comm_s": comm_s, "peak_memory_bytes": memory, "optimizer_s": optimizer_s,
+                   "memory": {"parameters": state.parameters, "gradients": state.gradients,
+                              "optimizer": state.optimizer, "buffers": state.buffers,
+                              "activations": memory - state.device, "host": state.host},
                    "exposed_comm_s": exposed, "overlapped_comm_s": overlapped},
         solver=solver, model=model_name, node_sigs=traced.node_sigs, layers=traced.layers,
         tied={fqn: tuple(reads) for fqn, reads in tied.items()},
-        recompute={layer.name: "full" for layer in traced.layers if layer.name in recompute},
+        recompute={layer.name: recompute[layer.name] for layer in traced.layers
+                   if layer.name in recompute},
+        param_state=param_state,
         input_meta={p.fqn: (p.info.shape, str(p.info.dtype).removeprefix("torch."))
                     for p in traced.inputs if p.info is not None},
         # Wall-clock figures stay off the saved plan: they would make two runs' files differ.
         timings=timings)
 
 
-def gradient_buckets(edges: list[ReshardEdge], nodes: list, bucket_bytes: float) -> list[Bucket]:
+def _state_record(pricer: Pricer, name: str, strategy: Strategy) -> ParamState:
+    ph = pricer.traced.placeholder(name)
+    spec, mode = strategy.outputs[0], strategy.kernel
+    sspec = state_spec(ph.info.shape, spec, pricer.mesh.shape) or spec
+    return ParamState(mode, sspec if mode in ("zero2", "offload") else spec, sspec,
+                      mode == "offload")
+
+
+def gradient_buckets(edges: list[ReshardEdge], nodes: list, bucket_bytes: float,
+                     modes: dict[str, str | None] | None = None,
+                     mesh_shape: tuple[int, ...] = ()) -> list[Bucket]:
     """The buckets of a plan's gradient syncs (cost/overlap.py), the ones the runtime issues: the
     gradient a parameter gets through a reshard that is a pure gradient sync, summed over that
     reshard's consumers (other reads of the parameter add their own, unsynced, as autograd
     does). Gradients become ready in the reverse order of their parameter's first use in
-    forward. A parameter read through two such reshards (in two layouts) buckets the first."""
+    forward. A parameter read through two such reshards (in two layouts) buckets the first.
+    ``modes``: each parameter's state mode; zero2/offload ones are reduce-scattered over their
+    zero axes (cost/state.py), in buckets of their own."""
     first_use: dict[str, int] = {}
     for i, n in enumerate(nodes):
         for ref in value_inputs(n):
@@ -346,8 +451,15 @@ def gradient_buckets(edges: list[ReshardEdge], nodes: list, bucket_bytes: float)
     syncs: dict[str, Sync] = {}
     for e in edges:
         if e.from_param and e.value[0] not in syncs and is_grad_sync(e.reshard):
-            syncs[e.value[0]] = Sync(e.value[0], tuple(s.axis for s in e.reshard.backward),
-                                     dtypes[e.value[0]], e.reshard.backward[0].nbytes)
+            shape = tuple(next(n for n in nodes if n.name == e.value[0]).meta["val"].shape)
+            mode = (modes or {}).get(e.value[0])
+            if mode in ("zero2", "offload") and state_spec(shape, e.src, mesh_shape) is not None:
+                axes = tuple(sorted(s.axis for s in e.reshard.backward))
+                kind = "reduce_scatter"
+            else:
+                axes, kind = tuple(s.axis for s in e.reshard.backward), "all_reduce"
+            syncs[e.value[0]] = Sync(e.value[0], axes, dtypes[e.value[0]],
+                                     e.reshard.backward[0].nbytes, kind)
     order = sorted(syncs, key=lambda name: -first_use.get(name, 0))
     return form_buckets([syncs[name] for name in order], bucket_bytes)
 

@@ -1,0 +1,143 @@
+"""Where a parameter's gradient and optimizer state live, apart from the parameter itself.
+
+docs/cost-model.md §9. A parameter is stored in its placement (``params[...].placements``); in
+the plain mode its gradient and optimizer state are laid out the same way (replicated: plain
+data parallelism; sharded: ZeRO-3/FSDP). Three modes place them apart, over the *zero axes*: the
+mesh axes of more than one device on which the parameter is replicated (Rajbhandari et al.,
+"ZeRO", arXiv 1910.02054, §5; Ren et al., "ZeRO-Offload", arXiv 2101.06840):
+
+- ``zero1``: the optimizer state (and, for a 16-bit parameter, its fp32 master copy) is sharded
+  over the zero axes; gradients are all-reduced whole as in data parallelism; each rank updates
+  its shard and the updated shards are all-gathered (torch's ZeroRedundancyOptimizer).
+- ``zero2``: the gradient is reduce-scattered over the zero axes instead of all-reduced (half the
+  bytes), so each rank keeps only its shard of it too; then as ``zero1``.
+- ``offload``: as ``zero2``, with the optimizer state on the host and the optimizer step run
+  there: the gradient shard goes down the host link, the updated parameter shard comes back.
+
+The shard is cut along one tensor dim that no other mesh axis splits (``state_spec``), so a
+rank's optimizer state is a plain slice of its stored parameter and the state dicts stay
+DTensor-shaped. A parameter with no zero axis, or no such dim, keeps its state with it (offload
+still applies: nothing to shard, everything on the host).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from autoshard.cost.comm import Reshard, Step
+from autoshard.ir import Replicate, Shard, Spec, local_shape
+
+MODES = ("zero1", "zero2", "offload")    # None: the state follows the parameter
+# Bytes one optimizer step reads and writes per updated element: a fused Adam kernel reads the
+# gradient, the fp32 parameter (master), momentum and variance and writes the last three,
+# 7 x 4 bytes (PyTorch's fused/foreach AdamW; ZeRO-Offload §4.1 counts the same streams for
+# CPU-Adam). SGD reads the gradient and the parameter and writes the parameter.
+ADAM_STEP_BYTES = 28
+SGD_STEP_BYTES = 12
+
+
+def zero_axes(spec: Spec, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The mesh axes of more than one device on which ``spec`` is replicated."""
+    return tuple(a for a, (p, n) in enumerate(zip(spec, mesh_shape))
+                 if isinstance(p, Replicate) and n > 1)
+
+
+def state_spec(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...]) -> Spec | None:
+    """The layout of the optimizer state under zero1/zero2/offload: ``spec`` with each zero axis
+    splitting the first dim that no other axis splits and that divides evenly (row-major over
+    the zero axes, the first outermost). None if the parameter has no zero axis or no such dim."""
+    axes = zero_axes(spec, mesh_shape)
+    if not axes:
+        return None
+    split = {p.dim for p in spec if isinstance(p, Shard)}
+    n = math.prod(mesh_shape[a] for a in axes)
+    for d, size in enumerate(shape):
+        if d not in split and size % n == 0 and size >= n:
+            return tuple(Shard(d) if a in axes else p for a, p in enumerate(spec))
+    return None
+
+
+def modes_for(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...], optimizer: str,
+              allowed: tuple[str | None, ...]) -> list[str | None]:
+    """The modes a parameter stored in ``spec`` may take, among ``allowed``: the ZeRO modes only
+    where there is optimizer state and a dim to shard it on; offload wherever there is state."""
+    if optimizer in ("none", "sgd"):
+        return [None]
+    shardable = state_spec(shape, spec, mesh_shape) is not None
+    out = [m for m in allowed if m is None or m == "offload" or shardable]
+    return out or [None]          # a forced ZeRO mode leaves an unshardable parameter plain
+
+
+@dataclass(frozen=True, slots=True)
+class StateBytes:
+    """Bytes one device's process holds for one parameter, by kind."""
+
+    parameters: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    host: float = 0.0
+    buffers: float = 0.0
+
+    @property
+    def device(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.buffers
+
+    def __add__(self, o: "StateBytes") -> "StateBytes":
+        return StateBytes(self.parameters + o.parameters, self.gradients + o.gradients,
+                          self.optimizer + o.optimizer, self.host + o.host,
+                          self.buffers + o.buffers)
+
+
+def optimizer_bytes_per_element(itemsize: int, optimizer: str, mode: str | None) -> int:
+    """Optimizer state per element (docs/cost-model.md §4.1): Adam keeps momentum and variance in
+    fp32, plus an fp32 master copy of a 16-bit parameter (K = 12); an fp32 parameter is its own
+    master unless its state is sharded or offloaded apart from it (then a 4-byte copy of the
+    shard is the master)."""
+    if optimizer in ("none", "sgd"):
+        return 0
+    return 12 if itemsize < 4 or mode is not None else 8
+
+
+def state_bytes(shape: tuple[int, ...], dtype: torch.dtype, spec: Spec, mode: str | None,
+                mesh_shape: tuple[int, ...], optimizer: str) -> StateBytes:
+    """What one device holds for a parameter of global ``shape`` stored in ``spec`` under
+    ``mode``, with ``optimizer`` ("none": the parameter only)."""
+    isz = dtype.itemsize
+    n = math.prod(local_shape(shape, spec, mesh_shape))
+    if optimizer == "none":
+        return StateBytes(parameters=n * isz)
+    sspec = state_spec(shape, spec, mesh_shape) if mode is not None else None
+    ns = math.prod(local_shape(shape, sspec, mesh_shape)) if sspec is not None else n
+    k = optimizer_bytes_per_element(isz, optimizer, mode)
+    if mode is None:
+        return StateBytes(n * isz, n * isz, n * k)
+    if mode == "zero1":
+        return StateBytes(n * isz, n * isz, ns * k)
+    if mode == "zero2":
+        return StateBytes(n * isz, ns * isz, ns * k)
+    # offload: the gradient shard waits on the device for the step, which copies it to an fp32
+    # host buffer beside the host's optimizer state.
+    return StateBytes(n * isz, ns * isz, 0.0, host=ns * (k + 4))
+
+
+def step_elements(shape: tuple[int, ...], spec: Spec, mode: str | None,
+                  mesh_shape: tuple[int, ...]) -> int:
+    """Elements one rank's optimizer step updates: its shard of the optimizer state."""
+    sspec = state_spec(shape, spec, mesh_shape) if mode is not None else None
+    return math.prod(local_shape(shape, sspec if sspec is not None else spec, mesh_shape))
+
+
+def zero_grad_sync(r: Reshard, axes: tuple[int, ...], mesh_shape: tuple[int, ...]) -> Reshard:
+    """A pure gradient sync under zero2/offload: each all-reduce on a zero axis becomes a
+    reduce-scatter (of the bytes left after the previous ones), in the order of the axes."""
+    out: list[Step] = []
+    div = 1
+    for s in sorted(r.backward, key=lambda s: s.axis):
+        if s.kind == "all_reduce" and s.axis in axes:
+            out.append(Step("reduce_scatter", s.axis, nbytes=s.nbytes // div))
+            div *= mesh_shape[s.axis]
+        else:
+            out.append(Step(s.kind, s.axis, s.dim, s.dim2, s.nbytes // div))
+    return Reshard(r.forward, tuple(out))
