@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gradient all-reduce bucket size in MiB (default 25, as DDP)")
     p.add_argument("--zero", default="auto", choices=ZERO,
                    help="gradients and optimizer state sharded apart from the parameters "
-                        "(default auto: the planner chooses ZeRO-1/2 per parameter)")
+                        "(default auto: the planner chooses ZeRO-2 or not per parameter)")
     p.add_argument("--offload", default="auto", choices=OFFLOAD,
                    help="optimizer state and step on the host (default auto: only when no plan "
                         "fits without it)")

@@ -27,8 +27,8 @@ PRECISIONS = ("model", "bf16-mixed")
 # makes a plan fit or run faster).
 RECOMPUTE = ("auto", "none", "selective", "full")
 # Where gradients and optimizer state live apart from the parameter (docs/cost-model.md §9):
-# "auto" (the planner chooses per parameter among plain, ZeRO-1 and ZeRO-2), "none" (they follow
-# the parameter), or one of "zero1"/"zero2" on every parameter that has a replicated axis.
+# "auto" (the planner chooses per parameter between plain and ZeRO-2), "none" (they follow the
+# parameter), or one of "zero1"/"zero2" on every parameter that has a replicated axis.
 ZERO = ("auto", "none", "zero1", "zero2")
 # Optimizer state and step on the host (ZeRO-Offload): "auto" (only where no plan fits without
 # it), "none", or "optimizer" (every parameter).
@@ -135,7 +135,10 @@ def state_modes(options: PlanOptions, offload: bool) -> tuple[str | None, ...]:
     planner is trying offload (``options.offload`` "auto") or it is forced ("optimizer")."""
     if options.offload == "optimizer":
         return ("offload",)
-    zero = {"auto": (None, "zero1", "zero2"), "none": (None,), "zero1": ("zero1",),
+    # "auto" offers ZeRO-2, not ZeRO-1: priced alike, ZeRO-1 never beats it (the same gather
+    # after the step, an all-reduce where ZeRO-2 reduce-scatters, more memory), and every mode
+    # offered grows the ILP.
+    zero = {"auto": (None, "zero2"), "none": (None,), "zero1": ("zero1",),
             "zero2": ("zero2",)}[options.zero]
     return zero + (("offload",) if offload and options.offload == "auto" else ())
 

@@ -188,10 +188,13 @@ class Plan:
         mem = self.predicted.get("memory")
         if isinstance(mem, dict):
             parts = ", ".join(f"{k} {_size(mem[k])}" for k in
-                              ("parameters", "gradients", "optimizer", "buffers", "activations")
-                              if mem.get(k))
+                              ("parameters", "gradients", "optimizer", "activations",
+                               "temporaries") if mem.get(k))
             host = f"; host {_size(mem['host'])}" if mem.get("host") else ""
-            lines.append(f"  memory per device: {parts}{host}")
+            at = self.predicted.get("peak_phase")
+            peak = f" {_size(mem['peak'])}" if "peak" in mem else ""
+            lines.append(f"  peak over the step (liveness){peak}{f', in {at}' if at else ''}: "
+                         f"{parts}{host}")
         if self.predicted.get("optimizer_s"):
             lines.append(f"  optimizer step: {self.predicted['optimizer_s'] * 1e3:.3f} ms "
                          f"(in compute)")

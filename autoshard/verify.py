@@ -147,14 +147,16 @@ def predicted_memory(pm) -> dict[str, int]:
     rest, what the forward saves for backward (activations and resharded copies)."""
     plan = pm.plan
     mem = plan.predicted.get("memory")
-    if isinstance(mem, dict):
-        state = int(mem["parameters"] + mem["gradients"] + mem["optimizer"])
+    if isinstance(mem, dict) and "model_state" in mem:
+        state = int(mem["model_state"])
     else:                       # a plan made before the split was recorded
         from autoshard.cost.memory import param_state_bytes
         state = sum(param_state_bytes(p.numel(), p.dtype, optimizer=plan.options.state_optimizer)
                     for p in pm.local_parameters().values())
     buffers = sum(t.numel() * t.element_size() for t in pm._buffers_local.values())
-    peak = int(plan.predicted["peak_memory_bytes"])
+    # The peak over the step from liveness (cost/liveness.py) where the plan has it.
+    peak = int(mem["peak"]) if isinstance(mem, dict) and "peak" in mem \
+        else int(plan.predicted["peak_memory_bytes"])
     return {"peak": peak, "model_state": state, "buffers": buffers,
             "saved": peak - state - buffers}
 
@@ -253,6 +255,8 @@ def _measured_step(pm, local_inputs: tuple, opt, device: torch.device, tracker,
                  *(t for t in local_inputs if isinstance(t, torch.Tensor))]
     if opt is not None:
         externals.append(opt.optimizer)      # the torch optimizer inside pm.optimizer(...)
+        # and its fp32 masters where they are not the parameters (mixed precision, ZeRO-1/2)
+        externals += [e.master for e in opt.entries if e.master is not e.param]
     tracker.track_external(*externals)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -47,7 +47,8 @@ def test_every_rank_reports_a_measured_peak_beside_the_prediction(reports, plans
             assert "not_measured" not in m, m
             assert m["measured"] > 0 and m["source"] == "MemTracker"
             assert m["measured"] == m["tracked_peak"] == sum(m["breakdown"].values())
-            assert m["predicted"]["peak"] == int(plans[name].predicted["peak_memory_bytes"])
+            # The plan's peak over the step (liveness, docs/cost-model.md §4.5).
+            assert m["predicted"]["peak"] == int(plans[name].predicted["memory"]["peak"])
             assert m["error"] == pytest.approx((m["predicted"]["peak"] - m["measured"])
                                                / m["measured"])
             # At the peak the tracker holds every parameter shard of the rank; fp32 AdamW state

@@ -469,7 +469,7 @@ def test_infeasible_memory_budget_states_the_least_memory(gpt2_b1) -> None:
     with pytest.raises(AutoshardError) as info:
         plan_traced(traced, mesh, memory_budget=budget, recompute="none", offload="none")
     _assert_user_error(info.value, f"{least / 2**30:.4g} GiB", "memory_budget",
-                       "techniques tried: parameter sharding (ZeRO-3), ZeRO-1/2",
+                       "techniques tried: parameter sharding (ZeRO-3), ZeRO-2",
                        "allow optimizer offload", "allow activation checkpointing")
     # With checkpointing and offload allowed (the defaults): the least memory of that search.
     layers = frozenset(checkpointable(traced.graph, traced.layers))

@@ -84,6 +84,7 @@ class GradBuckets:
         # reduce_scatter buckets: each member's shard dim (set by the module), and the shards.
         self.shard_dim: dict[str, int] = {}
         self.shards: dict[str, torch.Tensor] = {}
+        self._inflight: list[_Bucket] = []
         self._pending = False
 
     # -- during backward ------------------------------------------------------------------
@@ -116,6 +117,12 @@ class GradBuckets:
         self._queue_finish()
 
     def _scatter_first(self, b: _Bucket) -> None:
+        # One reduce-scatter bucket in flight: the one before is finished (its shards kept,
+        # its full-size buffer freed) as this one is issued, so ZeRO-2's saving holds during
+        # backward too, not only after it.
+        for prev in self._inflight:
+            self._finish_scatter(prev)
+        self._inflight = [b]
         pieces = [self._grad_or_zero(b, m) for m in b.members]
         b.buffer = _interleave(pieces, [self.shard_dim[m] for m in b.members],
                                self.groups.shape[b.axes[0]])
@@ -173,6 +180,7 @@ class GradBuckets:
     def finish(self) -> None:
         """Wait for every bucket issued in this backward, finish it, add it to ``.grad``."""
         self._pending = False
+        self._inflight = []
         for b in self.buckets:
             if b.kind == "reduce_scatter":
                 if b.grads is not None or b.buffer is not None:

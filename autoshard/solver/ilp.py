@@ -196,8 +196,8 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0) -> Solution:
     relaxed = replace(problem, edges=tuple(e for e in problem.edges if _prices_time(e)),
                       fanouts=tuple(f for f in problem.fanouts if _prices_time(f)))
     if len(relaxed.edges) + len(relaxed.fanouts) < len(problem.edges) + len(problem.fanouts):
-        try:
-            sol = _solve(relaxed, time_limit_s, t0)
+        try:        # half the time: the whole problem may still need the other half
+            sol = _solve(relaxed, time_limit_s / 2, t0)
         except (Infeasible, NoSolution):
             sol = None            # the whole problem is no easier: solve it for its verdict
         if sol is not None and sol.status == "OPTIMAL" and \

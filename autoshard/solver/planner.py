@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
+from autoshard.cost.liveness import step_memory
 from autoshard.cost.price import Pricer
 from autoshard.cost.comm import step_seconds
 from autoshard.cost.overlap import (Bucket, Sync, bucket_bytes_by_axis, exposed_seconds,
@@ -75,6 +76,27 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = N
         return plan
     unruled = unruled_note(traced)
     notes = [unruled.removeprefix("; ")] if unruled else []
+    budget = mesh.cluster.memory_bytes if options.memory_budget is None else options.memory_budget
+    live = plan.predicted["memory"]["peak"]
+    if live > budget:
+        # The ILP bounds what forward saves; the step's peak (backward's gradients, the
+        # optimizer's temporaries) is above the budget: plan once more with the ILP's bound
+        # lowered by the excess, and keep that plan if its own peak fits.
+        lower = plan.predicted["peak_memory_bytes"] - (live - budget)
+        try:
+            again = _plan_memory(traced, mesh, options.replace(memory_budget=lower),
+                                 model_name=model_name, fixed=None, trace_s=trace_s, merge=None)
+        except AutoshardError:
+            again = None
+        if again is not None and again.predicted["memory"]["peak"] <= budget:
+            plan = replace(again, options=options)
+            live = plan.predicted["memory"]["peak"]
+    if live > budget:
+        notes.append(f"the peak over the whole step from the liveness of values "
+                     f"({gib(live)}, in {plan.predicted['peak_phase']}) is above the memory "
+                     f"budget ({gib(budget)}), which the planner holds the sum of what forward "
+                     f"saves to ({gib(plan.predicted['peak_memory_bytes'])}); lower "
+                     f"memory_budget by the difference to leave room")
     notes += _mesh_use_note(traced, mesh, options, plan, model_name)
     return replace(plan, warnings=tuple(notes)) if notes else plan
 
@@ -106,7 +128,7 @@ def _with_techniques(e: AutoshardError, traced: TracedGraph, options: PlanOption
         return e
     tried = ["parameter sharding (ZeRO-3)"]
     if traced.training and options.state_optimizer not in ("none", "sgd"):
-        tried.append({"auto": "ZeRO-1/2", "none": "", "zero1": "ZeRO-1",
+        tried.append({"auto": "ZeRO-2", "none": "", "zero1": "ZeRO-1",
                       "zero2": "ZeRO-2"}[options.zero])
     layers = checkpointable(traced.graph, traced.layers) if traced.training else []
     if layers and options.recompute != "none":
@@ -149,7 +171,9 @@ def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw:
     try:
         plans.append(_plan_traced(traced, mesh, options, recompute={}, **kw))
     except AutoshardError as e:
-        if not isinstance(e.__cause__, Infeasible):
+        # No plan fits, or none was found in time (memory that binds makes the ILP hard):
+        # checkpointing frees memory either way.
+        if not isinstance(e.__cause__, (Infeasible, NoSolution)):
             raise
         error = e
     if plans and plans[0].predicted["peak_memory_bytes"] < budget * (1 - 1e-6):
@@ -391,6 +415,9 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
     overlapped = {a: t * hidden_frac for a, t in sync.items()}
     exposed = {a: blocking[a] + sync[a] - overlapped[a] for a in mesh.axes}
     comm_s = sum(blocking.values()) + total_sync
+    # The peak over the step, from the liveness of values (cost/liveness.py, §4.5), beside
+    # ``memory``, the sum of everything forward saves (§4.4) that the ILP bounds.
+    live = step_memory(traced, strategies, pricer)
     tied: dict[str, list] = {}
     for n in nodes:
         for k, ref in enumerate(pricer.reads(n.name)):
@@ -408,10 +435,13 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
         inputs={p.fqn: strategies[p.name].outputs[0] for p in traced.inputs},
         collectives=tuple(collectives),
         predicted={"step_time_s": compute_s + sum(exposed.values()), "compute_s": compute_s,
-                   "comm_s": comm_s, "peak_memory_bytes": memory, "optimizer_s": optimizer_s,
-                   "memory": {"parameters": state.parameters, "gradients": state.gradients,
-                              "optimizer": state.optimizer, "buffers": state.buffers,
-                              "activations": memory - state.device, "host": state.host},
+                   "comm_s": comm_s, "peak_memory_bytes": memory,
+                   "optimizer_s": optimizer_s, "peak_phase": live.phase,
+                   "memory": {"peak": live.peak, "parameters": live.parameters,
+                              "gradients": live.gradients, "optimizer": live.optimizer,
+                              "activations": live.activations, "temporaries": live.temporaries,
+                              "host": state.host,
+                              "model_state": state.parameters + state.gradients + state.optimizer},
                    "exposed_comm_s": exposed, "overlapped_comm_s": overlapped},
         solver=solver, model=model_name, node_sigs=traced.node_sigs, layers=traced.layers,
         tied={fqn: tuple(reads) for fqn, reads in tied.items()},

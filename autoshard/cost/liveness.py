@@ -1,0 +1,1044 @@
+"""Peak memory per device over a whole training step, from the liveness of values.
+
+docs/cost-model.md §4.5. Where §4.4 adds up everything the forward saves as if it were all alive
+at once, this walks the step the rank program runs and keeps a running count of the bytes that
+are alive:
+
+- **forward**, in program order (the traced graph's order; a reshard runs just before its first
+  consumer, as codegen emits it): each op's outputs are allocated (a view, or an op whose output
+  aliases its input in the traced graph, allocates nothing), and every tensor is freed after its
+  last forward use unless an op keeps it for backward (``saved_rule``, ``Pricer.saved_inputs``:
+  what is kept is the tensor the op actually read, so a resharded copy, such as a ZeRO-3 weight
+  all-gathered for a matmul, lives until that matmul's backward; one tensor kept by several ops
+  counts once). Ops of a checkpointed layer keep nothing: the layer keeps the tensors it reads
+  from outside itself until its backward has run; under selective checkpointing it also keeps
+  the outputs of its matmuls, attention and collectives (codegen/recompute.py).
+- **backward**, in reverse program order (the autograd engine's order): each op's input
+  gradients are allocated while its output gradients and saved tensors are alive, then those
+  are freed. A view or a same-shape add passes its gradient through without a copy; a value
+  read by several ops accumulates one gradient; a reshard's backward collectives make a
+  gradient in the producer's layout; a parameter's gradient stays (``.grad``) from the moment
+  it lands to the end of the step. A data-parallel gradient sync copies the gradient into its
+  bucket's flat buffer (codegen/buckets.py), allocated whole when the bucket's first gradient
+  arrives. A checkpointed layer runs its forward again when its backward first needs a saved
+  tensor (``torch.utils.checkpoint`` recomputes on the first unpack): what its ops save is
+  alive again, one layer at a time; selective checkpointing hands the kept outputs back
+  instead of making them again.
+- **optimizer step**: parameters, gradients and optimizer state, plus the step's temporaries
+  (``torch.optim.AdamW``'s single-tensor update, its default on CPU, keeps two moment-sized
+  temporaries of a parameter and one of the previous; its foreach update, the default on GPUs,
+  one moment-sized copy of every parameter's at once).
+
+Interface (one function)::
+
+    step_memory(traced, strategies, pricer, *, foreach=None, log=None) -> MemoryBreakdown
+
+``traced``: the :class:`~autoshard.trace.export.TracedGraph` of a training step; ``strategies``:
+node name -> :class:`~autoshard.ir.Strategy` for every placeholder and op (``Plan.strategies()``,
+or the planner's assignment, as ``solver.planner.assemble`` has it); ``pricer``: the
+:class:`~autoshard.cost.price.Pricer` the plan is priced with (its mesh, options, checkpointed
+layers, ``state_bytes``). ``foreach``: price the optimizer step as torch's foreach
+implementation (True) or its single-tensor loop (False); None picks the loop for the CPU
+clusters (``cpu``, ``stress``, ``calibrated-cpu``) and foreach for the others, as torch does.
+``log``: a list that gets every moment the walk checks, ``(phase, node, bytes)``. For a
+forward-only graph the walk is the forward alone. Linear in the graph's size (an 8B-parameter
+Llama, 2,200 nodes: under a second).
+
+:class:`MemoryBreakdown` gives ``peak`` (bytes one device holds at its fullest moment, the
+largest over the phases), ``phase`` ("forward", "backward" or "optimizer") and ``at`` (the node
+where it is reached), the split of the peak into ``parameters`` (parameters, buffers and
+constants), ``gradients`` (parameter gradients, bucket buffers included), ``optimizer``
+(optimizer state on the device), ``activations`` (tensors made in forward, or made again by
+recomputation: activations, resharded copies, the step's inputs), ``temporaries`` (made in
+backward or by the optimizer step: activation gradients, gradients on their way through a
+reshard) and ``host`` (optimizer state kept on the host under offload; not part of the peak),
+``phases``, the peak of each phase, and ``state``, the model state's totals (parameters,
+gradients, optimizer, host). ``to_json()`` is the dict for a plan's ``predicted["memory"]``.
+
+Model state comes from ``Pricer.state_bytes`` (parameters, gradients, optimizer, host per
+parameter; for a Pricer without it, from :func:`~autoshard.cost.memory.param_state_bytes`).
+Sizes are local: each value's shape under its producer's output spec, a resharded copy under
+the consumer's input spec (``autoshard.ir.local_shape``). Not modelled: buffers a kernel
+allocates inside itself and frees before it returns, allocator rounding and fragmentation, and
+the collectives' own staging buffers.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+
+from autoshard.cost.comm import Reshard
+from autoshard.cost.compute import local_numel, op_profile
+from autoshard.cost.memory import param_state_bytes, saved_rule
+from autoshard.cost.overlap import Sync, form_buckets, is_grad_sync
+from autoshard.cost.reshards import ReshardEdge, reshard_edges
+from autoshard.ir import Strategy, shard_factor
+from autoshard.ops.registry import VIEW, record_of
+from autoshard.trace.graph import ValueRef, value_inputs, value_ref
+
+aten = torch.ops.aten
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """One device's peak over a training step and what it holds then (bytes; see the module
+    docstring). ``parameters + gradients + optimizer + activations + temporaries == peak``;
+    ``phases``: the peak of each phase; ``state``: the model state's totals over the step
+    (parameters, gradients, optimizer, host: ``Pricer.state_bytes`` summed), whatever part of
+    it is alive at the peak."""
+
+    peak: int
+    phase: str
+    at: str
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    temporaries: int
+    host: int = 0
+    phases: dict[str, int] = field(default_factory=dict)
+    state: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# Ops whose backward passes the output gradient through to an input of the output's size.
+_PASS_THROUGH = {aten.add.Tensor, aten.add_.Tensor, aten.clone.default, aten.contiguous.default,
+                 aten.alias.default, aten.detach.default}
+# Views whose backward makes a new, input-sized gradient (a slice's gradient is zeros with the
+# slice written in; an expand's is summed back down).
+_VIEW_NEW_GRAD = {aten.slice.Tensor, aten.select.int, aten.narrow.default, aten.expand.default,
+                  aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+                  aten.unbind.int}
+# Composite ops whose backward holds one more input-0-sized tensor while it runs: a
+# cross-entropy's backward makes the log-softmax's gradient, then the logits'.
+_BACKWARD_EXTRA = {aten.cross_entropy_loss.default}
+
+
+class _Storage:
+    """One tensor storage: its bytes, category, and the references holding it. ``permuted``: a
+    gradient that is a transposed view (reshaping it copies)."""
+
+    __slots__ = ("nbytes", "cat", "refs", "permuted")
+
+    def __init__(self, nbytes: int, cat: str) -> None:
+        self.nbytes, self.cat, self.refs, self.permuted = int(nbytes), cat, 0, False
+
+
+class _Memory:
+    """Live bytes by category, with the peak of each phase and the split at the overall peak."""
+
+    def __init__(self) -> None:
+        self.live = dict.fromkeys(CATEGORIES, 0)
+        self.total = 0
+        self.phase = "forward"
+        self.best: tuple[int, str, str, dict[str, int]] = (-1, "forward", "", {})
+        self.phases: dict[str, int] = {}
+        self.log: list[tuple[str, str, int]] | None = None     # (phase, at, bytes) per moment
+
+    def alloc(self, nbytes: int, cat: str, refs: int = 1) -> _Storage:
+        s = _Storage(nbytes, cat)
+        self.live[cat] += s.nbytes
+        self.total += s.nbytes
+        s.refs = refs
+        if refs == 0:
+            self._free(s)
+        return s
+
+    def ref(self, s: _Storage, n: int = 1) -> _Storage:
+        s.refs += n
+        return s
+
+    def unref(self, s: _Storage | None, n: int = 1) -> None:
+        if s is None:
+            return
+        s.refs -= n
+        assert s.refs >= 0, "a storage released more often than held"
+        if s.refs == 0:
+            self._free(s)
+
+    def _free(self, s: _Storage) -> None:
+        self.live[s.cat] -= s.nbytes
+        self.total -= s.nbytes
+
+    def recategorize(self, s: _Storage, cat: str) -> None:
+        if s.refs > 0:
+            self.live[s.cat] -= s.nbytes
+            self.live[cat] += s.nbytes
+        s.cat = cat
+
+    def mark(self, at: str, extra: int = 0, extra_cat: str = "temporaries") -> None:
+        """A moment to check: what is alive now, plus ``extra`` bytes that exist only during
+        this moment (a kernel's transient output)."""
+        total = self.total + extra
+        if self.log is not None:
+            self.log.append((self.phase, at, total))
+        if total > self.phases.get(self.phase, -1):
+            self.phases[self.phase] = total
+        if total > self.best[0]:
+            live = dict(self.live)
+            live[extra_cat] += extra
+            self.best = (total, self.phase, at, live)
+
+
+@dataclass
+class _Event:
+    kind: str                    # "op" | "reshard"
+    name: str                    # op node name, or the reshard's first consumer
+    edge: int = -1               # index into the walk's edges for a reshard
+    region: str | None = None    # checkpointed layer the event runs in
+
+
+def step_memory(traced: Any, strategies: dict[str, Strategy], pricer: Any, *,
+                foreach: bool | None = None,
+                log: list[tuple[str, str, int]] | None = None) -> MemoryBreakdown:
+    """Peak bytes one device holds over a training step (forward, backward, optimizer step) of
+    ``traced`` under ``strategies``, priced with ``pricer``; see the module docstring.
+
+    ``foreach``: price the optimizer step as torch's foreach implementation (its default on
+    GPUs) or as its single-tensor loop (its default on CPU); None: the loop for the CPU
+    clusters (``cpu``, ``stress``, a ``calibrated-cpu`` profile), foreach for the others.
+    ``log``: a list to append every moment the walk checks, as (phase, node, bytes)."""
+    if foreach is None:
+        name = getattr(getattr(pricer.mesh, "cluster", None), "name", "")
+        foreach = not (name in ("cpu", "stress") or name.endswith("-cpu"))
+    walk = _Walk(traced, strategies, pricer, foreach)
+    walk.mem.log = log
+    return walk.run()
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def _fake(node: fx.Node, idx: int) -> Any:
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        val = val[idx] if idx < len(val) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _storage_key(t: Any) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except Exception:     # noqa: BLE001 (a tensor without a storage: no aliasing known)
+        return None
+
+
+class _Walk:
+    def __init__(self, traced: Any, strategies: dict[str, Strategy], pricer: Any,
+                 foreach: bool) -> None:
+        self.traced, self.strategies, self.pricer = traced, strategies, pricer
+        self.foreach = foreach
+        self.graph: fx.Graph = traced.graph
+        self.mesh_shape = tuple(pricer.mesh.shape)
+        self.training = bool(traced.training)
+        self.nodes = {n.name: n for n in self.graph.nodes}
+        self.params = {p.name for p in traced.params}
+        self.tied_to: dict[str, str] = getattr(pricer, "tied_to", {})
+        self.grads: set[str] = pricer.grads if self.training else set()
+        self.mem = _Memory()
+        self.edges: list[ReshardEdge] = list(reshard_edges(
+            self.graph, strategies, self.mesh_shape, pricer.shapes, self.params,
+            training=self.training))
+        self.edge_of: dict[tuple[ValueRef, tuple[str, int]], int] = {}
+        for i, e in enumerate(self.edges):
+            for c in e.consumers:
+                self.edge_of[(e.value, c)] = i
+        self.saved_at: set[tuple[str, int]] = {c for cons in pricer.saved_inputs().values()
+                                               for c in cons} if self.training else set()
+        recompute = getattr(pricer, "recompute", None) or {}
+        # Layer -> checkpointing policy ("full", "selective"); a set of names is all "full".
+        self.policies: dict[str, str] = dict(recompute) if isinstance(recompute, dict) else {
+            layer: "full" for layer in recompute}
+        self.recompute: frozenset[str] = frozenset(self.policies)
+        self.stored: dict[str, list[tuple[Any, _Storage]]] = {}
+        self.events = self._events()
+        self.edge_region = {ev.edge: ev.region for ev in self.events if ev.kind == "reshard"}
+        self.region_ops: dict[str, set[str]] = {}
+        self.region_events: dict[str, list[_Event]] = {}
+        for ev in self.events:
+            if ev.region is not None:
+                self.region_events.setdefault(ev.region, []).append(ev)
+                if ev.kind == "op":
+                    self.region_ops.setdefault(ev.region, set()).add(ev.name)
+        self.bucket_of, self.buckets = self._buckets() if self.training else ({}, [])
+
+    # -- the program ----------------------------------------------------------------------
+    def _region(self, name: str) -> str | None:
+        """The checkpointed layer an op runs in (``Pricer.recomputed``), if any."""
+        if not self.recompute or not self.pricer.recomputed(name):
+            return None
+        return self.traced.layer_of_node.get(name)
+
+    def _events(self) -> list[_Event]:
+        """Ops and reshards in the order the rank program runs them (codegen/rewrite.py)."""
+        out: list[_Event] = []
+        emitted: set[int] = set()
+        for node in self.graph.nodes:
+            if node.op == "placeholder" or node.target is operator.getitem:
+                continue
+            region = self._region(node.name) if node.op == "call_function" else None
+            for k, ref in enumerate(self._reads(node)):
+                i = self.edge_of.get((ref, (node.name, k)))
+                if i is not None and i not in emitted:
+                    emitted.add(i)
+                    out.append(_Event("reshard", node.name, i, region))
+            if node.op == "call_function":
+                out.append(_Event("op", node.name, region=region))
+        return out
+
+    def _reads(self, node: fx.Node) -> list[ValueRef]:
+        if node.op == "output":
+            return [value_ref(a) for a in torch.utils._pytree.tree_flatten(node.args)[0]
+                    if isinstance(a, fx.Node)]
+        return value_inputs(node)
+
+    def _buckets(self) -> tuple[dict[str, int], list[Any]]:
+        """The plan's gradient buckets (as solver/planner.gradient_buckets forms them): which
+        bucket each bucketed parameter's gradient goes to, and the buckets (``nbytes``, the flat
+        buffer; ``kind``, all-reduce, or reduce-scatter for ZeRO-2 and offload parameters)."""
+        first_use: dict[str, int] = {}
+        for i, n in enumerate(n for n in self.graph.nodes if n.name in self.strategies):
+            for ref in value_inputs(n):
+                first_use.setdefault(ref[0], i)
+        syncs: dict[str, Sync] = {}
+        for e in self.edges:
+            if e.from_param and e.value[0] not in syncs and is_grad_sync(e.reshard):
+                ph = self.nodes[e.value[0]]
+                dtype = str(ph.meta["val"].dtype).removeprefix("torch.")
+                nbytes = self._local_bytes(e.value, e.src)
+                axes = tuple(s.axis for s in e.reshard.backward)
+                if self._scatters(e.value[0], e.src):
+                    syncs[e.value[0]] = Sync(e.value[0], tuple(sorted(axes)), dtype, nbytes,
+                                             "reduce_scatter")
+                else:
+                    syncs[e.value[0]] = Sync(e.value[0], axes, dtype, nbytes)
+        order = sorted(syncs, key=lambda name: -first_use.get(name, 0))
+        buckets = form_buckets([syncs[n] for n in order], self.pricer.options.bucket_bytes)
+        of = {m: k for k, b in enumerate(buckets) for m in b.members}
+        return of, buckets
+
+    def _scatters(self, param: str, src: Any) -> bool:
+        """Whether the parameter's bucket reduce-scatters its gradient (ZeRO-2, offload: the
+        state mode is the placeholder strategy's kernel, cost/state.py)."""
+        strat = self.strategies.get(param)
+        if strat is None or strat.kernel not in ("zero2", "offload"):
+            return False
+        from autoshard.cost.state import state_spec
+        shape = tuple(self.pricer.shapes[(param, 0)][0])
+        return state_spec(shape, src, self.mesh_shape) is not None
+
+    # -- sizes ----------------------------------------------------------------------------
+    def _local_bytes(self, ref: ValueRef, spec: Any) -> int:
+        shape, itemsize = self.pricer.shapes[ref]
+        return local_numel(tuple(shape), spec, self.mesh_shape) * itemsize
+
+    def _out_spec(self, ref: ValueRef) -> Any:
+        strat = self.strategies.get(ref[0])
+        if strat is None or ref[1] >= len(strat.outputs):
+            return None
+        return strat.outputs[ref[1]]
+
+    def _value_bytes(self, ref: ValueRef) -> int:
+        return self._local_bytes(ref, self._out_spec(ref))
+
+    def _edge_bytes(self, i: int) -> int:
+        e = self.edges[i]
+        return self._local_bytes(e.value, e.dst)
+
+    def _fake_of(self, ref: ValueRef) -> Any:
+        return _fake(self.nodes[ref[0]], ref[1])
+
+    def _floating(self, ref: ValueRef) -> bool:
+        t = self._fake_of(ref)
+        return t is not None and (t.dtype.is_floating_point or t.dtype.is_complex)
+
+    def _needs_grad(self, ref: ValueRef) -> bool:
+        """Whether autograd computes a gradient for the value: a floating value computed from a
+        parameter; an output that aliases an input (a view among several outputs) only if
+        that input needs one."""
+        if not (self.training and ref[0] in self.grads and self._floating(ref)):
+            return False
+        node = self.nodes[ref[0]]
+        if node.op != "call_function":
+            return True
+        val = node.meta.get("val")
+        if not isinstance(val, (tuple, list)):
+            return True
+        ins = [k for k, j in self._aliases(node).items() if j == ref[1]]
+        refs = value_inputs(node)
+        return not ins or any(self._needs_grad(refs[k]) for k in ins)
+
+    def _steps_transient(self, steps: Iterable, nbytes: int) -> tuple[int, int]:
+        """(the largest bytes alive at once besides the input while ``steps`` run on a tensor
+        of ``nbytes``, the final bytes): each collective's output is made while its input is
+        alive; an all-gather or a reduce-scatter along a dim other than 0 and an all-to-all
+        stage one more copy (autoshard/codegen/collectives.py)."""
+        cur, most, first = nbytes, 0, True
+        for s in steps:
+            n = self.mesh_shape[s.axis] if s.axis < len(self.mesh_shape) else 1
+            if s.kind == "all_gather":
+                out, stage = cur * n, (cur * n if s.dim != 0 else 0)
+            elif s.kind in ("reduce_scatter", "slice"):
+                out, stage = cur // n, (cur if s.kind == "reduce_scatter" and s.dim != 0 else 0)
+            elif s.kind == "all_to_all":
+                out, stage = cur, 2 * cur
+            else:
+                out, stage = cur, 0
+            held = 0 if first else cur      # an intermediate is held while the next step runs
+            most = max(most, held + stage + out)
+            cur, first = out, False
+        return most, cur
+
+    def _reshard_aliases(self, r: Reshard) -> bool:
+        """Whether the reshard's forward leaves the tensor where it is (no steps, or a slice of
+        a contiguous block: ``chunk(...)[i].contiguous()`` along dim 0 copies nothing)."""
+        return all(s.kind == "slice" and s.dim == 0 for s in r.forward)
+
+    # -- the walk -------------------------------------------------------------------------
+    def run(self) -> MemoryBreakdown:
+        mem = self.mem
+        self.state: dict[str, Any] = {}
+        host = 0
+        self.tensors: dict[Any, _Storage] = {}
+        # Model state, the step's inputs: alive throughout.
+        for node in self.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            ref = (node.name, 0)
+            if node.name in self.tied_to:
+                continue
+            ph = self.traced.placeholder(node.name)
+            strat = self.strategies.get(node.name)
+            if ph.info is None or strat is None:
+                continue
+            if ph.kind == "input":
+                self.tensors[ref] = mem.alloc(self._value_bytes(ref), "activations")
+                continue
+            st = self._state(node.name, strat)
+            self.state[node.name] = st
+            self.tensors[ref] = mem.alloc(int(st["parameters"]), "parameters")
+            if st["optimizer"]:
+                mem.alloc(int(st["optimizer"]), "optimizer")
+            host += int(st["host"])
+        for name, first in self.tied_to.items():
+            if (first, 0) in self.tensors:
+                self.tensors[(name, 0)] = self.tensors[(first, 0)]
+        self.pinned = set(self.tensors)
+        self.p_grad: dict[str, _Storage] = {}
+
+        mem.phase = "forward"
+        self.held: dict[str, list[_Storage]] = {}        # backward node -> saved storages
+        self.region_held: dict[str, list[_Storage]] = {}
+        loss = self._forward(self.events, recompute=False)
+        if self.training:
+            mem.phase = "backward"
+            for s in loss:
+                mem.unref(s)
+            self._backward()
+            mem.phase = "optimizer"
+            self._optimizer()
+        total, phase, at, live = mem.best
+        return MemoryBreakdown(peak=int(total), phase=phase, at=at,
+                               parameters=live["parameters"], gradients=live["gradients"],
+                               optimizer=live["optimizer"], activations=live["activations"],
+                               temporaries=live["temporaries"], host=host,
+                               phases={p: int(v) for p, v in mem.phases.items()},
+                               state={k: int(sum(st[k] for st in self.state.values()))
+                                      for k in ("parameters", "gradients", "optimizer", "host")})
+
+    def _state(self, name: str, strategy: Strategy) -> dict[str, float]:
+        """One placeholder's parameters, gradients, optimizer and host bytes."""
+        sb = getattr(self.pricer, "state_bytes", None)
+        if callable(sb):
+            s = sb(name, strategy)
+            return {"parameters": s.parameters, "gradients": s.gradients,
+                    "optimizer": s.optimizer, "host": getattr(s, "host", 0.0)}
+        ph = self.traced.placeholder(name)
+        numel = local_numel(tuple(ph.info.shape), strategy.outputs[0], self.mesh_shape)
+        isz = ph.info.dtype.itemsize
+        if ph.kind != "param":
+            return {"parameters": numel * isz, "gradients": 0, "optimizer": 0, "host": 0}
+        opt = self.pricer.options.state_optimizer
+        total = param_state_bytes(numel, ph.info.dtype, optimizer=opt)
+        grads = 0 if opt == "none" else numel * isz
+        return {"parameters": numel * isz, "gradients": grads,
+                "optimizer": total - numel * isz - grads, "host": 0}
+
+    # -- forward ----------------------------------------------------------------------------
+    def _forward(self, events: list[_Event], *, recompute: bool) -> list[_Storage]:
+        """Run ``events`` forward. Outside recomputation: the whole program, returning the loss's
+        storages (held until backward starts). Recomputing a checkpointed layer: its events,
+        whose saved tensors are held for their backward."""
+        mem = self.mem
+        tensors = self.tensors
+        uses: dict[Any, int] = {}
+        self.born_here: set[Any] = set()
+        for ev in events:
+            for key in self._event_reads(ev):
+                uses[key] = uses.get(key, 0) + 1
+        if not recompute:
+            out_node = next(n for n in self.graph.nodes if n.op == "output")
+            for k, ref in enumerate(self._reads(out_node)):
+                key = self._delivered(ref, (out_node.name, k))
+                uses[key] = uses.get(key, 0) + 1
+        started: set[str] = set()
+        for ev in events:
+            region = ev.region
+            if region is not None and not recompute and region not in started:
+                started.add(region)
+                self._hold_region_inputs(region)
+            if ev.kind == "reshard":
+                e = self.edges[ev.edge]
+                src = tensors.get(e.value)
+                key = ("edge", ev.edge)
+                if src is None:
+                    continue
+                store = self._stores_reshard(ev)
+                raw = self._collective_outputs(e.reshard, self._local_bytes(e.value, e.src)) \
+                    if store else []
+                if recompute and store and raw[-1][1]:
+                    tensors[key] = self._take(region, key)        # stored: replayed
+                    mem.mark(ev.name)
+                    self._drop_staging(region, ev.edge)
+                elif self._reshard_aliases(e.reshard):
+                    tensors[key] = mem.ref(src)
+                    mem.mark(ev.name)
+                else:
+                    most, _ = self._steps_transient(e.reshard.forward,
+                                                    self._local_bytes(e.value, e.src))
+                    out = self._edge_bytes(ev.edge)
+                    tensors[key] = mem.alloc(out, "activations")
+                    mem.mark(ev.name, extra=max(0, most - out), extra_cat="activations")
+                    if recompute and store:     # made again from the stored staging output
+                        self._drop_staging(region, ev.edge)
+                if store and not recompute:
+                    # Selective checkpointing keeps every collective's own output: the final
+                    # tensor, or a staging one the final is cut or concatenated from.
+                    for nbytes, final in raw:
+                        if final:
+                            self._store(region, key)
+                        else:
+                            self.stored.setdefault(region, []).append(
+                                (("staging", ev.edge), mem.alloc(nbytes, "activations")))
+                self._born(key, uses)
+                self._use(e.value, uses)
+                continue
+            node = self.nodes[ev.name]
+            reads = self._event_reads(ev)
+            store = self._stores_op(node.name)
+            if recompute and store:
+                outs = self._replayed_outputs(region, node)
+            else:
+                outs = self._outputs(node, reads)
+            mem.mark(node.name)
+            if store and not recompute:
+                for key in outs:
+                    self._store(region, key)
+            if self.training and (recompute or region is None):
+                self._hold_saved(node, reads, outs)
+            for key in outs:
+                self._born(key, uses)
+            for key in reads:
+                self._use(key, uses)
+        if recompute:
+            return []
+        out_node = next(n for n in self.graph.nodes if n.op == "output")
+        loss = []
+        for k, ref in enumerate(self._reads(out_node)):
+            key = self._delivered(ref, (out_node.name, k))
+            if key in tensors:
+                loss.append(mem.ref(tensors[key]))
+                self._use(key, uses)
+        return loss
+
+    def _event_reads(self, ev: _Event) -> list[Any]:
+        if ev.kind == "reshard":
+            return [self.edges[ev.edge].value]
+        node = self.nodes[ev.name]
+        return [self._delivered(ref, (node.name, k)) for k, ref in enumerate(value_inputs(node))]
+
+    def _delivered(self, ref: ValueRef, consumer: tuple[str, int]) -> Any:
+        """The tensor a consumer reads: the value, or its resharded copy."""
+        i = self.edge_of.get((ref, consumer))
+        return ref if i is None else ("edge", i)
+
+    def _born(self, key: Any, uses: dict[Any, int]) -> None:
+        """A tensor just made: it holds its storage while forward reads remain."""
+        self.born_here.add(key)
+        if uses.get(key, 0) == 0 and key not in self.pinned:
+            self.mem.unref(self.tensors.get(key))
+
+    def _use(self, key: Any, uses: dict[Any, int]) -> None:
+        """One forward read of ``key`` done; its last releases the tensor (a tensor made before
+        a recomputation, a checkpointed layer's input, is held by the layer instead)."""
+        if key in self.pinned or key not in self.born_here:
+            return
+        uses[key] -= 1
+        if uses[key] == 0:
+            self.mem.unref(self.tensors.get(key))
+
+    def _outputs(self, node: fx.Node, reads: list[Any]) -> list[Any]:
+        """Make the op's outputs: a new storage each, or the input's storage where the traced
+        graph's output aliases an input."""
+        ins = [a for a in torch.utils._pytree.tree_flatten((node.args, node.kwargs))[0]
+               if isinstance(a, fx.Node)]
+        in_keys = {}
+        for k, a in enumerate(ins):
+            ref = value_ref(a)
+            t = self._fake_of(ref) if ref[0] in self.nodes else None
+            sk = _storage_key(t) if t is not None else None
+            if sk is not None:
+                in_keys.setdefault(sk, k)
+        val = node.meta.get("val")
+        n_out = len(val) if isinstance(val, (tuple, list)) else 1
+        outs = []
+        for j in range(n_out):
+            ref = (node.name, j)
+            t = _fake(node, j)
+            if t is None:
+                continue
+            sk = _storage_key(t)
+            k = in_keys.get(sk) if sk is not None else None
+            if k is not None and k < len(reads) and reads[k] in self.tensors:
+                self.tensors[ref] = self.mem.ref(self.tensors[reads[k]])
+            else:
+                self.tensors[ref] = self.mem.alloc(self._value_bytes(ref), "activations")
+            outs.append(ref)
+        return outs
+
+    def _hold_saved(self, node: fx.Node, reads: list[Any], outs: list[Any]) -> None:
+        """What the op keeps for its backward, held until it runs."""
+        if node.name not in self.grads:
+            return                           # no gradient flows through it: autograd keeps nothing
+        info = self.pricer.info(node.name)
+        rule = saved_rule(info)
+        held: list[_Storage] = []
+        for k in rule.inputs:
+            if k < len(reads) and (node.name, k) in self.saved_at and reads[k] in self.tensors:
+                held.append(self.mem.ref(self.tensors[reads[k]]))
+        for j in rule.outputs:
+            ref = (node.name, j)
+            if ref in self.tensors and ref in outs:
+                held.append(self.mem.ref(self.tensors[ref]))
+        extra = self._extra_bytes(node.name, info, rule)
+        if extra:
+            held.append(self.mem.alloc(extra, "activations"))
+        if held:
+            self.held.setdefault(node.name, []).extend(held)
+
+    def _saves(self, node: fx.Node) -> bool:
+        """Whether the op keeps anything for its backward."""
+        if not self.training or node.name not in self.grads:
+            return False
+        rule = saved_rule(self.pricer.info(node.name))
+        return bool(rule.outputs or rule.extra) or any((node.name, k) in self.saved_at
+                                                       for k in rule.inputs)
+
+    def _extra_bytes(self, name: str, info: Any, rule: Any) -> int:
+        """Buffers the op keeps that are not graph values: per-row statistics, masks
+        (``Saves.extra``, as memory.saved_activation_bytes counts them)."""
+        prof = op_profile(info)
+        strat = self.strategies[name]
+        ins = strat.inputs if len(strat.inputs) == len(prof.inputs) else tuple(
+            s for s in strat.inputs if s is not None)
+        total = 0
+        for side, idx, per, nbytes in rule.extra:
+            infos = prof.inputs if side == "in" else prof.outputs
+            specs = ins if side == "in" else strat.outputs
+            if idx >= len(infos):
+                continue
+            shape, isz = infos[idx]
+            spec = specs[idx] if idx < len(specs) else None
+            n = local_numel(tuple(shape), spec, self.mesh_shape)
+            if per == "row" and shape:
+                last = shape[-1] // (shard_factor(spec, len(shape) - 1, self.mesh_shape)
+                                     if spec else 1)
+                n //= max(last, 1)
+            total += n * (nbytes or isz)
+        return total
+
+    def _hold_region_inputs(self, region: str) -> None:
+        """A checkpointed layer keeps the tensors it reads from outside itself (its inputs;
+        parameters are alive anyway) until its backward has run."""
+        inside = self.region_ops.get(region, set())
+        held: dict[int, _Storage] = {}
+        for ev in self.region_events.get(region, []):
+            keys = [self.edges[ev.edge].value] if ev.kind == "reshard" else self._event_reads(ev)
+            for key in keys:
+                produced_inside = (key[0] != "edge" and key[0] in inside) or (
+                    key[0] == "edge" and self.edge_region.get(key[1]) == region)
+                if produced_inside or key in self.pinned or key not in self.tensors:
+                    continue
+                s = self.tensors[key]
+                if id(s) not in held:
+                    held[id(s)] = self.mem.ref(s)
+        self.region_held[region] = list(held.values())
+
+    # -- backward ---------------------------------------------------------------------------
+    def _backward(self) -> None:
+        mem = self.mem
+        self.grad: dict[Any, _Storage] = {}
+        self.bucket_buf: dict[int, _Storage] = {}
+        self.bucket_out: dict[int, _Storage] = {}
+        self.bucket_held: dict[int, list[_Storage]] = {}
+        # The loss's gradient: a scalar (ones_like), for the loss's producer.
+        out_node = next(n for n in self.graph.nodes if n.op == "output")
+        for k, ref in enumerate(self._reads(out_node)):
+            key = self._delivered(ref, (out_node.name, k))
+            self.grad[key] = mem.alloc(4, "temporaries")
+        regions_done: set[str] = set()
+        region_first: dict[str, int] = {}
+        for i, ev in enumerate(self.events):
+            if ev.region is not None:
+                region_first.setdefault(ev.region, i)
+        for i in range(len(self.events) - 1, -1, -1):
+            ev = self.events[i]
+            # torch.utils.checkpoint recomputes a layer when its backward first unpacks a saved
+            # tensor: at the layer's last op that saves one (the backward of the reshards and
+            # adds after it runs before that).
+            if ev.region is not None and ev.region not in regions_done and ev.kind == "op" \
+                    and self._saves(self.nodes[ev.name]):
+                regions_done.add(ev.region)
+                self._recompute(ev.region)
+            if ev.kind == "reshard":
+                self._reshard_backward(ev)
+            else:
+                self._op_backward(self.nodes[ev.name])
+            if ev.region is not None and region_first[ev.region] == i:
+                for s in self.region_held.pop(ev.region, []):
+                    mem.unref(s)
+        for s in list(self.grad.values()):
+            mem.unref(s)
+        self.grad.clear()
+        self._finish_buckets()
+
+    def _recompute(self, region: str) -> None:
+        """The layer's forward again, its reshards included, holding what its ops save; under
+        selective checkpointing the stored outputs are handed back instead of made again, and
+        the store lets go of them."""
+        phase = self.mem.phase
+        self._forward(self.region_events.get(region, []), recompute=True)
+        self.mem.phase = phase
+        for _, s in self.stored.pop(region, []):
+            self.mem.unref(s)
+
+    # -- selective checkpointing ------------------------------------------------------------
+    def _selective(self, region: str | None) -> bool:
+        return region is not None and self.policies.get(region) == "selective"
+
+    def _stores_op(self, name: str) -> bool:
+        """Whether selective checkpointing keeps the op's outputs from forward to its layer's
+        recomputation (codegen/recompute.py: matmuls and attention, ``Pricer.stores``)."""
+        if not self._selective(self._region(name)):
+            return False
+        stores = getattr(self.pricer, "stores", None)
+        if callable(stores):
+            return bool(stores(name))
+        return record_of(self.nodes[name].target).family in ("matmul", "attention")
+
+    def _stores_reshard(self, ev: _Event) -> bool:
+        """Selective checkpointing keeps every collective's output (a replay moves nothing)."""
+        return self._selective(ev.region) and any(
+            st.is_collective for st in self.edges[ev.edge].reshard.forward)
+
+    def _collective_outputs(self, r: Reshard, nbytes: int) -> list[tuple[int, bool]]:
+        """(bytes, whether it is the reshard's result) of the output of each collective of
+        ``r``'s forward, run on a tensor of ``nbytes`` (codegen/collectives.py: an all-gather
+        along a dim other than 0 and an all-to-all concatenate their collective's output)."""
+        out, cur = [], nbytes
+        steps = list(r.forward)
+        for i, st in enumerate(steps):
+            n = self.mesh_shape[st.axis] if st.axis < len(self.mesh_shape) else 1
+            last = i == len(steps) - 1
+            if st.kind == "all_gather":
+                cur *= n
+                out.append((cur, last and st.dim == 0))
+            elif st.kind == "reduce_scatter":
+                cur //= n
+                out.append((cur, last))
+            elif st.kind in ("all_reduce", "all_to_all"):
+                out.append((cur, last and st.kind == "all_reduce"))
+            elif st.kind == "slice":
+                cur //= n
+        return out or [(0, False)]
+
+    def _store(self, region: str, key: Any) -> None:
+        s = self.tensors.get(key)
+        if s is not None:
+            self.stored.setdefault(region, []).append((key, self.mem.ref(s)))
+
+    def _take(self, region: str, key: Any) -> _Storage:
+        """A stored output handed back by the replay (the store's reference goes with it)."""
+        entries = self.stored.get(region, [])
+        for i, (k, s) in enumerate(entries):
+            if k == key:
+                return entries.pop(i)[1]
+        return self.mem.alloc(self._value_bytes(key) if key[0] != "edge"
+                              else self._edge_bytes(key[1]), "activations")
+
+    def _drop_staging(self, region: str, edge: int) -> None:
+        """The stored staging outputs of a reshard, once its result is made from them."""
+        entries = self.stored.get(region, [])
+        for s in [s for k, s in entries if k == ("staging", edge)]:
+            self.mem.unref(s)
+        self.stored[region] = [(k, s) for k, s in entries if k != ("staging", edge)]
+
+    def _replayed_outputs(self, region: str, node: fx.Node) -> list[Any]:
+        val = node.meta.get("val")
+        n_out = len(val) if isinstance(val, (tuple, list)) else 1
+        outs = []
+        for j in range(n_out):
+            if _fake(node, j) is not None:
+                self.tensors[(node.name, j)] = self._take(region, (node.name, j))
+                outs.append((node.name, j))
+        return outs
+
+    def _contribute(self, key: Any, s: _Storage, at: str) -> None:
+        """A gradient for ``key`` arrives (one reference on ``s`` handed over)."""
+        mem = self.mem
+        if key[0] != "edge" and (key[0] in self.params or key[0] in self.tied_to):
+            self._land(self.tied_to.get(key[0], key[0]), s, at)
+            return
+        old = self.grad.get(key)
+        if old is None:
+            self.grad[key] = s
+            return
+        # Accumulate: in place into whichever of the two is not shared, else into a new one.
+        if old.refs == 1 or s.refs == 1:
+            mem.mark(at)
+            keep, drop = (old, s) if old.refs == 1 else (s, old)
+            self.grad[key] = keep
+            mem.unref(drop)
+            return
+        new = mem.alloc(max(old.nbytes, s.nbytes), "temporaries")
+        mem.mark(at)
+        self.grad[key] = new
+        mem.unref(old)
+        mem.unref(s)
+
+    def _land(self, param: str, s: _Storage, at: str) -> None:
+        """A parameter's gradient reaches ``.grad`` (AccumulateGrad): stolen if no one else
+        holds it, else copied; a second one is added in place."""
+        mem = self.mem
+        old = self.p_grad.get(param)
+        if old is None:
+            if s.refs == 1:
+                mem.recategorize(s, "gradients")
+                self.p_grad[param] = s
+            else:
+                self.p_grad[param] = mem.alloc(s.nbytes, "gradients")
+                mem.mark(at)
+                mem.unref(s)
+            return
+        mem.mark(at)
+        mem.unref(s)
+
+    def _op_backward(self, node: fx.Node) -> None:
+        mem = self.mem
+        name = node.name
+        val = node.meta.get("val")
+        n_out = len(val) if isinstance(val, (tuple, list)) else 1
+        out_grads = {j: self.grad.pop((name, j)) for j in range(n_out) if (name, j) in self.grad}
+        held = self.held.pop(name, [])
+        if not out_grads or name not in self.grads:
+            for s in [*out_grads.values(), *held]:
+                mem.unref(s)
+            return
+        refs = value_inputs(node)
+        view = record_of(node.target).family == VIEW
+        alias = self._aliases(node)
+        new_grads: list[tuple[Any, _Storage]] = []
+        for k, ref in enumerate(refs):
+            if not self._needs_grad(ref):
+                continue
+            key = self._delivered(ref, (name, k))
+            nbytes = self._local_bytes(ref, self.edges[key[1]].dst) if key[0] == "edge" \
+                else self._value_bytes(ref)
+            g0 = out_grads.get(alias.get(k, -1))
+            if g0 is not None and node.target not in _VIEW_NEW_GRAD:
+                # A view's (or an aliasing op's) gradient is its output's, reshaped: a copy only
+                # where a transposed gradient has to become contiguous.
+                if view and self._reshapes(node) and g0.permuted:
+                    new_grads.append((key, mem.alloc(nbytes, "temporaries")))
+                else:
+                    if view and self._permutes(node):
+                        g0.permuted = not g0.permuted
+                    new_grads.append((key, mem.ref(g0)))
+            elif node.target in _PASS_THROUGH and len(out_grads) == 1 \
+                    and next(iter(out_grads.values())).nbytes == nbytes:
+                new_grads.append((key, mem.ref(next(iter(out_grads.values())))))
+            else:
+                new_grads.append((key, mem.alloc(nbytes, "temporaries")))
+        extra = 0
+        if node.target in _BACKWARD_EXTRA and refs:
+            extra = self._local_bytes(refs[0], self._in_spec(node, 0))
+        mem.mark(name, extra=extra)
+        for s in [*out_grads.values(), *held]:
+            mem.unref(s)
+        for key, s in new_grads:
+            self._contribute(key, s, name)
+
+    def _in_spec(self, node: fx.Node, k: int) -> Any:
+        strat = self.strategies[node.name]
+        return strat.inputs[k] if k < len(strat.inputs) else None
+
+    def _aliases(self, node: fx.Node) -> dict[int, int]:
+        """Input position -> the output that shares its storage in the traced graph."""
+        cache = self.__dict__.setdefault("_alias_cache", {})
+        if node.name in cache:
+            return cache[node.name]
+        val = node.meta.get("val")
+        outs = {}
+        for j, t in enumerate(val if isinstance(val, (tuple, list)) else [val]):
+            if isinstance(t, torch.Tensor):
+                sk = _storage_key(t)
+                if sk is not None:
+                    outs.setdefault(sk, j)
+        found = {}
+        for k, ref in enumerate(value_inputs(node)):
+            t = self._fake_of(ref)
+            sk = _storage_key(t) if t is not None else None
+            if sk is not None and sk in outs:
+                found[k] = outs[sk]
+        cache[node.name] = found
+        return found
+
+    @staticmethod
+    def _permutes(node: fx.Node) -> bool:
+        return node.target in (aten.transpose.int, aten.permute.default, aten.t.default)
+
+    @staticmethod
+    def _reshapes(node: fx.Node) -> bool:
+        return node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+    def _reshard_backward(self, ev: _Event) -> None:
+        mem = self.mem
+        e = self.edges[ev.edge]
+        key = ("edge", ev.edge)
+        g = self.grad.pop(key, None)
+        if g is None:
+            return
+        if not self._needs_grad(e.value):
+            mem.unref(g)
+            return
+        param = self.tied_to.get(e.value[0], e.value[0])
+        if e.from_param and self.bucket_of.get(param) is not None and is_grad_sync(e.reshard) \
+                and self._bucketed_edge(param) == ev.edge:
+            self._arrive(self.bucket_of[param], g, ev.name)
+            return
+        if not e.reshard.backward:
+            self._contribute(e.value, g, ev.name)
+            return
+        most, final = self._steps_transient(e.reshard.backward, self._edge_bytes(ev.edge))
+        out = mem.alloc(self._local_bytes(e.value, e.src), "temporaries")
+        mem.mark(ev.name, extra=max(0, most - out.nbytes))
+        mem.unref(g)
+        self._contribute(e.value, out, ev.name)
+
+    def _bucketed_edge(self, param: str) -> int | None:
+        """The reshard whose gradient sync a parameter's bucket runs: its first pure one."""
+        cache = self.__dict__.setdefault("_bucketed", {})
+        if param not in cache:
+            cache[param] = next((i for i, e in enumerate(self.edges)
+                                 if e.value[0] == param and is_grad_sync(e.reshard)), None)
+        return cache[param]
+
+    def _arrive(self, b: int, g: _Storage, at: str) -> None:
+        """A gradient reaches its bucket (codegen/buckets.py). An all-reduce bucket copies it
+        into its flat buffer, allocated whole at the first arrival. A reduce-scatter bucket
+        keeps the gradients until all have come, then lays them out in one buffer and
+        reduce-scatters it; the buffer lives until the next reduce-scatter bucket is issued
+        (the runtime finishes one before it issues the next), or the end of backward."""
+        mem, bucket = self.mem, self.buckets[b]
+        if getattr(bucket, "kind", "all_reduce") != "reduce_scatter":
+            if b not in self.bucket_buf:
+                self.bucket_buf[b] = mem.alloc(bucket.nbytes, "gradients")
+            mem.mark(at)
+            mem.unref(g)
+            return
+        mem.recategorize(g, "gradients")
+        held = self.bucket_held.setdefault(b, [])
+        held.append(g)
+        mem.mark(at)
+        if len(held) == len(bucket.members):
+            self._scatter(b, at)
+
+    def _scatter(self, b: int, at: str) -> None:
+        for prev in list(self.bucket_out):      # one reduce-scatter bucket in flight
+            self._complete(prev)
+        mem, bucket = self.mem, self.buckets[b]
+        n = self.mesh_shape[bucket.axes[0]] if bucket.axes else 1
+        self.bucket_buf[b] = mem.alloc(bucket.nbytes, "gradients")
+        self.bucket_out[b] = mem.alloc(bucket.nbytes // max(n, 1), "gradients")
+        mem.mark(at)
+        for g in self.bucket_held.pop(b, []):
+            mem.unref(g)
+
+    def _finish_buckets(self) -> None:
+        """End of backward: an all-reduced buffer becomes its parameters' ``.grad`` (views of
+        it); a reduce-scattered bucket leaves each member its gradient shard (the state's
+        gradient bytes, cost/state.py) and frees its buffers."""
+        mem = self.mem
+        for b in list(self.bucket_held):
+            self._scatter(b, "gradient buckets")        # a member's gradient never came
+        for b in list(self.bucket_out):
+            self._complete(b)
+        mem.mark("end of backward")
+
+    def _complete(self, b: int) -> None:
+        """A reduce-scatter bucket done: its members' shards stay, its buffers go."""
+        mem = self.mem
+        out = self.bucket_out.pop(b)
+        for m in self.buckets[b].members:
+            if m in self.state:
+                self.p_grad.setdefault(m, mem.alloc(int(self.state[m]["gradients"]),
+                                                    "gradients"))
+        mem.mark("gradient buckets")
+        mem.unref(out)
+        mem.unref(self.bucket_buf.pop(b))
+
+    # -- optimizer step ---------------------------------------------------------------------
+    def _optimizer(self) -> None:
+        """Parameters, gradients and optimizer state, plus the update's temporaries."""
+        mem = self.mem
+        mem.mark("optimizer step")
+        if self.pricer.options.state_optimizer not in ("adam", "adamw"):
+            return
+        moments = []
+        for name in (p.name for p in self.traced.params):
+            st = self.state.get(name)
+            if not st or not st["optimizer"]:
+                continue
+            ph = self.traced.placeholder(name)
+            # fp32 moments (momentum, variance), and a master copy of a 16-bit parameter or of
+            # a ZeRO-1/2 shard: the optimizer bytes are two or three moment-sized tensors.
+            three = ph.info.dtype.itemsize < 4 or self.strategies[name].kernel is not None
+            moments.append((name, int(st["optimizer"] / (3 if three else 2))))
+        if self.foreach:
+            mem.mark("optimizer step", extra=sum(m for _, m in moments))
+        else:
+            prev = 0
+            for name, m in moments:
+                # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps): two at once,
+                # with the previous parameter's denom not yet released.
+                mem.mark(f"optimizer step ({name})", extra=prev + 2 * m)
+                prev = m
+        # ZeRO-1/2 and offload: each updated state shard is all-gathered back into the
+        # parameter's layout (codegen/optim.py), one parameter at a time.
+        for name in (p.name for p in self.traced.params):
+            strat = self.strategies.get(name)
+            if name in self.state and strat is not None and strat.kernel in (
+                    "zero1", "zero2", "offload"):
+                from autoshard.cost.state import state_spec
+                ph = self.traced.placeholder(name)
+                if state_spec(tuple(ph.info.shape), strat.outputs[0], self.mesh_shape):
+                    mem.mark(f"optimizer step ({name})",
+                             extra=int(self.state[name]["parameters"]))
