@@ -248,3 +248,16 @@ def _bf16_steps(model_name: str, plan_json: str, steps: int):
                      .abs().flatten())
     diff, move = torch.cat(diffs), torch.cat(moves)
     return losses, (diff.max().item(), diff.mean().item(), move.mean().item())
+
+
+def test_no_technique_that_costs_time_where_memory_is_plentiful():
+    """GPT-2 124M on 8 H100s at batch 8: nothing binds, so nothing that only buys memory with
+    time is chosen: no recomputation, no offload."""
+    from autoshard.solver.planner import plan_traced
+    from autoshard.trace.export import trace
+    from autoshard.zoo.registry import load_model
+    model, inputs = load_model("gpt2", batch=8, seq=1024, device="meta")
+    plan = plan_traced(trace(model, inputs), Mesh((8,), cluster="h100"))
+    assert not plan.recompute
+    assert not any(s.offload for s in plan.param_state.values())
+    assert plan.predicted["memory"]["host"] == 0

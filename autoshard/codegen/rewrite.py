@@ -17,7 +17,7 @@ import torch.fx as fx
 from autoshard.codegen.buckets import DeferredGradSync, GradBuckets
 from autoshard.codegen.collectives import Ledger, redistribute
 from autoshard.codegen.recompute import outline
-from autoshard.cost.overlap import is_grad_sync
+from autoshard.cost.overlap import first_grad_syncs
 from autoshard.errors import AutoshardError
 from autoshard.cost.reshards import ReshardEdge, reshard_edges
 from autoshard.ir import spec_str
@@ -72,16 +72,14 @@ def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime) -> fx.GraphModul
     shapes = value_shapes(traced.graph)
     params = {p.name for p in traced.params}
     edges: dict[tuple, ReshardEdge] = {}
-    # The first pure gradient sync of each bucket member, as planner.gradient_buckets picks it.
-    members = set(runtime.buckets.of) if runtime.buckets is not None else set()
-    bucketed: set[ReshardEdge] = set()
-    for e in reshard_edges(traced.graph, strategies, mesh_shape, shapes, params,
-                           training=traced.training):
+    all_edges = list(reshard_edges(traced.graph, strategies, mesh_shape, shapes, params,
+                                   training=traced.training))
+    for e in all_edges:
         for c in e.consumers:
             edges[(e.value, c)] = e
-        if e.value[0] in members and is_grad_sync(e.reshard):
-            members.discard(e.value[0])
-            bucketed.add(e)
+    # The gradient sync each bucket member's bucket runs, as the planner picked it.
+    members = set(runtime.buckets.of) if runtime.buckets is not None else set()
+    bucketed = {e for p, e in first_grad_syncs(all_edges).items() if p in members}
 
     g = fx.Graph()
     env: dict[str, fx.Node] = {}

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from autoshard.cost.comm import Reshard, collective_time
+from autoshard.cost.reshards import ReshardEdge
 from autoshard.mesh import Mesh
 
 
@@ -29,6 +30,17 @@ def is_grad_sync(r: Reshard) -> bool:
     """A pure gradient sync: nothing moves in forward, the gradient is all-reduced in backward
     (a zero2/offload parameter's bucket reduce-scatters it instead: cost/state.py)."""
     return not r.forward and bool(r.backward) and all(s.kind == "all_reduce" for s in r.backward)
+
+
+def first_grad_syncs(edges: Iterable[ReshardEdge]) -> dict[str, ReshardEdge]:
+    """Each parameter's first pure gradient sync, in the walk's order: the one its bucket runs
+    (a parameter read in two layouts syncs its other reads' gradients itself). The planner's
+    ledger and the runtime pick the same one through this."""
+    out: dict[str, ReshardEdge] = {}
+    for e in edges:
+        if e.from_param and e.value[0] not in out and is_grad_sync(e.reshard):
+            out[e.value[0]] = e
+    return out
 
 
 def sync_share_seconds(r: Reshard, mesh: Mesh, bucket_bytes: float) -> float:

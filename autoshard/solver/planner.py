@@ -11,7 +11,7 @@ from autoshard.cost.liveness import step_memory
 from autoshard.cost.price import Pricer
 from autoshard.cost.comm import step_seconds
 from autoshard.cost.overlap import (Bucket, Sync, bucket_bytes_by_axis, exposed_seconds,
-                                    form_buckets, is_grad_sync, sync_share_by_axis)
+                                    first_grad_syncs, form_buckets, sync_share_by_axis)
 from autoshard.cost.state import StateBytes, state_spec
 from autoshard.cost.reshards import ReshardEdge, reshard_edges
 from autoshard.errors import AutoshardError
@@ -369,13 +369,12 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
                                training=traced.training))
     modes = {n: strategies[n].kernel for n in params}
     buckets = gradient_buckets(edges, nodes, options.bucket_bytes, modes, mesh.shape)
-    bucketed = {m for b in buckets for m in b.members}
+    first = first_grad_syncs(edges)
     collectives: list[CollectiveRecord] = []
     blocking = dict.fromkeys(mesh.axes, 0.0)
     sync = dict.fromkeys(mesh.axes, 0.0)
     for e in edges:
-        if e.value[0] in bucketed and is_grad_sync(e.reshard):
-            bucketed.discard(e.value[0])         # the first such reshard of the parameter
+        if first.get(e.value[0]) is e:           # run by its bucket
             steps = pricer.bucketed_sync(e.value, e.src, e.reshard, modes[e.value[0]])
             for a, t in sync_share_by_axis(steps, mesh, options.bucket_bytes).items():
                 sync[mesh.axes[a]] += t
@@ -479,17 +478,14 @@ def gradient_buckets(edges: list[ReshardEdge], nodes: list, bucket_bytes: float,
     dtypes = {n.name: str(n.meta["val"].dtype).removeprefix("torch.") for n in nodes
               if n.op == "placeholder"}
     syncs: dict[str, Sync] = {}
-    for e in edges:
-        if e.from_param and e.value[0] not in syncs and is_grad_sync(e.reshard):
-            shape = tuple(next(n for n in nodes if n.name == e.value[0]).meta["val"].shape)
-            mode = (modes or {}).get(e.value[0])
-            if mode in ("zero2", "offload") and state_spec(shape, e.src, mesh_shape) is not None:
-                axes = tuple(sorted(s.axis for s in e.reshard.backward))
-                kind = "reduce_scatter"
-            else:
-                axes, kind = tuple(s.axis for s in e.reshard.backward), "all_reduce"
-            syncs[e.value[0]] = Sync(e.value[0], axes, dtypes[e.value[0]],
-                                     e.reshard.backward[0].nbytes, kind)
+    shapes = {n.name: tuple(n.meta["val"].shape) for n in nodes if n.op == "placeholder"}
+    for name, e in first_grad_syncs(edges).items():
+        if (modes or {}).get(name) in ("zero2", "offload") \
+                and state_spec(shapes[name], e.src, mesh_shape) is not None:
+            axes, kind = tuple(sorted(s.axis for s in e.reshard.backward)), "reduce_scatter"
+        else:
+            axes, kind = tuple(s.axis for s in e.reshard.backward), "all_reduce"
+        syncs[name] = Sync(name, axes, dtypes[name], e.reshard.backward[0].nbytes, kind)
     order = sorted(syncs, key=lambda name: -first_use.get(name, 0))
     return form_buckets([syncs[name] for name in order], bucket_bytes)
 
