@@ -203,7 +203,7 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0) -> Solution:
         if sol is not None and sol.status == "OPTIMAL" and \
                 evaluate(problem, sol.choice)[1] <= problem.memory_budget:
             return sol
-        time_limit_s = max(1.0, time_limit_s - (time.perf_counter() - t0))
+        time_limit_s = max(time_limit_s / 2, time_limit_s - (time.perf_counter() - t0))
     return _solve(problem, time_limit_s, t0)
 
 

@@ -82,10 +82,13 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = N
         # The ILP bounds what forward saves; the step's peak (backward's gradients, the
         # optimizer's temporaries) is above the budget: plan once more with the ILP's bound
         # lowered by the excess, and keep that plan if its own peak fits.
+        # The same techniques (checkpointing, offload allowed), one more solve.
         lower = plan.predicted["peak_memory_bytes"] - (live - budget)
+        offload = any(st.offload for st in plan.param_state.values())
         try:
-            again = _plan_memory(traced, mesh, options.replace(memory_budget=lower),
-                                 model_name=model_name, fixed=None, trace_s=trace_s, merge=None)
+            again = _plan_traced(traced, mesh, options.replace(memory_budget=lower),
+                                 model_name=model_name, fixed=None, trace_s=trace_s, merge=None,
+                                 recompute=dict(plan.recompute), offload=offload)
         except AutoshardError:
             again = None
         if again is not None and again.predicted["memory"]["peak"] <= budget:
