@@ -191,7 +191,7 @@ def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw:
             plans.append(_plan_traced(traced, mesh, options,
                                       recompute=dict.fromkeys(layers, policy), **kw))
         except AutoshardError as e:
-            if not isinstance(e.__cause__, Infeasible):
+            if not isinstance(e.__cause__, (Infeasible, NoSolution)):
                 raise
             error = e
             continue
