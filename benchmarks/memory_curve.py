@@ -8,12 +8,13 @@ to just above the least memory any plan needs, and once below that, where no pla
 planner's error (quoted verbatim) names the least memory found and the techniques it tried.
 
 Each budget is planned with the default options (``zero``, ``offload`` and ``recompute`` all
-"auto": the planner picks ZeRO-1/2/3 per parameter in the ILP, activation checkpointing where
-memory binds, optimizer offload only where nothing fits without it), and, to show what the
-automatic choice leaves out, with ``recompute`` forced to "none" and to "full". The table gives,
-per budget, the predicted step, the peak, the techniques the plan uses (parameters under ZeRO-1,
-ZeRO-2, offload; parameters stored sharded; checkpointed layers) and the planning time; the plot
-(``--plot``, default benchmarks/memory_curve.png) draws the three curves.
+"auto": the planner picks gradient/optimizer-state and parameter sharding per parameter in the
+ILP, activation checkpointing where memory binds, optimizer offload only where nothing fits
+without it), and, to show what the automatic choice leaves out, with ``recompute`` forced to
+"none", "selective" and "full". The table gives, per budget, the predicted step, the peak, the
+techniques the plan uses (parameters under ZeRO-1, ZeRO-2, offload; parameters stored sharded;
+checkpointed layers) and the planning time; the plot (``--plot``, default
+benchmarks/memory_curve.png) draws the curves and the techniques.
 
     python benchmarks/memory_curve.py --out benchmarks/RESULTS.md
     python benchmarks/memory_curve.py --points 6            # a coarser sweep
@@ -36,6 +37,7 @@ from autoshard.errors import AutoshardError  # noqa: E402
 from autoshard.ir import Shard  # noqa: E402
 from autoshard.mesh import Mesh  # noqa: E402
 from autoshard.solver.ilp import Infeasible  # noqa: E402
+from autoshard.solver import planner  # noqa: E402
 from autoshard.solver.planner import plan_traced  # noqa: E402
 from autoshard.trace.export import trace  # noqa: E402
 from autoshard.zoo.registry import get_model  # noqa: E402
@@ -43,7 +45,9 @@ from autoshard.zoo.registry import get_model  # noqa: E402
 SECTION = "memory_curve"
 GIB = 2**30
 TOL = 1e-6          # relative: a rise of the step below this is float noise
-FORCED = ("none", "full")
+# The share of the budget above which the planner tries checkpointing (planner.BINDS).
+BINDS = getattr(planner, "BINDS", 1.0)
+FORCED = ("none", "selective", "full")
 
 
 def infeasible_cause(e: BaseException) -> Infeasible | None:
@@ -67,10 +71,11 @@ def uses(plan) -> dict[str, int]:
     """What a plan does to save memory: parameters per state mode, parameters stored sharded,
     checkpointed layers."""
     modes = Counter(st.mode for st in plan.param_state.values())
+    policies = Counter(plan.recompute.values())
     return {"zero1": modes["zero1"], "zero2": modes["zero2"], "offload": modes["offload"],
             "sharded": sum(1 for s in plan.params.values() if any(isinstance(p, Shard) for p in s)),
             "params": len(plan.params), "recompute": len(plan.recompute),
-            "layers": len(plan.layers)}
+            "policy": "+".join(sorted(policies)), "layers": len(plan.layers)}
 
 
 def uses_str(u: dict[str, int]) -> str:
@@ -79,7 +84,7 @@ def uses_str(u: dict[str, int]) -> str:
     if u["sharded"]:
         parts.append(f"sharded {u['sharded']}")
     if u["recompute"]:
-        parts.append(f"ckpt {u['recompute']}/{u['layers']}")
+        parts.append(f"ckpt {u['policy']} {u['recompute']}/{u['layers']}")
     return ", ".join(parts) or "-"
 
 
@@ -117,7 +122,7 @@ def step_cell(r: dict) -> str:
 def table(rows: list[dict]) -> str:
     head = ["budget GiB", "predicted step ms", "peak GiB", "host GiB", "ZeRO-1", "ZeRO-2",
             "offload", "stored sharded", "checkpointed layers", "status", "planning s",
-            "recompute=none ms", "recompute=full ms"]
+            "recompute=none ms", "recompute=selective ms", "recompute=full ms"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         a = r["auto"]
@@ -126,7 +131,8 @@ def table(rows: list[dict]) -> str:
             u = a["uses"]
             cells = [label, step_cell(a), f"{a['peak'] / GIB:.2f}", f"{a['host'] / GIB:.2f}",
                      str(u["zero1"]), str(u["zero2"]), str(u["offload"]),
-                     f"{u['sharded']}/{u['params']}", f"{u['recompute']}/{u['layers']}",
+                     f"{u['sharded']}/{u['params']}", f"{u['recompute']}/{u['layers']}"
+                     + (f" {u['policy']}" if u["recompute"] else ""),
                      a["status"], f"{a['seconds']:.1f}"]
         else:
             cells = [label, step_cell(a)] + ["-"] * 8 + [f"{a['seconds']:.1f}"]
@@ -153,19 +159,22 @@ def explain(r: dict, lower: dict) -> str:
     text = (f"at {r['budget'] / GIB:.2f} GiB the plan takes {a['step'] * 1e3:.1f} ms, "
             f"more than the {b['step'] * 1e3:.1f} ms of the plan at {lower['budget'] / GIB:.2f} "
             f"GiB ({uses_str(b['uses'])})")
-    full = r.get("full", {})
-    if not a["uses"]["recompute"] and b["uses"]["recompute"] and "step" in full \
-            and full["step"] < a["step"]:
-        slack = 1 - a["peak"] / r["budget"]
-        text += (f". The checkpointed plan exists at this budget too ({full['step'] * 1e3:.1f} "
-                 f"ms with recompute='full'), but recompute='auto' tries checkpointing only "
-                 f"when no plan fits or the plan without it fills the budget to within 1e-6, "
-                 f"and this one stops {slack:.2%} short of it ({a['peak'] / GIB:.2f} of "
-                 f"{r['budget'] / GIB:.2f} GiB), so the slower plan without checkpointing is "
-                 f"kept (solver/planner.py, `_plan_recompute`)")
+    forced = [(r[f]["step"], f) for f in FORCED if "step" in r.get(f, {})]
+    faster = min(forced, default=None)
+    if faster is not None and faster[0] < a["step"] * (1 - TOL):
+        text += (f". A faster plan exists at this budget ({faster[0] * 1e3:.1f} ms with "
+                 f"recompute='{faster[1]}'); recompute='auto' tries checkpointing only when no "
+                 f"plan fits or the plan without it comes within {1 - BINDS:.0%} of the budget "
+                 f"(solver/planner.py, `_plan_recompute`), and this one used "
+                 f"{a['peak'] / r['budget']:.1%} of it" if a["uses"]["recompute"] == 0 else
+                 f". A faster plan exists at this budget ({faster[0] * 1e3:.1f} ms with "
+                 f"recompute='{faster[1]}'), which the planner's own ladder did not reach")
     elif b["uses"]["offload"] and not a["uses"]["offload"]:
         text += (". Offload is tried only when no plan fits without it "
                  "(solver/planner.py, `_plan_memory`), so a slower plan without it is kept")
+    else:
+        text += ". No run at this budget finds a faster plan: the search is time-limited or " \
+                "the lower budget's plan is outside it"
     return text
 
 
@@ -182,6 +191,7 @@ def plot(rows: list[dict], least: float | None, path: Path, title: str) -> str:
                                  gridspec_kw={"height_ratios": [3, 2]})
     styles = {"auto": ("C0", "-", "o", "autoshard (zero, offload, recompute 'auto')"),
               "none": ("C1", "--", "s", "recompute='none'"),
+              "selective": ("C8", "-.", "v", "recompute='selective'"),
               "full": ("C2", ":", "^", "recompute='full'")}
     for key, (color, ls, marker, label) in styles.items():
         pts = [(r["budget"] / GIB, r[key]["step"] * 1e3) for r in rows
@@ -197,9 +207,10 @@ def plot(rows: list[dict], least: float | None, path: Path, title: str) -> str:
                               ("offload", "optimizer offload", "C3")):
         bx.plot(xs, [100 * r["auto"]["uses"][key] / r["auto"]["uses"]["params"]
                      for r in feasible], marker=".", color=color, label=f"{label}, % of params")
-    bx.plot(xs, [100 * r["auto"]["uses"]["recompute"] / max(r["auto"]["uses"]["layers"], 1)
-                 for r in feasible], marker=".", color="k", ls="--",
-            label="checkpointed, % of layers")
+    for policy, ls in (("selective", "-."), ("full", "--")):
+        bx.plot(xs, [100 * r["auto"]["uses"]["recompute"] / max(r["auto"]["uses"]["layers"], 1)
+                     if r["auto"]["uses"]["policy"] == policy else 0 for r in feasible],
+                marker=".", color="k", ls=ls, label=f"checkpointed ({policy}), % of layers")
     for a in (ax, bx):
         if least is not None:
             a.axvspan(0, least / GIB, color="0.85", zorder=0)
@@ -276,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     total = time.perf_counter() - t_all
 
     auto_rises = rises(rows, lambda r: r["auto"])
-    best = lambda r: min((x for x in (r["auto"], r.get("none", {}), r.get("full", {}))  # noqa: E731
+    best = lambda r: min((x for x in (r["auto"], *(r.get(f, {}) for f in FORCED))  # noqa: E731
                           if "step" in x), key=lambda x: x["step"], default={})
     best_rises = rises(rows, best)
     fits_below = "step" in infeasible["auto"]
@@ -291,9 +302,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(auto_rises)} budget(s) get a slower plan than a smaller budget does:", ""] + [
         f"- {explain(r, lower)}." for r, lower in auto_rises]
     if auto_rises and not args.no_forced:
-        mono += ["", "The best of the three runs per budget (auto, recompute='none', "
-                 "recompute='full') " + ("rises monotonically." if not best_rises else
-                                         f"still falls at {len(best_rises)} budget(s).")]
+        mono += ["", "The best of the runs per budget (auto and recompute forced to "
+                 + ", ".join(f"'{f}'" for f in FORCED) + ") "
+                 + ("rises monotonically." if not best_rises else
+                    f"still falls at {len(best_rises)} budget(s).")]
     seconds = [r["auto"]["seconds"] for r in rows]
     body = [
         "## Step time against the memory budget (Llama-3-8B on 8 h100)", "",
@@ -315,13 +327,14 @@ def main(argv: list[str] | None = None) -> int:
         "forward is recomputed in backward (`plan.recompute`); `host GiB`: optimizer state "
         "offloaded per device; `planning s`: wall time of `plan_traced` (all the solves the "
         "planner runs at that budget). The last two columns plan the same budget with "
-        "`recompute` forced to \"none\" and to \"full\".", "",
+        "`recompute` forced to \"none\", \"selective\" and \"full\".", "",
         table(rows), "",
         f"![step time against memory budget]({Path(args.plot).name})" if args.plot
         else plot_note, "",
         *mono, "",
         f"Planning time per budget: {min(seconds):.1f} s to {max(seconds):.1f} s "
-        f"(the budgets where offload is needed plan twice: without it, then with it).", "",
+        f"(where memory binds the planner solves several times: without checkpointing, "
+        f"selective, full, and again with offload where nothing fits without it).", "",
         f"Below every plan ({below / GIB:.2f} GiB) the planner "
         + ("unexpectedly found a plan." if fits_below else "raises (verbatim):"), "",
         *([] if fits_below else ["```", err, "```"]),
