@@ -6,15 +6,20 @@ rank, all ranks at once), and writes a JSON profile that :meth:`autoshard.cluste
 and ``autoshard plan --cluster`` read. What is measured and which field it sets
 (docs/cost-model.md §2.9):
 
-- **matmul**: a linear layer's three matmuls (forward ``x·Wᵀ``, input gradient ``dy·W``, weight
-  gradient ``dyᵀ·x``) over a few shapes like those the planner prices, fp32 (and bf16 on CUDA).
-  The fastest rate seen is the peak (``fp32_flops``, ``flops``); the rate over all of them
-  (total FLOPs / total time) divided by that peak is ``matmul_efficiency``, so that
-  ``peak · matmul_efficiency`` is the measured rate (§3.1).
+- **matmul**: a linear layer as a training step runs it, forward ``x·Wᵀ`` through autograd and
+  the backward autograd runs for it (input gradient ``dy·W``, weight gradient ``dyᵀ·x``), over
+  a few shapes like those the planner prices, fp32 (and bf16 on CUDA). The fastest rate seen is
+  the peak (``fp32_flops``, ``flops``); the rate over all of them (total FLOPs / total time)
+  divided by that peak is ``matmul_efficiency``, so that ``peak · matmul_efficiency`` is the
+  measured rate (§3.1).
 - **memory bandwidth**: a large copy and a large add, bytes read + written per second, the
   larger of the two (``mem_bandwidth``; the roofline's bandwidth, §3.1).
 - **kernel floor**: a chain of tiny ops run forward and backward through autograd, time per
   kernel (``kernel_floor_s``; §2.6: the model pays it once forward and once backward per op).
+- **special functions**: the activations and softmaxes of transformer training (GELU in both
+  forms, SiLU, softmax, log-softmax, exp, tanh), forward and backward kernels, on an op-sized
+  activation: evaluations per second over all of them (``transcendental_rate``, §3.7; CPU only:
+  on a GPU these kernels are bandwidth-bound and say nothing of the special-function units).
 - **collectives**: all-reduce, all-gather, reduce-scatter, all-to-all and send/recv over the
   ranks, through the runtime's own functions (autoshard/codegen/collectives.py), at several
   message sizes ``S`` (§1.1's definition of ``S`` per collective), each call after a burst of
@@ -22,9 +27,10 @@ and ``autoshard plan --cluster`` read. What is measured and which field it sets
   bandwidth ``B`` are fitted by least squares to all of them under §1.1's ring formulas
   (``intra_alpha``, ``intra_bandwidth``; one host, so ``inter_*`` are set equal). The fit per
   collective is kept in the profile's ``"measured"`` record.
-- **attention** (``scaled_dot_product_attention``, causal) and op-sized elementwise kernels are
-  measured and recorded under ``"measured"`` only: the model prices attention at the matmul rate
-  and elementwise ops at the memory bandwidth (§3.2), and has no field of its own for them.
+- **attention** (``scaled_dot_product_attention``, causal) and op-sized elementwise kernels
+  (bytes per second) are measured and recorded under ``"measured"`` only: the model prices
+  attention at the matmul rate plus one exp per score (§3.7), and elementwise ops by the
+  roofline of §3.1, with no field of their own.
 
 Ranks: by default ``--world`` processes spawned here (gloo on CPU, NCCL on CUDA) by
 :class:`autoshard.codegen.world.World`; under ``torchrun`` (``WORLD_SIZE`` set) the launched
@@ -226,19 +232,22 @@ def _timed(fn: Callable[[], Any], device: torch.device, sizes: Sizes) -> float:
 
 
 def _matmuls(sizes: Sizes, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    """A linear layer's three matmuls per shape (forward, input and weight gradients)."""
+    """A linear layer per shape as a training step runs it: the forward ``x·Wᵀ`` recorded by
+    autograd, and the backward autograd runs for it (``torch.autograd.grad`` of the output:
+    the input gradient ``dy·W`` and the weight gradient ``dyᵀ·x``, with the layouts, copies and
+    engine work a step pays), timed as forward + backward less the forward."""
     import torch.nn.functional as F
     out = []
     for m, k, n in sizes.matmul:
-        x = torch.randn(m, k, device=device, dtype=dtype)
-        w = torch.randn(n, k, device=device, dtype=dtype)
+        x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
+        w = torch.randn(n, k, device=device, dtype=dtype, requires_grad=True)
         dy = torch.randn(m, n, device=device, dtype=dtype)
         flops = 2.0 * m * k * n
-        row = {"shape": [m, k, n], "flops": flops}
-        for name, fn in (("forward", lambda: F.linear(x, w)), ("grad_input", lambda: dy @ w),
-                         ("grad_weight", lambda: dy.t() @ x)):
-            row[name + "_s"] = _timed(fn, device, sizes)
-        out.append(row)
+        forward = _timed(lambda: F.linear(x, w), device, sizes)
+        both = _timed(lambda: torch.autograd.grad(F.linear(x, w), (x, w), dy), device, sizes)
+        out.append({"shape": [m, k, n], "flops": flops, "forward_s": forward,
+                    # noise can leave a tiny difference: at most twice the forward's rate
+                    "backward_s": max(both - forward, forward)})
     return out
 
 
@@ -272,6 +281,47 @@ def _elementwise(sizes: Sizes, device: torch.device, dtype: torch.dtype) -> dict
         out[name] = {"s": t, "bytes_per_s": moved / t}
         total_b, total_s = total_b + moved, total_s + t
     out["overall_bytes_per_s"] = total_b / total_s      # the four kernels back to back
+    return out
+
+
+def _special_kernels(x: torch.Tensor) -> dict[str, tuple[Callable[[], Any], int]]:
+    """The special-function kernels of transformer training, forward and backward, each with
+    its evaluations per element as the cost model counts them (autoshard/cost/compute.py
+    ``SPECIALS``, docs/cost-model.md §3.7): the activations (GELU in both forms, SiLU) and the
+    softmaxes (attention's, the loss's log-softmax), through the ATen kernels autograd runs."""
+    import torch.nn.functional as F
+    aten = torch.ops.aten
+    g = torch.randn_like(x)
+    y = torch.softmax(x, -1)
+    ly = torch.log_softmax(x, -1)
+    return {
+        "gelu_tanh": (lambda: F.gelu(x, approximate="tanh"), 1),
+        "gelu_tanh_backward": (lambda: aten.gelu_backward(g, x, approximate="tanh"), 1),
+        "gelu_erf": (lambda: F.gelu(x), 1),
+        "gelu_erf_backward": (lambda: aten.gelu_backward(g, x), 2),
+        "silu": (lambda: F.silu(x), 1),
+        "silu_backward": (lambda: aten.silu_backward(g, x), 1),
+        "softmax": (lambda: torch.softmax(x, -1), 1),
+        "log_softmax": (lambda: torch.log_softmax(x, -1), 1),
+        "log_softmax_backward": (lambda: aten._log_softmax_backward_data(g, ly, -1, x.dtype), 1),
+        "exp": (lambda: torch.exp(y), 1),
+        "tanh": (lambda: torch.tanh(x), 1),
+    }
+
+
+def _specials(sizes: Sizes, device: torch.device, dtype: torch.dtype) -> dict:
+    """Special-function evaluations per second (§3.7): every kernel of ``_special_kernels`` on
+    an op-sized activation, evaluations over time, per kernel and over all of them (total
+    evaluations over total time, the rate the model prices them at)."""
+    x = torch.randn(*sizes.elementwise_shape, device=device, dtype=dtype)
+    out: dict[str, Any] = {"shape": list(x.shape), "dtype": str(dtype).removeprefix("torch.")}
+    evals = secs = 0.0
+    for name, (fn, per) in _special_kernels(x).items():
+        t = _timed(fn, device, sizes)
+        n = per * x.numel()
+        out[name] = {"s": t, "per_element": per, "evals_per_s": n / t}
+        evals, secs = evals + n, secs + t
+    out["overall_evals_per_s"] = evals / secs
     return out
 
 
@@ -410,6 +460,7 @@ def measure_rank(spec: CalibrateSpec) -> dict:
     low = torch.bfloat16 if spec.device == "cuda" else torch.float32
     out["bandwidth"] = _bandwidth(sizes, device)
     out["elementwise"] = _elementwise(sizes, device, low)
+    out["specials"] = _specials(sizes, device, low)
     out["attention"] = _attention(sizes, device, low)
     out["kernel_floor"] = _kernel_floor(sizes, device)
     out["compute_wall_s"] = time.perf_counter() - t0
@@ -433,14 +484,15 @@ def _median(xs: Sequence[float]) -> float:
 
 def matmul_figures(rows_per_rank: list[list[dict]]) -> dict:
     """Peak (fastest rate of any shape and pass, median over ranks) and the overall rate (total
-    FLOPs over total time, median over ranks)."""
+    FLOPs over total time, median over ranks). A backward is two matmuls of the forward's FLOPs
+    (docs/cost-model.md §3.5)."""
     peaks, overall = [], []
     for rows in rows_per_rank:
         rates, flops, secs = [], 0.0, 0.0
         for r in rows:
-            for name in ("forward_s", "grad_input_s", "grad_weight_s"):
-                rates.append(r["flops"] / r[name])
-                flops += r["flops"]
+            for name, mult in (("forward_s", 1.0), ("backward_s", 2.0)):
+                rates.append(mult * r["flops"] / r[name])
+                flops += mult * r["flops"]
                 secs += r[name]
         peaks.append(max(rates))
         overall.append(flops / secs)
@@ -496,6 +548,11 @@ def profile(spec: CalibrateSpec, reports: list[dict], *, wall_s: float = 0.0,
     fields["mem_bandwidth"] = _median(bw)
     fields["kernel_floor_s"] = _median([r["kernel_floor"]["autograd_per_kernel_s"]
                                         for r in reports])
+    if spec.device == "cpu" and all("specials" in r for r in reports):
+        # On a GPU these kernels are bandwidth-bound (§3.7): their rate says nothing of the
+        # special-function units, and the preset's figure stays.
+        fields["transcendental_rate"] = _median([r["specials"]["overall_evals_per_s"]
+                                                 for r in reports])
     if spec.device == "cuda":
         fields["memory_bytes"] = float(reports[0]["device_memory_bytes"])
         fields["devices_per_node"] = max(p, torch.cuda.device_count() if torch.cuda.is_available()
@@ -512,7 +569,8 @@ def profile(spec: CalibrateSpec, reports: list[dict], *, wall_s: float = 0.0,
         "matmul_float32": fp32,
         "bandwidth": reports[0]["bandwidth"]
         | {"median_over_ranks_bytes_per_s": fields["mem_bandwidth"]},
-        "elementwise": reports[0]["elementwise"], "attention": reports[0]["attention"],
+        "elementwise": reports[0]["elementwise"], "specials": reports[0].get("specials", {}),
+        "attention": reports[0]["attention"],
         "kernel_floor": reports[0]["kernel_floor"],
         "matmul_shapes": reports[0]["matmul"],
     }
@@ -660,7 +718,9 @@ def summary(prof: dict) -> str:
              f"{m['matmul_float32']['overall_flops_per_s'] / 1e9:.1f} GFLOP/s){bf16}",
              f"  memory bandwidth {prof['mem_bandwidth'] / 1e9:.2f} GB/s; kernel floor "
              f"{prof['kernel_floor_s'] * 1e6:.2f} us; attention (training) "
-             f"{m['attention']['training_flops_per_s'] / 1e9:.1f} GFLOP/s"]
+             f"{m['attention']['training_flops_per_s'] / 1e9:.1f} GFLOP/s"
+             + (f"; special functions {prof['transcendental_rate'] / 1e9:.2f} G/s"
+                if "transcendental_rate" in prof else "")]
     if m.get("other_load") is not None and m["other_load"] > 0.1:
         lines.append(f"  warning: other processes used {m['other_load']:.0%} of this host's CPU "
                      "time while measuring; the figures are slowed by them (measure again when "

@@ -32,6 +32,11 @@ class Cluster:
     inter_bandwidth: float       # bytes/s per device across nodes
     matmul_efficiency: float = 0.75   # achievable / peak on large matmuls (docs/cost-model.md §2.6)
     kernel_floor_s: float = 4e-6      # launch-bound floor per op (docs/cost-model.md §2.6)
+    # Special-function evaluations (exp, tanh, erf, ...) per second (docs/cost-model.md §2.1,
+    # §3.7). H100/H200 SXM5: 3.9e12 (FlashAttention-3, arXiv 2407.08608: "989 TFLOPS of FP16
+    # matmul but only 3.9 TFLOPS of special functions"); A100 SXM: 16 per clock per SM (CUDA C++
+    # Programming Guide, arithmetic instruction throughput, cc 8.0) x 108 SMs x 1.41 GHz = 2.4e12.
+    transcendental_rate: float = 3.9e12
     # The host side of one device (docs/cost-model.md §2.10), for CPU offload: the host link's
     # bandwidth each way, the host memory one device's process may use, and the host memory
     # bandwidth one device's share of the CPUs streams the optimizer step at.

@@ -19,11 +19,19 @@ communication both matter) is planned on a 2-device mesh with the calibrated CPU
 Every rank builds the same model (same seed) and a ParallelModule per plan, then runs
 ``--warmup`` steps of each, then ``--iters`` rounds in which each plan runs one step, in
 alternating order, each after a barrier (a slow drift of the shared host's speed hits every plan
-alike). A step is ``pm.step``: forward + backward, the gradient synchronisation included, no
-optimizer step (the cost model does not price it either, docs/cost-model.md §6); its time is its
-slowest rank's. Reported per plan: the predicted step (the plan's ``predicted["step_time_s"]``),
-the median measured step, their error; the mean absolute percentage error (MAPE); whether the
-planner's pick is measured fastest or within 5% of the fastest; and a scatter plot.
+alike). A step is what the plans are priced for (docs/cost-model.md §9): ``pm.step`` (forward +
+backward, the gradient synchronisation included), then the optimizer step of
+``pm.optimizer(torch.optim.AdamW, fused=True)`` (with the gathers of state placed apart) and its
+``zero_grad``; its time is its slowest rank's. Reported per plan: the predicted step (the
+plan's ``predicted["step_time_s"]``), the median measured step, their error; the mean absolute
+percentage error (MAPE); whether the planner's pick is measured fastest or within 5% of the
+fastest; and a scatter plot.
+
+Then (unless ``--no-families``) every op of the ``autoshard`` and ``megatron`` plans is timed
+alone on both ranks at once, at the rank's local shapes under the plan's strategy, forward and
+backward through autograd, and summed per op family (matmul, attention, elementwise, gather)
+against ``autoshard.cost.compute.op_times``: where the compute prediction goes wrong, family by
+family, and how much of a step's time outside its collective calls is not in its ops at all.
 """
 from __future__ import annotations
 
@@ -96,38 +104,125 @@ def make_plans(m: Model, cluster: str, time_limit: float) -> dict[str, str]:
     return {k: p.dumps() for k, p in plans.items()}, traced
 
 
-def reprice(plan_json: str, traced, cluster) -> float | None:
-    """The predicted step of a plan's strategies priced on another cluster (the planner's own
-    ``assemble``, as it rebuilds strategies for merged meshes); None if that fails."""
+def plan_strategies(plan_json: str):
+    """The plan and its strategy per node, as the planner priced them."""
     from autoshard.ir import Strategy, work_fraction
-    from autoshard.mesh import Mesh
     from autoshard.plans import Plan
-    from autoshard.solver.planner import assemble
     plan = Plan.loads(plan_json)
-    mesh = Mesh(plan.mesh_shape, plan.mesh_axes, cluster=cluster)
-    try:
-        strategies = {n.name: Strategy(tuple(n.inputs), tuple(n.outputs), n.kernel,
-                                       work_fraction(tuple(n.inputs), tuple(n.outputs), mesh.shape))
-                      for n in plan.nodes}
-        again = assemble(traced, mesh, strategies, plan.options, solver={}, model_name="",
-                         timings={})
-    except Exception as e:       # a diagnosis only: say so and go on
-        print(f"(could not re-price a plan: {type(e).__name__}: {e})", flush=True)
-        return None
-    return again.predicted["step_time_s"]
+    shape = tuple(plan.mesh_shape)
+    return plan, {n.name: Strategy(tuple(n.inputs), tuple(n.outputs), n.kernel,
+                                   work_fraction(tuple(n.inputs), tuple(n.outputs), shape))
+                  for n in plan.nodes}
 
 
-def elementwise_profile(prof: dict):
-    """The calibrated cluster with ``mem_bandwidth`` set to the rate op-sized elementwise kernels
-    reach (``measured.elementwise.overall_bytes_per_s``) instead of a large copy's: a diagnosis
-    of how much the roofline's bandwidth term under-prices them (docs/cost-model.md §2.9)."""
-    import dataclasses
-    from autoshard.cluster import Cluster
-    rate = prof.get("measured", {}).get("elementwise", {}).get("overall_bytes_per_s")
-    if not rate:
-        return None
-    c = Cluster._from_profile(dict(prof))
-    return dataclasses.replace(c, name=c.name + "-elementwise", mem_bandwidth=rate)
+# ------------------------------------------------------------------------- op families alone
+
+FAMILY_PLANS = ("autoshard", "megatron")   # a batch-split and a hidden-split layout
+FAMILY_REPS = 9                            # single calls timed per op and pass (median)
+
+
+def family_rank(m: Model, plans: dict[str, str], names: tuple[str, ...], reps: int) -> dict:
+    """On every rank at once, one thread each (as the plans run): every op of each named plan
+    alone, at this rank's local shapes under the plan's strategy, forward and forward + backward
+    (``torch.autograd.grad`` of the op's outputs), median of ``reps`` single calls after a
+    warm-up call, a barrier before each op. Returns per plan ``[(node, forward_s, backward_s)]``,
+    backward as the difference."""
+    import torch.distributed as dist
+    from autoshard.ir import local_shape
+    from autoshard.ops.registry import VIEW, localize, record_of
+    from autoshard.trace.export import op_info, trace
+    torch.set_num_threads(1)
+    traced = trace(*build(m, "meta"))
+    coords = (dist.get_rank(),)
+
+    def timed(fn) -> float:
+        fn()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    def needing_grad(o) -> list[torch.Tensor]:
+        return [x for x in torch.utils._pytree.tree_flatten(o)[0]
+                if isinstance(x, torch.Tensor) and x.requires_grad]
+
+    out: dict[str, list] = {}
+    for name in names:
+        plan, strategies = plan_strategies(plans[name])
+        rows = []
+        for node in traced.graph.nodes:
+            if node.op != "call_function" or node.name not in strategies:
+                continue
+            if record_of(node.target).family == VIEW:
+                continue
+            op, st = op_info(node), strategies[node.name]
+            specs = list(st.inputs) if len(st.inputs) == len(op.inputs) else [
+                s for s in st.inputs if s is not None]
+            tensors: list[torch.Tensor] = []
+
+            def real(a, specs=specs, tensors=tensors):
+                if not isinstance(a, torch.fx.Node):
+                    return a
+                v = a.meta["val"]
+                spec = specs[len(tensors)] if len(tensors) < len(specs) else None
+                shape = tuple(v.shape) if spec is None else local_shape(
+                    tuple(v.shape), spec, plan.mesh_shape)
+                t = (torch.randn(shape, dtype=v.dtype, requires_grad=True)
+                     if v.dtype.is_floating_point else torch.randint(0, 2, shape, dtype=v.dtype))
+                tensors.append(t)
+                return t
+
+            args = torch.fx.node.map_aggregate(node.args, real)
+            kwargs = torch.fx.node.map_aggregate(node.kwargs, real)
+            fn, args, kwargs = localize(op, st, plan.mesh_shape, coords, args, kwargs)
+            wrt = [t for t in tensors if t.requires_grad]
+            dist.barrier()
+            fwd = timed(lambda: fn(*args, **kwargs))
+            bwd = 0.0
+            outs = needing_grad(fn(*args, **kwargs))
+            if wrt and outs:
+                dys = [torch.randn_like(o) for o in outs]
+                both = timed(lambda: torch.autograd.grad(needing_grad(fn(*args, **kwargs)), wrt,
+                                                         dys, allow_unused=True))
+                bwd = max(0.0, both - fwd)
+            rows.append((node.name, fwd, bwd))
+        out[name] = rows
+    return out
+
+
+def family_table(m: Model, plans: dict[str, str], cluster, names: tuple[str, ...],
+                 reps: int) -> dict:
+    """Per plan and op family: ``[ops, predicted forward ms, measured forward ms, predicted
+    backward ms, measured backward ms]``: the cost model's seconds (``op_times`` on the
+    calibrated profile, under the plan's strategies) against the ops timed alone on 2 ranks
+    (``family_rank``; per op the slower rank's time)."""
+    from autoshard.codegen.world import World
+    from autoshard.cost.compute import op_times
+    from autoshard.mesh import Mesh
+    from autoshard.ops.registry import record_of
+    from autoshard.trace.export import op_info, trace
+    with World(2, timeout_s=1800) as w:
+        w.start()
+        reports = w.run(family_rank, m, plans, names, reps)
+    traced = trace(*build(m, "meta"))
+    nodes = {n.name: n for n in traced.graph.nodes}
+    out: dict[str, dict] = {}
+    for name in names:
+        plan, strategies = plan_strategies(plans[name])
+        mesh = Mesh(plan.mesh_shape, plan.mesh_axes, cluster=cluster)
+        fams: dict[str, list] = {}
+        for i, (node, _, _) in enumerate(reports[0][name]):
+            pf, pb = op_times(op_info(nodes[node]), strategies[node], mesh, training=True)
+            mf = max(r[name][i][1] for r in reports)
+            mb = max(r[name][i][2] for r in reports)
+            row = fams.setdefault(record_of(nodes[node].target).family, [0, 0.0, 0.0, 0.0, 0.0])
+            row[0] += 1
+            for k, v in enumerate((pf, mf, pb, mb), start=1):
+                row[k] += v * 1e3
+        out[name] = fams
+    return out
 
 
 # ------------------------------------------------------------------------------- measurement
@@ -176,36 +271,42 @@ def bench_rank(m: Model, plans: dict[str, str], warmup: int, iters: int) -> dict
     progs = {}
     for name, text in plans.items():
         pm = parallelize(model, mesh, plan=Plan.loads(text), example_inputs=inputs)
-        progs[name] = (pm, pm.shard_inputs(*inputs), list(pm.parameters()))
+        # The optimizer the plans are priced for (PlanOptions.optimizer "adam"): AdamW, fused,
+        # one pass over each parameter's state as docs/cost-model.md §9 prices it.
+        progs[name] = (pm, pm.shard_inputs(*inputs),
+                       pm.optimizer(torch.optim.AdamW, lr=1e-4, fused=True))
     kinds: dict[str, dict[str, int]] = {}
-    for name, (pm, args, params) in progs.items():
+    for name, (pm, args, opt) in progs.items():
         for i in range(warmup):
             pm.step(*args)
+            opt.step()
             if i == 0:
                 kinds[name] = {}
                 for r in pm.ledger:
                     kinds[name][r.kind] = kinds[name].get(r.kind, 0) + 1
-            for p in params:
-                p.grad = None
+            opt.zero_grad()
     x = torch.randn(*PROBE[:2])
     w = torch.randn(PROBE[2], PROBE[1])
     probe: list[float] = []
     times: dict[str, list[float]] = {n: [] for n in progs}
+    opt_times: dict[str, list[float]] = {n: [] for n in progs}
     cpu: dict[str, list[float]] = {n: [] for n in progs}
     comm: dict[str, list[list[tuple[float, float]]]] = {n: [] for n in progs}
     order = list(progs)
     for i in range(iters):
         for name in (order if i % 2 == 0 else order[::-1]):
-            pm, args, params = progs[name]
+            pm, args, opt = progs[name]
             dist.barrier()
             stamps.clear()
             t0, c0 = time.perf_counter(), time.process_time()
             pm.step(*args)
+            t1 = time.perf_counter()
+            opt.step()
+            opt.zero_grad()
             times[name].append(time.perf_counter() - t0)
+            opt_times[name].append(time.perf_counter() - t1)
             cpu[name].append(time.process_time() - c0)
             comm[name].append(list(stamps))
-            for p in params:
-                p.grad = None
             pm.ledger.clear()
         # the machine's speed now: a calibration shape's forward matmul, on both ranks at once
         dist.barrier()
@@ -213,8 +314,8 @@ def bench_rank(m: Model, plans: dict[str, str], warmup: int, iters: int) -> dict
         for _ in range(PROBE[3]):
             torch.nn.functional.linear(x, w)
         probe.append(2.0 * PROBE[0] * PROBE[1] * PROBE[2] * PROBE[3] / (time.perf_counter() - t0))
-    return {"times": times, "cpu": cpu, "comm": comm, "collectives": kinds, "probe": probe,
-            "cpu_s": time.process_time() - c_start}
+    return {"times": times, "optimizer": opt_times, "cpu": cpu, "comm": comm,
+            "collectives": kinds, "probe": probe, "cpu_s": time.process_time() - c_start}
 
 
 def measure(m: Model, plans: dict[str, str], warmup: int, iters: int) -> dict:
@@ -243,7 +344,9 @@ def measure(m: Model, plans: dict[str, str], warmup: int, iters: int) -> dict:
             if len({len(c) for c in calls}) == 1:
                 moving.append(sum(max(0.0, call[1] - max(c[k][0] for c in calls))
                                   for k, call in enumerate(slow["comm"][name][i])))
+        opt = [max(r["optimizer"][name][i] for r in reports) for i in range(iters)]
         out[name] = {"median_s": statistics.median(steps), "steps_s": steps,
+                     "optimizer_median_s": statistics.median(opt),
                      "calls": [(c[2], c[3]) for c in reports[0]["comm"][name][0]],
                      "cpu_median_s": statistics.median(cpu),
                      "comm_median_s": statistics.median(comm),
@@ -320,8 +423,7 @@ def calibrated_probe_rate(prof: dict) -> float | None:
     return None
 
 
-def analyse(plans: dict[str, str], measured: dict, prof: dict,
-            elementwise: dict[str, float | None]) -> dict:
+def analyse(plans: dict[str, str], measured: dict, prof: dict, families: dict) -> dict:
     from autoshard.plans import Plan
     rows = []
     for name, text in plans.items():
@@ -334,11 +436,16 @@ def analyse(plans: dict[str, str], measured: dict, prof: dict,
             "plan": name, "predicted_ms": pred * 1e3, "measured_ms": meas * 1e3,
             "error_pct": (pred - meas) / meas * 100,
             "compute_ms": plan.predicted["compute_s"] * 1e3,
+            # the optimizer step, counted in compute (docs/cost-model.md §9), and as run
+            "optimizer_ms": plan.predicted.get("optimizer_s", 0.0) * 1e3,
+            "measured_optimizer_ms": measured[name]["optimizer_median_s"] * 1e3,
             "comm_ms": plan.predicted["comm_s"] * 1e3,
             # what the model leaves on the step after hiding any comm behind compute
             "exposed_ms": (pred - plan.predicted["compute_s"]) * 1e3,
             "per_kind_ms": None if kind_step is None else kind_step * 1e3,
-            "elementwise_ms": None if elementwise.get(name) is None else elementwise[name] * 1e3,
+            # the step if the bucketed gradient sync the model hides behind backward were paid
+            "no_overlap_ms": (pred + sum(plan.predicted.get("overlapped_comm_s", {}).values()))
+            * 1e3,
             "collectives": measured[name]["collectives"],
             "iqr_ms": (_q(measured[name]["steps_s"], 0.25) * 1e3,
                        _q(measured[name]["steps_s"], 0.75) * 1e3),
@@ -358,9 +465,8 @@ def analyse(plans: dict[str, str], measured: dict, prof: dict,
     kind_rows = [r for r in rows if r["per_kind_ms"] is not None]
     kind_mape = (statistics.mean(abs(r["per_kind_ms"] - r["measured_ms"]) / r["measured_ms"] * 100
                                  for r in kind_rows) if len(kind_rows) == len(rows) else None)
-    ew_mape = (statistics.mean(abs(r["elementwise_ms"] - r["measured_ms"]) / r["measured_ms"]
-                               * 100 for r in rows)
-               if all(r["elementwise_ms"] is not None for r in rows) else None)
+    no_overlap_mape = statistics.mean(abs(r["no_overlap_ms"] - r["measured_ms"])
+                                      / r["measured_ms"] * 100 for r in rows)
     host = measured["_host"]
     cal_probe = calibrated_probe_rate(prof)
     by_pred = sorted(rows, key=lambda r: r["predicted_ms"])
@@ -368,7 +474,8 @@ def analyse(plans: dict[str, str], measured: dict, prof: dict,
     return {"rows": rows, "mape": mape, "fastest": fastest["plan"],
             "pick_ratio": pick["measured_ms"] / fastest["measured_ms"],
             "pick_ok": pick["measured_ms"] <= fastest["measured_ms"] * (1 + PICK_SLACK),
-            "per_kind_mape": kind_mape, "elementwise_mape": ew_mape,
+            "per_kind_mape": kind_mape, "families": families,
+            "no_overlap_mape": no_overlap_mape,
             "other_load": host["other_load"], "probe": host["probe_flops_per_s"],
             "calibrated_probe": cal_probe,
             "rank_pred": [r["plan"] for r in by_pred], "rank_meas": [r["plan"] for r in by_meas]}
@@ -444,9 +551,10 @@ def render(args, m: Model, prof: dict, result: dict, wall_s: float, plot_rel: st
         f"(1/5/15 min) {load[0]} at the start, {load[1]} at the end; host CPUs {busy} busy "
         f"just before the start (other processes share these 2 cores and would slow the ranks)",
         f"- model: {m}; mesh 2 (`x`), 2 gloo ranks of this host, one thread each; training step "
-        f"(Adam state in the memory model, not run). A step is `pm.step`: forward + backward, "
-        f"gradient synchronisation included, no optimizer step (not priced either, "
-        f"docs/cost-model.md §6); {args.warmup} warm-up steps per plan, then {args.iters} rounds "
+        f"as the plans are priced (docs/cost-model.md §9): `pm.step` (forward + backward, "
+        f"gradient synchronisation included), then `pm.optimizer(torch.optim.AdamW, "
+        f"fused=True)`'s step and `zero_grad`; {args.warmup} warm-up steps per plan, then "
+        f"{args.iters} rounds "
         f"of one step of every plan in alternating order, a barrier before each; a step's time is "
         f"its slowest rank's; *measured* is the median (interquartile range). *In collectives*: "
         f"that rank's time inside the runtime's blocking collective calls, and in parentheses the "
@@ -459,7 +567,8 @@ def render(args, m: Model, prof: dict, result: dict, wall_s: float, plot_rel: st
         f"GFLOP/s "
         f"x efficiency {prof['matmul_efficiency']:.3f} = "
         f"{prof['fp32_flops'] * prof['matmul_efficiency'] / 1e9:.1f} GFLOP/s per rank; memory "
-        f"bandwidth {prof['mem_bandwidth'] / 1e9:.1f} GB/s; kernel floor "
+        f"bandwidth {prof['mem_bandwidth'] / 1e9:.1f} GB/s; special functions "
+        f"{prof.get('transcendental_rate', 0) / 1e9:.2f} G/s; kernel floor "
         f"{prof['kernel_floor_s'] * 1e6:.1f} µs; link alpha {prof['intra_alpha'] * 1e6:.0f} µs, "
         f"bandwidth {prof['intra_bandwidth'] / 1e9:.3f} GB/s"
         + (f" (fit to {', '.join(coll.get('link_fit_kinds', []))}, largest relative error "
@@ -492,9 +601,51 @@ def render(args, m: Model, prof: dict, result: dict, wall_s: float, plot_rel: st
         f"{', '.join(result['rank_meas'])}.",
     ]
     lines += diagnosis_lines(result)
+    lines += family_lines(result)
     lines += error_lines(result, prof)
     lines += ["", f"![predicted vs measured]({plot_rel})", "", gpu_paragraph()]
     return "\n".join(lines)
+
+
+def family_lines(result: dict) -> list[str]:
+    """The op families of each plan in ``result["families"]``: predicted against timed alone."""
+    fams = result.get("families") or {}
+    if not fams:
+        return []
+    rows = {r["plan"]: r for r in result["rows"]}
+    out = ["", "Op families, predicted (`autoshard.cost.compute.op_times` on the profile, under "
+               "the plan's strategies) against every op timed alone at the plan's local shapes on "
+               "both ranks at once (forward, and forward + backward through autograd less the "
+               "forward; median of "
+               f"{FAMILY_REPS} calls, the slower rank's), ms per step:", "",
+           "| plan | family | ops | forward predicted | forward alone | backward predicted | "
+           "backward alone | error % |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for name, table in fams.items():
+        tot = [0.0] * 5
+        for fam, r in sorted(table.items(), key=lambda kv: -(kv[1][2] + kv[1][4])):
+            tot = [a + b for a, b in zip(tot, r)]
+            alone = r[2] + r[4]
+            err = f"{(r[1] + r[3] - alone) / alone * 100:+.1f}" if alone > 0 else "-"
+            out.append(f"| {md_cell(name)} | {fam} | {r[0]} | {r[1]:.2f} | {r[2]:.2f} | "
+                       f"{r[3]:.2f} | {r[4]:.2f} | {err} |")
+        alone = tot[2] + tot[4]
+        err = (tot[1] + tot[3] - alone) / alone * 100
+        out.append(f"| {md_cell(name)} | **all** | {tot[0]:.0f} | {tot[1]:.1f} | {tot[2]:.1f} | "
+                   f"{tot[3]:.1f} | {tot[4]:.1f} | {err:+.1f} |")
+    for name in fams:
+        r = rows.get(name)
+        if r is None:
+            continue
+        alone = sum(v[2] + v[4] for v in fams[name].values())
+        ops = r["compute_ms"] - r["optimizer_ms"]
+        rest = r["measured_rest_ms"] - r["measured_optimizer_ms"]
+        out.append("")
+        out.append(f"- {name}: its ops alone take {alone:.1f} ms against {ops:.1f} ms of "
+                   f"predicted compute for them; its step outside the collective calls and the "
+                   f"optimizer step took {rest:.1f} ms ({rest - alone:+.1f} ms against its ops "
+                   f"alone: the runtime around the kernels, and with bucketed gradient sync "
+                   f"gloo's work on the same cores).")
+    return out
 
 
 def _near(samples: list[dict], nbytes: float) -> dict:
@@ -524,21 +675,18 @@ def error_lines(result: dict, prof: dict) -> list[str]:
     out += ["", "Likely reasons (from this run's figures; the cost model was not changed to "
                 "fit them):", ""]
     over = [(r["measured_rest_ms"] - r["compute_ms"]) / r["compute_ms"] for r in rows]
-    ew, bw, att = meas.get("elementwise", {}), meas.get("bandwidth", {}), meas.get("attention", {})
     parts = []
-    if "gelu_tanh" in ew and "layer_norm" in ew:
-        parts.append(f"elementwise kernels are compute-bound on a CPU core, not bandwidth-bound "
-                     f"as the roofline prices them: tanh-GELU moves "
-                     f"{ew['gelu_tanh']['bytes_per_s'] / 1e9:.1f} GB/s and layer norm "
-                     f"{ew['layer_norm']['bytes_per_s'] / 1e9:.1f} GB/s against the "
-                     f"{prof['mem_bandwidth'] / 1e9:.1f} GB/s of `mem_bandwidth` (a large copy)")
-    if "training_rate_over_matmul_rate" in att:
-        parts.append(f"attention (forward + backward) runs at "
-                     f"{att['training_rate_over_matmul_rate']:.2f}x the matmul rate it is "
-                     f"priced at")
-    parts.append("backward kernels that no op's price counts (bias-gradient reductions, "
-                 "gradient accumulation where a tensor feeds several ops, zero-fills) and the "
-                 "per-op runtime around each kernel")
+    for name, fams in result.get("families", {}).items():
+        off = [(f, r[2] + r[4] - r[1] - r[3], r[1] + r[3], r[2] + r[4])
+               for f, r in fams.items() if abs(r[2] + r[4] - r[1] - r[3]) >= 1.0]
+        if off:
+            parts.append(f"{name}'s ops timed alone: " + ", ".join(
+                f"{f} {p:.1f} ms predicted, {a:.1f} alone ({d:+.1f})"
+                for f, d, p, a in sorted(off, key=lambda x: -abs(x[1]))))
+    parts.append("the runtime around the kernels that no op's price counts (the autograd "
+                 "engine, gradient accumulation where a tensor feeds several ops, the plan's "
+                 "local reshard copies): the step outside its collective calls against its ops "
+                 "alone, in the table above")
     probe_ok = (result["calibrated_probe"]
                 and abs(result["probe"] / result["calibrated_probe"] - 1) <= DISTURBED_PROBE)
     if min(over) > 0:
@@ -546,6 +694,10 @@ def error_lines(result: dict, prof: dict) -> list[str]:
                    f"{max(over):+.0%} outside the collective calls): " + "; ".join(parts) + "."
                    + (" The matmuls themselves ran at the calibrated rate (the probe above)."
                       if probe_ok else ""))
+    under = [r for r in rows if r["measured_rest_ms"] > r["compute_ms"]]
+    if under and min(over) <= 0:
+        out.append(f"- **Compute is under-predicted on {', '.join(r['plan'] for r in under)}** "
+                   f"(outside the collective calls): " + "; ".join(parts) + ".")
     hidden = [r for r in rows if r["comm_ms"] - r["exposed_ms"] > 0.5 * r["comm_ms"] > 0]
     if hidden:
         names = ", ".join(r["plan"] for r in hidden)
@@ -609,13 +761,16 @@ def diagnosis_lines(result: dict) -> list[str]:
     if result["other_load"] is not None:
         out.append(f"- other processes used {result['other_load']:.0%} of the host's CPU time "
                    "while the plans ran.")
-    if result["elementwise_mape"] is not None:
+    out.append("- the optimizer step (fused AdamW, in the step and in its predicted compute, "
+               "docs/cost-model.md §9), predicted / measured (median, the slower rank's): "
+               + ", ".join(f"{r['plan']} {r['optimizer_ms']:.1f} / "
+                           f"{r['measured_optimizer_ms']:.1f} ms" for r in result["rows"]) + ".")
+    if any(r["no_overlap_ms"] > r["predicted_ms"] for r in result["rows"]):
         out.append(
-            f"- diagnosis, re-pricing the same plans (not what the planner used): with "
-            f"`mem_bandwidth` set to the rate op-sized elementwise kernels reach "
-            f"(`measured.elementwise.overall_bytes_per_s`) instead of a large copy's, MAPE "
-            f"would be {result['elementwise_mape']:.1f}% ("
-            + ", ".join(f"{r['plan']} {r['elementwise_ms']:.1f} ms" for r in result["rows"]) + ").")
+            f"- diagnosis: with the bucketed gradient sync paid on the step instead of hidden "
+            f"behind backward (gloo's copies and reductions need the cores every rank computes "
+            f"on), MAPE would be {result['no_overlap_mape']:.1f}% ("
+            + ", ".join(f"{r['plan']} {r['no_overlap_ms']:.1f} ms" for r in result["rows"]) + ").")
     if result["per_kind_mape"] is not None:
         out.append(
             f"- diagnosis: pricing each plan's collectives on the calibration's fit for its own "
@@ -674,6 +829,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--time-limit", type=float, default=20.0, help="ILP time limit per plan (s)")
+    ap.add_argument("--no-families", dest="families", action="store_false",
+                    help="skip timing every op of the autoshard and megatron plans alone")
     ap.add_argument("--out", default=None, help="write the section into this RESULTS.md")
     ap.add_argument("--plot", default=str(ROOT / "benchmarks" / "predict_vs_measure.png"))
     ap.add_argument("--json", default=None, help="also write the raw results here")
@@ -710,7 +867,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({_ms(r['measured_moving_ms'])} with both ranks in)")
     print(f"MAPE {result['mape']:.1f}% (target <= {TARGET_MAPE:.0f}%); fastest measured: "
           f"{result['fastest']}; autoshard's pick at {result['pick_ratio']:.3f}x the fastest")
-    for line in diagnosis_lines(result) + error_lines(result, prof):
+    for line in diagnosis_lines(result) + family_lines(result) + error_lines(result, prof):
         print(line)
     plot_path = Path(args.plot)
     plot(result, plot_path)
@@ -754,13 +911,16 @@ def one_run(args, m: Model) -> tuple[dict, dict[str, str], dict]:
     finally:
         if not args.cluster:
             os.unlink(cluster_path)
-    ew_cluster = elementwise_profile(prof)
-    elementwise = ({n: reprice(t, traced, ew_cluster) for n, t in plans.items()}
-                   if ew_cluster is not None else {})
     print(f"measuring {len(plans)} plans on 2 gloo ranks ({args.warmup} warm-up, {args.iters} "
           "rounds) ...", flush=True)
     measured = measure(m, plans, args.warmup, args.iters)
-    return prof, plans, analyse(plans, measured, prof, elementwise)
+    families = {}
+    if args.families:
+        from autoshard.cluster import Cluster
+        names = tuple(n for n in FAMILY_PLANS if n in plans)
+        print(f"timing every op of {', '.join(names)} alone on 2 gloo ranks ...", flush=True)
+        families = family_table(m, plans, Cluster._from_profile(dict(prof)), names, FAMILY_REPS)
+    return prof, plans, analyse(plans, measured, prof, families)
 
 
 DISTURBED_LOAD = 0.10      # other processes' share of the host's CPU time

@@ -103,11 +103,13 @@ def test_cluster_load_ignores_the_measured_record(tmp_path) -> None:
 def _fake_report(rate: float, comm: bool = True) -> dict:
     """One rank's measurements with exact figures: matmuls at ``rate``, collectives on a link of
     alpha 50 µs and 1 GB/s."""
+    # forward at ``rate``; backward: the input gradient at ``rate``, the weight's at half of it
     mm = [{"shape": [64, 64, 64], "flops": 2.0 * 64**3, "forward_s": 2.0 * 64**3 / rate,
-           "grad_input_s": 2.0 * 64**3 / rate, "grad_weight_s": 2.0 * 64**3 / (rate / 2)}]
+           "backward_s": 2.0 * 64**3 / rate + 2.0 * 64**3 / (rate / 2)}]
     out = {"matmul": {"float32": mm},
            "bandwidth": {"copy_bytes_per_s": 2e10, "add_bytes_per_s": 3e10},
-           "elementwise": {}, "attention": {"training_flops_per_s": rate / 2},
+           "elementwise": {}, "specials": {"overall_evals_per_s": rate / 50},
+           "attention": {"training_flops_per_s": rate / 2},
            "kernel_floor": {"autograd_per_kernel_s": 7e-6}, "threads": 1, "comm": {}}
     if comm:
         out["comm"] = {k: [{"bytes": s, "times_s": [collective_time(k, 2, s, 5e-5, 1e9)
@@ -124,6 +126,7 @@ def test_profile_maps_measurements_onto_cluster_fields() -> None:
     assert math.isclose(c.fp32_flops, 1e11) and math.isclose(c.matmul_efficiency, 0.75)
     assert c.flops == c.fp32_flops                  # no 16-bit matmul measured on a CPU
     assert c.mem_bandwidth == 3e10 and c.kernel_floor_s == 7e-6
+    assert c.transcendental_rate == 1e11 / 50       # special functions: their measured rate
     assert math.isclose(c.intra_alpha, 5e-5) and math.isclose(c.intra_bandwidth, 1e9)
     assert (c.inter_alpha, c.inter_bandwidth) == (c.intra_alpha, c.intra_bandwidth)
     fits = prof["measured"]["collectives"]["per_kind_fit"]
@@ -147,6 +150,8 @@ def test_cuda_profile_takes_bf16_peak_and_the_gpus_preset() -> None:
     assert math.isclose(c.flops, 800e12) and math.isclose(c.matmul_efficiency, 0.75)
     assert math.isclose(c.fp32_flops * c.matmul_efficiency, 0.75 * 50e12)
     assert c.memory_bytes == 85e9 and c.devices_per_node >= 2
+    # Bandwidth-bound on a GPU, the special-function kernels leave the preset's figure.
+    assert c.transcendental_rate == PRESETS["h100"].transcendental_rate
     assert prof["measured"]["backend"] == "nccl"
 
 
@@ -172,6 +177,8 @@ def test_quick_calibration_on_two_gloo_ranks_plans(tmp_path) -> None:
     assert c.name == "calibrated-cpu"
     assert (c.intra_alpha, c.intra_bandwidth) == (link["alpha"], link["bandwidth"])
     assert 0 < c.matmul_efficiency <= 1 and c.fp32_flops > 1e8 and c.mem_bandwidth > 1e8
+    assert c.transcendental_rate == prof["transcendental_rate"] > 1e6
+    assert {"gelu_tanh", "silu_backward"} <= set(prof["measured"]["specials"])
     code, out = _cli(["plan", "gpt2-tiny", "--mesh", "2", "--cluster", str(path)])
     assert code == 0 and "cluster calibrated-cpu" in out
 

@@ -490,6 +490,82 @@ def test_elementwise_is_bandwidth_bound():
     assert close(op_time(op, rep(op), H100, training=True), 6 * x.nbytes / C.mem_bandwidth)
 
 
+def test_special_functions_are_priced_per_evaluation():
+    # docs/cost-model.md §3.7: on a device whose special functions are slow (a CPU core), an
+    # activation is bound by its evaluations, and its backward by the derivative's.
+    import dataclasses
+    slow = Mesh((1,), cluster=dataclasses.replace(C, transcendental_rate=1e9))
+    x = t_((1024, 4096), F32)
+    n = x.numel
+    gelu = OpInfo(aten.gelu.default, (x,), {"approximate": "tanh"}, (x,))
+    fwd = n / C.fp32_flops + n / 1e9
+    assert close(op_time(gelu, rep(gelu), slow, training=False), fwd)
+    assert close(op_time(gelu, rep(gelu), slow, training=True), 2 * fwd)   # gelu_backward: tanh
+    erf = OpInfo(aten.gelu.default, (x,), {}, (x,))      # the erf form: erf and exp(-x^2) back
+    assert close(op_time(erf, rep(erf), slow, training=True), fwd + n / C.fp32_flops + 2 * n / 1e9)
+    # tanh's backward reuses the saved output: bandwidth-bound again.
+    tanh = OpInfo(aten.tanh.default, (x,), {}, (x,))
+    assert close(op_time(tanh, rep(tanh), slow, training=True),
+                 fwd + 2 * 2 * x.nbytes / C.mem_bandwidth)
+    # A loss evaluates its log-softmax over the logits, not over its one-element output.
+    tgt = TensorInfo((1024,), torch.int64)
+    ce = OpInfo(aten.cross_entropy_loss.default, (x, tgt), {}, (t_((), F32),))
+    assert op_time(ce, rep(ce), slow, training=False) >= n / 1e9
+    # Arithmetic evaluates none; an integral power is repeated multiplication.
+    for op in (OpInfo(aten.mul.Tensor, (x, x), {}, (x,)),
+               OpInfo(aten.pow.Tensor_Scalar, (x, 2), {}, (x,))):
+        assert op_time(op, rep(op), slow, training=True) == op_time(op, rep(op), H100,
+                                                                     training=True)
+    sqrt = OpInfo(aten.pow.Tensor_Scalar, (x, 0.5), {}, (x,))
+    assert op_time(sqrt, rep(sqrt), slow, training=False) >= n / 1e9
+    # Sharded four ways, each rank evaluates a quarter.
+    quarter = Strategy(((S(0),),), ((S(0),),), compute_scale=1 / 4)
+    assert close(op_time(gelu, quarter, Mesh((4,), cluster=slow.cluster), training=False),
+                 fwd / 4)
+
+
+@pytest.mark.parametrize("preset", ["h100", "h200", "a100"])
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_gpu_elementwise_ops_stay_bandwidth_bound(preset, dtype):
+    # The special-function term never binds on a GPU elementwise op: the model prices them as
+    # it did before that term (docs/cost-model.md §3.7).
+    mesh = Mesh((1,), cluster=preset)
+    c = mesh.cluster
+    x = t_((8, 2048, 4096), dtype)
+    for target, kwargs in ((aten.gelu.default, {}), (aten.gelu.default, {"approximate": "tanh"}),
+                           (aten.silu.default, {}), (aten._softmax.default, {}),
+                           (aten.exp.default, {})):
+        args = (x, -1, False) if target == aten._softmax.default else (x,)
+        op = OpInfo(target, args, kwargs, (x,))
+        assert close(op_time(op, rep(op), mesh, training=False), 2 * x.nbytes / c.mem_bandwidth)
+        assert close(op_time(op, rep(op), mesh, training=True), 6 * x.nbytes / c.mem_bandwidth)
+
+
+def test_attention_pays_one_exp_per_score_each_way():
+    # FlashAttention-2 evaluates exp once per score in forward, and again in backward when it
+    # rebuilds the probabilities; between its matmuls, not overlapped (docs/cost-model.md §3.7).
+    b, a, s, d = 1, 32, 2048, 128
+    q = t_((b, a, s, d))
+    op = OpInfo(aten.scaled_dot_product_attention.default, (q, q, q), {"is_causal": True}, (q,))
+    flops, scores = 4 * b * a * s * s * d, b * a * s * s
+    rate = C.flops * C.matmul_efficiency
+    fwd = flops / rate + scores / C.transcendental_rate
+    assert close(op_time(op, rep(op), H100, training=False), fwd)
+    assert close(op_time(op, rep(op), H100, training=True),
+                 fwd + 2.5 * flops / rate + scores / C.transcendental_rate)
+
+
+def test_a_biased_linear_sums_its_bias_gradient_in_backward():
+    x, w, bias, y = t_((4096, 1024)), t_((4096, 1024)), t_((4096,)), t_((4096, 4096))
+    plain = OpInfo(aten.linear.default, (x, w), {}, (y,))
+    biased = OpInfo(aten.linear.default, (x, w, bias), {}, (y,))
+    fwd = op_time(biased, rep(biased), H100, training=False)
+    assert close(fwd, op_time(plain, rep(plain), H100, training=False))
+    # derivatives.yaml: the bias's gradient is the output gradient summed over the rows.
+    assert close(op_time(biased, rep(biased), H100, training=True),
+                 3 * fwd + y.nbytes / C.mem_bandwidth)
+
+
 def test_tiny_op_hits_the_kernel_floor():
     x = t_((4,))
     op = OpInfo(aten.add.Tensor, (x, x), {}, (x,))

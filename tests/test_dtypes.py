@@ -36,7 +36,36 @@ BF16, C64 = torch.bfloat16, torch.complex64
 #   few ulps of its largest terms: the samples' contractions (up to 36 terms) reach magnitudes
 #   of ~8, whose ulp is 2^-4 (atol). test_wrong_rules_still_fail checks this keeps the teeth.
 # - complex64 is two float32s (eps 2^-23): the same sums err by up to ~1e-5 on values of ~10.
+#   Larger contractions (a convolution's input gradient sums 72 terms to ~26, ulp 2^-3) and
+#   CPUs whose bf16 kernels accumulate differently are covered by :func:`own_error`: a sharded
+#   run may differ from the whole op by a few times the whole op's own rounding.
 TOLERANCE = {BF16: (2.0 ** -6, 2.0 ** -4), C64: (1e-4, 1e-5)}
+
+
+def own_error(op: Any, args: tuple, kwargs: dict, backward: bool) -> float:
+    """How far the whole op in bfloat16 lands from the same op in float64, over its outputs and
+    (with ``backward``) its inputs' gradients under a fixed random cotangent: the rounding this
+    host's kernels do on this sample."""
+    def run(dtype: torch.dtype) -> list[torch.Tensor]:
+        a, k = tree_map(lambda x: x.detach().to(dtype).requires_grad_(backward)
+                        if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+                        (args, kwargs))
+        outs = [o for o in tree_flatten(op(*a, **k))[0]
+                if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        res = [o.detach().double() for o in outs]
+        leaves = [x for x in tree_flatten((a, k))[0]
+                  if isinstance(x, torch.Tensor) and x.requires_grad]
+        if backward and leaves and any(o.requires_grad for o in outs):
+            g = torch.Generator().manual_seed(0)
+            cot = [torch.randn(o.shape, generator=g).to(dtype) for o in outs]
+            grads = torch.autograd.grad([o for o in outs], leaves, cot, allow_unused=True)
+            res += [x.double() for x in grads if x is not None]
+        return res
+    try:
+        low, high = run(BF16), run(F64)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return 0.0
+    return max(((x - y).abs().max().item() for x, y in zip(low, high) if x.numel()), default=0.0)
 
 
 def _cast(x: Any, dtype: torch.dtype, g: torch.Generator) -> Any:
@@ -105,7 +134,10 @@ CASES = {(op, dtype): cases for dtype in (BF16, C64)
 def test_rule_holds_in_dtype(op: Any, dtype: torch.dtype) -> None:
     checked, failures = 0, []
     for si, sample, backward in CASES[(op, dtype)]:
-        c, f = check_sample(op, si, *sample, meshes=MESHES, cap=CAP, tol=TOLERANCE[dtype],
+        rtol, atol = TOLERANCE[dtype]
+        if dtype == BF16:
+            atol = max(atol, 4 * own_error(op, sample[0], sample[1], backward))
+        c, f = check_sample(op, si, *sample, meshes=MESHES, cap=CAP, tol=(rtol, atol),
                             backward=backward)
         checked, failures = checked + c, failures + f
     assert checked > 0

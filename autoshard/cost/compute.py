@@ -1,9 +1,11 @@
 """Per-op compute time: a roofline on one device.
 
-``time = max(flops / (peak * efficiency), bytes / mem_bandwidth, kernel_floor_s)`` where FLOPs
-are the op's forward FLOPs times the strategy's ``compute_scale`` and bytes are the local sizes of
-the op's inputs and outputs under the strategy's specs. Large matmuls run at ``matmul_efficiency``
-of peak, small ops are bandwidth- or launch-bound (docs/cost-model.md §3).
+``time = max(flops / (peak * efficiency) + specials / transcendental_rate, bytes / mem_bandwidth,
+kernel_floor_s)`` where FLOPs are the op's forward FLOPs and ``specials`` its special-function
+evaluations (exp, tanh, erf, ...), both times the strategy's ``compute_scale``, and bytes are the
+local sizes of the op's inputs and outputs under the strategy's specs. Large matmuls run at
+``matmul_efficiency`` of peak, small ops are bandwidth-, special-function- or launch-bound
+(docs/cost-model.md §3).
 
 ``op_time`` is called for every (node, strategy) pair of a model (tens of thousands for a 70B
 model), so everything that depends on the op alone is computed once and kept on the (immutable)
@@ -21,6 +23,8 @@ from autoshard.ir import OpInfo, Strategy, cached_on, local_shape
 from autoshard.mesh import Mesh
 from autoshard.ops.registry import ATTENTION, FACTORY, GATHER, MATMUL, VIEW, record_of
 
+aten = torch.ops.aten
+
 # Backward FLOPs as a multiple of forward FLOPs (docs/cost-model.md §3). A matmul needs grad wrt
 # input and grad wrt weight, each as many FLOPs as the forward (hence training ≈ 3× forward, the
 # 6·Ψ·tokens rule). Flash attention's backward does 5 matmuls to the forward's 2 (Dao 2023,
@@ -31,6 +35,28 @@ ATTENTION_BACKWARD_FACTOR = 2.5
 # input gradient(s): 1.5x the forward's traffic for a unary op, more where autograd materialises
 # intermediates; 2x is the round, conservative figure.
 ELEMENTWISE_BACKWARD_BYTES = 2.0
+
+# Special-function evaluations (exp, log, tanh, erf, sqrt, ...) per element of the op's largest
+# tensor, (forward, backward), from the op's formula and its derivative in PyTorch
+# (tools/autograd/derivatives.yaml) (docs/cost-model.md §3.7). A backward that reuses the saved
+# output needs none (exp: grad·result; tanh_backward, sigmoid_backward; rsqrt, sqrt: powers of
+# the result; softmax: grad·y - y·sum; log: a division); one that recomputes the function from
+# the saved input needs it again (gelu_backward, silu_backward; erf's derivative exp(-x²); the
+# erf form of GELU evaluates erf and the density); log_softmax's backward takes exp of the saved
+# output. Ops absent from the table evaluate none (arithmetic, comparisons, copies, reductions,
+# norms: layer_norm and rms_norm take one rsqrt per row, not per element).
+SPECIALS: dict[str, tuple[int, int]] = {
+    "exp": (1, 0), "log": (1, 0), "tanh": (1, 0), "sigmoid": (1, 0), "rsqrt": (1, 0),
+    "sqrt": (1, 0), "erf": (1, 1), "silu": (1, 1), "sin": (1, 1), "cos": (1, 1),
+    "softmax": (1, 0), "_softmax": (1, 0), "log_softmax": (1, 1), "_log_softmax": (1, 1),
+    "cross_entropy_loss": (1, 1),          # log_softmax, then a gather of the target's entry
+}
+GELU_ERF = (1, 2)                          # gelu(approximate="none"); "tanh": one tanh each way
+# Additive inputs a matmul broadcasts over its rows (a bias), by position: their gradient is a
+# sum of the output gradient over the rows, one more kernel in backward (derivatives.yaml:
+# addmm's ``self``, linear's bias).
+BIAS_INPUT = {aten.linear.default: 2, aten.addmm.default: 0, aten.addmv.default: 0,
+              aten.baddbmm.default: 0, aten.addbmm.default: 0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +70,9 @@ class OpProfile:
     inputs: tuple[tuple[tuple[int, ...], int], ...]  # (global shape, itemsize) per tensor input
     outputs: tuple[tuple[tuple[int, ...], int], ...]
     table: int = -1                                 # GATHER: position of the table in inputs
+    specials: float = 0.0                           # whole forward special-function evaluations
+    specials_backward: float = 0.0                  # ... and its backward's
+    bias: int = -1                                  # MATMUL: position of a broadcast bias input
 
 
 _PROFILE_KEY = "_autoshard_op_profile"
@@ -64,13 +93,47 @@ def _make_profile(op: OpInfo) -> OpProfile:
     dtype = floats[0] if floats else (outs[0].dtype if outs else torch.float32)
     has_backward = family != FACTORY and bool(floats) and any(
         t.dtype.is_floating_point or t.dtype.is_complex for t in outs)
+    fwd_sp, bwd_sp = _specials(op, family)
+    bias = BIAS_INPUT.get(op.target, -1) if family == MATMUL else -1
+    if not (0 <= bias < len(ins) and outs and ins[bias].numel < outs[0].numel):
+        bias = -1
     return OpProfile(
         family=family, flops=float(record.flops(op)),
         low_precision=dtype.is_floating_point and dtype.itemsize <= 2,
         has_backward=has_backward,
         inputs=tuple((t.shape, t.dtype.itemsize) for t in ins),
         outputs=tuple((t.shape, t.dtype.itemsize) for t in outs),
-        table=0 if family == GATHER and ins else -1)
+        table=0 if family == GATHER and ins else -1,
+        specials=fwd_sp, specials_backward=bwd_sp, bias=bias)
+
+
+def _specials(op: OpInfo, family: str) -> tuple[float, float]:
+    """Whole (forward, backward) special-function evaluations of ``op`` (docs/cost-model.md
+    §3.7): per element of its largest tensor for elementwise ops (``SPECIALS``), and one exp per
+    attention score each way (FlashAttention's softmax, recomputed in backward)."""
+    ins, outs = op.inputs, op.outputs
+    if family == ATTENTION:
+        if len(ins) < 2 or len(ins[0].shape) < 2 or len(ins[1].shape) < 2:
+            return 0.0, 0.0
+        scores = float(math.prod(ins[0].shape[:-1]) * ins[1].shape[-2])
+        return scores, scores
+    if family in (MATMUL, GATHER, FACTORY, VIEW):
+        return 0.0, 0.0
+    name = getattr(op.target, "_opname", "")
+    if name == "gelu":
+        approx = op.kwargs.get("approximate", op.args[1] if len(op.args) > 1 else "none")
+        per = (1, 1) if approx == "tanh" else GELU_ERF
+    elif name == "pow":
+        # An integral exponent is repeated multiplication; any other is exp(e·log(x)).
+        e = op.args[1] if len(op.args) > 1 else None
+        integral = isinstance(e, (int, float)) and float(e).is_integer()
+        per = (0, 0) if integral else (1, 1)
+    else:
+        per = SPECIALS.get(name, (0, 0))
+    if per == (0, 0):
+        return 0.0, 0.0
+    n = float(max((t.numel for t in (*ins, *outs)), default=0))
+    return per[0] * n, per[1] * n
 
 
 @lru_cache(maxsize=1 << 16)
@@ -122,18 +185,26 @@ def op_times(op: OpInfo, strategy: Strategy, mesh: Mesh, *,
     c = mesh.cluster
     b_in, b_out = op_bytes(op, strategy, mesh.shape)
     nbytes = b_in + b_out
-    flops = prof.flops * strategy.compute_scale
+    scale = strategy.compute_scale
+    flops = prof.flops * scale
     # 16-bit ops run at the tensor-core peak, fp32 at the fp32 peak (docs/cost-model.md §3.3).
     peak = c.flops if prof.low_precision else c.fp32_flops
     heavy = prof.family in (MATMUL, ATTENTION)
     rate = peak * (c.matmul_efficiency if heavy else 1.0)
-    fwd = max(flops / rate, nbytes / c.mem_bandwidth, c.kernel_floor_s)
+    # Special functions run on the same units as the op's arithmetic, one after the other
+    # (docs/cost-model.md §3.7): the two compute terms add.
+    special = prof.specials * scale / c.transcendental_rate
+    fwd = max(flops / rate + special, nbytes / c.mem_bandwidth, c.kernel_floor_s)
     if not training or not prof.has_backward:
         return fwd, 0.0
     if prof.family == MATMUL:
-        return fwd, fwd * MATMUL_BACKWARD_FACTOR    # two kernels priced like the forward
+        bwd = fwd * MATMUL_BACKWARD_FACTOR          # two kernels priced like the forward
+        if prof.bias >= 0:                          # + the bias gradient: a sum over the rows
+            bwd += max(b_out / c.mem_bandwidth, c.kernel_floor_s)
+        return fwd, bwd
+    special_bwd = prof.specials_backward * scale / c.transcendental_rate
     if prof.family == ATTENTION:
-        return fwd, max(flops * ATTENTION_BACKWARD_FACTOR / rate,
+        return fwd, max(flops * ATTENTION_BACKWARD_FACTOR / rate + special_bwd,
                         ELEMENTWISE_BACKWARD_BYTES * nbytes / c.mem_bandwidth, c.kernel_floor_s)
     if prof.family == GATHER:
         # embedding_dense_backward: zero the table's gradient, then scatter-add the rows.
@@ -141,5 +212,5 @@ def op_times(op: OpInfo, strategy: Strategy, mesh: Mesh, *,
         spec = _specs(strategy.inputs, len(prof.inputs))
         table = local_numel(shape, spec[prof.table] if spec else None, mesh.shape) * isz
         return fwd, max(flops / rate, (table + nbytes) / c.mem_bandwidth, c.kernel_floor_s)
-    return fwd, max(flops / rate, ELEMENTWISE_BACKWARD_BYTES * nbytes / c.mem_bandwidth,
-                    c.kernel_floor_s)
+    return fwd, max(flops / rate + special_bwd,
+                    ELEMENTWISE_BACKWARD_BYTES * nbytes / c.mem_bandwidth, c.kernel_floor_s)
