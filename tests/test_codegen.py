@@ -332,3 +332,23 @@ def test_recomputed_layers_equal_single_device(world4, model, shape, baseline, p
     if baseline == "megatron":
         assert bool(again) == (policy == "full")
     assert report["bytes"] == report["planned_bytes"]
+
+
+def test_layers_under_different_policies_equal_single_device(world4):
+    """Checkpointing per layer (the planner's k-of-n choice): one layer fully recomputed, the
+    other selectively, under Megatron's layout; the layers are decided as two groups."""
+    from autoshard.solver.baselines import baseline_pins
+    from autoshard.options import PlanOptions
+    from autoshard.solver.planner import _plan_traced
+    from autoshard.trace.export import trace
+    model, inputs = build("llama-tiny", None, None, 0)
+    traced = trace(model, inputs)
+    mesh = mesh_of((4,))
+    rc = {"layers.0": "full", "layers.1": "selective"}
+    plan = _plan_traced(traced, mesh, PlanOptions(zero="none", offload="none"),
+                        model_name="llama-tiny", fixed=baseline_pins(traced, mesh, "megatron"),
+                        trace_s=0.0, merge=None, recompute=rc, offload=False)
+    assert plan.recompute == rc
+    assert {c.phase for c in plan.collectives} >= {"recompute"}
+    report = check(world4, "llama-tiny", plan)
+    assert report["bytes"] == report["planned_bytes"]

@@ -679,3 +679,36 @@ def test_recompute_prices_the_forward_again_and_keeps_one_layer(gpt2_b1) -> None
     itemsize = next(model.parameters()).element_size()
     assert len(inputs) == 12 and all(pricer.shapes[v] == ((b, s, h), itemsize) for v in inputs)
     assert full.predicted["peak_memory_bytes"] < base.predicted["peak_memory_bytes"]
+
+
+def test_recompute_ladder_holds_the_step_peak(gpt2_b8) -> None:
+    """Plans are compared by the step's liveness peak too: a looser budget never gives a slower
+    plan, and every plan's peak over the step fits (a selective plan whose sum fits can peak at
+    twice the budget; it was once picked over a fitting, faster full-recompute plan)."""
+    mesh = Mesh((8,), cluster="h100")
+    kw = dict(zero="none", offload="none")
+    steps = []
+    for gib in (0.7, 0.73, 0.76):
+        p = plan_traced(gpt2_b8, mesh, memory_budget=gib * 2**30, **kw)
+        assert p.predicted["memory"]["peak"] <= gib * 2**30, gib
+        assert not p.warnings, p.warnings
+        steps.append(p.predicted["step_time_s"])
+    assert steps == sorted(steps, reverse=True), steps
+
+
+def test_checkpointing_per_layer_recomputes_only_what_memory_needs(gpt2_b8) -> None:
+    """With 1 GiB per device, recomputing every layer fits with room to spare: the planner
+    recomputes the first k < 12 layers only (Megatron-LM's --recompute-num-layers), fits the
+    budget over the whole step, and is faster than recomputing all of them; identical layers
+    under different policies are decided apart (two groups in the plan's layers)."""
+    mesh = Mesh((8,), cluster="h100")
+    kw = dict(zero="none", offload="none", memory_budget=2**30)
+    p = plan_traced(gpt2_b8, mesh, **kw)
+    k = len(p.recompute)
+    assert 0 < k < 12 and set(p.recompute) == {f"layers.{i}" for i in range(k)}
+    assert set(p.recompute.values()) == {"full"}
+    assert max(p.predicted["memory"]["peak"], p.predicted["peak_memory_bytes"]) <= 2**30
+    every = plan_traced(gpt2_b8, mesh, recompute="full", **kw)
+    assert p.predicted["step_time_s"] < every.predicted["step_time_s"]
+    groups = {layer.same_as for layer in p.layers if layer.name.startswith("layers.")}
+    assert groups == {"layers.0", f"layers.{k}"}

@@ -25,7 +25,7 @@ from autoshard.solver.ilp import Infeasible, NoSolution, break_ties, solve
 from autoshard.solver.diagnostics import gib, mesh_use, smaller_mesh, unruled_note
 from autoshard.trace.export import TracedGraph, trace
 from autoshard.trace.graph import value_inputs
-from autoshard.trace.layers import checkpointable
+from autoshard.trace.layers import checkpointable, regroup
 
 
 def check_mesh_fits(traced: TracedGraph, mesh: Mesh) -> None:
@@ -195,11 +195,107 @@ def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw:
                 raise
             error = e
             continue
-        if policy == "selective" and plans[-1].predicted["peak_memory_bytes"] < budget * 0.98:
+        if policy == "selective" and plans[-1].predicted["peak_memory_bytes"] < budget * 0.98 \
+                and plans[-1].predicted["memory"]["peak"] <= budget:
             break    # memory no longer binds: full recomputation would only add time
     if not plans:
         raise error
-    return min(plans, key=lambda p: p.predicted["step_time_s"])
+    # Compared by the step's liveness peak too (a selective plan's can be twice the sum the ILP
+    # bounds): each re-planned for it as plan_traced would, and the fastest that fits kept.
+    live = [p for p in (_fit_live(traced, mesh, options, p, budget, kw) for p in plans) if p]
+    best = min(live or plans, key=lambda p: p.predicted["step_time_s"])
+    partial = _plan_partial(traced, mesh, options, best, layers, budget, **kw) if live else None
+    return best if partial is None else partial
+
+
+def _fit_live(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan, budget: float,
+              kw: dict[str, Any]) -> Plan | None:
+    """``plan`` if its liveness peak fits ``budget``, else the plan solved once more with the
+    ILP's bound lowered by the excess and the same techniques, if that one fits; else None.
+    Pinned or merged sub-problems are left to their caller."""
+    live = plan.predicted["memory"]["peak"]
+    if live <= budget or kw.get("fixed") or kw.get("merge") is not None:
+        return plan
+    lower = plan.predicted["peak_memory_bytes"] - (live - budget)
+    if lower <= 0:
+        return None
+    offload = any(st.offload for st in plan.param_state.values())
+    try:
+        again = _plan_traced(traced, mesh, options.replace(memory_budget=lower),
+                             **{**kw, "offload": offload}, recompute=dict(plan.recompute))
+    except AutoshardError:
+        return None
+    return replace(again, options=options) if again.predicted["memory"]["peak"] <= budget \
+        else None
+
+
+def _grouped(traced: TracedGraph, recompute: dict[str, str]) -> TracedGraph:
+    """``traced`` with its identical layers grouped apart by policy where ``recompute`` mixes
+    policies in a group (trace/layers.py ``regroup``)."""
+    layers = regroup(traced.layers, recompute)
+    return traced if layers == traced.layers else replace(traced, layers=layers)
+
+
+def _plan_partial(traced: TracedGraph, mesh: Mesh, options: PlanOptions, best: Plan,
+                  layers: Sequence[str], budget: float, **kw: Any) -> Plan | None:
+    """Checkpointing per layer: when the fastest plan applies one policy to every layer, the
+    first k layers with it and the rest with a cheaper one (full over selective or none,
+    selective over none) may fit too, with less recomputation: Megatron-LM's
+    ``--recompute-num-layers`` (block method), the per-layer search of Galvatron and Mist. For
+    each cheaper policy the least such k is found by pricing ``best``'s own layouts (memory never
+    falls as fewer layers recompute; the sum the ILP bounds, as the ladder compares), then the
+    ILP is solved once at that k, as it may find faster layouts there. The fastest of these if
+    it beats ``best``, else None."""
+    policies = set(best.recompute.values())
+    if len(policies) != 1 or len(best.recompute) != len(layers) or len(layers) < 2:
+        return None
+    hi = policies.pop()
+    strategies = best.strategies()
+
+    def fits(p: Plan) -> bool:      # the ILP's bound and the step's liveness peak alike
+        return max(p.predicted["peak_memory_bytes"], p.predicted["memory"]["peak"]) <= budget
+
+    candidates = []
+    for lo in {"full": ("selective", None), "selective": (None,)}[hi]:
+        def mixed(k: int, lo: str | None = lo) -> dict[str, str]:
+            out = {layer: hi for layer in layers[:k]}
+            if lo is not None:
+                out.update({layer: lo for layer in layers[k:]})
+            return out
+
+        # Bisect on k over best's layouts (the memory sum alone, as the ILP bounds it).
+        lo_k, hi_k = 0, len(layers)
+        while lo_k < hi_k:
+            k = (lo_k + hi_k) // 2
+            if forward_memory(_grouped(traced, mixed(k)), mesh, strategies, options,
+                              mixed(k)) <= budget:
+                hi_k = k
+            else:
+                lo_k = k + 1
+        # The step's liveness peak lies above that sum (backward's gradients, the optimizer's
+        # temporaries): a few more layers recomputed until it fits too.
+        for k in sorted({hi_k, hi_k + max(1, len(layers) // 8), hi_k + len(layers) // 4}):
+            if k >= len(layers):
+                break
+            rc = mixed(k)
+            p = assemble(_grouped(traced, rc), mesh, strategies, options,
+                         solver=dict(best.solver), model_name=kw.get("model_name", ""),
+                         timings=dict(best.timings), recompute=rc)
+            if fits(p):
+                candidates.append(p)
+                break
+    if not candidates:
+        return None
+    pick = min(candidates, key=lambda p: p.predicted["step_time_s"])
+    try:      # the layouts may be faster at that k than at every layer's: solve once there
+        solved = _plan_traced(traced, mesh, options, recompute=dict(pick.recompute), **kw)
+        if fits(solved) and solved.predicted["step_time_s"] < pick.predicted["step_time_s"]:
+            pick = solved
+    except AutoshardError as e:
+        if not isinstance(e.__cause__, (Infeasible, NoSolution)):
+            raise
+    # ``best`` may still be re-planned for its own liveness peak: never faster than it is now.
+    return pick if pick.predicted["step_time_s"] < best.predicted["step_time_s"] else None
 
 
 def _mesh_use_note(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan,
@@ -232,6 +328,7 @@ def _plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model
                  fixed: dict[str, Strategy] | None, trace_s: float,
                  merge: AxisMerge | None, recompute: dict[str, str], offload: bool) -> Plan:
     check_mesh_fits(traced, mesh)
+    traced = _grouped(traced, recompute)
     if mesh.ndim >= 3:
         return _plan_by_merging(traced, mesh, options, model_name=model_name, fixed=fixed,
                                 trace_s=trace_s, recompute=recompute, offload=offload)
@@ -347,6 +444,22 @@ def _with_fixed(built: Built, fixed: dict[str, Strategy]):
                                  fix=f"choose among {[str(s) for s in m.strategies][:6]}...")
         pins.append((m.decision, m.strategies.index(strat)))
     return replace(built.problem, fixed=tuple(sorted(set(pins))))
+
+
+def forward_memory(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
+                   options: PlanOptions, recompute: dict[str, str]) -> float:
+    """The memory the ILP bounds for a full assignment (``assemble``'s ``peak_memory_bytes``)
+    without the rest of the plan: what each node holds and saves, the saved copies of resharded
+    values, and under selective checkpointing the collective outputs it stores."""
+    pricer = Pricer(traced, mesh, options, recompute=recompute)
+    memory = sum(pricer.memory(n, st) for n, st in strategies.items())
+    memory += pricer.saved_copies(strategies)
+    if "selective" in recompute.values():
+        params = {p.name for p in traced.params}
+        for e in reshard_edges(traced.graph, strategies, mesh.shape, pricer.shapes, params,
+                               training=traced.training):
+            memory += pricer.stored_reshard_bytes(e.value, e.src, e.dst, e.consumers[0][0])
+    return memory
 
 
 def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],

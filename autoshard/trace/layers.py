@@ -100,3 +100,17 @@ def checkpointable(graph: fx.Graph, layers: tuple[Layer, ...]) -> tuple[str, ...
         if group[layer.same_as] > 1 and idx and idx[-1] - idx[0] + 1 == len(idx):
             out.append(layer.name)
     return tuple(out)
+
+
+def regroup(layers: tuple[Layer, ...], policies: dict[str, str]) -> tuple[Layer, ...]:
+    """``layers`` with identical layers grouped apart by their checkpointing policy (``policies``:
+    layer name -> policy; absent means none): the first k of 32 identical layers recomputed and
+    the rest not are two groups, each with its own template in the ILP, since one shared decision
+    cannot carry two prices. The same layers when every group has one policy."""
+    firsts: dict[tuple[str, str | None], str] = {}
+    out = []
+    for layer in layers:
+        key = (layer.same_as, policies.get(layer.name))
+        first = firsts.setdefault(key, layer.name)
+        out.append(layer if first == layer.same_as else Layer(layer.name, layer.nodes, first))
+    return tuple(out)
