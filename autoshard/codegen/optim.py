@@ -14,10 +14,28 @@ what the plan says each rank keeps:
   parameter (phase "optimizer" of the plan's collectives, counted in the ledger).
 
 ``step``, ``zero_grad``, ``state_dict``, ``load_state_dict`` and ``param_groups`` behave as the
-wrapped optimizer's (its state dict holds this rank's shards).
+wrapped optimizer's (its state dict holds this rank's shards). ``sharded_state_dict`` and
+``load_sharded_state_dict`` give the state as DTensors of the parameters' global shapes, for
+torch.distributed.checkpoint (DCP): saved under one plan, it loads under any other (README.md,
+"Use"). Keys:
+
+- ``state.<fqn>.<key>``: the wrapped optimizer's state of parameter ``fqn`` (AdamW: ``exp_avg``,
+  ``exp_avg_sq``, ``step``). A tensor shaped like the parameter is a DTensor with its global
+  shape whose placements say exactly what this rank holds: the parameter's spec, plus the zero
+  axes' cut along the state dim (``_placements``). Scalar state (``step``) is a plain tensor,
+  the same on every rank (DCP saves it once).
+- ``master.<fqn>``: the fp32 master of a 16-bit parameter, laid out as its state. An fp32
+  parameter's master, where one is kept apart (ZeRO-1/2, offload), always equals its slice of
+  the parameter, so it is not saved: it is cut again from the parameter, and a checkpoint of a
+  data parallel plan loads under ZeRO and back.
+- ``param_groups.<i>.<name>``: the hyperparameters of group ``i`` (lr, betas, weight decay, ...)
+  as plain values; not the flags saying how this process steps (foreach, fused, capturable,
+  differentiable).
 """
 from __future__ import annotations
 
+import inspect
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -28,6 +46,7 @@ from autoshard.codegen.collectives import apply_steps
 from autoshard.cost.comm import reshard
 from autoshard.errors import AutoshardError
 from autoshard.ir import Shard, Spec
+from autoshard.ops.simulate import shard_tensor
 
 
 @dataclass
@@ -40,6 +59,10 @@ class _Entry:
     cut: tuple[tuple[int, int], ...]   # (number of pieces, this rank's piece) per zero axis
     gather: tuple                   # the steps bringing the updated slice back (all-gathers)
     sharded_grad: bool              # zero2/offload: the gradient arrives as a shard
+    shape: tuple[int, ...]          # the parameter's global shape
+    spec: Spec                      # the parameter's spec
+    placements: tuple               # DTensor placements of the master and the state (global)
+    seen: int = -1                  # the parameter's version when its fp32 master was cut from it
 
 
 # Parameters whose gradients only a ShardedOptimizer reads right (held apart by a bucket), so a
@@ -47,6 +70,9 @@ class _Entry:
 # (By id: tensors compare elementwise, so a WeakSet of them cannot test membership.)
 _NEEDS_SHARDED: dict[int, "weakref.ref[torch.Tensor]"] = {}
 _OWNED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+# param_groups entries that are not hyperparameters: the parameters, and how this process steps.
+_NOT_SAVED = frozenset({"params", "param_names", "foreach", "fused", "capturable",
+                        "differentiable"})
 _HOOKED = False
 
 
@@ -91,15 +117,17 @@ class ShardedOptimizer:
             ph = pm._param_ph[fqn]
             st = plan.param_state.get(fqn)
             spec = plan.params[fqn]
+            shape = tuple(pm.traced.placeholder(ph).info.shape)
             if st is None or st.optimizer == spec:
                 dim, cut, gather = None, (), ()
                 host = st is not None and st.offload
+                placements = _placements(spec, spec, groups.shape)
             else:
                 dim, cut = _cut(spec, st.optimizer, groups.shape, groups.coords)
-                shape = pm.traced.placeholder(ph).info.shape
-                gather = reshard(tuple(st.optimizer), tuple(spec), tuple(shape),
+                gather = reshard(tuple(st.optimizer), tuple(spec), shape,
                                  p.element_size(), tuple(groups.shape)).forward
                 host = st.offload
+                placements = _placements(spec, st.optimizer, groups.shape)
             src = pm.master_source.pop(fqn, None)      # bf16-mixed: the fp32 weight
             local = _slice(p.detach() if src is None else src, dim, cut)
             if dim is None and not host and p.dtype == torch.float32:
@@ -108,7 +136,8 @@ class ShardedOptimizer:
                 master = torch.nn.Parameter(local.to(torch.device("cpu") if host else p.device,
                                                      torch.float32, copy=True))
             sharded = st is not None and st.mode in ("zero2", "offload") and dim is not None
-            self.entries.append(_Entry(fqn, ph, p, master, dim, cut, gather, sharded))
+            self.entries.append(_Entry(fqn, ph, p, master, dim, cut, gather, sharded, shape,
+                                       tuple(spec), placements, p._version))
         self.optimizer = optimizer_cls([e.master for e in self.entries], **kwargs)
         _OWNED.add(self.optimizer)
 
@@ -141,6 +170,7 @@ class ShardedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._recut_masters()
         for e in self.entries:
             if e.master is e.param:
                 continue
@@ -156,7 +186,194 @@ class ShardedOptimizer:
                 new = apply_steps(new, e.gather, self.pm.groups, ledger=ledger,
                                   phase="optimizer", node="optimizer")
             e.param.copy_(new)
+            e.seen = e.param._version
         return loss
+
+    # -- torch.distributed.checkpoint (module docstring) -------------------------------------
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """The optimizer's state for torch.distributed.checkpoint, keyed by parameter FQN:
+        DTensors of the parameters' global shapes, scalars as plain tensors, hyperparameters as
+        values (module docstring). Its tensors are the state itself, not copies: ``dcp.load``
+        into this dict writes the state in place. Before the first step there is no state yet:
+        the dict then holds zero-filled state as the first step would create it, which
+        ``load_sharded_state_dict`` installs (Adam's and AdamW's first step from it equals the
+        first step from none)."""
+        return {key: target for key, _, _, target in self._layout()}
+
+    def load_sharded_state_dict(self, sd: Any) -> None:
+        """Copy ``sd`` into this optimizer: ``opt.sharded_state_dict()`` filled by ``dcp.load``
+        (saved by any plan), or the same keys with full tensors. Creates the state if the
+        optimizer has not stepped. Load the parameters too (``pm.load_sharded_state_dict``,
+        before or after): an fp32 parameter's master kept apart is cut from the parameter again,
+        here and at the next step if the parameter changed since. Every entry is checked before
+        any is written, so a refused ``sd`` leaves the optimizer as it was."""
+        from torch.distributed.tensor import DTensor
+        layout = self._layout()
+        want = {key for key, *_ in layout}
+        missing = [key for key, *_ in layout if key not in sd]
+        if missing:
+            raise AutoshardError(
+                "an optimizer state dict with every entry of opt.sharded_state_dict()",
+                got=f"{len(missing)} missing: {_names(missing)}",
+                fix="fill opt.sharded_state_dict() with torch.distributed.checkpoint.load from a "
+                    "checkpoint saved by pm.optimizer of the same class and options, and pass it")
+        unexpected = [k for k in sd if isinstance(k, str) and k.startswith("state.")
+                      and k not in want]
+        if unexpected:
+            raise AutoshardError(
+                "only the state entries this optimizer keeps",
+                got=f"{len(unexpected)} others: {_names(unexpected)}",
+                fix="load with the optimizer class and options it was saved with (e.g. amsgrad)")
+        with torch.no_grad():
+            writes = [(e, name, target, self._incoming(key, e, target, sd[key]))
+                      for key, e, name, target in layout]
+            created: dict[int, dict[str, Any]] = {}
+            for e, name, target, value in writes:
+                dst = target.to_local() if isinstance(target, DTensor) else target
+                if isinstance(dst, torch.Tensor):
+                    if value is not dst:
+                        dst.copy_(value)
+                    value = dst
+                if e is None:                          # a hyperparameter: (group, name)
+                    group = self.optimizer.param_groups[name[0]]
+                    if not isinstance(dst, torch.Tensor):
+                        group[name[1]] = value
+                elif name is not None:                 # state: into the live state, or new
+                    state = self.optimizer.state.get(e.master)
+                    if state:
+                        state[name] = value
+                    else:
+                        created.setdefault(id(e.master), {})[name] = value
+            for e in self.entries:
+                if id(e.master) in created:
+                    self.optimizer.state[e.master] = created[id(e.master)]
+        self._recut_masters(force=True)
+
+    def _layout(self) -> list[tuple[str, "_Entry | None", Any, Any]]:
+        """(key, entry, name, target) per entry of the sharded state dict: ``name`` is the state
+        key (None: the master; for a hyperparameter, entry None and name (group, key))."""
+        out: list[tuple[str, _Entry | None, Any, Any]] = []
+        for i, group in enumerate(self.optimizer.param_groups):
+            for k, v in group.items():
+                if k not in _NOT_SAVED:
+                    out.append((f"param_groups.{i}.{k}", None, (i, k), v))
+        blank = None
+        for e in self.entries:
+            if e.param.dtype != torch.float32:          # 16-bit: the master is kept apart
+                out.append((f"master.{e.fqn}", e, None, self._dtensor(e, e.master.detach())))
+            state = self.optimizer.state.get(e.master)
+            if not state:
+                blank = self._blank_state() if blank is None else blank
+                state = blank[e.fqn]
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    if v.shape != e.master.shape:
+                        raise AutoshardError(
+                            "optimizer state shaped like the parameter's shard, or scalar",
+                            got=f"{type(self.optimizer).__name__} state {k!r} of {e.fqn} of "
+                                f"shape {tuple(v.shape)} beside a shard of "
+                                f"{tuple(e.master.shape)}",
+                            fix="use an optimizer with elementwise state (Adam, AdamW, SGD...) "
+                                "or save opt.state_dict() per rank")
+                    v = self._dtensor(e, v)
+                out.append((f"state.{e.fqn}.{k}", e, k, v))
+        return out
+
+    def _dtensor(self, e: _Entry, local: torch.Tensor) -> Any:
+        """``local`` as the DTensor of ``e``'s global shape and state placements. Built directly
+        rather than with ``DTensor.from_local``, which would copy offloaded (host) state to the
+        mesh's device: the DTensor keeps the host tensor, on the device mesh, as FSDP2's CPU
+        offload builds its sharded parameters (torch.distributed.fsdp, ``_from_local_no_grad``),
+        and DCP reads and writes it in place."""
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+        meta = TensorMeta(torch.Size(e.shape), _contiguous_stride(e.shape), local.dtype)
+        spec = DTensorSpec(self.pm.groups.device_mesh, e.placements, tensor_meta=meta)
+        return DTensor(local, spec, requires_grad=False)
+
+    def _incoming(self, key: str, e: _Entry | None, target: Any, value: Any) -> Any:
+        """This rank's part of ``value`` loaded for ``target``, checked."""
+        from torch.distributed.tensor import DTensor
+        fix = ("fill opt.sharded_state_dict() with torch.distributed.checkpoint.load (it lays "
+               "the state out for this plan) from a checkpoint of the same model")
+        if isinstance(target, DTensor):
+            assert e is not None
+            if not isinstance(value, torch.Tensor):
+                raise AutoshardError(f"{key}: a tensor of global shape {e.shape}",
+                                     got=type(value).__name__, fix=fix)
+            if tuple(value.shape) != e.shape:
+                raise AutoshardError(f"{key} of global shape {e.shape}, the parameter's",
+                                     got=f"global shape {tuple(value.shape)}", fix=fix)
+            if isinstance(value, DTensor):
+                if tuple(value.placements) != tuple(target.placements):
+                    raise AutoshardError(
+                        f"{key} laid out as this plan keeps it ({list(target.placements)})",
+                        got=f"placements {list(value.placements)}", fix=fix)
+                return value.to_local()
+            groups = self.pm.groups            # a full tensor: this rank's part of it
+            return _slice(shard_tensor(value, e.spec, groups.shape, groups.coords), e.dim, e.cut)
+        if isinstance(target, torch.Tensor):
+            t = torch.as_tensor(value)
+            if t.shape != target.shape:
+                raise AutoshardError(f"{key}: a tensor of shape {tuple(target.shape)}",
+                                     got=f"shape {tuple(t.shape)}", fix=fix)
+            return t
+        return value
+
+    def _blank_state(self) -> dict[str, dict[str, Any]]:
+        """Per parameter, the state the wrapped optimizer's first step creates, zero-filled. Its
+        keys, dtypes and shapes come from one step of a scratch copy of the optimizer over meta
+        tensors (no memory, no arithmetic); scalars sit where the optimizer keeps them (the
+        host, or the parameter's device when capturable or fused, as torch.optim.Adam does)."""
+        opt = self.optimizer
+        accepted = inspect.signature(type(opt).__init__).parameters
+        kwargs = {k: v for k, v in opt.defaults.items() if k in accepted}   # the groups hold
+        kwargs.update({k: v for k, v in (("foreach", False), ("fused", None),   # the rest
+                                         ("capturable", False)) if k in accepted})
+        metas: dict[int, torch.Tensor] = {}
+        groups = []
+        for group in opt.param_groups:
+            params = []
+            for m in group["params"]:
+                t = torch.nn.Parameter(torch.empty_like(m, device="meta"))
+                t.grad = torch.empty_like(t)
+                metas[id(m)] = t
+                params.append(t)
+            groups.append({**{k: v for k, v in group.items() if k not in _NOT_SAVED},
+                           "params": params})
+        try:
+            scratch = type(opt)(groups, **kwargs)
+            with torch.no_grad():
+                scratch.step()
+        except Exception as exc:  # noqa: BLE001 (any optimizer's failure is reported)
+            raise AutoshardError(
+                "an optimizer whose first step can be laid out on meta tensors before it runs",
+                got=f"{type(opt).__name__}: {type(exc).__name__}: {exc}",
+                fix="take one optimizer step before opt.sharded_state_dict() for dcp.load") from exc
+        out: dict[str, dict[str, Any]] = {}
+        for e in self.entries:
+            group = next(g for g in opt.param_groups if any(p is e.master for p in g["params"]))
+            on_device = bool(group.get("capturable") or group.get("fused"))
+            state = {}
+            for k, v in scratch.state[metas[id(e.master)]].items():
+                if isinstance(v, torch.Tensor):
+                    device = e.master.device if on_device or v.device.type == "meta" else v.device
+                    v = torch.zeros(v.shape, dtype=v.dtype, device=device)
+                state[k] = v
+            out[e.fqn] = state
+        return out
+
+    def _recut_masters(self, force: bool = False) -> None:
+        """An fp32 parameter's master kept apart (ZeRO-1/2, offload) is its slice of the
+        parameter: cut it again when the parameter was written other than by ``step`` (a load,
+        ``pm.load_full_state_dict``), as the parameter's version counter tells."""
+        with torch.no_grad():
+            for e in self.entries:
+                if e.master is e.param or e.param.dtype != torch.float32:
+                    continue
+                if force or e.param._version != e.seen:
+                    e.master.copy_(_slice(e.param.detach(), e.dim, e.cut))
+                    e.seen = e.param._version
 
     def grad_shard(self, e: _Entry) -> torch.Tensor | None:
         """This rank's gradient for ``e``'s master: the bucket's shard and/or the slice of
@@ -170,11 +387,16 @@ class ShardedOptimizer:
         return g
 
 
+def _zero_axes(spec: Spec, state: Spec) -> list[int]:
+    """The mesh axes on which the optimizer state is cut apart from the parameter, in order."""
+    return [a for a, (p, q) in enumerate(zip(spec, state)) if p != q]
+
+
 def _cut(spec: Spec, state: Spec, mesh_shape: tuple[int, ...], coords: tuple[int, ...]
          ) -> tuple[int, tuple[tuple[int, int], ...]]:
     """The state dim and, per zero axis in order (row-major, the first outermost), the number of
     pieces and this rank's piece."""
-    axes = [a for a, (p, q) in enumerate(zip(spec, state)) if p != q]
+    axes = _zero_axes(spec, state)
     dims = {state[a].dim for a in axes if isinstance(state[a], Shard)}
     if len(dims) != 1 or len(axes) != sum(isinstance(state[a], Shard) for a in axes):
         raise AutoshardError("optimizer placements that shard one dim over the parameter's "
@@ -187,3 +409,45 @@ def _slice(t: torch.Tensor, dim: int | None, cut: tuple[tuple[int, int], ...]) -
     for n, r in cut:
         t = t.chunk(n, dim)[r]
     return t
+
+
+def _placements(spec: Spec, state: Spec, mesh_shape: tuple[int, ...]) -> tuple:
+    """DTensor placements saying exactly which part of the global tensor a rank holds of state
+    kept as ``state`` for a parameter stored as ``spec`` (``state == spec``: with the parameter).
+
+    The rank's part is cut along each tensor dim first over the parameter's axes (its local
+    shard, row-major in mesh order as docs/plan-format.md "Specs" and DTensor both cut), then over
+    the zero axes (``_cut``, in mesh order). DTensor cuts a dim over mesh axes in mesh order, the
+    first outermost (torch.distributed.tensor ``Shard``): the two orders agree, and each axis is
+    ``Shard(d)``, unless a zero axis comes before a parameter axis that cuts the same dim (a plan
+    the planner does not make, cost/state.py ``state_spec``, but one ``_cut`` accepts). Such an
+    axis cuts after pieces the later axes already made: it is ``_StridedShard(d, split_factor=``
+    their number ``)``, the layout of FSDP2 over tensor parallelism (torch.distributed.tensor
+    ``_StridedShard``). tests/test_optim_state.py checks every layout against ``_cut``.
+    """
+    from torch.distributed.tensor import Replicate as DReplicate, Shard as DShard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    order: dict[int, list[int]] = {}          # tensor dim -> the axes cutting it, outermost first
+    for a, p in enumerate(spec):
+        if isinstance(p, Shard):
+            order.setdefault(p.dim, []).append(a)
+    for a in _zero_axes(spec, state):
+        order.setdefault(state[a].dim, []).append(a)
+    out: list = [DReplicate()] * len(spec)
+    for d, axes in order.items():
+        for i, a in enumerate(axes):
+            split = math.prod(mesh_shape[b] for b in axes[:i] if b > a)
+            out[a] = DShard(d) if split == 1 else _StridedShard(d, split_factor=split)
+    return tuple(out)
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))
+
+
+def _names(keys: list[str]) -> str:
+    return ", ".join(keys[:5]) + (f", ... ({len(keys)} in all)" if len(keys) > 5 else "")
