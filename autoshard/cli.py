@@ -6,7 +6,8 @@ import sys
 import time
 
 from autoshard.errors import AutoshardError
-from autoshard.options import OFFLOAD, OPTIMIZERS, PRECISIONS, RECOMPUTE, ZERO, PlanOptions
+from autoshard.options import (OFFLOAD, OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES, ZERO,
+                               PlanOptions)
 
 
 def parse_mesh(text: str) -> tuple[int, ...]:
@@ -34,7 +35,31 @@ def plan_options(args) -> PlanOptions:
                        memory_budget=None if args.memory_gb is None else args.memory_gb * 2**30,
                        time_limit_s=args.time_limit, recompute=args.recompute,
                        bucket_mb=args.bucket_mb, zero=args.zero, offload=args.offload,
-                       precision=args.precision)
+                       precision=args.precision, **pipeline_options(args))
+
+
+def pipeline_options(args) -> dict:
+    """--pipeline, --schedule, --microbatches as PlanOptions fields."""
+    if args.pipeline is None:
+        return {}
+    m = args.microbatches
+    if m != "auto":
+        try:
+            m = int(m)
+        except ValueError:
+            raise AutoshardError("--microbatches is a positive integer or auto", got=repr(m),
+                                 fix="e.g. --microbatches 8") from None
+    return {"pipeline": args.pipeline, "schedule": args.schedule, "microbatches": m}
+
+
+def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pipeline", default=None, metavar="AXIS",
+                   help="pipeline the model's layers over this mesh axis (stages cut by the "
+                        "cost model)")
+    p.add_argument("--schedule", default="auto", choices=SCHEDULES,
+                   help="pipeline schedule (default auto: the fastest, 1F1B on ties)")
+    p.add_argument("--microbatches", default="auto",
+                   help="microbatches per step on a pipeline (default auto: p, 2p or 4p)")
 
 
 def cmd_plan(args) -> int:
@@ -79,7 +104,8 @@ def cmd_verify(args) -> int:
     print(f"verifying {args.model} on {mesh} with {mesh.size} gloo ranks "
           f"({'plan file ' + args.plan if args.plan else args.baseline or 'autoshard plan'})")
     ok, text = verify(args.model, mesh, plan=plan, batch=args.batch, seq=args.seq,
-                      baseline=args.baseline, tolerance=args.tolerance, task=args.task)
+                      baseline=args.baseline, tolerance=args.tolerance, task=args.task,
+                      **pipeline_options(args))
     print(text)
     return 0 if ok else 1
 
@@ -148,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="model", choices=PRECISIONS,
                    help="model: the model's own dtypes (a bf16 model trains mixed precision); "
                         "bf16-mixed: bf16 step, fp32 masters and optimizer state")
+    add_pipeline_flags(p)
     p.add_argument("-o", "--output", default=None, help="write the plan here")
     p.add_argument("--task", default=None, help=TASK_HELP)
     p.set_defaults(fn=cmd_plan)
@@ -168,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--plan", default=None, help="a plan file (default: plan on the spot)")
     v.add_argument("--baseline", default=None, help="force a hand-written plan: dp | megatron | megatron-dp")
     v.add_argument("--tolerance", type=float, default=1e-5)
+    add_pipeline_flags(v)
     v.set_defaults(fn=cmd_verify)
     d = sub.add_parser("diff", help="what two plans of one model place differently, and the "
                                     "predicted change of each part of the step (b - a)")

@@ -33,6 +33,11 @@ ZERO = ("auto", "none", "zero1", "zero2")
 # Optimizer state and step on the host (ZeRO-Offload): "auto" (only where no plan fits without
 # it), "none", or "optimizer" (every parameter).
 OFFLOAD = ("auto", "none", "optimizer")
+# Pipeline schedules, as torch.distributed.pipelining names its classes (docs/cost-model.md §10):
+# "GPipe" (every microbatch forward, then every backward), "1F1B" (one forward, one backward in
+# steady state: the same bubble, at most p - i microbatches of activations alive on stage i), or
+# "auto" (the planner picks the one it prices fastest, less memory breaking ties).
+SCHEDULES = ("GPipe", "1F1B", "auto")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +56,11 @@ class PlanOptions:
     - ``recompute``: activation checkpointing of repeated layers (see RECOMPUTE).
     - ``zero``: gradient and optimizer-state sharding apart from the parameter (see ZERO).
     - ``offload``: optimizer state and step on the host (see OFFLOAD).
+    - ``pipeline``: the mesh axis whose devices hold consecutive pipeline stages (cuts at the
+      model's layer boundaries), or None for no pipeline (docs/cost-model.md §10).
+    - ``schedule``: the pipeline schedule (see SCHEDULES).
+    - ``microbatches``: how many microbatches the batch is cut into on a pipeline, or "auto"
+      (the planner tries p, 2p and 4p for p stages, where they divide the batch).
     """
 
     training: bool = True
@@ -62,6 +72,9 @@ class PlanOptions:
     recompute: str = "auto"
     zero: str = "auto"
     offload: str = "auto"
+    pipeline: str | None = None
+    schedule: str = "auto"
+    microbatches: int | str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.training, bool):
@@ -103,6 +116,19 @@ class PlanOptions:
                                  got=repr(self.offload),
                                  fix="pass offload='auto' (only where nothing fits without it), "
                                      "'none' or 'optimizer'")
+
+        if self.pipeline is not None and (not isinstance(self.pipeline, str) or not self.pipeline):
+            raise AutoshardError("PlanOptions.pipeline is a mesh axis name or None",
+                                 got=repr(self.pipeline),
+                                 fix="pass pipeline='pp' (an axis of the mesh) or None")
+        if self.schedule not in SCHEDULES:
+            raise AutoshardError(f"PlanOptions.schedule is one of {SCHEDULES}",
+                                 got=repr(self.schedule),
+                                 fix="pass schedule='1F1B', 'GPipe' or 'auto'")
+        m = self.microbatches
+        if m != "auto" and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise AutoshardError("PlanOptions.microbatches is a positive integer or 'auto'",
+                                 got=repr(m), fix="e.g. microbatches=8, or 'auto'")
 
     @property
     def bucket_bytes(self) -> float:

@@ -21,7 +21,9 @@ from autoshard.options import PlanOptions
 FORMAT = "autoshard.plan"
 VERSION = 2      # 2: the options the plan was made with, and the model's layers
 # "recompute": a checkpointed layer's forward collectives, run again in backward.
-PHASES = ("forward", "backward", "grad_sync", "optimizer", "recompute")
+PHASES = ("forward", "backward", "grad_sync", "optimizer", "recompute", "pipeline")
+# "pipeline": the point-to-point sends between pipeline stages (activations forward, their
+# gradients backward) and the all-reduce that hands the last stage's loss to every rank.
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +54,55 @@ class CollectiveRecord:
     # A gradient bucket (node "bucket<k>"): the parameters' placeholders whose gradients it
     # all-reduces together, in the order they become ready.
     members: tuple[str, ...] = ()
+    # On a pipeline (Plan.pipeline): the stage whose ranks run it (-1: every rank) and how many
+    # times per step (once per microbatch for the stage's own collectives).
+    stage: int = -1
+    count: int = 1
 
     def to_json(self) -> dict:
         out = {"kind": self.kind, "axes": list(self.axes), "bytes": self.bytes,
                "phase": self.phase, "node": self.node, "value": self.value}
         if self.members:
             out["members"] = list(self.members)
+        if self.stage >= 0:
+            out["stage"] = self.stage
+        if self.count != 1:
+            out["count"] = self.count
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """One pipeline stage: its index along the pipeline axis, the model's layers it runs (the
+    first stage also runs what comes before the first layer, the last what comes after the last
+    one), and its predicted figures per step: ``compute_s`` and ``comm_s`` of one microbatch,
+    ``peak_memory_bytes`` with the schedule's microbatches in flight."""
+
+    index: int
+    layers: tuple[str, ...]
+    predicted: dict[str, float]
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "layers": list(self.layers), "predicted": self.predicted}
+
+
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    """A pipelined plan (docs/cost-model.md §10): the mesh axis along which consecutive stages
+    lie, the schedule (torch.distributed.pipelining's class name), the number of microbatches
+    the batch is cut into, and the stages. Every node's spec is replicated over ``axis``: each
+    stage's ranks run their part of the graph as the other axes say."""
+
+    axis: str
+    schedule: str
+    microbatches: int
+    stages: tuple[Stage, ...]
+    virtual_stages: int = 1
+
+    def to_json(self) -> dict:
+        return {"axis": self.axis, "schedule": self.schedule, "microbatches": self.microbatches,
+                "virtual_stages": self.virtual_stages,
+                "stages": [s.to_json() for s in self.stages]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +146,8 @@ class Plan:
     # Parameter fqn -> where its gradient and optimizer state live, for the parameters whose
     # state is not laid out as the parameter is (ZeRO-1/2, offload).
     param_state: dict[str, ParamState] = field(default_factory=dict)
+    # The pipeline stages, when the plan pipelines over a mesh axis (options.pipeline).
+    pipeline: Pipeline | None = None
     # Wall-clock seconds of this run (trace_s, build_s, solve_s): shown by the CLI, never saved,
     # and not part of equality, so that the same planning gives byte-identical files.
     timings: dict[str, float] = field(default_factory=dict, compare=False)
@@ -146,8 +192,8 @@ class Plan:
                  f"  solver {s['status']}, {s['variables']} variables, {s.get('decisions', '?')} "
                  f"decisions, gap {s['gap']:.2%}"]
         by: dict[tuple[str, str, tuple[str, ...]], list[int]] = {}
-        for c in self.collectives:
-            by.setdefault((c.phase, c.kind, c.axes), []).append(c.bytes)
+        for c in self.collectives:        # on a pipeline, every stage's, as often as they run
+            by.setdefault((c.phase, c.kind, c.axes), []).extend([c.bytes] * c.count)
         lines.append("  collectives:")
         for (phase, kind, axes), bs in sorted(by.items()):
             lines.append(f"    {phase:9s} {kind:14s} over {','.join(axes):8s} x{len(bs):<5d} "
@@ -163,6 +209,7 @@ class Plan:
             lines.append(f"  tied weight {fqn}: stored {spec_str(self.params[fqn])}, read as "
                          + ", ".join(spec_str(r) for r in reads))
         lines += self._state_summary()
+        lines += self._pipeline_summary()
         for policy in ("selective", "full"):
             n = sum(1 for p in self.recompute.values() if p == policy)
             if n:
@@ -198,6 +245,22 @@ class Plan:
         if self.predicted.get("optimizer_s"):
             lines.append(f"  optimizer step: {self.predicted['optimizer_s'] * 1e3:.3f} ms "
                          f"(in compute)")
+        return lines
+
+    def _pipeline_summary(self) -> list[str]:
+        pl = self.pipeline
+        if pl is None:
+            return []
+        p, m = len(pl.stages), pl.microbatches
+        lines = [f"  pipeline over {pl.axis}: {pl.schedule}, {m} microbatches, {p} stages "
+                 f"(bubble {(p - 1) / (m + p - 1):.0%} when balanced)"]
+        for st in pl.stages:
+            what = (f"{st.layers[0]} .. {st.layers[-1].rsplit('.', 1)[-1]}" if len(st.layers) > 1
+                    else (st.layers[0] if st.layers else "no layer"))
+            lines.append(f"    stage {st.index}: {what} ({len(st.layers)} layers); per microbatch "
+                         f"compute {st.predicted['compute_s'] * 1e3:.3f} ms + comm "
+                         f"{st.predicted['comm_s'] * 1e3:.3f} ms; peak "
+                         f"{_size(st.predicted['peak_memory_bytes'])}")
         return lines
 
     def layers_summary(self) -> list[str]:
@@ -245,6 +308,7 @@ class Plan:
             "collectives": [c.to_json() for c in self.collectives],
             "predicted": self.predicted, "solver": self.solver,
             "node_signatures": self.node_sigs,
+            **({"pipeline": self.pipeline.to_json()} if self.pipeline else {}),
         }
 
     def _param_json(self, fqn: str) -> dict:
@@ -311,7 +375,8 @@ class Plan:
                    predicted=_read_numbers(root.key("predicted"), PREDICTED),
                    solver=_read_solver(root.key("solver")),
                    model=root.key("model", "").text(),
-                   node_sigs={k: f.text() for k, f in root.key("node_signatures", {}).items()})
+                   node_sigs={k: f.text() for k, f in root.key("node_signatures", {}).items()},
+                   pipeline=_read_pipeline(root.key("pipeline", None), axes, layers))
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
@@ -547,7 +612,35 @@ def _read_collective(f: _Field) -> CollectiveRecord:
     return CollectiveRecord(f.key("kind").text(), tuple(a.text() for a in f.key("axes").entries()),
                             f.key("bytes").integer(), f.key("phase").text(), f.key("node").text(),
                             f.key("value", "").text(),
-                            tuple(m.text(nonempty=True) for m in f.key("members", []).entries()))
+                            tuple(m.text(nonempty=True) for m in f.key("members", []).entries()),
+                            f.key("stage", -1).integer(least=-1),
+                            f.key("count", 1).integer(least=1))
+
+
+def _read_pipeline(f: _Field, axes: tuple[str, ...], layers: tuple[Layer, ...]
+                   ) -> Pipeline | None:
+    if f.value is None:
+        return None
+    axis = f.key("axis")
+    if axis.text() not in axes:
+        axis.fail(f"one of the mesh's axes {list(axes)}")
+    schedule = f.key("schedule")
+    if schedule.text() not in ("GPipe", "1F1B"):
+        schedule.fail('"GPipe" or "1F1B"')
+    names = {layer.name for layer in layers}
+    stages = []
+    for i, x in enumerate(f.key("stages").entries(nonempty=True)):
+        if x.key("index").integer() != i:
+            x.key("index").fail(f"the stage's position, {i}")
+        members = x.key("layers")
+        stage_layers = tuple(n.text() for n in members.entries())
+        if not set(stage_layers) <= names:
+            members.fail("names of the plan's layers")
+        stages.append(Stage(i, stage_layers, _read_numbers(x.key("predicted"),
+                                                           ("compute_s", "comm_s",
+                                                            "peak_memory_bytes"))))
+    return Pipeline(axis.value, schedule.value, f.key("microbatches").integer(least=1),
+                    tuple(stages), f.key("virtual_stages", 1).integer(least=1))
 
 
 def _read_param_state(f: _Field, params: dict[str, Spec], nodes: tuple[NodePlan, ...],

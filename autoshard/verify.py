@@ -28,7 +28,7 @@ from autoshard.loss import as_loss_module
 from autoshard.mesh import Mesh
 from autoshard.plans import Plan
 from autoshard.solver.baselines import baseline_plan
-from autoshard.solver.planner import plan_traced
+from autoshard.solver.planner import microbatch, plan, plan_traced
 from autoshard.trace.export import trace
 from autoshard.zoo.registry import load_model
 
@@ -104,7 +104,10 @@ def _run_rank(spec: VerifySpec) -> dict[str, Any]:
     if opt is not None:
         opt.step()
         opt.zero_grad()
-    planned = [(c.kind, c.axes, c.bytes, c.phase, c.node) for c in plan.collectives]
+    # This rank's: on a pipeline, its stage's collectives, each as often as the step runs it.
+    mine = [c for c in plan.collectives if c.stage in (-1, pm.runtime.stage)
+            for _ in range(c.count)]
+    planned = [(c.kind, c.axes, c.bytes, c.phase, c.node) for c in mine]
     ran = [(r.kind, r.axes, r.nbytes, r.phase, r.node) for r in pm.ledger]
     report = {
         "loss": float(loss), "ref_loss": float(ref_loss.detach()),
@@ -112,9 +115,10 @@ def _run_rank(spec: VerifySpec) -> dict[str, Any]:
         "grad_errs": grad_errs, "missing_grads": missing,
         "ledger_diff": ledger_diff(planned, ran),
         "collectives": len(ran), "bytes": sum(r.nbytes for r in pm.ledger),
-        "planned_bytes": sum(c.bytes for c in plan.collectives),
+        "planned_bytes": sum(c.bytes for c in mine),
     }
-    if spec.measure_memory:
+    # (Per-stage peaks of a pipeline are not measured yet: its stages hold different parts.)
+    if spec.measure_memory and plan.pipeline is None:
         # After the comparison (its figures are final above): the same module, gradients dropped.
         del grads, ref, ref_grads
         report["memory"] = measure_step_memory(pm, pm.shard_inputs(*inputs))
@@ -280,6 +284,8 @@ def plan_for(model_name: str, mesh, *, batch: int | None = None, seq: int | None
              baseline: str | None = None, seed: int = 0, task: str | None = None,
              **plan_kwargs: Any):
     model, inputs = build(model_name, batch, seq, seed, task)
+    if plan_kwargs.get("pipeline") is not None:      # microbatches chosen, traced per microbatch
+        return plan(model, inputs, mesh, model_name=model_name, **plan_kwargs)
     precision = plan_kwargs.get("precision", "model")
     with running_as(model, precision):
         traced = trace(model, cast_inputs(inputs, precision))
@@ -354,9 +360,11 @@ def memory_lines(reports: list[dict[str, Any]]) -> list[str]:
 
 def verify(model_name: str, mesh: Mesh, *, plan: Plan | None = None, batch: int | None = None,
            seq: int | None = None, baseline: str | None = None,
-           tolerance: float = 1e-5, task: str | None = None) -> tuple[bool, str]:
+           tolerance: float = 1e-5, task: str | None = None,
+           **plan_kwargs: Any) -> tuple[bool, str]:
     """Run ``plan`` (or a fresh plan, or a hand-written ``baseline``) on ``mesh.size`` gloo ranks
-    here; (passed, report). ``task``: of a Hugging Face config.json model."""
+    here; (passed, report). ``task``: of a Hugging Face config.json model; ``plan_kwargs``:
+    options of a fresh plan (``pipeline``, ``schedule``, ``microbatches``)."""
     if not (isinstance(tolerance, (int, float)) and 0 < tolerance < math.inf):   # nan fails too
         raise AutoshardError("a tolerance that is a positive number", got=repr(tolerance),
                              fix="e.g. --tolerance 1e-5")
@@ -366,7 +374,8 @@ def verify(model_name: str, mesh: Mesh, *, plan: Plan | None = None, batch: int 
     if plan is not None:
         check_plan(plan, model_name, mesh, batch=batch, seq=seq, task=task)
     else:
-        plan = plan_for(model_name, mesh, batch=batch, seq=seq, baseline=baseline, task=task)
+        plan = plan_for(model_name, mesh, batch=batch, seq=seq, baseline=baseline, task=task,
+                        **plan_kwargs)
     spec = VerifySpec(model_name, mesh.shape, mesh.axes, plan.dumps(), batch, seq, task=task)
     with World(mesh.size, timeout_s=600) as world:
         reports = world.run(verify_rank, spec)
@@ -387,5 +396,8 @@ def check_plan(plan: Plan, model_name: str, mesh: Mesh, *, batch: int | None,
         raise AutoshardError("a plan made for training: verify runs a training step",
                              got="a forward-only plan (options.training is false)",
                              fix="re-plan without --inference")
-    traced = trace(*build(model_name, batch, seq, seed=0, task=task))
+    model, inputs = build(model_name, batch, seq, seed=0, task=task)
+    if plan.pipeline is not None:               # a pipelined plan is of one microbatch
+        inputs = microbatch(inputs, plan.pipeline.microbatches)
+    traced = trace(model, inputs)
     plan.check_matches(traced.fingerprint, traced.node_sigs)

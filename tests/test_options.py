@@ -72,7 +72,8 @@ def test_plan_records_its_options_and_load_restores_them(gpt2_tiny, tmp_path) ->
     d = json.loads(p.dumps())
     assert d["options"] == {"training": True, "optimizer": "sgd", "precision": "model",
                             "memory_budget": 2**30, "time_limit_s": 5.0, "bucket_mb": 25.0,
-                            "recompute": "auto", "zero": "auto", "offload": "auto"}
+                            "recompute": "auto", "zero": "auto", "offload": "auto",
+                            "pipeline": None, "schedule": "auto", "microbatches": "auto"}
     p.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json").options == p.options
 

@@ -3,7 +3,7 @@ asynchronously during backward and awaited at its end, as PyTorch DDP's Reducer 
 2020, VLDB, §3.2).
 
 A bucketed gradient is what a parameter gets through a reshard that moves nothing in forward
-and all-reduces the gradient in backward (planner.gradient_buckets). That reshard's
+and all-reduces the gradient in backward (cost/overlap.py gradient_buckets). That reshard's
 :class:`DeferredGradSync` hands the gradient to :class:`GradBuckets` instead of returning it to
 autograd (other reads of the parameter accumulate theirs as usual): it is copied into its
 bucket's flat buffer, and once every member has arrived the buffer is all-reduced over the

@@ -108,8 +108,12 @@ def outline(g: fx.Graph, after: fx.Node, last: fx.Node, runtime: Any, layer: str
     with g.inserting_before(region[0]):
         call = g.call_function(Checkpointed(gm, runtime, layer, policy), tuple(inputs))
         call.meta["autoshard"] = {"checkpoint": layer, "policy": policy}
+        if "autoshard_stage" in last.meta:          # a pipeline stage (codegen/pipeline.py)
+            call.meta["autoshard_stage"] = last.meta["autoshard_stage"]
         for k, o in enumerate(outputs):
             item = g.call_function(operator.getitem, (call, k))
+            item.meta.update({key: o.meta[key] for key in ("autoshard_ref", "autoshard_stage")
+                              if key in o.meta})
             o.replace_all_uses_with(item, delete_user_cb=lambda user: user not in inside)
     for n in reversed(region):
         g.erase_node(n)

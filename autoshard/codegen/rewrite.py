@@ -61,11 +61,21 @@ class RankRuntime:
         # "recompute" while a checkpointed layer runs again; "replay" while a selectively
         # checkpointed one does (its collectives return stored outputs: nothing is counted).
         self.phase = "forward"
-        records = [c for c in (plan.collectives if plan else ()) if c.members]
+        # On a pipeline, this rank's stage (its coordinate on the pipeline axis) and its buckets.
+        self.stage = -1
+        if plan is not None and plan.pipeline is not None:
+            self.stage = groups.coords[plan.mesh_axes.index(plan.pipeline.axis)]
+        records = [c for c in (plan.collectives if plan else ())
+                   if c.members and c.stage in (-1, self.stage)]
         self.buckets = GradBuckets(records, groups, self.ledger) if records else None
 
 
-def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime) -> fx.GraphModule:
+def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime,
+         stages: dict[str, int] | None = None) -> fx.GraphModule:
+    """The rank program of ``plan``. With ``stages`` (node -> pipeline stage, a pipelined plan),
+    every emitted node's ``meta["autoshard_stage"]`` says which stage runs it, and a reshard
+    read in two stages is emitted in each (codegen/pipeline.py cuts the program there); every
+    node's ``meta["autoshard_ref"]`` names the traced value it holds."""
     mesh_shape = plan.mesh_shape
     coords = runtime.groups.coords
     strategies = plan.strategies()
@@ -90,12 +100,18 @@ def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime) -> fx.GraphModul
         e = edges.get((ref, consumer))
         if e is None:
             return src
-        key = (ref, e.dst, e.divergent)
+        stage = None if stages is None else stages.get(consumer[0], last_stage)
+        key = (ref, e.dst, e.divergent, stage)
         if key not in moved:
             moved[key] = g.call_function(ReshardCall(e, runtime, bucketed=e in bucketed), (src,))
             moved[key].meta["autoshard"] = {"reshard": f"{spec_str(e.src)} -> {spec_str(e.dst)}",
                                             "divergent": sorted(e.divergent)}
+            moved[key].meta["autoshard_ref"] = (ref, e.dst)
+            if stage is not None:
+                moved[key].meta["autoshard_stage"] = stage
         return moved[key]
+
+    last_stage = max(stages.values(), default=0) if stages else 0
 
     # Checkpointed layers: (node before the layer's first op, the layer's last op) in g.
     layer_of = {n: layer for layer in plan.recompute for n in _layer_nodes(traced, layer)}
@@ -106,6 +122,7 @@ def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime) -> fx.GraphModul
             regions[layer] = [list(g.nodes)[-1], None]
         if node.op == "placeholder":
             env[node.name] = g.placeholder(node.name)
+            env[node.name].meta["autoshard_ref"] = ((node.name, 0), None)
             continue
         if node.op == "output":
             refs = [value_ref(a) for a in torch.utils._pytree.tree_flatten(node.args)[0]
@@ -116,6 +133,9 @@ def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime) -> fx.GraphModul
         if node.target is operator.getitem:
             src, idx = node.args
             n = g.call_function(operator.getitem, (env[src.name], idx))
+            n.meta["autoshard_ref"] = ((src.name, idx), None)
+            if stages is not None:
+                n.meta["autoshard_stage"] = stages[src.name]
             env[f"{src.name}#{idx}"] = n
             env[node.name] = n
             continue
@@ -131,6 +151,9 @@ def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime) -> fx.GraphModul
         fn, args, kwargs = localize(op_info(node), strat, mesh_shape, coords, args, kwargs)
         new = g.call_function(fn, tuple(args), dict(kwargs))
         new.meta["autoshard"] = {"strategy": str(strat)}
+        new.meta["autoshard_ref"] = ((node.name, 0), None)
+        if stages is not None:
+            new.meta["autoshard_stage"] = stages[node.name]
         env[node.name] = new
         if layer is not None:
             regions[layer][1] = new

@@ -43,7 +43,20 @@ class ParallelModule(torch.nn.Module):
         device = torch.device("cuda", torch.cuda.current_device()) if groups.device_type == "cuda" \
             else torch.device("cpu")
         self.runtime = RankRuntime(groups, device, plan)
-        self.program = emit(traced, plan, self.runtime)
+        self.pipeline = None
+        stage_programs = None
+        bound: set[str] | None = None          # the placeholders this rank's stage reads
+        if plan.pipeline is not None:
+            from autoshard.codegen.pipeline import cut
+            from autoshard.trace.layers import stages_of
+            stages = stages_of(traced.graph, traced.layers,
+                               tuple(st.layers for st in plan.pipeline.stages))
+            self.program = emit(traced, plan, self.runtime, stages)
+            stage_programs = cut(self.program, len(plan.pipeline.stages),
+                                 [ph.name for ph in traced.inputs])
+            bound = set(stage_programs[self.runtime.stage][1])
+        else:
+            self.program = emit(traced, plan, self.runtime)
         full = dict(model.named_parameters())      # canonical names, as the trace reports them
         full.update(dict(model.named_buffers()))
         self._specs: dict[str, Spec] = {}
@@ -53,8 +66,8 @@ class ParallelModule(torch.nn.Module):
         self.fqns: list[str] = []
         strategies = plan.strategies()
         for ph in traced.placeholders:
-            if ph.kind == "input":
-                continue
+            if ph.kind == "input" or (bound is not None and ph.name not in bound):
+                continue          # an input, or (on a pipeline) another stage's
             spec = strategies[ph.name].outputs[0] if ph.info is not None else None
             self._specs[ph.name] = spec
             # Values cut from the model's tensors; on the meta device, this rank's shard only
@@ -70,12 +83,14 @@ class ParallelModule(torch.nn.Module):
             else:
                 const = traced.constants[ph.name]
                 self._buffers_local[ph.name] = local_shard(model, ph.name, const, spec, *here)
-        self._param_ph = {ph.fqn: ph.name for ph in traced.params}
+        self._param_ph = {ph.fqn: ph.name for ph in traced.params
+                          if bound is None or ph.name in bound}
         # fqn -> this rank's fp32 shard of a weight the step runs in bf16 (bf16-mixed): the
         # optimizer's master starts from it (codegen/optim.py takes it).
         self.master_source: dict[str, torch.Tensor] = {}
         if self.runtime.buckets is not None:
-            known = {ph.name: self.params[_key(ph.fqn)] for ph in traced.params}
+            known = {ph.name: self.params[_key(ph.fqn)] for ph in traced.params
+                     if ph.fqn in self._param_ph}
             unknown = sorted(set(self.runtime.buckets.of) - set(known))
             if unknown:
                 raise AutoshardError("gradient buckets whose members are the model's parameters",
@@ -84,14 +99,30 @@ class ParallelModule(torch.nn.Module):
             self.runtime.buckets.params = known
             # reduce_scatter buckets cut each member along its state dim (codegen/optim.py).
             for fqn, st in plan.param_state.items():
+                if fqn not in self._param_ph:
+                    continue                      # another pipeline stage's
                 dim = next((q.dim for q, r in zip(st.grad, plan.params[fqn]) if q != r), None)
                 if dim is not None:
                     self.runtime.buckets.shard_dim[self._param_ph[fqn]] = dim
         if plan.param_state:        # their state lives apart: only pm.optimizer steps them
             from autoshard.codegen.optim import watch
-            watch([self.params[_key(fqn)] for fqn in plan.param_state])
+            watch([self.params[_key(fqn)] for fqn in plan.param_state if fqn in self._param_ph])
         self._input_specs = [strategies[ph.name].outputs[0] for ph in traced.inputs]
         self._input_shapes = [ph.info.shape if ph.info else None for ph in traced.inputs]
+        if stage_programs is not None:
+            from autoshard.codegen.pipeline import Pipelined
+            self.pipeline = Pipelined(self, stage_programs, device)
+
+    def bound_values(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters, buffers and constants by placeholder name."""
+        out = {ph.name: self.params[_key(ph.fqn)] for ph in self.traced.params
+               if ph.fqn in self._param_ph}
+        out.update(self._buffers_local)
+        return out
+
+    @property
+    def microbatches(self) -> int:
+        return self.plan.pipeline.microbatches if self.plan.pipeline is not None else 1
 
     # -- sharding helpers ----------------------------------------------------------------------
     def _shard(self, full: torch.Tensor, spec: Spec | None) -> torch.Tensor:
@@ -113,18 +144,29 @@ class ParallelModule(torch.nn.Module):
                                  fix="pass the same arguments as the example inputs")
         out = []
         global_args = cast_inputs(global_args, self.plan.options.precision)
+        m = self.microbatches
         for i, (a, spec, shape) in enumerate(zip(global_args, self._input_specs, self._input_shapes)):
-            if isinstance(a, torch.Tensor) and shape is not None and tuple(a.shape) != tuple(shape):
-                raise AutoshardError(f"input {i} of shape {tuple(shape)}, the planned shape",
+            # On a pipeline the plan is of one microbatch: the batch is m of them.
+            want = None if shape is None else (shape[0] * m, *shape[1:]) if m > 1 else shape
+            if isinstance(a, torch.Tensor) and want is not None and tuple(a.shape) != tuple(want):
+                raise AutoshardError(f"input {i} of shape {tuple(want)}, the planned shape"
+                                     + (f" ({m} microbatches of {tuple(shape)})" if m > 1 else ""),
                                      got=f"shape {tuple(a.shape)}",
                                      fix="re-plan for these shapes, or batch the data as planned")
-            out.append(self._shard(a, spec) if isinstance(a, torch.Tensor) else a)
+            if not isinstance(a, torch.Tensor):
+                out.append(a)
+            elif m > 1:       # each microbatch sharded as planned, stacked back in order
+                out.append(torch.cat([self._shard(c, spec) for c in a.chunk(m)]))
+            else:
+                out.append(self._shard(a, spec))
         return tuple(out)
 
     def _check_local(self, local_args: Sequence[Any]) -> None:
+        m = self.microbatches
         for i, (a, spec, shape) in enumerate(zip(local_args, self._input_specs, self._input_shapes)):
             if isinstance(a, torch.Tensor) and shape is not None:
                 want = local_shape(shape, spec, self.plan.mesh_shape)
+                want = (want[0] * m, *want[1:]) if m > 1 else want
                 if tuple(a.shape) != want:
                     raise AutoshardError(f"local input {i} of shape {want} (the plan shards the "
                                          f"global {tuple(shape)} as {spec})",
@@ -134,6 +176,11 @@ class ParallelModule(torch.nn.Module):
     def forward(self, *local_args: Any) -> Any:
         """One forward; the ledger then holds this step's collectives (forward, and backward
         once it has run), not every step's."""
+        if self.pipeline is not None:
+            raise AutoshardError("a plan without a pipeline to run forward alone",
+                                 got=f"a plan pipelined over {self.plan.pipeline.axis}",
+                                 fix="call pm.step(*pm.shard_inputs(*batch)), which runs the "
+                                     "schedule, forward and backward")
         self._check_local(local_args)
         self.runtime.ledger.clear()
         flat = []
@@ -147,7 +194,12 @@ class ParallelModule(torch.nn.Module):
         return self.program(*flat, *local_args)
 
     def step(self, *local_args: Any) -> torch.Tensor:
-        """Forward and backward on this rank; returns the full (replicated) loss."""
+        """Forward and backward on this rank; returns the full (replicated) loss. On a pipeline:
+        one schedule over the microbatches (codegen/pipeline.py), the step's loss on every rank."""
+        if self.pipeline is not None:
+            self._check_local(local_args)
+            self.runtime.ledger.clear()
+            return self.pipeline.step(*local_args)
         loss = self(*local_args)
         loss.backward()
         return loss.detach()
@@ -207,14 +259,27 @@ class ParallelModule(torch.nn.Module):
         return out
 
     def full_grads(self) -> dict[str, torch.Tensor]:
-        return {fqn: self._full(fqn, g) for fqn, g in self.local_grads().items()}
+        return self._across_stages({fqn: self._full(fqn, g)
+                                    for fqn, g in self.local_grads().items()})
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         out = {fqn: self._full(fqn, p) for fqn, p in self.local_parameters().items()}
         for ph in self.traced.placeholders:
-            if ph.kind == "buffer":
+            if ph.kind == "buffer" and ph.name in self._buffers_local:
                 out[ph.fqn] = self._gather(self._buffers_local[ph.name], self._specs[ph.name],
                                            ph.info.shape)
+        return self._across_stages(out)
+
+    def _across_stages(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """On a pipeline, every stage's tensors on every rank (each stage holds its own)."""
+        if self.pipeline is None:
+            return mine
+        parts: list[Any] = [None] * len(self.plan.pipeline.stages)
+        dist.all_gather_object(parts, {k: v.cpu() for k, v in mine.items()},
+                               group=self.pipeline.group)
+        out: dict[str, torch.Tensor] = {}
+        for part in parts:
+            out.update({k: v.to(self.pipeline.device) for k, v in part.items() if k not in out})
         return out
 
     def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
@@ -301,7 +366,10 @@ def parallelize(model: torch.nn.Module, mesh: Any, *, plan: Plan | str | Path | 
             raise AutoshardError("example_inputs (the global batch to plan for) when no plan is "
                                  "given", got="neither", fix="pass plan=... or example_inputs=...")
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        example_inputs = plan.example_inputs(device)
+        example_inputs = plan.example_inputs(device)       # one microbatch on a pipeline
+    elif options.pipeline is not None and isinstance(options.microbatches, int):
+        from autoshard.solver.planner import microbatch
+        example_inputs = microbatch(example_inputs, options.microbatches)
     if not dist.is_initialized():
         raise AutoshardError("an initialised torch.distributed world", got="none",
                              fix="launch with torchrun and call dist.init_process_group()")

@@ -301,7 +301,7 @@ class _Walk:
         return value_inputs(node)
 
     def _buckets(self) -> tuple[dict[str, int], list[Any]]:
-        """The plan's gradient buckets (as solver/planner.gradient_buckets forms them): which
+        """The plan's gradient buckets (as cost/overlap.gradient_buckets forms them): which
         bucket each bucketed parameter's gradient goes to, and the buckets (``nbytes``, the flat
         buffer; ``kind``, all-reduce, or reduce-scatter for ZeRO-2 and offload parameters)."""
         first_use: dict[str, int] = {}

@@ -23,7 +23,9 @@ from typing import Iterable
 
 from autoshard.cost.comm import Reshard, collective_time
 from autoshard.cost.reshards import ReshardEdge
+from autoshard.cost.state import state_spec
 from autoshard.mesh import Mesh
+from autoshard.trace.graph import value_inputs
 
 
 def is_grad_sync(r: Reshard) -> bool:
@@ -128,3 +130,32 @@ def exposed_seconds(sync_s: float, backward_s: float) -> float:
     """What the step waits for of ``sync_s`` seconds of bucketed gradient sync issued during
     ``backward_s`` seconds of backward compute."""
     return max(0.0, sync_s - backward_s)
+
+
+def gradient_buckets(edges: list[ReshardEdge], nodes: list, bucket_bytes: float,
+                     modes: dict[str, str | None] | None = None,
+                     mesh_shape: tuple[int, ...] = ()) -> list[Bucket]:
+    """The buckets of a plan's gradient syncs, the ones the runtime issues: the
+    gradient a parameter gets through a reshard that is a pure gradient sync, summed over that
+    reshard's consumers (other reads of the parameter add their own, unsynced, as autograd
+    does). Gradients become ready in the reverse order of their parameter's first use in
+    forward. A parameter read through two such reshards (in two layouts) buckets the first.
+    ``modes``: each parameter's state mode; zero2/offload ones are reduce-scattered over their
+    zero axes (cost/state.py), in buckets of their own."""
+    first_use: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        for ref in value_inputs(n):
+            first_use.setdefault(ref[0], i)
+    dtypes = {n.name: str(n.meta["val"].dtype).removeprefix("torch.") for n in nodes
+              if n.op == "placeholder"}
+    syncs: dict[str, Sync] = {}
+    shapes = {n.name: tuple(n.meta["val"].shape) for n in nodes if n.op == "placeholder"}
+    for name, e in first_grad_syncs(edges).items():
+        if (modes or {}).get(name) in ("zero2", "offload") \
+                and state_spec(shapes[name], e.src, mesh_shape) is not None:
+            axes, kind = tuple(sorted(s.axis for s in e.reshard.backward)), "reduce_scatter"
+        else:
+            axes, kind = tuple(s.axis for s in e.reshard.backward), "all_reduce"
+        syncs[name] = Sync(name, axes, dtypes[name], e.reshard.backward[0].nbytes, kind)
+    order = sorted(syncs, key=lambda name: -first_use.get(name, 0))
+    return form_buckets([syncs[name] for name in order], bucket_bytes)

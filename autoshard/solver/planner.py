@@ -10,10 +10,10 @@ import torch
 from autoshard.cost.liveness import step_memory
 from autoshard.cost.price import Pricer
 from autoshard.cost.comm import step_seconds
-from autoshard.cost.overlap import (Bucket, Sync, bucket_bytes_by_axis, exposed_seconds,
-                                    first_grad_syncs, form_buckets, sync_share_by_axis)
+from autoshard.cost.overlap import (bucket_bytes_by_axis, exposed_seconds, first_grad_syncs,
+                                    gradient_buckets, sync_share_by_axis)
 from autoshard.cost.state import StateBytes, state_spec
-from autoshard.cost.reshards import ReshardEdge, reshard_edges
+from autoshard.cost.reshards import reshard_edges
 from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Strategy, work_fraction
 from autoshard.mesh import AxisMerge, Mesh
@@ -24,7 +24,6 @@ from autoshard.solver.build import Built, build_problem
 from autoshard.solver.ilp import Infeasible, NoSolution, break_ties, solve
 from autoshard.solver.diagnostics import gib, mesh_use, smaller_mesh, unruled_note
 from autoshard.trace.export import TracedGraph, trace
-from autoshard.trace.graph import value_inputs
 from autoshard.trace.layers import checkpointable, regroup
 
 
@@ -49,12 +48,59 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any], mesh: Mesh,
         raise AutoshardError("mesh is an autoshard.Mesh", got=type(mesh).__name__,
                              fix="autoshard.Mesh((8, 8), ('dp', 'tp'), cluster='h100')")
     options = resolve_options(options, overrides)
+    if options.pipeline is not None and options.microbatches == "auto":
+        # Microbatch counts to try (docs/cost-model.md §10): p, 2p and 4p for p stages, those
+        # that divide the batch; each traced and planned, the fastest kept.
+        p = mesh.shape[mesh.axes.index(options.pipeline)] if options.pipeline in mesh.axes \
+            else 1
+        batch = batch_size(example_inputs)
+        tries = [k * p for k in (1, 2, 4) if batch % (k * p) == 0]
+        if not tries:
+            raise AutoshardError(f"a batch that {p} pipeline stages can cut into {p}, {2 * p} "
+                                 f"or {4 * p} microbatches", got=f"batch {batch}",
+                                 fix="pass microbatches=<a divisor of the batch>")
+        plans = [plan(model, example_inputs, mesh, options.replace(microbatches=k),
+                      model_name=model_name) for k in tries]
+        best = min(plans, key=lambda x: x.predicted["step_time_s"])
+        return replace(best, options=options.replace(microbatches=best.pipeline.microbatches))
     t0 = time.perf_counter()
-    with running_as(model, options.precision):
-        traced = trace(model, cast_inputs(example_inputs, options.precision),
-                       training=options.training)
+    traced = trace_for(model, example_inputs, options)
     return plan_traced(traced, mesh, options, model_name=model_name,
                        trace_s=time.perf_counter() - t0)
+
+
+def batch_size(example_inputs: Sequence[Any]) -> int:
+    """The batch of the example inputs: the first dimension of the first tensor."""
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return x.shape[0]
+    raise AutoshardError("example inputs with a batch dimension (a tensor's first)",
+                         got="no tensor input", fix="pass the model's batch as tensors")
+
+
+def microbatch(example_inputs: Sequence[Any], microbatches: int) -> tuple:
+    """The first of ``microbatches`` equal slices of the batch (dim 0 of every tensor input)."""
+    batch = batch_size(example_inputs)
+    if batch % microbatches:
+        raise AutoshardError(f"a batch divisible by the {microbatches} microbatches",
+                             got=f"batch {batch}", fix="pass microbatches=<a divisor of it>")
+    size = batch // microbatches
+    return tuple(x[:size] if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+                 for x in example_inputs)
+
+
+def trace_for(model: torch.nn.Module, example_inputs: Sequence[Any],
+              options: PlanOptions) -> TracedGraph:
+    """The graph the planner plans for ``options``: in their precision, and with a pipeline,
+    of one microbatch (every stage runs its part of that graph once per microbatch)."""
+    if options.pipeline is not None:
+        if not isinstance(options.microbatches, int):
+            raise AutoshardError("a number of microbatches to trace one of", got="'auto'",
+                                 fix="pass microbatches=<int> (autoshard.plan chooses 'auto')")
+        example_inputs = microbatch(example_inputs, options.microbatches)
+    with running_as(model, options.precision):
+        return trace(model, cast_inputs(example_inputs, options.precision),
+                     training=options.training)
 
 
 def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = None, *,
@@ -70,6 +116,11 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = N
         raise AutoshardError(f"options.training equal to the traced graph's ({traced.training})",
                              got=f"training={options.training}",
                              fix="trace with the same training flag the options ask for")
+    if options.pipeline is not None:
+        # The graph is one microbatch's (trace_for); the stages' SPMD plan is this function's.
+        from autoshard.solver.pipeline import plan_pipelined
+        return plan_pipelined(traced, mesh, options, model_name=model_name, trace_s=trace_s,
+                              plan_spmd=plan_traced)
     plan = _plan_memory(traced, mesh, options, model_name=model_name, fixed=fixed,
                         trace_s=trace_s, merge=merge)
     if fixed or merge is not None:
@@ -243,9 +294,10 @@ def _plan_partial(traced: TracedGraph, mesh: Mesh, options: PlanOptions, best: P
     selective over none) may fit too, with less recomputation: Megatron-LM's
     ``--recompute-num-layers`` (block method), the per-layer search of Galvatron and Mist. For
     each cheaper policy the least such k is found by pricing ``best``'s own layouts (memory never
-    falls as fewer layers recompute; the sum the ILP bounds, as the ladder compares), then the
-    ILP is solved once at that k, as it may find faster layouts there. The fastest of these if
-    it beats ``best``, else None."""
+    falls as fewer layers recompute; the sum the ILP bounds, as the ladder compares), raised a
+    little until the step's liveness peak fits too. The faster of these, with ``best``'s
+    layouts, if it beats ``best``, else None. (Solving the ILP again at that k might find faster
+    layouts, at the price of one more solve.)"""
     policies = set(best.recompute.values())
     if len(policies) != 1 or len(best.recompute) != len(layers) or len(layers) < 2:
         return None
@@ -287,13 +339,6 @@ def _plan_partial(traced: TracedGraph, mesh: Mesh, options: PlanOptions, best: P
     if not candidates:
         return None
     pick = min(candidates, key=lambda p: p.predicted["step_time_s"])
-    try:      # the layouts may be faster at that k than at every layer's: solve once there
-        solved = _plan_traced(traced, mesh, options, recompute=dict(pick.recompute), **kw)
-        if fits(solved) and solved.predicted["step_time_s"] < pick.predicted["step_time_s"]:
-            pick = solved
-    except AutoshardError as e:
-        if not isinstance(e.__cause__, (Infeasible, NoSolution)):
-            raise
     # ``best`` may still be re-planned for its own liveness peak: never faster than it is now.
     return pick if pick.predicted["step_time_s"] < best.predicted["step_time_s"] else None
 
@@ -580,35 +625,6 @@ def _state_record(pricer: Pricer, name: str, strategy: Strategy) -> ParamState:
     sspec = state_spec(ph.info.shape, spec, pricer.mesh.shape) or spec
     return ParamState(mode, sspec if mode in ("zero2", "offload") else spec, sspec,
                       mode == "offload")
-
-
-def gradient_buckets(edges: list[ReshardEdge], nodes: list, bucket_bytes: float,
-                     modes: dict[str, str | None] | None = None,
-                     mesh_shape: tuple[int, ...] = ()) -> list[Bucket]:
-    """The buckets of a plan's gradient syncs (cost/overlap.py), the ones the runtime issues: the
-    gradient a parameter gets through a reshard that is a pure gradient sync, summed over that
-    reshard's consumers (other reads of the parameter add their own, unsynced, as autograd
-    does). Gradients become ready in the reverse order of their parameter's first use in
-    forward. A parameter read through two such reshards (in two layouts) buckets the first.
-    ``modes``: each parameter's state mode; zero2/offload ones are reduce-scattered over their
-    zero axes (cost/state.py), in buckets of their own."""
-    first_use: dict[str, int] = {}
-    for i, n in enumerate(nodes):
-        for ref in value_inputs(n):
-            first_use.setdefault(ref[0], i)
-    dtypes = {n.name: str(n.meta["val"].dtype).removeprefix("torch.") for n in nodes
-              if n.op == "placeholder"}
-    syncs: dict[str, Sync] = {}
-    shapes = {n.name: tuple(n.meta["val"].shape) for n in nodes if n.op == "placeholder"}
-    for name, e in first_grad_syncs(edges).items():
-        if (modes or {}).get(name) in ("zero2", "offload") \
-                and state_spec(shapes[name], e.src, mesh_shape) is not None:
-            axes, kind = tuple(sorted(s.axis for s in e.reshard.backward)), "reduce_scatter"
-        else:
-            axes, kind = tuple(s.axis for s in e.reshard.backward), "all_reduce"
-        syncs[name] = Sync(name, axes, dtypes[name], e.reshard.backward[0].nbytes, kind)
-    order = sorted(syncs, key=lambda name: -first_use.get(name, 0))
-    return form_buckets([syncs[name] for name in order], bucket_bytes)
 
 
 def _op_name(n) -> str:

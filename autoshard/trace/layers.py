@@ -114,3 +114,26 @@ def regroup(layers: tuple[Layer, ...], policies: dict[str, str]) -> tuple[Layer,
         first = firsts.setdefault(key, layer.name)
         out.append(layer if first == layer.same_as else Layer(layer.name, layer.nodes, first))
     return tuple(out)
+
+
+def stages_of(graph: fx.Graph, layers: tuple[Layer, ...],
+              stage_layers: tuple[tuple[str, ...], ...]) -> dict[str, int]:
+    """The pipeline stage of every node of ``graph`` (docs/cost-model.md §10): a layer's ops go
+    with their layer's stage; an op outside every layer with the stage of the last layer before
+    it (the first stage before the first layer: embeddings; the last after the last layer: the
+    head and the loss); a placeholder (parameter, buffer, input) with the first op reading it."""
+    stage_of_layer = {name: i for i, names in enumerate(stage_layers) for name in names}
+    layer_of_node = {n: layer.name for layer in layers for n in layer.nodes}
+    out: dict[str, int] = {}
+    current = 0
+    for n in graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        layer = layer_of_node.get(n.name)
+        if layer in stage_of_layer:
+            current = stage_of_layer[layer]
+        out[n.name] = current
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            out[n.name] = min((out[u.name] for u in n.users if u.name in out), default=0)
+    return out

@@ -1,0 +1,249 @@
+"""Running a pipelined plan: the rank program cut into stage programs, driven by
+torch.distributed.pipelining (docs/cost-model.md §10).
+
+The rank program is emitted once for the whole graph (codegen/rewrite.py, every node tagged with
+its stage), then cut: stage ``s`` is an FX GraphModule holding the ops of its stage, taking the
+values that cross into it (every value made before the stage and read in it or after it; stage
+0 takes the model's inputs) and returning the values that cross out of it (the last stage: the
+loss). Parameters and buffers are not sent: each stage binds those its ops read (a weight tied
+across stages is held by every stage reading it, its gradients all-reduced after the last
+microbatch, as Megatron-LM does for its tied embedding). torch.distributed.pipelining's
+``PipelineStage`` sends and receives the crossing values over the pipeline axis's process
+group, its ``ScheduleGPipe`` / ``Schedule1F1B`` run the microbatches; the loss of each is the
+last stage's output divided by the number of microbatches (the step's loss is their mean; no
+gradient scaling afterwards), and the last stage's sum is all-reduced over the pipeline axis so
+every rank returns it. The sends are counted in the byte ledger as they are issued.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from autoshard.codegen.collectives import ExecutedCollective
+from autoshard.ir import local_shape
+from autoshard.plans import Plan
+from autoshard.cost.reshards import grad_values
+
+
+def cut(gm: fx.GraphModule, stages: int, input_names: list[str]
+        ) -> list[tuple[fx.GraphModule, list[str], list[str]]]:
+    """Per stage: its program, the placeholders it binds (parameters, buffers, constants, by
+    name) and the names of the values it takes (placeholders of the emitted program or its
+    nodes). Its program's inputs are the bound values, then the taken ones; its outputs, the
+    values that cross into the next stage (the last stage: the program's output)."""
+    g = gm.graph
+    nodes = list(g.nodes)
+    inputs = [n for n in nodes if n.op == "placeholder" and n.name in input_names]
+    stage: dict[fx.Node, int] = {}
+    for n in nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        if "autoshard_stage" in n.meta:
+            stage[n] = n.meta["autoshard_stage"]
+        else:      # made by a pass after emit (a checkpointed layer's parts): its inputs' stage
+            stage[n] = max((stage[a] for a in n.all_input_nodes if a in stage), default=0)
+    out_node = next(n for n in nodes if n.op == "output")
+    last_use = {}
+    for n in nodes:
+        users = [stages - 1 if u is out_node else stage[u] for u in n.users]
+        if users:
+            last_use[n] = max(users)
+    crossing: list[list[fx.Node]] = []
+    for s in range(stages - 1):
+        made = [n for n in nodes if (n in inputs or stage.get(n, stages) <= s)
+                and last_use.get(n, -1) > s]
+        crossing.append(made)
+    out = []
+    for s in range(stages):
+        sg = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        takes = inputs if s == 0 else crossing[s - 1]
+        mine = [n for n in nodes if stage.get(n) == s]
+        bound = [a for a in dict.fromkeys(a for n in mine for a in n.all_input_nodes)
+                 if a.op == "placeholder" and a not in inputs]
+        for a in bound:
+            env[a] = sg.placeholder(a.name)
+        for a in takes:
+            env[a] = sg.placeholder(f"in_{a.name}")
+        for n in mine:
+            env[n] = sg.node_copy(n, lambda x: env[x])
+        if s == stages - 1:
+            sg.output(fx.node.map_arg(out_node.args[0], lambda x: env[x]))
+        else:
+            sg.output(tuple(env[n] for n in crossing[s]))
+        prog = fx.GraphModule(gm, sg, class_name=f"AutoshardStage{s}")
+        out.append((prog, [a.name for a in bound], [a.name for a in takes]))
+    return out
+
+
+class StageModule(torch.nn.Module):
+    """One stage of the rank program, with its parameters bound: ``forward(*taken)`` runs the
+    stage on the values that cross into it."""
+
+    def __init__(self, program: fx.GraphModule, bound: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.program = program
+        self._bound = bound
+        self.params = torch.nn.ParameterList(
+            [t for t in bound if isinstance(t, torch.nn.Parameter)])
+
+    def forward(self, *taken: Any) -> Any:
+        return self.program(*self._bound, *taken)
+
+
+def local_value(gm: fx.GraphModule, name: str, traced, plan: Plan, mesh_shape) -> torch.Tensor:
+    """An empty tensor of the local shape and dtype of the emitted value ``name`` (for the
+    static shapes PipelineStage is given)."""
+    node = next(n for n in gm.graph.nodes if n.name == name)
+    (src, idx), dst = node.meta["autoshard_ref"]
+    tnode = next(n for n in traced.graph.nodes if n.name == src)
+    val = tnode.meta["val"]
+    val = val[idx] if isinstance(val, (tuple, list)) else val
+    if dst is None:
+        strategies = plan.strategies()
+        dst = strategies[src].outputs[idx] if src in strategies else None
+    shape = tuple(val.shape) if dst is None else local_shape(tuple(val.shape), dst, mesh_shape)
+    # Floating values crossing stages carry a gradient back (StageModule), as their metadata
+    # must say.
+    return torch.empty(shape, dtype=val.dtype).requires_grad_(val.dtype.is_floating_point)
+
+
+def _carries_grad(gm: fx.GraphModule, name: str, grads: set) -> bool:
+    """Whether the emitted value ``name`` has a gradient in the plan (trace/graph.py
+    grad_values): a floating value that a parameter or input gradient flows through. A table
+    made from constants (rotary angles) has none, and crosses stages without one."""
+    node = next(n for n in gm.graph.nodes if n.name == name)
+    (src, idx), _ = node.meta["autoshard_ref"]
+    return src in grads
+
+
+class Pipelined:
+    """One rank's pipeline: its stage of the rank program, the schedule, the groups for tied
+    weights. ``step(*local_inputs)`` (stage 0's ranks give the inputs; the others may give
+    them too, they are not read) runs one schedule over the microbatches and returns the
+    step's loss on every rank."""
+
+    def __init__(self, pm: Any, stages: list, device: torch.device) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        plan, groups = pm.plan, pm.groups
+        pl = plan.pipeline
+        self.pm, self.plan = pm, plan
+        self.axis = plan.mesh_axes.index(pl.axis)
+        self.stage = groups.coords[self.axis]
+        self.p = len(pl.stages)
+        self.m = pl.microbatches
+        self.group = groups.groups[self.axis]
+        prog, bound, takes = stages[self.stage]
+        values = pm.bound_values()
+        self.module = StageModule(prog, [values[name] for name in bound])
+        traced, shape = pm.traced, plan.mesh_shape
+        grads = grad_values(traced.graph, {ph.name for ph in traced.params})
+        examples = tuple(local_value(pm.program, n, traced, plan, shape).detach().to(device)
+                         .requires_grad_(self.stage > 0 and _carries_grad(pm.program, n, grads))
+                         for n in takes)
+        if self.stage < self.p - 1:
+            outs = tuple(local_value(pm.program, n, traced, plan, shape).detach().to(device)
+                         .requires_grad_(_carries_grad(pm.program, n, grads))
+                         for n in stages[self.stage + 1][2])
+        else:
+            outs = (torch.empty((), device=device, requires_grad=True),)
+        ledger, axis_name, me = pm.ledger, pl.axis, self.stage
+
+        class CountedStage(PipelineStage):
+            """PipelineStage whose sends are counted in the byte ledger (phase "pipeline")."""
+
+            def get_fwd_send_ops(self, fwd_chunk_id):
+                ops = super().get_fwd_send_ops(fwd_chunk_id)
+                _count(ledger, ops, axis_name, f"stage{me}->stage{me + 1}")
+                return ops
+
+            def get_bwd_send_ops(self, bwd_chunk_id):
+                ops = super().get_bwd_send_ops(bwd_chunk_id)
+                _count(ledger, ops, axis_name, f"stage{me}->stage{me - 1}")
+                return ops
+
+        self.pstage = CountedStage(self.module, self.stage, self.p, device, input_args=examples,
+                                   output_args=outs, group=self.group)
+        cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[pl.schedule]
+        m = self.m
+        self.schedule = cls(self.pstage, n_microbatches=m, loss_fn=lambda out, _: out / m,
+                            scale_grads=False)
+        self.device = device
+        self._tied = self._tied_groups(pm)
+
+    def _tied_groups(self, pm: Any) -> list[tuple[str, Any]]:
+        """A process group per weight tied across stages: the ranks of those stages with this
+        rank's coordinates on the other axes (every rank creates every group, as
+        dist.new_group requires)."""
+        out = []
+        shape, coords = self.plan.mesh_shape, pm.groups.coords
+        for fqn, stages in sorted(_tied(self.plan).items()):
+            mine = None
+            others = [range(n) for i, n in enumerate(shape) if i != self.axis]
+            for rest in itertools.product(*others):
+                ranks = []
+                for s in stages:
+                    c = list(rest)
+                    c.insert(self.axis, s)
+                    ranks.append(_rank(c, shape))
+                g = dist.new_group(ranks)
+                here = list(coords)
+                del here[self.axis]
+                if tuple(here) == tuple(rest) and self.stage in stages:
+                    mine = g
+            if mine is not None:
+                out.append((fqn, mine))
+        return out
+
+    def step(self, *local_inputs: Any) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        if self.stage == 0:
+            self.schedule.step(*local_inputs, return_outputs=False)
+        elif self.stage == self.p - 1:
+            self.schedule.step(target=torch.zeros(self.m, device=self.device), losses=losses,
+                               return_outputs=False)
+        else:
+            self.schedule.step(return_outputs=False)
+        params = self.pm.local_parameters()
+        for fqn, group in self._tied:
+            grad = params[fqn].grad
+            if grad is not None:
+                dist.all_reduce(grad, group=group)
+                self.pm.ledger.add(ExecutedCollective(
+                    "all_reduce", (self.plan.pipeline.axis,), grad.numel() * grad.element_size(),
+                    grad.numel() * grad.element_size(), "grad_sync", f"tied:{fqn}",
+                    dist.get_world_size(group)))
+        loss = torch.stack([x.detach() for x in losses]).sum() if losses else \
+            torch.zeros((), device=self.device)
+        dist.all_reduce(loss, group=self.group)
+        self.pm.ledger.add(ExecutedCollective("all_reduce", (self.plan.pipeline.axis,), 4, 4,
+                                              "pipeline", "loss", self.p))
+        return loss
+
+
+def _tied(plan: Plan) -> dict[str, tuple[int, ...]]:
+    """Weights tied across stages, with the stages holding them (the plan's "tied:" records)."""
+    out: dict[str, set[int]] = {}
+    for c in plan.collectives:
+        if c.node.startswith("tied:"):
+            out.setdefault(c.node.removeprefix("tied:"), set()).add(c.stage)
+    return {fqn: tuple(sorted(stages)) for fqn, stages in out.items()}
+
+
+def _rank(coords: list[int], shape: tuple[int, ...]) -> int:
+    r = 0
+    for c, n in zip(coords, shape):
+        r = r * n + c
+    return r
+
+
+def _count(ledger, ops, axis: str, node: str) -> None:
+    nbytes = sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+    if ops:
+        ledger.add(ExecutedCollective("send_recv", (axis,), nbytes, nbytes, "pipeline", node, 2))
+
+

@@ -1,0 +1,342 @@
+"""Pipeline planning: cut the model's layers into stages along one mesh axis (docs/cost-model.md
+§10).
+
+The graph is traced for one microbatch. Every stage runs its part of that graph as one SPMD plan
+over the other axes of the mesh, and stages built from identical layers take identical
+decisions, so that plan is solved once, for the whole graph, on the sub-mesh (the ILP's
+identical-layer templates make one layer's decision every layer's). Its prices then give each
+layer's seconds per microbatch and its memory, and a dynamic program over the cut points (Alpa's
+stage construction, Zheng et al. 2022, arXiv 2201.12023 §5, here on one axis) picks the stages
+that minimise the slowest one within the device memory, with each schedule's microbatches in
+flight (cost/pipeline.py). The step: the schedule's forward and backward over every microbatch,
+then the slowest stage's optimizer step.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import replace
+from typing import Any
+
+from autoshard.cost.comm import collective_time
+from autoshard.cost.overlap import bucket_bytes_by_axis, gradient_buckets
+from autoshard.cost.pipeline import in_flight, pipeline_seconds
+from autoshard.cost.price import Pricer
+from autoshard.cost.reshards import reshard_edges
+from autoshard.errors import AutoshardError
+from autoshard.ir import Replicate, Spec
+from autoshard.mesh import Mesh
+from autoshard.options import PlanOptions
+from autoshard.plans import CollectiveRecord, NodePlan, Pipeline, Plan, Stage
+from autoshard.trace.export import TracedGraph
+from autoshard.trace.graph import value_inputs
+from autoshard.trace.layers import stages_of
+
+DUMMY = "_"          # the axis of a one-device sub-mesh (a mesh that is all pipeline)
+
+
+def sub_mesh(mesh: Mesh, axis: int) -> Mesh:
+    """``mesh`` without its pipeline axis, each other axis on its own link."""
+    keep = [i for i in range(mesh.ndim) if i != axis]
+    if not keep:
+        return Mesh((1,), (DUMMY,), cluster=mesh.cluster)
+    return Mesh(tuple(mesh.shape[i] for i in keep), tuple(mesh.axes[i] for i in keep),
+                cluster=mesh.cluster, links=tuple(mesh.links[i] for i in keep))
+
+
+def expand_spec(spec: Spec, axis: int, ndim: int, sub_ndim: int) -> Spec:
+    """A sub-mesh spec on the whole mesh: replicated over the pipeline axis."""
+    placements = list(spec) if ndim > 1 else []
+    placements.insert(axis, Replicate())
+    assert len(placements) == ndim and (ndim > 1 or sub_ndim == 1)
+    return tuple(placements)
+
+
+def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_name: str,
+                   trace_s: float, plan_spmd: Any) -> Plan:
+    """The pipelined plan of ``traced`` (one microbatch) on ``mesh``; ``plan_spmd`` plans a
+    graph on a mesh without a pipeline (planner.plan_traced)."""
+    axis_name = options.pipeline
+    if axis_name not in mesh.axes:
+        raise AutoshardError(f"PlanOptions.pipeline naming an axis of the mesh {mesh.axes}",
+                             got=repr(axis_name), fix="pass one of the mesh's axis names")
+    a = mesh.axes.index(axis_name)
+    p = mesh.shape[a]
+    layers = [layer.name for layer in traced.layers]
+    if not traced.training:
+        raise AutoshardError("a training plan when pipelining", got="training=False",
+                             fix="plan inference without a pipeline (pipeline=None)")
+    if p < 2 or len(layers) < p:
+        raise AutoshardError("a pipeline axis of 2 or more devices, and at least one layer per "
+                             "stage", got=f"axis {axis_name} of {p} devices, {len(layers)} layers",
+                             fix="pipeline over a smaller axis, or plan without a pipeline")
+    m = options.microbatches
+    if not isinstance(m, int):
+        raise AutoshardError("a number of microbatches here", got=repr(m),
+                             fix="autoshard.plan and the CLI choose it; pass an int to "
+                                 "plan_traced")
+    sub = sub_mesh(mesh, a)
+    budget = mesh.cluster.memory_bytes if options.memory_budget is None else options.memory_budget
+    # The sub-plan holds every layer's state where a stage holds 1/p of it: its bound is the
+    # stage's budget times p (the stages' exact peaks are checked below).
+    sub_options = options.replace(pipeline=None, memory_budget=budget * p)
+    spmd = plan_spmd(traced, sub, sub_options, model_name=model_name, trace_s=trace_s)
+    strategies = spmd.strategies()
+    pricer = Pricer(traced, sub, sub_options, recompute=dict(spmd.recompute))
+    graph = traced.graph
+    # Seconds and bytes per layer; what comes before the first layer counts with it, what
+    # comes after the last with that one (trace/layers.py stages_of, one layer per stage).
+    L = len(layers)
+    where = stages_of(graph, traced.layers, tuple((name,) for name in layers))
+    secs, state, acts, opt, comm = ([0.0] * L for _ in range(5))
+    for n in graph.nodes:
+        if n.name not in strategies:
+            continue
+        st, i = strategies[n.name], where[n.name]
+        if n.op == "placeholder":
+            state[i] += pricer.memory(n.name, st)
+            opt[i] += pricer.compute(n.name, st)         # its optimizer step
+        else:
+            secs[i] += pricer.compute(n.name, st)
+            acts[i] += pricer.memory(n.name, st)
+    # Collectives of one microbatch, on the layer of the op that runs them (a bucket's with
+    # its first member's).
+    for c in spmd.collectives:
+        if c.phase != "optimizer":
+            at = c.members[0] if c.members else c.node
+            comm[where.get(at, L - 1)] += _record_seconds(c, sub)
+    boundary = (_boundary_bytes(traced, where, strategies, sub),
+                _boundary_bytes(traced, where, strategies, sub, grads=pricer.grads))
+    link = mesh.links[a]
+    # Activations forward, their gradients backward: one send each way per microbatch.
+    send = [collective_time("send_recv", 2, f, link.alpha, link.bandwidth)
+            + collective_time("send_recv", 2, b, link.alpha, link.bandwidth)
+            for f, b in zip(*boundary)]
+    schedules = ("GPipe", "1F1B") if options.schedule == "auto" else (options.schedule,)
+    best = None
+    for schedule in schedules:
+        cuts = _cuts(secs, comm, send, state, acts, p, m, schedule, budget)
+        if cuts is None:
+            continue
+        figures = _stage_figures(cuts, secs, comm, send, state, acts, opt, p, m, schedule)
+        step = pipeline_seconds([f["compute_s"] + f["comm_s"] for f in figures], m) \
+            + max(f["optimizer_s"] for f in figures)
+        # Equal times: 1F1B, which keeps fewer microbatches in flight.
+        key = (step, schedule != "1F1B")
+        if best is None or key < best[0]:
+            best = (key, schedule, cuts, figures, step)
+    if best is None:
+        raise AutoshardError(f"pipeline stages within the memory budget of {budget / 2**30:.2f} "
+                             f"GiB per device",
+                             got=f"no cut of {L} layers into {p} stages fits with {m} "
+                                 f"microbatches under {' or '.join(schedules)}",
+                             fix="use more pipeline stages, a larger mesh, the 1F1B schedule, "
+                                 "or activation checkpointing (recompute='full')")
+    _, schedule, cuts, figures, step = best
+    stage_layers = tuple(tuple(layers[i] for i in range(lo, hi)) for lo, hi in cuts)
+    return _assemble(traced, mesh, a, spmd, sub, pricer, stage_layers, cuts, figures, boundary,
+                     schedule, m, step, options)
+
+
+def _record_seconds(c: CollectiveRecord, mesh: Mesh) -> float:
+    axis = mesh.axes.index(c.axes[0])
+    link = mesh.links[axis]
+    return collective_time(c.kind, mesh.shape[axis], c.bytes, link.alpha, link.bandwidth)
+
+
+def _boundary_bytes(traced: TracedGraph, where: dict[str, int], strategies: dict,
+                    sub: Mesh, grads: set[str] | None = None) -> list[float]:
+    """Bytes one rank sends forward after each layer if a stage ended there: every value made
+    at or before it (graph inputs included) and read after it, in its local layout; with
+    ``grads`` (the values with a gradient), only those: the gradients sent back."""
+    from autoshard.ir import local_shape
+    L = max(where.values()) + 1
+    out = [0.0] * L
+    for n in traced.graph.nodes:
+        if n.op == "output" or (n.op == "placeholder" and
+                                traced.placeholder(n.name).kind != "input"):
+            continue
+        made = 0 if n.op == "placeholder" else where.get(n.name, 0)   # inputs enter stage 0
+        readers = [where[u.name] for u in n.users if u.name in where]
+        if not readers or "val" not in n.meta or not hasattr(n.meta["val"], "shape"):
+            continue
+        last = max(readers)
+        src, k = (n.args[0].name, n.args[1]) if n.target is operator.getitem else (n.name, 0)
+        if grads is not None and src not in grads:
+            continue
+        spec = strategies[src].outputs[k] if src in strategies and \
+            len(strategies[src].outputs) > k else None
+        shape = tuple(n.meta["val"].shape)
+        local = local_shape(shape, spec, sub.shape) if spec is not None else shape
+        nbytes = n.meta["val"].element_size()
+        for s in local:
+            nbytes *= s
+        for k in range(made, last):
+            out[k] += nbytes
+    return out
+
+
+def _cuts(secs, comm, send, state, acts, p: int, m: int, schedule: str, budget: float):
+    """Stages as (first layer, end) pairs minimising the slowest stage's seconds per
+    microbatch, every stage within ``budget`` with the schedule's microbatches in flight: a
+    dynamic program over the cut points, O(L² p)."""
+    L = len(secs)
+    inf = float("inf")
+    # best[s][j]: the least max over stages 0..s-1 covering layers 0..j-1; arg for the cut.
+    best = [[inf] * (L + 1) for _ in range(p + 1)]
+    arg = [[-1] * (L + 1) for _ in range(p + 1)]
+    best[0][0] = 0.0
+    for s in range(1, p + 1):
+        for j in range(s, L - (p - s) + 1):
+            for i in range(s - 1, j):
+                if best[s - 1][i] == inf:
+                    continue
+                mem = sum(state[i:j]) + in_flight(schedule, s - 1, p, m) * sum(acts[i:j])
+                if mem > budget:
+                    continue
+                t = sum(secs[i:j]) + sum(comm[i:j]) + (send[j - 1] if j < L else 0.0) \
+                    + (send[i - 1] if i > 0 else 0.0)
+                v = max(best[s - 1][i], t)
+                if v < best[s][j]:
+                    best[s][j], arg[s][j] = v, i
+    if best[p][L] == inf:
+        return None
+    cuts, j = [], L
+    for s in range(p, 0, -1):
+        i = arg[s][j]
+        cuts.append((i, j))
+        j = i
+    return cuts[::-1]
+
+
+def _stage_figures(cuts, secs, comm, send, state, acts, opt, p, m, schedule) -> list[dict]:
+    L = len(secs)
+    out = []
+    for s, (i, j) in enumerate(cuts):
+        sends = (send[j - 1] if j < L else 0.0) + (send[i - 1] if i > 0 else 0.0)
+        out.append({"compute_s": sum(secs[i:j]), "comm_s": sum(comm[i:j]) + sends,
+                    "optimizer_s": sum(opt[i:j]),
+                    "peak_memory_bytes": sum(state[i:j])
+                    + in_flight(schedule, s, p, m) * sum(acts[i:j])})
+    return out
+
+
+def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
+              pricer: Pricer, stage_layers, cuts, figures, boundary, schedule: str, m: int,
+              step: float, options: PlanOptions) -> Plan:
+    """The whole-mesh Plan: the sub-plan's decisions replicated over the pipeline axis; each
+    collective on every stage that runs it (``count``: once per microbatch; the optimizer's
+    once), gradient buckets formed per stage (a rank syncs only its stage's parameters), the
+    sends between stages and the loss's all-reduce (phase "pipeline")."""
+    axis = mesh.axes[a]
+    nd, snd = mesh.ndim, len(spmd.mesh_shape)
+
+    def ex(spec: Spec) -> Spec:
+        return expand_spec(spec, a, nd, snd)
+
+    graph = traced.graph
+    strategies = spmd.strategies()
+    where = stages_of(graph, traced.layers, stage_layers)
+    params = {ph.name for ph in traced.params}
+    edges = list(reshard_edges(graph, strategies, sub.shape, pricer.shapes, params,
+                               training=traced.training))
+    runs_on = {(e.value[0], e.consumers[0][0]): sorted({where[c] for c, _ in e.consumers
+                                                        if c in where})
+               for e in edges}
+    p = len(stage_layers)
+    collectives = []
+    for c in spmd.collectives:
+        if c.members:
+            continue                                    # buckets: formed per stage below
+        if c.phase == "optimizer":
+            stages = tied_or(traced, c.value, where)
+        else:
+            stages = runs_on.get((c.value, c.node)) or [where.get(c.node, p - 1)]
+        for s in stages:
+            collectives.append(replace(c, axes=c.axes, stage=s,
+                                       count=1 if c.phase == "optimizer" else m))
+    modes = {n: strategies[n].kernel for n in params}
+    nodes = [n for n in graph.nodes if n.name in strategies]
+    reads = {s: {ref[0] for n in nodes if where.get(n.name) == s and n.op != "placeholder"
+                 for ref in value_inputs(n)} & params for s in range(p)}
+    for s in range(p):
+        mine = [e for e in edges if e.value[0] in reads[s]]
+        for k, b in enumerate(gradient_buckets(mine, nodes, options.bucket_bytes, modes,
+                                               sub.shape)):
+            for ax, nbytes in zip(b.axes, bucket_bytes_by_axis(b, sub.shape)):
+                collectives.append(CollectiveRecord(b.kind, (sub.axes[ax],), nbytes,
+                                                    "grad_sync", f"bucket{k}", "", b.members,
+                                                    stage=s, count=m))
+    link = mesh.links[a]
+    tied = tied_stages(traced, stage_layers)
+    tied_s = 0.0
+    for fqn, stages in tied.items():
+        ph = next(x for x in traced.params if x.fqn == fqn)
+        nbytes = _local_bytes(ph.info, spmd.params[fqn], spmd.mesh_shape)
+        tied_s = max(tied_s, collective_time("all_reduce", len(stages), nbytes, link.alpha,
+                                             link.bandwidth))
+        for s in stages:
+            collectives.append(CollectiveRecord("all_reduce", (axis,), nbytes, "grad_sync",
+                                                f"tied:{fqn}", ph.name, stage=s))
+    for s in range(p - 1):
+        fwd, bwd = (int(b[cuts[s][1] - 1]) for b in boundary)
+        collectives.append(CollectiveRecord("send_recv", (axis,), fwd, "pipeline",
+                                            f"stage{s}->stage{s + 1}", stage=s, count=m))
+        collectives.append(CollectiveRecord("send_recv", (axis,), bwd, "pipeline",
+                                            f"stage{s + 1}->stage{s}", stage=s + 1, count=m))
+    collectives.append(CollectiveRecord("all_reduce", (axis,), 4, "pipeline", "loss"))
+    stages = tuple(Stage(i, stage_layers[i], {k: figures[i][k] for k in
+                                              ("compute_s", "comm_s", "peak_memory_bytes")})
+                   for i in range(p))
+    loss_s = collective_time("all_reduce", p, 4, link.alpha, link.bandwidth)
+    compute = pipeline_seconds([f["compute_s"] for f in figures], m) \
+        + max(f["optimizer_s"] for f in figures)
+    total = step + loss_s + tied_s
+    keep = [x for x in sub.axes if x != DUMMY]
+    exposed = {x: v for x, v in spmd.predicted.get("exposed_comm_s", {}).items() if x in keep}
+    predicted = {**spmd.predicted, "step_time_s": total, "compute_s": compute,
+                 "comm_s": total - compute,
+                 "peak_memory_bytes": max(f["peak_memory_bytes"] for f in figures),
+                 "exposed_comm_s": {**exposed, axis: total - compute - sum(exposed.values())},
+                 "overlapped_comm_s": {x: 0.0 for x in keep}}
+    return replace(spmd, mesh_shape=mesh.shape, mesh_axes=mesh.axes, options=options,
+                   nodes=tuple(NodePlan(n.name, n.op, tuple(ex(x) for x in n.inputs),
+                                        tuple(ex(x) for x in n.outputs), n.kernel)
+                               for n in spmd.nodes),
+                   params={k: ex(v) for k, v in spmd.params.items()},
+                   inputs={k: ex(v) for k, v in spmd.inputs.items()},
+                   tied={k: tuple(ex(x) for x in v) for k, v in spmd.tied.items()},
+                   param_state={k: replace(st, grad=ex(st.grad), optimizer=ex(st.optimizer))
+                                for k, st in spmd.param_state.items()},
+                   collectives=tuple(collectives), predicted=predicted,
+                   pipeline=Pipeline(axis, schedule, m, stages), layers=traced.layers)
+
+
+def tied_or(traced: TracedGraph, placeholder: str, where: dict[str, int]) -> list[int]:
+    """The stages holding a parameter: every stage reading it."""
+    node = traced.graph.find_nodes(op="placeholder", target=placeholder)
+    return sorted({where[u.name] for n in node for u in n.users if u.name in where}) or \
+        [where.get(placeholder, 0)]
+
+
+def _local_bytes(info, spec: Spec, mesh_shape) -> int:
+    from autoshard.ir import local_shape
+    n = info.dtype.itemsize
+    for s in local_shape(tuple(info.shape), spec, mesh_shape):
+        n *= s
+    return n
+
+
+def tied_stages(traced: TracedGraph, stage_layers) -> dict[str, tuple[int, ...]]:
+    """Parameters read by more than one stage (a head tied to the embedding), with the stages
+    that read them: each such stage keeps a copy, and their gradients are all-reduced over the
+    pipeline axis after the last microbatch (as Megatron-LM does for its tied embedding)."""
+    where = stages_of(traced.graph, traced.layers, stage_layers)
+    out = {}
+    for ph in traced.params:
+        node = traced.graph.find_nodes(op="placeholder", target=ph.name)
+        readers = sorted({where[u.name] for n in node for u in n.users if u.name in where})
+        if len(readers) > 1:
+            out[ph.fqn] = tuple(readers)
+    return out
+
+
