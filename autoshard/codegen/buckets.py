@@ -86,9 +86,20 @@ class GradBuckets:
         self.shards: dict[str, torch.Tensor] = {}
         self._inflight: list[_Bucket] = []
         self._pending = False
+        # Accumulation without sync (DDP's no_sync): while ``defer`` is set (a pipeline's
+        # microbatches before the last), each gradient is held here and added to the one that
+        # arrives once it is cleared, so every bucket syncs once per step, with the sum.
+        self.defer = False
+        self._held: dict[str, torch.Tensor] = {}
 
     # -- during backward ------------------------------------------------------------------
     def arrive(self, member: str, grad: torch.Tensor) -> None:
+        held = self._held.get(member)
+        if self.defer:
+            self._held[member] = grad.detach().clone() if held is None else held.add_(grad)
+            return
+        if held is not None:
+            grad = self._held.pop(member).add_(grad)
         b = self.of[member]
         if b.kind == "reduce_scatter":
             self._arrive_scatter(b, member, grad)

@@ -12,7 +12,9 @@ microbatch, as Megatron-LM does for its tied embedding). torch.distributed.pipel
 group, its ``ScheduleGPipe`` / ``Schedule1F1B`` run the microbatches; the loss of each is the
 last stage's output divided by the number of microbatches (the step's loss is their mean; no
 gradient scaling afterwards), and the last stage's sum is all-reduced over the pipeline axis so
-every rank returns it. The sends are counted in the byte ledger as they are issued.
+every rank returns it. Gradient buckets are held over the microbatches and synced once, in the
+last one's backward (codegen/buckets.py ``defer``). The sends are counted in the byte ledger as
+they are issued.
 """
 from __future__ import annotations
 
@@ -152,9 +154,23 @@ class Pipelined:
         else:
             outs = (torch.empty((), device=device, requires_grad=True),)
         ledger, axis_name, me = pm.ledger, pl.axis, self.stage
+        buckets = pm.runtime.buckets
 
         class CountedStage(PipelineStage):
-            """PipelineStage whose sends are counted in the byte ledger (phase "pipeline")."""
+            """PipelineStage whose sends are counted in the byte ledger (phase "pipeline"), and
+            whose gradient buckets sync once, in the last microbatch's backward."""
+
+            def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
+                                   last_backward=False):
+                if buckets is not None:
+                    buckets.defer = not last_backward
+                try:
+                    return super().backward_one_chunk(bwd_chunk_id, loss=loss,
+                                                      full_backward=full_backward,
+                                                      last_backward=last_backward)
+                finally:
+                    if buckets is not None:
+                        buckets.defer = False
 
             def get_fwd_send_ops(self, fwd_chunk_id):
                 ops = super().get_fwd_send_ops(fwd_chunk_id)

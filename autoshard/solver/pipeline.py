@@ -9,7 +9,9 @@ layer's seconds per microbatch and its memory, and a dynamic program over the cu
 stage construction, Zheng et al. 2022, arXiv 2201.12023 §5, here on one axis) picks the stages
 that minimise the slowest one within the device memory, with each schedule's microbatches in
 flight (cost/pipeline.py). The step: the schedule's forward and backward over every microbatch,
-then the slowest stage's optimizer step.
+then the slowest stage's gradient sync (its buckets run once, after the last microbatch) and
+optimizer step. The SPMD plan is chosen for one microbatch's step, whose gradient sync weighs m
+times what it does in the pipelined step: a bias towards layouts that sync less.
 """
 from __future__ import annotations
 
@@ -87,7 +89,7 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
     # comes after the last with that one (trace/layers.py stages_of, one layer per stage).
     L = len(layers)
     where = stages_of(graph, traced.layers, tuple((name,) for name in layers))
-    secs, state, acts, opt, comm = ([0.0] * L for _ in range(5))
+    secs, state, acts, opt, comm, sync = ([0.0] * L for _ in range(6))
     for n in graph.nodes:
         if n.name not in strategies:
             continue
@@ -98,12 +100,14 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
         else:
             secs[i] += pricer.compute(n.name, st)
             acts[i] += pricer.memory(n.name, st)
-    # Collectives of one microbatch, on the layer of the op that runs them (a bucket's with
-    # its first member's).
+    # Collectives of one microbatch, on the layer of the op that runs them; gradient buckets,
+    # synced once per step after the last microbatch (codegen/buckets.py ``defer``), on their
+    # first member's, with the optimizer step.
     for c in spmd.collectives:
-        if c.phase != "optimizer":
-            at = c.members[0] if c.members else c.node
-            comm[where.get(at, L - 1)] += _record_seconds(c, sub)
+        if c.members:
+            sync[where.get(c.members[0], L - 1)] += _record_seconds(c, sub)
+        elif c.phase != "optimizer":
+            comm[where.get(c.node, L - 1)] += _record_seconds(c, sub)
     boundary = (_boundary_bytes(traced, where, strategies, sub),
                 _boundary_bytes(traced, where, strategies, sub, grads=pricer.grads))
     link = mesh.links[a]
@@ -117,9 +121,10 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
         cuts = _cuts(secs, comm, send, state, acts, p, m, schedule, budget)
         if cuts is None:
             continue
-        figures = _stage_figures(cuts, secs, comm, send, state, acts, opt, p, m, schedule)
+        figures = _stage_figures(cuts, secs, comm, send, state, acts, opt, sync, p, m,
+                                 schedule)
         step = pipeline_seconds([f["compute_s"] + f["comm_s"] for f in figures], m) \
-            + max(f["optimizer_s"] for f in figures)
+            + max(f["optimizer_s"] + f["sync_s"] for f in figures)
         # Equal times: 1F1B, which keeps fewer microbatches in flight.
         key = (step, schedule != "1F1B")
         if best is None or key < best[0]:
@@ -208,13 +213,14 @@ def _cuts(secs, comm, send, state, acts, p: int, m: int, schedule: str, budget: 
     return cuts[::-1]
 
 
-def _stage_figures(cuts, secs, comm, send, state, acts, opt, p, m, schedule) -> list[dict]:
+def _stage_figures(cuts, secs, comm, send, state, acts, opt, sync, p, m, schedule
+                   ) -> list[dict]:
     L = len(secs)
     out = []
     for s, (i, j) in enumerate(cuts):
         sends = (send[j - 1] if j < L else 0.0) + (send[i - 1] if i > 0 else 0.0)
         out.append({"compute_s": sum(secs[i:j]), "comm_s": sum(comm[i:j]) + sends,
-                    "optimizer_s": sum(opt[i:j]),
+                    "optimizer_s": sum(opt[i:j]), "sync_s": sum(sync[i:j]),
                     "peak_memory_bytes": sum(state[i:j])
                     + in_flight(schedule, s, p, m) * sum(acts[i:j])})
     return out
@@ -265,7 +271,7 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
             for ax, nbytes in zip(b.axes, bucket_bytes_by_axis(b, sub.shape)):
                 collectives.append(CollectiveRecord(b.kind, (sub.axes[ax],), nbytes,
                                                     "grad_sync", f"bucket{k}", "", b.members,
-                                                    stage=s, count=m))
+                                                    stage=s))
     link = mesh.links[a]
     tied = tied_stages(traced, stage_layers)
     tied_s = 0.0
@@ -292,11 +298,16 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
         + max(f["optimizer_s"] for f in figures)
     total = step + loss_s + tied_s
     keep = [x for x in sub.axes if x != DUMMY]
-    exposed = {x: v for x, v in spmd.predicted.get("exposed_comm_s", {}).items() if x in keep}
+    # Per axis, the collectives of the slowest stage, as often as they run; the pipeline axis
+    # the rest of what the step waits for beyond compute (sends, the bubble's share of them).
+    slow = max(range(p), key=lambda i: figures[i]["compute_s"] + figures[i]["comm_s"])
+    exposed = {x: sum(_record_seconds(c, sub) * c.count for c in collectives
+                      if c.stage == slow and c.axes[0] == x) for x in keep}
     predicted = {**spmd.predicted, "step_time_s": total, "compute_s": compute,
                  "comm_s": total - compute,
                  "peak_memory_bytes": max(f["peak_memory_bytes"] for f in figures),
-                 "exposed_comm_s": {**exposed, axis: total - compute - sum(exposed.values())},
+                 "exposed_comm_s": {**exposed,
+                                    axis: max(0.0, total - compute - sum(exposed.values()))},
                  "overlapped_comm_s": {x: 0.0 for x in keep}}
     return replace(spmd, mesh_shape=mesh.shape, mesh_axes=mesh.axes, options=options,
                    nodes=tuple(NodePlan(n.name, n.op, tuple(ex(x) for x in n.inputs),
