@@ -100,6 +100,13 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
         else:
             secs[i] += pricer.compute(n.name, st)
             acts[i] += pricer.memory(n.name, st)
+    # Saved copies of resharded values (what a consumer saves in its own layout), on the layer
+    # of the value they copy, as the ILP's memory sum counts them (Pricer.saved_copies).
+    for ref, cons in pricer.saved_inputs().items():
+        src = strategies[ref[0]].outputs[ref[1]]
+        for dst in dict.fromkeys(strategies[c].inputs[k] for c, k in cons):
+            acts[where.get(cons[0][0], where.get(ref[0], 0))] += \
+                pricer.saved_copy_bytes(ref, src, dst) * pricer.copy_weight(ref, cons, src, dst)
     # Collectives of one microbatch, on the layer of the op that runs them; gradient buckets,
     # synced once per step after the last microbatch (codegen/buckets.py ``defer``), on their
     # first member's, with the optimizer step.
@@ -303,7 +310,11 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
     slow = max(range(p), key=lambda i: figures[i]["compute_s"] + figures[i]["comm_s"])
     exposed = {x: sum(_record_seconds(c, sub) * c.count for c in collectives
                       if c.stage == slow and c.axes[0] == x) for x in keep}
-    predicted = {**spmd.predicted, "step_time_s": total, "compute_s": compute,
+    # The sub-plan's liveness figures are of the whole model with one microbatch: not a stage's
+    # peak (each stage's is its own "peak_memory_bytes", the ILP's sum with the microbatches in
+    # flight); the step's liveness per stage is not computed yet.
+    inner = {k: v for k, v in spmd.predicted.items() if k not in ("memory", "peak_phase")}
+    predicted = {**inner, "step_time_s": total, "compute_s": compute,
                  "comm_s": total - compute,
                  "peak_memory_bytes": max(f["peak_memory_bytes"] for f in figures),
                  "exposed_comm_s": {**exposed,
