@@ -55,7 +55,8 @@ def pipeline_options(args) -> dict:
 def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline", default=None, metavar="AXIS",
                    help="pipeline the model's layers over this mesh axis (stages cut by the "
-                        "cost model)")
+                        "cost model), or auto: plan without and over each axis, keep the "
+                        "fastest")
     p.add_argument("--schedule", default="auto", choices=SCHEDULES,
                    help="pipeline schedule (default auto: the fastest, 1F1B on ties)")
     p.add_argument("--microbatches", default="auto",

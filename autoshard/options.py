@@ -57,7 +57,8 @@ class PlanOptions:
     - ``zero``: gradient and optimizer-state sharding apart from the parameter (see ZERO).
     - ``offload``: optimizer state and step on the host (see OFFLOAD).
     - ``pipeline``: the mesh axis whose devices hold consecutive pipeline stages (cuts at the
-      model's layer boundaries), or None for no pipeline (docs/cost-model.md §10).
+      model's layer boundaries), None for no pipeline, or "auto" (``autoshard.plan`` plans
+      without and over each axis, and keeps the fastest) (docs/cost-model.md §10).
     - ``schedule``: the pipeline schedule (see SCHEDULES).
     - ``microbatches``: how many microbatches the batch is cut into on a pipeline, or "auto"
       (the planner tries p, 2p and 4p for p stages, where they divide the batch).
@@ -118,9 +119,9 @@ class PlanOptions:
                                      "'none' or 'optimizer'")
 
         if self.pipeline is not None and (not isinstance(self.pipeline, str) or not self.pipeline):
-            raise AutoshardError("PlanOptions.pipeline is a mesh axis name or None",
+            raise AutoshardError("PlanOptions.pipeline is a mesh axis name, 'auto' or None",
                                  got=repr(self.pipeline),
-                                 fix="pass pipeline='pp' (an axis of the mesh) or None")
+                                 fix="pass pipeline='pp' (an axis of the mesh), 'auto' or None")
         if self.schedule not in SCHEDULES:
             raise AutoshardError(f"PlanOptions.schedule is one of {SCHEDULES}",
                                  got=repr(self.schedule),

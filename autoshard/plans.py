@@ -249,11 +249,21 @@ class Plan:
 
     def _pipeline_summary(self) -> list[str]:
         pl = self.pipeline
+        lines = []
+        search = self.solver.get("pipeline_search")
+        if search:
+            chosen = pl.axis if pl else None
+            parts = [f"{t['pipeline'] or 'none'} " + (
+                f"{t['step_time_s'] * 1e3:.3f} ms" + (f" ({t['microbatches']} microbatches)"
+                                                      if t.get("microbatches") else "")
+                if t["step_time_s"] is not None else f"no plan: {t.get('error', '')[:80]}")
+                + (" <- chosen" if t["pipeline"] == chosen else "") for t in search]
+            lines.append("  pipeline search (pipeline='auto'): " + "; ".join(parts))
         if pl is None:
-            return []
+            return lines
         p, m = len(pl.stages), pl.microbatches
-        lines = [f"  pipeline over {pl.axis}: {pl.schedule}, {m} microbatches, {p} stages "
-                 f"(bubble {(p - 1) / (m + p - 1):.0%} when balanced)"]
+        lines.append(f"  pipeline over {pl.axis}: {pl.schedule}, {m} microbatches, {p} stages "
+                     f"(bubble {(p - 1) / (m + p - 1):.0%} when balanced)")
         for st in pl.stages:
             what = (f"{st.layers[0]} .. {st.layers[-1].rsplit('.', 1)[-1]}" if len(st.layers) > 1
                     else (st.layers[0] if st.layers else "no layer"))

@@ -153,3 +153,24 @@ def test_data_pipeline_tensor_on_eight_ranks(world8) -> None:
     plan = plan_for("llama-tiny", Mesh((2, 2, 2), ("dp", "pp", "tp"), cluster="stress"),
                     pipeline="pp", schedule="1F1B", microbatches=2)
     check(world8, "llama-tiny", plan)
+
+
+def test_auto_pipeline_keeps_the_faster_and_records_the_search() -> None:
+    """pipeline='auto': the plan without a pipeline and one over each axis; the fastest is kept
+    and every try is in solver["pipeline_search"] (and in the summary)."""
+    from autoshard.solver.planner import plan
+    from autoshard.zoo.registry import load_model
+    model, inputs = load_model("gpt2-tiny", batch=8, seq=16, device="meta")
+    mesh = Mesh((2, 2), ("pp", "dp"), cluster="cpu")
+    p = plan(model, inputs, mesh, pipeline="auto")
+    search = p.solver["pipeline_search"]
+    assert [t["pipeline"] for t in search] == [None, "pp", "dp"]
+    steps = [t["step_time_s"] for t in search if t["step_time_s"] is not None]
+    assert p.predicted["step_time_s"] == min(steps)
+    chosen = p.pipeline.axis if p.pipeline else None
+    assert p.options.pipeline == chosen
+    assert "pipeline search (pipeline='auto')" in p.summary() and "<- chosen" in p.summary()
+    with pytest.raises(AutoshardError, match="searches the axes"):
+        from autoshard.solver.planner import plan_traced, trace_for
+        plan_traced(trace_for(model, inputs, p.options.replace(pipeline=None)), mesh,
+                    pipeline="auto")

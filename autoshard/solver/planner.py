@@ -48,6 +48,8 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any], mesh: Mesh,
         raise AutoshardError("mesh is an autoshard.Mesh", got=type(mesh).__name__,
                              fix="autoshard.Mesh((8, 8), ('dp', 'tp'), cluster='h100')")
     options = resolve_options(options, overrides)
+    if options.pipeline == "auto":
+        return _plan_pipeline_auto(model, example_inputs, mesh, options, model_name)
     if options.pipeline is not None and options.microbatches == "auto":
         # Microbatch counts to try (docs/cost-model.md §10): p, 2p and 4p for p stages, those
         # that divide the batch; each traced and planned, the fastest kept.
@@ -59,14 +61,44 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any], mesh: Mesh,
             raise AutoshardError(f"a batch that {p} pipeline stages can cut into {p}, {2 * p} "
                                  f"or {4 * p} microbatches", got=f"batch {batch}",
                                  fix="pass microbatches=<a divisor of the batch>")
-        plans = [plan(model, example_inputs, mesh, options.replace(microbatches=k),
-                      model_name=model_name) for k in tries]
+        plans, errors = [], []
+        for k in tries:          # fewer microbatches may not fit: more are in flight per stage
+            try:
+                plans.append(plan(model, example_inputs, mesh, options.replace(microbatches=k),
+                                  model_name=model_name))
+            except AutoshardError as e:
+                errors.append(e)
+        if not plans:
+            raise errors[-1]
         best = min(plans, key=lambda x: x.predicted["step_time_s"])
         return replace(best, options=options.replace(microbatches=best.pipeline.microbatches))
     t0 = time.perf_counter()
     traced = trace_for(model, example_inputs, options)
     return plan_traced(traced, mesh, options, model_name=model_name,
                        trace_s=time.perf_counter() - t0)
+
+
+def _plan_pipeline_auto(model: torch.nn.Module, example_inputs: Sequence[Any], mesh: Mesh,
+                        options: PlanOptions, model_name: str) -> Plan:
+    """Whether and on which axis to pipeline (docs/cost-model.md §10): the plan without a
+    pipeline and one pipelined over each axis of 2 or more devices; the fastest kept, every
+    try recorded in ``solver["pipeline_search"]`` (its step, or why it has no plan)."""
+    tries: list[tuple[str | None, Plan | None, AutoshardError | None]] = []
+    for axis in (None, *(a for a, n in zip(mesh.axes, mesh.shape) if n >= 2)):
+        try:
+            tries.append((axis, plan(model, example_inputs, mesh,
+                                     options.replace(pipeline=axis), model_name=model_name),
+                          None))
+        except AutoshardError as e:
+            tries.append((axis, None, e))
+    found = [(axis, p) for axis, p, _ in tries if p is not None]
+    if not found:
+        raise next(e for _, _, e in tries if e is not None)
+    _, best = min(found, key=lambda ap: ap[1].predicted["step_time_s"])
+    search = [{"pipeline": axis, "step_time_s": p.predicted["step_time_s"] if p else None,
+               **({"microbatches": p.pipeline.microbatches} if p and p.pipeline else {}),
+               **({"error": e.got} if e else {})} for axis, p, e in tries]
+    return replace(best, solver={**best.solver, "pipeline_search": search})
 
 
 def batch_size(example_inputs: Sequence[Any]) -> int:
@@ -116,6 +148,10 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = N
         raise AutoshardError(f"options.training equal to the traced graph's ({traced.training})",
                              got=f"training={options.training}",
                              fix="trace with the same training flag the options ask for")
+    if options.pipeline == "auto":
+        raise AutoshardError("a pipeline axis or None to plan a traced graph",
+                             got="pipeline='auto'",
+                             fix="call autoshard.plan (or the CLI), which searches the axes")
     if options.pipeline is not None:
         # The graph is one microbatch's (trace_for); the stages' SPMD plan is this function's.
         from autoshard.solver.pipeline import plan_pipelined
