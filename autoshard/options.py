@@ -35,9 +35,10 @@ ZERO = ("auto", "none", "zero1", "zero2")
 OFFLOAD = ("auto", "none", "optimizer")
 # Pipeline schedules, as torch.distributed.pipelining names its classes (docs/cost-model.md §10):
 # "GPipe" (every microbatch forward, then every backward), "1F1B" (one forward, one backward in
-# steady state: the same bubble, at most p - i microbatches of activations alive on stage i), or
-# "auto" (the planner picks the one it prices fastest, less memory breaking ties).
-SCHEDULES = ("GPipe", "1F1B", "auto")
+# steady state: the same bubble, at most p - i microbatches of activations alive on stage i),
+# "Interleaved1F1B" (two stages per rank: the bubble halved for twice the sends), or "auto" (the
+# planner picks the one it prices fastest, less memory breaking ties).
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "auto")
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +126,7 @@ class PlanOptions:
         if self.schedule not in SCHEDULES:
             raise AutoshardError(f"PlanOptions.schedule is one of {SCHEDULES}",
                                  got=repr(self.schedule),
-                                 fix="pass schedule='1F1B', 'GPipe' or 'auto'")
+                                 fix="pass schedule='1F1B', 'GPipe', 'Interleaved1F1B' or 'auto'")
         m = self.microbatches
         if m != "auto" and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise AutoshardError("PlanOptions.microbatches is a positive integer or 'auto'",

@@ -261,9 +261,11 @@ class Plan:
             lines.append("  pipeline search (pipeline='auto'): " + "; ".join(parts))
         if pl is None:
             return lines
-        p, m = len(pl.stages), pl.microbatches
-        lines.append(f"  pipeline over {pl.axis}: {pl.schedule}, {m} microbatches, {p} stages "
-                     f"(bubble {(p - 1) / (m + p - 1):.0%} when balanced)")
+        v, m = pl.virtual_stages, pl.microbatches
+        p = len(pl.stages) // v
+        lines.append(f"  pipeline over {pl.axis}: {pl.schedule}, {m} microbatches, "
+                     f"{len(pl.stages)} stages on {p} ranks "
+                     f"(bubble {(p - 1) / (v * m + p - 1):.0%} when balanced)")
         for st in pl.stages:
             what = (f"{st.layers[0]} .. {st.layers[-1].rsplit('.', 1)[-1]}" if len(st.layers) > 1
                     else (st.layers[0] if st.layers else "no layer"))
@@ -635,8 +637,8 @@ def _read_pipeline(f: _Field, axes: tuple[str, ...], layers: tuple[Layer, ...]
     if axis.text() not in axes:
         axis.fail(f"one of the mesh's axes {list(axes)}")
     schedule = f.key("schedule")
-    if schedule.text() not in ("GPipe", "1F1B"):
-        schedule.fail('"GPipe" or "1F1B"')
+    if schedule.text() not in ("GPipe", "1F1B", "Interleaved1F1B"):
+        schedule.fail('"GPipe", "1F1B" or "Interleaved1F1B"')
     names = {layer.name for layer in layers}
     stages = []
     for i, x in enumerate(f.key("stages").entries(nonempty=True)):

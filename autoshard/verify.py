@@ -105,7 +105,7 @@ def _run_rank(spec: VerifySpec) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
     # This rank's: on a pipeline, its stage's collectives, each as often as the step runs it.
-    mine = [c for c in plan.collectives if c.stage in (-1, pm.runtime.stage)
+    mine = [c for c in plan.collectives if c.stage in pm.runtime.stages
             for _ in range(c.count)]
     planned = [(c.kind, c.axes, c.bytes, c.phase, c.node) for c in mine]
     ran = [(r.kind, r.axes, r.nbytes, r.phase, r.node) for r in pm.ledger]

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from autoshard import Mesh, Plan
-from autoshard.cost.pipeline import bubble_fraction, in_flight, pipeline_seconds
+from autoshard.cost.pipeline import (bubble_fraction, in_flight, pipeline_seconds,
+                                     schedule_seconds)
 from autoshard.errors import AutoshardError
 from autoshard.verify import VerifySpec, plan_for, summarize, verify_rank
 from dist import world_fixture
@@ -27,6 +28,18 @@ def test_balanced_stages_idle_for_the_bubble() -> None:
     assert 1 - m * t / total == pytest.approx(bubble_fraction(p, m)) == pytest.approx(3 / 11)
     # The slowest stage sets the pace of the m - 1 microbatches after the first.
     assert pipeline_seconds([1.0, 3.0], 4) == pytest.approx(1 + 3 + 3 * 3)
+
+
+def test_interleaving_shrinks_the_bubble_v_times() -> None:
+    """Interleaved 1F1B, v = 2 stages per rank (rank r runs stages r and r + p): balanced, the
+    step is (m + (p - 1)/v)·t_rank, an idle fraction (p - 1)/(v·m + p - 1)."""
+    p, m, t = 4, 8, 1.0
+    stages = [t / 2] * (2 * p)                      # each rank: two halves of t
+    total = schedule_seconds(stages, m, p, "Interleaved1F1B")
+    assert total == pytest.approx((m + (p - 1) / 2) * t)
+    assert 1 - m * t / total == pytest.approx(bubble_fraction(p, m, 2)) == pytest.approx(3 / 19)
+    assert schedule_seconds([t] * p, m, p, "1F1B") == pytest.approx(pipeline_seconds([t] * p, m))
+    assert in_flight("Interleaved1F1B", 5, 4, 8) == 4
 
 
 def test_microbatches_in_flight_per_schedule() -> None:
@@ -95,7 +108,7 @@ def test_pipelined_plan_round_trips_through_json(gpt2_pp) -> None:
     assert set(d["pipeline"]) == {"axis", "schedule", "microbatches", "virtual_stages", "stages"}
     assert set(d["pipeline"]["stages"][0]["predicted"]) == {"compute_s", "comm_s",
                                                            "peak_memory_bytes"}
-    assert "pipeline over pp: 1F1B, 8 microbatches, 4 stages" in gpt2_pp.summary()
+    assert "pipeline over pp: 1F1B, 8 microbatches, 4 stages on 4 ranks" in gpt2_pp.summary()
 
 
 def test_pipeline_errors_say_what_to_do() -> None:
@@ -107,6 +120,8 @@ def test_pipeline_errors_say_what_to_do() -> None:
     with pytest.raises(AutoshardError, match="at least one layer per stage"):
         plan_for("gpt2-tiny", Mesh((4,), ("pp",), cluster="cpu"), pipeline="pp",
                  microbatches=4)
+    with pytest.raises(AutoshardError, match="at least 4 layers for Interleaved1F1B"):
+        plan_for("gpt2-tiny", mesh, pipeline="pp", schedule="Interleaved1F1B", microbatches=2)
 
 
 def test_auto_microbatches_pick_the_fastest() -> None:
@@ -123,8 +138,10 @@ def test_auto_microbatches_pick_the_fastest() -> None:
 
 CASES = [("gpt2-tiny", (2,), ("pp",), "1F1B", 2, "cpu"),
          ("llama-tiny", (2,), ("pp",), "GPipe", 4, "cpu"),
+         ("gpt2-tiny-4l", (2,), ("pp",), "Interleaved1F1B", 2, "cpu"),
          ("gpt2-tiny", (2, 2), ("pp", "tp"), "GPipe", 2, "stress"),
-         ("llama-tiny", (2, 2), ("pp", "tp"), "1F1B", 2, "stress")]
+         ("llama-tiny", (2, 2), ("pp", "tp"), "1F1B", 2, "stress"),
+         ("llama-tiny-4l", (2, 2), ("pp", "tp"), "Interleaved1F1B", 4, "stress")]
 
 
 def check(world, model: str, plan: Plan) -> dict:
@@ -143,16 +160,22 @@ def test_pipelined_step_equals_single_device(world2, world4, model, shape, axes,
                                              cluster) -> None:
     plan = plan_for(model, Mesh(shape, axes, cluster=cluster), pipeline="pp",
                     schedule=schedule, microbatches=m)
-    assert plan.pipeline.schedule == schedule and len(plan.pipeline.stages) == 2
+    v = 2 if schedule == "Interleaved1F1B" else 1
+    assert plan.pipeline.schedule == schedule and len(plan.pipeline.stages) == 2 * v
+    assert plan.pipeline.virtual_stages == v
     report = check(world2 if len(shape) == 1 else world4, model, plan)
     assert report["collectives"] > 0
 
 
-def test_data_pipeline_tensor_on_eight_ranks(world8) -> None:
-    """`autoshard verify llama-tiny --mesh 2x2x2 --axes dp,pp,tp --pipeline pp`."""
-    plan = plan_for("llama-tiny", Mesh((2, 2, 2), ("dp", "pp", "tp"), cluster="stress"),
-                    pipeline="pp", schedule="1F1B", microbatches=2)
-    check(world8, "llama-tiny", plan)
+@pytest.mark.parametrize("model,schedule", [("llama-tiny", "1F1B"),
+                                            ("llama-tiny-4l", "Interleaved1F1B")])
+def test_data_pipeline_tensor_on_eight_ranks(world8, model, schedule) -> None:
+    """`autoshard verify llama-tiny --mesh 2x2x2 --axes dp,pp,tp --pipeline pp`: data parallel
+    gradient buckets per stage (two stages per rank interleaved), synced once per step."""
+    plan = plan_for(model, Mesh((2, 2, 2), ("dp", "pp", "tp"), cluster="stress"),
+                    pipeline="pp", schedule=schedule, microbatches=2)
+    assert any(c.members for c in plan.collectives)
+    check(world8, model, plan)
 
 
 def test_auto_pipeline_keeps_the_faster_and_records_the_search() -> None:

@@ -124,36 +124,28 @@ def _carries_grad(gm: fx.GraphModule, name: str, grads: set) -> bool:
 
 
 class Pipelined:
-    """One rank's pipeline: its stage of the rank program, the schedule, the groups for tied
-    weights. ``step(*local_inputs)`` (stage 0's ranks give the inputs; the others may give
-    them too, they are not read) runs one schedule over the microbatches and returns the
-    step's loss on every rank."""
+    """One rank's pipeline: its stages of the rank program (stage ``k`` runs on coordinate
+    ``k mod p`` of the pipeline axis: one per rank, or ``v`` interleaved), the schedule, the
+    groups for tied weights. ``step(*local_inputs)`` (the first stage's ranks read the inputs;
+    the others may be given them, they are not read) runs one schedule over the microbatches
+    and returns the step's loss on every rank."""
 
-    def __init__(self, pm: Any, stages: list, device: torch.device) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    def __init__(self, pm: Any, programs: list, device: torch.device) -> None:
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                  ScheduleInterleaved1F1B)
         plan, groups = pm.plan, pm.groups
         pl = plan.pipeline
-        self.pm, self.plan = pm, plan
+        self.pm, self.plan, self.device = pm, plan, device
         self.axis = plan.mesh_axes.index(pl.axis)
-        self.stage = groups.coords[self.axis]
-        self.p = len(pl.stages)
+        self.ranks = plan.mesh_shape[self.axis]           # p
+        self.n = len(pl.stages)                           # p * v
+        self.mine = stages_of_rank(groups.coords[self.axis], self.ranks, self.n)
         self.m = pl.microbatches
         self.group = groups.groups[self.axis]
-        prog, bound, takes = stages[self.stage]
         values = pm.bound_values()
-        self.module = StageModule(prog, [values[name] for name in bound])
         traced, shape = pm.traced, plan.mesh_shape
         grads = grad_values(traced.graph, {ph.name for ph in traced.params})
-        examples = tuple(local_value(pm.program, n, traced, plan, shape).detach().to(device)
-                         .requires_grad_(self.stage > 0 and _carries_grad(pm.program, n, grads))
-                         for n in takes)
-        if self.stage < self.p - 1:
-            outs = tuple(local_value(pm.program, n, traced, plan, shape).detach().to(device)
-                         .requires_grad_(_carries_grad(pm.program, n, grads))
-                         for n in stages[self.stage + 1][2])
-        else:
-            outs = (torch.empty((), device=device, requires_grad=True),)
-        ledger, axis_name, me = pm.ledger, pl.axis, self.stage
+        ledger, axis_name = pm.ledger, pl.axis
         buckets = pm.runtime.buckets
 
         class CountedStage(PipelineStage):
@@ -174,42 +166,63 @@ class Pipelined:
 
             def get_fwd_send_ops(self, fwd_chunk_id):
                 ops = super().get_fwd_send_ops(fwd_chunk_id)
-                _count(ledger, ops, axis_name, f"stage{me}->stage{me + 1}")
+                k = self.stage_index
+                _count(ledger, ops, axis_name, f"stage{k}->stage{k + 1}")
                 return ops
 
             def get_bwd_send_ops(self, bwd_chunk_id):
                 ops = super().get_bwd_send_ops(bwd_chunk_id)
-                _count(ledger, ops, axis_name, f"stage{me}->stage{me - 1}")
+                k = self.stage_index
+                _count(ledger, ops, axis_name, f"stage{k}->stage{k - 1}")
                 return ops
 
-        self.pstage = CountedStage(self.module, self.stage, self.p, device, input_args=examples,
-                                   output_args=outs, group=self.group)
-        cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[pl.schedule]
+        def example(name: str, needs_grad: bool) -> torch.Tensor:
+            t = local_value(pm.program, name, traced, plan, shape).detach().to(device)
+            return t.requires_grad_(needs_grad and _carries_grad(pm.program, name, grads))
+
+        self.modules, self.pstages = [], []
+        for k in self.mine:
+            prog, bound, takes = programs[k]
+            module = StageModule(prog, [values[name] for name in bound])
+            ins = tuple(example(n, k > 0) for n in takes)
+            outs = tuple(example(n, True) for n in programs[k + 1][2]) if k < self.n - 1 else \
+                (torch.empty((), device=device, requires_grad=True),)
+            self.modules.append(module)
+            self.pstages.append(CountedStage(module, k, self.n, device, input_args=ins,
+                                             output_args=outs, group=self.group))
         m = self.m
-        self.schedule = cls(self.pstage, n_microbatches=m, loss_fn=lambda out, _: out / m,
-                            scale_grads=False)
-        self.device = device
+        if pl.schedule == "Interleaved1F1B":
+            self.schedule = ScheduleInterleaved1F1B(self.pstages, n_microbatches=m,
+                                                    loss_fn=lambda out, _: out / m,
+                                                    scale_grads=False)
+        else:
+            cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[pl.schedule]
+            self.schedule = cls(self.pstages[0], n_microbatches=m,
+                                loss_fn=lambda out, _: out / m, scale_grads=False)
         self._tied = self._tied_groups(pm)
 
     def _tied_groups(self, pm: Any) -> list[tuple[str, Any]]:
-        """A process group per weight tied across stages: the ranks of those stages with this
-        rank's coordinates on the other axes (every rank creates every group, as
+        """A process group per weight tied across ranks' stages: the ranks holding those stages
+        with this rank's coordinates on the other axes (every rank creates every group, as
         dist.new_group requires)."""
         out = []
         shape, coords = self.plan.mesh_shape, pm.groups.coords
         for fqn, stages in sorted(_tied(self.plan).items()):
+            holders = sorted({s % self.ranks for s in stages})
+            if len(holders) < 2:
+                continue               # one rank holds every stage reading it: one copy
             mine = None
             others = [range(n) for i, n in enumerate(shape) if i != self.axis]
             for rest in itertools.product(*others):
                 ranks = []
-                for s in stages:
+                for h in holders:
                     c = list(rest)
-                    c.insert(self.axis, s)
+                    c.insert(self.axis, h)
                     ranks.append(_rank(c, shape))
                 g = dist.new_group(ranks)
                 here = list(coords)
                 del here[self.axis]
-                if tuple(here) == tuple(rest) and self.stage in stages:
+                if tuple(here) == tuple(rest) and coords[self.axis] in holders:
                     mine = g
             if mine is not None:
                 out.append((fqn, mine))
@@ -217,13 +230,12 @@ class Pipelined:
 
     def step(self, *local_inputs: Any) -> torch.Tensor:
         losses: list[torch.Tensor] = []
-        if self.stage == 0:
-            self.schedule.step(*local_inputs, return_outputs=False)
-        elif self.stage == self.p - 1:
-            self.schedule.step(target=torch.zeros(self.m, device=self.device), losses=losses,
-                               return_outputs=False)
+        args = local_inputs if 0 in self.mine else ()
+        if self.n - 1 in self.mine:
+            self.schedule.step(*args, target=torch.zeros(self.m, device=self.device),
+                               losses=losses, return_outputs=False)
         else:
-            self.schedule.step(return_outputs=False)
+            self.schedule.step(*args, return_outputs=False)
         params = self.pm.local_parameters()
         for fqn, group in self._tied:
             grad = params[fqn].grad
@@ -237,8 +249,14 @@ class Pipelined:
             torch.zeros((), device=self.device)
         dist.all_reduce(loss, group=self.group)
         self.pm.ledger.add(ExecutedCollective("all_reduce", (self.plan.pipeline.axis,), 4, 4,
-                                              "pipeline", "loss", self.p))
+                                              "pipeline", "loss", self.ranks))
         return loss
+
+
+def stages_of_rank(coord: int, ranks: int, stages: int) -> tuple[int, ...]:
+    """The stages coordinate ``coord`` of a pipeline axis of ``ranks`` runs: ``coord``,
+    ``coord + ranks``, ... (torch.distributed.pipelining's loop placement)."""
+    return tuple(range(coord, stages, ranks))
 
 
 def _tied(plan: Plan) -> dict[str, tuple[int, ...]]:

@@ -61,12 +61,16 @@ class RankRuntime:
         # "recompute" while a checkpointed layer runs again; "replay" while a selectively
         # checkpointed one does (its collectives return stored outputs: nothing is counted).
         self.phase = "forward"
-        # On a pipeline, this rank's stage (its coordinate on the pipeline axis) and its buckets.
-        self.stage = -1
+        # On a pipeline, this rank's stages (codegen/pipeline.py stages_of_rank) and their
+        # buckets; -1 stands for every rank.
+        self.stages: tuple[int, ...] = (-1,)
         if plan is not None and plan.pipeline is not None:
-            self.stage = groups.coords[plan.mesh_axes.index(plan.pipeline.axis)]
+            from autoshard.codegen.pipeline import stages_of_rank
+            axis = plan.mesh_axes.index(plan.pipeline.axis)
+            self.stages = (-1, *stages_of_rank(groups.coords[axis], plan.mesh_shape[axis],
+                                               len(plan.pipeline.stages)))
         records = [c for c in (plan.collectives if plan else ())
-                   if c.members and c.stage in (-1, self.stage)]
+                   if c.members and c.stage in self.stages]
         self.buckets = GradBuckets(records, groups, self.ledger) if records else None
 
 

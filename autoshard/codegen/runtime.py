@@ -54,7 +54,7 @@ class ParallelModule(torch.nn.Module):
             self.program = emit(traced, plan, self.runtime, stages)
             stage_programs = cut(self.program, len(plan.pipeline.stages),
                                  [ph.name for ph in traced.inputs])
-            bound = set(stage_programs[self.runtime.stage][1])
+            bound = {name for k in self.runtime.stages if k >= 0 for name in stage_programs[k][1]}
         else:
             self.program = emit(traced, plan, self.runtime)
         full = dict(model.named_parameters())      # canonical names, as the trace reports them
@@ -274,7 +274,7 @@ class ParallelModule(torch.nn.Module):
         """On a pipeline, every stage's tensors on every rank (each stage holds its own)."""
         if self.pipeline is None:
             return mine
-        parts: list[Any] = [None] * len(self.plan.pipeline.stages)
+        parts: list[Any] = [None] * self.pipeline.ranks
         dist.all_gather_object(parts, {k: v.cpu() for k, v in mine.items()},
                                group=self.pipeline.group)
         out: dict[str, torch.Tensor] = {}

@@ -6,13 +6,17 @@ take the same time: one microbatch passes every stage, then the other ``m - 1`` 
 pace of the slowest stage. With balanced stages of ``t`` seconds per microbatch (forward and
 backward) that is ``(m + p - 1)·t``, an idle fraction of ``(p - 1)/(m + p - 1)`` (the bubble).
 They differ in memory: GPipe keeps every microbatch's activations until its backward; 1F1B at
-most ``p - i`` on stage ``i``.
+most ``p - i`` on stage ``i``. Interleaved 1F1B (Narayanan et al. 2021, §2.2.2) gives each
+rank ``v`` stages (rank ``r`` runs stages ``r``, ``r + p``, ...): the bubble shrinks to
+``(p - 1)/(v·m + p - 1)`` for ``v`` times the sends, and each of a rank's stages keeps up to
+``p`` microbatches in flight.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-SCHEDULES = ("GPipe", "1F1B")
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+VIRTUAL_STAGES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}     # stages per rank
 
 
 def pipeline_seconds(stage_s: Sequence[float], microbatches: int) -> float:
@@ -21,9 +25,22 @@ def pipeline_seconds(stage_s: Sequence[float], microbatches: int) -> float:
     return sum(stage_s) + (microbatches - 1) * max(stage_s)
 
 
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """The idle fraction of balanced stages: ``(p - 1)/(m + p - 1)``."""
-    return (stages - 1) / (microbatches + stages - 1)
+def schedule_seconds(stage_s: Sequence[float], microbatches: int, ranks: int,
+                     schedule: str) -> float:
+    """A step's forward and backward over every microbatch under ``schedule``, ``stage_s`` the
+    seconds per microbatch of each of its ``ranks · v`` stages: :func:`pipeline_seconds` for one
+    stage per rank; interleaved, ``(m + (p - 1)/v)·max_r t_r``, ``t_r`` the sum of rank ``r``'s
+    stages (its slowest rank's share of the bubble shrinks ``v`` times)."""
+    v = VIRTUAL_STAGES[schedule]
+    if v == 1:
+        return pipeline_seconds(stage_s, microbatches)
+    per_rank = [sum(stage_s[r::ranks]) for r in range(ranks)]
+    return (microbatches + (ranks - 1) / v) * max(per_rank)
+
+
+def bubble_fraction(stages: int, microbatches: int, virtual: int = 1) -> float:
+    """The idle fraction of balanced stages: ``(p - 1)/(v·m + p - 1)``, ``p`` ranks."""
+    return (stages - 1) / (virtual * microbatches + stages - 1)
 
 
 def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
@@ -33,4 +50,6 @@ def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
         return microbatches
     if schedule == "1F1B":
         return min(microbatches, stages - stage)
+    if schedule == "Interleaved1F1B":      # ``stages``: the ranks; each of a rank's stages
+        return min(microbatches, stages)
     raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")

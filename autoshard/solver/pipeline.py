@@ -21,7 +21,7 @@ from typing import Any
 
 from autoshard.cost.comm import collective_time
 from autoshard.cost.overlap import bucket_bytes_by_axis, gradient_buckets
-from autoshard.cost.pipeline import in_flight, pipeline_seconds
+from autoshard.cost.pipeline import SCHEDULES, VIRTUAL_STAGES, in_flight, schedule_seconds
 from autoshard.cost.price import Pricer
 from autoshard.cost.reshards import reshard_edges
 from autoshard.errors import AutoshardError
@@ -122,24 +122,33 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
     send = [collective_time("send_recv", 2, f, link.alpha, link.bandwidth)
             + collective_time("send_recv", 2, b, link.alpha, link.bandwidth)
             for f, b in zip(*boundary)]
-    schedules = ("GPipe", "1F1B") if options.schedule == "auto" else (options.schedule,)
+    if options.schedule != "auto":
+        schedules: tuple[str, ...] = (options.schedule,)
+        if L < p * VIRTUAL_STAGES[options.schedule]:
+            raise AutoshardError(f"at least {p * VIRTUAL_STAGES[options.schedule]} layers for "
+                                 f"{options.schedule} on {p} ranks (one per stage)",
+                                 got=f"{L} layers", fix="schedule='1F1B', or fewer ranks")
+    else:
+        schedules = tuple(x for x in SCHEDULES if L >= p * VIRTUAL_STAGES[x])
     best = None
     for schedule in schedules:
-        cuts = _cuts(secs, comm, send, state, acts, p, m, schedule, budget)
+        v = VIRTUAL_STAGES[schedule]
+        # A rank holds v stages: each within 1/v of its memory.
+        cuts = _cuts(secs, comm, send, state, acts, p, m, schedule, budget / v, stages=p * v)
         if cuts is None:
             continue
         figures = _stage_figures(cuts, secs, comm, send, state, acts, opt, sync, p, m,
                                  schedule)
-        step = pipeline_seconds([f["compute_s"] + f["comm_s"] for f in figures], m) \
-            + max(f["optimizer_s"] + f["sync_s"] for f in figures)
-        # Equal times: 1F1B, which keeps fewer microbatches in flight.
-        key = (step, schedule != "1F1B")
+        step = schedule_seconds([f["compute_s"] + f["comm_s"] for f in figures], m, p,
+                                schedule) + _per_rank(figures, p, "optimizer_s", "sync_s")
+        # Equal times: fewer microbatches in flight, then fewer sends.
+        key = (step, SCHEDULES.index(schedule) != 1, schedule == "Interleaved1F1B")
         if best is None or key < best[0]:
             best = (key, schedule, cuts, figures, step)
     if best is None:
         raise AutoshardError(f"pipeline stages within the memory budget of {budget / 2**30:.2f} "
                              f"GiB per device",
-                             got=f"no cut of {L} layers into {p} stages fits with {m} "
+                             got=f"no cut of {L} layers into stages on {p} ranks fits with {m} "
                                  f"microbatches under {' or '.join(schedules)}",
                              fix="use more pipeline stages, a larger mesh, the 1F1B schedule, "
                                  "or activation checkpointing (recompute='full')")
@@ -187,18 +196,26 @@ def _boundary_bytes(traced: TracedGraph, where: dict[str, int], strategies: dict
     return out
 
 
-def _cuts(secs, comm, send, state, acts, p: int, m: int, schedule: str, budget: float):
-    """Stages as (first layer, end) pairs minimising the slowest stage's seconds per
-    microbatch, every stage within ``budget`` with the schedule's microbatches in flight: a
-    dynamic program over the cut points, O(L² p)."""
+def _per_rank(figures: list[dict], ranks: int, *keys: str) -> float:
+    """The largest sum of ``keys`` over one rank's stages (rank ``r``: stages ``r``, ``r + p``,
+    ...)."""
+    return max(sum(f[k] for f in figures[r::ranks] for k in keys) for r in range(ranks))
+
+
+def _cuts(secs, comm, send, state, acts, p: int, m: int, schedule: str, budget: float, *,
+          stages: int):
+    """``stages`` stages as (first layer, end) pairs minimising the slowest stage's seconds per
+    microbatch, every stage within ``budget`` with the schedule's microbatches in flight on ``p``
+    ranks: a dynamic program over the cut points, O(L² · stages)."""
     L = len(secs)
+    n = stages
     inf = float("inf")
     # best[s][j]: the least max over stages 0..s-1 covering layers 0..j-1; arg for the cut.
-    best = [[inf] * (L + 1) for _ in range(p + 1)]
-    arg = [[-1] * (L + 1) for _ in range(p + 1)]
+    best = [[inf] * (L + 1) for _ in range(n + 1)]
+    arg = [[-1] * (L + 1) for _ in range(n + 1)]
     best[0][0] = 0.0
-    for s in range(1, p + 1):
-        for j in range(s, L - (p - s) + 1):
+    for s in range(1, n + 1):
+        for j in range(s, L - (n - s) + 1):
             for i in range(s - 1, j):
                 if best[s - 1][i] == inf:
                     continue
@@ -210,10 +227,10 @@ def _cuts(secs, comm, send, state, acts, p: int, m: int, schedule: str, budget: 
                 v = max(best[s - 1][i], t)
                 if v < best[s][j]:
                     best[s][j], arg[s][j] = v, i
-    if best[p][L] == inf:
+    if best[n][L] == inf:
         return None
     cuts, j = [], L
-    for s in range(p, 0, -1):
+    for s in range(n, 0, -1):
         i = arg[s][j]
         cuts.append((i, j))
         j = i
@@ -255,7 +272,8 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
     runs_on = {(e.value[0], e.consumers[0][0]): sorted({where[c] for c, _ in e.consumers
                                                         if c in where})
                for e in edges}
-    p = len(stage_layers)
+    p = len(stage_layers)                  # stages: the ranks times the virtual stages
+    ranks = mesh.shape[a]
     collectives = []
     for c in spmd.collectives:
         if c.members:
@@ -277,17 +295,21 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
                                                sub.shape)):
             for ax, nbytes in zip(b.axes, bucket_bytes_by_axis(b, sub.shape)):
                 collectives.append(CollectiveRecord(b.kind, (sub.axes[ax],), nbytes,
-                                                    "grad_sync", f"bucket{k}", "", b.members,
-                                                    stage=s))
+                                                    "grad_sync", f"stage{s}.bucket{k}", "",
+                                                    b.members, stage=s))
     link = mesh.links[a]
     tied = tied_stages(traced, stage_layers)
     tied_s = 0.0
     for fqn, stages in tied.items():
+        # One all-reduce per rank holding the weight (a rank may hold two of its stages).
+        holders = {s % ranks: s for s in reversed(stages)}
+        if len(holders) < 2:
+            continue
         ph = next(x for x in traced.params if x.fqn == fqn)
         nbytes = _local_bytes(ph.info, spmd.params[fqn], spmd.mesh_shape)
-        tied_s = max(tied_s, collective_time("all_reduce", len(stages), nbytes, link.alpha,
+        tied_s = max(tied_s, collective_time("all_reduce", len(holders), nbytes, link.alpha,
                                              link.bandwidth))
-        for s in stages:
+        for s in sorted(holders.values()):
             collectives.append(CollectiveRecord("all_reduce", (axis,), nbytes, "grad_sync",
                                                 f"tied:{fqn}", ph.name, stage=s))
     for s in range(p - 1):
@@ -300,9 +322,9 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
     stages = tuple(Stage(i, stage_layers[i], {k: figures[i][k] for k in
                                               ("compute_s", "comm_s", "peak_memory_bytes")})
                    for i in range(p))
-    loss_s = collective_time("all_reduce", p, 4, link.alpha, link.bandwidth)
-    compute = pipeline_seconds([f["compute_s"] for f in figures], m) \
-        + max(f["optimizer_s"] for f in figures)
+    loss_s = collective_time("all_reduce", ranks, 4, link.alpha, link.bandwidth)
+    compute = schedule_seconds([f["compute_s"] for f in figures], m, ranks, schedule) \
+        + _per_rank(figures, ranks, "optimizer_s")
     total = step + loss_s + tied_s
     keep = [x for x in sub.axes if x != DUMMY]
     # Per axis, the collectives of the slowest stage, as often as they run; the pipeline axis
@@ -316,7 +338,7 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
     inner = {k: v for k, v in spmd.predicted.items() if k not in ("memory", "peak_phase")}
     predicted = {**inner, "step_time_s": total, "compute_s": compute,
                  "comm_s": total - compute,
-                 "peak_memory_bytes": max(f["peak_memory_bytes"] for f in figures),
+                 "peak_memory_bytes": _per_rank(figures, ranks, "peak_memory_bytes"),
                  "exposed_comm_s": {**exposed,
                                     axis: max(0.0, total - compute - sum(exposed.values()))},
                  "overlapped_comm_s": {x: 0.0 for x in keep}}
@@ -330,7 +352,8 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
                    param_state={k: replace(st, grad=ex(st.grad), optimizer=ex(st.optimizer))
                                 for k, st in spmd.param_state.items()},
                    collectives=tuple(collectives), predicted=predicted,
-                   pipeline=Pipeline(axis, schedule, m, stages), layers=traced.layers)
+                   pipeline=Pipeline(axis, schedule, m, stages, VIRTUAL_STAGES[schedule]),
+                   layers=traced.layers)
 
 
 def tied_or(traced: TracedGraph, placeholder: str, where: dict[str, int]) -> list[int]:

@@ -128,6 +128,11 @@ ZOO: dict[str, ZooEntry] = {
     "llama-tiny": _entry("Llama style, 2 layers, hidden 32, 2 kv heads, fp32", _TINY_LLAMA,
                          batch=4),
     "bert-tiny": _entry("BERT style, 2 layers, hidden 32, fp32", _TINY_BERT, batch=4),
+    # Deep enough for two pipeline stages per rank on 2 ranks (interleaved 1F1B).
+    "gpt2-tiny-4l": _entry("GPT-2 style, 4 layers, hidden 32, fp32",
+                           GPTConfig(4, 32, 4, vocab_size=64, context=16), batch=4),
+    "llama-tiny-4l": _entry("Llama style, 4 layers, hidden 32, 2 kv heads, fp32",
+                            LlamaConfig(4, 32, 4, 2, 64, vocab_size=64, context=16), batch=4),
     "hf-gpt2-tiny": ZooEntry("HF GPT2LMHeadModel, 2 layers, hidden 32, fp32",
                              hf.hf_gpt2_tiny, 4, hf.TINY_SEQ),
     "hf-llama-tiny": ZooEntry("HF LlamaForCausalLM, 2 layers, hidden 32, fp32",
