@@ -28,7 +28,7 @@ SECTION = "pipeline_plans"
 ROOT = Path(__file__).resolve().parent
 CASES = [
     "gpt3-175b --mesh 16x8x8 --axes pp,dp,tp --pipeline pp --batch 1536 --seq 2048 "
-    "--microbatches 64",
+    "--microbatches 64 --schedule 1F1B",
     "gpt3-175b --mesh 16x8x8 --axes pp,dp,tp --pipeline pp --batch 1536 --seq 2048",
     "llama3-70b --mesh 8x8 --axes pp,tp --pipeline auto --batch 16 --seq 2048",
     "gpt2 --mesh 8 --axes pp --pipeline auto --batch 8",
@@ -63,11 +63,11 @@ def run(case: str, psi: dict[str, int], gantt: Path | None) -> list[str]:
         devices *= n
     peak = 989e12            # h100 bf16 dense (docs/cost-model.md §2)
     mfu = 6 * psi[args[0]] * batch * seq / (p["step_time_s"] * devices * peak)
-    if pl is not None and gantt is not None:
+    if pl is not None and gantt is not None and pl["virtual_stages"] == 1:
         draw_gantt(pl, gantt)
     shape = (f"{pl['schedule']}, {pl['microbatches']} microbatches, {len(pl['stages'])} stages "
-             f"of {'/'.join(str(len(s['layers'])) for s in pl['stages'])} layers"
-             if pl else "no pipeline")
+             f"of {'/'.join(str(len(s['layers'])) for s in pl['stages'])} layers on "
+             f"{len(pl['stages']) // pl['virtual_stages']} ranks" if pl else "no pipeline")
     search = "; ".join(f"{t['pipeline'] or 'none'}: " + (
         f"{t['step_time_s'] * 1e3:.1f} ms" if t["step_time_s"] is not None else "no plan")
         for t in plan["solver"].get("pipeline_search", [])) or "-"
@@ -160,8 +160,9 @@ def main() -> None:
              "MFU: 6·Ψ·tokens over the predicted step times devices times 989 TFLOP/s; "
              "Megatron-LM measured 42-47% for GPT-3 175B on H100 (its README, 2024: 96 to 4,608 "
              "GPUs, batch 1,152). The pipelined plans sync gradients once per step and price no "
-             "overlap of those syncs or of the sends with compute; interleaved 1F1B (Megatron's "
-             "schedule for 175B) is not built yet, so that layout is not priced here.", "",
+             "overlap of those syncs or of the sends with compute. Megatron-LM's own layout "
+             "for 175B (tensor 8 in a node, pipeline 16, interleaved 1F1B) is not priced here: "
+             "the stages' layouts cannot be pinned to a hand-written plan yet.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     lines += ["", "![schedule of the first row](pipeline_gantt.png)"]
