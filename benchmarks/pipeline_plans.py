@@ -31,7 +31,7 @@ CASES = [
     "--microbatches 64 --schedule 1F1B",
     "gpt3-175b --mesh 16x8x8 --axes pp,dp,tp --pipeline pp --batch 1536 --seq 2048",
     "llama3-70b --mesh 8x8 --axes pp,tp --pipeline auto --batch 16 --seq 2048",
-    "gpt2 --mesh 8 --axes pp --pipeline auto --batch 8",
+    "gpt2 --mesh 8 --axes pp --pipeline auto --batch 8 --seq 1024",
 ]
 GIB = 2**30
 
