@@ -35,6 +35,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="cost model to plan with: h100 | h200 | a100 | cpu | profile.json "
                          "(default: cpu for --device cpu, h100 for --device cuda)")
     ap.add_argument("--plan", default=None, help="run this plan file instead of planning")
+    ap.add_argument("--pipeline", default=None,
+                    help="pipeline the layers over this mesh axis (or auto), e.g. --axes pp,tp "
+                         "--pipeline pp")
     ap.add_argument("--save-plan", default=None, help="rank 0 writes the plan it ran here")
     ap.add_argument("--save", default=None, help="rank 0 saves the full state dict here at the end")
     ap.add_argument("--layers", type=int, default=2)
@@ -95,7 +98,8 @@ def main(argv=None) -> int:
         if args.plan:
             plan = autoshard.Plan.load(args.plan)
         else:
-            box = [autoshard.plan(model, example, mesh, model_name="gpt-example").dumps()
+            box = [autoshard.plan(model, example, mesh, model_name="gpt-example",
+                                  pipeline=args.pipeline).dumps()
                    if rank == 0 else None]
             dist.broadcast_object_list(box, src=0)
             plan = autoshard.Plan.loads(box[0])
