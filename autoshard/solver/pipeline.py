@@ -20,6 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from autoshard.cost.comm import collective_time
+from autoshard.cost.compute import local_numel
 from autoshard.cost.overlap import bucket_bytes_by_axis, gradient_buckets
 from autoshard.cost.pipeline import SCHEDULES, VIRTUAL_STAGES, in_flight, schedule_seconds
 from autoshard.cost.price import Pricer
@@ -169,7 +170,6 @@ def _boundary_bytes(traced: TracedGraph, where: dict[str, int], strategies: dict
     """Bytes one rank sends forward after each layer if a stage ended there: every value made
     at or before it (graph inputs included) and read after it, in its local layout; with
     ``grads`` (the values with a gradient), only those: the gradients sent back."""
-    from autoshard.ir import local_shape
     L = max(where.values()) + 1
     out = [0.0] * L
     for n in traced.graph.nodes:
@@ -186,11 +186,8 @@ def _boundary_bytes(traced: TracedGraph, where: dict[str, int], strategies: dict
             continue
         spec = strategies[src].outputs[k] if src in strategies and \
             len(strategies[src].outputs) > k else None
-        shape = tuple(n.meta["val"].shape)
-        local = local_shape(shape, spec, sub.shape) if spec is not None else shape
-        nbytes = n.meta["val"].element_size()
-        for s in local:
-            nbytes *= s
+        nbytes = local_numel(tuple(n.meta["val"].shape), spec, sub.shape) \
+            * n.meta["val"].element_size()
         for k in range(made, last):
             out[k] += nbytes
     return out
@@ -279,7 +276,7 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
         if c.members:
             continue                                    # buckets: formed per stage below
         if c.phase == "optimizer":
-            stages = tied_or(traced, c.value, where)
+            stages = holders(traced, c.value, where)
         else:
             stages = runs_on.get((c.value, c.node)) or [where.get(c.node, p - 1)]
         for s in stages:
@@ -298,18 +295,19 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
                                                     "grad_sync", f"stage{s}.bucket{k}", "",
                                                     b.members, stage=s))
     link = mesh.links[a]
-    tied = tied_stages(traced, stage_layers)
+    tied = tied_stages(traced, where)
     tied_s = 0.0
     for fqn, stages in tied.items():
         # One all-reduce per rank holding the weight (a rank may hold two of its stages).
-        holders = {s % ranks: s for s in reversed(stages)}
-        if len(holders) < 2:
+        by_rank = {s % ranks: s for s in reversed(stages)}
+        if len(by_rank) < 2:
             continue
         ph = next(x for x in traced.params if x.fqn == fqn)
-        nbytes = _local_bytes(ph.info, spmd.params[fqn], spmd.mesh_shape)
-        tied_s = max(tied_s, collective_time("all_reduce", len(holders), nbytes, link.alpha,
+        nbytes = local_numel(tuple(ph.info.shape), spmd.params[fqn], spmd.mesh_shape) \
+            * ph.info.dtype.itemsize
+        tied_s = max(tied_s, collective_time("all_reduce", len(by_rank), nbytes, link.alpha,
                                              link.bandwidth))
-        for s in sorted(holders.values()):
+        for s in sorted(by_rank.values()):
             collectives.append(CollectiveRecord("all_reduce", (axis,), nbytes, "grad_sync",
                                                 f"tied:{fqn}", ph.name, stage=s))
     for s in range(p - 1):
@@ -356,32 +354,21 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
                    layers=traced.layers)
 
 
-def tied_or(traced: TracedGraph, placeholder: str, where: dict[str, int]) -> list[int]:
-    """The stages holding a parameter: every stage reading it."""
+def holders(traced: TracedGraph, placeholder: str, where: dict[str, int]) -> list[int]:
+    """The stages holding a parameter or buffer: every stage with an op reading it."""
     node = traced.graph.find_nodes(op="placeholder", target=placeholder)
     return sorted({where[u.name] for n in node for u in n.users if u.name in where}) or \
         [where.get(placeholder, 0)]
 
 
-def _local_bytes(info, spec: Spec, mesh_shape) -> int:
-    from autoshard.ir import local_shape
-    n = info.dtype.itemsize
-    for s in local_shape(tuple(info.shape), spec, mesh_shape):
-        n *= s
-    return n
-
-
-def tied_stages(traced: TracedGraph, stage_layers) -> dict[str, tuple[int, ...]]:
+def tied_stages(traced: TracedGraph, where: dict[str, int]) -> dict[str, tuple[int, ...]]:
     """Parameters read by more than one stage (a head tied to the embedding), with the stages
-    that read them: each such stage keeps a copy, and their gradients are all-reduced over the
-    pipeline axis after the last microbatch (as Megatron-LM does for its tied embedding)."""
-    where = stages_of(traced.graph, traced.layers, stage_layers)
+    that read them (``where``: node -> stage): each such stage keeps a copy, and their
+    gradients are all-reduced over the pipeline axis after the last microbatch (as Megatron-LM
+    does for its tied embedding)."""
     out = {}
     for ph in traced.params:
-        node = traced.graph.find_nodes(op="placeholder", target=ph.name)
-        readers = sorted({where[u.name] for n in node for u in n.users if u.name in where})
-        if len(readers) > 1:
-            out[ph.fqn] = tuple(readers)
+        stages = holders(traced, ph.name, where)
+        if len(stages) > 1:
+            out[ph.fqn] = tuple(stages)
     return out
-
-
