@@ -18,12 +18,12 @@ from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Strategy, work_fraction
 from autoshard.mesh import AxisMerge, Mesh
 from autoshard.options import PlanOptions, resolve_options
-from autoshard.precision import cast_inputs, running_as
 from autoshard.plans import CollectiveRecord, NodePlan, ParamState, Plan
 from autoshard.solver.build import Built, build_problem
 from autoshard.solver.ilp import Infeasible, NoSolution, break_ties, solve
 from autoshard.solver.diagnostics import gib, mesh_use, smaller_mesh, unruled_note
-from autoshard.trace.export import TracedGraph, trace
+from autoshard.trace.batches import Traces, batch_of, sliced
+from autoshard.trace.export import TracedGraph
 from autoshard.trace.layers import checkpointable, regroup
 
 
@@ -48,47 +48,61 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any], mesh: Mesh,
         raise AutoshardError("mesh is an autoshard.Mesh", got=type(mesh).__name__,
                              fix="autoshard.Mesh((8, 8), ('dp', 'tp'), cluster='h100')")
     options = resolve_options(options, overrides)
+    traces = Traces(model, example_inputs, training=options.training,
+                    precision=options.precision)
+    return plan_with(traces, mesh, options, model_name=model_name)
+
+
+def plan_with(traces: Traces, mesh: Mesh, options: PlanOptions, *, model_name: str = "") -> Plan:
+    """:func:`plan` with the model's graphs taken from ``traces``: the searches below (pipeline
+    axis, microbatch count; solver/meshes.py's meshes) trace it at several batch sizes, and
+    share one :class:`Traces` so that each batch is traced once, most by rebatching."""
     if options.pipeline == "auto":
-        return _plan_pipeline_auto(model, example_inputs, mesh, options, model_name)
+        return _plan_pipeline_auto(traces, mesh, options, model_name)
     if options.pipeline is not None and options.microbatches == "auto":
         # Microbatch counts to try (docs/cost-model.md §10): p, 2p and 4p for p stages, those
         # that divide the batch; each traced and planned, the fastest kept.
         p = mesh.shape[mesh.axes.index(options.pipeline)] if options.pipeline in mesh.axes \
             else 1
-        batch = batch_size(example_inputs)
-        tries = [k * p for k in (1, 2, 4) if batch % (k * p) == 0]
+        tries = [k * p for k in (1, 2, 4) if traces.full % (k * p) == 0]
         if not tries:
             raise AutoshardError(f"a batch that {p} pipeline stages can cut into {p}, {2 * p} "
-                                 f"or {4 * p} microbatches", got=f"batch {batch}",
+                                 f"or {4 * p} microbatches", got=f"batch {traces.full}",
                                  fix="pass microbatches=<a divisor of the batch>")
         plans, errors = [], []
         for k in tries:          # fewer microbatches may not fit: more are in flight per stage
             try:
-                plans.append(plan(model, example_inputs, mesh, options.replace(microbatches=k),
-                                  model_name=model_name))
+                plans.append(plan_with(traces, mesh, options.replace(microbatches=k),
+                                       model_name=model_name))
             except AutoshardError as e:
                 errors.append(e)
         if not plans:
             raise errors[-1]
         best = min(plans, key=lambda x: x.predicted["step_time_s"])
         return replace(best, options=options.replace(microbatches=best.pipeline.microbatches))
-    t0 = time.perf_counter()
-    traced = trace_for(model, example_inputs, options)
-    return plan_traced(traced, mesh, options, model_name=model_name,
-                       trace_s=time.perf_counter() - t0)
+    batch = traces.full
+    if options.pipeline is not None:    # the graph of one microbatch (trace_for)
+        if not isinstance(options.microbatches, int):
+            raise AutoshardError("a number of microbatches to trace one of", got="'auto'",
+                                 fix="pass microbatches=<int> (autoshard.plan chooses 'auto')")
+        if batch % options.microbatches:
+            raise AutoshardError(f"a batch divisible by the {options.microbatches} microbatches",
+                                 got=f"batch {batch}", fix="pass microbatches=<a divisor of it>")
+        batch //= options.microbatches
+    trace_s = traces.seconds_for(batch)
+    return plan_traced(traces.at(batch), mesh, options, model_name=model_name, trace_s=trace_s)
 
 
-def _plan_pipeline_auto(model: torch.nn.Module, example_inputs: Sequence[Any], mesh: Mesh,
-                        options: PlanOptions, model_name: str) -> Plan:
+def _plan_pipeline_auto(traces: Traces, mesh: Mesh, options: PlanOptions,
+                        model_name: str) -> Plan:
     """Whether and on which axis to pipeline (docs/cost-model.md §10): the plan without a
     pipeline and one pipelined over each axis of 2 or more devices; the fastest kept, every
     try recorded in ``solver["pipeline_search"]`` (its step, or why it has no plan)."""
     tries: list[tuple[str | None, Plan | None, AutoshardError | None]] = []
     for axis in (None, *(a for a, n in zip(mesh.axes, mesh.shape) if n >= 2)):
         try:
-            tries.append((axis, plan(model, example_inputs, mesh,
-                                     options.replace(pipeline=axis), model_name=model_name),
-                          None))
+            tries.append((axis, plan_with(traces, mesh, options.replace(pipeline=axis),
+                                          model_name=model_name), None))
         except AutoshardError as e:
             tries.append((axis, None, e))
     found = [(axis, p) for axis, p, _ in tries if p is not None]
@@ -103,22 +117,17 @@ def _plan_pipeline_auto(model: torch.nn.Module, example_inputs: Sequence[Any], m
 
 def batch_size(example_inputs: Sequence[Any]) -> int:
     """The batch of the example inputs: the first dimension of the first tensor."""
-    for x in example_inputs:
-        if isinstance(x, torch.Tensor) and x.dim() > 0:
-            return x.shape[0]
-    raise AutoshardError("example inputs with a batch dimension (a tensor's first)",
-                         got="no tensor input", fix="pass the model's batch as tensors")
+    return batch_of(example_inputs)
 
 
 def microbatch(example_inputs: Sequence[Any], microbatches: int) -> tuple:
-    """The first of ``microbatches`` equal slices of the batch (dim 0 of every tensor input)."""
+    """The first of ``microbatches`` equal slices of the batch (the rows of every tensor input
+    that has the batch dimension), as the planner traces and the runtime feeds one."""
     batch = batch_size(example_inputs)
     if batch % microbatches:
         raise AutoshardError(f"a batch divisible by the {microbatches} microbatches",
                              got=f"batch {batch}", fix="pass microbatches=<a divisor of it>")
-    size = batch // microbatches
-    return tuple(x[:size] if isinstance(x, torch.Tensor) and x.dim() > 0 else x
-                 for x in example_inputs)
+    return sliced(example_inputs, batch // microbatches)
 
 
 def trace_for(model: torch.nn.Module, example_inputs: Sequence[Any],
@@ -130,9 +139,8 @@ def trace_for(model: torch.nn.Module, example_inputs: Sequence[Any],
             raise AutoshardError("a number of microbatches to trace one of", got="'auto'",
                                  fix="pass microbatches=<int> (autoshard.plan chooses 'auto')")
         example_inputs = microbatch(example_inputs, options.microbatches)
-    with running_as(model, options.precision):
-        return trace(model, cast_inputs(example_inputs, options.precision),
-                     training=options.training)
+    return Traces(model, example_inputs, training=options.training,
+                  precision=options.precision).at(batch_size(example_inputs))
 
 
 def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = None, *,

@@ -124,11 +124,10 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any], *, training: bo
         raise _export_failure(e, model, example_inputs, training) from e
     # Our own loss wrapper holds the model as ``model``: report the model's own names. A tied
     # parameter may be lifted under any of its names; use the one named_parameters() gives.
-    canonical = {id(p): n for n, p in model.named_parameters()}
-    aliases = {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
     strip = "model." if wrapped is not model else ""
     try:
-        return from_exported(ep, training=training, strip=strip, aliases=aliases)
+        return from_exported(ep, training=training, strip=strip,
+                             aliases=parameter_aliases(model))
     except GuardOnDataDependentSymNode as e:    # a shape that depends on values, as of x[mask]
         raise _export_failure(e, model, example_inputs, training) from e
 
@@ -242,9 +241,18 @@ def inline_subgraphs(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+def parameter_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Every name of a (tied) parameter -> the one ``named_parameters()`` gives it."""
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    return {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+
+
 def from_exported(ep: ExportedProgram, *, training: bool, strip: str = "",
-                  aliases: dict[str, str] | None = None) -> TracedGraph:
-    gm = ep.graph_module
+                  aliases: dict[str, str] | None = None,
+                  gm: fx.GraphModule | None = None) -> TracedGraph:
+    """``ep``'s graph (or ``gm``, a graph of the same signature: trace/batches.py) as a
+    :class:`TracedGraph`."""
+    gm = ep.graph_module if gm is None else gm
     inline_subgraphs(gm)
     kinds = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer",
              InputKind.CONSTANT_TENSOR: "constant", InputKind.USER_INPUT: "input"}
