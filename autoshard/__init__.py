@@ -2,6 +2,7 @@
 
     mesh = autoshard.Mesh((8, 8), ("dp", "tp"), cluster="h100")
     plan = autoshard.plan(model, example_inputs, mesh)               # PlanOptions as keywords
+    plan = autoshard.search_mesh(model, example_inputs, gpus=64)      # or search the meshes
     pm = autoshard.parallelize(model, mesh, plan=plan)                # under torchrun
 """
 from autoshard.cluster import Cluster
@@ -11,10 +12,11 @@ from autoshard.loss import with_loss
 from autoshard.mesh import AxisLink, Mesh
 from autoshard.options import PlanOptions
 from autoshard.plans import Plan
+from autoshard.solver.meshes import search_mesh
 from autoshard.solver.planner import plan
 
 __all__ = ["AutoshardError", "AxisLink", "Cluster", "Mesh", "Partial", "Plan", "PlanOptions",
-           "Replicate", "Shard", "parallelize", "plan", "with_loss"]
+           "Replicate", "Shard", "parallelize", "plan", "search_mesh", "with_loss"]
 
 
 def parallelize(model, mesh, *, plan=None, example_inputs=None, options=None, **overrides):

@@ -39,8 +39,9 @@ def plan_options(args) -> PlanOptions:
 
 
 def pipeline_options(args) -> dict:
-    """--pipeline, --schedule, --microbatches as PlanOptions fields."""
-    if args.pipeline is None:
+    """--pipeline, --schedule, --microbatches as PlanOptions fields (a --gpus search takes
+    the schedule and microbatches for the pipelines it tries)."""
+    if args.pipeline is None and getattr(args, "gpus", None) is None:
         return {}
     m = args.microbatches
     if m != "auto":
@@ -66,12 +67,25 @@ def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
 def cmd_plan(args) -> int:
     from autoshard.solver.planner import plan
     from autoshard.zoo.registry import load_model
-    mesh = make_mesh(args)
+    if (args.mesh is None) == (args.gpus is None):
+        raise AutoshardError("either --mesh (plan on that mesh) or --gpus (search the meshes)",
+                             got="both" if args.mesh else "neither",
+                             fix="e.g. --mesh 8x8 --axes dp,tp, or --gpus 64")
+    if args.gpus is None and args.gpus_per_node is not None:
+        raise AutoshardError("--gpus-per-node only with --gpus", got="--mesh",
+                             fix="set devices_per_node in a cluster profile, or use --gpus")
+    mesh = make_mesh(args) if args.mesh else None
     options = plan_options(args)
     t0 = time.perf_counter()
     model, inputs = load_model(args.model, batch=args.batch, seq=args.seq, device="meta",
                                task=args.task)
-    p = plan(model, inputs, mesh, options, model_name=args.model)
+    if mesh is None:
+        from autoshard.solver.meshes import search_mesh
+        p = search_mesh(model, inputs, args.gpus, gpus_per_node=args.gpus_per_node,
+                        cluster=args.cluster, options=options, model_name=args.model,
+                        time_budget_s=args.search_budget)
+    else:
+        p = plan(model, inputs, mesh, options, model_name=args.model)
     took = time.perf_counter() - t0
     print(p.summary())
     t = p.timings
@@ -151,8 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan a model on a mesh and write the plan JSON")
     p.add_argument("model", help="zoo name (see `autoshard zoo`), path/to/file.py:factory, or a "
                                  "Hugging Face config.json (or a directory holding one)")
-    p.add_argument("--mesh", required=True, help="mesh shape, e.g. 8x8")
+    p.add_argument("--mesh", default=None, help="mesh shape, e.g. 8x8 (or --gpus)")
     p.add_argument("--axes", default=None, help="axis names, e.g. dp,tp")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="search the meshes of this many devices (pipeline x data x tensor, "
+                        "tensor inside a node) instead of planning on --mesh")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="devices per node for --gpus (default: the cluster's)")
+    p.add_argument("--search-budget", type=float, default=100.0,
+                   help="seconds the --gpus search may spend before it stops trying meshes")
     p.add_argument("--cluster", default="h100", help="h100 | h200 | a100 | cpu | profile.json")
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq", type=int, default=None)

@@ -190,7 +190,7 @@ class Plan:
                  f"ms comm); peak memory {_size(p['peak_memory_bytes'])} per device",
                  *self._comm_by_axis(),
                  f"  solver {s['status']}, {s['variables']} variables, {s.get('decisions', '?')} "
-                 f"decisions, gap {s['gap']:.2%}"]
+                 f"decisions, gap {s['gap']:.2%}", *self._mesh_search_summary()]
         by: dict[tuple[str, str, tuple[str, ...]], list[int]] = {}
         for c in self.collectives:        # on a pipeline, every stage's, as often as they run
             by.setdefault((c.phase, c.kind, c.axes), []).extend([c.bytes] * c.count)
@@ -245,6 +245,26 @@ class Plan:
         if self.predicted.get("optimizer_s"):
             lines.append(f"  optimizer step: {self.predicted['optimizer_s'] * 1e3:.3f} ms "
                          f"(in compute)")
+        return lines
+
+    def _mesh_search_summary(self) -> list[str]:
+        """The meshes a ``--gpus`` search tried (solver/meshes.py), fastest first."""
+        ms = self.solver.get("mesh_search")
+        if not ms:
+            return []
+        lines = [f"  mesh search over {ms['gpus']} devices ({ms['gpus_per_node']} per node): "
+                 f"{len(ms['tried'])} of {ms['candidates']} meshes planned in "
+                 f"{ms['search_s']:.1f} s"]
+        for t in ms["tried"]:
+            mesh = f"{'x'.join(map(str, t['mesh']))} ({','.join(t['axes'])})"
+            what = (f"{t['step_time_s'] * 1e3:.3f} ms" + (
+                f", {t['schedule']}, {t['microbatches']} microbatches" if t.get("microbatches")
+                else "") if "step_time_s" in t else f"no plan: {t.get('error', '')[:90]}")
+            lines.append(f"    {mesh:22s} {what}{'  <- chosen' if t.get('chosen') else ''}")
+        if ms["not_tried"]:
+            lines.append(f"    not planned ({ms['not_tried'][0]['not_tried']}): " + ", ".join(
+                "x".join(map(str, t["mesh"])) + f" ({','.join(t['axes'])})"
+                for t in ms["not_tried"]))
         return lines
 
     def _pipeline_summary(self) -> list[str]:

@@ -1,0 +1,250 @@
+"""Mesh search: which (pipeline, data, tensor) mesh to cut ``gpus`` devices into.
+
+``autoshard plan MODEL --gpus N [--gpus-per-node G]`` does not take a mesh: it searches the
+factorizations of N into a pipeline axis ``pp`` (outermost: its stages talk least, by
+point-to-point sends), a data axis ``dp`` and a tensor axis ``tp`` (innermost, kept inside a
+node: tp divides G), and plans each with the same planner and cost model as any other mesh.
+The rules of the candidates (docs/cost-model.md §11):
+
+- tp divides the devices of a node; pp is at most the model's repeated layers (a stage holds
+  at least one); dp divides the batch (every data-parallel rank gets whole sequences);
+- each candidate with a pipeline is planned at one microbatch count, the first of 4p, 2p, p
+  that cuts the batch into microbatches the data axis divides (4p keeps 1F1B's bubble, (p-1)/m,
+  under a fifth); the chosen mesh is then planned at the others too (``microbatches="auto"``).
+
+Planning one candidate of GPT-3 175B takes seconds (tracing is shared: trace/batches.py), and
+1024 devices have ~27 candidates, more than a time budget of ~100 s plans; so the search starts
+local (Alpa prunes its stage-mesh search for the same reason): from the layout Megatron-LM's
+rule of thumb gives (tensor across the node, then the fewest pipeline stages whose model state
+fits half the memory) it moves to the fastest neighbour (pp or tp doubled or halved) while one
+is faster; then it plans the other candidates, nearest the best first, while the budget lasts
+(all of them for a model that plans fast). Every candidate, planned or not, is listed in
+``plan.solver["mesh_search"]`` with its predicted step, why it has no plan, or why it was not
+planned; ``autoshard show`` prints them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import torch
+
+from autoshard.cluster import Cluster
+from autoshard.errors import AutoshardError
+from autoshard.mesh import Mesh
+from autoshard.options import PlanOptions, resolve_options
+from autoshard.plans import Plan
+from autoshard.trace.batches import Traces
+
+AXES = ("pp", "dp", "tp")
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    pp: int
+    dp: int
+    tp: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The mesh without its axes of one device (a 1-axis mesh when only one is left)."""
+        kept = [n for n in (self.pp, self.dp, self.tp) if n > 1]
+        return tuple(kept) or (1,)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        kept = tuple(a for a, n in zip(AXES, (self.pp, self.dp, self.tp)) if n > 1)
+        return kept or ("dp",)
+
+    def __str__(self) -> str:
+        return f"pp{self.pp} x dp{self.dp} x tp{self.tp}"
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(gpus: int, gpus_per_node: int, batch: int, layers: int) -> list[Candidate]:
+    """Every (pp, dp, tp) with pp * dp * tp = gpus that the rules above allow."""
+    return [Candidate(pp, gpus // (tp * pp), tp)
+            for tp in divisors(gpus_per_node) if gpus % tp == 0
+            for pp in divisors(gpus // tp) if pp <= max(layers, 1)
+            if batch % (gpus // (tp * pp)) == 0]
+
+
+def microbatches_for(c: Candidate, batch: int) -> int | None:
+    """The microbatch count a candidate is screened at (None: no pipeline; 0: none fits)."""
+    if c.pp == 1:
+        return None
+    for m in (4 * c.pp, 2 * c.pp, c.pp):
+        if batch % m == 0 and (batch // m) % c.dp == 0:
+            return m
+    return 0
+
+
+def start(cands: list[Candidate], params: int, state_bytes_per_param: float,
+          memory_bytes: float) -> Candidate:
+    """Megatron-LM's rule of thumb: the widest tensor axis, then the fewest pipeline stages
+    whose parameters, gradients and optimizer state (``state_bytes_per_param`` each, 16 for
+    mixed-precision Adam) fit half the device's memory, the rest left to activations."""
+    tp = max(c.tp for c in cands)
+    wide = sorted((c for c in cands if c.tp == tp), key=lambda c: c.pp)
+    for c in wide:
+        if params * state_bytes_per_param / (c.tp * c.pp) <= memory_bytes / 2:
+            return c
+    return wide[-1]
+
+
+def neighbours(c: Candidate, cands: list[Candidate]) -> list[Candidate]:
+    """Candidates one doubling or halving of pp or of tp away (dp takes up the rest)."""
+    near = {(c.pp * 2, c.tp), (c.pp // 2, c.tp), (c.pp, c.tp * 2), (c.pp, c.tp // 2)}
+    return [x for x in cands if (x.pp, x.tp) in near and x != c]
+
+
+@dataclass
+class Tried:
+    candidate: Candidate
+    microbatches: int | None
+    plan: Plan | None = None
+    error: str = ""
+    seconds: float = 0.0
+
+    def record(self, chosen: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {"mesh": list(self.candidate.shape),
+                               "axes": list(self.candidate.axes),
+                               "pp": self.candidate.pp, "dp": self.candidate.dp,
+                               "tp": self.candidate.tp, "plan_s": round(self.seconds, 2)}
+        if self.plan is not None:
+            out["step_time_s"] = self.plan.predicted["step_time_s"]
+            if self.plan.pipeline is not None:
+                out["microbatches"] = self.plan.pipeline.microbatches
+                out["schedule"] = self.plan.pipeline.schedule
+        else:
+            out["error"] = self.error
+        if chosen:
+            out["chosen"] = True
+        return out
+
+
+def search_mesh(model: torch.nn.Module, example_inputs: Sequence[Any], gpus: int, *,
+                gpus_per_node: int | None = None, cluster: Cluster | str = "h100",
+                options: PlanOptions | None = None, model_name: str = "",
+                time_budget_s: float = 100.0, **overrides: Any) -> Plan:
+    """The best plan of ``model`` on ``gpus`` devices over the meshes this module searches; the
+    plan's mesh is the one chosen. ``gpus_per_node`` defaults to the cluster's."""
+    from autoshard.solver.planner import plan_with
+    t0 = time.perf_counter()
+    options = resolve_options(options, overrides)
+    cluster = Cluster.resolve(cluster)
+    if not isinstance(gpus, int) or gpus < 1:
+        raise AutoshardError("--gpus is a positive number of devices", got=repr(gpus),
+                             fix="e.g. --gpus 64")
+    gpn = cluster.devices_per_node if gpus_per_node is None else gpus_per_node
+    if not isinstance(gpn, int) or gpn < 1:
+        raise AutoshardError("--gpus-per-node is a positive number of devices",
+                             got=repr(gpus_per_node), fix="e.g. --gpus-per-node 8")
+    if gpus > gpn and gpus % gpn:
+        raise AutoshardError(f"a number of devices that fills whole nodes of {gpn}",
+                             got=f"--gpus {gpus}", fix=f"use a multiple of {gpn}, or set "
+                                                      "--gpus-per-node")
+    if options.pipeline not in (None, "auto", "pp"):
+        raise AutoshardError("pipeline unset, 'auto' or 'pp' with a mesh search (its pipeline "
+                             "axis is named pp)", got=repr(options.pipeline),
+                             fix="leave --pipeline out: the search decides")
+    if gpn != cluster.devices_per_node:
+        cluster = dataclasses.replace(cluster, devices_per_node=gpn)
+    traces = Traces(model, example_inputs, training=options.training,
+                    precision=options.precision)
+    batch = traces.full
+    layers = _layers(traces, batch)
+    cands = candidates(gpus, min(gpn, gpus), batch, layers)
+    if not cands:
+        raise AutoshardError(f"a batch that some data axis of {gpus} devices divides",
+                             got=f"batch {batch}", fix="use a batch with more factors of 2, or "
+                                                      "fewer devices")
+    params = sum(p.numel() for p in model.parameters())
+    tried: dict[Candidate, Tried] = {}
+
+    def evaluate(c: Candidate, microbatches: int | None) -> Tried:
+        t = Tried(c, microbatches)
+        if microbatches == 0:
+            t.error = f"no microbatch count of {c.pp}, {2 * c.pp} or {4 * c.pp} that dp{c.dp} " \
+                      f"divides into batch {batch}"
+            return t
+        mesh = Mesh(c.shape, c.axes, cluster=cluster)
+        opts = options.replace(pipeline="pp" if c.pp > 1 else None,
+                               microbatches=microbatches or "auto")
+        t1 = time.perf_counter()
+        try:
+            t.plan = plan_with(traces, mesh, opts, model_name=model_name)
+        except AutoshardError as e:
+            t.error = e.got or str(e)
+        t.seconds = time.perf_counter() - t1
+        return t
+
+    def step(t: Tried) -> float:
+        return t.plan.predicted["step_time_s"] if t.plan is not None else float("inf")
+
+    def screen(c: Candidate) -> Tried:
+        if c not in tried:
+            m = microbatches_for(c, batch) if options.microbatches == "auto" or c.pp == 1 \
+                else options.microbatches
+            tried[c] = evaluate(c, m)
+        return tried[c]
+
+    def affordable() -> bool:
+        """Another plan fits the time budget, at the mean time a plan has taken so far."""
+        spent = [t.seconds for t in tried.values()]
+        mean = sum(spent) / len(spent) if spent else 0.0
+        return time.perf_counter() - t0 + mean <= time_budget_s
+
+    # Local search: to the fastest neighbour while one is faster.
+    current = screen(start(cands, params, 16.0, cluster.memory_bytes))
+    while affordable():
+        near = [screen(c) for c in neighbours(current.candidate, cands) if affordable()]
+        better = min(near, key=step, default=None)
+        if better is None or step(better) >= step(current):
+            break
+        current = better
+    # Then the rest, nearest the best first, as long as the budget lasts: every candidate of
+    # a model that plans fast, the neighbourhood of the best of one that does not.
+    def distance(c: Candidate) -> int:
+        b = min(tried.values(), key=step).candidate
+        return abs(c.pp.bit_length() - b.pp.bit_length()) + abs(
+            c.tp.bit_length() - b.tp.bit_length())
+    for c in sorted((c for c in cands if c not in tried), key=distance):
+        if not affordable():
+            break
+        screen(c)
+    best = min(tried.values(), key=step)
+    if best.plan is None:
+        raise AutoshardError(f"a mesh of {gpus} devices some plan fits",
+                             got="; ".join(f"{t.candidate}: {t.error[:100]}"
+                                           for t in tried.values()),
+                             fix="add devices, or allow more memory techniques")
+    if options.microbatches == "auto" and best.candidate.pp > 1:
+        # The chosen mesh at the other microbatch counts the planner tries (p, 2p, 4p).
+        for m in (best.candidate.pp, 2 * best.candidate.pp, 4 * best.candidate.pp):
+            if m == best.microbatches or batch % m or (batch // m) % best.candidate.dp \
+                    or not affordable():
+                continue
+            again = evaluate(best.candidate, m)
+            if again.plan is not None and step(again) < step(best):
+                best.plan, best.microbatches = again.plan, m
+    chosen = best.plan
+    stopped = f"time budget of {time_budget_s:.0f} s (--search-budget)"
+    records = [t.record(t is best) for t in sorted(tried.values(), key=step)]
+    skipped = [{"mesh": list(c.shape), "axes": list(c.axes), "pp": c.pp, "dp": c.dp,
+                "tp": c.tp, "not_tried": stopped} for c in cands if c not in tried]
+    search = {"gpus": gpus, "gpus_per_node": gpn, "candidates": len(cands),
+              "tried": records, "not_tried": skipped, "search_s": round(
+                  time.perf_counter() - t0, 2)}
+    return replace(chosen, solver={**chosen.solver, "mesh_search": search})
+
+
+def _layers(traces: Traces, batch: int) -> int:
+    """The model's repeated layers (every candidate's graph has the same), from the graph of
+    a small batch: the first concrete trace, which later batches are rebatched from."""
+    return len(traces.at(next((d for d in divisors(batch) if d >= 2), batch)).layers)
