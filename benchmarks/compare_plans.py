@@ -386,7 +386,9 @@ def replot(results: str | Path, section: str = SECTION) -> Path:
     if link not in body:
         last = max(i for i, l in enumerate(body.splitlines()) if l.startswith("| "))
         lines = body.splitlines()
-        body = "\n".join(lines[:last + 1] + ["", link] + lines[last + 1:])
+        note = (f"The table's step times as a chart, drawn from the table by `python "
+                f"benchmarks/compare_plans.py --replot {results.name}`:")
+        body = "\n".join(lines[:last + 1] + ["", note, "", link] + lines[last + 1:])
         write_section(results, section, body)
     return png
 
