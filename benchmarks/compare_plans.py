@@ -386,8 +386,11 @@ def replot(results: str | Path, section: str = SECTION) -> Path:
     if link not in body:
         last = max(i for i, l in enumerate(body.splitlines()) if l.startswith("| "))
         lines = body.splitlines()
+        repo = Path(__file__).resolve().parent.parent
+        shown = results.resolve().relative_to(repo) if results.resolve().is_relative_to(repo) \
+            else results.name              # as typed from the repository root, never a full path
         note = (f"The table's step times as a chart, drawn from the table by `python "
-                f"benchmarks/compare_plans.py --replot {results.name}`:")
+                f"benchmarks/compare_plans.py --replot {shown}`:")
         body = "\n".join(lines[:last + 1] + ["", note, "", link] + lines[last + 1:])
         write_section(results, section, body)
     return png
