@@ -44,8 +44,10 @@ class _Reporter:
     def __init__(self, stream: IO[str]) -> None:
         from rich.console import Console
         # markup off: a model or file name may hold [brackets]; soft_wrap: a long line is not cut.
-        self.console = Console(file=stream, highlight=False, markup=False, soft_wrap=True,
-                               emoji=False)
+        # A terminal only where the stream is one (FORCE_COLOR must not put a spinner's control
+        # codes into a log).
+        self.console = Console(file=stream, force_terminal=_isatty(stream), highlight=False,
+                               markup=False, soft_wrap=True, emoji=False)
         self.t0 = time.perf_counter()
         self.running: list[_Running] = []
         # Lines of steps that raised, held until planning goes on past them: an error that
@@ -145,6 +147,13 @@ def note(what: str) -> None:
     """One line at the current depth: a choice made, a figure found."""
     if _reporter is not None:
         _reporter.line(what)
+
+
+def _isatty(stream: IO[str]) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):      # no isatty, or a closed stream
+        return False
 
 
 def _why(e: BaseException) -> str:
