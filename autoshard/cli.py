@@ -1,9 +1,10 @@
-"""``autoshard`` command line: plan, show, verify, diff, zoo."""
+"""``autoshard`` command line: plan, show, report, verify, diff, zoo."""
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from autoshard.errors import AutoshardError
 from autoshard.options import (OFFLOAD, OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES, ZERO,
@@ -65,6 +66,7 @@ def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_plan(args) -> int:
+    from autoshard import progress
     from autoshard.solver.planner import plan
     from autoshard.zoo.registry import load_model
     if (args.mesh is None) == (args.gpus is None):
@@ -76,29 +78,73 @@ def cmd_plan(args) -> int:
                              fix="set devices_per_node in a cluster profile, or use --gpus")
     mesh = make_mesh(args) if args.mesh else None
     options = plan_options(args)
+    if args.output:
+        _check_writable(args.output)      # before planning, not after minutes of it
     t0 = time.perf_counter()
-    model, inputs = load_model(args.model, batch=args.batch, seq=args.seq, device="meta",
-                               task=args.task)
-    if mesh is None:
-        from autoshard.solver.meshes import search_mesh
-        p = search_mesh(model, inputs, args.gpus, gpus_per_node=args.gpus_per_node,
-                        cluster=args.cluster, options=options, model_name=args.model,
-                        time_budget_s=args.search_budget)
-    else:
-        p = plan(model, inputs, mesh, options, model_name=args.model)
+    # Progress on stderr (stdout keeps the summary or the JSON); --quiet silences it.
+    with progress.enabled(not args.quiet):
+        with progress.step(f"loading {args.model} on the meta device"):
+            model, inputs = load_model(args.model, batch=args.batch, seq=args.seq,
+                                       device="meta", task=args.task)
+        if mesh is None:
+            from autoshard.solver.meshes import search_mesh
+            p = search_mesh(model, inputs, args.gpus, gpus_per_node=args.gpus_per_node,
+                            cluster=args.cluster, options=options, model_name=args.model,
+                            time_budget_s=args.search_budget)
+        else:
+            p = plan(model, inputs, mesh, options, model_name=args.model)
     took = time.perf_counter() - t0
+    if args.json:
+        return _plan_json(p, took, args.output)
     print(p.summary())
     t = p.timings
     print(f"  planned in {took:.2f} s (trace {t['trace_s']:.2f} s, build "
           f"{t['build_s']:.2f} s, solve {t['solve_s']:.2f} s)")
     if args.output:
-        try:
-            p.save(args.output)
-        except OSError as e:
-            raise AutoshardError("a writable path for the plan (-o)",
-                                 got=f"{args.output}: {e.strerror}",
-                                 fix="write into an existing directory you may write to") from e
+        _save_plan(p, args.output)
         print(f"  wrote {args.output}")
+    return 0
+
+
+def _save_plan(p, output: str) -> None:
+    try:
+        p.save(output)
+    except OSError as e:
+        raise AutoshardError("a writable path for the plan (-o)", got=f"{output}: {e.strerror}",
+                             fix="write into an existing directory you may write to") from e
+
+
+def _check_writable(output: str) -> None:
+    """-o names a file in an existing directory this process may write to."""
+    import errno
+    import os
+    folder = Path(output).parent
+    code = errno.ENOENT if not folder.is_dir() else \
+        errno.EACCES if not os.access(folder, os.W_OK) else 0
+    if code:
+        raise AutoshardError("a writable path for the plan (-o)",
+                             got=f"{output}: {os.strerror(code)}",
+                             fix="write into an existing directory you may write to")
+
+
+def _plan_json(p, took: float, output: str | None) -> int:
+    """``plan --json``: the plan written first (a script reads the path it names), then its
+    summary as one JSON object on stdout."""
+    import json
+
+    from autoshard.report import summary_json
+    if output:
+        _save_plan(p, output)
+    print(json.dumps(summary_json(p, seconds=took, output=output), indent=1))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from autoshard.report import write_report
+    t0 = time.perf_counter()
+    output = args.output or str(Path(args.plan).with_suffix(".html"))
+    figures = write_report(args.plan, output)
+    print(f"wrote {output} ({', '.join(figures)}) in {time.perf_counter() - t0:.2f} s")
     return 0
 
 
@@ -199,7 +245,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_pipeline_flags(p)
     p.add_argument("-o", "--output", default=None, help="write the plan here")
     p.add_argument("--task", default=None, help=TASK_HELP)
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress lines on stderr (tracing, building, each solve)")
+    p.add_argument("--json", action="store_true",
+                   help="print the plan's summary as JSON (predicted step and its parts, "
+                        "memory, techniques, timings, output path) instead of text")
     p.set_defaults(fn=cmd_plan)
+    r = sub.add_parser("report", help="write a plan as one HTML page of plots (step time, "
+                                      "memory, placements per layer, pipeline schedule)")
+    r.add_argument("plan", help="plan file")
+    r.add_argument("-o", "--output", default=None,
+                   help="write the page here (default: the plan's path with .html)")
+    r.set_defaults(fn=cmd_report)
     s = sub.add_parser("show", help="print a plan file")
     s.add_argument("plan")
     s.add_argument("--nodes", action="store_true", help="also print every node's strategy")

@@ -16,11 +16,18 @@ where a baseline does) is flagged ``WORSE`` and listed after the table with a fi
     python benchmarks/compare_plans.py --quick                # 4 models on 8 and 4x2
     python benchmarks/compare_plans.py --models gpt2,llama-tiny --meshes 8,2x4 --baselines dp,fsdp
     python benchmarks/compare_plans.py --out benchmarks/RESULTS.md
+    python benchmarks/compare_plans.py --replot benchmarks/RESULTS.md   # its chart, from its table
+
+With ``--out``, the table's step times are also drawn as a grouped bar chart (one panel per
+model, one group per mesh, one bar per plan) written next to the results file
+(``compare_plans.png``) and linked from the section; ``--replot`` redraws that chart from the
+table a section already holds, without planning anything.
 """
 from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 import time
 import traceback
@@ -274,6 +281,125 @@ def flagged(rows: list[dict], columns: tuple[str, ...] = ALL) -> list[str]:
     return out
 
 
+def plot(rows: list[dict], columns: tuple[str, ...], path: str | Path, title: str = "") -> Path:
+    """The table's predicted step times as a grouped bar chart written to ``path`` (PNG): one
+    panel per model (its own ms scale: models differ by 10^4), one group per mesh, one bar for
+    autoshard and one per baseline; a plan that failed (out of memory, no solution, n/a) is an
+    ``x`` at the panel's foot. ``rows`` are the row dicts ``table`` takes (``plan_row``'s, or
+    ``rows_from_markdown``'s)."""
+    from autoshard.report import pyplot
+    plt = pyplot()
+    models = list(dict.fromkeys(r["model"] for r in rows if "trace_err" not in r))
+    if not models:
+        raise ValueError("no planned row to plot")
+    series = ("auto", *columns)
+    names = {"auto": "autoshard", **{b: b for b in columns}}
+    # One colour per hand-written layout; its checkpointed twin ("+ckpt") the same, hatched.
+    bases = list(dict.fromkeys(b.removesuffix("+ckpt") for b in columns))
+    tab = plt.get_cmap("tab10")
+    color = {"auto": "#222222", **{b: tab(bases.index(b.removesuffix("+ckpt")) % 10)
+                                   for b in columns}}
+    ncols = min(4, len(models))
+    nrows = math.ceil(len(models) / ncols)
+    height = 2.8 * nrows + 1.4
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, height), squeeze=False)
+    width = 0.85 / len(series)
+    for ax, model in zip(axes.flat, models):
+        mine = [r for r in rows if r["model"] == model and "trace_err" not in r]
+        for g, r in enumerate(mine):
+            for k, key in enumerate(series):
+                x = g - 0.425 + (k + 0.5) * width
+                if key in r:
+                    ax.bar(x, r[key] * 1e3, width, color=color[key], label=names[key],
+                           hatch="////" if key.endswith("+ckpt") else None,
+                           edgecolor="white", linewidth=0)
+                else:
+                    ax.plot(x, 0, marker="x", color=color[key], markersize=4, clip_on=False)
+        if not any(key in r for r in mine for key in series):
+            ax.set_ylim(0, 1)
+            ax.set_yticks([])
+            ax.text(0.5, 0.5, "no plan on any mesh", transform=ax.transAxes, ha="center",
+                    fontsize=8)
+        ax.set_xticks(range(len(mine)), [r["mesh"] for r in mine], fontsize=8)
+        ax.set_title(model, fontsize=9)
+        ax.set_ylabel("ms", fontsize=8)
+        ax.tick_params(axis="y", labelsize=7)
+    for ax in list(axes.flat)[len(models):]:
+        ax.axis("off")
+    seen: dict = {}
+    for ax in axes.flat:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(label, h)
+    order = [names[k] for k in series if names[k] in seen]
+    fig.legend([seen[n] for n in order], order, loc="lower center", ncol=min(12, len(order)),
+               fontsize=8, frameon=False)
+    fig.suptitle(title or "predicted step per model and mesh (ms, each panel its own scale): "
+                 "autoshard (black) vs hand-written baselines (hatched: checkpointed); "
+                 "x: no plan", fontsize=10)
+    fig.tight_layout(rect=(0, 0.5 / height, 1, 1 - 0.2 / height))
+    path = Path(path)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def rows_from_markdown(text: str) -> tuple[list[dict], tuple[str, ...]]:
+    """The rows and baseline columns of a table ``table`` wrote (the first in ``text``), as
+    much as ``plot`` needs: model, mesh, and each plan's step in seconds where it has one
+    (``<name>_err``, the cell's text, where it has none)."""
+    lines = [l for l in text.splitlines() if l.startswith("| ")]
+    if not lines:
+        raise ValueError("no table in the text")
+    head = [c.strip() for c in lines[0].strip("|").split(" | ")]
+    if head[:3] != ["model", "mesh", "autoshard ms"]:
+        raise ValueError(f"not a compare_plans table: {head[:3]}")
+    columns = tuple(c[:-3] for c in head[3:] if c.endswith(" ms"))
+    keys = ["auto", *columns]
+    rows = []
+    for line in lines[1:]:
+        cells = [c.strip() for c in re.split(r"(?<!\\) \| ", line.strip().strip("|").strip())]
+        row: dict = {"model": cells[0], "mesh": cells[1]}
+        if cells[2].startswith("trace failed"):
+            row["trace_err"] = cells[2]
+        else:
+            for key, cell in zip(keys, cells[2:2 + len(keys)]):
+                try:
+                    row[key] = float(cell) / 1e3
+                except ValueError:
+                    row[key + "_err"] = cell
+        rows.append(row)
+    return rows, columns
+
+
+def replot(results: str | Path, section: str = SECTION) -> Path:
+    """Redraw a section's chart from the table it holds (no planning), next to ``results``,
+    and link it from the section if it is not yet."""
+    results = Path(results)
+    text = results.read_text()
+    m = re.search(rf"<!-- {section}:begin -->\n(.*?)\n<!-- {section}:end -->", text, re.S)
+    if m is None:
+        raise ValueError(f"no section {section} in {results}")
+    body = m.group(1)
+    rows, columns = rows_from_markdown(body)
+    png = plot(rows, columns, results.parent / f"{section}.png")
+    link = chart_link(section)
+    if link not in body:
+        last = max(i for i, l in enumerate(body.splitlines()) if l.startswith("| "))
+        lines = body.splitlines()
+        repo = Path(__file__).resolve().parent.parent
+        shown = results.resolve().relative_to(repo) if results.resolve().is_relative_to(repo) \
+            else results.name              # as typed from the repository root, never a full path
+        note = (f"The table's step times as a chart, drawn from the table by `python "
+                f"benchmarks/compare_plans.py --replot {shown}`:")
+        body = "\n".join(lines[:last + 1] + ["", note, "", link] + lines[last + 1:])
+        write_section(results, section, body)
+    return png
+
+
+def chart_link(section: str) -> str:
+    return f"![predicted step per model and mesh, autoshard vs baselines]({section}.png)"
+
+
 def mismatched(rows: list[dict]) -> list[str]:
     out = []
     for r in rows:
@@ -346,7 +472,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-limit", type=float, default=20.0,
                     help="ILP time limit per plan, s (default 20, the planner's)")
     ap.add_argument("--out", default=None, help="rewrite this section of a RESULTS.md")
+    ap.add_argument("--replot", default=None, metavar="RESULTS_MD",
+                    help="only redraw the chart of this file's section from its table")
     args = ap.parse_args(argv)
+    if args.replot:
+        section = SECTION + ("_quick" if args.quick else "")
+        print(f"wrote {replot(args.replot, section)}")
+        return 0
     if args.models is None and args.quick:
         args.models = QUICK_MODELS
     models = [m.strip() for m in args.models.split(",")] if args.models else list(ZOO)
@@ -418,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
             "stores sharded and gathers where read. `wall s` = planning time of the row "
             "(autoshard and every baseline).",
             "", table(rows, columns), ""]
+    if args.out:
+        body += [chart_link(section), ""]
     body += ["Summary:", ""] + summary(rows) + [""]
     body += ["Rows flagged or failed:", ""] + (notes or ["- none"]) + [""]
     body += ["Rows where autoshard's ILP objective and its assembled predicted step differ by "
@@ -428,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out:
         write_section(args.out, section, text)
-        print(f"\nwrote section {section} of {args.out}")
+        png = plot(rows, columns, Path(args.out).parent / f"{section}.png")
+        print(f"\nwrote section {section} of {args.out} and {png}")
     return 1 if any(r.get("worse") for r in rows) else 0
 
 

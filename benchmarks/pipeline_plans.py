@@ -24,6 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import command, machine, revision, today, write_section  # noqa: E402
 
+from autoshard.plans import Plan  # noqa: E402
+from autoshard.report import save_gantt  # noqa: E402
+
 SECTION = "pipeline_plans"
 ROOT = Path(__file__).resolve().parent
 CASES = [
@@ -57,14 +60,15 @@ def run(case: str, psi: dict[str, int], gantt: Path | None) -> list[str]:
             return [f"`{case}`", f"{wall:.1f}", "no plan: " + r.stderr.strip().splitlines()[-1],
                     "", "", "", ""]
         plan = json.loads(path.read_text())
+        if plan.get("pipeline") is not None and gantt is not None:
+            # The library's chart (autoshard/report.py), as `autoshard report` draws it.
+            save_gantt(Plan.load(path).pipeline, gantt)
     p, pl = plan["predicted"], plan.get("pipeline")
     devices = 1
     for n in mesh:
         devices *= n
     peak = 989e12            # h100 bf16 dense (docs/cost-model.md §2)
     mfu = 6 * psi[args[0]] * batch * seq / (p["step_time_s"] * devices * peak)
-    if pl is not None and gantt is not None and pl["virtual_stages"] == 1:
-        draw_gantt(pl, gantt)
     shape = (f"{pl['schedule']}, {pl['microbatches']} microbatches, {len(pl['stages'])} stages "
              f"of {'/'.join(str(len(s['layers'])) for s in pl['stages'])} layers on "
              f"{len(pl['stages']) // pl['virtual_stages']} ranks" if pl else "no pipeline")
@@ -73,68 +77,6 @@ def run(case: str, psi: dict[str, int], gantt: Path | None) -> list[str]:
         for t in plan["solver"].get("pipeline_search", [])) or "-"
     return [f"`{case}`", f"{wall:.1f}", f"{p['step_time_s'] * 1e3:.1f}", shape,
             f"{p['peak_memory_bytes'] / GIB:.2f}", f"{mfu:.1%}", search]
-
-
-def draw_gantt(pl: dict, path: Path) -> None:
-    """The schedule's forward and backward slots per stage over time, from the stages'
-    predicted seconds per microbatch (backward taken as twice forward: the matmul rule of
-    docs/cost-model.md §3.5): GPipe runs every forward, then every backward; 1F1B warms up with
-    p - i forwards on stage i, then alternates."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    stages, m = pl["stages"], pl["microbatches"]
-    p = len(stages)
-    t = [s["predicted"]["compute_s"] + s["predicted"]["comm_s"] for s in stages]
-    f = [x / 3 for x in t]
-    b = [2 * x / 3 for x in t]
-    orders = []
-    for i in range(p):
-        if pl["schedule"] == "GPipe":
-            order = [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
-        else:
-            warm = min(m, p - i)
-            order, nf = [("F", k) for k in range(warm)], warm
-            for k in range(m):
-                order.append(("B", k))
-                if nf < m:
-                    order.append(("F", nf))
-                    nf += 1
-        orders.append(order)
-    # Each slot starts once its stage is free and its input has arrived (a forward from the
-    # stage before, a backward from the stage after).
-    fwd_end: dict[tuple[int, int], float] = {}
-    bwd_end: dict[tuple[int, int], float] = {}
-    free, pos, slots = [0.0] * p, [0] * p, []
-    progress = True
-    while progress:
-        progress = False
-        for i in range(p):
-            while pos[i] < len(orders[i]):
-                kind, k = orders[i][pos[i]]
-                if kind == "F":
-                    ready = 0.0 if i == 0 else fwd_end.get((i - 1, k))
-                else:
-                    ready = fwd_end.get((i, k)) if i == p - 1 else bwd_end.get((i + 1, k))
-                if ready is None:
-                    break
-                start = max(free[i], ready)
-                dur = f[i] if kind == "F" else b[i]
-                (fwd_end if kind == "F" else bwd_end)[(i, k)] = free[i] = start + dur
-                slots.append((i, start, dur, kind))
-                pos[i] += 1
-                progress = True
-    fig, ax = plt.subplots(figsize=(10, 0.35 * p + 1.5))
-    for i, start, dur, kind in slots:
-        ax.barh(i, dur * 1e3, left=start * 1e3, color="#4c72b0" if kind == "F" else "#dd8452",
-                edgecolor="white", linewidth=0.3)
-    ax.set_yticks(range(p), [f"stage {i}" for i in range(p)])
-    ax.invert_yaxis()
-    ax.set_xlabel("ms (forward blue, backward orange; white space: the bubble)")
-    ax.set_title(f"{pl['schedule']}, {p} stages, {m} microbatches (predicted)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main() -> None:

@@ -60,3 +60,52 @@ def test_budgets_fall_from_the_peak_to_the_least():
     bs = memory_curve.budgets(55.6 * gib, 5.2 * gib, 12)
     assert len(bs) == 12 and bs == sorted(bs, reverse=True)
     assert bs[0] < 55.6 * gib and bs[-1] > 5.2 * gib
+
+
+def _row(model: str, mesh: str, auto: float | None, **baselines) -> dict:
+    """A row as ``compare_plans.plan_row`` makes it (seconds; a str: the failure's cell)."""
+    row = {"model": model, "mesh": mesh, "wall_s": 1.0}
+    if auto is None:
+        row["auto_err"] = "infeasible: OOM (needs 99.0 GiB)"
+    else:
+        row.update(auto=auto, peak=2**30, status="OPTIMAL", gap=0.0, techniques="-", small=0)
+    for b, v in baselines.items():
+        row[b if isinstance(v, float) else b + "_err"] = v
+    feasible = [(v, b) for b, v in baselines.items() if isinstance(v, float)]
+    row["best"], row["best_name"] = min(feasible) if feasible else (None, None)
+    row["worse"] = auto is not None and row["best"] is not None and auto > row["best"]
+    return row
+
+
+TINY = [_row("mlp", "8", 0.001, dp=0.002, fsdp="infeasible: OOM (needs 1.0 GiB)"),
+        _row("mlp", "2x4", 0.0009, dp=0.0025, fsdp=0.0011),
+        _row("gpt | x", "8", None, dp="n/a (1-D, 2-D meshes)", fsdp=0.5)]
+
+
+def test_table_parses_back_for_its_chart():
+    columns = ("dp", "fsdp")
+    rows, cols = compare_plans.rows_from_markdown(compare_plans.table(TINY, columns))
+    assert cols == columns
+    assert [(r["model"], r["mesh"]) for r in rows] == [("mlp", "8"), ("mlp", "2x4"),
+                                                       ("gpt \\| x", "8")]
+    assert rows[0]["auto"] == pytest.approx(0.001) and rows[0]["dp"] == pytest.approx(0.002)
+    assert rows[0]["fsdp_err"].startswith("infeasible: OOM")
+    assert rows[2]["auto_err"].startswith("infeasible") and rows[2]["fsdp"] == 0.5
+    assert "dp" not in rows[2] and rows[2]["dp_err"].startswith("n/a")
+
+
+def test_chart_is_drawn_and_linked_from_its_section(tmp_path):
+    columns = ("dp", "fsdp")
+    results = tmp_path / "RESULTS.md"
+    text = "## a section\n\n" + compare_plans.table(TINY, columns) + "\n\nSummary:\n"
+    compare_plans.write_section(results, "compare_plans", text)
+    png = compare_plans.replot(results)
+    assert png == tmp_path / "compare_plans.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    once = results.read_text()
+    link = compare_plans.chart_link("compare_plans")
+    assert once.count(link) == 1 and once.index(link) < once.index("Summary:")
+    compare_plans.replot(results)                       # the link is not added twice
+    assert results.read_text() == once
+    with pytest.raises(ValueError, match="no section"):
+        compare_plans.replot(results, "compare_plans_quick")

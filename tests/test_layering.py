@@ -13,13 +13,15 @@ import pytest
 
 LAYERS: list[set[str]] = [
     # bottom: the IR and plain data every package may use
-    {"errors", "ir", "options", "cluster", "mesh", "plans", "loss", "precision"},
+    {"errors", "ir", "options", "cluster", "mesh", "plans", "loss", "precision",
+     "progress"},   # progress: lines on stderr the planner reports, off unless the CLI asks
     {"ops"},        # per-op records: family, strategies, saved-for-backward, follows, flops, localize
     {"trace"},
     {"cost"},
     {"solver"},
     {"codegen"},
     {"zoo"},        # model definitions used by the CLI, verify and tests
+    {"report"},     # a plan as one HTML page of plots (`autoshard report`)
     # the command line, verify, diff and calibrate on top
     {"cli", "verify", "diff", "calibrate", "__main__"},
 ]

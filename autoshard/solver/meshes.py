@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
+from autoshard import progress
 from autoshard.cluster import Cluster
 from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
@@ -178,7 +179,9 @@ def search_mesh(model: torch.nn.Module, example_inputs: Sequence[Any], gpus: int
                                microbatches=microbatches or "auto")
         t1 = time.perf_counter()
         try:
-            t.plan = plan_with(traces, mesh, opts, model_name=model_name)
+            with progress.step(f"mesh {c} ({'x'.join(map(str, c.shape))}"
+                               f"{f', {microbatches} microbatches' if microbatches else ''})"):
+                t.plan = plan_with(traces, mesh, opts, model_name=model_name)
         except AutoshardError as e:
             t.error = e.got or str(e)
         t.seconds = time.perf_counter() - t1

@@ -19,6 +19,7 @@ import operator
 from dataclasses import replace
 from typing import Any
 
+from autoshard import progress
 from autoshard.cost.comm import collective_time
 from autoshard.cost.compute import local_numel
 from autoshard.cost.overlap import bucket_bytes_by_axis, gradient_buckets
@@ -82,7 +83,8 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
     # The sub-plan holds every layer's state where a stage holds 1/p of it: its bound is the
     # stage's budget times p (the stages' exact peaks are checked below).
     sub_options = options.replace(pipeline=None, memory_budget=budget * p)
-    spmd = plan_spmd(traced, sub, sub_options, model_name=model_name, trace_s=trace_s)
+    with progress.step(f"layouts of the stages over {','.join(sub.axes)}, {m} microbatches"):
+        spmd = plan_spmd(traced, sub, sub_options, model_name=model_name, trace_s=trace_s)
     strategies = spmd.strategies()
     pricer = Pricer(traced, sub, sub_options, recompute=dict(spmd.recompute))
     graph = traced.graph
@@ -137,6 +139,7 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
         # A rank holds v stages: each within 1/v of its memory.
         cuts = _cuts(secs, comm, send, state, acts, p, m, schedule, budget / v, stages=p * v)
         if cuts is None:
+            progress.note(f"{schedule}: no cut into {p * v} stages fits")
             continue
         figures = _stage_figures(cuts, secs, comm, send, state, acts, opt, sync, p, m,
                                  schedule)
@@ -144,6 +147,7 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
                                 schedule) + _per_rank(figures, p, "optimizer_s", "sync_s")
         # Equal times: fewer microbatches in flight, then fewer sends.
         key = (step, SCHEDULES.index(schedule) != 1, schedule == "Interleaved1F1B")
+        progress.note(f"{schedule}: {p * v} stages, step {step * 1e3:.3f} ms")
         if best is None or key < best[0]:
             best = (key, schedule, cuts, figures, step)
     if best is None:

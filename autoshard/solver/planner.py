@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
+from autoshard import progress
 from autoshard.cost.liveness import step_memory
 from autoshard.cost.price import Pricer
 from autoshard.cost.comm import step_seconds
@@ -72,8 +73,9 @@ def plan_with(traces: Traces, mesh: Mesh, options: PlanOptions, *, model_name: s
         plans, errors = [], []
         for k in tries:          # fewer microbatches may not fit: more are in flight per stage
             try:
-                plans.append(plan_with(traces, mesh, options.replace(microbatches=k),
-                                       model_name=model_name))
+                with progress.step(f"{k} microbatches"):
+                    plans.append(plan_with(traces, mesh, options.replace(microbatches=k),
+                                           model_name=model_name))
             except AutoshardError as e:
                 errors.append(e)
         if not plans:
@@ -89,7 +91,8 @@ def plan_with(traces: Traces, mesh: Mesh, options: PlanOptions, *, model_name: s
             raise AutoshardError(f"a batch divisible by the {options.microbatches} microbatches",
                                  got=f"batch {batch}", fix="pass microbatches=<a divisor of it>")
         batch //= options.microbatches
-    trace_s = traces.seconds_for(batch)
+    with progress.step(f"tracing {model_name or type(traces.model).__name__} (batch {batch})"):
+        trace_s = traces.seconds_for(batch)
     return plan_traced(traces.at(batch), mesh, options, model_name=model_name, trace_s=trace_s)
 
 
@@ -101,8 +104,9 @@ def _plan_pipeline_auto(traces: Traces, mesh: Mesh, options: PlanOptions,
     tries: list[tuple[str | None, Plan | None, AutoshardError | None]] = []
     for axis in (None, *(a for a, n in zip(mesh.axes, mesh.shape) if n >= 2)):
         try:
-            tries.append((axis, plan_with(traces, mesh, options.replace(pipeline=axis),
-                                          model_name=model_name), None))
+            with progress.step(f"pipeline over {axis}" if axis else "without a pipeline"):
+                tries.append((axis, plan_with(traces, mesh, options.replace(pipeline=axis),
+                                              model_name=model_name), None))
         except AutoshardError as e:
             tries.append((axis, None, e))
     found = [(axis, p) for axis, p, _ in tries if p is not None]
@@ -181,9 +185,10 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = N
         lower = plan.predicted["peak_memory_bytes"] - (live - budget)
         offload = any(st.offload for st in plan.param_state.values())
         try:
-            again = _plan_traced(traced, mesh, options.replace(memory_budget=lower),
-                                 model_name=model_name, fixed=None, trace_s=trace_s, merge=None,
-                                 recompute=dict(plan.recompute), offload=offload)
+            with progress.step("re-planning for the step's liveness peak"):
+                again = _plan_traced(traced, mesh, options.replace(memory_budget=lower),
+                                     model_name=model_name, fixed=None, trace_s=trace_s,
+                                     merge=None, recompute=dict(plan.recompute), offload=offload)
         except AutoshardError:
             again = None
         if again is not None and again.predicted["memory"]["peak"] <= budget:
@@ -213,7 +218,8 @@ def _plan_memory(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw: An
                 or not traced.training or options.state_optimizer in ("none", "sgd"):
             raise _with_techniques(e, traced, options, offload)
         try:
-            plan = _plan_recompute(traced, mesh, options, offload=True, **kw)
+            with progress.step("no plan fits: with optimizer offload"):
+                plan = _plan_recompute(traced, mesh, options, offload=True, **kw)
         except AutoshardError as e2:
             raise _with_techniques(e2, traced, options, True)
     _check_host(plan, mesh)
@@ -270,7 +276,8 @@ def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw:
     budget = mesh.cluster.memory_bytes if options.memory_budget is None else options.memory_budget
     plans: list[Plan] = []
     try:
-        plans.append(_plan_traced(traced, mesh, options, recompute={}, **kw))
+        with progress.step("without activation checkpointing"):
+            plans.append(_plan_traced(traced, mesh, options, recompute={}, **kw))
     except AutoshardError as e:
         # No plan fits, or none was found in time (memory that binds makes the ILP hard):
         # checkpointing frees memory either way.
@@ -283,8 +290,9 @@ def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw:
         return plans[0]
     for policy in ("selective", "full"):
         try:
-            plans.append(_plan_traced(traced, mesh, options,
-                                      recompute=dict.fromkeys(layers, policy), **kw))
+            with progress.step(f"activation checkpointing ({policy})"):
+                plans.append(_plan_traced(traced, mesh, options,
+                                          recompute=dict.fromkeys(layers, policy), **kw))
         except AutoshardError as e:
             if not isinstance(e.__cause__, (Infeasible, NoSolution)):
                 raise
@@ -326,8 +334,9 @@ def _fit_live(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan,
         return None
     offload = any(st.offload for st in plan.param_state.values())
     try:
-        again = _plan_traced(traced, mesh, options.replace(memory_budget=lower),
-                             **{**kw, "offload": offload}, recompute=dict(plan.recompute))
+        with progress.step("re-planning for the step's liveness peak"):
+            again = _plan_traced(traced, mesh, options.replace(memory_budget=lower),
+                                 **{**kw, "offload": offload}, recompute=dict(plan.recompute))
     except AutoshardError:
         return None
     return replace(again, options=options) if again.predicted["memory"]["peak"] <= budget \
@@ -412,8 +421,9 @@ def _mesh_use_note(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: 
     head = (f"devices repeat work: compute per device is {use.redundancy:.1f}x the ideal share "
             f"of {mesh.size} devices; idle axes: {idle}")
     try:
-        other = _plan_memory(traced, small, options, model_name=model_name, fixed=None,
-                                trace_s=0.0, merge=None)
+        with progress.step(f"devices repeat work: planning the same on {_devices(small)}"):
+            other = _plan_memory(traced, small, options, model_name=model_name, fixed=None,
+                                 trace_s=0.0, merge=None)
     except AutoshardError:
         return [f"{head}. The same work does not fit on {_devices(small)} alone."]
     return [f"{head}. The same work on {_devices(small)}: predicted step "
@@ -437,14 +447,17 @@ def _plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model
                                 trace_s=trace_s, recompute=recompute, offload=offload)
     t0 = time.perf_counter()
     in_place = frozenset(p.name for p in traced.params if p.name in (fixed or {}))
-    built = build_problem(traced, mesh, options, in_place=in_place, merge=merge,
-                          recompute=recompute, offload=offload)
+    with progress.step(f"building the ILP on mesh {'x'.join(map(str, mesh.shape))} "
+                       f"({','.join(mesh.axes)})"):
+        built = build_problem(traced, mesh, options, in_place=in_place, merge=merge,
+                              recompute=recompute, offload=offload)
     problem = built.problem
     if fixed:
         problem = _with_fixed(built, fixed)
     build_s = time.perf_counter() - t0
     try:
-        sol = solve(problem, time_limit_s=options.time_limit_s)
+        with progress.step(f"solving ({len(problem.decisions)} decisions)"):
+            sol = solve(problem, time_limit_s=options.time_limit_s)
     except Infeasible as e:
         least = f"{'' if e.exact else 'at least '}{gib(e.least_memory)}"
         raise AutoshardError(
@@ -458,6 +471,7 @@ def _plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model
             got=f"none after {e.time_limit_s:g} s (solver status {e.status}, best bound "
                 f"{e.bound * 1e3:.4g} ms per step); the memory budget is not the cause",
             fix="raise time_limit_s (--time-limit), or use a mesh with fewer axes") from e
+    progress.note(f"{sol.status}: {sol.objective * 1e3:.3f} ms per step")
     choice = break_ties(problem, sol.choice, storage_preferences(traced, built))
     strategies = {name: built.strategy_of(name, choice) for name in built.template}
     solver = {"status": sol.status, "objective": sol.objective, "gap": sol.gap,
@@ -508,9 +522,10 @@ def _plan_by_merging(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
             pins[name] = Strategy((), outs, st.kernel)
         else:
             try:
-                sub = _plan_traced(traced, merge.merged(), options, fixed=pins or None,
-                                   merge=merge, model_name=model_name, trace_s=trace_s,
-                                   recompute=recompute, offload=offload)
+                with progress.step(f"axes merged as ({','.join(merge.merged().axes)})"):
+                    sub = _plan_traced(traced, merge.merged(), options, fixed=pins or None,
+                                       merge=merge, model_name=model_name, trace_s=trace_s,
+                                       recompute=recompute, offload=offload)
             except AutoshardError as e:
                 errors.append(e)
                 continue
