@@ -69,14 +69,10 @@ def cmd_plan(args) -> int:
     from autoshard import progress
     from autoshard.solver.planner import plan
     from autoshard.zoo.registry import load_model
-    if (args.mesh is None) == (args.gpus is None):
-        raise AutoshardError("either --mesh (plan on that mesh) or --gpus (search the meshes)",
-                             got="both" if args.mesh else "neither",
-                             fix="e.g. --mesh 8x8 --axes dp,tp, or --gpus 64")
     if args.gpus is None and args.gpus_per_node is not None:
         raise AutoshardError("--gpus-per-node only with --gpus", got="--mesh",
                              fix="set devices_per_node in a cluster profile, or use --gpus")
-    mesh = make_mesh(args) if args.mesh else None
+    mesh = make_mesh(args) if args.mesh is not None else None
     options = plan_options(args)
     if args.output:
         _check_writable(args.output)      # before planning, not after minutes of it
@@ -211,9 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan a model on a mesh and write the plan JSON")
     p.add_argument("model", help="zoo name (see `autoshard zoo`), path/to/file.py:factory, or a "
                                  "Hugging Face config.json (or a directory holding one)")
-    p.add_argument("--mesh", default=None, help="mesh shape, e.g. 8x8 (or --gpus)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--mesh", default=None, help="mesh shape, e.g. 8x8 (or --gpus)")
     p.add_argument("--axes", default=None, help="axis names, e.g. dp,tp")
-    p.add_argument("--gpus", type=int, default=None,
+    where.add_argument("--gpus", type=int, default=None,
                    help="search the meshes of this many devices (pipeline x data x tensor, "
                         "tensor inside a node) instead of planning on --mesh")
     p.add_argument("--gpus-per-node", type=int, default=None,

@@ -79,7 +79,7 @@ def test_cli_plan_shows_progress_on_stderr(capsys) -> None:
     assert main(["plan", "gpt2-tiny", "--mesh", "2x2"]) == 0
     captured = capsys.readouterr()
     got = lines(captured.err)
-    assert any(re.fullmatch(r"tracing gpt2-tiny: \d+\.\d s", x) for x in got), got
+    assert any(re.fullmatch(r"tracing gpt2-tiny \(batch 4\): \d+\.\d s", x) for x in got), got
     assert any(re.fullmatch(r" *building the ILP on mesh 2x2 \(dp,tp\): \d+\.\d s", x)
                for x in got), got
     assert any(re.fullmatch(r" *solving \(\d+ decisions\): \d+\.\d s", x) for x in got), got
