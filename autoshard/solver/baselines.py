@@ -108,6 +108,24 @@ def baseline_plan(traced: TracedGraph, mesh: Mesh, name: str, **kwargs) -> Plan:
     return plan_traced(traced, mesh, fixed=baseline_pins(traced, mesh, name), **kwargs)
 
 
+def pipelined_baseline_plan(traced: TracedGraph, mesh: Mesh, name: str, options, *,
+                            model_name: str = "", **kwargs) -> Plan:
+    """A hand-written layout on a pipeline: the stages cut and scheduled as autoshard's are
+    (``options.pipeline``, ``schedule``, ``microbatches``; ``traced`` is one microbatch's
+    graph), each stage's parameters laid out over the other axes as baseline ``name`` writes
+    them (``megatron-dp``: Megatron-LM's tensor 8 in a node with data parallel across, the
+    layout Narayanan et al. 2021 pipeline GPT-3 175B with). ``kwargs``: options of the stages'
+    plan, as for :func:`baseline_plan` (default: no ZeRO, no offload)."""
+    from autoshard.solver.pipeline import plan_pipelined
+    stage_options = {"zero": "none", "offload": "none", **kwargs}
+
+    def plan_stages(g: TracedGraph, sub: Mesh, opts, **kw) -> Plan:
+        return plan_traced(g, sub, opts.replace(**stage_options),
+                           fixed=baseline_pins(g, sub, name), **kw)
+    return plan_pipelined(traced, mesh, options, model_name=model_name, trace_s=0.0,
+                          plan_spmd=plan_stages)
+
+
 STORED = ("fsdp", "fsdp-tp")
 
 
