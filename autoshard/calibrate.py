@@ -159,6 +159,8 @@ class Sizes:
     message_bytes: tuple[int, ...]             # S of each collective, §1.1
     comm_calls: int                            # timed calls per (collective, size)
     burst: tuple[int, int, int]                # (m, k, n) of the matmul run before each call
+    overlap_bytes: int = 2**22                 # the all-reduce the overlap figure hides
+    overlap_calls: int = 7                     # timed rounds of it (median taken)
 
 
 SIZES = {
@@ -173,7 +175,8 @@ SIZES = {
     ("cpu", True): Sizes(
         window_s=0.005, repeats=2, matmul=((64, 64, 128), (128, 64, 64)), copy_bytes=2**20,
         elementwise_shape=(2, 16, 32), attention=(2, 2, 16, 8), tiny_chain=20,
-        message_bytes=(2**12, 2**15, 2**18), comm_calls=3, burst=(64, 64, 64)),
+        message_bytes=(2**12, 2**15, 2**18), comm_calls=3, burst=(64, 64, 64),
+        overlap_bytes=2**16, overlap_calls=2),
     ("cuda", False): Sizes(
         window_s=0.05, repeats=5,
         matmul=((4096, 4096, 4096), (8192, 4096, 4096), (8192, 4096, 14336),
@@ -181,12 +184,13 @@ SIZES = {
         copy_bytes=1 * 2**30, elementwise_shape=(8, 2048, 4096),
         attention=(8, 32, 2048, 128), tiny_chain=500,
         message_bytes=tuple(2**k for k in range(12, 31, 2)),
-        comm_calls=9, burst=(4096, 4096, 4096)),
+        comm_calls=9, burst=(4096, 4096, 4096), overlap_bytes=2**28),
     ("cuda", True): Sizes(
         window_s=0.005, repeats=2, matmul=((512, 512, 512), (1024, 512, 1024)),
         copy_bytes=16 * 2**20,
         elementwise_shape=(2, 128, 256), attention=(2, 4, 128, 64), tiny_chain=50,
-        message_bytes=(2**12, 2**16, 2**20), comm_calls=3, burst=(512, 512, 512)),
+        message_bytes=(2**12, 2**16, 2**20), comm_calls=3, burst=(512, 512, 512),
+        overlap_bytes=2**20, overlap_calls=2),
 }
 
 
@@ -429,6 +433,61 @@ def _comm(sizes: Sizes, device: torch.device) -> dict:
     return out
 
 
+def _overlap(sizes: Sizes, device: torch.device) -> dict:
+    """How much of an all-reduce issued asynchronously hides behind compute, as a gradient
+    bucket hides behind backward (docs/cost-model.md §7): per round, the all-reduce alone
+    (``comm``), a matmul burst of about its length alone (``compute``), then both, the
+    all-reduce issued first (``both``). The hidden share is ``(comm + compute - both) /
+    min(comm, compute)``: 1 where the two run side by side (a GPU's NCCL stream), 0 where they
+    take turns (a CPU host whose cores gloo's threads share with the compute)."""
+    import torch.distributed as dist
+    x = torch.randn(sizes.overlap_bytes // 4, device=device)
+    m, k, n = sizes.burst
+    a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
+
+    def comm() -> None:
+        dist.all_reduce(x, async_op=True).wait()
+
+    def compute(reps: int) -> None:
+        for _ in range(reps):
+            a @ b
+
+    def timed(fn: Callable[[], Any]) -> float:
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        return time.perf_counter() - t0
+
+    comm()
+    one = min(timed(lambda: compute(1)) for _ in range(3))
+    reps = max(1, round(timed(comm) / max(one, 1e-9)))
+    rounds = []
+    for _ in range(sizes.overlap_calls):
+        t_comm, t_compute = timed(comm), timed(lambda: compute(reps))
+
+        def both() -> None:
+            work = dist.all_reduce(x, async_op=True)
+            compute(reps)
+            work.wait()
+        rounds.append({"comm_s": t_comm, "compute_s": t_compute, "both_s": timed(both)})
+    return {"bytes": sizes.overlap_bytes, "matmuls": reps, "rounds": rounds}
+
+
+def overlap_share(reports: list[dict]) -> float:
+    """``Cluster.comm_overlap`` from every rank's :func:`_overlap` rounds: per round the
+    slowest rank's times (a step waits for it), the hidden share clipped to [0.01, 1] (the
+    field is positive), the median over rounds."""
+    shares = []
+    for i in range(len(reports[0]["overlap"]["rounds"])):
+        rows = [r["overlap"]["rounds"][i] for r in reports]
+        comm, compute, both = (max(row[k] for row in rows)
+                               for k in ("comm_s", "compute_s", "both_s"))
+        shares.append(min(1.0, max(0.01, (comm + compute - both) / min(comm, compute))))
+    return _median(shares)
+
+
 def _ping_pong(x: torch.Tensor, rank: int) -> Callable[[], None]:
     """send/recv between ranks 0 and 1: one call is a round trip, timed as two messages
     (the parent halves it); other ranks wait."""
@@ -467,6 +526,8 @@ def measure_rank(spec: CalibrateSpec) -> dict:
     dist.barrier()
     t1 = time.perf_counter()
     out["comm"] = _comm(sizes, device) if dist.get_world_size() > 1 else {}
+    if dist.get_world_size() > 1:
+        out["overlap"] = _overlap(sizes, device)
     out["comm_wall_s"] = time.perf_counter() - t1
     out["threads"] = torch.get_num_threads()
     out["cpu_s"] = time.process_time() - c0
@@ -587,6 +648,9 @@ def profile(spec: CalibrateSpec, reports: list[dict], *, wall_s: float = 0.0,
         per_kind = {k: asdict(fit_alpha_beta(rows)) for k, rows in samples.items()}
         fields.update(intra_alpha=link.alpha, intra_bandwidth=link.bandwidth,
                       inter_alpha=link.alpha, inter_bandwidth=link.bandwidth)
+        if all("overlap" in r for r in reports):
+            fields["comm_overlap"] = overlap_share(reports)
+            measured["overlap"] = reports[0]["overlap"] | {"comm_overlap": fields["comm_overlap"]}
         measured["collectives"] = {
             "link_fit": asdict(link), "link_fit_kinds": list(PLAN_KINDS),
             "per_kind_fit": per_kind,
@@ -736,6 +800,9 @@ def summary(prof: dict) -> str:
                          f"{f['bandwidth'] / 1e9:7.3f} GB/s, max rel err {f['max_rel_err']:.0%}")
     else:
         lines.append(f"  {c['note']}")
+    if "overlap" in m:
+        lines.append(f"  overlap: {prof['comm_overlap']:.2f} of backward compute can hide a "
+                     f"gradient sync (an asynchronous all-reduce beside matmuls)")
     return "\n".join(lines)
 
 

@@ -43,6 +43,12 @@ class Cluster:
     host_bandwidth: float = 55e9
     host_memory_bytes: float = 250e9
     host_mem_bandwidth: float = 76.75e9
+    # The share of backward compute a gradient sync issued behind it can hide under (docs/
+    # cost-model.md §7), in (0, 1]. GPUs: 1, NCCL runs on its own stream and DDP's bucketed
+    # all-reduce overlaps backward (Li et al., "PyTorch Distributed", VLDB 2020, §3.2.3). A CPU
+    # host shares its cores between gloo's threads and the compute: `autoshard calibrate`
+    # measures it (an all-reduce issued asynchronously beside a matmul burst).
+    comm_overlap: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -64,6 +70,11 @@ class Cluster:
             raise AutoshardError("Cluster field 'matmul_efficiency' is a fraction of peak, (0, 1]",
                                  got=repr(self.matmul_efficiency),
                                  fix="e.g. 0.75 (docs/cost-model.md §2.6: ~70-80% on large matmuls)")
+        if self.comm_overlap > 1:
+            raise AutoshardError("Cluster field 'comm_overlap' is a fraction of backward compute, "
+                                 "(0, 1]", got=repr(self.comm_overlap),
+                                 fix="1 where collectives overlap compute fully (GPUs); "
+                                     "`autoshard calibrate` measures it")
 
     @classmethod
     def preset(cls, name: str) -> "Cluster":

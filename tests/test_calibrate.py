@@ -155,6 +155,50 @@ def test_cuda_profile_takes_bf16_peak_and_the_gpus_preset() -> None:
     assert prof["measured"]["backend"] == "nccl"
 
 
+def test_overlap_share_is_what_running_both_saves() -> None:
+    """comm 10 ms and compute 10 ms: side by side they take 10 (all hidden), in turns 20
+    (nothing hidden: clipped to the field's floor), 15 half; the slowest rank's times count."""
+    from autoshard.calibrate import CalibrateSpec, overlap_share
+
+    def report(both: float, slow: float = 0.0) -> dict:
+        r = _fake_report(1e11)
+        r["overlap"] = {"bytes": 4096, "matmuls": 3, "rounds": [
+            {"comm_s": 0.010 + slow, "compute_s": 0.010, "both_s": both + slow}] * 3}
+        return r
+    assert overlap_share([report(0.010), report(0.010)]) == 1.0
+    assert overlap_share([report(0.020), report(0.020)]) == 0.01
+    assert math.isclose(overlap_share([report(0.015), report(0.015)]), 0.5)
+    # a rank 5 ms slower on both: (15 + 10 - 20) / 10
+    assert math.isclose(overlap_share([report(0.015), report(0.015, slow=0.005)]), 0.5)
+    prof = profile(CalibrateSpec("cpu", 2), [report(0.015), report(0.015)])
+    assert math.isclose(Cluster._from_profile(dict(prof)).comm_overlap, 0.5)
+
+
+def test_comm_overlap_shrinks_the_window_gradient_sync_hides_behind() -> None:
+    """The plan's hidden sync is min(sync, comm_overlap x backward compute) (§7): GPT-2 data
+    parallel at batch 512 on 8 GPUs hides every bucket; with a cluster whose collectives hide
+    behind only 1% of backward, almost all of it is exposed."""
+    import dataclasses
+    from autoshard.mesh import Mesh
+    from autoshard.solver.baselines import baseline_plan
+    from autoshard.trace.export import trace
+    from autoshard.zoo.registry import load_model
+    model, inputs = load_model("gpt2", batch=64, seq=1024, device="meta")
+    traced = trace(model, inputs, training=True)
+    plans = {}
+    for share in (1.0, 0.01):
+        cluster = dataclasses.replace(PRESETS["h100"], comm_overlap=share)
+        plans[share] = baseline_plan(traced, Mesh((8,), ("dp",), cluster=cluster), "dp")
+    full, low = plans[1.0].predicted, plans[0.01].predicted
+    assert full["overlapped_comm_s"]["dp"] > 0
+    # hidden at most 1% of backward (itself under the compute) where everything hid before
+    assert low["overlapped_comm_s"]["dp"] <= 0.01 * low["compute_s"] + 1e-12
+    assert low["overlapped_comm_s"]["dp"] < 0.5 * full["overlapped_comm_s"]["dp"]
+    assert low["step_time_s"] > full["step_time_s"]
+    with pytest.raises(AutoshardError, match="comm_overlap"):
+        dataclasses.replace(PRESETS["h100"], comm_overlap=1.5)
+
+
 # ---------------------------------------------------------------------- a real run on 2 ranks
 
 def _cli(argv: list[str]) -> tuple[int, str]:
@@ -178,6 +222,7 @@ def test_quick_calibration_on_two_gloo_ranks_plans(tmp_path) -> None:
     assert (c.intra_alpha, c.intra_bandwidth) == (link["alpha"], link["bandwidth"])
     assert 0 < c.matmul_efficiency <= 1 and c.fp32_flops > 1e8 and c.mem_bandwidth > 1e8
     assert c.transcendental_rate == prof["transcendental_rate"] > 1e6
+    assert 0 < c.comm_overlap <= 1 and prof["measured"]["overlap"]["rounds"]
     assert {"gelu_tanh", "silu_backward"} <= set(prof["measured"]["specials"])
     code, out = _cli(["plan", "gpt2-tiny", "--mesh", "2", "--cluster", str(path)])
     assert code == 0 and "cluster calibrated-cpu" in out

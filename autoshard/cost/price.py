@@ -206,8 +206,9 @@ class Pricer:
         return out
 
     def backward(self, name: str, strategy: Strategy) -> float:
-        """The backward part of :meth:`compute`: the window gradient syncs hide behind."""
-        return self._times(name, strategy)[1]
+        """The window gradient syncs hide behind: the backward part of :meth:`compute`, times
+        the share of it a collective can overlap on this cluster (``Cluster.comm_overlap``)."""
+        return self._times(name, strategy)[1] * self.mesh.cluster.comm_overlap
 
     def _times(self, name: str, strategy: Strategy) -> tuple[float, float]:
         if self._nodes[name].op == "placeholder":
