@@ -1,4 +1,4 @@
-"""``autoshard`` command line: plan, show, verify, diff, zoo."""
+"""``autoshard`` command line: plan, show, verify, diff, export, zoo."""
 from __future__ import annotations
 
 import argparse
@@ -123,6 +123,15 @@ def cmd_diff(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from autoshard.export import export_file
+    exp = export_file(args.plan, args.output, args.format)
+    print(f"wrote {args.output}: {exp.describe()}")
+    print(f"  {len(exp.styles)} styles, {len(exp.not_expressible)} decisions not expressible "
+          f"(listed in its docstring)")
+    return 0
+
+
 def cmd_calibrate(args) -> int:
     from autoshard.calibrate import calibrate, summary, write_profile, writes_profile
     prof = calibrate(args.device, args.world, quick=args.quick)
@@ -208,6 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--limit", type=int, default=40,
                    help="lines shown per section (default 40; 0: all)")
     d.set_defaults(fn=cmd_diff)
+    x = sub.add_parser("export", help="write a plan as a torchtitan-style parallelize function "
+                                      "(DTensor parallel styles and FSDP2)")
+    x.add_argument("plan", help="plan file")
+    x.add_argument("--format", default="dtensor",
+                   help="dtensor: parallelize_module styles, fully_shard or replicate")
+    x.add_argument("-o", "--output", required=True, help="write the Python file here")
+    x.set_defaults(fn=cmd_export)
     c = sub.add_parser("calibrate", help="measure this machine (matmul, memory, kernels, "
                                          "collectives) and write a cluster profile JSON")
     c.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
