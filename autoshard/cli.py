@@ -127,7 +127,8 @@ def cmd_export(args) -> int:
     from autoshard.export import export_file
     exp = export_file(args.plan, args.output, args.format)
     print(f"wrote {args.output}: {exp.describe()}")
-    print(f"  {len(exp.styles)} styles, {len(exp.not_expressible)} decisions not expressible "
+    n = len(exp.not_expressible)
+    print(f"  {len(exp.styles)} styles; {n} decision{'' if n == 1 else 's'} not expressible "
           f"(listed in its docstring)")
     return 0
 
