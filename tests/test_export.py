@@ -21,6 +21,7 @@ import ast
 import copy
 import dataclasses
 import importlib.util
+import json
 import sys
 import warnings
 from collections import Counter
@@ -49,12 +50,13 @@ def plans() -> dict[str, Plan]:
     megatron-dp (tensor parallel over "tp" with the batch dim sharded between its Linears, data
     parallel over "dp") and the FSDP stored layout (the planner reads the weights sharded over
     "dp" with the sequence sharded between Linears, and keeps them ZeRO-3 over "tp")."""
-    from autoshard.solver.baselines import stored_plan
+    from autoshard.solver.baselines import baseline_plan, stored_plan
     from autoshard.trace.export import trace
     mesh = Mesh((2, 2), cluster=CLUSTER)
     model, inputs = build(MODEL, None, None, 0)
-    return {"megatron-dp": plan_for(MODEL, mesh, baseline="megatron-dp"),
-            "fsdp": stored_plan(trace(model, inputs), mesh, "fsdp", model_name=MODEL)}
+    traced = trace(model, inputs)          # as verify traces it (plan_for)
+    return {"megatron-dp": baseline_plan(traced, mesh, "megatron-dp", model_name=MODEL),
+            "fsdp": stored_plan(traced, mesh, "fsdp", model_name=MODEL)}
 
 
 def _load(source: str, tmp_path: Path, name: str):
@@ -116,7 +118,8 @@ def test_megatron_dp_maps_to_column_row_and_sequence_parallel(plans, tmp_path):
     assert type(tp["model.lm_head"]) is PrepareModuleInput
     assert len(tp) == 3 + 2 * 11
     doc = mod.__doc__
-    assert "mesh 2x2 ('dp', 'tp')" in doc and plans["megatron-dp"].fingerprint in doc
+    assert "plan of hf-llama-tiny on mesh 2x2 ('dp', 'tp')" in doc
+    assert plans["megatron-dp"].fingerprint in doc
     assert "model.lm_head: the plan runs it on activations split over 'tp'" in doc
     assert "gradient buckets" in doc
     # The Linears' boundary collectives are all the plan's: per layer an all-gather in and a
@@ -206,7 +209,6 @@ def test_errors_are_one_line(plans, tmp_path, capsys, case):
     elif case == "no-signatures":
         d = plans["megatron-dp"].to_json()
         d["node_signatures"] = {}
-        import json
         path.write_text(json.dumps(d))
     elif case == "output":
         args[3] = str(tmp_path / "no" / "such" / "dir" / "p.py")
@@ -321,7 +323,7 @@ def _run_exported(spec: VerifySpec, source: str, workdir: str) -> dict:
         g = p.grad
         grads[name] = g.full_tensor() if isinstance(g, DTensor) else g
     return {
-        "loss": float(loss), "runtime_loss": runtime_loss, "ref_loss": float(ref_loss),
+        "loss": float(loss), "runtime_loss": runtime_loss, "ref_loss": float(ref_loss.detach()),
         "vs_runtime": {n: rel_err(grads[n], runtime_grads[n]) for n in runtime_grads},
         "vs_ref": {n: rel_err(grads[n], g) for n, g in ref_grads.items()},
         "missing": sorted(set(ref_grads) - set(grads)),
@@ -440,7 +442,7 @@ def _run_loss_parallel(model_name: str, source: str, workdir: str) -> dict:
     dist.all_reduce(loss, group=data.get_group())
     grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
              for n, p in model.named_parameters()}
-    return {"loss": float(loss / data.size()), "ref_loss": float(ref_loss),
+    return {"loss": float(loss / data.size()), "ref_loss": float(ref_loss.detach()),
             "errs": {n.removeprefix("model."): rel_err(grads[n.removeprefix("model.")], p.grad)
                      for n, p in ref.named_parameters()}}
 
