@@ -1186,9 +1186,10 @@ class _Renderer:
         if e.data_parallel == "fully_shard":
             lines.append("from torch.distributed.fsdp import fully_shard")
         elif e.data_parallel == "replicate":
-            # FSDP2's data parallelism without sharding: it composes with the DTensor
-            # parameters of the styles, as DDP does not.
-            lines.append("from torch.distributed._composable.replicate_with_fsdp import replicate")
+            lines += ["# DDP built on FSDP2 (a private module in torch 2.13): it composes with "
+                      "the styles'",
+                      "# DTensor parameters, as DistributedDataParallel does not",
+                      "from torch.distributed._composable.replicate_with_fsdp import replicate"]
         return "\n".join(lines)
 
     def _constants(self) -> str:
