@@ -1,4 +1,4 @@
-"""``autoshard`` command line: plan, show, report, verify, diff, zoo."""
+"""``autoshard`` command line: plan, show, report, verify, diff, export, zoo."""
 from __future__ import annotations
 
 import argparse
@@ -179,6 +179,16 @@ def cmd_diff(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from autoshard.export import export_file
+    exp = export_file(args.plan, args.output, args.format)
+    print(f"wrote {args.output}: {exp.describe()}")
+    n = len(exp.not_expressible)
+    print(f"  {len(exp.styles)} styles; {n} decision{'' if n == 1 else 's'} not expressible "
+          f"(listed in its docstring)")
+    return 0
+
+
 def cmd_calibrate(args) -> int:
     from autoshard.calibrate import calibrate, summary, write_profile, writes_profile
     prof = calibrate(args.device, args.world, quick=args.quick)
@@ -283,6 +293,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--limit", type=int, default=40,
                    help="lines shown per section (default 40; 0: all)")
     d.set_defaults(fn=cmd_diff)
+    x = sub.add_parser("export", help="write a plan as a torchtitan-style parallelize function "
+                                      "(DTensor parallel styles and FSDP2)")
+    x.add_argument("plan", help="plan file")
+    x.add_argument("--format", default="dtensor",
+                   help="dtensor: parallelize_module styles, fully_shard or replicate")
+    x.add_argument("-o", "--output", required=True, help="write the Python file here")
+    x.set_defaults(fn=cmd_export)
     c = sub.add_parser("calibrate", help="measure this machine (matmul, memory, kernels, "
                                          "collectives) and write a cluster profile JSON")
     c.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
