@@ -67,6 +67,16 @@ def test_chain_optimum_is_not_the_per_node_cheapest() -> None:
     assert sol.status == "OPTIMAL" and sol.gap == 0.0
 
 
+def test_cutoff_searches_only_faster_plans() -> None:
+    """With the step of a plan already held as the cutoff, the optimum below it is returned,
+    and a cutoff at or below the optimum means there is nothing better: NoBetter."""
+    from autoshard.solver.ilp import NoBetter
+    assert solve(chain(), cutoff_s=6.0).objective == pytest.approx(5.0, rel=REL)
+    for cutoff in (5.0, 4.0):
+        with pytest.raises(NoBetter):
+            solve(chain(), cutoff_s=cutoff)
+
+
 def _fanout_problem(reshard: tuple[float, float, float]) -> Problem:
     """Value of P (one spec, class 0) read by C1 and C2, each with strategy 0 (needs spec 0,
     cost 5) or 1 (needs spec 1, cost 2) or, C2 only, 2 (needs spec 2, cost 1). ``reshard`` is

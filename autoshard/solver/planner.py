@@ -21,7 +21,7 @@ from autoshard.mesh import AxisMerge, Mesh
 from autoshard.options import PlanOptions, resolve_options
 from autoshard.plans import CollectiveRecord, NodePlan, ParamState, Plan
 from autoshard.solver.build import Built, build_problem
-from autoshard.solver.ilp import Infeasible, NoSolution, break_ties, solve
+from autoshard.solver.ilp import Infeasible, NoBetter, NoSolution, break_ties, solve
 from autoshard.solver.diagnostics import gib, mesh_use, smaller_mesh, unruled_note
 from autoshard.trace.batches import Traces, batch_of, sliced
 from autoshard.trace.export import TracedGraph
@@ -288,11 +288,18 @@ def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw:
     # faster with the memory checkpointing frees (a plan 1% under the budget can be one).
     if plans and plans[0].predicted["peak_memory_bytes"] < budget * BINDS:
         return plans[0]
+    # A plan that fits by liveness too is final unless checkpointing beats it: search only
+    # faster ones (re-planning for the peak below never makes a plan faster).
+    cutoff = plans[0].predicted["step_time_s"] if plans and \
+        plans[0].predicted["memory"]["peak"] <= budget and mesh.ndim < 3 else None
     for policy in ("selective", "full"):
         try:
             with progress.step(f"activation checkpointing ({policy})"):
-                plans.append(_plan_traced(traced, mesh, options,
+                plans.append(_plan_traced(traced, mesh, options, cutoff_s=cutoff,
                                           recompute=dict.fromkeys(layers, policy), **kw))
+        except NoBetter:
+            progress.note(f"no plan faster than {cutoff * 1e3:.3f} ms")
+            continue
         except AutoshardError as e:
             if not isinstance(e.__cause__, (Infeasible, NoSolution)):
                 raise
@@ -439,7 +446,10 @@ def _devices(mesh: Mesh) -> str:
 
 def _plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_name: str,
                  fixed: dict[str, Strategy] | None, trace_s: float,
-                 merge: AxisMerge | None, recompute: dict[str, str], offload: bool) -> Plan:
+                 merge: AxisMerge | None, recompute: dict[str, str], offload: bool,
+                 cutoff_s: float | None = None) -> Plan:
+    """One plan of ``traced`` with these techniques; ``cutoff_s``: only a plan faster than that
+    is wanted (the ILP prunes by it; :class:`NoBetter` when there is none; 2-D meshes)."""
     check_mesh_fits(traced, mesh)
     traced = _grouped(traced, recompute)
     if mesh.ndim >= 3:
@@ -457,7 +467,7 @@ def _plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model
     build_s = time.perf_counter() - t0
     try:
         with progress.step(f"solving ({len(problem.decisions)} decisions)"):
-            sol = solve(problem, time_limit_s=options.time_limit_s)
+            sol = solve(problem, time_limit_s=options.time_limit_s, cutoff_s=cutoff_s)
     except Infeasible as e:
         least = f"{'' if e.exact else 'at least '}{gib(e.least_memory)}"
         raise AutoshardError(
