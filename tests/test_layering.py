@@ -20,8 +20,8 @@ LAYERS: list[set[str]] = [
     {"solver"},
     {"codegen"},
     {"zoo"},        # model definitions used by the CLI, verify and tests
-    # the command line, verify, diff and calibrate on top
-    {"cli", "verify", "diff", "calibrate", "__main__"},
+    # the command line, verify, diff, calibrate and explain on top
+    {"cli", "verify", "diff", "calibrate", "explain", "__main__"},
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
