@@ -228,8 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--top", type=int, metavar="N", help="the N most expensive collectives")
     x.add_argument("--alternatives", type=int, default=3,
                    help="next-best strategies to re-solve with (default 3)")
-    x.add_argument("--time-limit", type=float, default=5.0,
-                   help="solver time limit per re-solve in seconds (default 5)")
+    x.add_argument("--time-limit", type=float, default=3.0,
+                   help="solver time limit per re-solve in seconds (default 3)")
     x.add_argument("--model", default=None,
                    help="the model to trace again (default: the plan's, at its input shapes)")
     x.add_argument("--task", default=None, help=TASK_HELP)

@@ -41,7 +41,7 @@ from autoshard.plans import NodePlan, Plan
 from autoshard.trace.export import TracedGraph
 
 DEFAULT_ALTERNATIVES = 3
-DEFAULT_TIME_LIMIT_S = 5.0      # per re-solve: the plan's own solve of llama3-8b on 8x8 takes ~1 s
+DEFAULT_TIME_LIMIT_S = 3.0      # per re-solve: llama3-8b on 8x8 solves in ~1 s when it can
 
 
 # ------------------------------------------------------------------------------ the model again
@@ -155,13 +155,16 @@ class Source:
     line: int
     function: str
     code: str
+    # The model's line that called this one (``self.c_attn(x)`` for the addmm inside
+    # transformers' Conv1D), None at the top of the model.
+    caller: "Source | None" = None
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line} in {self.function}: {self.code}"
 
     def to_json(self) -> dict[str, Any]:
         return {"file": self.file, "line": self.line, "function": self.function,
-                "code": self.code}
+                "code": self.code, "caller": self.caller.to_json() if self.caller else None}
 
 
 def node_source(node: Any) -> Source | None:
@@ -178,9 +181,13 @@ def node_source(node: Any) -> Source | None:
             frames.append((m.group("file"), int(m.group("line")), m.group("func"), code))
     if not frames:
         return None
-    own = [f for f in frames if not _library_frame(f[0])]
-    file, line, func, code = (own or frames)[-1]
-    return Source(_short_path(file), line, func, code)
+    own = [f for f in frames if not _library_frame(f[0])] or frames
+    caller = None
+    if len(own) > 1:
+        file, line, func, code = own[-2]
+        caller = Source(_short_path(file), line, func, code)
+    file, line, func, code = own[-1]
+    return Source(_short_path(file), line, func, code, caller)
 
 
 def _library_frame(file: str) -> bool:
@@ -599,6 +606,7 @@ class TopCollective:
     members: tuple[str, ...] = ()     # a gradient bucket's parameters
     source: Source | None = None
     stage: int = -1                   # on a pipeline, the stage whose ranks run it (-1: all)
+    module: str = ""                  # the node's module path (from the re-trace)
 
     @property
     def seconds(self) -> float:
@@ -609,7 +617,7 @@ class TopCollective:
                 "bytes": self.bytes, "seconds_each": self.seconds_each,
                 "instances": self.instances, "seconds": self.seconds, "node": self.node,
                 "op": self.op, "value": self.value, "layers": self.layers,
-                "members": list(self.members), "stage": self.stage,
+                "members": list(self.members), "stage": self.stage, "module": self.module,
                 "source": self.source.to_json() if self.source else None}
 
 
@@ -645,7 +653,7 @@ def top_collectives(plan: Plan, n: int, *, rebuilt: Rebuilt | None = None,
             c.kind, c.axes, c.phase, c.bytes, _seconds(c, mesh) * c.count, len(members),
             c.node, ops.get(c.node, ""), fqns.get(c.value, c.value), layers,
             tuple(fqns.get(m, m) for m in c.members), node_source(graph.get(c.node)),
-            c.stage))
+            c.stage, rebuilt.traced.module_of(graph[c.node]) if c.node in graph else ""))
     out.sort(key=lambda t: -t.seconds)
     return out[:n]
 
@@ -708,7 +716,12 @@ def _size(nbytes: float) -> str:
 
 
 def _ms(seconds: float, *, signed: bool = False) -> str:
-    return f"{seconds * 1e3:{'+' if signed else ''}.3f} ms"
+    """Milliseconds to the microsecond; below 10 us in microseconds, so that a tiny model's
+    deltas do not all read 0.000 ms."""
+    sign = "+" if signed else ""
+    if 0 < abs(seconds) < 1e-5:
+        return f"{seconds * 1e6:{sign}.3f} us"
+    return f"{seconds * 1e3:{sign}.3f} ms"
 
 
 def _signed_size(nbytes: float) -> str:
@@ -728,6 +741,8 @@ def render_explanation(e: Explanation) -> str:
         lines.append(f"  source (its first reader, {e.source_node}): {e.source}")
     else:
         lines.append(f"  source: {e.source}")
+    if e.source is not None and e.source.caller is not None:
+        lines.append(f"    called from {e.source.caller}")
     if len(e.shared_layers) > 1:
         lines.append(f"  layer: {e.layer}, decided once with the identical layers "
                      f"{_layer_span(e.shared_layers)}: a strategy held here holds in all "
@@ -832,6 +847,7 @@ def render_top(plan: Plan, rows: list[TopCollective], *, ledger_s: float,
             continue
         moves = f", moving {t.value}" if t.value and t.value != t.node else ""
         lines.append(f"      for {t.node}" + (f" ({t.op})" if t.op else "")
+                     + (f", {t.module}," if t.module else "")
                      + (f" in {t.layers}" if t.layers else "") + moves)
         if t.source is not None:
             lines.append(f"      source: {t.source}")
@@ -871,7 +887,9 @@ def explain_file(path: str | Path, *, node: str | None = None, param: str | None
         ledger_s = ledger_seconds(plan, rebuilt.mesh if rebuilt else plan_mesh(plan, cluster))
         if as_json:
             return json.dumps({"collectives": [r.to_json() for r in rows],
-                               "ledger_s": ledger_s, "sources": why or "re-traced"}, indent=1)
+                               "ledger_s": ledger_s, "sources": why or "re-traced",
+                               "seconds": {"rebuild_s": rebuilt.seconds if rebuilt else 0.0}},
+                              indent=1)
         return render_top(plan, rows, ledger_s=ledger_s, sources=why)
     _check_count(alternatives, time_limit_s)
     if node is not None and node not in {n.name for n in plan.nodes}:
