@@ -273,7 +273,8 @@ class Explanation:
     module: str
     layer: str
     shared_layers: tuple[str, ...]   # the identical layers whose nodes share its decision
-    decision_nodes: tuple[str, ...]  # every node its decision sets (its followers too)
+    template: str                    # the node of the first identical layer it copies (or itself)
+    decision_nodes: tuple[str, ...]  # every node of the template's decision (its followers too)
     source: Source | None
     source_node: str                 # whose line ``source`` is: the node, or a graph input's reader
     chosen: str
@@ -290,7 +291,7 @@ class Explanation:
         b = self.baseline
         return {"node": self.node, "op": self.op, "param": self.param, "module": self.module,
                 "layer": self.layer, "shared_layers": list(self.shared_layers),
-                "decision_nodes": list(self.decision_nodes),
+                "template": self.template, "decision_nodes": list(self.decision_nodes),
                 "source": self.source.to_json() if self.source else None,
                 "source_node": self.source_node, "chosen": self.chosen,
                 "strategies": self.strategies,
@@ -465,6 +466,7 @@ def explain_node(plan: Plan, name: str, *, rebuilt: Rebuilt,
         node=name, op=node.op, param=ph.fqn if ph is not None and ph.kind == "param" else "",
         module=_module(traced, name), layer=layer,
         shared_layers=tuple(x.name for x in traced.layers if same and x.same_as == same),
+        template=problem.built.template[name],
         decision_nodes=tuple(n for n, m in problem.built.members.items() if m.decision == g),
         source=node_source(source_node), source_node=getattr(source_node, "name", ""),
         chosen=texts[chosen] if chosen in texts else strategy_text(node, placeholder=is_ph),
@@ -749,7 +751,9 @@ def render_explanation(e: Explanation) -> str:
                      f"{len(e.shared_layers)}")
     elif e.layer:
         lines.append(f"  layer: {e.layer}")
-    others = [n for n in e.decision_nodes if n != e.node]
+    if e.template != e.node:
+        lines.append(f"  decided as its counterpart in {e.shared_layers[0]}: {e.template}")
+    others = [n for n in e.decision_nodes if n != e.template]
     if others:
         shown = ", ".join(others[:6]) + (f" and {len(others) - 6} more" if len(others) > 6
                                           else "")

@@ -150,6 +150,16 @@ def test_source_line_is_the_models_own(plan, rebuilt) -> None:
     assert f"models.py:{want}" in text and "layers 0-1" in text
 
 
+def test_a_later_layers_node_is_decided_by_its_first_layers_counterpart(plan, rebuilt) -> None:
+    first, second = plan.layers[0], plan.layers[1]
+    assert second.same_as == first.name
+    twin = second.nodes[first.nodes.index(NODE)]
+    e = explain_node(plan, twin, rebuilt=rebuilt, alternatives=1)
+    assert e.template == NODE and e.layer == second.name and twin not in e.decision_nodes
+    assert e.chosen == explain_node(plan, NODE, rebuilt=rebuilt, alternatives=0).chosen
+    assert f"decided as its counterpart in {first.name}: {NODE}" in render_explanation(e)
+
+
 def test_top_collectives_sum_to_the_plans_comm(plan, rebuilt) -> None:
     everything = top_collectives(plan, 10_000, rebuilt=rebuilt)
     # Folding identical layers loses nothing: the rows' seconds sum to the ledger's, each
