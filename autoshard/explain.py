@@ -536,7 +536,11 @@ def explain_param(plan: Plan, fqn: str, *, rebuilt: Rebuilt, **kw: Any) -> Expla
         raise _unknown("a parameter of the plan (a named_parameters() name)", fqn,
                        list(plan.params), "--param", other=({n.name for n in plan.nodes},
                                                            "--node"))
-    name = next(p.name for p in rebuilt.traced.params if p.fqn == fqn)
+    name = next((p.name for p in rebuilt.traced.params if p.fqn == fqn), None)
+    if name is None:
+        raise AutoshardError(f"the plan's parameter {fqn} among the re-traced model's",
+                             got="no graph input of that name",
+                             fix="pass --model naming the model the plan was made from")
     return explain_node(plan, name, rebuilt=rebuilt, **kw)
 
 
