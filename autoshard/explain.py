@@ -353,8 +353,11 @@ class _Problem:
         from autoshard.solver.problem import evaluate, restrict, unrestrict
 
         p, restricted = self.built.problem, {g: allowed}
+        if start is not None and evaluate(p, start)[1] > p.memory_budget:
+            start = None              # not a plan: only the solver can tell what fits
         try:
-            sol = solve(restrict(p, restricted), time_limit_s=self.time_limit_s)
+            sol = solve(restrict(p, restricted), time_limit_s=self.time_limit_s,
+                        least_memory_fallback=start is None)
         except Infeasible as e:
             least = f"{'' if e.exact else 'at least '}{_size(e.least_memory)}"
             return Resolved(strategy, None, f"no plan fits the memory budget of "
@@ -362,8 +365,7 @@ class _Problem:
                                             f"{least})")
         except NoSolution as e:
             sol, bound = None, e.bound
-        if start is not None and evaluate(p, start)[1] <= p.memory_budget and (
-                sol is None or evaluate(p, start)[0] < sol.objective):
+        if start is not None and (sol is None or evaluate(p, start)[0] < sol.objective):
             return self._resolved(g, strategy, start, f"FEASIBLE: {start_is}; the solver found "
                                   f"no better plan within {self.time_limit_s:g} s",
                                   sol.bound if sol else bound)

@@ -72,7 +72,14 @@ def row(plan: str, case: list[str]) -> dict:
     return r
 
 
-def report(rows: list[dict], plan_s: float | None, started: str) -> str:
+def loadavg() -> str:
+    try:
+        return "/".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def report(rows: list[dict], plan_s: float | None, started: str, load: str) -> str:
     head = ["`autoshard explain plan.json ...`", "wall s", "trace s", "ILP build s",
             "re-solves (s)", f"<= {TARGET_S:g} s", "result"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -89,7 +96,8 @@ def report(rows: list[dict], plan_s: float | None, started: str) -> str:
         "## `autoshard explain` on the main job's plan (Llama-3-8B, 8x8, h100)", "",
         f"- command: `{command('benchmarks/explain_time.py')}`",
         f"- machine: {machine()}",
-        f"- date: {started}; {revision()}",
+        f"- date: {started}; {revision()}; load average (1/5/15 min) at the start {load} (the "
+        "machine is shared: other load inflates the times)",
         f"- the plan: {made}. Each row is one `autoshard explain` process, timed from start to "
         "exit (interpreter start and imports included): the model traced again on the meta "
         "device (`trace`), its ILP built again, then for `--node`/`--param` the baseline (the "
@@ -105,7 +113,7 @@ def main() -> None:
     ap.add_argument("--plan", default=None, help="an existing plan file of the main job")
     ap.add_argument("--out", default=None, help="write the section into this RESULTS.md")
     args = ap.parse_args()
-    started = today()
+    started, load = today(), loadavg()
     with tempfile.TemporaryDirectory() as tmp:
         plan, plan_s = args.plan, None
         if plan is None:
@@ -115,7 +123,7 @@ def main() -> None:
         for case in CASES:
             rows.append(row(plan, case))
             print(f"{rows[-1]['case']}: {rows[-1]['wall_s']:.1f} s", file=sys.stderr)
-    text = report(rows, plan_s, started)
+    text = report(rows, plan_s, started, load)
     print(text)
     if args.out:
         write_section(args.out, SECTION, text)
