@@ -25,6 +25,7 @@ source line that produced that node (from the re-trace; torch.export keeps the s
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import sys
@@ -416,14 +417,11 @@ def explain_node(plan: Plan, name: str, *, rebuilt: Rebuilt,
     strategy, the baseline re-solve with it pinned, and up to ``alternatives`` next-best
     strategies, each re-solved with it pinned (see the module docstring)."""
     _check_count(alternatives, time_limit_s)
-    nodes = {n.name: n for n in plan.nodes}
-    if name not in nodes:
-        raise _unknown("a node of the plan (as `autoshard show --nodes` lists them)", name,
-                       list(nodes), "--node", other=(plan.params, "--param"))
+    node = _node_of(plan, name)
     t0 = time.perf_counter()
     problem = _Problem(plan, rebuilt, time_limit_s)
     member = problem.built.members[problem.built.template[name]]
-    g, node = member.decision, nodes[name]
+    g = member.decision
     is_ph = node.op == "placeholder"
     # The node's distinct strategies, each with the decision's strategies that give it.
     groups: dict[tuple, tuple[int, ...]] = {}
@@ -534,10 +532,7 @@ def _source_node(traced: TracedGraph, name: str) -> Any:
 def explain_param(plan: Plan, fqn: str, *, rebuilt: Rebuilt, **kw: Any) -> Explanation:
     """``explain_node`` of the graph input parameter ``fqn`` is lifted as (its first, for a
     tied weight)."""
-    if fqn not in plan.params:
-        raise _unknown("a parameter of the plan (a named_parameters() name)", fqn,
-                       list(plan.params), "--param", other=({n.name for n in plan.nodes},
-                                                           "--node"))
+    _check_param(plan, fqn)
     name = next((p.name for p in rebuilt.traced.params if p.fqn == fqn), None)
     if name is None:
         raise AutoshardError(f"the plan's parameter {fqn} among the re-traced model's",
@@ -576,7 +571,28 @@ def _check_count(alternatives: int, time_limit_s: float) -> None:
     if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not (
             0 < time_limit_s < float("inf")):
         raise AutoshardError("a positive time limit per re-solve, in seconds",
-                             got=repr(time_limit_s), fix="e.g. --time-limit 5")
+                             got=repr(time_limit_s), fix="e.g. --time-limit 3")
+
+
+def _check_top(n: int) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise AutoshardError("a number of collectives >= 1", got=repr(n), fix="e.g. --top 10")
+
+
+def _node_of(plan: Plan, name: str) -> NodePlan:
+    """The plan's entry for node ``name``; an unknown name names the closest ones."""
+    node = next((n for n in plan.nodes if n.name == name), None)
+    if node is None:
+        raise _unknown("a node of the plan (as `autoshard show --nodes` lists them)", name,
+                       [n.name for n in plan.nodes], "--node", other=(plan.params, "--param"))
+    return node
+
+
+def _check_param(plan: Plan, fqn: str) -> None:
+    if fqn not in plan.params:
+        raise _unknown("a parameter of the plan (a named_parameters() name)", fqn,
+                       list(plan.params), "--param",
+                       other=({n.name for n in plan.nodes}, "--node"))
 
 
 def _unknown(expected: str, name: str, known: list[str], flag: str, *,
@@ -634,8 +650,7 @@ def top_collectives(plan: Plan, n: int, *, rebuilt: Rebuilt | None = None,
     """The ``n`` most expensive collectives of ``plan`` by seconds per step, a collective
     repeated by identical layers folded into one entry (the seconds of all of them); source
     lines when ``rebuilt`` is given."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise AutoshardError("a number of collectives >= 1", got=repr(n), fix="e.g. --top 10")
+    _check_top(n)
     mesh = rebuilt.mesh if rebuilt is not None else plan_mesh(plan, cluster)
     where = _layer_positions(plan)
     groups: dict[tuple, list] = {}
@@ -882,12 +897,9 @@ def explain_file(path: str | Path, *, node: str | None = None, param: str | None
         raise AutoshardError("exactly one of --node NAME, --param FQN, --top N",
                              got=f"node={node!r}, param={param!r}, top={top!r}",
                              fix="e.g. autoshard explain plan.json --top 10")
-    import json
     plan = Plan.load(path)
     if top is not None:
-        if isinstance(top, bool) or not isinstance(top, int) or top < 1:
-            raise AutoshardError("a number of collectives >= 1", got=repr(top),
-                                 fix="e.g. --top 10")
+        _check_top(top)
         rebuilt, why = None, ""
         try:
             rebuilt = rebuild(plan, model=model, cluster=cluster, task=task)
@@ -901,14 +913,12 @@ def explain_file(path: str | Path, *, node: str | None = None, param: str | None
                                "seconds": {"rebuild_s": rebuilt.seconds if rebuilt else 0.0}},
                               indent=1)
         return render_top(plan, rows, ledger_s=ledger_s, sources=why)
+    # Every mistake the file alone shows is refused before the model is traced again.
     _check_count(alternatives, time_limit_s)
-    if node is not None and node not in {n.name for n in plan.nodes}:
-        raise _unknown("a node of the plan (as `autoshard show --nodes` lists them)", node,
-                       [n.name for n in plan.nodes], "--node", other=(plan.params, "--param"))
-    if param is not None and param not in plan.params:
-        raise _unknown("a parameter of the plan (a named_parameters() name)", param,
-                       list(plan.params), "--param", other=({n.name for n in plan.nodes},
-                                                           "--node"))
+    if node is not None:
+        _node_of(plan, node)
+    else:
+        _check_param(plan, param)
     _check_resolvable(plan)
     rebuilt = rebuild(plan, model=model, cluster=cluster, task=task)
     kw = {"rebuilt": rebuilt, "alternatives": alternatives, "time_limit_s": time_limit_s}
