@@ -1,4 +1,4 @@
-"""``autoshard`` command line: plan, show, report, verify, diff, export, zoo."""
+"""``autoshard`` command line: plan, show, report, verify, diff, explain, export, zoo."""
 from __future__ import annotations
 
 import argparse
@@ -186,6 +186,14 @@ def cmd_export(args) -> int:
     n = len(exp.not_expressible)
     print(f"  {len(exp.styles)} styles; {n} decision{'' if n == 1 else 's'} not expressible "
           f"(listed in its docstring)")
+
+
+def cmd_explain(args) -> int:
+    from autoshard.explain import explain_file
+    print(explain_file(args.plan, node=args.node, param=args.param, top=args.top,
+                       alternatives=args.alternatives, time_limit_s=args.time_limit,
+                       model=args.model, cluster=args.cluster, task=args.task,
+                       as_json=args.json))
     return 0
 
 
@@ -300,6 +308,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtensor: parallelize_module styles, fully_shard or replicate")
     x.add_argument("-o", "--output", required=True, help="write the Python file here")
     x.set_defaults(fn=cmd_export)
+    x = sub.add_parser("explain", help="why a node or parameter is placed as it is (its next-best "
+                                       "strategies re-solved, with the step and memory deltas) "
+                                       "or the most expensive collectives, with source lines")
+    x.add_argument("plan", help="plan file")
+    what = x.add_mutually_exclusive_group(required=True)
+    what.add_argument("--node", metavar="NAME", help="a graph node (`autoshard show --nodes`)")
+    what.add_argument("--param", metavar="FQN",
+                      help="a parameter, e.g. layers.0.attn.q_proj.weight")
+    what.add_argument("--top", type=int, metavar="N", help="the N most expensive collectives")
+    x.add_argument("--alternatives", type=int, default=3,
+                   help="next-best strategies to re-solve with (default 3)")
+    x.add_argument("--time-limit", type=float, default=3.0,
+                   help="solver time limit per re-solve in seconds (default 3)")
+    x.add_argument("--model", default=None,
+                   help="the model to trace again (default: the plan's, at its input shapes)")
+    x.add_argument("--task", default=None, help=TASK_HELP)
+    x.add_argument("--cluster", default=None,
+                   help="the cluster profile JSON, for a plan made with one")
+    x.add_argument("--json", action="store_true", help="print the explanation as JSON")
+    x.set_defaults(fn=cmd_explain)
     c = sub.add_parser("calibrate", help="measure this machine (matmul, memory, kernels, "
                                          "collectives) and write a cluster profile JSON")
     c.add_argument("--device", default="cpu", choices=("cpu", "cuda"))

@@ -22,8 +22,8 @@ LAYERS: list[set[str]] = [
     {"codegen"},
     {"zoo"},        # model definitions used by the CLI, verify and tests
     {"report"},     # a plan as one HTML page of plots (`autoshard report`)
-    # the command line, verify, diff, calibrate and export on top
-    {"cli", "verify", "diff", "calibrate", "export", "__main__"},
+    # the command line, verify, diff, calibrate, explain and export on top
+    {"cli", "verify", "diff", "calibrate", "explain", "export", "__main__"},
 ]
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -190,12 +190,16 @@ class _Model:
 
 
 def solve(problem: Problem, *, time_limit_s: float = 30.0,
-          cutoff_s: float | None = None) -> Solution:
+          cutoff_s: float | None = None,
+          least_memory_fallback: bool = True) -> Solution:
     """The best plan the solver finds in ``time_limit_s``: optimal, or feasible with its gap to
     the best bound. Raises :class:`Infeasible` when no plan fits memory, :class:`NoSolution` when
     the solver found no plan in time and none could be built without it. With ``cutoff_s`` (the
     step of a plan the caller already holds) only faster plans are searched, which prunes the
     branch and bound; :class:`NoBetter` when none is found.
+    ``least_memory_fallback=False``: a caller that holds a plan within the budget already
+    (``autoshard explain``'s swap alone) gets :class:`NoSolution` at once when the time limit
+    leaves no incumbent, not a least-memory solve of up to the same limit again.
 
     Edges and fanouts that only add memory (a saved activation kept once per layout, build.py)
     matter only when the budget binds, and they make the MIP much harder (T5-large on 8x8 finds
@@ -207,14 +211,14 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0,
                       fanouts=tuple(f for f in problem.fanouts if _prices_time(f)))
     if len(relaxed.edges) + len(relaxed.fanouts) < len(problem.edges) + len(problem.fanouts):
         try:        # half the time: the whole problem may still need the other half
-            sol = _solve(relaxed, time_limit_s / 2, t0, cutoff_s)
+            sol = _solve(relaxed, time_limit_s / 2, t0, cutoff_s, least_memory_fallback)
         except (Infeasible, NoSolution, NoBetter):
             sol = None            # the whole problem is no easier: solve it for its verdict
         if sol is not None and sol.status == "OPTIMAL" and \
                 evaluate(problem, sol.choice)[1] <= problem.memory_budget:
             return sol
         time_limit_s = max(time_limit_s / 2, time_limit_s - (time.perf_counter() - t0))
-    return _solve(problem, time_limit_s, t0, cutoff_s)
+    return _solve(problem, time_limit_s, t0, cutoff_s, least_memory_fallback)
 
 
 def _prices_time(item: Edge | Fanout) -> bool:
@@ -222,7 +226,7 @@ def _prices_time(item: Edge | Fanout) -> bool:
 
 
 def _solve(problem: Problem, time_limit_s: float, t0: float,
-           cutoff_s: float | None = None) -> Solution:
+           cutoff_s: float | None = None, least_memory_fallback: bool = True) -> Solution:
     m = _Model(problem)
     m.s.Add(m.mem <= problem.memory_budget)
     if cutoff_s is not None:
@@ -243,6 +247,8 @@ def _solve(problem: Problem, time_limit_s: float, t0: float,
         raise NoBetter()
     # No incumbent: the budget is infeasible, or the time limit came first (status NOT_SOLVED;
     # some backends then say INFEASIBLE too). Only the least memory tells which.
+    if not least_memory_fallback:
+        raise NoSolution(time_limit_s, status, _finite(bound, 0.0))
     least = least_memory_plan(problem, time_limit_s=time_limit_s)
     if least.bytes > problem.memory_budget:
         raise Infeasible(least.bytes, budget=problem.memory_budget, exact=least.exact)

@@ -12,7 +12,7 @@ producer's output and shared by every consumer that needs it, which is what the 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,3 +145,40 @@ def evaluate(problem: Problem, choice: tuple[int, ...]) -> tuple[float, float]:
     for pricing hand-written plans in exactly the solver's terms)."""
     t, mem, sync, backward = totals(problem, choice)
     return t + max(0.0, sync - backward), mem
+
+
+def restrict(problem: Problem, allowed: dict[int, tuple[int, ...]]) -> Problem:
+    """``problem`` with decision ``g`` offered only the strategies ``allowed[g]``, in that order:
+    strategy ``k`` of ``g`` in the result is strategy ``allowed[g][k]`` of ``problem``
+    (:func:`unrestrict` maps a choice back). ``fixed`` pins one strategy; this pins a set, which
+    is what holding one node to one strategy takes when it follows its decision (several of the
+    decision's strategies give it that one). Edge and fanout tables are indexed by classes,
+    which stay as they are."""
+    def keep(seq: tuple, g: int) -> tuple:
+        return tuple(seq[i] for i in allowed[g]) if g in allowed and seq else seq
+
+    for g, idx in allowed.items():
+        if not idx or len(set(idx)) != len(idx) or not all(
+                0 <= i < len(problem.decisions[g].cost) for i in idx):
+            raise ValueError(f"decision {g}: allowed strategies {idx} are not distinct "
+                             f"indices of its {len(problem.decisions[g].cost)} strategies")
+    fixed = []
+    for g, i in problem.fixed:
+        if g in allowed and i not in allowed[g]:
+            raise ValueError(f"decision {g}: fixed strategy {i} is not among {allowed[g]}")
+        fixed.append((g, allowed[g].index(i)) if g in allowed else (g, i))
+    decisions = tuple(replace(d, cost=keep(d.cost, g), memory=keep(d.memory, g),
+                              backward=keep(d.backward, g))
+                      for g, d in enumerate(problem.decisions))
+    edges = tuple(replace(e, out=keep(e.out, e.producer), req=keep(e.req, e.consumer))
+                  for e in problem.edges)
+    fanouts = tuple(replace(f, out=keep(f.out, f.producer),
+                            consumers=tuple((c, keep(req, c)) for c, req in f.consumers))
+                    for f in problem.fanouts)
+    return replace(problem, decisions=decisions, edges=edges, fanouts=fanouts,
+                   fixed=tuple(fixed))
+
+
+def unrestrict(choice: tuple[int, ...], allowed: dict[int, tuple[int, ...]]) -> tuple[int, ...]:
+    """A choice of ``restrict(problem, allowed)`` as a choice of ``problem``."""
+    return tuple(allowed[g][i] if g in allowed else i for g, i in enumerate(choice))
