@@ -186,6 +186,7 @@ def cmd_export(args) -> int:
     n = len(exp.not_expressible)
     print(f"  {len(exp.styles)} styles; {n} decision{'' if n == 1 else 's'} not expressible "
           f"(listed in its docstring)")
+    return 0
 
 
 def cmd_explain(args) -> int:
