@@ -9,6 +9,8 @@ plan names it.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +18,7 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
+from autoshard.cli import main  # noqa: E402
 from autoshard.ir import Replicate, Shard  # noqa: E402
 from autoshard.mesh import Mesh  # noqa: E402
 from autoshard.solver.baselines import (baseline_pins, baseline_plan, megatron_roles,  # noqa: E402
@@ -264,3 +267,15 @@ _PHI3_FOLLOWERS = pytest.mark.xfail(strict=True, reason="the ILP charges a resha
 def test_objective_is_the_plans_price(traces, name: str) -> None:
     plan = baseline_plan(traces[name], Mesh((4,), cluster="cpu"), "megatron")
     assert plan.solver["objective"] == pytest.approx(plan.predicted["step_time_s"], rel=1e-9)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fused_projection_plans_run_on_gloo(tmp_path, capsys, name: str) -> None:
+    """Megatron's layout of the fused projections runs on 2 gloo ranks: loss and gradients
+    equal the single-device model's and the bytes run equal the plan's (``autoshard verify``)."""
+    config = tmp_path / f"{name}.json"
+    config.write_text(json.dumps(CONFIGS[name]))
+    argv = ["verify", str(config), "--mesh", "2", "--batch", "2", "--seq", "8",
+            "--baseline", "megatron"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.rstrip().endswith("PASS")
