@@ -155,8 +155,9 @@ def megatron_pins(traced, mesh) -> dict:
     dim; row-parallel linears read that and write a partial sum; norms and the loss are
     replicated (as DTensor computes them on its replicated local tensors)."""
     from autoshard.ir import Partial, Replicate, Shard
-    from autoshard.solver.baselines import COLUMN, ROW, baseline_pins
+    from autoshard.solver.baselines import baseline_pins
     from autoshard.ops.registry import strategies_for
+    from autoshard.trace.blocks import COLUMN, ROW, block_linears
     from autoshard.trace.export import op_info, output_infos
     aten = torch.ops.aten
     R, P = (Replicate(),), (Partial(),)
@@ -168,6 +169,8 @@ def megatron_pins(traced, mesh) -> dict:
         raise AssertionError(f"no strategy {inputs} -> {outputs} for {node.format_node()}")
 
     pins = dict(baseline_pins(traced, mesh, "megatron"))
+    roles = {lin.node: lin.role for lin in block_linears(
+        traced.graph, traced.layers, {p.name for p in traced.params})}
     for node in traced.graph.nodes:
         if node.target in (aten.layer_norm.default, aten.broadcast_tensors.default):
             n_in = sum(1 for t in op_info(node).args
@@ -175,11 +178,10 @@ def megatron_pins(traced, mesh) -> dict:
                        if type(a).__name__ == "TensorInfo")
             pins[node.name] = pick(node, (R,) * n_in, (R,) * len(output_infos(node)))
         elif node.target is aten.linear.default:
-            fqn = traced.placeholder(node.args[1].name).fqn
             last = (Shard(len(node.meta["val"].shape) - 1),)
-            if COLUMN.search(fqn):
+            if roles.get(node.name) == COLUMN:
                 pins[node.name] = pick(node, (R, (Shard(0),), (Shard(0),)), (last,))
-            elif ROW.search(fqn):
+            elif roles.get(node.name) == ROW:
                 pins[node.name] = pick(node, (last, (Shard(1),), P), (P,))
     return pins
 

@@ -11,6 +11,16 @@ is left to the solver, for the baselines and autoshard alike.
   QKV / fc1 / gate / up column-parallel, attention out-proj / fc2 / down row-parallel.
 - ``megatron-dp``: Megatron over the last axis, data parallel over the others.
 
+Which linear is column- and which row-parallel is read off the graph (``trace/blocks.py``), not
+off parameter names: in each repeated layer, the linears whose outputs are added back into the
+residual stream are row-parallel and the linears feeding them from the block's input are
+column-parallel, so fused projections (Phi-3's ``qkv_proj`` and ``gate_up_proj``, GPT-NeoX's and
+Falcon's ``query_key_value`` and ``dense_h_to_4h``) are placed as Megatron places them. A column
+split of a fused QKV is the author's layout (Megatron stores QKV interleaved per head), priced
+as autoshard's IR runs it. A linear the structure does not place (outside every layer, or in a
+layer without a residual add) stays replicated, and the plan's ``warnings`` name it
+(:func:`unclassified_params`).
+
 Stored-layout baselines (``STORED``, :func:`stored_plan`): the parameters are stored as the
 expert writes them, and the ILP may reshard them on the way into an op (a sharded weight
 all-gathered for the matmul that reads it, as FSDP does):
@@ -20,7 +30,7 @@ all-gathered for the matmul that reads it, as FSDP does):
 """
 from __future__ import annotations
 
-import re
+from dataclasses import replace
 
 import torch
 
@@ -30,15 +40,15 @@ from autoshard.mesh import Mesh
 from autoshard.plans import Plan
 from autoshard.solver.alternatives import plan_stored
 from autoshard.solver.planner import plan_traced
+from autoshard.trace.blocks import COLUMN, ROW, block_linears
 from autoshard.trace.export import TracedGraph
 
 aten = torch.ops.aten
 BASELINES = ("dp", "megatron", "megatron-dp")
-
-COLUMN = re.compile(r"(^|\.)(q_proj|k_proj|v_proj|qkv|c_attn|query|key|value|gate_proj|up_proj|fc1|"
-                    r"c_fc|w1|w3|fc_in|intermediate\.dense|gate|up)\.(weight|bias)$")
-ROW = re.compile(r"(^|\.)(o_proj|out_proj|out|c_proj|down_proj|fc2|w2|fc_out|down|"
-                 r"attention\.output\.dense|output\.dense|proj)\.(weight|bias)$")
+# The baselines that place linears by their Megatron role.
+_TENSOR_PARALLEL = ("megatron", "megatron-dp", "fsdp-tp")
+# Where a plan names the parameters the structure did not place: the first few, then a count.
+_NAMED = 6
 
 
 def _weight_layout(traced: TracedGraph, ph_name: str) -> str:
@@ -50,18 +60,48 @@ def _weight_layout(traced: TracedGraph, ph_name: str) -> str:
     return "out_in"
 
 
-def tensor_parallel_spec(traced: TracedGraph, ph_name: str, fqn: str, shape: tuple[int, ...],
-                         axes: list[int], ndim_mesh: int) -> Spec:
-    """The Megatron spec of one parameter, sharded over ``axes``; R elsewhere."""
+def megatron_roles(traced: TracedGraph) -> dict[str, str | None]:
+    """The Megatron role of every parameter a linear reads, by placeholder: COLUMN, ROW, or
+    None where the graph does not say (``trace/blocks.py``). A weight read by linears of
+    different roles has none."""
+    params = {p.name for p in traced.params}
+    roles: dict[str, str | None] = {}
+    for lin in block_linears(traced.graph, traced.layers, params):
+        for ph in (lin.weight, lin.bias):
+            if ph is not None:
+                roles[ph] = lin.role if roles.get(ph, lin.role) == lin.role else None
+    return roles
+
+
+def unclassified_params(traced: TracedGraph) -> tuple[str, ...]:
+    """The FQNs of the linears' parameters the Megatron baselines keep replicated because the
+    graph does not say whether they are column- or row-parallel; embeddings and the LM head,
+    left to the solver, are not among them (nor the bias of a head tied to the embedding)."""
+    roles = megatron_roles(traced)
+    params = {p.name for p in traced.params}
+    left: dict[str, None] = {}
+    for lin in block_linears(traced.graph, traced.layers, params):
+        if _is_embedding_or_head(traced, lin.weight):
+            continue
+        for ph in (lin.weight, lin.bias):
+            if ph is not None and roles[ph] is None:
+                left[traced.placeholder(ph).fqn] = None
+    return tuple(left)
+
+
+def tensor_parallel_spec(traced: TracedGraph, ph_name: str, role: str | None,
+                         shape: tuple[int, ...], axes: list[int], ndim_mesh: int) -> Spec:
+    """The Megatron spec of one parameter of ``role`` (``megatron_roles``), sharded over
+    ``axes``; R elsewhere. A column-parallel linear's bias is sharded with its output, a
+    row-parallel one's is replicated (added once, after the reduction)."""
     def on(dim: int) -> Spec:
         return tuple(Shard(dim) if a in axes else Replicate() for a in range(ndim_mesh))
 
-    is_bias = fqn.endswith(".bias") or len(shape) == 1
-    layout = _weight_layout(traced, ph_name)
-    out_dim, in_dim = (0, 1) if layout == "out_in" else (1, 0)
-    if COLUMN.search(fqn):
+    is_bias = len(shape) == 1
+    out_dim, in_dim = (0, 1) if _weight_layout(traced, ph_name) == "out_in" else (1, 0)
+    if role == COLUMN:
         return on(0) if is_bias else on(out_dim)
-    if ROW.search(fqn) and not is_bias:
+    if role == ROW and not is_bias:
         return on(in_dim)
     return (Replicate(),) * ndim_mesh
 
@@ -73,11 +113,12 @@ def baseline_pins(traced: TracedGraph, mesh: Mesh, name: str) -> dict[str, Strat
     nd = mesh.ndim
     tp_axes = {"dp": [], "megatron": list(range(nd)), "megatron-dp": [nd - 1]}[name]
     dp_axes = [a for a in range(nd) if a not in tp_axes]
+    roles = megatron_roles(traced) if tp_axes else {}
     pins: dict[str, Strategy] = {}
     for p in traced.params:
         if p.info is None:
             continue
-        spec = tensor_parallel_spec(traced, p.name, p.fqn, p.info.shape, tp_axes, nd)
+        spec = tensor_parallel_spec(traced, p.name, roles.get(p.name), p.info.shape, tp_axes, nd)
         if _is_embedding_or_head(traced, p.name):
             continue            # left to the solver, see the module docstring
         if not spec_fits(p.info.shape, spec, mesh.shape):
@@ -105,7 +146,24 @@ def baseline_plan(traced: TracedGraph, mesh: Mesh, name: str, **kwargs) -> Plan:
     """A hand-written layout as its user writes it: gradients and optimizer state with the
     parameters (no ZeRO-1/2, no offload) unless ``kwargs`` ask for them."""
     kwargs = {"zero": "none", "offload": "none", **kwargs}
-    return plan_traced(traced, mesh, fixed=baseline_pins(traced, mesh, name), **kwargs)
+    plan = plan_traced(traced, mesh, fixed=baseline_pins(traced, mesh, name), **kwargs)
+    return _with_unclassified_note(plan, traced, name)
+
+
+def _with_unclassified_note(plan: Plan, traced: TracedGraph, name: str) -> Plan:
+    """``plan`` with a warning naming the parameters a tensor-parallel baseline ``name`` kept
+    replicated because the graph does not place them, so none is replicated silently."""
+    if name not in _TENSOR_PARALLEL:
+        return plan
+    left = unclassified_params(traced)
+    if not left:
+        return plan
+    named = ", ".join(left[:_NAMED]) + (f" and {len(left) - _NAMED} more" if len(left) > _NAMED
+                                        else "")
+    note = (f"baseline {name}: {len(left)} linear parameter(s) stay replicated because the graph "
+            f"does not say whether they are column- or row-parallel (outside every repeated "
+            f"layer, or in a layer without a residual add): {named}")
+    return replace(plan, warnings=(*plan.warnings, note))
 
 
 def pipelined_baseline_plan(traced: TracedGraph, mesh: Mesh, name: str, options, *,
@@ -122,8 +180,9 @@ def pipelined_baseline_plan(traced: TracedGraph, mesh: Mesh, name: str, options,
     def plan_stages(g: TracedGraph, sub: Mesh, opts, **kw) -> Plan:
         return plan_traced(g, sub, opts.replace(**stage_options),
                            fixed=baseline_pins(g, sub, name), **kw)
-    return plan_pipelined(traced, mesh, options, model_name=model_name, trace_s=0.0,
+    plan = plan_pipelined(traced, mesh, options, model_name=model_name, trace_s=0.0,
                           plan_spmd=plan_stages)
+    return _with_unclassified_note(plan, traced, name)
 
 
 STORED = ("fsdp", "fsdp-tp")
@@ -136,7 +195,8 @@ def stored_plan(traced: TracedGraph, mesh: Mesh, name: str, **kwargs) -> Plan:
                              fix="pick one of the listed names")
     layouts = zero3_layouts(traced, mesh) if name == "fsdp" else fsdp_tp_layouts(traced, mesh)
     kwargs = {"zero": "none", "offload": "none", **kwargs}
-    return plan_stored(traced, mesh, layouts, label=name, **kwargs)
+    plan = plan_stored(traced, mesh, layouts, label=name, **kwargs)
+    return _with_unclassified_note(plan, traced, name)
 
 
 def fsdp_tp_layouts(traced: TracedGraph, mesh: Mesh) -> dict[str, Strategy]:
@@ -145,10 +205,11 @@ def fsdp_tp_layouts(traced: TracedGraph, mesh: Mesh) -> dict[str, Strategy]:
     evenly; the batch split over the other axes."""
     nd = mesh.ndim
     out = dict(zero3_layouts(traced, mesh))
+    roles = megatron_roles(traced)
     for p in traced.params:
         if p.info is None:
             continue
-        tp = tensor_parallel_spec(traced, p.name, p.fqn, p.info.shape, [nd - 1], nd)
+        tp = tensor_parallel_spec(traced, p.name, roles.get(p.name), p.info.shape, [nd - 1], nd)
         if _is_embedding_or_head(traced, p.name) or not spec_fits(p.info.shape, tp, mesh.shape):
             tp = (Replicate(),) * nd
         spec = tp
