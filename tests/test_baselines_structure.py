@@ -256,13 +256,9 @@ def test_fused_projection_plans_solve(traces, name: str, shape, baseline: str) -
 
 
 # Phi-3 slices Q, K and V out of its fused projection with three slices, each a follower of
-# the projection's decision in the ILP (solver/build.py): each is charged the all-gather of the
-# column-sharded output, which the program (and the plan's price) runs once for all three.
-_PHI3_FOLLOWERS = pytest.mark.xfail(strict=True, reason="the ILP charges a reshard shared by "
-                                    "several followers once per follower")
-
-
-@pytest.mark.parametrize("name", [pytest.param("phi3", marks=_PHI3_FOLLOWERS), "gpt_neox",
+# the projection's decision in the ILP (solver/build.py): the all-gather of the column-sharded
+# output they share is charged once, as the program (and the plan's price) runs it once.
+@pytest.mark.parametrize("name", ["phi3", "gpt_neox",
                                   "falcon"])
 def test_objective_is_the_plans_price(traces, name: str) -> None:
     plan = baseline_plan(traces[name], Mesh((4,), cluster="cpu"), "megatron")

@@ -146,10 +146,12 @@ class _Builder:
             cost, mem, bwd = [], [], []
             for i in range(len(root.index)):
                 c = m_ = b = 0.0
+                seen: set[tuple] = set()     # a reshard two followers need runs once
                 for name in names:
                     mb = members[name]
                     s = mb.strategies[mb.index[i]]
-                    c += self.pricer.compute(name, s) + self._internal_reshard(name, mb, i, members)
+                    c += self.pricer.compute(name, s) + self._internal_reshard(name, mb, i, members,
+                                                                                seen)
                     if self.by_name[name].op == "placeholder":
                         c += self.pricer.optimizer_comm_seconds(name, s)
                     b += self.pricer.backward(name, s)
@@ -220,17 +222,26 @@ class _Builder:
         self._follow_memo[key] = best[1]
         return best[1]
 
-    def _internal_reshard(self, name: str, mb: Member, i: int, members: dict[str, Member]) -> float:
+    def _internal_reshard(self, name: str, mb: Member, i: int, members: dict[str, Member],
+                          seen: set[tuple]) -> float:
+        """The reshards into follower ``name`` under its decision's strategy ``i``, but those in
+        ``seen``: followers of one decision that read one value in one layout (the slices of a
+        fused QKV output) share its reshard, as the program runs it once (codegen/rewrite.py)."""
         positions = self.merged.get(name)
         if not positions:
             return 0.0
         ins = self.ins[name]
         s = mb.strategies[mb.index[i]]
-        srcs = {k: _spec(members[ins[k][0]], i, ins[k][1]) for k in positions}
-        t = self._follow_cost(name, s, srcs, 0.0)
-        if self.pricer.reshards_again(name):  # the reshard runs again in recompute
-            t += sum(self.pricer.forward_seconds(ins[k], src, s.inputs[k])
-                     for k, src in srcs.items())
+        t = 0.0
+        for k in positions:
+            src = _spec(members[ins[k][0]], i, ins[k][1])
+            key = (ins[k], src, s.inputs[k], input_divergence(s, k))
+            if key in seen:
+                continue
+            seen.add(key)
+            t += self.pricer.reshard_seconds(ins[k], src, s.inputs[k], key[3])
+            if self.pricer.reshards_again(name):  # the reshard runs again in recompute
+                t += self.pricer.forward_seconds(ins[k], src, s.inputs[k])
         return t
 
     def _edges(self, template: dict[str, str], members: dict[str, Member]
