@@ -1,4 +1,5 @@
-"""How long `autoshard explain` takes on the main job's plan: Llama-3-8B on 8x8.
+"""How long `autoshard explain` (and `autoshard diff`) take on the main job's plan: Llama-3-8B
+on 8x8.
 
 The plan is made once (`autoshard plan llama3-8b --mesh 8x8 --axes dp,tp --batch 8 --seq 2048`,
 or ``--plan FILE`` to reuse one), then each case runs `autoshard explain` in a fresh Python
@@ -86,7 +87,8 @@ def loadavg() -> str:
         return "n/a"
 
 
-def report(rows: list[dict], plan_s: float | None, started: str, load: str) -> str:
+def report(rows: list[dict], plan_s: float | None, started: str, load: str,
+           diff: tuple[float, float, str] | None = None) -> str:
     head = ["`autoshard explain plan.json ...`", "wall s", "CPU s", "trace s", "ILP build s",
             "re-solves (s)", f"CPU <= {TARGET_S:g} s", "result"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -114,7 +116,10 @@ def report(rows: list[dict], plan_s: float | None, started: str, load: str) -> s
         "each. `result`: "
         "each alternative's step and memory delta against the baseline (re-solved plan minus "
         "baseline).",
-        "", *lines])
+        "", *lines, *([] if diff is None else [
+            "", f"`autoshard diff plan.json full.json` (the same plan against one made with "
+                f"`--recompute full`): {diff[0]:.1f} s wall, {diff[1]:.1f} s CPU; its first "
+                f"line: {md_cell(diff[2])}"])])
 
 
 def main() -> None:
@@ -132,7 +137,12 @@ def main() -> None:
         for case in CASES:
             rows.append(row(plan, case))
             print(f"{rows[-1]['case']}: {rows[-1]['wall_s']:.1f} s", file=sys.stderr)
-    text = report(rows, plan_s, started, load)
+        # `autoshard diff` of the main job's plan against the same model fully recomputed
+        other = str(Path(tmp) / "full.json")
+        autoshard(["plan", *PLAN, "--recompute", "full", "-o", other])
+        wall, cpu, out = autoshard(["diff", plan, other])
+        diff = (wall, cpu, out.strip().splitlines()[0] if out.strip() else "")
+    text = report(rows, plan_s, started, load, diff)
     print(text)
     if args.out:
         write_section(args.out, SECTION, text)

@@ -30,9 +30,7 @@ from ortools.linear_solver import pywraplp
 
 from autoshard.solver.problem import Edge, Fanout, Problem, Solution, evaluate, price, totals
 
-# HiGHS first: on the zoo's large problems it proves optimality where CBC runs out of time
-# (Llama-3-70B on 8x8: 13 s optimal against CBC's 50 s; GPT-3 175B on 8x8: 3.5 s against 7 s).
-BACKENDS = ("HIGHS", "CBC", "SCIP")
+BACKENDS = ("CBC", "HIGHS", "SCIP")
 # Costs enter the MIP in microseconds: CBC drops objective coefficients below ~1e-8, and a small
 # op's seconds are that small.
 US = 1e6

@@ -449,7 +449,8 @@ def _plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model
                  merge: AxisMerge | None, recompute: dict[str, str], offload: bool,
                  cutoff_s: float | None = None) -> Plan:
     """One plan of ``traced`` with these techniques; ``cutoff_s``: only a plan faster than that
-    is wanted (the ILP prunes by it; :class:`NoBetter` when there is none; 2-D meshes)."""
+    is wanted (the ILP prunes by it, in a quarter of the time limit; :class:`NoBetter` when it
+    finds none; 2-D meshes)."""
     check_mesh_fits(traced, mesh)
     traced = _grouped(traced, recompute)
     if mesh.ndim >= 3:
@@ -467,7 +468,9 @@ def _plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model
     build_s = time.perf_counter() - t0
     try:
         with progress.step(f"solving ({len(problem.decisions)} decisions)"):
-            sol = solve(problem, time_limit_s=options.time_limit_s, cutoff_s=cutoff_s)
+            # A try that must beat a plan in hand is a gamble: a quarter of the time limit.
+            sol = solve(problem, cutoff_s=cutoff_s, time_limit_s=options.time_limit_s
+                        if cutoff_s is None else options.time_limit_s / 4)
     except Infeasible as e:
         least = f"{'' if e.exact else 'at least '}{gib(e.least_memory)}"
         raise AutoshardError(
