@@ -98,6 +98,12 @@ simple([aten.linear.default], lambda g: ((g.t(2, 4, 8), g.t(8, 8)), {}),
        lambda g: ((g.t(2, 4, 8), g.t(16, 8), g.t(16)), {}))
 simple([aten.einsum.default], lambda g: (("bhsd,bhtd->bhst", [g.t(2, 4, 8, 4), g.t(2, 4, 8, 4)]), {}),
        lambda g: (("...k,nk->...n", [g.t(2, 4, 8), g.t(4, 8)]), {}))
+# GShard's MoE layer (Lepikhin et al. 2020, Algorithm 1): dispatch, an expert, combine; the
+# expert dim E (size 4) is what expert parallelism shards.
+simple([aten.einsum.default],
+       lambda g: (("GSEC,GSM->EGCM", [g.t(4, 2, 4, 2), g.t(4, 2, 4)]), {}),
+       lambda g: (("EGCM,EMH->EGCH", [g.t(4, 2, 2, 4), g.t(4, 4, 8)]), {}),
+       lambda g: (("GSEC,EGCM->GSM", [g.t(4, 2, 4, 2), g.t(4, 4, 2, 4)]), {}))
 simple([aten.mv.default], lambda g: ((g.t(8, 4), g.t(4)), {}))
 simple([aten.dot.default], lambda g: ((g.t(8), g.t(8)), {}))
 
@@ -264,7 +270,8 @@ simple([aten.scatter.value], lambda g: ((g.t(4, 8), 1, g.i(8, 4, 2), 1.0), {}))
 simple([aten.flip.default], lambda g: ((g.t(4, 8), [1]), {}))
 simple([aten.roll.default], lambda g: ((g.t(4, 8), [1], [1]), {}))
 simple([aten.repeat.default], lambda g: ((g.t(4, 8), [2, 1]), {}))
-simple([aten.one_hot.default], lambda g: ((g.i(8, 4), 8), {}))
+simple([aten.one_hot.default], lambda g: ((g.i(8, 4), 8), {}),
+       lambda g: ((g.i(4, 4, 8), 4), {}))
 simple([aten.bincount.default], lambda g: ((g.i(8, 16),), {}))
 simple([aten.outer.default], lambda g: ((g.t(4), g.t(8)), {}))
 simple([aten.triu.default, aten.tril.default], lambda g: ((g.t(2, 8, 8), 1), {}))

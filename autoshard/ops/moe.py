@@ -14,6 +14,10 @@ and ``index_put`` builds the inverse permutation.
   on both operands into a Partial output (row-parallel experts). Without ``offs`` (3-D x 3-D) it
   is a batched matmul. Other operand ranks, and a bias (no CPU kernel to validate it), are
   replicated.
+- ``one_hot``: every input dim shards through to the same output dim, and the class dim the op
+  appends is built whole on every rank (GShard's gating one-hots expert indices and buffer slots
+  per token, so a token-sharded router stays token-sharded). ``num_classes=-1`` takes the class
+  count from the data's maximum, which a rank cannot know: replicated.
 - ``index_put``: replicate-only. Its indices address the whole tensor, and the routing tensors
   it writes are small (one entry per token-expert pair), so replicating them costs little.
 """
@@ -45,6 +49,14 @@ def rank_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     opts: list[Option] = [((Shard(d),), (Shard(d),) * n_out)
                           for d in range(x.ndim) if d != dim and x.shape[d] > 1]
     return expand(op, mesh_shape, opts)
+
+
+def one_hot_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    x = op.inputs[0]
+    if arg(op, 1, "num_classes", -1) < 0:
+        return replicate_only(op, mesh_shape)
+    return expand(op, mesh_shape, [((Shard(d),), (Shard(d),)) for d in range(x.ndim)
+                                   if x.shape[d] > 1])
 
 
 def histc_strategy(op: OpInfo, mesh_shape: tuple) -> list:
@@ -90,6 +102,9 @@ def indices_saved(op: OpInfo) -> Saves:
 _ROUTING = dict(family=ELEMENTWISE, follows=NO, localize=plain_localize)
 # Backward scatters the gradient back through the indices output.
 register_op(*SORTS, aten.topk.default, strategies=rank_strategy, saves=Saves(outputs=(1,)),
+            flops=per_output_element, **_ROUTING)
+# Integer in, integer out: no gradient, nothing saved.
+register_op(aten.one_hot.default, strategies=one_hot_strategy, saves=NOTHING,
             flops=per_output_element, **_ROUTING)
 register_op(aten.histc.default, strategies=histc_strategy, saves=NOTHING, flops=_input_elements,
             **_ROUTING)
