@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +26,8 @@ from autoshard.ir import Replicate, Shard, Strategy
 from autoshard.solver.diagnostics import unruled_note
 from autoshard.solver.planner import plan_traced
 from autoshard.trace.export import TracedGraph, trace
-from autoshard.verify import VerifySpec, plan_for, summarize, verify_rank
+from autoshard.ops.moe import LOCAL_EXPERTS
+from autoshard.verify import VerifySpec, build, plan_for, summarize, verify_rank
 from autoshard.zoo import ZOO, count_parameters, get_model
 from autoshard.zoo.moe import MoEConfig, count_moe_parameters, top2_gating
 from dist import world_fixture
@@ -285,12 +285,50 @@ MIXTRAL = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hi
            "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
            "vocab_size": 64, "max_position_embeddings": 16, "bos_token_id": 0,
            "eos_token_id": 0, "torch_dtype": "float32"}
+EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
 
 
-def test_hf_mixtral_tiny_on_gloo(world4, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory) -> str:
+    """A tiny Mixtral config.json. In float32 transformers runs its experts through its own
+    ``transformers::grouped_mm_fallback``, which has ``_grouped_mm``'s record."""
     pytest.importorskip("transformers")
-    config = tmp_path / "mixtral.json"
-    config.write_text(json.dumps(MIXTRAL))
-    plan = plan_for(str(config), Mesh((2, 2), cluster="stress"), batch=2, seq=8)
-    report = _check(world4, str(config), plan, batch=2, seq=8)
+    path = tmp_path_factory.mktemp("mixtral") / "config.json"
+    path.write_text(json.dumps(MIXTRAL))
+    return str(path)
+
+
+def _expert_specs(plan: Plan) -> list:
+    return [spec for fqn, spec in plan.params.items() if fqn.endswith(EXPERT_WEIGHTS)]
+
+
+def test_hf_mixtral_spreads_its_experts_where_memory_requires(mixtral) -> None:
+    """On H100s the tiny model is best replicated; under a memory budget below that plan's,
+    every expert weight is split over the axis."""
+    mesh = Mesh((4,), cluster="h100")
+    free = plan_for(mixtral, mesh, batch=2, seq=8)
+    assert all(spec == (Replicate(),) for spec in _expert_specs(free))
+    budget = free.predicted["memory"]["peak"] // 2
+    tight = plan_for(mixtral, mesh, batch=2, seq=8, memory_budget=budget)
+    specs = _expert_specs(tight)
+    assert len(specs) == 4 and all(isinstance(spec[0], Shard) for spec in specs), specs
+    assert tight.predicted["memory"]["peak"] <= budget
+
+
+def test_hf_mixtral_tiny_on_gloo(world4, mixtral) -> None:
+    plan = plan_for(mixtral, Mesh((2, 2), cluster="stress"), batch=2, seq=8)
+    report = _check(world4, mixtral, plan, batch=2, seq=8)
     assert report["collectives"] > 0
+
+
+def test_hf_mixtral_with_experts_split_by_expert_on_gloo(world4, mixtral) -> None:
+    """Mixtral's experts stored split on their expert dim over ``tp``: its down projections run
+    ``local_experts`` (each rank its experts' token rows, a Partial output), with the hidden dim
+    split over ``dp`` beside it."""
+    model, inputs = build(mixtral, 2, 8, 0)
+    traced = trace(model, inputs)
+    pins = {p.name: Strategy((), ((Replicate(), Shard(0)),)) for p in traced.params
+            if p.fqn.endswith(EXPERT_WEIGHTS)}
+    plan = plan_for(mixtral, Mesh((2, 2), cluster="stress"), batch=2, seq=8, fixed=pins)
+    assert any(n.kernel == LOCAL_EXPERTS for n in plan.nodes)
+    _check(world4, mixtral, plan, batch=2, seq=8)

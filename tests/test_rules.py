@@ -20,6 +20,7 @@ and fit.
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import random
 import warnings
@@ -33,6 +34,7 @@ import autoshard.ops  # noqa: F401  (registers every rule)
 from autoshard.ir import Replicate, op_info, spec_fits
 from autoshard.ops import registry
 from autoshard.ops.inplace import TWINS as INPLACE_TWINS
+from autoshard.ops.moe import register_library_ops
 from autoshard.ops.registry import (FAMILIES, FOLLOWS, RECORDS, OpRecord, Saves, record_of,
                                     strategies_for)
 from autoshard.ops.simulate import call_on_copies, check_strategy
@@ -337,6 +339,13 @@ simple([aten.index_put.default], lambda g: ((g.t(8, 4), [_perm(g, 8, 3)], g.t(3,
 _OFFS = torch.tensor([2, 2, 5, 8], dtype=torch.int32)  # cumulative rows per expert; one empty
 simple([aten._grouped_mm.default], lambda g: ((g.t(8, 32).float(), g.t(4, 32, 32).float(), _OFFS), {}),
        lambda g: ((g.t(4, 8, 32).float(), g.t(4, 32, 32).float()), {}))
+# transformers' float32 grouped matmul gets _grouped_mm's record once transformers defines it
+# (autoshard.ops.moe.register_library_ops, which the tracer calls).
+if importlib.util.find_spec("transformers") is not None:
+    import transformers.integrations.moe  # noqa: F401  (defines transformers::grouped_mm_fallback)
+    register_library_ops()
+    simple([torch.ops.transformers.grouped_mm_fallback.default],
+           lambda g: ((g.t(8, 32).float(), g.t(4, 32, 32).float(), _OFFS), {}))
 
 # ---- in-place ops: their functional twin's samples --------------------------------------------
 for _op, _twin in INPLACE_TWINS.items():
