@@ -13,11 +13,11 @@ and ``index_put`` builds the inverse permutation.
   whole. The weight's N shards with the output's last dim (column-parallel experts), and K shards
   on both operands into a Partial output (row-parallel experts). The expert dim shards too
   (kernel ``local_experts``): a rank holding experts ``[lo, hi)`` runs them on their rows,
-  ``offs[lo-1]:offs[hi-1]``, and leaves zeros in the other rows, so the output is a Partial sum
-  over the axis (docs/cost-model.md §12: expert parallelism with the tokens replicated, which
-  is what a router that sorts tokens by expert, with data-dependent counts, allows). Without
-  ``offs`` (3-D x 3-D) it is a batched matmul. Other operand ranks, and a bias (no CPU kernel to
-  validate it), are replicated.
+  ``offs[lo-1]:offs[hi-1]`` (from row 0 for the first expert), and leaves zeros in the other
+  rows, so the output is a Partial sum over the axis (docs/cost-model.md §12: expert
+  parallelism with the tokens replicated, which is what a router that sorts tokens by expert,
+  with data-dependent counts, allows). Without ``offs`` (3-D x 3-D) it is a batched matmul.
+  Other operand ranks, and a bias (no CPU kernel to validate it), are replicated.
 - ``one_hot``: every input dim shards through to the same output dim, and the class dim the op
   appends is built whole on every rank (GShard's gating one-hots expert indices and buffer slots
   per token, so a token-sharded router stays token-sharded). ``num_classes=-1`` takes the class
