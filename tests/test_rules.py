@@ -20,6 +20,7 @@ and fit.
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import random
 import warnings
@@ -33,6 +34,7 @@ import autoshard.ops  # noqa: F401  (registers every rule)
 from autoshard.ir import Replicate, op_info, spec_fits
 from autoshard.ops import registry
 from autoshard.ops.inplace import TWINS as INPLACE_TWINS
+from autoshard.ops.moe import register_library_ops
 from autoshard.ops.registry import (FAMILIES, FOLLOWS, RECORDS, OpRecord, Saves, record_of,
                                     strategies_for)
 from autoshard.ops.simulate import call_on_copies, check_strategy
@@ -98,6 +100,12 @@ simple([aten.linear.default], lambda g: ((g.t(2, 4, 8), g.t(8, 8)), {}),
        lambda g: ((g.t(2, 4, 8), g.t(16, 8), g.t(16)), {}))
 simple([aten.einsum.default], lambda g: (("bhsd,bhtd->bhst", [g.t(2, 4, 8, 4), g.t(2, 4, 8, 4)]), {}),
        lambda g: (("...k,nk->...n", [g.t(2, 4, 8), g.t(4, 8)]), {}))
+# GShard's MoE layer (Lepikhin et al. 2020, Algorithm 1): dispatch, an expert, combine; the
+# expert dim E (size 4) is what expert parallelism shards.
+simple([aten.einsum.default],
+       lambda g: (("GSEC,GSM->EGCM", [g.t(4, 2, 4, 2), g.t(4, 2, 4)]), {}),
+       lambda g: (("EGCM,EMH->EGCH", [g.t(4, 2, 2, 4), g.t(4, 4, 8)]), {}),
+       lambda g: (("GSEC,EGCM->GSM", [g.t(4, 2, 4, 2), g.t(4, 4, 2, 4)]), {}))
 simple([aten.mv.default], lambda g: ((g.t(8, 4), g.t(4)), {}))
 simple([aten.dot.default], lambda g: ((g.t(8), g.t(8)), {}))
 
@@ -264,7 +272,8 @@ simple([aten.scatter.value], lambda g: ((g.t(4, 8), 1, g.i(8, 4, 2), 1.0), {}))
 simple([aten.flip.default], lambda g: ((g.t(4, 8), [1]), {}))
 simple([aten.roll.default], lambda g: ((g.t(4, 8), [1], [1]), {}))
 simple([aten.repeat.default], lambda g: ((g.t(4, 8), [2, 1]), {}))
-simple([aten.one_hot.default], lambda g: ((g.i(8, 4), 8), {}))
+simple([aten.one_hot.default], lambda g: ((g.i(8, 4), 8), {}),
+       lambda g: ((g.i(4, 4, 8), 4), {}))
 simple([aten.bincount.default], lambda g: ((g.i(8, 16),), {}))
 simple([aten.outer.default], lambda g: ((g.t(4), g.t(8)), {}))
 simple([aten.triu.default, aten.tril.default], lambda g: ((g.t(2, 8, 8), 1), {}))
@@ -330,6 +339,13 @@ simple([aten.index_put.default], lambda g: ((g.t(8, 4), [_perm(g, 8, 3)], g.t(3,
 _OFFS = torch.tensor([2, 2, 5, 8], dtype=torch.int32)  # cumulative rows per expert; one empty
 simple([aten._grouped_mm.default], lambda g: ((g.t(8, 32).float(), g.t(4, 32, 32).float(), _OFFS), {}),
        lambda g: ((g.t(4, 8, 32).float(), g.t(4, 32, 32).float()), {}))
+# transformers' float32 grouped matmul gets _grouped_mm's record once transformers defines it
+# (autoshard.ops.moe.register_library_ops, which the tracer calls).
+if importlib.util.find_spec("transformers") is not None:
+    import transformers.integrations.moe  # noqa: F401  (defines transformers::grouped_mm_fallback)
+    register_library_ops()
+    simple([torch.ops.transformers.grouped_mm_fallback.default],
+           lambda g: ((g.t(8, 32).float(), g.t(4, 32, 32).float(), _OFFS), {}))
 
 # ---- in-place ops: their functional twin's samples --------------------------------------------
 for _op, _twin in INPLACE_TWINS.items():

@@ -18,7 +18,7 @@ aten = torch.ops.aten
 REPLICATE_ONLY = (aten.diff.default, aten.index.Tensor, aten.gather.default,
                   aten.index_select.default, aten.scatter.src, aten.scatter.value,
                   aten.flip.default, aten.roll.default, aten.repeat.default,
-                  aten.one_hot.default, aten.bincount.default)
+                  aten.bincount.default)
 
 
 def triangle_strategy(op: OpInfo, mesh_shape: tuple) -> list:
@@ -45,7 +45,7 @@ register_op(aten.scatter.src, aten.scatter.value, strategies=replicate_only, fam
             saves=all_but_first, **_MISC)
 register_op(aten.flip.default, aten.roll.default, aten.repeat.default, strategies=replicate_only,
             family=ELEMENTWISE, saves=NOTHING, **_MISC)
-register_op(aten.diff.default, aten.one_hot.default, aten.bincount.default,
+register_op(aten.diff.default, aten.bincount.default,
             strategies=replicate_only, family=ELEMENTWISE, saves=all_inputs, **_MISC)
 register_op(aten.triu.default, aten.tril.default, strategies=triangle_strategy,
             family=ELEMENTWISE, saves=all_inputs, **_MISC)

@@ -11,21 +11,32 @@ and ``index_put`` builds the inverse permutation.
 - ``_grouped_mm`` with ``offs`` (a 2-D input [tokens, K] sorted by expert, a 3-D weight
   [experts, K, N]): ``offs`` are global row offsets, so the token rows and the expert dim stay
   whole. The weight's N shards with the output's last dim (column-parallel experts), and K shards
-  on both operands into a Partial output (row-parallel experts). Without ``offs`` (3-D x 3-D) it
-  is a batched matmul. Other operand ranks, and a bias (no CPU kernel to validate it), are
-  replicated.
+  on both operands into a Partial output (row-parallel experts). The expert dim shards too
+  (kernel ``local_experts``): a rank holding experts ``[lo, hi)`` runs them on their rows,
+  ``offs[lo-1]:offs[hi-1]`` (from row 0 for the first expert), and leaves zeros in the other
+  rows, so the output is a Partial sum over the axis (docs/cost-model.md §12: expert
+  parallelism with the tokens replicated, which is what a router that sorts tokens by expert,
+  with data-dependent counts, allows). Without ``offs`` (3-D x 3-D) it is a batched matmul.
+  Other operand ranks, and a bias (no CPU kernel to validate it), are replicated.
+- ``one_hot``: every input dim shards through to the same output dim, and the class dim the op
+  appends is built whole on every rank (GShard's gating one-hots expert indices and buffer slots
+  per token, so a token-sharded router stays token-sharded). ``num_classes=-1`` takes the class
+  count from the data's maximum, which a rank cannot know: replicated.
 - ``index_put``: replicate-only. Its indices address the whole tensor, and the routing tensors
   it writes are small (one entry per token-expert pair), so replicating them costs little.
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 
-from autoshard.ir import Shard
-from autoshard.ops._common import P, R, Option, arg, norm_dim, plain_localize, replicate_only
+from autoshard.ir import Shard, Strategy
+from autoshard.ops._common import (P, R, Option, arg, norm_dim, plain_localize, replicate_only,
+                                   shard_index)
 from autoshard.ops.matmul import einsum_options
-from autoshard.ops.registry import (ELEMENTWISE, MATMUL, NO, NOTHING, OpInfo, Saves, expand,
-                                    per_output_element, register_op)
+from autoshard.ops.registry import (ELEMENTWISE, MATMUL, NO, NOTHING, RECORDS, OpInfo, Saves,
+                                    expand, per_output_element, register_op)
 
 aten = torch.ops.aten
 
@@ -47,6 +58,14 @@ def rank_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     return expand(op, mesh_shape, opts)
 
 
+def one_hot_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    x = op.inputs[0]
+    if arg(op, 1, "num_classes", -1) < 0:
+        return replicate_only(op, mesh_shape)
+    return expand(op, mesh_shape, [((Shard(d),), (Shard(d),)) for d in range(x.ndim)
+                                   if x.shape[d] > 1])
+
+
 def histc_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     x = op.inputs[0]
     if not arg(op, 2, "min", 0) < arg(op, 3, "max", 0):
@@ -64,8 +83,46 @@ def grouped_mm_strategy(op: OpInfo, mesh_shape: tuple) -> list:
         return expand(op, mesh_shape, einsum_options(op, ["gmk", "gkn"], "gmn"))
     if _offs_given(op) and (x.ndim, w.ndim) == (2, 3):
         return expand(op, mesh_shape, [((R, Shard(2), R), (Shard(1),)),
-                                       ((Shard(1), Shard(1), R), (P,))])
+                                       ((Shard(1), Shard(1), R), (P,)), _LOCAL_EXPERTS],
+                      kernel=_experts_kernel)
     return replicate_only(op, mesh_shape)
+
+
+LOCAL_EXPERTS = "local_experts"
+# The weight split on its expert dim, the token rows and the offsets whole: a Partial output.
+_LOCAL_EXPERTS: Option = ((R, Shard(0), R), (P,))
+
+
+def _experts_kernel(combo: tuple) -> str | None:
+    return LOCAL_EXPERTS if _LOCAL_EXPERTS in combo else None
+
+
+def grouped_mm_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
+                        args: tuple, kwargs: dict) -> tuple:
+    """The op itself, or under ``local_experts`` the op on this rank's experts' rows."""
+    if strategy.kernel != LOCAL_EXPERTS:
+        return op.target, args, kwargs
+    index, factor = shard_index(strategy.inputs[1], 0, mesh_shape, coords)
+    n, target = op.inputs[1].shape[0], op.target
+    lo, hi = index * n // factor, (index + 1) * n // factor
+
+    def local_experts(*a: Any, **k: Any) -> torch.Tensor:   # a named function: an FX target
+        return local_experts_mm(target, *a, lo=lo, hi=hi, **k)
+
+    return local_experts, args, kwargs
+
+
+def local_experts_mm(target: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor,
+                     *args: Any, lo: int, hi: int, **kwargs: Any) -> torch.Tensor:
+    """``target(x, w, offs)`` for experts ``[lo, hi)`` only, ``w`` holding just those: their
+    rows (``offs`` are global cumulative row counts) through the op, zeros in every other row.
+    The row bounds are read off ``offs`` at run time: how many tokens an expert gets is data."""
+    offs = args[0] if args else kwargs.pop("offs")
+    starts = torch.cat([offs.new_zeros(1), offs])
+    first, last = int(starts[lo]), int(starts[hi])
+    y = target(x[first:last], w, offs[lo:hi] - first, *args[1:], **kwargs)
+    below, above = y.new_zeros(first, y.shape[-1]), y.new_zeros(x.shape[0] - last, y.shape[-1])
+    return torch.cat([below, y, above])
 
 
 def grouped_mm_flops(op: OpInfo) -> float:
@@ -91,10 +148,27 @@ _ROUTING = dict(family=ELEMENTWISE, follows=NO, localize=plain_localize)
 # Backward scatters the gradient back through the indices output.
 register_op(*SORTS, aten.topk.default, strategies=rank_strategy, saves=Saves(outputs=(1,)),
             flops=per_output_element, **_ROUTING)
+# Integer in, integer out: no gradient, nothing saved.
+register_op(aten.one_hot.default, strategies=one_hot_strategy, saves=NOTHING,
+            flops=per_output_element, **_ROUTING)
 register_op(aten.histc.default, strategies=histc_strategy, saves=NOTHING, flops=_input_elements,
             **_ROUTING)
 register_op(aten.index_put.default, strategies=replicate_only, saves=indices_saved,
             flops=per_output_element, **_ROUTING)
 # Backward keeps both operands (each gradient needs the other), not the offsets.
-register_op(GROUPED_MM, strategies=grouped_mm_strategy, family=MATMUL, saves=Saves(inputs=(0, 1)),
-            follows=NO, flops=grouped_mm_flops, localize=plain_localize)
+_GROUPED = dict(strategies=grouped_mm_strategy, family=MATMUL, saves=Saves(inputs=(0, 1)),
+                follows=NO, flops=grouped_mm_flops, localize=grouped_mm_localize)
+register_op(GROUPED_MM, **_GROUPED)
+
+
+def register_library_ops() -> None:
+    """Records for ops a library defines when it is imported, which may be after autoshard:
+    transformers' ``grouped_mm_fallback(input, weight, offs)``, the grouped matmul its MoE
+    models (Mixtral, Qwen-MoE) call in float32 under export, computes what ``_grouped_mm``
+    computes with offsets, so it gets the same record. The tracer calls this on every graph."""
+    try:
+        op = torch.ops.transformers.grouped_mm_fallback.default
+    except (AttributeError, RuntimeError):     # transformers' MoE code not imported
+        return
+    if op not in RECORDS:
+        register_op(op, **_GROUPED)

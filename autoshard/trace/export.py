@@ -24,6 +24,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from autoshard.errors import AutoshardError
 from autoshard.ir import Layer, OpInfo, TensorInfo
 from autoshard.ir import op_info as make_op_info
+from autoshard.ops.moe import register_library_ops
 from autoshard.trace.graph import output_infos, tensor_info
 from autoshard.trace.layers import find_layers
 
@@ -254,6 +255,7 @@ def from_exported(ep: ExportedProgram, *, training: bool, strip: str = "",
     :class:`TracedGraph`."""
     gm = ep.graph_module if gm is None else gm
     inline_subgraphs(gm)
+    register_library_ops()      # ops a library defined after autoshard was imported
     kinds = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer",
              InputKind.CONSTANT_TENSOR: "constant", InputKind.USER_INPUT: "input"}
     specs = {s.arg.name: s for s in ep.graph_signature.input_specs}

@@ -23,8 +23,9 @@ from autoshard.errors import AutoshardError
 from autoshard.zoo import hf
 from autoshard.zoo.models import (GPT, MLP, Bert, BertConfig, GPTConfig, Llama, LlamaConfig,
                                   MLPConfig)
+from autoshard.zoo.moe import GShardMoE, MoEConfig
 
-ModelConfig = Union[MLPConfig, GPTConfig, LlamaConfig, BertConfig]
+ModelConfig = Union[MLPConfig, GPTConfig, LlamaConfig, BertConfig, MoEConfig]
 Builder = Callable[[Union[torch.dtype, None]], nn.Module]
 BF16 = torch.bfloat16
 
@@ -56,7 +57,8 @@ def _from_config(cls: Callable[[Any], nn.Module], cfg: ModelConfig,
 
 def _entry(description: str, cfg: ModelConfig, *, batch: int = 8,
            seq: int | None = None) -> ZooEntry:
-    cls = {MLPConfig: MLP.from_config, GPTConfig: GPT, LlamaConfig: Llama, BertConfig: Bert}
+    cls = {MLPConfig: MLP.from_config, GPTConfig: GPT, LlamaConfig: Llama, BertConfig: Bert,
+           MoEConfig: GShardMoE}
     if seq is None and not isinstance(cfg, MLPConfig):
         seq = cfg.context  # the usual training length is the context for every preset here
     return ZooEntry(description, partial(_from_config, cls[type(cfg)], cfg), batch, seq, cfg)
@@ -110,6 +112,24 @@ _LLAMA3_PRESETS = _presets(_LLAMA3, [
      80, 8192, 64, 8, 28672),
 ])
 
+# GShard MoE: Alpa's benchmark suite sizes (Zheng et al., OSDI'22, §8.1; its "moe" suite):
+# seq 1024, 16 heads, vocab 32000, FFN 8 x hidden, every other layer MoE with top-2 gating over
+# groups of 2048 tokens, head tied. Batch 16: 16 x 1024 tokens make 8 groups, which an 8-device
+# mesh splits. Dims: n_layers, hidden, n_heads, n_experts.
+_GSHARD = partial(MoEConfig, vocab_size=32000, context=1024, group_size=2048, dtype=BF16)
+_GSHARD_PRESETS = {name: _entry(f"GShard MoE {size} ({layers} layers, {hidden}, {experts} "
+                                f"experts, top-2; Alpa benchmark suite sizes)",
+                                _GSHARD(layers, hidden, 16, experts), batch=16)
+                   for name, size, layers, hidden, experts in [
+                       ("gshard-moe-380m", "380M", 8, 768, 8),
+                       ("gshard-moe-1.3b", "1.3B", 16, 768, 16),
+                       ("gshard-moe", "2.4B", 16, 1024, 16),
+                       ("gshard-moe-10b", "10B", 16, 1536, 32),
+                       ("gshard-moe-27b", "27B", 16, 2048, 48),
+                       ("gshard-moe-70b", "70B", 32, 2048, 64)]}
+# 4 experts, groups of 8 tokens (capacity 4): a batch of 4 x 16 makes 8 groups.
+_TINY_MOE = MoEConfig(2, 32, 4, 4, vocab_size=64, context=16, ffn_mult=4, group_size=8)
+
 _TINY_GPT = GPTConfig(2, 32, 4, vocab_size=64, context=16)
 _TINY_LLAMA = LlamaConfig(2, 32, 4, 2, 64, vocab_size=64, context=16)
 _TINY_BERT = BertConfig(2, 32, 4, 64, vocab_size=64, context=16)
@@ -122,12 +142,15 @@ ZOO: dict[str, ZooEntry] = {
     **_GPT3_PRESETS,
     **_LLAMA2_PRESETS,
     **_LLAMA3_PRESETS,
+    **_GSHARD_PRESETS,
     "bert-large": _entry("BERT-large 335M MLM (24, 1024, 16 heads)",
                          BertConfig(24, 1024, 16, 4096, vocab_size=30522, context=512, dtype=BF16)),
     "gpt2-tiny": _entry("GPT-2 style, 2 layers, hidden 32, fp32", _TINY_GPT, batch=4),
     "llama-tiny": _entry("Llama style, 2 layers, hidden 32, 2 kv heads, fp32", _TINY_LLAMA,
                          batch=4),
     "bert-tiny": _entry("BERT style, 2 layers, hidden 32, fp32", _TINY_BERT, batch=4),
+    "gshard-moe-tiny": _entry("GShard MoE, 2 layers (the second MoE), hidden 32, 4 experts, "
+                              "top-2, groups of 8 tokens, fp32", _TINY_MOE, batch=4),
     # Deep enough for two pipeline stages per rank on 2 ranks (interleaved 1F1B).
     "gpt2-tiny-4l": _entry("GPT-2 style, 4 layers, hidden 32, fp32",
                            GPTConfig(4, 32, 4, vocab_size=64, context=16), batch=4),
