@@ -264,8 +264,8 @@ GLOO = [("gpt2-tiny", (4,), "[S(1)] x [R] -> [P] (vocab_parallel)"),
         ("gpt2-tiny", (2, 2), "[S(1), S(1)] x [R, R] -> [P, P] (vocab_parallel)")]
 
 
-@pytest.mark.parametrize("model,shape,loss", GLOO,
-                         ids=[f"{m}-{'x'.join(map(str, s))}-{i}" for i, (m, s, _) in enumerate(GLOO)])
+@pytest.mark.parametrize("model,shape,loss", GLOO, ids=[
+    f"{m}-{'x'.join(map(str, s))}-{i}" for i, (m, s, _) in enumerate(GLOO)])
 def test_vocab_parallel_plan_equals_single_device(world4, model, shape, loss) -> None:
     """The loss reads the logits sharded on the vocabulary (the head's table sharded by rows):
     loss and every gradient within 1e-5 of one device, every collective run as planned (the

@@ -19,8 +19,8 @@ the target whole on those axes, kernel ``"vocab_parallel"``. The softmax's stati
 reduced across the axis instead of gathering the logits: a rank takes its rows' local max,
 all-reduces it (max), sums ``exp(x - max)`` over its classes and all-reduces that (sum): two
 collectives of one value per row (b·s, never b·s·V). Each rank's loss of a row is then
-``[first shard]·(max + log sumexp) - (1-ε)·x[target]·[target in its classes] - ε/C·Σ its x``, so
-the sum over ranks is the row's loss and the output is Partial: the target's logit is reduced
+``[first shard]·(max + log sumexp) - (1-ε)·x[target]·[target in its classes] - ε/C·Σ x``
+(``Σ`` over its own classes), so the sum over ranks is the row's loss and the output is Partial: the target's logit is reduced
 with the loss (a scalar under ``mean``/``sum``) by the reshard that follows. Backward is local:
 ``softmax - (1-ε)·onehot - ε/C`` on the rank's classes. The collectives are declared by
 :func:`class_loss_collectives` (priced, and listed in the plan's ledger: docs/cost-model.md
@@ -213,7 +213,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         softmax, index, mine, valid = ctx.saved_tensors
         g = softmax.to(_stat_dtype(softmax.dtype), copy=True)   # the saved one stays intact
-        g.scatter_add_(CLASS_DIM, index, -(1.0 - ctx.smoothing) * mine.unsqueeze(CLASS_DIM).to(g.dtype))
+        onehot = mine.unsqueeze(CLASS_DIM).to(g.dtype)
+        g.scatter_add_(CLASS_DIM, index, -(1.0 - ctx.smoothing) * onehot)
         if ctx.smoothing:
             g = g - ctx.smoothing / ctx.classes
         g = g * (grad.to(g.dtype) * valid).unsqueeze(CLASS_DIM)
