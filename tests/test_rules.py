@@ -748,7 +748,11 @@ def test_key_strategies() -> None:
     gqa8 = _strs(aten.scaled_dot_product_attention.default, (q, kv, kv), (8,), enable_gqa=True)
     assert "[S(1)] x [S(1)] x [S(1)] -> [S(1)]" not in gqa8   # 4 kv heads do not split 8 ways
     ce = _strs(aten.cross_entropy_loss.default, (torch.randn(8, 16), torch.randint(0, 16, (8,))))
-    assert ce == {"[R] x [R] -> [R]", "[S(0)] x [R] -> [P] (loss_rows)"}
+    assert ce == {"[R] x [R] -> [R]", "[S(0)] x [R] -> [P] (loss_rows)",
+                  "[S(1)] x [R] -> [P] (vocab_parallel)"}
+    weighted = _strs(aten.cross_entropy_loss.default,
+                     (torch.randn(8, 16), torch.randint(0, 16, (8,)), torch.rand(16)))
+    assert not any("vocab_parallel" in s for s in weighted)  # a class weight keeps classes whole
     sm = _strs(aten.softmax.int, (torch.randn(4, 8, 8), -1))
     assert "[S(2)] -> [S(2)]" not in sm and "[S(1)] -> [S(1)]" in sm
 

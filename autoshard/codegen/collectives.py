@@ -48,9 +48,10 @@ def all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Ten
     return _wait(_all_gather_single(x.contiguous(), dim % x.dim(), group)).contiguous()
 
 
-def all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Sum ``x`` over the group (out of place)."""
-    return _wait(fc.all_reduce(x.contiguous(), "sum", group))
+def all_reduce(x: torch.Tensor, group: dist.ProcessGroup, op: str = "sum") -> torch.Tensor:
+    """Reduce ``x`` over the group with ``op`` ("sum", or "max" for an op's own reductions),
+    out of place."""
+    return _wait(fc.all_reduce(x.contiguous(), op, group))
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -177,6 +178,22 @@ def apply_step(x: torch.Tensor, step: Step, groups: MeshGroups, *, ledger: Ledge
                                     nbytes=moved.numel() * moved.element_size(),
                                     planned_nbytes=step.nbytes, phase=phase, node=node,
                                     group_size=groups.shape[a]))
+    return y
+
+
+def reduce_over_axis(x: torch.Tensor, op: str, axis: int, groups: MeshGroups, *,
+                     ledger: Ledger | None, planned_nbytes: int, phase: str = "forward",
+                     node: str = "") -> torch.Tensor:
+    """One all-reduce an op runs inside itself (ops/registry.py ``CollectiveKernel``), over mesh
+    axis ``axis``, written to the ledger as the plan lists it. In "replay" (a selectively
+    checkpointed layer run again) the collective returns its stored output and is not counted,
+    as a reshard's is not."""
+    y = all_reduce(x, groups.groups[axis], op)
+    if ledger is not None and phase != "replay":
+        ledger.add(ExecutedCollective(kind="all_reduce", axes=(groups.axes[axis],),
+                                      nbytes=y.numel() * y.element_size(),
+                                      planned_nbytes=planned_nbytes, phase=phase, node=node,
+                                      group_size=groups.shape[axis]))
     return y
 
 

@@ -15,13 +15,13 @@ import torch
 import torch.fx as fx
 
 from autoshard.codegen.buckets import DeferredGradSync, GradBuckets
-from autoshard.codegen.collectives import Ledger, redistribute
+from autoshard.codegen.collectives import Ledger, redistribute, reduce_over_axis
 from autoshard.codegen.recompute import outline
 from autoshard.cost.overlap import first_grad_syncs
 from autoshard.errors import AutoshardError
 from autoshard.cost.reshards import ReshardEdge, reshard_edges
 from autoshard.ir import spec_str
-from autoshard.ops.registry import localize
+from autoshard.ops.registry import CollectiveKernel, OpCollective, localize, op_collectives
 from autoshard.plans import Plan
 from autoshard.trace.export import TracedGraph, op_info
 from autoshard.trace.graph import value_ref, value_shapes
@@ -45,6 +45,34 @@ class ReshardCall:
         return redistribute(x, e.reshard, self.rt.groups, ledger=self.rt.ledger,
                             node=e.consumers[0][0], phase=self.rt.phase,
                             grad_phase="grad_sync" if e.from_param else "backward")
+
+    def __repr__(self) -> str:
+        return self.__name__
+
+
+class KernelCall:
+    """A graph target: an op's kernel that reduces across ranks inside itself (ops/registry.py
+    ``CollectiveKernel``, e.g. the vocabulary-parallel cross-entropy), bound to this rank's
+    groups. Its all-reduces are written to the ledger under the op's node, each next to the
+    bytes the plan lists for it (``planned``, in the order the kernel runs them)."""
+
+    def __init__(self, kernel: CollectiveKernel, runtime: "RankRuntime", node: str,
+                 planned: tuple[OpCollective, ...]) -> None:
+        self.kernel, self.rt, self.node, self.planned = kernel, runtime, node, planned
+        self.__name__ = kernel.__name__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        planned = iter(self.planned)
+
+        def reduce(x: torch.Tensor, how: str) -> torch.Tensor:
+            for axis in self.kernel.axes:
+                want = next(planned, None)
+                x = reduce_over_axis(x, how, axis, self.rt.groups, ledger=self.rt.ledger,
+                                     planned_nbytes=want.nbytes if want else -1,
+                                     phase=self.rt.phase, node=self.node)
+            return x
+
+        return self.kernel.bind(reduce)(*args, **kwargs)
 
     def __repr__(self) -> str:
         return self.__name__
@@ -152,7 +180,10 @@ def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime,
             kwargs = {**kwargs, "device": runtime.device}
         if node.target is torch.ops.aten.to.device:    # (self, device, dtype, ...) positionally
             args = (args[0], runtime.device, *args[2:])
-        fn, args, kwargs = localize(op_info(node), strat, mesh_shape, coords, args, kwargs)
+        info = op_info(node)
+        fn, args, kwargs = localize(info, strat, mesh_shape, coords, args, kwargs)
+        if isinstance(fn, CollectiveKernel):
+            fn = KernelCall(fn, runtime, node.name, op_collectives(info, strat, mesh_shape))
         new = g.call_function(fn, tuple(args), dict(kwargs))
         new.meta["autoshard"] = {"strategy": str(strat)}
         new.meta["autoshard_ref"] = ((node.name, 0), None)

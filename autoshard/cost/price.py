@@ -13,6 +13,9 @@ requirement) the search may pick, the second over the ones a plan picked. A chan
   producer's layout to a requirement, both directions (§1): blocking seconds, and the seconds of
   a data-parallel gradient sync that runs in buckets behind backward compute (§7), which the
   step pays only where backward compute (:meth:`Pricer.backward`) cannot hide it.
+- :meth:`Pricer.op_steps` / :meth:`Pricer.op_comm_seconds`: the collectives an op runs inside
+  itself (a vocabulary-parallel cross-entropy's all-reduces, §3.8), blocking, priced like a
+  reshard's and listed in the plan's ledger.
 - :meth:`Pricer.saved_copy_bytes`: the bytes of a value that the ops reading it keep for backward,
   once per layout they read it in (§4.4): the normed input that q, k and v projections all save
   is one tensor, and a ZeRO-3 weight gathered for a linear is one gathered copy.
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autoshard.cost.comm import Reshard, reshard, reshard_time, steps_time
+from autoshard.cost.comm import Reshard, Step, reshard, reshard_time, steps_time
 from autoshard.cost.compute import local_numel, op_profile, op_times
 from autoshard.cost.memory import saved_activation_bytes, saved_rule
 from autoshard.cost.overlap import is_grad_sync, sync_share_seconds
@@ -37,7 +40,7 @@ from autoshard.cost.state import (ADAM_STEP_BYTES, SGD_STEP_BYTES, StateBytes, m
                                   zero_grad_sync)
 from autoshard.ir import OpInfo, Spec, Strategy, local_shape
 from autoshard.mesh import AxisMerge, Mesh
-from autoshard.ops.registry import ATTENTION, MATMUL, VIEW, record_of
+from autoshard.ops.registry import ATTENTION, MATMUL, VIEW, op_collectives, record_of
 from autoshard.options import PlanOptions, state_modes
 from autoshard.trace.export import TracedGraph, op_info
 from autoshard.trace.graph import ValueRef, value_inputs, value_shapes
@@ -204,6 +207,31 @@ class Pricer:
                 if where.get(ref[0]) != where[node.name] and ref[0] not in self.params:
                     out[ref] = None
         return out
+
+    def op_steps(self, name: str, strategy: Strategy) -> tuple[Step, ...]:
+        """The collectives the op runs inside itself under ``strategy`` (ops/registry.py
+        ``collectives``), as steps on the mesh the program runs on (an op planned on merged axes
+        runs on the real ones)."""
+        node = self._nodes[name]
+        if node.op != "call_function" or record_of(node.target).collectives is None:
+            return ()
+        mesh_shape = self.mesh.shape
+        if self.merge is not None:
+            strategy = Strategy(tuple(self.merge.expand_spec(s) for s in strategy.inputs),
+                                tuple(self.merge.expand_spec(s) for s in strategy.outputs),
+                                strategy.kernel, strategy.compute_scale)
+            mesh_shape = self.merge.real.shape
+        return tuple(Step(c.kind, c.axis, nbytes=c.nbytes)
+                     for c in op_collectives(self.info(name), strategy, mesh_shape))
+
+    def op_comm_seconds(self, name: str, strategy: Strategy) -> float:
+        """Seconds of :meth:`op_steps`, blocking; twice where a fully checkpointed layer runs
+        the op's forward again (selective stores collective outputs, §8)."""
+        steps = self.op_steps(name, strategy)
+        if not steps:
+            return 0.0
+        t = steps_time(steps, self.merge.real if self.merge else self.mesh)
+        return t * (2 if self.reshards_again(name) else 1)
 
     def backward(self, name: str, strategy: Strategy) -> float:
         """The window gradient syncs hide behind: the backward part of :meth:`compute`, times

@@ -13,6 +13,19 @@ the input (batch, tokens, spatial) may be sharded together with the matching tar
   loss of its own rows (slicing the target to match) and divides by the global count from the
   whole target. Summed over ranks this is exactly the global mean.
 
+Vocabulary parallel (``cross_entropy_loss`` only, Megatron's vocab-parallel cross-entropy:
+Shoeybi et al. 2019 §3; torchtitan's loss parallel): the logits arrive sharded on the class dim,
+the target whole on those axes, kernel ``"vocab_parallel"``. The softmax's statistics are
+reduced across the axis instead of gathering the logits: a rank takes its rows' local max,
+all-reduces it (max), sums ``exp(x - max)`` over its classes and all-reduces that (sum): two
+collectives of one value per row (b·s, never b·s·V). Each rank's loss of a row is then
+``[first shard]·(max + log sumexp) - (1-ε)·x[target]·[target in its classes] - ε/C·Σ x``
+(``Σ`` over its own classes), so the sum over ranks is the row's loss and the output is Partial: the target's logit is reduced
+with the loss (a scalar under ``mean``/``sum``) by the reshard that follows. Backward is local:
+``softmax - (1-ε)·onehot - ε/C`` on the rank's classes. The collectives are declared by
+:func:`class_loss_collectives` (priced, and listed in the plan's ledger: docs/cost-model.md
+§3.8). A class ``weight`` keeps the class dim whole.
+
 ``mse_loss`` is elementwise: any dim shards on input and target; ``mean`` uses the local mean
 divided by the shard factor (kernel ``"mean_partial"``), as ``mean`` does.
 """
@@ -22,10 +35,11 @@ import math
 
 import torch
 
-from autoshard.ir import Shard, Strategy
+from autoshard.ir import Shard, Strategy, local_shape
 from autoshard.ops._common import P, R, Option, arg, shard_index, with_kernel
-from autoshard.ops.registry import (ELEMENTWISE, NO, OpInfo, Saves, all_inputs, expand,
-                                    per_output_element, register_op)
+from autoshard.ops.registry import (ELEMENTWISE, NO, CollectiveKernel, OpCollective, OpInfo,
+                                    Reduce, Saves, all_inputs, expand, per_output_element,
+                                    register_op)
 
 aten = torch.ops.aten
 
@@ -41,6 +55,25 @@ def _dim_pairs(op: OpInfo) -> list[tuple[int, int]]:
     return [(0, 0)] + [(d, d - 1) for d in range(2, x.ndim)]
 
 
+CLASS_DIM = 1
+
+
+def _vocab_parallel_ok(op: OpInfo) -> bool:
+    """Whether the class dim may shard: a cross-entropy over class indices, batched, without a
+    class weight (whose weighted mean would need the weights of every rank's targets)."""
+    x, t = op.inputs[:2]
+    return (op.target == aten.cross_entropy_loss.default and len(op.inputs) == 2
+            and not t.dtype.is_floating_point and x.ndim >= 2 and x.shape[CLASS_DIM] > 1)
+
+
+def _loss_kernel(s: Strategy, reduction: int) -> str | None:
+    if Shard(CLASS_DIM) in s.inputs[0]:
+        return "vocab_parallel"
+    if reduction == MEAN and any(isinstance(p, Shard) for p in s.inputs[0]):
+        return "loss_rows"
+    return None
+
+
 def class_loss_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     reduction = arg(op, 3, "reduction", MEAN)
     n_extra = len(op.inputs) - 2  # class weight, replicated
@@ -54,25 +87,32 @@ def class_loss_strategy(op: OpInfo, mesh_shape: tuple) -> list:
             opts.append(((Shard(xd), Shard(td)) + (R,) * n_extra, (P,)))
         else:
             opts.append(((Shard(xd), R) + (R,) * n_extra, (P,)))
-    strategies = expand(op, mesh_shape, opts)
-    if reduction == MEAN:
-        strategies = with_kernel(strategies, lambda s: "loss_rows" if any(
-            isinstance(p, Shard) for p in s.inputs[0]) else None)
-    return strategies
+    if _vocab_parallel_ok(op):
+        opts.append(((Shard(CLASS_DIM), R), (P,)))
+    return with_kernel(expand(op, mesh_shape, opts), lambda s: _loss_kernel(s, reduction))
 
 
-def class_loss_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
-                        args: tuple, kwargs: dict) -> tuple:
-    if strategy.kernel != "loss_rows":
-        return op.target, args, kwargs
-    x_spec, t_info = strategy.inputs[0], op.inputs[1]
-    ignore_index = arg(op, 4, "ignore_index", -100)
-    smoothing = (arg(op, 5, "label_smoothing", 0.0),) if op.target == aten.cross_entropy_loss.default else ()
+def _target_slices(op: OpInfo, x_spec: tuple, mesh_shape: tuple, coords: tuple) -> tuple:
+    """This rank's rows of the whole target, for a kernel that takes it whole (``mean``)."""
+    t_info = op.inputs[1]
     target_slices = [slice(None)] * t_info.ndim
     for xd, td in _dim_pairs(op):
         i, f = shard_index(x_spec, xd, mesh_shape, coords)
         n = t_info.shape[td] // f
         target_slices[td] = slice(i * n, (i + 1) * n)
+    return tuple(target_slices)
+
+
+def class_loss_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
+                        args: tuple, kwargs: dict) -> tuple:
+    if strategy.kernel == "vocab_parallel":
+        return vocab_parallel_localize(op, strategy, mesh_shape, coords, args, kwargs)
+    if strategy.kernel != "loss_rows":
+        return op.target, args, kwargs
+    x_spec = strategy.inputs[0]
+    ignore_index = arg(op, 4, "ignore_index", -100)
+    smoothing = (arg(op, 5, "label_smoothing", 0.0),) if op.target == aten.cross_entropy_loss.default else ()
+    target_slices = _target_slices(op, x_spec, mesh_shape, coords)
     target = op.target
 
     def loss_rows(x: torch.Tensor, full_target: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
@@ -81,11 +121,104 @@ def class_loss_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coord
             count = valid.sum()
         else:
             count = (w[full_target.masked_fill(~valid, 0)] * valid).sum()
-        local = full_target[tuple(target_slices)]
+        local = full_target[target_slices]
         return target(x, local, w, SUM, ignore_index, *smoothing) / count
 
     w_local = args[2] if len(args) > 2 else kwargs.get("weight")
     return loss_rows, (args[0], args[1], w_local), {}
+
+
+def _vocab_axes(x_spec: tuple, mesh_shape: tuple) -> tuple[int, ...]:
+    """The mesh axes the class dim is split over (axes of one device move nothing)."""
+    return tuple(a for a, p in enumerate(x_spec) if p == Shard(CLASS_DIM) and mesh_shape[a] > 1)
+
+
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The softmax statistics are reduced in fp32 at least, as Megatron upcasts the logits."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def class_loss_collectives(op: OpInfo, strategy: Strategy, mesh_shape: tuple) -> tuple:
+    """The vocabulary-parallel kernel's all-reduces, in the order it runs them: the rows' max
+    over each class axis, then their sum-exp over each; each moves one value per local row."""
+    if strategy.kernel != "vocab_parallel":
+        return ()
+    x, x_spec = op.inputs[0], strategy.inputs[0]
+    local = local_shape(x.shape, x_spec, mesh_shape)
+    rows = math.prod(local) // local[CLASS_DIM]
+    nbytes = rows * _stat_dtype(x.dtype).itemsize
+    axes = _vocab_axes(x_spec, mesh_shape)
+    return tuple(OpCollective("all_reduce", a, nbytes) for _ in ("max", "sum") for a in axes)
+
+
+def vocab_parallel_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
+                            args: tuple, kwargs: dict) -> tuple:
+    """The kernel of one rank holding classes ``[start, start + C/f)`` of every row it holds."""
+    x_spec = strategy.inputs[0]
+    reduction = arg(op, 3, "reduction", MEAN)
+    ignore_index = arg(op, 4, "ignore_index", -100)
+    smoothing = float(arg(op, 5, "label_smoothing", 0.0))
+    classes = op.inputs[0].shape[CLASS_DIM]
+    index, factor = shard_index(x_spec, CLASS_DIM, mesh_shape, coords)
+    start = index * (classes // factor)
+    slices = _target_slices(op, x_spec, mesh_shape, coords) if reduction == MEAN else None
+
+    def vocab_parallel_cross_entropy(reduce: Reduce, x: torch.Tensor,
+                                     target: torch.Tensor) -> torch.Tensor:
+        if slices is not None:        # mean: the target arrives whole, for the global count
+            count = (target != ignore_index).sum()
+            target = target[slices]
+        rows = VocabParallelCrossEntropy.apply(x, target, reduce, start, ignore_index, smoothing,
+                                               classes, index == 0)
+        if reduction == NONE:
+            return rows
+        return rows.sum() / count if slices is not None else rows.sum()
+
+    kernel = CollectiveKernel(vocab_parallel_cross_entropy, _vocab_axes(x_spec, mesh_shape),
+                              "vocab_parallel_cross_entropy")
+    return kernel, (args[0], args[1]), {}
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Each row's share of the cross-entropy on this rank's classes (Megatron's
+    ``_VocabParallelCrossEntropy``, Shoeybi et al. 2019 §3). ``reduce`` all-reduces over the
+    class axes; ``first``: this rank holds the first classes and adds the row's log-sum-exp
+    once. Ignored rows give 0."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, target: torch.Tensor, reduce: Reduce, start: int,
+                ignore_index: int, smoothing: float, classes: int, first: bool) -> torch.Tensor:
+        xs = x.to(_stat_dtype(x.dtype))
+        top = reduce(xs.amax(CLASS_DIM), "max")
+        e = (xs - top.unsqueeze(CLASS_DIM)).exp()
+        sumexp = reduce(e.sum(CLASS_DIM), "sum")
+        local = target - start
+        mine = (local >= 0) & (local < x.shape[CLASS_DIM])
+        index = local.clamp(0, x.shape[CLASS_DIM] - 1).unsqueeze(CLASS_DIM)
+        picked = xs.gather(CLASS_DIM, index).squeeze(CLASS_DIM) * mine
+        rows = -(1.0 - smoothing) * picked
+        if smoothing:
+            rows = rows - smoothing / classes * xs.sum(CLASS_DIM)
+        if first:
+            rows = rows + top + sumexp.log()
+        valid = target != ignore_index
+        rows = torch.where(valid, rows, torch.zeros_like(rows))
+        # Saved as a logits-sized tensor in the logits' dtype, as the composite saves its
+        # log-softmax (ops/loss.py cross_entropy_saves).
+        ctx.save_for_backward((e / sumexp.unsqueeze(CLASS_DIM)).to(x.dtype), index, mine, valid)
+        ctx.smoothing, ctx.classes = smoothing, classes
+        return rows.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, index, mine, valid = ctx.saved_tensors
+        g = softmax.to(_stat_dtype(softmax.dtype), copy=True)   # the saved one stays intact
+        onehot = mine.unsqueeze(CLASS_DIM).to(g.dtype)
+        g.scatter_add_(CLASS_DIM, index, -(1.0 - ctx.smoothing) * onehot)
+        if ctx.smoothing:
+            g = g - ctx.smoothing / ctx.classes
+        g = g * (grad.to(g.dtype) * valid).unsqueeze(CLASS_DIM)
+        return g.to(softmax.dtype), None, None, None, None, None, None, None
 
 
 def mse_strategy(op: OpInfo, mesh_shape: tuple) -> list:
@@ -125,7 +258,7 @@ def cross_entropy_saves(op: OpInfo) -> Saves:
 
 register_op(aten.cross_entropy_loss.default, strategies=class_loss_strategy, family=ELEMENTWISE,
             saves=cross_entropy_saves, follows=NO, flops=per_output_element,
-            localize=class_loss_localize)
+            localize=class_loss_localize, collectives=class_loss_collectives)
 register_op(aten.nll_loss_nd.default, aten.nll_loss.default, strategies=class_loss_strategy,
             family=ELEMENTWISE, saves=all_inputs, follows=NO, flops=per_output_element,
             localize=class_loss_localize)

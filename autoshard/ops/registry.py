@@ -15,7 +15,12 @@ An :class:`OpRecord` holds, for one op target:
   input; ``NO``: a decision of its own);
 - ``flops``: its whole (unsharded) forward FLOPs;
 - ``localize``: how one rank calls it on its local tensors (default: the op unchanged, with every
-  int-list argument equal to the global output shape replaced by the local one).
+  int-list argument equal to the global output shape replaced by the local one);
+- ``collectives`` (optional): the collectives an op runs *inside* itself under a strategy, for an
+  op whose local kernel must reduce across ranks before it can finish (the vocabulary-parallel
+  cross-entropy's max and sum-exp, ops/loss.py). Its ``localize`` then returns a
+  :class:`CollectiveKernel`, which whoever runs the op binds to its ranks; the cost model prices
+  the declared collectives and the plan's ledger lists them (docs/cost-model.md §3.8).
 
 Adding an op is one :func:`register_op` call plus one validation sample in tests/test_rules.py;
 every part is a required argument. Ops with no record are replicated, with one warning per op
@@ -38,6 +43,8 @@ aten = torch.ops.aten
 RuleFn = Callable[[OpInfo, tuple], list]
 LocalizeFn = Callable[..., tuple]   # (op, strategy, mesh_shape, coords, args, kwargs) -> (fn, args, kwargs)
 FlopsFn = Callable[[OpInfo], float]
+CollectivesFn = Callable[[OpInfo, Strategy, tuple], tuple]   # -> tuple[OpCollective, ...]
+Reduce = Callable[[torch.Tensor, str], torch.Tensor]          # (local tensor, "sum" | "max")
 
 # Families (docs/cost-model.md §3).
 VIEW, MATMUL, ATTENTION, GATHER = "view", "matmul", "attention", "gather"
@@ -69,6 +76,37 @@ NOTHING = Saves()
 SavesFn = Callable[[OpInfo], Saves]
 
 
+@dataclass(frozen=True, slots=True)
+class OpCollective:
+    """One collective an op runs inside itself: ``kind`` over mesh axis ``axis`` moving
+    ``nbytes`` (S of docs/cost-model.md §1.1, per rank), in the order the kernel runs them."""
+
+    kind: str
+    axis: int
+    nbytes: int
+
+
+class CollectiveKernel:
+    """A local kernel that reduces across ranks before it can finish: ``fn(reduce, *args,
+    **kwargs)``, where ``reduce(x, op)`` all-reduces ``x`` with ``op`` ("sum" or "max") over the
+    mesh ``axes``, one axis after the other. The op's rule cannot reach process groups (ops/ sits
+    below codegen/), so whoever runs the op binds ``reduce``: codegen to the rank's groups and
+    its ledger, the mesh simulator (ops/simulate.py) to the other simulated ranks."""
+
+    def __init__(self, fn: Callable[..., Any], axes: tuple[int, ...], name: str) -> None:
+        self.fn, self.axes, self.__name__ = fn, tuple(axes), name
+
+    def bind(self, reduce: Reduce) -> Callable[..., Any]:
+        """The kernel with its reductions bound: a plain function of the local tensors."""
+        def run(*args: Any, **kwargs: Any) -> Any:
+            return self.fn(reduce, *args, **kwargs)
+        run.__name__ = self.__name__
+        return run
+
+    def __repr__(self) -> str:
+        return self.__name__
+
+
 def all_inputs(op: OpInfo) -> Saves:
     """Every tensor input: the safe side for an op whose derivative needs its operands."""
     return Saves(inputs=tuple(range(len(op.inputs))))
@@ -94,6 +132,7 @@ class OpRecord:
     follows: str
     flops: FlopsFn
     localize: LocalizeFn
+    collectives: CollectivesFn | None = None
 
     def __post_init__(self) -> None:
         assert self.family in FAMILIES, f"family is one of {FAMILIES}; got {self.family!r}"
@@ -107,9 +146,11 @@ RECORDS: dict[Any, OpRecord] = {}
 
 
 def register_op(*targets: Any, strategies: RuleFn, family: str, saves: Union[Saves, SavesFn],
-                follows: str, flops: FlopsFn, localize: LocalizeFn | None = None) -> None:
+                follows: str, flops: FlopsFn, localize: LocalizeFn | None = None,
+                collectives: CollectivesFn | None = None) -> None:
     """Register everything about ``targets`` at once (one record each)."""
-    record = OpRecord(strategies, family, saves, follows, flops, localize or default_localize)
+    record = OpRecord(strategies, family, saves, follows, flops, localize or default_localize,
+                      collectives)
     for t in targets:
         assert t not in RECORDS, f"{t} is registered twice"
         RECORDS[t] = record
@@ -195,6 +236,12 @@ def default_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: 
         return a
 
     return op.target, tuple(fix(a) for a in args), {k: fix(v) for k, v in kwargs.items()}
+
+
+def op_collectives(op: OpInfo, strategy: Strategy, mesh_shape: tuple) -> tuple[OpCollective, ...]:
+    """The collectives ``op`` runs inside itself under ``strategy`` (most ops: none)."""
+    fn = record_of(op.target).collectives
+    return tuple(fn(op, strategy, tuple(mesh_shape))) if fn is not None else ()
 
 
 def localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,

@@ -10,6 +10,7 @@ follow their tensor's placement, a Partial tensor's gradient being replicated.
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -18,7 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autoshard.ir import (OpInfo, Partial, Replicate, Shard, Spec, Strategy, divergent_axes,
                           local_shape, op_info)
-from autoshard.ops.registry import localize
+from autoshard.ops.registry import CollectiveKernel, localize
 
 Coords = tuple[int, ...]
 
@@ -148,6 +149,8 @@ def run_strategy(op_target: Any, args: tuple, kwargs: dict, strategy: Strategy,
     backward = grad_outputs is not None
     local_outs: dict[Coords, list[torch.Tensor]] = {}
     local_grads: dict[Coords, list[torch.Tensor | None]] = {}
+    local_ins: dict[Coords, list[torch.Tensor]] = {}
+    calls: dict[Coords, tuple] = {}
     for coords in coords_list:
         ins = [shard_tensor(t.detach(), s, mesh_shape, coords,
                             seed=None if seed is None else seed + 31 * i)
@@ -155,12 +158,16 @@ def run_strategy(op_target: Any, args: tuple, kwargs: dict, strategy: Strategy,
         if backward:
             ins = [t.requires_grad_() if want else t for t, want in zip(ins, grad_inputs)]
         largs, lkwargs = _swap_tensors(args, kwargs, ins)
-        fn, largs, lkwargs = localize(op, strategy, mesh_shape, coords, largs, lkwargs)
-        outs = _tensors(call_on_copies(fn, largs, lkwargs))
+        local_ins[coords] = ins
+        calls[coords] = localize(op, strategy, mesh_shape, coords, largs, lkwargs)
+    all_outs = _run_ranks(calls)
+    for coords in coords_list:
+        outs = _tensors(all_outs[coords])
         assert len(outs) == len(strategy.outputs), f"{len(outs)} outputs, {len(strategy.outputs)} specs"
         local_outs[coords] = [o.detach() for o in outs]
         if backward:
-            local_grads[coords] = _local_backward(ins, outs, grad_outputs, strategy, mesh_shape, coords)
+            local_grads[coords] = _local_backward(local_ins[coords], outs, grad_outputs, strategy,
+                                                  mesh_shape, coords)
     outputs = [unshard({c: local_outs[c][j] for c in coords_list}, s, mesh_shape, rtol=rtol,
                        atol=atol, check=check_replicas) for j, s in enumerate(strategy.outputs)]
     grads = None
@@ -168,6 +175,68 @@ def run_strategy(op_target: Any, args: tuple, kwargs: dict, strategy: Strategy,
         grads = [_reassemble_grad(i, s, strategy, local_grads, mesh_shape, full_ins[i], rtol, atol)
                  for i, s in enumerate(strategy.inputs)]
     return SimResult(outputs, grads)
+
+
+def _run_ranks(calls: dict[Coords, tuple]) -> dict[Coords, Any]:
+    """Every rank's localized call. A :class:`CollectiveKernel` reduces across ranks inside the
+    op, so those ranks run at once, one thread each, their reductions met in lockstep
+    (:class:`LockstepReduce`); other ops run one rank after the other."""
+    if not any(isinstance(fn, CollectiveKernel) for fn, _, _ in calls.values()):
+        return {c: call_on_copies(fn, a, k) for c, (fn, a, k) in calls.items()}
+    sync = LockstepReduce(list(calls))
+    outs: dict[Coords, Any] = {}
+    errors: list[BaseException] = []
+    grad = torch.is_grad_enabled()              # grad mode is per thread
+
+    def run(coords: Coords, fn: Any, a: tuple, k: dict) -> None:
+        try:
+            with torch.set_grad_enabled(grad):
+                bound = fn.bind(sync.reduce_for(coords, fn.axes)) if isinstance(
+                    fn, CollectiveKernel) else fn
+                outs[coords] = call_on_copies(bound, a, k)
+        except BaseException as e:          # let the other ranks out of their wait
+            errors.append(e)
+            sync.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(c, *call)) for c, call in calls.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)),
+                     errors[0])
+        raise first
+    return outs
+
+
+class LockstepReduce:
+    """All-reduces among simulated ranks running in threads. Every rank makes the same
+    reductions in the same order; the k-th waits until every rank has posted its k-th, then
+    combines those of its group (the ranks that differ from it only on the reduced axes), in
+    coordinate order, so every member computes the same value."""
+
+    def __init__(self, coords: list[Coords]) -> None:
+        self.barrier = threading.Barrier(len(coords))
+        self.posted: dict[int, dict[Coords, torch.Tensor]] = {}
+        self.lock = threading.Lock()
+
+    def reduce_for(self, coords: Coords, axes: tuple[int, ...]):
+        calls = itertools.count()
+
+        def reduce(x: torch.Tensor, how: str) -> torch.Tensor:
+            k = next(calls)
+            with self.lock:
+                self.posted.setdefault(k, {})[coords] = x.detach()
+            self.barrier.wait()
+            group = [v for c, v in sorted(self.posted[k].items())
+                     if all(c[a] == coords[a] for a in range(len(coords)) if a not in axes)]
+            if how == "max":
+                return torch.stack(group).amax(0)
+            assert how == "sum", how
+            return sum(group[1:], group[0].clone())
+
+        return reduce
 
 
 def _local_backward(ins, outs, grad_outputs, strategy, mesh_shape, coords) -> list:

@@ -3,8 +3,8 @@
 A baseline fixes the layout of every parameter (and of the inputs) the way an expert would write
 it; the ILP then only chooses the layout of activations given those parameters, i.e. the cheapest
 way to run the expert's layout. What is not fixed (embeddings and the LM head, which Megatron
-shards over the vocabulary with a vocab-parallel cross-entropy that autoshard does not have)
-is left to the solver, for the baselines and autoshard alike.
+shards over the vocabulary with a vocab-parallel cross-entropy, a layout the solver may pick
+too: ops/embedding.py, ops/loss.py) is left to the solver, for the baselines and autoshard alike.
 
 - ``dp``: every parameter replicated, the batch split over every axis it divides.
 - ``megatron``: Megatron-LM tensor parallelism over every mesh axis (Shoeybi et al. 2019):

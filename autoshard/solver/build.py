@@ -152,6 +152,7 @@ class _Builder:
                     s = mb.strategies[mb.index[i]]
                     c += self.pricer.compute(name, s) + self._internal_reshard(name, mb, i, members,
                                                                                 seen)
+                    c += self.pricer.op_comm_seconds(name, s)
                     if self.by_name[name].op == "placeholder":
                         c += self.pricer.optimizer_comm_seconds(name, s)
                     b += self.pricer.backward(name, s)
@@ -211,7 +212,8 @@ class _Builder:
         if key in self._follow_memo:
             return self._follow_memo[key]
         if n.name not in self._own:
-            own = [self.pricer.compute(n.name, s) for s in strats]
+            own = [self.pricer.compute(n.name, s) + self.pricer.op_comm_seconds(n.name, s)
+                   for s in strats]
             self._own[n.name] = (own, sorted(range(len(strats)), key=lambda j: (own[j], j)))
         own, order = self._own[n.name]
         best = (float("inf"), -1)

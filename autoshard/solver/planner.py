@@ -643,6 +643,16 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
             blocking[axis] += step_seconds(step, mesh)
             collectives.append(CollectiveRecord(step.kind, (axis,), step.nbytes, phase,
                                                 e.consumers[0][0], e.value[0]))
+    # Collectives an op runs inside itself (a vocabulary-parallel loss's all-reduces,
+    # docs/cost-model.md §3.8): blocking, in forward, again where its layer is recomputed.
+    for n in nodes:
+        steps = pricer.op_steps(n.name, strategies[n.name])
+        again = ("recompute",) if steps and pricer.reshards_again(n.name) else ()
+        for phase in ("forward", *again):
+            for step in steps:
+                blocking[mesh.axes[step.axis]] += step_seconds(step, mesh)
+                collectives.append(CollectiveRecord(step.kind, (mesh.axes[step.axis],),
+                                                    step.nbytes, phase, n.name, n.name))
     for k, b in enumerate(buckets):
         for a, nbytes in zip(b.axes, bucket_bytes_by_axis(b, mesh.shape)):
             collectives.append(CollectiveRecord(b.kind, (mesh.axes[a],), nbytes,
