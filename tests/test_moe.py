@@ -303,12 +303,12 @@ def _expert_specs(plan: Plan) -> list:
 
 
 def test_hf_mixtral_spreads_its_experts_where_memory_requires(mixtral) -> None:
-    """On H100s the tiny model is best replicated; under a memory budget below that plan's,
-    every expert weight is split over the axis."""
+    """On H100s the tiny model is best replicated; under a memory budget a third of that
+    plan's, every expert weight is split over the axis."""
     mesh = Mesh((4,), cluster="h100")
     free = plan_for(mixtral, mesh, batch=2, seq=8)
     assert all(spec == (Replicate(),) for spec in _expert_specs(free))
-    budget = free.predicted["memory"]["peak"] // 2
+    budget = free.predicted["memory"]["peak"] // 3   # (at half, half of them are enough)
     tight = plan_for(mixtral, mesh, batch=2, seq=8, memory_budget=budget)
     specs = _expert_specs(tight)
     assert len(specs) == 4 and all(isinstance(spec[0], Shard) for spec in specs), specs

@@ -81,9 +81,10 @@ def test_loss_all_reduces_on_two_axes() -> None:
     both = _vocab_strategy(info, (2, 4), (Shard(1), Shard(1)))
     assert [(c.axis, c.nbytes) for c in op_collectives(info, both, (2, 4))] == [
         (0, b_s * 4), (1, b_s * 4), (0, b_s * 4), (1, b_s * 4)]
-    # An axis of one device moves nothing.
-    assert op_collectives(info, _vocab_strategy(info, (1, 4), (Shard(1), Shard(1))), (1, 4)) \
-        == (OpCollective("all_reduce", 1, b_s * 4),) * 2
+    # Classes over an axis of one device are whole: not offered (the replicated strategy is
+    # that one, priced as such).
+    assert not [s for s in strategies_for(info, (1, 4))
+                if s.kernel == "vocab_parallel" and s.inputs[0][0] == Shard(1)]
 
 
 def test_other_strategies_run_no_collective_inside() -> None:

@@ -89,7 +89,12 @@ def class_loss_strategy(op: OpInfo, mesh_shape: tuple) -> list:
             opts.append(((Shard(xd), R) + (R,) * n_extra, (P,)))
     if _vocab_parallel_ok(op):
         opts.append(((Shard(CLASS_DIM), R), (P,)))
-    return with_kernel(expand(op, mesh_shape, opts), lambda s: _loss_kernel(s, reduction))
+    # The classes "sharded" over an axis of one device are whole: that is the replicated
+    # strategy, which the vocab-parallel kernel would only price differently.
+    strategies = [s for s in expand(op, mesh_shape, opts)
+                  if not any(p == Shard(CLASS_DIM) and n == 1
+                             for p, n in zip(s.inputs[0], mesh_shape))]
+    return with_kernel(strategies, lambda s: _loss_kernel(s, reduction))
 
 
 def _target_slices(op: OpInfo, x_spec: tuple, mesh_shape: tuple, coords: tuple) -> tuple:
