@@ -277,17 +277,18 @@ def test_zero_twin_when_memory_asks_for_it() -> None:
     assert dp.predicted["peak_memory_bytes"] - p.predicted["peak_memory_bytes"] == saved
 
 
-@pytest.mark.parametrize("shape", [(8,), (2, 4)])
-def test_plans_fit_the_budget_they_were_given(baseline_traces, shape) -> None:
+# One budget on the 2-D mesh: the ILP with memory binding takes CBC ~15-30 s a solve there.
+@pytest.mark.parametrize("shape,fracs", [((8,), (0.8, 0.6)), ((2, 4), (0.8,))])
+def test_plans_fit_the_budget_they_were_given(baseline_traces, shape, fracs) -> None:
     """Tighter budgets give plans whose predicted peak (node by node, as assembled) is within
     the budget the ILP was given: the ILP's memory is the plan's (gathered parameter copies
-    included), and less memory never comes faster."""
+    included), and less memory never comes faster. (Without checkpointing: one solve each.)"""
     traced, mesh = baseline_traces["gpt2-tiny"], Mesh(shape, cluster="h100")
     roomy = plan_traced(traced, mesh)
     last = roomy.predicted["step_time_s"]
-    for frac in (0.8, 0.6):
+    for frac in fracs:
         budget = roomy.predicted["peak_memory_bytes"] * frac
-        p = plan_traced(traced, mesh, memory_budget=budget)
+        p = plan_traced(traced, mesh, memory_budget=budget, recompute="none")
         assert p.predicted["peak_memory_bytes"] <= budget
         assert p.predicted["step_time_s"] >= last * (1 - REL)
         assert p.solver["objective"] == pytest.approx(p.predicted["step_time_s"], rel=1e-9)
