@@ -141,7 +141,8 @@ def main() -> None:
         other = str(Path(tmp) / "full.json")
         autoshard(["plan", *PLAN, "--recompute", "full", "-o", other])
         wall, cpu, out = autoshard(["diff", plan, other])
-        diff = (wall, cpu, out.strip().splitlines()[0] if out.strip() else "")
+        first = out.strip().splitlines()[0].replace(tmp + "/", "") if out.strip() else ""
+        diff = (wall, cpu, first)
     text = report(rows, plan_s, started, load, diff)
     print(text)
     if args.out:
