@@ -176,6 +176,19 @@ def test_axis_merge_of_non_adjacent_axes():
             AxisMerge(MESH, bad)
 
 
+def test_a_solve_under_a_deadline_gives_up_without_the_least_memory_plan(monkeypatch):
+    """The search over every subset has the merged plans to fall back on: without an incumbent
+    its solve raises at once instead of spending the time limit again on the least memory."""
+    from ortools.linear_solver import pywraplp
+    from test_ilp import chain, two_ways
+    from autoshard.solver.ilp import NoSolution, solve
+    assert solve(chain(), verdict=False).choice == solve(chain()).choice   # HiGHS, CBC alike
+    monkeypatch.setattr(pywraplp.Solver, "Solve", lambda self, *a: pywraplp.Solver.NOT_SOLVED)
+    assert solve(two_ways(3), time_limit_s=0.5).status == "FEASIBLE"      # the least memory
+    with pytest.raises(NoSolution):
+        solve(two_ways(3), time_limit_s=0.5, verdict=False)
+
+
 # ------------------------------------------------------------------------------ tier 1
 
 @pytest.fixture(scope="module")
@@ -248,10 +261,14 @@ def mlp_traced():
 
 
 def test_search_tries_every_grouping_and_every_subset(mlp_traced):
+    """Each grouping with its collectives over the joint groups and with the same layouts one
+    axis at a time, and the problem over every subset of axes."""
     plan = plan_traced(mlp_traced, Mesh((2, 2, 2), cluster=CLUSTER))
     tries = plan.solver["axis_search"]
-    assert sorted(tuple(map(tuple, t["merged_axes"])) for t in tries) == sorted(partitions(3))
-    assert all("step_time_s" in t for t in tries), tries
+    got = sorted((tuple(map(tuple, t["merged_axes"])), t["joint"]) for t in tries)
+    want = [(p, j) for p in partitions(3) for j in (True, False) if len(p) < 3 or not j]
+    assert got == sorted(want)
+    assert all("step_time_s" in t and t["status"] == "OPTIMAL" for t in tries), tries
     assert plan.predicted["step_time_s"] == min(t["step_time_s"] for t in tries)
     chosen = next(t for t in tries if t["step_time_s"] == plan.predicted["step_time_s"])
     assert plan.solver["merged_axes"] == chosen["merged_axes"]

@@ -95,9 +95,9 @@ class Sync:
 
 def form_buckets(syncs: Iterable[Sync], bucket_bytes: float) -> list[Bucket]:
     """Fill buckets in the order the gradients become ready (``syncs``' order): one open bucket
-    per (axes, dtype, kind, joint groups); a gradient that would overflow its open bucket closes it and starts the
-    next; a gradient larger than a bucket travels alone. Buckets are listed in closing order
-    (the order they are issued)."""
+    per (axes, dtype, kind, joint groups); a gradient that would overflow its open bucket closes
+    it and starts the next; a gradient larger than a bucket travels alone. Buckets are listed in
+    closing order (the order they are issued)."""
     open_: dict[tuple, list[Sync]] = {}
     out: list[Bucket] = []
 

@@ -38,8 +38,8 @@ FORBIDDEN = 1e6   # seconds: a reshard the caller ruled out (the ILP never pays 
 
 
 class BuildTimeout(Exception):
-    """Pricing the problem's reshards ran past the caller's deadline (``build_problem``): the
-    problem is too large to solve in the time given."""
+    """Building the problem ran past the caller's deadline (``build_problem``), or left too
+    little of the time to solve it: the problem is too large to solve in the time given."""
 
 
 @dataclass

@@ -449,11 +449,16 @@ def _plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model
                   merge=merge, recompute=recompute, offload=offload)
 
 
+MIN_SOLVE_S = 0.5    # the least time a solve under a deadline gets once its ILP is built
+
+
 def _solve(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_name: str,
            fixed: dict[str, Strategy] | None, trace_s: float, merge: AxisMerge | None,
            recompute: dict[str, str], offload: bool, deadline: float | None = None) -> Plan:
     """One ILP on ``mesh`` (every axis its own, whatever its number), solved and assembled.
-    ``deadline``: raise BuildTimeout if building the ILP runs past it."""
+    ``deadline`` (``time.perf_counter()`` seconds): building and solving share the time up to it
+    (BuildTimeout if building runs past it), and a solve without an incumbent by then raises
+    at once (the caller has other plans)."""
     t0 = time.perf_counter()
     in_place = frozenset(p.name for p in traced.params if p.name in (fixed or {}))
     with progress.step(f"building the ILP on mesh {'x'.join(map(str, mesh.shape))} "
@@ -464,9 +469,15 @@ def _solve(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_name:
     if fixed:
         problem = _with_fixed(built, fixed)
     build_s = time.perf_counter() - t0
+    if deadline is not None and deadline - time.perf_counter() < build_s:
+        # Solving took longer than building on every 3-axis problem measured (gpt2-tiny,
+        # llama-tiny: 1.2x to 2.3x): less time than that left cannot give a plan.
+        raise BuildTimeout()
     try:
         with progress.step(f"solving ({len(problem.decisions)} decisions)"):
-            sol = solve(problem, time_limit_s=options.time_limit_s)
+            limit = options.time_limit_s if deadline is None else max(
+                MIN_SOLVE_S, deadline - time.perf_counter())
+            sol = solve(problem, time_limit_s=limit, verdict=deadline is None)
     except Infeasible as e:
         least = f"{'' if e.exact else 'at least '}{gib(e.least_memory)}"
         raise AutoshardError(
@@ -477,8 +488,9 @@ def _solve(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_name:
     except NoSolution as e:
         raise AutoshardError(
             "a plan found within the solver's time limit",
-            got=f"none after {e.time_limit_s:g} s (solver status {e.status}, best bound "
-                f"{e.bound * 1e3:.4g} ms per step); the memory budget is not the cause",
+            got=f"none after {e.time_limit_s:.3g} s (solver status {e.status}, best bound "
+                f"{e.bound * 1e3:.4g} ms per step)"
+                + ("; the memory budget is not the cause" if deadline is None else ""),
             fix="raise time_limit_s (--time-limit), or use a mesh with fewer axes") from e
     progress.note(f"{sol.status}: {sol.objective * 1e3:.3f} ms per step")
     choice = break_ties(problem, sol.choice, storage_preferences(traced, built))
@@ -581,26 +593,51 @@ def _plan_by_merging(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
             continue
         if plan is None:
             continue                      # pinned layouts that differ on merged axes
-        plans.append(plan)
-        tries.append({"merged_axes": [list(g) for g in merges],
-                      "step_time_s": plan.predicted["step_time_s"]})
+        for p in [plan, *([_one_axis_at_a_time(traced, mesh, options, plan)]
+                          if plan.joint_axes else [])]:
+            plans.append(p)
+            tries.append({"merged_axes": [list(g) for g in merges], "joint": bool(p.joint_axes),
+                          "step_time_s": p.predicted["step_time_s"],
+                          "status": p.solver["status"], "gap": p.solver["gap"]})
     if not plans:
         if errors:
             raise errors[0]
         raise AutoshardError("pinned layouts that keep some mesh axes alike", got=str(fixed),
                              fix="pin equal placements on two mesh axes")
     best = min(plans, key=lambda p: p.predicted["step_time_s"])
-    notes = [_fallback_note(t, options) for t in tries
-             if every and len(t["merged_axes"]) == mesh.ndim and "error" in t]
+    alone = next((t for t in tries if len(t["merged_axes"]) == mesh.ndim), None)
+    note = _fallback_note(alone, best, options) if alone is not None else ""
     return replace(best, solver={**best.solver, "axis_search": tries},
-                   warnings=(*best.warnings, *[n for n in notes if n]))
+                   warnings=(*best.warnings, *([note] if note else [])))
 
 
-def _fallback_note(t: dict[str, Any], options: PlanOptions) -> str:
-    """What the plan says when the search over every subset of axes gave no plan."""
-    return (f"the search over every subset of mesh axes for each tensor dim gave no plan "
-            f"({t['error']}; solver time limit {options.time_limit_s:g} s): the plan is the "
-            f"best with axes merged (solver.merged_axes)")
+def _one_axis_at_a_time(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
+                        plan: Plan) -> Plan:
+    """``plan``'s layouts with every collective over one axis (docs/cost-model.md §1.2). The
+    merged ILP priced a merged axis's collectives as one over its joint group; on equal links
+    a joint all-gather costs more latency than one per axis, a joint all-reduce fewer bytes
+    (§1.4), so the search prices the same layouts both ways."""
+    p = assemble(traced, mesh, plan.strategies(), options, solver=dict(plan.solver),
+                 model_name=plan.model, timings=dict(plan.timings),
+                 recompute=dict(plan.recompute))
+    note = "layouts solved with axes merged, their collectives then priced one axis at a time"
+    return replace(p, solver={**p.solver, "objective": p.predicted["step_time_s"],
+                              "note": "; ".join(filter(None, [p.solver.get("note"), note]))})
+
+
+def _fallback_note(alone: dict[str, Any], best: Plan, options: PlanOptions) -> str:
+    """What the plan says when the search over every subset of axes did not finish within the
+    time limit (no plan, or one the solver could not prove best) and a merged plan was kept."""
+    if "error" in alone:
+        why = f"gave no plan ({alone['error']})"
+    elif alone["status"] != "OPTIMAL" and len(best.solver["merged_axes"]) < len(alone[
+            "merged_axes"]):
+        why = f"stopped at the time limit {alone['gap']:.1%} from its bound"
+    else:
+        return ""
+    return (f"the search over every subset of mesh axes for each tensor dim {why}; solver time "
+            f"limit {options.time_limit_s:g} s: the plan is the best with axes merged "
+            f"(solver.merged_axes)")
 
 
 def _plan_every_subset(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
@@ -609,14 +646,17 @@ def _plan_every_subset(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
     """The problem on the real 3-axis mesh, built within the solver's time limit and solved
     within it (an incumbent found by then is kept, with its gap)."""
     limit = options.time_limit_s
+    t0 = time.perf_counter()
     try:
         with progress.step("every subset of axes for each tensor dim"):
             plan = _solve(traced, mesh, options, model_name=model_name, fixed=fixed,
                           trace_s=trace_s, merge=None, recompute=recompute, offload=offload,
-                          deadline=time.perf_counter() + limit)
+                          deadline=t0 + limit)
     except BuildTimeout as e:
         raise AutoshardError("a problem over every subset of axes built within the solver's "
-                             "time limit", got=f"building it took over the time limit of {limit:g} s",
+                             "time limit, with time left to solve it",
+                             got=f"building it took {time.perf_counter() - t0:.3g} s of the "
+                                 f"time limit of {limit:g} s",
                              fix="raise time_limit_s (--time-limit)") from e
     return replace(plan, solver={**plan.solver,
                                  "merged_axes": [[a] for a in range(mesh.ndim)]})
