@@ -358,7 +358,7 @@ class _Problem:
             start = None              # not a plan: only the solver can tell what fits
         try:
             sol = solve(restrict(p, restricted), time_limit_s=self.time_limit_s,
-                        least_memory_fallback=start is None)
+                        verdict=start is None)
         except Infeasible as e:
             least = f"{'' if e.exact else 'at least '}{_size(e.least_memory)}"
             return Resolved(strategy, None, f"no plan fits the memory budget of "

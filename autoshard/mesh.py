@@ -115,18 +115,29 @@ def _default_links(shape: tuple[int, ...], cluster: Cluster) -> tuple[AxisLink, 
     return tuple(reversed(links))
 
 
-Merges = tuple[tuple[int, ...], ...]   # groups of adjacent real axes that act as one
+Merges = tuple[tuple[int, ...], ...]   # groups of real axes that act as one
 
 
 @dataclass(frozen=True, slots=True)
 class AxisMerge:
-    """A mesh whose adjacent axes are merged into one: ``merges=((0, 1), (2,))`` on a 2x2x2 mesh
+    """A mesh whose axes are merged into groups: ``merges=((0, 1), (2,))`` on a 2x2x2 mesh
     plans on a 4x2 mesh where the first axis stands for real axes 0 and 1 together. A plan made
     on the merged mesh runs on the real one with every spec expanded (the merged axis's placement
-    on each of its real axes), and its reshards are priced as they run there."""
+    on each of its real axes), and its reshards are priced as they run there: a merged axis's
+    collective as one over its real axes' joint process group (docs/cost-model.md §1.4).
+    ``merges`` lists every real axis once, groups in order of their first axis; a group's axes
+    need not be adjacent (``((0, 2), (1,))``)."""
 
     real: Mesh
     merges: Merges
+
+    def __post_init__(self) -> None:
+        flat = sorted(a for g in self.merges for a in g)
+        if flat != list(range(self.real.ndim)) or any(list(g) != sorted(g) for g in self.merges) \
+                or [g[0] for g in self.merges] != sorted(g[0] for g in self.merges):
+            raise AutoshardError(f"groups of the axes 0..{self.real.ndim - 1}, each axis once, "
+                                 "ascending, groups by their first axis", got=repr(self.merges),
+                                 fix="e.g. ((0, 2), (1,)) on a 3-axis mesh")
 
     def merged(self) -> Mesh:
         return Mesh(tuple(math.prod(self.real.shape[a] for a in g) for g in self.merges),
@@ -134,10 +145,19 @@ class AxisMerge:
                     cluster=self.real.cluster,
                     links=tuple(self.real.group_link(g) for g in self.merges))
 
+    def joint(self) -> Merges:
+        """The groups of more than one real axis: their collectives run as one."""
+        return tuple(g for g in self.merges if len(g) > 1)
+
     def expand_spec(self, spec: tuple | None) -> tuple | None:
         """A spec on the merged mesh, on the real mesh."""
-        return None if spec is None else tuple(spec[i] for i, g in enumerate(self.merges)
-                                               for _ in g)
+        if spec is None:
+            return None
+        out: list = [None] * self.real.ndim
+        for p, g in zip(spec, self.merges):
+            for a in g:
+                out[a] = p
+        return tuple(out)
 
     def contract_spec(self, spec: tuple) -> tuple | None:
         """A spec on the real mesh on the merged one; None if a merge's axes differ in it."""

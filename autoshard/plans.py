@@ -148,6 +148,10 @@ class Plan:
     param_state: dict[str, ParamState] = field(default_factory=dict)
     # The pipeline stages, when the plan pipelines over a mesh axis (options.pipeline).
     pipeline: Pipeline | None = None
+    # Groups of mesh axes (names, in mesh order) whose collectives run as one collective over
+    # their joint process group, priced on the slowest member's link (docs/cost-model.md §1.4):
+    # a plan made with those axes merged. Empty: every collective runs over one axis.
+    joint_axes: tuple[tuple[str, ...], ...] = ()
     # Wall-clock seconds of this run (trace_s, build_s, solve_s): shown by the CLI, never saved,
     # and not part of equality, so that the same planning gives byte-identical files.
     timings: dict[str, float] = field(default_factory=dict, compare=False)
@@ -168,6 +172,10 @@ class Plan:
         return {n.name: Strategy(n.inputs, n.outputs, n.kernel,
                                  work_fraction(n.inputs, n.outputs, self.mesh_shape))
                 for n in self.nodes}
+
+    def joint_groups(self) -> tuple[tuple[int, ...], ...]:
+        """``joint_axes`` as mesh axis indices (cost/comm.py ``reshard``'s ``joint``)."""
+        return tuple(tuple(self.mesh_axes.index(a) for a in g) for g in self.joint_axes)
 
     def bytes_by(self, *, phase: str | None = None, kind: str | None = None) -> int:
         return sum(c.bytes for c in self.collectives
@@ -341,6 +349,7 @@ class Plan:
             "predicted": self.predicted, "solver": self.solver,
             "node_signatures": self.node_sigs,
             **({"pipeline": self.pipeline.to_json()} if self.pipeline else {}),
+            **({"joint_axes": [list(g) for g in self.joint_axes]} if self.joint_axes else {}),
         }
 
     def _param_json(self, fqn: str) -> dict:
@@ -408,7 +417,8 @@ class Plan:
                    solver=_read_solver(root.key("solver")),
                    model=root.key("model", "").text(),
                    node_sigs={k: f.text() for k, f in root.key("node_signatures", {}).items()},
-                   pipeline=_read_pipeline(root.key("pipeline", None), axes, layers))
+                   pipeline=_read_pipeline(root.key("pipeline", None), axes, layers),
+                   joint_axes=_read_joint_axes(root.key("joint_axes", []), axes))
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
@@ -707,6 +717,21 @@ def _read_numbers(f: _Field, keys: tuple[str, ...]) -> dict[str, Any]:
         for x in f.key(k, {}).obj():
             f.key(k).key(x).number()
     return dict(f.obj())
+
+
+def _read_joint_axes(f: _Field, axes: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    """Groups of two or more of the mesh's axes, in mesh order, no axis in two groups (absent
+    in plans whose collectives all run over one axis)."""
+    out: list[tuple[str, ...]] = []
+    for g in f.entries():
+        names = tuple(a.text() for a in g.entries())
+        if len(names) < 2 or any(a not in axes for a in names) or \
+                list(names) != sorted(set(names), key=axes.index) or \
+                any(a in h for h in out for a in names):
+            g.fail(f"a group of two or more of the mesh axes {list(axes)}, in mesh order, "
+                   f"in no other group")
+        out.append(names)
+    return tuple(out)
 
 
 def _read_solver(f: _Field) -> dict[str, Any]:

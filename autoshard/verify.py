@@ -116,6 +116,8 @@ def _run_rank(spec: VerifySpec) -> dict[str, Any]:
         "ledger_diff": ledger_diff(planned, ran),
         "collectives": len(ran), "bytes": sum(r.nbytes for r in pm.ledger),
         "planned_bytes": sum(c.bytes for c in mine),
+        # The ranks each collective ran over, by its axes (a joint group: their product).
+        "group_sizes": {",".join(r.axes): r.group_size for r in pm.ledger},
     }
     # (Per-stage peaks of a pipeline are not measured yet: its stages hold different parts.)
     if spec.measure_memory and plan.pipeline is None:

@@ -10,7 +10,8 @@ bucket's flat buffer, and once every member has arrived the buffer is all-reduce
 bucket's first axis with ``async_op=True`` while autograd goes on with the earlier layers. At the
 end of backward (an autograd engine callback) each bucket is waited for, all-reduced over any
 further axes, and added to its parameters' ``.grad`` (so gradient accumulation over several
-backward passes stays right).
+backward passes stays right). A record over several axes is one collective over their joint
+group (codegen/groups.py, docs/cost-model.md §1.4).
 
 A ``reduce_scatter`` bucket (parameters whose gradients are sharded apart from them: ZeRO-2 and
 offload, cost/state.py) lays its members out so that the reduce-scatter over each axis leaves
@@ -38,8 +39,8 @@ from autoshard.plans import CollectiveRecord
 @dataclass
 class _Bucket:
     name: str                       # "bucket<k>", as the plan's records name it
-    axes: tuple[int, ...]
-    planned_nbytes: tuple[int, ...]   # per axis
+    axes: tuple[tuple[int, ...], ...]   # per collective, its axes (one, or a joint group)
+    planned_nbytes: tuple[int, ...]   # per collective
     members: tuple[str, ...]
     kind: str = "all_reduce"
     buffer: torch.Tensor | None = None
@@ -58,10 +59,10 @@ class GradBuckets:
         self.of: dict[str, _Bucket] = {}
         by_name: dict[str, _Bucket] = {}
         for r in records:
-            axis = groups.axes.index(r.axes[0]) if len(r.axes) == 1 and r.axes[0] in groups.axes \
-                else None
+            axis = tuple(groups.axes.index(a) for a in r.axes) if r.axes and len(
+                set(r.axes)) == len(r.axes) and set(r.axes) <= set(groups.axes) else None
             if axis is None:
-                raise AutoshardError("a gradient bucket over one axis of the mesh "
+                raise AutoshardError("a gradient bucket over distinct axes of the mesh "
                                      f"{groups.axes}", got=f"{r.node} over {r.axes}",
                                      fix="re-plan: the plan file was edited or is damaged")
             b = by_name.get(r.node)
@@ -113,7 +114,8 @@ class GradBuckets:
         b.buffer[off:off + grad.numel()].copy_(grad.reshape(-1))
         b.arrived += 1
         if b.arrived == len(b.members):
-            b.work = dist.all_reduce(b.buffer, group=self.groups.groups[b.axes[0]], async_op=True)
+            b.work = dist.all_reduce(b.buffer, group=self.groups.group_of(b.axes[0]),
+                                     async_op=True)
         self._queue_finish()
 
     def _arrive_scatter(self, b: _Bucket, member: str, grad: torch.Tensor) -> None:
@@ -136,9 +138,9 @@ class GradBuckets:
         self._inflight = [b]
         pieces = [self._grad_or_zero(b, m) for m in b.members]
         b.buffer = _interleave(pieces, [self.shard_dim[m] for m in b.members],
-                               self.groups.shape[b.axes[0]])
+                               self.groups.joint_size(b.axes[0]))
         b.grads = None
-        b.work = _reduce_scatter_single(b.buffer, "sum", 0, self.groups.groups[b.axes[0]])
+        b.work = _reduce_scatter_single(b.buffer, "sum", 0, self.groups.group_of(b.axes[0]))
 
     def _grad_or_zero(self, b: _Bucket, m: str) -> torch.Tensor:
         g = b.grads.get(m) if b.grads else None
@@ -159,12 +161,12 @@ class GradBuckets:
         for k, a in enumerate(b.axes):
             self._record(b, a, b.buffer if k == 0 else None, k)
             for sh, d in zip(shapes, dims):
-                sh[d] //= self.groups.shape[a]
+                sh[d] //= self.groups.joint_size(a)
             pieces = _split(out, shapes)
             if k + 1 < len(b.axes):
                 nxt = b.axes[k + 1]
-                b.buffer = _interleave(pieces, dims, self.groups.shape[nxt])
-                out = reduce_scatter(b.buffer, 0, self.groups.groups[nxt])
+                b.buffer = _interleave(pieces, dims, self.groups.joint_size(nxt))
+                out = reduce_scatter(b.buffer, 0, self.groups.group_of(nxt))
         for m, g in zip(b.members, pieces):
             if m in self.shards:
                 self.shards[m].add_(g)
@@ -172,12 +174,14 @@ class GradBuckets:
                 self.shards[m] = g
         b.buffer, b.work = None, None
 
-    def _record(self, b: _Bucket, axis: int, buffer: torch.Tensor | None, k: int) -> None:
+    def _record(self, b: _Bucket, axes: tuple[int, ...], buffer: torch.Tensor | None,
+                k: int) -> None:
         buf = b.buffer if buffer is None else buffer
         self.ledger.add(ExecutedCollective(
-            kind=b.kind, axes=(self.groups.axes[axis],),
+            kind=b.kind, axes=tuple(self.groups.axes[a] for a in axes),
             nbytes=buf.numel() * buf.element_size(), planned_nbytes=b.planned_nbytes[k],
-            phase="grad_sync", node=b.name, group_size=self.groups.shape[axis]))
+            phase="grad_sync", node=b.name,
+            group_size=dist.get_world_size(self.groups.group_of(axes))))
 
     def _start(self, b: _Bucket, dtype: torch.dtype, device: torch.device) -> None:
         b.offsets, off = {}, 0
@@ -200,11 +204,11 @@ class GradBuckets:
             if b.buffer is None:
                 continue              # no member's gradient flowed in this backward
             if b.work is None:        # a member's gradient never came: it is zero
-                b.work = dist.all_reduce(b.buffer, group=self.groups.groups[b.axes[0]],
+                b.work = dist.all_reduce(b.buffer, group=self.groups.group_of(b.axes[0]),
                                          async_op=True)
             b.work.wait()
             for a in b.axes[1:]:
-                dist.all_reduce(b.buffer, group=self.groups.groups[a])
+                dist.all_reduce(b.buffer, group=self.groups.group_of(a))
             for k, a in enumerate(b.axes):
                 self._record(b, a, b.buffer, k)
             for m, (off, shape) in b.offsets.items():

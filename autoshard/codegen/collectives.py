@@ -154,13 +154,16 @@ class Ledger:
 
 def apply_step(x: torch.Tensor, step: Step, groups: MeshGroups, *, ledger: Ledger | None = None,
                phase: str = "forward", node: str = "") -> torch.Tensor:
-    """Run one ``Step`` on the local tensor ``x`` (no autograd bookkeeping)."""
-    a = step.axis
+    """Run one ``Step`` on the local tensor ``x`` (no autograd bookkeeping). A step over several
+    axes at once runs on their joint group, whose ranks are in row-major order of their
+    coordinates over the axes (codegen/groups.py): one collective, as the plan lists it."""
+    axes = step.axes
     if step.kind == "slice":
-        return local_slice(x, step.dim, coord=groups.coords[a], size=groups.shape[a])
+        return local_slice(x, step.dim, coord=groups.joint_coord(axes),
+                           size=groups.joint_size(axes))
     if step.kind == "to_partial":
-        return to_partial(x, coord=groups.coords[a])
-    group = groups.groups[a]
+        return to_partial(x, coord=groups.joint_coord(axes))
+    group = groups.group_of(axes)
     if step.kind == "all_gather":
         y = all_gather(x, step.dim, group)
         moved = y                                   # S is the all-gather's output
@@ -174,10 +177,10 @@ def apply_step(x: torch.Tensor, step: Step, groups: MeshGroups, *, ledger: Ledge
         raise ValueError(f"cannot execute step kind {step.kind!r}; known: all_gather, all_reduce, "
                          "reduce_scatter, all_to_all, slice, to_partial")
     if ledger is not None:
-        ledger.add(ExecutedCollective(kind=step.kind, axes=(groups.axes[a],),
+        ledger.add(ExecutedCollective(kind=step.kind, axes=tuple(groups.axes[a] for a in axes),
                                     nbytes=moved.numel() * moved.element_size(),
                                     planned_nbytes=step.nbytes, phase=phase, node=node,
-                                    group_size=groups.shape[a]))
+                                    group_size=_group_size(group)))
     return y
 
 

@@ -4,11 +4,18 @@ A :class:`MeshGroups` is one rank's view of the mesh: for every mesh axis, the p
 the ranks it talks to along that axis, its coordinate on the axis and the axis size. Collectives
 concatenate shards in *group rank* order while specs index shards by *mesh coordinate*, so the
 two must agree; :meth:`MeshGroups.from_device_mesh` checks that they do.
+
+A collective over several axes at once (docs/cost-model.md §1.4) runs on the *joint* group of
+those axes: the ranks that share this rank's coordinates on every other axis. A dim split over
+several axes is split row-major, the first axis outermost (docs/plan-format.md, "Specs"), so a
+rank's shard index over the group is its row-major index over the group's coordinates
+(:meth:`MeshGroups.joint_coord`), and the joint group's ranks must come in that order.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -29,6 +36,8 @@ class MeshGroups:
     rank: int
     device_type: str
     device_mesh: DeviceMesh
+    # Joint groups made so far (:meth:`add_joint`), by their axes (ascending, two or more).
+    joint: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.shape)
@@ -111,6 +120,58 @@ class MeshGroups:
 
     def size(self, axis: int | str) -> int:
         return self.shape[self.axis(axis)]
+
+    # -- several axes at once ---------------------------------------------------------------
+    def add_joint(self, axes: tuple[int, ...]) -> dist.ProcessGroup:
+        """Make (once) this rank's joint group of ``axes``. Every rank of the mesh calls it for
+        the same groups in the same order (torch.distributed's rule for overlapping groups);
+        only the members of each group meet to make it."""
+        axes = tuple(sorted(axes))
+        if len(axes) < 2 or len(set(axes)) != len(axes) or not all(
+                0 <= a < self.ndim for a in axes):
+            raise AutoshardError(f"two or more distinct axes of the mesh {self.axes}",
+                                 got=repr(axes), fix="name a group of the mesh's axes")
+        if axes in self.joint:
+            return self.joint[axes]
+        mesh = self.device_mesh.mesh
+        index = tuple(slice(None) if a in axes else c for a, c in enumerate(self.coords))
+        ranks = [int(r) for r in mesh[index].reshape(-1).tolist()]    # row-major over axes
+        group = dist.new_group(ranks, use_local_synchronization=True)
+        if dist.get_rank(group) != self.joint_coord(axes):
+            raise AutoshardError(
+                "ranks in row-major order of their coordinates in a group of several axes",
+                got=f"rank {self.rank} at index {self.joint_coord(axes)} over "
+                    f"{[self.axes[a] for a in axes]} but group rank {dist.get_rank(group)} "
+                    f"(group {ranks})",
+                fix="build the DeviceMesh with init_device_mesh, or with a mesh tensor whose "
+                    "ranks increase row-major")
+        self.joint[axes] = group
+        return group
+
+    def group_of(self, axes: tuple[int, ...]) -> dist.ProcessGroup:
+        """The process group of one axis, or the joint group of several (made beforehand with
+        :meth:`add_joint`: making it here, inside a collective, could deadlock)."""
+        if len(axes) == 1:
+            return self.groups[axes[0]]
+        group = self.joint.get(tuple(axes))
+        if group is None:
+            raise AutoshardError(f"a joint process group of the axes "
+                                 f"{[self.axes[a] for a in axes]} made before the program runs",
+                                 got=f"none among {sorted(self.joint)}",
+                                 fix="call MeshGroups.add_joint on every rank first (parallelize "
+                                     "does, for the plan's joint_axes)")
+        return group
+
+    def joint_coord(self, axes: tuple[int, ...]) -> int:
+        """This rank's row-major index over the coordinates of ``axes`` (its shard of a dim
+        split over them)."""
+        out = 0
+        for a in axes:
+            out = out * self.shape[a] + self.coords[a]
+        return out
+
+    def joint_size(self, axes: tuple[int, ...]) -> int:
+        return math.prod(self.shape[a] for a in axes)
 
     def __str__(self) -> str:
         where = ", ".join(f"{a}={c}/{n}" for a, c, n in zip(self.axes, self.coords, self.shape))

@@ -115,7 +115,7 @@ def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime,
     params = {p.name for p in traced.params}
     edges: dict[tuple, ReshardEdge] = {}
     all_edges = list(reshard_edges(traced.graph, strategies, mesh_shape, shapes, params,
-                                   training=traced.training))
+                                   training=traced.training, joint=plan.joint_groups()))
     for e in all_edges:
         for c in e.consumers:
             edges[(e.value, c)] = e

@@ -40,6 +40,8 @@ class ParallelModule(torch.nn.Module):
                  model: torch.nn.Module) -> None:
         super().__init__()
         self.plan, self.groups, self.traced = plan, groups, traced
+        for axes in plan.joint_groups():     # before any collective runs on them
+            groups.add_joint(axes)
         device = torch.device("cuda", torch.cuda.current_device()) if groups.device_type == "cuda" \
             else torch.device("cpu")
         self.runtime = RankRuntime(groups, device, plan)

@@ -52,7 +52,9 @@ class Step:
     """One step of a resharding: a collective over ``axis``, or a local op (slice, zero).
 
     ``dim`` is the tensor dim gathered/scattered/sliced; ``dim2`` the new dim of an all-to-all.
-    ``nbytes`` is S for a collective (0 for local steps).
+    ``nbytes`` is S for a collective (0 for local steps). ``joint``: the mesh axes (ascending,
+    ``axis`` first) of a step that runs as one collective over their joint process group, the
+    dim split over them row-major (docs/cost-model.md §1.4); empty for a step over ``axis``.
     """
 
     kind: str     # all_gather | all_reduce | reduce_scatter | all_to_all | slice | to_partial
@@ -60,10 +62,20 @@ class Step:
     dim: int = -1
     dim2: int = -1
     nbytes: int = 0
+    joint: tuple[int, ...] = ()
 
     @property
     def is_collective(self) -> bool:
         return self.kind in COLLECTIVE_KINDS
+
+    @property
+    def axes(self) -> tuple[int, ...]:
+        """The mesh axes whose joint group runs the step (one axis for most steps)."""
+        return self.joint or (self.axis,)
+
+    def group_size(self, mesh_shape: tuple[int, ...]) -> int:
+        """The devices of the step's group: the product of its axes' sizes."""
+        return math.prod(mesh_shape[a] for a in self.axes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,17 +132,31 @@ def _can_finish(state: list, dst: Spec, done: list[bool], axis: int, dims: set[i
     return True
 
 
+Groups = tuple[tuple[int, ...], ...]   # disjoint sets of mesh axes whose collectives run as one
+
+
 @lru_cache(maxsize=200_000)
 def reshard(src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int,
-            mesh_shape: tuple[int, ...], divergent: frozenset[int] = frozenset()) -> Reshard:
+            mesh_shape: tuple[int, ...], divergent: frozenset[int] = frozenset(),
+            joint: Groups = ()) -> Reshard:
     """Plan the steps from ``src`` to ``dst`` for a tensor of global ``shape``.
 
     Greedy, one step at a time: first any step that finishes an axis without growing the local
     tensor (slice, reduce-scatter, to-partial, all-to-all), so later collectives move fewer
     bytes; else all-reduce a partial axis; else all-gather, an axis that ends replicated if
     one can, else the innermost sharded one. Every step is valid under row-major nesting.
+
+    ``joint``: groups of axes whose collectives run as one over the group's joint process
+    group (docs/cost-model.md §1.4). Where every group's axes hold one placement in ``src``
+    and one in ``dst`` (the layouts of a plan made with those axes merged), the steps are
+    planned on the mesh with each group as one axis of their product, and each step over a
+    group becomes one step over all of its axes; elsewhere every axis moves on its own.
     """
     assert len(src) == len(dst) == len(mesh_shape)
+    if joint:
+        merged = _joint_reshard(src, dst, shape, itemsize, mesh_shape, divergent, joint)
+        if merged is not None:
+            return merged
     # On an axis of one device every placement holds the same data: plan without it.
     src, dst = _drop_unit_axes(src, mesh_shape), _drop_unit_axes(dst, mesh_shape)
     divergent = frozenset(a for a in divergent if mesh_shape[a] > 1)
@@ -153,6 +179,59 @@ def reshard(src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int,
         state[a] = Replicate() if kind in ("all_gather", "all_reduce") else dst[a]
         done[a] = state[a] == dst[a]
     return Reshard(tuple(fwd), _backward(tuple(fwd), dst, shape, itemsize, mesh_shape, divergent))
+
+
+def _joint_reshard(src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int,
+                   mesh_shape: tuple[int, ...], divergent: frozenset[int],
+                   joint: Groups) -> Reshard | None:
+    """:func:`reshard` with ``joint``'s groups as single axes, or None where a group's axes
+    differ in a layout, or where the nesting of a dim split over several axes is not the
+    real mesh's (a dim split over a non-adjacent group and the axis between them)."""
+    src, dst = _drop_unit_axes(src, mesh_shape), _drop_unit_axes(dst, mesh_shape)
+    groups = _partition(joint, mesh_shape)
+    if all(len(g) == 1 for g in groups):
+        return None
+    for spec in (src, dst):
+        if any(len({spec[a] for a in g}) != 1 for g in groups) or not _nests_alike(spec, groups):
+            return None
+    div = frozenset(a for a in divergent if mesh_shape[a] > 1)
+    if any(0 < len(div & set(g)) < len(g) for g in groups):
+        return None
+    r = reshard(tuple(src[g[0]] for g in groups), tuple(dst[g[0]] for g in groups), shape,
+                itemsize, tuple(math.prod(mesh_shape[a] for a in g) for g in groups),
+                frozenset(i for i, g in enumerate(groups) if g[0] in div))
+
+    def real(s: Step) -> Step:
+        g = groups[s.axis]
+        return Step(s.kind, g[0], s.dim, s.dim2, s.nbytes, g if len(g) > 1 else ())
+
+    return Reshard(tuple(map(real, r.forward)), tuple(map(real, r.backward)))
+
+
+def joint_groups(joint: Groups, mesh_shape: tuple[int, ...]) -> Groups:
+    """``joint``'s groups without their 1-device axes, those of two or more axes left."""
+    return tuple(g for g in _partition(joint, mesh_shape) if len(g) > 1)
+
+
+def _partition(joint: Groups, mesh_shape: tuple[int, ...]) -> Groups:
+    """Every axis in one group, ordered by first axis: ``joint``'s groups without their
+    1-device axes (they move nothing), the other axes alone."""
+    groups = [tuple(sorted(a for a in g if mesh_shape[a] > 1)) for g in joint]
+    groups = [g for g in groups if g]
+    seen = {a for g in groups for a in g}
+    groups += [(a,) for a in range(len(mesh_shape)) if a not in seen]
+    return tuple(sorted(groups))
+
+
+def _nests_alike(spec: Spec, groups: Groups) -> bool:
+    """Whether each tensor dim's axes, taken group by group in the merged mesh's order, are
+    the real mesh's row-major order (the first axis outermost, docs/plan-format.md "Specs")."""
+    for d in {p.dim for p in spec if isinstance(p, Shard)}:
+        real = [a for a, p in enumerate(spec) if p == Shard(d)]
+        merged = [a for g in groups if spec[g[0]] == Shard(d) for a in g]
+        if real != merged:
+            return False
+    return True
 
 
 def _next_step(state: list, dst: Spec, done: list[bool]) -> tuple[str, int, int, int]:
@@ -228,11 +307,13 @@ def _backward(fwd: tuple[Step, ...], dst: Spec, shape: tuple[int, ...], itemsize
 
 
 def step_seconds(s: Step, mesh: Mesh) -> float:
-    """One step's collective time on its axis's link (0 for a local step)."""
+    """One step's collective time on its axis's link, or over several axes at once on their
+    slowest member's (docs/cost-model.md §1.4); 0 for a local step."""
     if not s.is_collective:
         return 0.0
-    link = mesh.links[s.axis]
-    return collective_time(s.kind, mesh.shape[s.axis], s.nbytes, link.alpha, link.bandwidth)
+    link = mesh.group_link(s.axes) if s.joint else mesh.links[s.axis]
+    return collective_time(s.kind, s.group_size(mesh.shape), s.nbytes, link.alpha,
+                           link.bandwidth)
 
 
 def steps_time(steps: Sequence[Step], mesh: Mesh) -> float:

@@ -246,7 +246,7 @@ class _Walk:
         self.mem = _Memory()
         self.edges: list[ReshardEdge] = list(reshard_edges(
             self.graph, strategies, self.mesh_shape, pricer.shapes, self.params,
-            training=self.training))
+            training=self.training, joint=getattr(pricer, "joint", ())))
         self.edge_of: dict[tuple[ValueRef, tuple[str, int]], int] = {}
         for i, e in enumerate(self.edges):
             for c in e.consumers:
@@ -314,12 +314,13 @@ class _Walk:
                 ph = self.nodes[e.value[0]]
                 dtype = str(ph.meta["val"].dtype).removeprefix("torch.")
                 nbytes = self._local_bytes(e.value, e.src)
-                axes = tuple(s.axis for s in e.reshard.backward)
+                axes = tuple(a for s in e.reshard.backward for a in s.axes)
                 if self._scatters(e.value[0], e.src):
                     syncs[e.value[0]] = Sync(e.value[0], tuple(sorted(axes)), dtype, nbytes,
                                              "reduce_scatter")
                 else:
-                    syncs[e.value[0]] = Sync(e.value[0], axes, dtype, nbytes)
+                    syncs[e.value[0]] = Sync(e.value[0], axes, dtype, nbytes, joint=tuple(
+                        s.joint for s in e.reshard.backward if s.joint))
         order = sorted(syncs, key=lambda name: -first_use.get(name, 0))
         buckets = form_buckets([syncs[n] for n in order], self.pricer.options.bucket_bytes)
         of = {m: k for k, b in enumerate(buckets) for m in b.members}
@@ -383,7 +384,7 @@ class _Walk:
         stage one more copy (autoshard/codegen/collectives.py)."""
         cur, most, first = nbytes, 0, True
         for s in steps:
-            n = self.mesh_shape[s.axis] if s.axis < len(self.mesh_shape) else 1
+            n = s.group_size(self.mesh_shape) if s.axis < len(self.mesh_shape) else 1
             if s.kind == "all_gather":
                 out, stage = cur * n, (cur * n if s.dim != 0 else 0)
             elif s.kind in ("reduce_scatter", "slice"):
@@ -756,7 +757,7 @@ class _Walk:
         out, cur = [], nbytes
         steps = list(r.forward)
         for i, st in enumerate(steps):
-            n = self.mesh_shape[st.axis] if st.axis < len(self.mesh_shape) else 1
+            n = st.group_size(self.mesh_shape) if st.axis < len(self.mesh_shape) else 1
             last = i == len(steps) - 1
             if st.kind == "all_gather":
                 cur *= n

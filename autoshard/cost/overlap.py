@@ -18,6 +18,7 @@ gradients are ready, and the step waits for every bucket at the end of backward.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -52,26 +53,32 @@ def sync_share_seconds(r: Reshard, mesh: Mesh, bucket_bytes: float) -> float:
 
 
 def sync_share_by_axis(r: Reshard, mesh: Mesh, bucket_bytes: float) -> dict[int, float]:
-    """:func:`sync_share_seconds` per mesh axis."""
+    """:func:`sync_share_seconds` per mesh axis; a collective over several axes at once
+    (docs/cost-model.md §1.4) is shared evenly among them."""
     out: dict[int, float] = {}
     for s in r.backward:
-        link = mesh.links[s.axis]
+        link = mesh.group_link(s.axes)
         share = min(1.0, s.nbytes / bucket_bytes)
-        out[s.axis] = out.get(s.axis, 0.0) + collective_time(
-            s.kind, mesh.shape[s.axis], s.nbytes, link.alpha * share, link.bandwidth)
+        t = collective_time(s.kind, s.group_size(mesh.shape), s.nbytes, link.alpha * share,
+                            link.bandwidth)
+        for a in s.axes:
+            out[a] = out.get(a, 0.0) + t / len(s.axes)
     return out
 
 
 @dataclass(frozen=True, slots=True)
 class Bucket:
     """Gradients synced together: over ``axes`` (in order), of one dtype, all-reduced or (zero2,
-    offload) reduce-scattered; ``nbytes`` is the flat buffer the first axis's collective takes."""
+    offload) reduce-scattered; ``nbytes`` is the flat buffer the first axis's collective takes.
+    ``joint``: groups of ``axes`` that one collective runs over at once (docs/cost-model.md
+    §1.4); every other axis has its own (:func:`bucket_collectives`)."""
 
     axes: tuple[int, ...]
     dtype: str
     members: tuple[str, ...]     # parameter placeholders, in the order their gradients appear
     nbytes: int
     kind: str = "all_reduce"
+    joint: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,23 +90,24 @@ class Sync:
     dtype: str
     nbytes: int
     kind: str = "all_reduce"
+    joint: tuple[tuple[int, ...], ...] = ()
 
 
 def form_buckets(syncs: Iterable[Sync], bucket_bytes: float) -> list[Bucket]:
     """Fill buckets in the order the gradients become ready (``syncs``' order): one open bucket
-    per (axes, dtype, kind); a gradient that would overflow its open bucket closes it and starts the
-    next; a gradient larger than a bucket travels alone. Buckets are listed in closing order
-    (the order they are issued)."""
+    per (axes, dtype, kind, joint groups); a gradient that would overflow its open bucket closes
+    it and starts the next; a gradient larger than a bucket travels alone. Buckets are listed in
+    closing order (the order they are issued)."""
     open_: dict[tuple, list[Sync]] = {}
     out: list[Bucket] = []
 
     def close(key: tuple) -> None:
         members = open_.pop(key)
         out.append(Bucket(key[0], key[1], tuple(m.param for m in members),
-                          sum(m.nbytes for m in members), key[2]))
+                          sum(m.nbytes for m in members), key[2], key[3]))
 
     for s in syncs:
-        key = (s.axes, s.dtype, s.kind)
+        key = (s.axes, s.dtype, s.kind, s.joint)
         if key in open_ and sum(m.nbytes for m in open_[key]) + s.nbytes > bucket_bytes:
             close(key)
         open_.setdefault(key, []).append(s)
@@ -119,11 +127,33 @@ def bucket_bytes_by_axis(b: Bucket, mesh_shape: tuple[int, ...]) -> list[int]:
     return out
 
 
+def bucket_collectives(b: Bucket, mesh_shape: tuple[int, ...]
+                       ) -> list[tuple[tuple[int, ...], int]]:
+    """The bucket's collectives in order, each (its axes, its bytes): one per axis, or one
+    over each of ``b.joint``'s groups at once, of the bucket's buffer."""
+    if not b.joint:
+        return [((a,), n) for a, n in zip(b.axes, bucket_bytes_by_axis(b, mesh_shape))]
+    assert b.kind == "all_reduce", b      # reduce-scatter buckets run one axis at a time
+    out: list[tuple[tuple[int, ...], int]] = []
+    for a in b.axes:
+        g = next((g for g in b.joint if a in g), (a,))
+        if g[0] == a:
+            out.append((g, b.nbytes))
+    return out
+
+
 def bucket_seconds(b: Bucket, mesh: Mesh) -> float:
-    """One collective of the bucket per axis, one latency each."""
-    return sum(collective_time(b.kind, mesh.shape[a], n, mesh.links[a].alpha,
-                               mesh.links[a].bandwidth)
-               for a, n in zip(b.axes, bucket_bytes_by_axis(b, mesh.shape)))
+    """One collective of the bucket per axis (or joint group), one latency each."""
+    return sum(collective_time(b.kind, math.prod(mesh.shape[a] for a in g), n,
+                               mesh.group_link(g).alpha, mesh.group_link(g).bandwidth)
+               for g, n in bucket_collectives(b, mesh.shape))
+
+
+def grad_sync(param: str, r: Reshard, dtype: str) -> Sync:
+    """A parameter's all-reduced gradient sync: the axes of its reshard's backward steps in
+    order, those of a step over several axes at once in one joint group."""
+    return Sync(param, tuple(a for s in r.backward for a in s.axes), dtype, r.backward[0].nbytes,
+                joint=tuple(s.joint for s in r.backward if s.joint))
 
 
 def exposed_seconds(sync_s: float, backward_s: float) -> float:
@@ -153,9 +183,10 @@ def gradient_buckets(edges: list[ReshardEdge], nodes: list, bucket_bytes: float,
     for name, e in first_grad_syncs(edges).items():
         if (modes or {}).get(name) in ("zero2", "offload") \
                 and state_spec(shapes[name], e.src, mesh_shape) is not None:
-            axes, kind = tuple(sorted(s.axis for s in e.reshard.backward)), "reduce_scatter"
+            axes = tuple(sorted(a for s in e.reshard.backward for a in s.axes))
+            syncs[name] = Sync(name, axes, dtypes[name], e.reshard.backward[0].nbytes,
+                               "reduce_scatter")
         else:
-            axes, kind = tuple(s.axis for s in e.reshard.backward), "all_reduce"
-        syncs[name] = Sync(name, axes, dtypes[name], e.reshard.backward[0].nbytes, kind)
+            syncs[name] = grad_sync(name, e.reshard, dtypes[name])
     order = sorted(syncs, key=lambda name: -first_use.get(name, 0))
     return form_buckets([syncs[name] for name in order], bucket_bytes)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autoshard.cost.comm import Reshard, Step, reshard, reshard_time, steps_time
+from autoshard.cost.comm import Groups, Reshard, Step, reshard, reshard_time, steps_time
 from autoshard.cost.compute import local_numel, op_profile, op_times
 from autoshard.cost.memory import saved_activation_bytes, saved_rule
 from autoshard.cost.overlap import is_grad_sync, sync_share_seconds
@@ -56,7 +56,10 @@ class Price:
 
 class Pricer:
     """Prices on ``mesh`` (the mesh the strategies are written for). With ``merge``, ``mesh`` is
-    ``merge.merged()`` and reshards are priced as they run on the real mesh.
+    ``merge.merged()`` and reshards are priced as they run on the real mesh, each merged axis's
+    collectives as one over its real axes' joint group. ``joint``: without ``merge``, the groups
+    of ``mesh``'s axes whose collectives run as one (a plan's ``joint_axes``,
+    docs/cost-model.md §1.4).
 
     ``recompute``: layer name -> activation checkpointing policy (docs/cost-model.md §8), or a
     set of layer names (all "full"). "full": every op of the layer runs its forward again in
@@ -74,8 +77,9 @@ class Pricer:
     def __init__(self, traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
                  merge: AxisMerge | None = None,
                  recompute: Mapping[str, str] | frozenset[str] = frozenset(),
-                 offload: bool = False) -> None:
+                 offload: bool = False, joint: Groups = ()) -> None:
         self.traced, self.mesh, self.options, self.merge = traced, mesh, options, merge
+        self.joint: Groups = merge.joint() if merge is not None else joint
         self.training = traced.training
         self.modes = state_modes(options, offload) if self.training else (None,)
         if not isinstance(recompute, Mapping):
@@ -453,5 +457,6 @@ class Pricer:
             src, dst = self.merge.expand_spec(src), self.merge.expand_spec(dst)
             divergent = self.merge.expand_axes(divergent)
             mesh_shape = self.merge.real.shape
-        r = reshard(src, dst, shape, itemsize, mesh_shape, divergent if grad else frozenset())
+        r = reshard(src, dst, shape, itemsize, mesh_shape, divergent if grad else frozenset(),
+                    self.joint)
         return r if grad else no_backward(r)

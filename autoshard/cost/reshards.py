@@ -18,7 +18,7 @@ from typing import Iterator
 import torch
 import torch.fx as fx
 
-from autoshard.cost.comm import Reshard, reshard
+from autoshard.cost.comm import Groups, Reshard, reshard
 from autoshard.ir import Replicate, Spec, Strategy, divergent_axes
 from autoshard.trace.graph import ValueRef, value_inputs
 
@@ -74,11 +74,12 @@ def output_requirement(ndim_mesh: int) -> Spec:
 
 def reshard_edges(graph: fx.Graph, strategies: dict[str, Strategy], mesh_shape: tuple[int, ...],
                   shapes: dict[ValueRef, tuple[tuple[int, ...], int]], param_names: set[str],
-                  *, training: bool) -> Iterator[ReshardEdge]:
+                  *, training: bool, joint: Groups = ()) -> Iterator[ReshardEdge]:
     """Every (value, requirement) pair that needs steps, in graph order.
 
     ``shapes`` maps a value to (global shape, itemsize). The graph's output (the loss, in training)
-    is required replicated.
+    is required replicated. ``joint``: the plan's groups of axes whose collectives run as one
+    (``Plan.joint_axes``, docs/cost-model.md §1.4).
     """
     wants: dict[ValueRef, dict[tuple[Spec, frozenset[int]], list[tuple[str, int]]]] = {}
     order: list[ValueRef] = []
@@ -107,7 +108,7 @@ def reshard_edges(graph: fx.Graph, strategies: dict[str, Strategy], mesh_shape: 
         for (dst, div), consumers in wants[ref].items():
             if dst == src and not div:
                 continue
-            r = reshard(src, dst, shape, itemsize, mesh_shape, div)
+            r = reshard(src, dst, shape, itemsize, mesh_shape, div, joint)
             if ref[0] not in grads:
                 r = no_backward(r)
             yield ReshardEdge(ref, tuple(consumers), src, dst, div, r, ref[0] in param_names)

@@ -131,13 +131,27 @@ def step_elements(shape: tuple[int, ...], spec: Spec, mode: str | None,
 
 def zero_grad_sync(r: Reshard, axes: tuple[int, ...], mesh_shape: tuple[int, ...]) -> Reshard:
     """A pure gradient sync under zero2/offload: each all-reduce on a zero axis becomes a
-    reduce-scatter (of the bytes left after the previous ones), in the order of the axes."""
+    reduce-scatter (of the bytes left after the previous ones), in the order of the axes.
+    These buckets run one collective per axis: an all-reduce over several axes at once
+    (docs/cost-model.md §1.4) is first taken apart into one per axis, of the same bytes."""
     out: list[Step] = []
     div = 1
-    for s in sorted(r.backward, key=lambda s: s.axis):
+    for s in sorted(per_axis(r.backward), key=lambda s: s.axis):
         if s.kind == "all_reduce" and s.axis in axes:
             out.append(Step("reduce_scatter", s.axis, nbytes=s.nbytes // div))
             div *= mesh_shape[s.axis]
         else:
-            out.append(Step(s.kind, s.axis, s.dim, s.dim2, s.nbytes // div))
+            out.append(Step(s.kind, s.axis, s.dim, s.dim2, s.nbytes // div, s.joint))
     return Reshard(r.forward, tuple(out))
+
+
+def per_axis(steps: tuple[Step, ...]) -> tuple[Step, ...]:
+    """Gradient all-reduces with every joint one (over several axes at once) replaced by one
+    all-reduce per axis of the same bytes: the sum is the same."""
+    out: list[Step] = []
+    for s in steps:
+        if s.joint and s.kind == "all_reduce":
+            out += [Step("all_reduce", a, nbytes=s.nbytes) for a in s.joint]
+        else:
+            out.append(s)
+    return tuple(out)

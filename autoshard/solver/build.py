@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -34,6 +35,11 @@ from autoshard.trace.graph import ValueRef, value_inputs
 
 OUTPUT = "output"
 FORBIDDEN = 1e6   # seconds: a reshard the caller ruled out (the ILP never pays it)
+
+
+class BuildTimeout(Exception):
+    """Building the problem ran past the caller's deadline (``build_problem``), or left too
+    little of the time to solve it: the problem is too large to solve in the time given."""
 
 
 @dataclass
@@ -69,8 +75,9 @@ def placeholder_strategies(info: TensorInfo, mesh_shape: tuple[int, ...],
 
 class _Builder:
     def __init__(self, traced: TracedGraph, pricer: Pricer, memory_budget: float, *,
-                 in_place: frozenset[str] = frozenset()) -> None:
+                 in_place: frozenset[str] = frozenset(), deadline: float | None = None) -> None:
         self.traced, self.pricer, self.budget, self.in_place = traced, pricer, memory_budget, in_place
+        self.deadline = deadline
         self.mesh_shape = pricer.mesh.shape
         self.nodes = [n for n in traced.graph.nodes
                       if n.op == "placeholder" or (n.op == "call_function"
@@ -367,6 +374,8 @@ class _Builder:
                mode: str | None = None) -> tuple[float, float]:
         """(Blocking, gradient-sync) seconds to reshard ``value`` from ``src`` to ``dst``
         (``mode``: a parameter's state mode)."""
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise BuildTimeout()
         if value[0] in self.in_place and src != dst[0] and any(
                 st.kind != "to_partial" for st in reshard(src, dst[0], self.shapes[value][0],
                                                           self.shapes[value][1],
@@ -383,12 +392,13 @@ def _spec(m: Member, i: int, out: int) -> Spec:
 def build_problem(traced: TracedGraph, mesh: Mesh, options: PlanOptions = PlanOptions(), *,
                   in_place: frozenset[str] = frozenset(), merge: AxisMerge | None = None,
                   recompute: Mapping[str, str] | frozenset[str] = frozenset(),
-                  offload: bool = False) -> Built:
+                  offload: bool = False, deadline: float | None = None) -> Built:
     """``in_place``: parameters every op must read in their stored layout (a hand-written plan's
     weights are used where they lie, never resharded on the way in). ``merge``: ``mesh`` merges
     axes of a real mesh (see planner.py); reshards are priced as they run there. ``recompute``:
     layer -> checkpointing policy, or the layers fully checkpointed (cost/price.py); ``offload``: offer optimizer
-    offload as a state mode (cost/state.py)."""
+    offload as a state mode (cost/state.py). ``deadline`` (``time.perf_counter()`` seconds):
+    raise :class:`BuildTimeout` once pricing runs past it."""
     budget = mesh.cluster.memory_bytes if options.memory_budget is None else options.memory_budget
     pricer = Pricer(traced, mesh, options, merge=merge, recompute=recompute, offload=offload)
-    return _Builder(traced, pricer, budget, in_place=in_place).build()
+    return _Builder(traced, pricer, budget, in_place=in_place, deadline=deadline).build()

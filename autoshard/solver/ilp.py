@@ -31,6 +31,10 @@ from ortools.linear_solver import pywraplp
 from autoshard.solver.problem import Edge, Fanout, Problem, Solution, evaluate, price, totals
 
 BACKENDS = ("CBC", "HIGHS", "SCIP")
+# Under a deadline (solve(verdict=False)), HiGHS first: on the ILP of a 3-axis mesh over every
+# subset of axes (~10^5 edge variables), CBC's root processing overran a 4 s limit by 3 to 8 times
+# where HiGHS kept to it and proved the optimum.
+DEADLINE_BACKENDS = ("HIGHS", "CBC", "SCIP")
 # Costs enter the MIP in microseconds: CBC drops objective coefficients below ~1e-8, and a small
 # op's seconds are that small.
 US = 1e6
@@ -99,20 +103,22 @@ def least_memory_plan(problem: Problem, *, time_limit_s: float = 30.0) -> LeastM
     return LeastMemory(bound, False, None)
 
 
-def _solver() -> pywraplp.Solver:
-    for name in BACKENDS:
+def _solver(backends: tuple[str, ...] = BACKENDS) -> pywraplp.Solver:
+    for name in backends:
         s = pywraplp.Solver.CreateSolver(name)
         if s is not None:
             s.SuppressOutput()          # HiGHS prints a banner on stdout otherwise
+            if name == "HIGHS":     # HiGHS logs to stdout by default; CBC and SCIP are quiet
+                s.SetSolverSpecificParametersAsString("output_flag=false")
             return s
-    raise RuntimeError(f"OR-Tools offers none of the MIP backends {BACKENDS}")
+    raise RuntimeError(f"OR-Tools offers none of the MIP backends {backends}")
 
 
 class _Model:
     """The MIP of a problem: variables, the objective's terms and the memory expression."""
 
-    def __init__(self, problem: Problem) -> None:
-        s = self.s = _solver()
+    def __init__(self, problem: Problem, backends: tuple[str, ...] = BACKENDS) -> None:
+        s = self.s = _solver(backends)
         s.SetNumThreads(1)
         x = self.x = [[s.BoolVar(f"x{g}_{i}") for i in range(len(dec.cost))]
                       for g, dec in enumerate(problem.decisions)]
@@ -188,16 +194,15 @@ class _Model:
 
 
 def solve(problem: Problem, *, time_limit_s: float = 30.0,
-          cutoff_s: float | None = None,
-          least_memory_fallback: bool = True) -> Solution:
+          cutoff_s: float | None = None, verdict: bool = True) -> Solution:
     """The best plan the solver finds in ``time_limit_s``: optimal, or feasible with its gap to
     the best bound. Raises :class:`Infeasible` when no plan fits memory, :class:`NoSolution` when
     the solver found no plan in time and none could be built without it. With ``cutoff_s`` (the
     step of a plan the caller already holds) only faster plans are searched, which prunes the
-    branch and bound; :class:`NoBetter` when none is found.
-    ``least_memory_fallback=False``: a caller that holds a plan within the budget already
-    (``autoshard explain``'s swap alone) gets :class:`NoSolution` at once when the time limit
-    leaves no incumbent, not a least-memory solve of up to the same limit again.
+    branch and bound; :class:`NoBetter` when none is found. ``verdict=False``: without an
+    incumbent, raise :class:`NoSolution` at once, without the least-memory MIP that tells the two
+    apart (and may take the time limit again): for a caller that has other plans (a search under
+    a deadline, ``autoshard explain``'s swap alone), solved HiGHS first.
 
     Edges and fanouts that only add memory (a saved activation kept once per layout, build.py)
     matter only when the budget binds, and they make the MIP much harder (T5-large on 8x8 finds
@@ -209,14 +214,14 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0,
                       fanouts=tuple(f for f in problem.fanouts if _prices_time(f)))
     if len(relaxed.edges) + len(relaxed.fanouts) < len(problem.edges) + len(problem.fanouts):
         try:        # half the time: the whole problem may still need the other half
-            sol = _solve(relaxed, time_limit_s / 2, t0, cutoff_s, least_memory_fallback)
+            sol = _solve(relaxed, time_limit_s / 2, t0, cutoff_s, verdict)
         except (Infeasible, NoSolution, NoBetter):
             sol = None            # the whole problem is no easier: solve it for its verdict
         if sol is not None and sol.status == "OPTIMAL" and \
                 evaluate(problem, sol.choice)[1] <= problem.memory_budget:
             return sol
         time_limit_s = max(time_limit_s / 2, time_limit_s - (time.perf_counter() - t0))
-    return _solve(problem, time_limit_s, t0, cutoff_s, least_memory_fallback)
+    return _solve(problem, time_limit_s, t0, cutoff_s, verdict)
 
 
 def _prices_time(item: Edge | Fanout) -> bool:
@@ -224,8 +229,8 @@ def _prices_time(item: Edge | Fanout) -> bool:
 
 
 def _solve(problem: Problem, time_limit_s: float, t0: float,
-           cutoff_s: float | None = None, least_memory_fallback: bool = True) -> Solution:
-    m = _Model(problem)
+           cutoff_s: float | None = None, verdict: bool = True) -> Solution:
+    m = _Model(problem, BACKENDS if verdict else DEADLINE_BACKENDS)
     m.s.Add(m.mem <= problem.memory_budget)
     if cutoff_s is not None:
         m.s.Add(m.obj <= US * cutoff_s * (1 - 1e-9))
@@ -245,7 +250,7 @@ def _solve(problem: Problem, time_limit_s: float, t0: float,
         raise NoBetter()
     # No incumbent: the budget is infeasible, or the time limit came first (status NOT_SOLVED;
     # some backends then say INFEASIBLE too). Only the least memory tells which.
-    if not least_memory_fallback:
+    if not verdict:
         raise NoSolution(time_limit_s, status, _finite(bound, 0.0))
     least = least_memory_plan(problem, time_limit_s=time_limit_s)
     if least.bytes > problem.memory_budget:

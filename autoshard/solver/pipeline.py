@@ -85,6 +85,8 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
     sub_options = options.replace(pipeline=None, memory_budget=budget * p)
     with progress.step(f"layouts of the stages over {','.join(sub.axes)}, {m} microbatches"):
         spmd = plan_spmd(traced, sub, sub_options, model_name=model_name, trace_s=trace_s)
+    # The sub-mesh has at most two axes (meshes have three): no axes merged, no joint groups.
+    assert not spmd.joint_axes, spmd.joint_axes
     strategies = spmd.strategies()
     pricer = Pricer(traced, sub, sub_options, recompute=dict(spmd.recompute))
     graph = traced.graph

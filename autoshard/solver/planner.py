@@ -10,17 +10,17 @@ import torch
 from autoshard import progress
 from autoshard.cost.liveness import step_memory
 from autoshard.cost.price import Pricer
-from autoshard.cost.comm import step_seconds
-from autoshard.cost.overlap import (bucket_bytes_by_axis, exposed_seconds, first_grad_syncs,
+from autoshard.cost.comm import Groups, Step, joint_groups, step_seconds
+from autoshard.cost.overlap import (bucket_collectives, exposed_seconds, first_grad_syncs,
                                     gradient_buckets, sync_share_by_axis)
 from autoshard.cost.state import StateBytes, state_spec
 from autoshard.cost.reshards import reshard_edges
 from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Strategy, work_fraction
-from autoshard.mesh import AxisMerge, Mesh
+from autoshard.mesh import AxisMerge, Merges, Mesh
 from autoshard.options import PlanOptions, resolve_options
 from autoshard.plans import CollectiveRecord, NodePlan, ParamState, Plan
-from autoshard.solver.build import Built, build_problem
+from autoshard.solver.build import BuildTimeout, Built, build_problem
 from autoshard.solver.ilp import Infeasible, NoBetter, NoSolution, break_ties, solve
 from autoshard.solver.diagnostics import gib, mesh_use, smaller_mesh, unruled_note
 from autoshard.trace.batches import Traces, batch_of, sliced
@@ -174,7 +174,7 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = N
     if fixed or merge is not None:
         return plan
     unruled = unruled_note(traced)
-    notes = [unruled.removeprefix("; ")] if unruled else []
+    notes = [*plan.warnings, *([unruled.removeprefix("; ")] if unruled else [])]
     budget = mesh.cluster.memory_bytes if options.memory_budget is None else options.memory_budget
     live = plan.predicted["memory"]["peak"]
     if live > budget:
@@ -390,7 +390,7 @@ def _plan_partial(traced: TracedGraph, mesh: Mesh, options: PlanOptions, best: P
         while lo_k < hi_k:
             k = (lo_k + hi_k) // 2
             if forward_memory(_grouped(traced, mixed(k)), mesh, strategies, options,
-                              mixed(k)) <= budget:
+                              mixed(k), best.joint_groups()) <= budget:
                 hi_k = k
             else:
                 lo_k = k + 1
@@ -402,7 +402,7 @@ def _plan_partial(traced: TracedGraph, mesh: Mesh, options: PlanOptions, best: P
             rc = mixed(k)
             p = assemble(_grouped(traced, rc), mesh, strategies, options,
                          solver=dict(best.solver), model_name=kw.get("model_name", ""),
-                         timings=dict(best.timings), recompute=rc)
+                         timings=dict(best.timings), recompute=rc, joint=best.joint_groups())
             # Not solved again: the layouts are best's, priced with these policies.
             p = replace(p, solver={**p.solver, "objective": p.predicted["step_time_s"],
                                    "note": f"layouts solved with every layer {hi}; "
@@ -456,21 +456,42 @@ def _plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model
     if mesh.ndim >= 3:
         return _plan_by_merging(traced, mesh, options, model_name=model_name, fixed=fixed,
                                 trace_s=trace_s, recompute=recompute, offload=offload)
+    return _solve(traced, mesh, options, model_name=model_name, fixed=fixed, trace_s=trace_s,
+                  merge=merge, recompute=recompute, offload=offload)
+
+
+MIN_SOLVE_S = 0.5    # the least time a solve under a deadline gets once its ILP is built
+
+
+def _solve(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_name: str,
+           fixed: dict[str, Strategy] | None, trace_s: float, merge: AxisMerge | None,
+           recompute: dict[str, str], offload: bool, deadline: float | None = None) -> Plan:
+    """One ILP on ``mesh`` (every axis its own, whatever its number), solved and assembled.
+    ``deadline`` (``time.perf_counter()`` seconds): building and solving share the time up to it
+    (BuildTimeout if building runs past it), and a solve without an incumbent by then raises
+    at once (the caller has other plans)."""
     t0 = time.perf_counter()
     in_place = frozenset(p.name for p in traced.params if p.name in (fixed or {}))
     with progress.step(f"building the ILP on mesh {'x'.join(map(str, mesh.shape))} "
                        f"({','.join(mesh.axes)})"):
         built = build_problem(traced, mesh, options, in_place=in_place, merge=merge,
-                              recompute=recompute, offload=offload)
+                              recompute=recompute, offload=offload, deadline=deadline)
     problem = built.problem
     if fixed:
         problem = _with_fixed(built, fixed)
     build_s = time.perf_counter() - t0
+    if deadline is not None and deadline - time.perf_counter() < build_s:
+        # Solving took longer than building on every 3-axis problem measured (gpt2-tiny,
+        # llama-tiny: 1.2x to 2.3x): less time than that left cannot give a plan.
+        raise BuildTimeout()
     try:
         with progress.step(f"solving ({len(problem.decisions)} decisions)"):
             # A try that must beat a plan in hand is a gamble: a quarter of the time limit.
-            sol = solve(problem, cutoff_s=cutoff_s, time_limit_s=options.time_limit_s
-                        if cutoff_s is None else options.time_limit_s / 4)
+            limit = options.time_limit_s if cutoff_s is None else options.time_limit_s / 4
+            if deadline is not None:
+                limit = max(MIN_SOLVE_S, deadline - time.perf_counter())
+            sol = solve(problem, time_limit_s=limit, cutoff_s=cutoff_s,
+                        verdict=deadline is None)
     except Infeasible as e:
         least = f"{'' if e.exact else 'at least '}{gib(e.least_memory)}"
         raise AutoshardError(
@@ -481,8 +502,9 @@ def _plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model
     except NoSolution as e:
         raise AutoshardError(
             "a plan found within the solver's time limit",
-            got=f"none after {e.time_limit_s:g} s (solver status {e.status}, best bound "
-                f"{e.bound * 1e3:.4g} ms per step); the memory budget is not the cause",
+            got=f"none after {e.time_limit_s:.3g} s (solver status {e.status}, best bound "
+                f"{e.bound * 1e3:.4g} ms per step)"
+                + ("; the memory budget is not the cause" if deadline is None else ""),
             fix="raise time_limit_s (--time-limit), or use a mesh with fewer axes") from e
     progress.note(f"{sol.status}: {sol.objective * 1e3:.3f} ms per step")
     choice = break_ties(problem, sol.choice, storage_preferences(traced, built))
@@ -511,53 +533,173 @@ def storage_preferences(traced: TracedGraph, built: Built) -> dict[int, list[int
     return out
 
 
-# On a 3-axis mesh the full strategy space (about 5^3 placements per tensor) makes the ILP too
-# large to solve in seconds. We search the layouts in which adjacent axes act as one (their
-# placements are equal): each is a 1-D or 2-D problem whose reshards are priced as they run on
-# the real mesh, solved exactly, and the best is kept. Data x tensor, FSDP x tensor and 3-way
-# tensor layouts, and every hand-written baseline, lie in this space; layouts giving three axes
-# three different roles do not.
-MERGES = {3: (((0, 1), (2,)), ((0,), (1, 2)), ((0, 1, 2),))}
+# A 3-axis mesh is searched two ways, and the fastest plan kept (docs/design.md, "The ILP"):
+# - merged: for each way to group the axes (adjacent or not: (x,y)+z, x+(y,z), (x,z)+y, (x,y,z)),
+#   a 1-D or 2-D problem whose merged axes hold one placement, solved exactly; a merged axis's
+#   collective runs as one collective over its real axes' joint group (docs/cost-model.md §1.4);
+# - every subset: the problem on the real mesh, where each tensor dim may be split over any
+#   subset of the axes (about 5^3 placements per tensor: a larger ILP), every collective over
+#   one axis. It is built and solved within the solver's time limit; where it is not, the plan
+#   is the best merged one and says so (``warnings``, ``solver["axis_search"]``).
+# A mesh with a 1-device axis skips the second: merging that axis into another is the same.
+
+
+def partitions(n: int) -> list[Merges]:
+    """Every grouping of ``n`` axes (set partitions), each group ascending, groups in order of
+    their first axis: groups of adjacent axes first, then the others, every axis alone last
+    (the first of equally fast plans is kept)."""
+    out: list[list[list[int]]] = [[]]
+    for a in range(n):
+        out = [[*p[:i], [*g, a], *p[i + 1:]] for p in out for i, g in enumerate(p)] + \
+              [[*p, [a]] for p in out]
+    groups = [tuple(sorted(tuple(g) for g in p)) for p in out]
+
+    def order(p: Merges) -> tuple:
+        apart = any(g[-1] - g[0] + 1 != len(g) for g in p)
+        return len(p) == n, apart, -len(p), -len(p[0])
+
+    return sorted(groups, key=order)
+
+
+def plan_merged(traced: TracedGraph, mesh: Mesh, merges: Merges,
+                options: PlanOptions | None = None, *, model_name: str = "",
+                **overrides: Any) -> Plan:
+    """One candidate of the 3-axis search: the plan of ``traced`` on ``mesh`` with each group of
+    ``merges`` acting as one axis, its collectives one over the group's joint process group
+    (docs/cost-model.md §1.4). ``merges`` lists every axis once, e.g. ``((0, 2), (1,))``."""
+    if options is None:
+        overrides = {"training": traced.training, **overrides}
+    options = resolve_options(options, overrides)
+    merge = AxisMerge(mesh, tuple(tuple(g) for g in merges))
+    if all(len(g) == 1 for g in merge.merges):
+        raise AutoshardError("a grouping that merges two or more axes", got=repr(merges),
+                             fix="plan_traced plans with every axis on its own")
+    check_mesh_fits(traced, mesh)
+    plan = _plan_merged(traced, mesh, options, merge, fixed=None, model_name=model_name,
+                        trace_s=0.0, recompute={}, offload=options.offload == "optimizer")
+    assert plan is not None                  # only pinned layouts can refuse a merge
+    return plan
 
 
 def _plan_by_merging(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
                      fixed: dict[str, Strategy] | None, model_name: str, trace_s: float,
                      recompute: dict[str, str], offload: bool) -> Plan:
-    best: Plan | None = None
-    errors = []
-    for merges in MERGES[mesh.ndim]:
-        merge = AxisMerge(mesh, merges)
-        pins = {}
-        for name, st in (fixed or {}).items():
-            outs = tuple(merge.contract_spec(o) for o in st.outputs)
-            if any(o is None for o in outs):
-                break
-            pins[name] = Strategy((), outs, st.kernel)
-        else:
-            try:
-                with progress.step(f"axes merged as ({','.join(merge.merged().axes)})"):
-                    sub = _plan_traced(traced, merge.merged(), options, fixed=pins or None,
-                                       merge=merge, model_name=model_name, trace_s=trace_s,
-                                       recompute=recompute, offload=offload)
-            except AutoshardError as e:
-                errors.append(e)
-                continue
-            strategies = {}
-            for n in sub.nodes:
-                ins = tuple(merge.expand_spec(x) for x in n.inputs)
-                outs = tuple(merge.expand_spec(x) for x in n.outputs)
-                strategies[n.name] = Strategy(ins, outs, n.kernel,
-                                              work_fraction(ins, outs, mesh.shape))
-            plan = assemble(traced, mesh, strategies, options,
-                            solver={**sub.solver, "merged_axes": [list(g) for g in merges]},
-                            model_name=model_name, timings=sub.timings, recompute=recompute)
-            if best is None or plan.predicted["step_time_s"] < best.predicted["step_time_s"]:
-                best = plan
-    if best is None:
-        raise errors[0] if errors else AutoshardError(
-            "pinned layouts that keep some adjacent mesh axes alike", got=str(fixed),
-            fix="pin equal placements on two adjacent axes")
-    return best
+    tries: list[dict[str, Any]] = []
+    plans: list[Plan] = []
+    errors: list[AutoshardError] = []
+    every = min(mesh.shape) > 1
+    for merges in partitions(mesh.ndim):
+        alone = all(len(g) == 1 for g in merges)
+        if alone and not every:
+            continue
+        try:
+            if alone:
+                plan = _plan_every_subset(traced, mesh, options, fixed=fixed,
+                                          model_name=model_name, trace_s=trace_s,
+                                          recompute=recompute, offload=offload)
+            else:
+                plan = _plan_merged(traced, mesh, options, AxisMerge(mesh, merges), fixed=fixed,
+                                    model_name=model_name, trace_s=trace_s,
+                                    recompute=recompute, offload=offload)
+        except AutoshardError as e:
+            errors.append(e)
+            tries.append({"merged_axes": [list(g) for g in merges], "error": e.got})
+            continue
+        if plan is None:
+            continue                      # pinned layouts that differ on merged axes
+        for p in [plan, *([_one_axis_at_a_time(traced, mesh, options, plan)]
+                          if plan.joint_axes else [])]:
+            plans.append(p)
+            tries.append({"merged_axes": [list(g) for g in merges], "joint": bool(p.joint_axes),
+                          "step_time_s": p.predicted["step_time_s"],
+                          "status": p.solver["status"], "gap": p.solver["gap"]})
+    if not plans:
+        if errors:
+            raise errors[0]
+        raise AutoshardError("pinned layouts that keep some mesh axes alike", got=str(fixed),
+                             fix="pin equal placements on two mesh axes")
+    best = min(plans, key=lambda p: p.predicted["step_time_s"])
+    alone = next((t for t in tries if len(t["merged_axes"]) == mesh.ndim), None)
+    note = _fallback_note(alone, best, options) if alone is not None else ""
+    return replace(best, solver={**best.solver, "axis_search": tries},
+                   warnings=(*best.warnings, *([note] if note else [])))
+
+
+def _one_axis_at_a_time(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
+                        plan: Plan) -> Plan:
+    """``plan``'s layouts with every collective over one axis (docs/cost-model.md §1.2). The
+    merged ILP priced a merged axis's collectives as one over its joint group; on equal links
+    a joint all-gather costs more latency than one per axis, a joint all-reduce fewer bytes
+    (§1.4), so the search prices the same layouts both ways."""
+    p = assemble(traced, mesh, plan.strategies(), options, solver=dict(plan.solver),
+                 model_name=plan.model, timings=dict(plan.timings),
+                 recompute=dict(plan.recompute))
+    note = "layouts solved with axes merged, their collectives then priced one axis at a time"
+    return replace(p, solver={**p.solver, "objective": p.predicted["step_time_s"],
+                              "note": "; ".join(filter(None, [p.solver.get("note"), note]))})
+
+
+def _fallback_note(alone: dict[str, Any], best: Plan, options: PlanOptions) -> str:
+    """What the plan says when the search over every subset of axes did not finish within the
+    time limit (no plan, or one the solver could not prove best) and a merged plan was kept."""
+    if "error" in alone:
+        why = f"gave no plan ({alone['error']})"
+    elif alone["status"] != "OPTIMAL" and len(best.solver["merged_axes"]) < len(alone[
+            "merged_axes"]):
+        why = f"stopped at the time limit {alone['gap']:.1%} from its bound"
+    else:
+        return ""
+    return (f"the search over every subset of mesh axes for each tensor dim {why}; solver time "
+            f"limit {options.time_limit_s:g} s: the plan is the best with axes merged "
+            f"(solver.merged_axes)")
+
+
+def _plan_every_subset(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
+                       fixed: dict[str, Strategy] | None, model_name: str, trace_s: float,
+                       recompute: dict[str, str], offload: bool) -> Plan:
+    """The problem on the real 3-axis mesh, built within the solver's time limit and solved
+    within it (an incumbent found by then is kept, with its gap)."""
+    limit = options.time_limit_s
+    t0 = time.perf_counter()
+    try:
+        with progress.step("every subset of axes for each tensor dim"):
+            plan = _solve(traced, mesh, options, model_name=model_name, fixed=fixed,
+                          trace_s=trace_s, merge=None, recompute=recompute, offload=offload,
+                          deadline=t0 + limit)
+    except BuildTimeout as e:
+        raise AutoshardError("a problem over every subset of axes built within the solver's "
+                             "time limit, with time left to solve it",
+                             got=f"building it took {time.perf_counter() - t0:.3g} s of the "
+                                 f"time limit of {limit:g} s",
+                             fix="raise time_limit_s (--time-limit)") from e
+    return replace(plan, solver={**plan.solver,
+                                 "merged_axes": [[a] for a in range(mesh.ndim)]})
+
+
+def _plan_merged(traced: TracedGraph, mesh: Mesh, options: PlanOptions, merge: AxisMerge, *,
+                 fixed: dict[str, Strategy] | None, model_name: str, trace_s: float,
+                 recompute: dict[str, str], offload: bool) -> Plan | None:
+    """The plan with ``merge``'s groups of axes acting as one, on the real mesh; None when a
+    pinned layout differs on the axes of a group."""
+    pins = {}
+    for name, st in (fixed or {}).items():
+        outs = tuple(merge.contract_spec(o) for o in st.outputs)
+        if any(o is None for o in outs):
+            return None
+        pins[name] = Strategy((), outs, st.kernel)
+    with progress.step(f"axes merged as ({','.join(merge.merged().axes)})"):
+        sub = _plan_traced(traced, merge.merged(), options, fixed=pins or None, merge=merge,
+                           model_name=model_name, trace_s=trace_s, recompute=recompute,
+                           offload=offload)
+    strategies = {}
+    for n in sub.nodes:
+        ins = tuple(merge.expand_spec(x) for x in n.inputs)
+        outs = tuple(merge.expand_spec(x) for x in n.outputs)
+        strategies[n.name] = Strategy(ins, outs, n.kernel, work_fraction(ins, outs, mesh.shape))
+    return assemble(traced, mesh, strategies, options,
+                    solver={**sub.solver, "merged_axes": [list(g) for g in merge.merges]},
+                    model_name=model_name, timings=sub.timings, recompute=recompute,
+                    joint=merge.joint())
 
 
 def _with_fixed(built: Built, fixed: dict[str, Strategy]):
@@ -578,17 +720,17 @@ def _with_fixed(built: Built, fixed: dict[str, Strategy]):
 
 
 def forward_memory(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
-                   options: PlanOptions, recompute: dict[str, str]) -> float:
+                   options: PlanOptions, recompute: dict[str, str], joint: Groups = ()) -> float:
     """The memory the ILP bounds for a full assignment (``assemble``'s ``peak_memory_bytes``)
     without the rest of the plan: what each node holds and saves, the saved copies of resharded
     values, and under selective checkpointing the collective outputs it stores."""
-    pricer = Pricer(traced, mesh, options, recompute=recompute)
+    pricer = Pricer(traced, mesh, options, recompute=recompute, joint=joint)
     memory = sum(pricer.memory(n, st) for n, st in strategies.items())
     memory += pricer.saved_copies(strategies)
     if "selective" in recompute.values():
         params = {p.name for p in traced.params}
         for e in reshard_edges(traced.graph, strategies, mesh.shape, pricer.shapes, params,
-                               training=traced.training):
+                               training=traced.training, joint=joint):
             memory += pricer.stored_reshard_bytes(e.value, e.src, e.dst, e.consumers[0][0])
     return memory
 
@@ -596,14 +738,19 @@ def forward_memory(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strate
 def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
              options: PlanOptions, *, solver: dict[str, Any], model_name: str,
              timings: dict[str, float],
-             recompute: dict[str, str] | frozenset[str] | None = None) -> Plan:
+             recompute: dict[str, str] | frozenset[str] | None = None,
+             joint: Groups = ()) -> Plan:
     """The Plan of a full assignment on ``mesh``: its ledger, and its predicted figures as the
     sum of the prices the ILP's coefficients come from (cost/price.py), over the nodes and the
-    reshards the program will run (cost/reshards.py, the walk codegen makes)."""
+    reshards the program will run (cost/reshards.py, the walk codegen makes). ``joint``: groups
+    of axes whose collectives run as one (the plan's ``joint_axes``, docs/cost-model.md §1.4);
+    a collective over several axes is one record listing them, and its seconds are shared
+    evenly among them in the per-axis figures."""
     graph = traced.graph
     if not isinstance(recompute, dict):       # a set of layers: all fully checkpointed
         recompute = dict.fromkeys(recompute or (), "full")
-    pricer = Pricer(traced, mesh, options, recompute=recompute)
+    joint = joint_groups(joint, mesh.shape)
+    pricer = Pricer(traced, mesh, options, recompute=recompute, joint=joint)
     nodes = [n for n in graph.nodes if n.name in strategies]
     params = {p.name: p.fqn for p in traced.params}
     compute_s = memory = backward_s = optimizer_s = 0.0
@@ -618,7 +765,7 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
             optimizer_s += pricer.optimizer_seconds(n.name, strategies[n.name])
     memory += pricer.saved_copies(strategies)
     edges = list(reshard_edges(graph, strategies, mesh.shape, pricer.shapes, set(params),
-                               training=traced.training))
+                               training=traced.training, joint=joint))
     modes = {n: strategies[n].kernel for n in params}
     buckets = gradient_buckets(edges, nodes, options.bucket_bytes, modes, mesh.shape)
     first = first_grad_syncs(edges)
@@ -639,10 +786,10 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
         for phase, step in [*e.reshard.collectives, *again]:
             if phase == "backward" and e.from_param:
                 phase = "grad_sync"
-            axis = mesh.axes[step.axis]
-            blocking[axis] += step_seconds(step, mesh)
-            collectives.append(CollectiveRecord(step.kind, (axis,), step.nbytes, phase,
-                                                e.consumers[0][0], e.value[0]))
+            _charge(blocking, step, mesh)
+            collectives.append(CollectiveRecord(step.kind, tuple(mesh.axes[a] for a in step.axes),
+                                                step.nbytes, phase, e.consumers[0][0],
+                                                e.value[0]))
     # Collectives an op runs inside itself (a vocabulary-parallel loss's all-reduces,
     # docs/cost-model.md §3.8): blocking, in forward, again where its layer is recomputed.
     for n in nodes:
@@ -650,12 +797,12 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
         again = ("recompute",) if steps and pricer.reshards_again(n.name) else ()
         for phase in ("forward", *again):
             for step in steps:
-                blocking[mesh.axes[step.axis]] += step_seconds(step, mesh)
-                collectives.append(CollectiveRecord(step.kind, (mesh.axes[step.axis],),
+                _charge(blocking, step, mesh)
+                collectives.append(CollectiveRecord(step.kind, tuple(mesh.axes[a] for a in step.axes),
                                                     step.nbytes, phase, n.name, n.name))
     for k, b in enumerate(buckets):
-        for a, nbytes in zip(b.axes, bucket_bytes_by_axis(b, mesh.shape)):
-            collectives.append(CollectiveRecord(b.kind, (mesh.axes[a],), nbytes,
+        for axes, nbytes in bucket_collectives(b, mesh.shape):
+            collectives.append(CollectiveRecord(b.kind, tuple(mesh.axes[a] for a in axes), nbytes,
                                                 "grad_sync", f"bucket{k}", "", b.members))
     # After the optimizer step, the updated state shards are all-gathered back into each
     # parameter's layout (zero1/zero2/offload, cost/state.py): blocking, phase "optimizer".
@@ -666,8 +813,9 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
             param_state[fqn] = _state_record(pricer, name, strategies[name])
         for step in (r.forward if r else ()):
             if step.is_collective:
-                blocking[mesh.axes[step.axis]] += step_seconds(step, mesh)
-                collectives.append(CollectiveRecord(step.kind, (mesh.axes[step.axis],),
+                _charge(blocking, step, mesh)
+                collectives.append(CollectiveRecord(step.kind,
+                                                    tuple(mesh.axes[a] for a in step.axes),
                                                     step.nbytes, "optimizer", "optimizer", name))
     # One overlap window (cost/overlap.py): the buckets run behind backward compute; what does
     # not fit is exposed, shared over the axes by their sync seconds.
@@ -709,10 +857,18 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
         recompute={layer.name: recompute[layer.name] for layer in traced.layers
                    if layer.name in recompute},
         param_state=param_state,
+        joint_axes=tuple(tuple(mesh.axes[a] for a in g) for g in joint),
         input_meta={p.fqn: (p.info.shape, str(p.info.dtype).removeprefix("torch."))
                     for p in traced.inputs if p.info is not None},
         # Wall-clock figures stay off the saved plan: they would make two runs' files differ.
         timings=timings)
+
+
+def _charge(seconds: dict[str, float], step: Step, mesh: Mesh) -> None:
+    """Add a step's seconds to its axes' figures, shared evenly among the axes of a joint one."""
+    t = step_seconds(step, mesh)
+    for a in step.axes:
+        seconds[mesh.axes[a]] += t / len(step.axes)
 
 
 def _state_record(pricer: Pricer, name: str, strategy: Strategy) -> ParamState:
