@@ -457,7 +457,7 @@ def _plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model
         return _plan_by_merging(traced, mesh, options, model_name=model_name, fixed=fixed,
                                 trace_s=trace_s, recompute=recompute, offload=offload)
     return _solve(traced, mesh, options, model_name=model_name, fixed=fixed, trace_s=trace_s,
-                  merge=merge, recompute=recompute, offload=offload)
+                  merge=merge, recompute=recompute, offload=offload, cutoff_s=cutoff_s)
 
 
 MIN_SOLVE_S = 0.5    # the least time a solve under a deadline gets once its ILP is built
@@ -465,7 +465,8 @@ MIN_SOLVE_S = 0.5    # the least time a solve under a deadline gets once its ILP
 
 def _solve(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_name: str,
            fixed: dict[str, Strategy] | None, trace_s: float, merge: AxisMerge | None,
-           recompute: dict[str, str], offload: bool, deadline: float | None = None) -> Plan:
+           recompute: dict[str, str], offload: bool, deadline: float | None = None,
+           cutoff_s: float | None = None) -> Plan:
     """One ILP on ``mesh`` (every axis its own, whatever its number), solved and assembled.
     ``deadline`` (``time.perf_counter()`` seconds): building and solving share the time up to it
     (BuildTimeout if building runs past it), and a solve without an incumbent by then raises
