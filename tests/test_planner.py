@@ -358,13 +358,17 @@ def test_never_slower_than_a_baseline(baseline_traces, name: str, shape) -> None
     on merged 3-axis meshes too."""
     traced = baseline_traces[name]
     mesh = Mesh(shape, cluster="h100")
-    p = plan_traced(traced, mesh)
+    # 3 axes: the every-subset ILP is built and solved under a deadline of the time limit; at
+    # 2 s it gives up (its build alone takes longer here) and every plan, ours and the
+    # baselines', is the best of the axis merges: the comparison stays like for like.
+    kw = {"time_limit_s": 2.0} if len(shape) == 3 else {}
+    p = plan_traced(traced, mesh, **kw)
     ours = p.predicted["step_time_s"]
     assert p.solver["objective"] == pytest.approx(ours, rel=1e-9)
     feasible = 0
     for b in BASELINES:
         try:
-            theirs = baseline_plan(traced, mesh, b).predicted["step_time_s"]
+            theirs = baseline_plan(traced, mesh, b, **kw).predicted["step_time_s"]
         except AutoshardError as e:
             assert "memory" in str(e), e       # only an infeasible budget excuses a baseline
             continue
