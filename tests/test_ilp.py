@@ -375,3 +375,12 @@ def test_memory_only_items_count_when_the_budget_binds(budget, choice) -> None:
     sol = solve(p)
     assert sol.choice[0] == choice
     assert evaluate(p, sol.choice)[1] <= budget
+
+
+def test_solves_under_a_deadline_print_nothing(capfd) -> None:
+    """HiGHS (the backend under a deadline) prints a banner on the process's stdout once an
+    option is set; `autoshard plan --json` must stay JSON: nothing reaches file descriptor 1."""
+    sol = solve(chain(), time_limit_s=5.0, verdict=False)
+    assert sol.objective == pytest.approx(5.0, rel=REL)
+    out, err = capfd.readouterr()
+    assert out == "" and "HiGHS" not in err

@@ -23,6 +23,8 @@ single-threaded with a fixed seed, so two runs give the same plan.
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass, replace
 
@@ -97,20 +99,36 @@ def least_memory_plan(problem: Problem, *, time_limit_s: float = 30.0) -> LeastM
     m = _Model(problem)
     m.s.Minimize(m.mem)
     m.s.SetTimeLimit(int(time_limit_s * 1000))
-    if m.s.Solve() == pywraplp.Solver.OPTIMAL:
+    if _run(m) == pywraplp.Solver.OPTIMAL:
         choice = m.choice()
         return LeastMemory(evaluate(problem, choice)[1], True, choice)
     return LeastMemory(bound, False, None)
 
 
-def _solver(backends: tuple[str, ...] = BACKENDS) -> pywraplp.Solver:
+def _run(m: "_Model") -> int:
+    """``m.s.Solve()``, with file descriptor 1 closed to HiGHS: it prints its banner on the
+    process's stdout once any option is set, whatever its output flag, which would break
+    ``autoshard plan --json``."""
+    if m.backend != "HIGHS":
+        return m.s.Solve()
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+            return m.s.Solve()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _solver(backends: tuple[str, ...] = BACKENDS) -> tuple[pywraplp.Solver, str]:
     for name in backends:
         s = pywraplp.Solver.CreateSolver(name)
         if s is not None:
-            s.SuppressOutput()          # HiGHS prints a banner on stdout otherwise
-            if name == "HIGHS":     # HiGHS logs to stdout by default; CBC and SCIP are quiet
-                s.SetSolverSpecificParametersAsString("output_flag=false")
-            return s
+            s.SuppressOutput()
+            s.SetNumThreads(1)         # one thread: two runs give the same plan
+            return s, name
     raise RuntimeError(f"OR-Tools offers none of the MIP backends {backends}")
 
 
@@ -118,8 +136,8 @@ class _Model:
     """The MIP of a problem: variables, the objective's terms and the memory expression."""
 
     def __init__(self, problem: Problem, backends: tuple[str, ...] = BACKENDS) -> None:
-        s = self.s = _solver(backends)
-        s.SetNumThreads(1)
+        s, self.backend = _solver(backends)
+        self.s = s
         x = self.x = [[s.BoolVar(f"x{g}_{i}") for i in range(len(dec.cost))]
                       for g, dec in enumerate(problem.decisions)]
         for xs in x:
@@ -236,7 +254,7 @@ def _solve(problem: Problem, time_limit_s: float, t0: float,
         m.s.Add(m.obj <= US * cutoff_s * (1 - 1e-9))
     m.s.Minimize(m.obj)
     m.s.SetTimeLimit(int(time_limit_s * 1000))
-    status = m.s.Solve()
+    status = _run(m)
     variables = sum(len(xs) for xs in m.x) + m.n_aux
     bound = m.s.Objective().BestBound() / US
     if status in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
