@@ -89,8 +89,12 @@ class Traces:
             first, graph = next(iter(self._graphs.items()))
             self._proven = self._prove(first, graph)
         if self._proven:
+            try:
+                graph = self._rebatch(batch)
+            except Exception:   # noqa: BLE001 - a guard of the export this batch breaks
+                return self._concrete(batch)
             self.stats["rebatched"] += 1
-            return self._rebatch(batch)
+            return graph
         return self._concrete(batch)
 
     def _concrete(self, batch: int) -> TracedGraph:
@@ -145,7 +149,9 @@ class Traces:
                     user.args, user.kwargs = fx.node.map_arg(
                         (user.args, user.kwargs), lambda a: value if a is node else a)
                 gm.graph.erase_node(node)
-        for node in list(gm.graph.nodes):     # shape guards of the symbolic batch, now moot
+        # Shape guards of the symbolic batch: the propagation above ran them on this batch (a
+        # broken one raises there, and the batch is traced concretely); now they are moot.
+        for node in list(gm.graph.nodes):
             if node.op == "call_function" and not node.users and node.target in _GUARDS:
                 gm.graph.erase_node(node)
         gm.recompile()
