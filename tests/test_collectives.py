@@ -16,6 +16,7 @@ All values are small integers held in floating point, so every sum is exact and 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 import traceback
 
@@ -103,9 +104,19 @@ def _groups(mesh_shape: tuple[int, ...], axes: tuple[str, ...]) -> MeshGroups:
 
 def _check_case(groups: MeshGroups, src: Spec, dst: Spec, divergent: frozenset[int],
                 dtype: torch.dtype, seed: int) -> tuple[list[str], Ledger]:
+    plan = reshard(src, dst, SHAPE, torch.empty((), dtype=dtype).element_size(), groups.shape,
+                   divergent)
+    return check_redistribution(groups, plan, src, dst, divergent, _rand(seed, dtype),
+                                _rand(seed + 1, dtype), seed)
+
+
+def check_redistribution(groups: MeshGroups, plan: Reshard, src: Spec, dst: Spec,
+                         divergent: frozenset[int], X: torch.Tensor, GY: torch.Tensor,
+                         seed: int) -> tuple[list[str], Ledger]:
+    """Run ``plan`` (``src`` -> ``dst``) on this rank's piece of ``X`` and backward from its piece
+    of ``GY``: the problems found (value, gradient, the ledger against the plan's collectives,
+    each over its axes' group with its size) and the ledger."""
     ms, coords = groups.shape, groups.coords
-    plan = reshard(src, dst, SHAPE, torch.empty((), dtype=dtype).element_size(), ms, divergent)
-    X, GY = _rand(seed, dtype), _rand(seed + 1, dtype)
     src_p = [a for a, p in enumerate(src) if isinstance(p, Partial)]
     x = local_view(summand(X, src_p, ms, coords, seed + 2), _value_spec(src), ms, coords)
     x = x.clone().requires_grad_()
@@ -126,8 +137,9 @@ def _check_case(groups: MeshGroups, src: Spec, dst: Spec, divergent: frozenset[i
     if x.grad is None or not torch.equal(x.grad, local_view(GY, _value_spec(src), ms, coords)):
         bad.append("gradient")
 
-    want = [(ph, s.kind, (groups.axes[s.axis],), s.nbytes) for ph, s in plan.collectives]
-    got = [(r.phase, r.kind, r.axes, r.nbytes) for r in ledger]
+    want = [(ph, s.kind, tuple(groups.axes[a] for a in s.axes), s.nbytes,
+             math.prod(ms[a] for a in s.axes)) for ph, s in plan.collectives]
+    got = [(r.phase, r.kind, r.axes, r.nbytes, r.group_size) for r in ledger]
     if got != want:
         bad.append(f"ledger {got} != planned {want}")
     if ledger.mismatches():

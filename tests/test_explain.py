@@ -2,16 +2,13 @@
 most expensive collectives."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
-import io
 import json
 import random
 
 import pytest
 
-from autoshard.cli import main
 from autoshard.cost.comm import collective_time
 from autoshard.errors import AutoshardError
 from autoshard.explain import (explain_file, explain_node, explain_param, rebuild,
@@ -24,19 +21,13 @@ from autoshard.solver.ilp import solve
 from autoshard.solver.planner import plan_traced
 from autoshard.solver.problem import evaluate, restrict, unrestrict
 from autoshard.zoo import models
+from test_diff import run
 
 # gpt2-tiny, one sequence, on 2x2 of the slow-compute cluster: tensor-parallel layers, so its
 # nodes have alternatives that move the step and its layers run collectives.
 PLAN_ARGS = ["plan", "gpt2-tiny", "--batch", "1", "--mesh", "2x2", "--cluster", "stress"]
 NODE = "linear_2"                     # layers.0.attn.v_proj: a decision of its own, followed
 PARAM = "layers.0.mlp.fc1.weight"
-
-
-def run(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -20,13 +20,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as tdist
 
 from autoshard import Mesh, Plan
-from autoshard.codegen.collectives import Ledger, redistribute
+from autoshard.codegen.collectives import Ledger
 from autoshard.codegen.groups import MeshGroups
 from autoshard.cost.comm import Reshard, Step, collective_time, joint_groups, reshard, step_seconds
-from autoshard.cost.overlap import (Bucket, Sync, bucket_collectives, bucket_seconds, form_buckets,
+from autoshard.cost.overlap import (Sync, bucket_collectives, bucket_seconds, form_buckets,
                                     sync_share_by_axis)
 from autoshard.cost.reshards import reshard_edges
 from autoshard.cost.state import zero_grad_sync
@@ -39,7 +38,7 @@ from autoshard.trace.graph import value_shapes
 from autoshard.verify import VerifySpec, build, summarize, verify_rank
 
 from dist import world_fixture
-from test_collectives import local_view, summand, _value_spec
+from test_collectives import check_redistribution
 
 CLUSTER = str(Path(__file__).parent / "data" / "compute_bound.json")
 P = Partial()
@@ -319,31 +318,9 @@ def _specs_for(group: tuple[int, ...]) -> list[Spec]:
 
 def _joint_case(groups: MeshGroups, joint: tuple[tuple[int, ...], ...], src: Spec, dst: Spec,
                 divergent: frozenset[int], seed: int) -> tuple[list[str], Ledger, Reshard]:
-    ms, coords = groups.shape, groups.coords
-    plan = reshard(src, dst, WSHAPE, 4, ms, divergent, joint)
-    X, GY = _wrand(seed), _wrand(seed + 1)
-    src_p = [a for a, p in enumerate(src) if isinstance(p, Partial)]
-    x = local_view(summand(X, src_p, ms, coords, seed + 2), _value_spec(src), ms, coords)
-    x = x.clone().requires_grad_()
-    ledger = Ledger()
-    y = redistribute(x, plan, groups, ledger=ledger, node="n")
-    bad = []
-    total = y.detach().clone()
-    for a, p in enumerate(dst):
-        if isinstance(p, Partial):
-            tdist.all_reduce(total, group=groups.groups[a])
-    if not torch.equal(total, local_view(X, _value_spec(dst), ms, coords)):
-        bad.append("forward value")
-    g = local_view(summand(GY, sorted(divergent), ms, coords, seed + 3), _value_spec(dst), ms,
-                   coords)
-    y.backward(g)
-    if x.grad is None or not torch.equal(x.grad, local_view(GY, _value_spec(src), ms, coords)):
-        bad.append("gradient")
-    want = [(ph, s.kind, tuple(groups.axes[a] for a in s.axes), s.nbytes,
-             math.prod(ms[a] for a in s.axes)) for ph, s in plan.collectives]
-    got = [(r.phase, r.kind, r.axes, r.nbytes, r.group_size) for r in ledger]
-    if got != want:
-        bad.append(f"ledger {got} != planned {want}")
+    plan = reshard(src, dst, WSHAPE, 4, groups.shape, divergent, joint)
+    bad, ledger = check_redistribution(groups, plan, src, dst, divergent, _wrand(seed),
+                                       _wrand(seed + 1), seed)
     return bad, ledger, plan
 
 

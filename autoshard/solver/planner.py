@@ -119,15 +119,10 @@ def _plan_pipeline_auto(traces: Traces, mesh: Mesh, options: PlanOptions,
     return replace(best, solver={**best.solver, "pipeline_search": search})
 
 
-def batch_size(example_inputs: Sequence[Any]) -> int:
-    """The batch of the example inputs: the first dimension of the first tensor."""
-    return batch_of(example_inputs)
-
-
 def microbatch(example_inputs: Sequence[Any], microbatches: int) -> tuple:
     """The first of ``microbatches`` equal slices of the batch (the rows of every tensor input
     that has the batch dimension), as the planner traces and the runtime feeds one."""
-    batch = batch_size(example_inputs)
+    batch = batch_of(example_inputs)
     if batch % microbatches:
         raise AutoshardError(f"a batch divisible by the {microbatches} microbatches",
                              got=f"batch {batch}", fix="pass microbatches=<a divisor of it>")
@@ -144,7 +139,7 @@ def trace_for(model: torch.nn.Module, example_inputs: Sequence[Any],
                                  fix="pass microbatches=<int> (autoshard.plan chooses 'auto')")
         example_inputs = microbatch(example_inputs, options.microbatches)
     return Traces(model, example_inputs, training=options.training,
-                  precision=options.precision).at(batch_size(example_inputs))
+                  precision=options.precision).at(batch_of(example_inputs))
 
 
 def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = None, *,
