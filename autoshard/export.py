@@ -474,6 +474,11 @@ class _TensorMapper:
                                   f"no parallel style covers ({self._ops(m)}); replicated here")
             if m.kind not in ("linear", "embedding") or not isinstance(p, Shard):
                 continue
+            if p.groups:
+                self.notes.append(f"{m.path}: weight read strided ({p}, a fused projection, "
+                                  f"each rank its part of every group) over {self.axis!r}; no "
+                                  f"parallel style cuts a weight by groups, so it is replicated")
+                continue
             if m.tied:
                 self.notes.append(f"{m.path}: a tied weight read sharded over {self.axis!r}; "
                                   f"the styles would shard one tensor twice, so it is replicated")

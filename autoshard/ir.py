@@ -4,10 +4,20 @@ A *spec* is a tuple with one placement per mesh axis (``axis`` always means a me
 tensor dimension). ``(Shard(0), Replicate())`` on a ("dp", "tp") mesh means dim 0 is split over
 "dp" and the tensor is whole along "tp". A dim sharded over several axes is split row-major in
 axis order (the first axis is the outer split), as DTensor does.
+
+A *strided* shard ``Shard(dim, groups)`` cuts the dim first into groups of the given relative
+sizes (``(1, 1, 1)``: three equal thirds, Q, K and V of a fused projection; ``(2, 1, 1)``: Q
+twice as wide as K and V under grouped-query attention), then shards every group alike: a rank
+holds its piece of each group, the pieces one after the other in group order. It is the layout a
+fused projection needs when its output is later split into the groups (Megatron's layout of
+GPT-2's ``c_attn``): each rank keeps its heads of Q, of K and of V. DTensor calls the equal-group
+case ``_StridedShard(dim, split_factor=len(groups))``. Every axis that shards a dim shards it with
+the same groups; within each group the axes nest row-major as above.
 """
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, Union
 
@@ -17,14 +27,34 @@ import torch
 @dataclass(frozen=True, slots=True)
 class Shard:
     dim: int
+    groups: tuple[int, ...] = ()    # relative group sizes of a strided shard; () is contiguous
 
     def __post_init__(self) -> None:
         if not isinstance(self.dim, int) or self.dim < 0:
             raise ValueError(f"Shard(dim) takes a non-negative tensor dimension; got {self.dim!r}. "
                              "Fix: normalise negative dims with dim % ndim first.")
+        g = self.groups
+        if g and (len(g) < 2 or any(not isinstance(x, int) or x < 1 for x in g)
+                  or math.gcd(*g) != 1):
+            raise ValueError(f"Shard(dim, groups) takes two or more positive relative group "
+                             f"sizes in lowest terms; got {g!r}. Fix: e.g. (1, 1, 1) for three "
+                             f"equal groups, (2, 1, 1) for one twice as wide as the others.")
 
     def __str__(self) -> str:
-        return f"S({self.dim})"
+        if not self.groups:
+            return f"S({self.dim})"
+        g = self.groups
+        return f"S({self.dim}/{len(g)})" if len(set(g)) == 1 else \
+            f"S({self.dim}/{'+'.join(map(str, g))})"
+
+    def group_sizes(self, size: int) -> list[int]:
+        """The absolute sizes of the groups of a dim of ``size`` elements (one group if
+        contiguous)."""
+        if not self.groups:
+            return [size]
+        unit, rest = divmod(size, sum(self.groups))
+        assert not rest, f"{self}: {size} elements do not cut into groups {self.groups}"
+        return [w * unit for w in self.groups]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +94,16 @@ def parse_placement(text: str) -> Placement:
         return R
     if text == "P":
         return P
-    if text.startswith("S(") and text.endswith(")"):
-        return Shard(int(text[2:-1]))
-    raise ValueError(f"a placement is written R, P or S(dim); got {text!r}. "
-                     "Fix: use the form printed by spec_str, e.g. '[S(0), R]'.")
+    m = re.fullmatch(r"S\((\d+)(?:/(\d+(?:\+\d+)*))?\)", text)
+    if m:
+        dim, groups = int(m.group(1)), m.group(2)
+        if groups is None:
+            return Shard(dim)
+        g = tuple(int(x) for x in groups.split("+"))
+        return Shard(dim, (1,) * g[0] if len(g) == 1 else g)
+    raise ValueError(f"a placement is written R, P, S(dim) or, strided, S(dim/groups) or "
+                     f"S(dim/w1+w2+...); got {text!r}. "
+                     "Fix: use the form printed by spec_str, e.g. '[S(0), R]' or '[S(1/3)]'.")
 
 
 def parse_spec(text: str) -> Spec:
@@ -96,11 +132,45 @@ def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> 
 
 
 def spec_fits(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> bool:
-    """Every sharded dim exists and divides evenly (uneven shards are not planned)."""
+    """Every sharded dim exists and divides evenly (uneven shards are not planned); a strided
+    dim is cut by every axis with the same groups, each group dividing evenly."""
+    strided: dict[int, tuple[int, ...]] = {}
     for p in spec:
-        if isinstance(p, Shard) and p.dim >= len(shape):
+        if isinstance(p, Shard):
+            if p.dim >= len(shape) or strided.setdefault(p.dim, p.groups) != p.groups:
+                return False
+    for d, g in strided.items():
+        if g and shape[d] % sum(g):
+            return False
+        f = shard_factor(spec, d, mesh_shape)
+        if any(x % f for x in Shard(d, g).group_sizes(shape[d])):
             return False
     return all(s % shard_factor(spec, d, mesh_shape) == 0 for d, s in enumerate(shape))
+
+
+def dim_groups(spec: Spec, dim: int) -> tuple[int, ...]:
+    """The groups of a strided ``dim`` under ``spec`` (() if contiguous or not sharded)."""
+    return next((p.groups for p in spec if isinstance(p, Shard) and p.dim == dim), ())
+
+
+def to_rank_major(x: torch.Tensor, dim: int, n: int, groups: tuple[int, ...]) -> torch.Tensor:
+    """Reorder ``dim`` of ``x``, laid out group by group (each group cut in ``n`` pieces, piece
+    by piece), into rank order: piece 0 of every group, then piece 1, ... (what a collective over
+    ``n`` ranks cuts or concatenates). The inverse of :func:`to_group_major`."""
+    if not groups or n == 1:
+        return x
+    parts = [g.chunk(n, dim) for g in x.split(Shard(dim, groups).group_sizes(x.shape[dim]), dim)]
+    return torch.cat([p[r] for r in range(n) for p in parts], dim)
+
+
+def to_group_major(x: torch.Tensor, dim: int, n: int, groups: tuple[int, ...]) -> torch.Tensor:
+    """The inverse of :func:`to_rank_major`: ``n`` rank pieces, each holding its part of every
+    group, reordered group by group."""
+    if not groups or n == 1:
+        return x
+    sizes = Shard(dim, groups).group_sizes(x.shape[dim] // n)
+    pieces = [r.split(sizes, dim) for r in x.chunk(n, dim)]
+    return torch.cat([p[i] for i in range(len(sizes)) for p in pieces], dim)
 
 
 def divergent_axes(in_spec: Spec, out_spec: Spec) -> frozenset[int]:
@@ -161,8 +231,12 @@ class Strategy:
 
 @dataclass(frozen=True, slots=True)
 class TensorInfo:
+    """A tensor's shape and dtype. ``groups``: ``(dim, relative group sizes)`` pairs for the dims
+    the model later splits into groups (trace/fused.py): the dims a rule may shard strided."""
+
     shape: tuple[int, ...]
     dtype: torch.dtype
+    groups: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @property
     def ndim(self) -> int:

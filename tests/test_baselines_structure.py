@@ -28,6 +28,8 @@ from autoshard.trace.export import TracedGraph, trace  # noqa: E402
 from autoshard.zoo import from_config, get_model  # noqa: E402
 
 R, S0, S1 = (Replicate(),), (Shard(0),), (Shard(1),)
+# Strided (ir.py Shard): each rank its part of every group a fused output is split into.
+QKV1, QKV0 = (Shard(1, (1, 1, 1)),), (Shard(0, (1, 1, 1)),)
 _SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 64,
           "bos_token_id": 0, "eos_token_id": 0, "torch_dtype": "float32"}
 # Published architectures at toy sizes (hidden 32, 2 layers), dropout off.
@@ -43,8 +45,9 @@ CONFIGS = {
 # weight split on its output dim and its bias with it, a row weight on its input dim and its
 # bias whole. nn.Linear stores (out, in); GPT-2's Conv1D (in, out); Falcon reads x @ w.T.
 EXPECTED = {
-    "phi3": {"self_attn.qkv_proj.weight": S0, "self_attn.o_proj.weight": S1,
-             "mlp.gate_up_proj.weight": S0, "mlp.down_proj.weight": S1},
+    # Phi-3 with 4 query and 2 key-value heads: Q twice as wide as K and V
+    "phi3": {"self_attn.qkv_proj.weight": (Shard(0, (2, 1, 1)),), "self_attn.o_proj.weight": S1,
+             "mlp.gate_up_proj.weight": (Shard(0, (1, 1)),), "mlp.down_proj.weight": S1},
     "gpt_neox": {"attention.query_key_value.weight": S0, "attention.query_key_value.bias": S0,
                  "attention.dense.weight": S1, "attention.dense.bias": R,
                  "mlp.dense_h_to_4h.weight": S0, "mlp.dense_h_to_4h.bias": S0,
@@ -55,7 +58,7 @@ EXPECTED = {
                       "self_attn.v_proj.weight": S0, "self_attn.o_proj.weight": S1,
                       "mlp.gate_proj.weight": S0, "mlp.up_proj.weight": S0,
                       "mlp.down_proj.weight": S1},
-    "hf-gpt2-tiny": {"attn.c_attn.weight": S1, "attn.c_attn.bias": S0, "attn.c_proj.weight": S0,
+    "hf-gpt2-tiny": {"attn.c_attn.weight": QKV1, "attn.c_attn.bias": QKV0, "attn.c_proj.weight": S0,
                      "attn.c_proj.bias": R, "mlp.c_fc.weight": S1, "mlp.c_fc.bias": S0,
                      "mlp.c_proj.weight": S0, "mlp.c_proj.bias": R},
 }
@@ -200,7 +203,11 @@ def test_made_up_names_get_megatron_roles(stacks, naming: str) -> None:
     want = {"weight": {COLUMN: S0, ROW: S1}, "bias": {COLUMN: S0, ROW: R}}
     assert len(specs) == 2 * 4 * 2
     for (_, role, kind), spec in specs.items():
-        assert spec == want[kind][ROLES[role]], (naming, role, kind)
+        # the fused outputs are split (QKV viewed as [b, s, 3, heads, hd] and unbound; gate-up
+        # chunked in two): strided, each rank its part of every group
+        fused = {"qkv": (Shard(0, (1, 1, 1)),), "gate_up": (Shard(0, (1, 1)),)}
+        expect = fused.get(role, want[kind][ROLES[role]])
+        assert spec == expect, (naming, role, kind)
     roles = {traced.placeholder(ph).fqn: r for ph, r in megatron_roles(traced).items()}
     assert roles["proj_in.weight"] is None and roles["proj_in.bias"] is None
 

@@ -170,6 +170,20 @@ def test_mixed_activation_layouts_fall_back_to_replicated_activations(tmp_path):
     assert tp["model.model.layers.0.self_attn.o_proj"].output_layouts == (Replicate(),)
 
 
+def test_a_strided_fused_projection_is_not_expressible():
+    """A fused QKV Linear read strided (each rank its part of Q, K and V): no parallel style
+    cuts a weight group by group, so the export replicates it and says so; the out-projection
+    stays row-parallel."""
+    factory = f"{Path(__file__).parent / 'data' / 'fused_qkv_model.py'}:make"
+    exp = export_plan(plan_for(factory, Mesh((4,), cluster=CLUSTER), baseline="megatron"))
+    notes = "\n".join(exp.not_expressible)
+    assert "blocks.0.qkv: weight read strided (S(0/3)" in notes
+    assert "blocks.0.gate_up: weight read strided (S(0/2)" in notes
+    styles = {st.path: st.cls for st in exp.styles}
+    assert "blocks.0.qkv" not in styles and styles["blocks.0.out"] == "RowwiseParallel"
+    compile(exp.source(), "parallelize.py", "exec")
+
+
 def test_plain_data_parallel_plan_has_no_tensor_axis():
     """Every weight replicated: data parallel over both axes flattened, the batch split over
     the axes the plan splits it on."""

@@ -20,6 +20,7 @@ import torch.distributed._functional_collectives as fc
 
 from autoshard.codegen.groups import MeshGroups
 from autoshard.cost.comm import Reshard, Step
+from autoshard.ir import to_group_major, to_rank_major
 from autoshard.plans import PHASES
 
 # torch 2.13 renamed all_gather_tensor / reduce_scatter_tensor to *_single (the old names warn).
@@ -158,21 +159,26 @@ def apply_step(x: torch.Tensor, step: Step, groups: MeshGroups, *, ledger: Ledge
     axes at once runs on their joint group, whose ranks are in row-major order of their
     coordinates over the axes (codegen/groups.py): one collective, as the plan lists it."""
     axes = step.axes
+    n = groups.joint_size(axes)
+    # A strided dim (ir.py) is held group by group; the collective cuts and joins in rank order.
     if step.kind == "slice":
-        return local_slice(x, step.dim, coord=groups.joint_coord(axes),
-                           size=groups.joint_size(axes))
+        return local_slice(to_rank_major(x, step.dim, n, step.groups), step.dim,
+                           coord=groups.joint_coord(axes), size=n)
     if step.kind == "to_partial":
         return to_partial(x, coord=groups.joint_coord(axes))
     group = groups.group_of(axes)
     if step.kind == "all_gather":
-        y = all_gather(x, step.dim, group)
+        y = to_group_major(all_gather(x, step.dim, group), step.dim, n, step.groups)
         moved = y                                   # S is the all-gather's output
     elif step.kind == "all_reduce":
         y = moved = all_reduce(x, group)
     elif step.kind == "reduce_scatter":
-        y, moved = reduce_scatter(x, step.dim, group), x   # S is the input
+        moved = to_rank_major(x, step.dim, n, step.groups)
+        y = reduce_scatter(moved, step.dim, group)  # S is the input
     elif step.kind == "all_to_all":
-        y, moved = all_to_all(x, step.dim, step.dim2, group), x   # S: each device's input
+        moved = to_rank_major(x, step.dim2, n, step.groups2)
+        y = to_group_major(all_to_all(moved, step.dim, step.dim2, group), step.dim, n,
+                           step.groups)             # S: each device's input
     else:
         raise ValueError(f"cannot execute step kind {step.kind!r}; known: all_gather, all_reduce, "
                          "reduce_scatter, all_to_all, slice, to_partial")

@@ -65,7 +65,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from autoshard.errors import AutoshardError
-from autoshard.ir import Partial, Shard, Spec
+from autoshard.ir import Partial, Replicate, Shard, Spec, spec_str
 
 __all__ = ["Sources", "counter_normal", "counter_uniform", "deferred_init", "local_shard",
            "materialize", "materialized_state_dict", "prepare", "safetensors_state_dict"]
@@ -864,11 +864,32 @@ class Sources:
               coords: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
         e = self.entries[name]
         shape = tuple(e.tensor.shape)
-        box = _local_box(shape, spec, mesh_shape, coords, name)
         device = torch.device(device) if device is not None else torch.device("cpu")
+        if e.recipe is not None:
+            self.check([name])
+        strided = {p.dim: p.groups for p in spec or () if isinstance(p, Shard) and p.groups}
+        if len(strided) > 1:
+            raise AutoshardError(f"{name}: at most one strided dim per tensor",
+                                 got=f"spec {spec_str(spec)}", fix="re-plan: the plan is damaged")
+        if strided:     # a strided dim: the rank's box in each group, in group order (ir.py)
+            (dim, groups), = strided.items()
+            plain = tuple(Replicate() if isinstance(p, Shard) and p.dim == dim else p
+                          for p in spec)
+            inner = tuple(Shard(0) if isinstance(p, Shard) and p.dim == dim else Replicate()
+                          for p in spec)
+            box = _local_box(shape, plain, mesh_shape, coords, name)
+            parts, lo = [], 0
+            for size in Shard(dim, groups).group_sizes(shape[dim]):
+                (a, b), = _local_box((size,), inner, mesh_shape, coords, name)
+                box[dim] = (lo + a, lo + b)
+                parts.append(self._box(e, box, device))
+                lo += size
+            return torch.cat(parts, dim)
+        return self._box(e, _local_box(shape, spec, mesh_shape, coords, name), device)
+
+    def _box(self, e: "_Entry", box: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
         if e.recipe is None:
             return _unset([hi - lo for lo, hi in box], e.tensor.dtype, device)
-        self.check([name])
         return _replay(e.recipe, e.name, self.seed, e.tensor, box, device)
 
 

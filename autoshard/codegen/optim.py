@@ -45,7 +45,7 @@ import torch
 from autoshard.codegen.collectives import apply_steps
 from autoshard.cost.comm import reshard
 from autoshard.errors import AutoshardError
-from autoshard.ir import Shard, Spec
+from autoshard.ir import Shard, Spec, spec_str
 from autoshard.ops.simulate import shard_tensor
 
 
@@ -287,6 +287,7 @@ class ShardedOptimizer:
         and DCP reads and writes it in place."""
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+        refuse_strided(e.fqn, e.spec)
         meta = TensorMeta(torch.Size(e.shape), _contiguous_stride(e.shape), local.dtype)
         spec = DTensorSpec(self.pm.groups.device_mesh, e.placements, tensor_meta=meta)
         return DTensor(local, spec, requires_grad=False)
@@ -409,6 +410,18 @@ def _slice(t: torch.Tensor, dim: int | None, cut: tuple[tuple[int, int], ...]) -
     for n, r in cut:
         t = t.chunk(n, dim)[r]
     return t
+
+
+def refuse_strided(fqn: str, spec: Spec) -> None:
+    """torch.distributed.checkpoint describes a rank's part of a tensor as one box; a strided
+    shard (ir.py) is one box per group, which DCP refuses as overlapping chunks. Say so."""
+    if any(isinstance(p, Shard) and p.groups for p in spec):
+        raise AutoshardError(
+            f"{fqn}: parameters DCP can describe (one box of the global tensor per rank)",
+            got=f"a strided shard {spec_str(spec)} (a fused projection, each rank its part of "
+                f"every group)",
+            fix="save with pm.full_state_dict() / load_full_state_dict(), or plan with "
+                "pins={...: contiguous spec} for this parameter")
 
 
 def _placements(spec: Spec, state: Spec, mesh_shape: tuple[int, ...]) -> tuple:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from autoshard.codegen.collectives import Ledger, apply_steps
 from autoshard.codegen.groups import MeshGroups
+from autoshard.codegen.optim import refuse_strided
 from autoshard.codegen.rewrite import RankRuntime, emit
 from autoshard.cost.comm import reshard
 from autoshard.errors import AutoshardError
@@ -302,6 +303,7 @@ class ParallelModule(torch.nn.Module):
         out = {}
         for fqn, p in self.local_parameters().items():
             ph = self.traced.placeholder(self._param_ph[fqn])
+            refuse_strided(fqn, self._specs[ph.name])
             out[fqn] = DTensor.from_local(p.detach(), self.groups.device_mesh,
                                           _dtensor_placements(self._specs[ph.name]),
                                           run_check=False, shape=torch.Size(ph.info.shape),

@@ -14,6 +14,7 @@ Ring algorithm times (docs/cost-model.md §1.1, after nccl-tests doc/PERFORMANCE
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
@@ -55,6 +56,9 @@ class Step:
     ``nbytes`` is S for a collective (0 for local steps). ``joint``: the mesh axes (ascending,
     ``axis`` first) of a step that runs as one collective over their joint process group, the
     dim split over them row-major (docs/cost-model.md §1.4); empty for a step over ``axis``.
+    ``groups``/``groups2``: the relative group sizes of ``dim``/``dim2`` where they are sharded
+    strided (ir.py ``Shard``): the collective cuts or joins every group alike, the same bytes
+    as a contiguous one plus a local reorder (codegen/collectives.py).
     """
 
     kind: str     # all_gather | all_reduce | reduce_scatter | all_to_all | slice | to_partial
@@ -63,6 +67,8 @@ class Step:
     dim2: int = -1
     nbytes: int = 0
     joint: tuple[int, ...] = ()
+    groups: tuple[int, ...] = ()
+    groups2: tuple[int, ...] = ()
 
     @property
     def is_collective(self) -> bool:
@@ -175,7 +181,14 @@ def reshard(src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int,
         elif kind == "all_to_all":
             local[dim] *= n
             local[dim2] //= n
-        fwd.append(Step(kind, a, dim, dim2, nbytes=size if kind in COLLECTIVE_KINDS else 0))
+        # the strided groups of the dim the step cuts or joins: the source's for a gather, the
+        # destination's for a slice or reduce-scatter; an all-to-all joins one, cuts the other
+        src_g = state[a].groups if isinstance(state[a], Shard) else ()
+        dst_g = dst[a].groups if isinstance(dst[a], Shard) else ()
+        groups = {"all_gather": src_g, "all_to_all": src_g}.get(kind, dst_g)
+        fwd.append(Step(kind, a, dim, dim2, nbytes=size if kind in COLLECTIVE_KINDS else 0,
+                        groups=groups if dim >= 0 else (),
+                        groups2=dst_g if kind == "all_to_all" else ()))
         state[a] = Replicate() if kind in ("all_gather", "all_reduce") else dst[a]
         done[a] = state[a] == dst[a]
     return Reshard(tuple(fwd), _backward(tuple(fwd), dst, shape, itemsize, mesh_shape, divergent))
@@ -203,7 +216,7 @@ def _joint_reshard(src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int,
 
     def real(s: Step) -> Step:
         g = groups[s.axis]
-        return Step(s.kind, g[0], s.dim, s.dim2, s.nbytes, g if len(g) > 1 else ())
+        return dataclasses.replace(s, axis=g[0], joint=g if len(g) > 1 else ())
 
     return Reshard(tuple(map(real, r.forward)), tuple(map(real, r.backward)))
 
@@ -227,8 +240,9 @@ def _nests_alike(spec: Spec, groups: Groups) -> bool:
     """Whether each tensor dim's axes, taken group by group in the merged mesh's order, are
     the real mesh's row-major order (the first axis outermost, docs/plan-format.md "Specs")."""
     for d in {p.dim for p in spec if isinstance(p, Shard)}:
-        real = [a for a, p in enumerate(spec) if p == Shard(d)]
-        merged = [a for g in groups if spec[g[0]] == Shard(d) for a in g]
+        cuts = {a for a, p in enumerate(spec) if isinstance(p, Shard) and p.dim == d}
+        real = sorted(cuts)
+        merged = [a for g in groups if g[0] in cuts for a in g]
         if real != merged:
             return False
     return True
@@ -293,13 +307,16 @@ def _backward(fwd: tuple[Step, ...], dst: Spec, shape: tuple[int, ...], itemsize
         size = math.prod(grad_local) * itemsize
         if s.kind == "all_gather":
             kind = "reduce_scatter" if s.axis in divergent else "slice"
-            out.append(Step(kind, s.axis, s.dim, nbytes=size if kind == "reduce_scatter" else 0))
+            out.append(Step(kind, s.axis, s.dim, nbytes=size if kind == "reduce_scatter" else 0,
+                            groups=s.groups))
             grad_local[s.dim] //= n
         elif s.kind in ("slice", "reduce_scatter"):
             grad_local[s.dim] *= n
-            out.append(Step("all_gather", s.axis, s.dim, nbytes=math.prod(grad_local) * itemsize))
+            out.append(Step("all_gather", s.axis, s.dim, nbytes=math.prod(grad_local) * itemsize,
+                            groups=s.groups))
         elif s.kind == "all_to_all":
-            out.append(Step("all_to_all", s.axis, s.dim2, s.dim, nbytes=size))
+            out.append(Step("all_to_all", s.axis, s.dim2, s.dim, nbytes=size, groups=s.groups2,
+                            groups2=s.groups))
             grad_local[s.dim2] *= n
             grad_local[s.dim] //= n
         # all_reduce and to_partial: the gradient passes through unchanged.

@@ -21,6 +21,7 @@ still applies: nothing to shard, everything on the host).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -141,7 +142,7 @@ def zero_grad_sync(r: Reshard, axes: tuple[int, ...], mesh_shape: tuple[int, ...
             out.append(Step("reduce_scatter", s.axis, nbytes=s.nbytes // div))
             div *= mesh_shape[s.axis]
         else:
-            out.append(Step(s.kind, s.axis, s.dim, s.dim2, s.nbytes // div, s.joint))
+            out.append(dataclasses.replace(s, nbytes=s.nbytes // div))
     return Reshard(r.forward, tuple(out))
 
 

@@ -36,7 +36,8 @@ from typing import Any, Callable, Sequence, Union
 
 import torch
 
-from autoshard.ir import OpInfo, Replicate, Strategy, local_shape, spec_fits, work_fraction
+from autoshard.ir import (OpInfo, Replicate, Shard, Strategy, local_shape, spec_fits,
+                          work_fraction)
 
 aten = torch.ops.aten
 
@@ -212,7 +213,53 @@ def strategies_for(op: OpInfo, mesh_shape: tuple) -> list[Strategy]:
                           f"every device. First seen at: {op.source or 'unknown source'}",
                           stacklevel=2)
         return [replicate_strategy(op, mesh_shape)]
-    return record.strategies(op, mesh_shape) or [replicate_strategy(op, mesh_shape)]
+    out = record.strategies(op, mesh_shape) or [replicate_strategy(op, mesh_shape)]
+    if any(t.groups for t in (*op.inputs, *op.outputs)) and record.family in STRIDED_FAMILIES \
+            and record.collectives is None:
+        out = list(dict.fromkeys(out + strided_variants(op, out, mesh_shape)))
+    return out
+
+
+# Families whose kernels compute element by element along a kept dim (or contract it whole),
+# whatever order its elements come in: a strided shard passes through them as a contiguous one.
+STRIDED_FAMILIES = (VIEW, MATMUL, ELEMENTWISE)
+
+
+def strided_variants(op: OpInfo, strategies: Sequence[Strategy],
+                     mesh_shape: tuple) -> list[Strategy]:
+    """The strategies again with strided shards (ir.py ``Shard``) on the dims the model splits
+    into groups (``TensorInfo.groups``, trace/fused.py), for ops whose dims pass through
+    element by element.
+
+    On a mesh axis where every tensor the strategy shards is marked with the same groups on the
+    sharded dim, each of those shards becomes strided with them: the local kernel is the same
+    (``kernel``-less strategies only, whose local call does not depend on which elements a rank
+    holds), and element ``i`` of one tensor's dim still meets element ``i`` of the others'."""
+    marks = [dict(t.groups) for t in (*op.inputs, *op.outputs)]
+    out: list[Strategy] = []
+    for st in strategies:
+        if st.kernel is not None:
+            continue
+        specs = [list(sp) if sp is not None else None for sp in (*st.inputs, *st.outputs)]
+        changed = False
+        for a in range(len(mesh_shape)):
+            shards = [(i, sp[a]) for i, sp in enumerate(specs)
+                      if sp is not None and isinstance(sp[a], Shard) and not sp[a].groups]
+            groups = {marks[i].get(p.dim) for i, p in shards}
+            if shards and len(groups) == 1 and None not in groups:
+                g = groups.pop()
+                for i, p in shards:
+                    specs[i][a] = Shard(p.dim, g)
+                changed = True
+        if not changed:
+            continue
+        ins = tuple(tuple(sp) if sp is not None else None for sp in specs[:len(st.inputs)])
+        outs = tuple(tuple(sp) for sp in specs[len(st.inputs):])
+        infos = (*op.inputs, *op.outputs)
+        if all(sp is None or spec_fits(t.shape, sp, mesh_shape)
+               for t, sp in zip(infos, (*ins, *outs))):
+            out.append(Strategy(ins, outs, None, st.compute_scale))
+    return out
 
 
 def _local_out_shapes(op: OpInfo, strategy: Strategy, mesh_shape: tuple) -> list[tuple[int, ...]]:

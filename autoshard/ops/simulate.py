@@ -18,7 +18,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autoshard.ir import (OpInfo, Partial, Replicate, Shard, Spec, Strategy, divergent_axes,
-                          local_shape, op_info)
+                          local_shape, op_info, to_group_major, to_rank_major)
 from autoshard.ops.registry import CollectiveKernel, localize
 
 Coords = tuple[int, ...]
@@ -50,7 +50,8 @@ def shard_tensor(full: torch.Tensor, spec: Spec, mesh_shape: Sequence[int], coor
     for a, (p, n, c) in enumerate(zip(spec, mesh_shape, coords)):
         if isinstance(p, Shard):
             assert t.shape[p.dim] % n == 0, f"dim {p.dim} of {tuple(t.shape)} does not split {n} ways"
-            t = t.chunk(n, p.dim)[c]
+            # strided: this rank's piece of every group (ir.py), in group order
+            t = to_rank_major(t, p.dim, n, p.groups).chunk(n, p.dim)[c]
         elif isinstance(p, Partial):
             t = _summand(t, n, c, seed, a)
     return t.contiguous()
@@ -69,7 +70,7 @@ def unshard(locals_by_coords: dict[Coords, torch.Tensor], spec: Spec, mesh_shape
                 continue
             pieces = [cur[key[:a] + (c,) + key[a + 1:]] for c in range(n)]
             if isinstance(p, Shard):
-                nxt[key] = torch.cat(pieces, p.dim)
+                nxt[key] = to_group_major(torch.cat(pieces, p.dim), p.dim, n, p.groups)
             elif isinstance(p, Partial):
                 nxt[key] = sum(pieces[1:], pieces[0])
             else:

@@ -16,7 +16,7 @@ import bisect
 
 import torch
 
-from autoshard.ir import Shard, Strategy, local_shape
+from autoshard.ir import Shard, Strategy, local_shape, shard_factor
 from autoshard.ops._common import (P, Option, arg, is_float, mapped_options, norm_dim,
                                             plain_localize)
 from autoshard.ops.registry import (ELEMENTWISE, INPUT, LARGEST, NO, NOTHING, VIEW, OpInfo,
@@ -57,9 +57,23 @@ def _linear(op: OpInfo) -> list[Option]:
 
 def reshape_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     x, out = op.inputs[0], op.outputs[0]
-    opts: list[Option] = [((Shard(min(i)),), (Shard(min(o)),))
-                          for i, o in view_groups(x.shape, out.shape) if i and o]
+    groups = view_groups(x.shape, out.shape)
+    opts: list[Option] = [((Shard(min(i)),), (Shard(min(o)),)) for i, o in groups if i and o]
+    # A fused dim viewed as (k groups, rest...): strided in k equal groups, its shards are the
+    # second dim's (each rank its heads of Q, of K and of V; ir.py, trace/fused.py).
+    marks = dict(x.groups)
+    for i, o in groups:
+        if len(i) == 1 and len(o) >= 2 and marks.get(i[0]) == (1,) * out.shape[o[0]]:
+            opts.append(((Shard(i[0], marks[i[0]]),), (Shard(o[1]),)))
     return expand(op, mesh_shape, opts + _linear(op))
+
+
+def group_views(op: OpInfo) -> list[tuple[int, int, int]]:
+    """``(input dim, output dim, k)`` for each input dim a reshape views as ``(k, ...)``, k >= 2:
+    the dim may hold k fused groups (trace/fused.py decides by what later splits the k dim)."""
+    x, out = op.inputs[0], op.outputs[0]
+    return [(i[0], o[0], out.shape[o[0]]) for i, o in view_groups(x.shape, out.shape)
+            if len(i) == 1 and len(o) >= 2]
 
 
 def reshape_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
@@ -127,7 +141,7 @@ def _swapped(op: OpInfo) -> tuple[int, int]:
     return norm_dim(arg(op, 1, "dim0"), ndim), norm_dim(arg(op, 2, "dim1"), ndim)
 
 
-def _dim_map(op: OpInfo) -> dict[int, int]:
+def dim_map(op: OpInfo) -> dict[int, int]:
     """Input dim -> output dim for the ops that move, add or drop dims."""
     t, x, out = op.target, op.inputs[0], op.outputs[0]
     if t == aten.permute.default:
@@ -167,8 +181,85 @@ DIM_MAPPED = (aten.permute.default, aten.transpose.int, aten.t.default, aten.num
               aten.split_with_sizes.default, aten.chunk.default)
 
 
+SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+          aten.slice.Tensor, aten.narrow.default)
+
+
+def split_pieces(op: OpInfo) -> tuple[int, list[tuple[int, int]]] | None:
+    """``(dim, [(start, end), ...])``: the pieces of its input's dim a split, chunk, narrow or
+    (step 1) slice takes, in global elements; None for a strided slice."""
+    t, x = op.target, op.inputs[0]
+    if t == aten.narrow.default:
+        dim = norm_dim(arg(op, 1, "dim"), x.ndim)
+        start = arg(op, 2, "start")
+        start = start % x.shape[dim] if start < 0 else start
+        return dim, [(start, start + arg(op, 3, "length"))]
+    if t == aten.slice.Tensor:
+        dim = norm_dim(arg(op, 1, "dim", 0), x.ndim)
+        if arg(op, 4, "step", 1) != 1:
+            return None
+        n = x.shape[dim]
+        start, end = arg(op, 2, "start"), arg(op, 3, "end")
+        start, end = (0 if start is None else start), (n if end is None else end)
+        start, end = (min(max(v + n if v < 0 else v, 0), n) for v in (start, end))
+        return dim, [(start, max(start, end))]
+    dim = norm_dim(arg(op, 2, "dim", 0), x.ndim)
+    sizes = [o.shape[dim] for o in op.outputs]
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    return dim, list(zip(bounds, bounds[1:]))
+
+
+def _group_bounds(groups: tuple[int, ...], size: int) -> list[tuple[int, int]]:
+    out, lo = [], 0
+    for g in (Shard(0, groups).group_sizes(size)):
+        out.append((lo, lo + g))
+        lo += g
+    return out
+
+
+def _strided_split_options(op: OpInfo) -> list[Option]:
+    """A split whose pieces are the groups of its strided input (ir.py ``Shard``): each piece
+    comes out sharded contiguously, each rank taking its own part of every group (Megatron's
+    Q, K, V of a fused projection). No data moves."""
+    if op.target not in SPLITS:
+        return []
+    x = op.inputs[0]
+    found = split_pieces(op)
+    groups = dict(x.groups).get(found[0]) if found else None
+    if not groups or not set(found[1]) <= set(_group_bounds(groups, x.shape[found[0]])):
+        return []
+    return [((Shard(found[0], groups),), tuple(Shard(found[0]) for _ in op.outputs))]
+
+
+def split_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
+                   args: tuple, kwargs: dict) -> tuple:
+    """The op unchanged, unless its input is sharded on the dim it splits (strided, each piece
+    a group): then sizes and offsets shrink to the local ones, the shard factor times smaller."""
+    dim, _ = split_pieces(op)
+    f = shard_factor(strategy.inputs[0], dim, mesh_shape)
+    if f == 1:
+        return op.target, args, kwargs
+    t, n = op.target, op.inputs[0].shape[dim]
+    args = list(args)
+    if t == aten.split.Tensor:
+        args[1] //= f
+    elif t == aten.split_with_sizes.default:
+        args[1] = [size // f for size in args[1]]
+    elif t in (aten.slice.Tensor, aten.narrow.default):
+        (start, end), = split_pieces(op)[1]
+        if t == aten.narrow.default:
+            args[2:4] = [start // f, (end - start) // f]
+        else:
+            args = [args[0], dim, start // f, end // f] + args[4:]
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("dim", "start", "end")}
+    return t, tuple(args), kwargs
+
+
 def dim_map_strategy(op: OpInfo, mesh_shape: tuple) -> list:
-    return expand(op, mesh_shape, mapped_options(op, [_dim_map(op)]) + _linear(op))
+    return expand(op, mesh_shape, mapped_options(op, [dim_map(op)]) + _linear(op)
+                  + _strided_split_options(op))
 
 
 def cat_strategy(op: OpInfo, mesh_shape: tuple) -> list:
@@ -210,10 +301,13 @@ register_op(aten.squeeze.dims, strategies=dim_map_strategy, follows=NO,
             localize=squeeze_localize, **_VIEW)
 register_op(aten.permute.default, aten.transpose.int, aten.t.default, aten.numpy_T.default,
             *MATRIX_T, *COMPLEX_VIEWS, aten.unsqueeze.default,
-            aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
             strategies=dim_map_strategy, follows=INPUT, localize=plain_localize, **_VIEW)
-register_op(aten.select.int, aten.unbind.int, aten.slice.Tensor, aten.narrow.default,
+register_op(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+            strategies=dim_map_strategy, follows=INPUT, localize=split_localize, **_VIEW)
+register_op(aten.select.int, aten.unbind.int,
             strategies=dim_map_strategy, follows=NO, localize=plain_localize, **_VIEW)
+register_op(aten.slice.Tensor, aten.narrow.default,
+            strategies=dim_map_strategy, follows=NO, localize=split_localize, **_VIEW)
 register_op(aten.cat.default, strategies=cat_strategy, family=ELEMENTWISE, saves=NOTHING,
             follows=LARGEST, flops=per_output_element, localize=plain_localize)
 register_op(aten.stack.default, strategies=cat_strategy, family=ELEMENTWISE, saves=NOTHING,

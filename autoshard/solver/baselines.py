@@ -94,8 +94,13 @@ def tensor_parallel_spec(traced: TracedGraph, ph_name: str, role: str | None,
     """The Megatron spec of one parameter of ``role`` (``megatron_roles``), sharded over
     ``axes``; R elsewhere. A column-parallel linear's bias is sharded with its output, a
     row-parallel one's is replicated (added once, after the reduction)."""
+    # A fused projection's output dim, later split into Q, K and V (or gate and up), is sharded
+    # strided: each rank its part of every group (trace/fused.py), as Megatron does.
+    groups = dict(traced.placeholder(ph_name).info.groups)
+
     def on(dim: int) -> Spec:
-        return tuple(Shard(dim) if a in axes else Replicate() for a in range(ndim_mesh))
+        return tuple(Shard(dim, groups.get(dim, ())) if a in axes else Replicate()
+                     for a in range(ndim_mesh))
 
     is_bias = len(shape) == 1
     out_dim, in_dim = (0, 1) if _weight_layout(traced, ph_name) == "out_in" else (1, 0)

@@ -67,7 +67,9 @@ def placeholder_strategies(info: TensorInfo, mesh_shape: tuple[int, ...],
     if kind in ("buffer", "constant") or info.ndim == 0:
         options = [tuple(Replicate() for _ in mesh_shape)]
     else:
-        per_axis = [Replicate()] + [Shard(d) for d in range(info.ndim)]
+        # and strided on a dim the model splits into groups (trace/fused.py)
+        per_axis = [Replicate()] + [Shard(d) for d in range(info.ndim)] + [
+            Shard(d, g) for d, g in info.groups]
         options = [s for s in itertools.product(per_axis, repeat=len(mesh_shape))
                    if spec_fits(info.shape, s, mesh_shape)]
     return [Strategy((), (s,)) for s in options]

@@ -12,6 +12,7 @@ import inspect
 import operator
 import re
 from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -25,7 +26,8 @@ from autoshard.errors import AutoshardError
 from autoshard.ir import Layer, OpInfo, TensorInfo
 from autoshard.ir import op_info as make_op_info
 from autoshard.ops.moe import register_library_ops
-from autoshard.trace.graph import output_infos, tensor_info
+from autoshard.trace.fused import GROUPS, mark_fused_dims, marked_info
+from autoshard.trace.graph import output_infos, tensor_info, value_ref
 from autoshard.trace.layers import find_layers
 
 
@@ -82,10 +84,16 @@ def op_info(node: fx.Node) -> OpInfo:
     def val(a: fx.Node) -> Any:
         v = a.meta.get("val")
         assert isinstance(v, torch.Tensor), f"non-tensor input {a.format_node()} to {node.format_node()}"
-        return v
+        name, out = value_ref(a)
+        src = a if name == a.name else a.args[0]        # a getitem reads its producer's output
+        return marked_info(src, out) if GROUPS in src.meta else v
 
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), val)
-    return make_op_info(node.target, args, kwargs, node.meta.get("val"), source_line(node))
+    info = make_op_info(node.target, args, kwargs, node.meta.get("val"), source_line(node))
+    if GROUPS in node.meta:
+        outs = tuple(marked_info(node, i) for i in range(len(info.outputs)))
+        info = dataclasses.replace(info, outputs=outs)
+    return info
 
 
 def source_line(node: fx.Node) -> str:
@@ -275,6 +283,11 @@ def from_exported(ep: ExportedProgram, *, training: bool, strip: str = "",
         if kind == "constant":
             constants[node.name] = ep.constants[spec.target]
         placeholders.append(Placeholder(node.name, kind, fqn, tensor_info(node.meta.get("val"))))
+    mark_fused_dims(gm, {p.name for p in placeholders if p.kind == "param"})
+    nodes = {n.name: n for n in gm.graph.nodes}
+    placeholders = [dataclasses.replace(p, info=marked_info(nodes[p.name]))
+                    if p.info is not None and GROUPS in nodes[p.name].meta else p
+                    for p in placeholders]
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     outs = [tensor_info(a.meta.get("val")) for a in torch.utils._pytree.tree_flatten(out_node.args)[0]
             if isinstance(a, fx.Node)]
