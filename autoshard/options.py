@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from autoshard.cost.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from autoshard.errors import AutoshardError
 
 OPTIMIZERS = ("adam", "adamw", "sgd", "none")
@@ -36,9 +37,11 @@ OFFLOAD = ("auto", "none", "optimizer")
 # Pipeline schedules, as torch.distributed.pipelining names its classes (docs/cost-model.md §10):
 # "GPipe" (every microbatch forward, then every backward), "1F1B" (one forward, one backward in
 # steady state: the same bubble, at most p - i microbatches of activations alive on stage i),
-# "Interleaved1F1B" (two stages per rank: the bubble halved for twice the sends), or "auto" (the
-# planner picks the one it prices fastest, less memory breaking ties).
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "auto")
+# "Interleaved1F1B" (two stages per rank: the bubble halved for twice the sends),
+# "InterleavedZeroBubble" (two stages per rank, backward split into the inputs' gradient and the
+# weights', which fills the bubble; activations kept longer), or "auto" (the planner picks the
+# one it prices fastest, less memory breaking ties).
+SCHEDULES = (*PIPELINE_SCHEDULES, "auto")
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +129,7 @@ class PlanOptions:
         if self.schedule not in SCHEDULES:
             raise AutoshardError(f"PlanOptions.schedule is one of {SCHEDULES}",
                                  got=repr(self.schedule),
-                                 fix="pass schedule='1F1B', 'GPipe', 'Interleaved1F1B' or 'auto'")
+                                 fix=f"pass one of {', '.join(map(repr, SCHEDULES))}")
         m = self.microbatches
         if m != "auto" and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise AutoshardError("PlanOptions.microbatches is a positive integer or 'auto'",

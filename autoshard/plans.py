@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from autoshard.cost.pipeline import SCHEDULES, balanced_bubble
 from autoshard.errors import AutoshardError
 from autoshard.ir import (Layer, Spec, Strategy, parse_spec, replicated, spec_fits, spec_str,
                           work_fraction)
@@ -293,7 +294,7 @@ class Plan:
         p = len(pl.stages) // v
         lines.append(f"  pipeline over {pl.axis}: {pl.schedule}, {m} microbatches, "
                      f"{len(pl.stages)} stages on {p} ranks "
-                     f"(bubble {(p - 1) / (v * m + p - 1):.0%} when balanced)")
+                     f"(bubble {balanced_bubble(pl.schedule, p, m):.0%} when balanced)")
         for st in pl.stages:
             what = (f"{st.layers[0]} .. {st.layers[-1].rsplit('.', 1)[-1]}" if len(st.layers) > 1
                     else (st.layers[0] if st.layers else "no layer"))
@@ -667,8 +668,8 @@ def _read_pipeline(f: _Field, axes: tuple[str, ...], layers: tuple[Layer, ...]
     if axis.text() not in axes:
         axis.fail(f"one of the mesh's axes {list(axes)}")
     schedule = f.key("schedule")
-    if schedule.text() not in ("GPipe", "1F1B", "Interleaved1F1B"):
-        schedule.fail('"GPipe", "1F1B" or "Interleaved1F1B"')
+    if schedule.text() not in SCHEDULES:
+        schedule.fail(f"one of {', '.join(map(json.dumps, SCHEDULES))}")
     names = {layer.name for layer in layers}
     stages = []
     for i, x in enumerate(f.key("stages").entries(nonempty=True)):

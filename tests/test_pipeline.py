@@ -8,8 +8,9 @@ import json
 import pytest
 
 from autoshard import Mesh, Plan
-from autoshard.cost.pipeline import (bubble_fraction, in_flight, pipeline_seconds,
-                                     schedule_seconds)
+from autoshard.cost.pipeline import (SCHEDULES, VIRTUAL_STAGES, balanced_bubble,
+                                     bubble_fraction, in_flight, pipeline_seconds,
+                                     schedule_seconds, zero_bubble_idle)
 from autoshard.errors import AutoshardError
 from autoshard.verify import VerifySpec, plan_for, summarize, verify_rank
 from dist import world_fixture
@@ -46,6 +47,87 @@ def test_microbatches_in_flight_per_schedule() -> None:
     assert [in_flight("1F1B", i, 4, 8) for i in range(4)] == [4, 3, 2, 1]
     assert [in_flight("GPipe", i, 4, 8) for i in range(4)] == [8] * 4
     assert in_flight("1F1B", 0, 4, 2) == 2          # never more than there are
+
+
+def _torch_order(p: int, m: int) -> dict:
+    """torch's ScheduleInterleavedZeroBubble's actions per rank (2 stages per rank), computed
+    as its constructor does, without process groups."""
+    from types import SimpleNamespace
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble as ZB
+    me = SimpleNamespace(n_local_stages=2, pp_group_size=p, _n_microbatches=m,
+                         number_of_rounds=max(1, m // p))
+    me.microbatches_per_round = m // me.number_of_rounds
+    me.pipeline_order = {r: ZB._calculate_single_rank_operations(me, r) for r in range(p)}
+    return ZB._add_bubbles_to_actions(me, 2 * p)
+
+
+def _run_order(order: dict, stages: int, f: float, b: float, w: float) -> tuple[float, dict]:
+    """Each rank runs its actions in order, each once its inputs are done (F after the previous
+    stage's F, B after its own F and the next stage's B, W after its B; no sends): the step's
+    seconds, and per stage the most microbatches between an F and its W."""
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+    kinds = {C.FORWARD: ("F", f), C.BACKWARD_INPUT: ("B", b), C.BACKWARD_WEIGHT: ("W", w)}
+    todo = {r: [a for a in acts if a is not None] for r, acts in order.items()}
+    done, clock, live, peak = {}, dict.fromkeys(order, 0.0), {}, {}
+    while any(todo.values()):
+        moved = False
+        for r, acts in todo.items():
+            while acts:
+                s, kind, k = acts[0].stage_index, *kinds[acts[0].computation_type][:1], \
+                    acts[0].microbatch_index
+                needs = {"F": [("F", s - 1, k)] if s else [],
+                         "B": [("F", s, k)] + ([("B", s + 1, k)] if s < stages - 1 else []),
+                         "W": [("B", s, k)]}[kind]
+                if any(x not in done for x in needs):
+                    break
+                clock[r] = max([clock[r]] + [done[x] for x in needs]) \
+                    + kinds[acts[0].computation_type][1]
+                done[(kind, s, k)] = clock[r]
+                live[s] = live.get(s, 0) + {"F": 1, "B": 0, "W": -1}[kind]
+                peak[s] = max(peak.get(s, 0), live[s])
+                acts.pop(0)
+                moved = True
+        assert moved, "the order deadlocks"
+    return max(clock.values()), peak
+
+
+def test_zero_bubble_matches_torchs_schedule() -> None:
+    """InterleavedZeroBubble, v = 2 (REFERENCE: Qi et al. 2024, arXiv 2401.10241 §3.1: ZB-H1
+    idles (p - 1)(T_F + T_B - T_W)): torch's own order of actions, run with per-stage F, B, W
+    seconds, takes 2m(f + b + w) + (p - 1)·max(f, b, f + b - w), never less than the paper's
+    idle time; and holds min(m, m/k + p) microbatches on a rank's first stage, min(m, p) on its
+    second, from F to W."""
+    for p, m in ((2, 2), (2, 8), (3, 6), (4, 4), (4, 8), (4, 10)):
+        order = _torch_order(p, m)
+        for f, b, w in ((1.0, 1.0, 1.0), (1.0, 2.0, 0.5), (1.0, 0.5, 1.5), (0.7, 1.3, 1.1)):
+            step, peak = _run_order(order, 2 * p, f, b, w)
+            stage_s = [f + b + w] * (2 * p)
+            formula = schedule_seconds(stage_s, m, p, "InterleavedZeroBubble",
+                                       forward_s=[f] * (2 * p), weight_s=[w] * (2 * p))
+            assert step == pytest.approx(formula), (p, m, f, b, w)
+            assert zero_bubble_idle(f, b, w) >= f + b - w
+        assert peak == {s: in_flight("InterleavedZeroBubble", s, p, m) for s in range(2 * p)}
+    # Fewer microbatches than ranks: a bound above the schedule's time.
+    step, _ = _run_order(_torch_order(4, 2), 8, 1.0, 1.0, 1.0)
+    assert step <= schedule_seconds([3.0] * 8, 2, 4, "InterleavedZeroBubble") + 1e-9
+
+
+def test_zero_bubble_closed_form() -> None:
+    """Balanced, F = B = W (the default split, a third of a stage's time each): the idle time
+    is a third of Interleaved 1F1B's, (p - 1)/v · t/3 on a rank of t seconds per microbatch."""
+    p, m, t = 4, 8, 1.0
+    stages = [t / 2] * (2 * p)
+    zb = schedule_seconds(stages, m, p, "InterleavedZeroBubble")
+    i1 = schedule_seconds(stages, m, p, "Interleaved1F1B")
+    assert zb == pytest.approx(m * t + (p - 1) / 2 * t / 3)
+    assert zb - m * t == pytest.approx((i1 - m * t) / 3)
+    assert balanced_bubble("InterleavedZeroBubble", p, m) == pytest.approx(0.5 / (8 + 0.5))
+    for x in SCHEDULES[:3]:
+        assert balanced_bubble(x, p, m) == pytest.approx(bubble_fraction(p, m, VIRTUAL_STAGES[x]))
+    # A long W fills the gaps no further than F and B leave them.
+    assert zero_bubble_idle(1.0, 1.0, 3.0) == 1.0 and zero_bubble_idle(1.0, 1.0, 0.5) == 1.5
+    assert [in_flight("InterleavedZeroBubble", s, 4, 8) for s in (0, 3, 4, 7)] == [8, 8, 4, 4]
+    assert in_flight("InterleavedZeroBubble", 0, 4, 2) == 2
 
 
 # -- the planner ------------------------------------------------------------------------------
@@ -141,7 +223,13 @@ CASES = [("gpt2-tiny", (2,), ("pp",), "1F1B", 2, "cpu"),
          ("gpt2-tiny-4l", (2,), ("pp",), "Interleaved1F1B", 2, "cpu"),
          ("gpt2-tiny", (2, 2), ("pp", "tp"), "GPipe", 2, "stress"),
          ("llama-tiny", (2, 2), ("pp", "tp"), "1F1B", 2, "stress"),
-         ("llama-tiny-4l", (2, 2), ("pp", "tp"), "Interleaved1F1B", 4, "stress")]
+         ("llama-tiny-4l", (2, 2), ("pp", "tp"), "Interleaved1F1B", 4, "stress"),
+         # Split backward (B, then W): on pp x tp the norms' weights are bucketed over tp (their
+         # gradients reach their buckets in the weight pass, synced once per step).
+         ("gpt2-tiny-4l", (2,), ("pp",), "InterleavedZeroBubble", 2, "cpu"),
+         ("llama-tiny-4l", (2,), ("pp",), "InterleavedZeroBubble", 2, "cpu"),
+         ("gpt2-tiny-4l", (2, 2), ("pp", "tp"), "InterleavedZeroBubble", 2, "stress"),
+         ("llama-tiny-4l", (2, 2), ("pp", "tp"), "InterleavedZeroBubble", 4, "stress")]
 
 
 def check(world, model: str, plan: Plan) -> dict:
@@ -160,7 +248,7 @@ def test_pipelined_step_equals_single_device(world2, world4, model, shape, axes,
                                              cluster) -> None:
     plan = plan_for(model, Mesh(shape, axes, cluster=cluster), pipeline="pp",
                     schedule=schedule, microbatches=m)
-    v = 2 if schedule == "Interleaved1F1B" else 1
+    v = VIRTUAL_STAGES[schedule]
     assert plan.pipeline.schedule == schedule and len(plan.pipeline.stages) == 2 * v
     assert plan.pipeline.virtual_stages == v
     report = check(world2 if len(shape) == 1 else world4, model, plan)
@@ -168,14 +256,35 @@ def test_pipelined_step_equals_single_device(world2, world4, model, shape, axes,
 
 
 @pytest.mark.parametrize("model,schedule", [("llama-tiny", "1F1B"),
-                                            ("llama-tiny-4l", "Interleaved1F1B")])
+                                            ("llama-tiny-4l", "Interleaved1F1B"),
+                                            ("llama-tiny-4l", "InterleavedZeroBubble")])
 def test_data_pipeline_tensor_on_eight_ranks(world8, model, schedule) -> None:
     """`autoshard verify llama-tiny --mesh 2x2x2 --axes dp,pp,tp --pipeline pp`: data parallel
-    gradient buckets per stage (two stages per rank interleaved), synced once per step."""
+    gradient buckets per stage (two stages per rank interleaved), synced once per step; under
+    the zero-bubble schedule every weight's gradient reaches its bucket in the weight pass."""
     plan = plan_for(model, Mesh((2, 2, 2), ("dp", "pp", "tp"), cluster="stress"),
                     pipeline="pp", schedule=schedule, microbatches=2)
     assert any(c.members for c in plan.collectives)
     check(world8, model, plan)
+
+
+def test_zero_bubble_in_the_search() -> None:
+    """The zero-bubble schedule is priced with the others: on the same cuts its W fills part of
+    Interleaved 1F1B's bubble, and "auto" is never slower than it. A split backward would run a
+    checkpointed layer's forward again in each weight pass: with recompute it is left out."""
+    mesh = Mesh((2,), ("pp",), cluster="cpu")
+    kw = dict(pipeline="pp", microbatches=2)
+    zb = plan_for("gpt2-tiny-4l", mesh, schedule="InterleavedZeroBubble", **kw)
+    i1 = plan_for("gpt2-tiny-4l", mesh, schedule="Interleaved1F1B", **kw)
+    assert [st.layers for st in zb.pipeline.stages] == [st.layers for st in i1.pipeline.stages]
+    assert zb.predicted["step_time_s"] < i1.predicted["step_time_s"]
+    auto = plan_for("gpt2-tiny-4l", mesh, **kw)
+    assert auto.predicted["step_time_s"] <= zb.predicted["step_time_s"] + 1e-12
+    assert "InterleavedZeroBubble, 2 microbatches, 4 stages on 2 ranks" in zb.summary()
+    with pytest.raises(AutoshardError, match="without activation checkpointing"):
+        plan_for("gpt2-tiny-4l", mesh, schedule="InterleavedZeroBubble", recompute="full", **kw)
+    full = plan_for("gpt2-tiny-4l", mesh, recompute="full", **kw)
+    assert full.pipeline.schedule != "InterleavedZeroBubble"
 
 
 def test_auto_pipeline_keeps_the_faster_and_records_the_search() -> None:

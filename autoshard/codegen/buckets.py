@@ -101,6 +101,20 @@ class GradBuckets:
             return
         if held is not None:
             grad = self._held.pop(member).add_(grad)
+        self._hand(member, grad)
+        self._queue_finish()
+
+    def release(self, members: list[str]) -> None:
+        """Sync the held gradients of ``members`` now and finish, outside backward: a pipeline's
+        split backward (codegen/pipeline.py) computes a stage's weight gradients in one autograd
+        run per parameter group, so it holds them over its last microbatch's runs too, then
+        releases them here, each bucket synced once."""
+        for m in members:
+            if m in self._held:
+                self._hand(m, self._held.pop(m))
+        self.finish()
+
+    def _hand(self, member: str, grad: torch.Tensor) -> None:
         b = self.of[member]
         if b.kind == "reduce_scatter":
             self._arrive_scatter(b, member, grad)
@@ -116,7 +130,6 @@ class GradBuckets:
         if b.arrived == len(b.members):
             b.work = dist.all_reduce(b.buffer, group=self.groups.group_of(b.axes[0]),
                                      async_op=True)
-        self._queue_finish()
 
     def _arrive_scatter(self, b: _Bucket, member: str, grad: torch.Tensor) -> None:
         if tuple(grad.shape) != tuple(self.params[member].shape):
@@ -127,7 +140,6 @@ class GradBuckets:
         b.grads[member] = grad
         if len(b.grads) == len(b.members):
             self._scatter_first(b)
-        self._queue_finish()
 
     def _scatter_first(self, b: _Bucket) -> None:
         # One reduce-scatter bucket in flight: the one before is finished (its shards kept,

@@ -9,15 +9,18 @@ loss). Parameters and buffers are not sent: each stage binds those its ops read 
 across stages is held by every stage reading it, its gradients all-reduced after the last
 microbatch, as Megatron-LM does for its tied embedding). torch.distributed.pipelining's
 ``PipelineStage`` sends and receives the crossing values over the pipeline axis's process
-group, its ``ScheduleGPipe`` / ``Schedule1F1B`` run the microbatches; the loss of each is the
-last stage's output divided by the number of microbatches (the step's loss is their mean; no
-gradient scaling afterwards), and the last stage's sum is all-reduced over the pipeline axis so
-every rank returns it. Gradient buckets are held over the microbatches and synced once, in the
-last one's backward (codegen/buckets.py ``defer``). The sends are counted in the byte ledger as
-they are issued.
+group, its ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` /
+``ScheduleInterleavedZeroBubble`` run the microbatches; the loss of each is the last stage's
+output divided by the number of microbatches (the step's loss is their mean; no gradient scaling
+afterwards), and the last stage's sum is all-reduced over the pipeline axis so every rank
+returns it. Gradient buckets are held over the microbatches and synced once, in the last one's
+backward (codegen/buckets.py ``defer``), or under the zero-bubble schedule's split backward
+after the last one's weight pass (:class:`StageModule`). The sends are counted in the byte
+ledger as they are issued.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Any
 
@@ -84,17 +87,75 @@ def cut(gm: fx.GraphModule, stages: int, input_names: list[str]
 
 class StageModule(torch.nn.Module):
     """One stage of the rank program, with its parameters bound: ``forward(*taken)`` runs the
-    stage on the values that cross into it."""
+    stage on the values that cross into it.
+
+    Its ``parameters()`` are the leaves autograd gives a gradient to, as the split backward of
+    the zero-bubble schedules needs (torch/distributed/pipelining/_backward.py
+    ``stage_backward_weight`` asks autograd for the gradient of every one of them, unused ones
+    an error). A parameter read only through a bucketed gradient sync gets none: its
+    :class:`~autoshard.codegen.buckets.DeferredGradSync` hands the gradient to the bucket and
+    returns none to autograd (as DDP's reducer takes it). Such a parameter enters the program
+    through a :class:`_GradHandle` and is replaced, among the parameters, by the handle's
+    zero-dimensional leaf: asking autograd for the handle's gradient runs the parameter's path
+    (the bucket's hand-over included) in the weight pass, and returns a zero scalar."""
 
     def __init__(self, program: fx.GraphModule, bound: list[torch.Tensor]) -> None:
         super().__init__()
         self.program = program
         self._bound = bound
+        only = bucketed_only(program)
+        self._handles: dict[int, torch.nn.Parameter] = {}
+        for i, t in enumerate(bound):
+            if isinstance(t, torch.nn.Parameter) and i in only:
+                self._handles[i] = torch.nn.Parameter(t.new_zeros((), dtype=torch.float32))
         self.params = torch.nn.ParameterList(
-            [t for t in bound if isinstance(t, torch.nn.Parameter)])
+            [self._handles.get(i, t) for i, t in enumerate(bound)
+             if isinstance(t, torch.nn.Parameter)])
 
     def forward(self, *taken: Any) -> Any:
-        return self.program(*self._bound, *taken)
+        bound = [_GradHandle.apply(t, self._handles[i]) if i in self._handles else t
+                 for i, t in enumerate(self._bound)]
+        return self.program(*bound, *taken)
+
+
+class _GradHandle(torch.autograd.Function):
+    """Identity on a parameter; in backward, whatever gradient reaches it (none where a bucket
+    took it) to the parameter, and a zero scalar to ``handle`` (StageModule)."""
+
+    @staticmethod
+    def forward(ctx, param: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+        ctx.set_materialize_grads(False)
+        ctx.handle = (handle.dtype, handle.device)
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None):
+        dtype, device = ctx.handle
+        return grad, torch.zeros((), dtype=dtype, device=device)
+
+
+def bucketed_only(program: fx.GraphModule) -> set[int]:
+    """The positions, among a stage program's placeholders, of those read only through bucketed
+    gradient syncs (codegen/rewrite.py ``ReshardCall`` with ``bucketed``), inside checkpointed
+    layers too (codegen/recompute.py ``Checkpointed``: a placeholder of its region)."""
+    return {i for i, ph in enumerate(program.graph.find_nodes(op="placeholder"))
+            if _bucketed_only(ph)}
+
+
+def _bucketed_only(value: fx.Node) -> bool:
+    from autoshard.codegen.recompute import Checkpointed
+    from autoshard.codegen.rewrite import ReshardCall
+    if not value.users:
+        return False
+    for u in value.users:
+        if isinstance(u.target, ReshardCall) and u.target.bucketed:
+            continue
+        if isinstance(u.target, Checkpointed) and value not in u.kwargs.values():
+            inner = u.target.gm.graph.find_nodes(op="placeholder")
+            if all(_bucketed_only(inner[k]) for k, a in enumerate(u.args) if a is value):
+                continue
+        return False
+    return True
 
 
 def local_value(gm: fx.GraphModule, name: str, traced, plan: Plan, mesh_shape) -> torch.Tensor:
@@ -132,7 +193,8 @@ class Pipelined:
 
     def __init__(self, pm: Any, programs: list, device: torch.device) -> None:
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                  ScheduleInterleaved1F1B)
+                                                  ScheduleInterleaved1F1B,
+                                                  ScheduleInterleavedZeroBubble)
         plan, groups = pm.plan, pm.groups
         pl = plan.pipeline
         self.pm, self.plan, self.device = pm, plan, device
@@ -147,6 +209,10 @@ class Pipelined:
         grads = grad_values(traced.graph, {ph.name for ph in traced.params})
         ledger, axis_name = pm.ledger, pl.axis
         buckets = pm.runtime.buckets
+        members: dict[int, list[str]] = {}          # stage -> its buckets' parameters
+        for c in plan.collectives:
+            if c.members:
+                members.setdefault(c.stage, []).extend(c.members)
 
         class CountedStage(PipelineStage):
             """PipelineStage whose sends are counted in the byte ledger (phase "pipeline"), and
@@ -154,15 +220,19 @@ class Pipelined:
 
             def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
                                    last_backward=False):
-                if buckets is not None:
-                    buckets.defer = not last_backward
-                try:
+                with _held(buckets, not last_backward):
                     return super().backward_one_chunk(bwd_chunk_id, loss=loss,
                                                       full_backward=full_backward,
                                                       last_backward=last_backward)
-                finally:
-                    if buckets is not None:
-                        buckets.defer = False
+
+            def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+                # A split backward's weight pass (the zero-bubble schedules): one autograd run
+                # per parameter group, each ending a backward for the buckets. They are held
+                # over every run, the last microbatch's too, then synced once.
+                with _held(buckets, True):
+                    super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+                if last_backward and buckets is not None:
+                    buckets.release(members.get(self.stage_index, []))
 
             def get_fwd_send_ops(self, fwd_chunk_id):
                 ops = super().get_fwd_send_ops(fwd_chunk_id)
@@ -191,10 +261,11 @@ class Pipelined:
             self.pstages.append(CountedStage(module, k, self.n, device, input_args=ins,
                                              output_args=outs, group=self.group))
         m = self.m
-        if pl.schedule == "Interleaved1F1B":
-            self.schedule = ScheduleInterleaved1F1B(self.pstages, n_microbatches=m,
-                                                    loss_fn=lambda out, _: out / m,
-                                                    scale_grads=False)
+        if pl.schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+            multi = {"Interleaved1F1B": ScheduleInterleaved1F1B,
+                     "InterleavedZeroBubble": ScheduleInterleavedZeroBubble}[pl.schedule]
+            self.schedule = multi(self.pstages, n_microbatches=m,
+                                  loss_fn=lambda out, _: out / m, scale_grads=False)
         else:
             cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[pl.schedule]
             self.schedule = cls(self.pstages[0], n_microbatches=m,
@@ -251,6 +322,19 @@ class Pipelined:
         self.pm.ledger.add(ExecutedCollective("all_reduce", (self.plan.pipeline.axis,), 4, 4,
                                               "pipeline", "loss", self.ranks))
         return loss
+
+
+@contextlib.contextmanager
+def _held(buckets: Any, hold: bool):
+    """Gradient buckets held over (codegen/buckets.py ``defer``) while ``hold``: a backward
+    before the stage's last microbatch's."""
+    if buckets is not None:
+        buckets.defer = hold
+    try:
+        yield
+    finally:
+        if buckets is not None:
+            buckets.defer = False
 
 
 def stages_of_rank(coord: int, ranks: int, stages: int) -> tuple[int, ...]:

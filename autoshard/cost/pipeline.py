@@ -10,13 +10,25 @@ most ``p - i`` on stage ``i``. Interleaved 1F1B (Narayanan et al. 2021, §2.2.2)
 rank ``v`` stages (rank ``r`` runs stages ``r``, ``r + p``, ...): the bubble shrinks to
 ``(p - 1)/(v·m + p - 1)`` for ``v`` times the sends, and each of a rank's stages keeps up to
 ``p`` microbatches in flight.
+
+The zero-bubble schedules (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", arXiv 2401.10241)
+split a stage's backward into B, the gradient of its input, which the previous stage waits for,
+and W, the gradient of its weights, which nothing waits for: W fills the bubble. For one stage
+per rank the paper's ZB-H1 idles ``(p - 1)(T_F + T_B - T_W)`` (§3.1, 1F1B's
+``(p - 1)(T_F + T_B + T_W)``) and keeps 1F1B's peak memory. torch.distributed.pipelining's
+``ScheduleInterleavedZeroBubble`` (:data:`SCHEDULES` "InterleavedZeroBubble") is that schedule
+interleaved, ``v`` = 2 stages per rank placed as Interleaved 1F1B places them; its idle time is
+:func:`zero_bubble_idle`, its memory :func:`in_flight`.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
-VIRTUAL_STAGES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}     # stages per rank
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
+VIRTUAL_STAGES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2,     # stages per rank
+                  "InterleavedZeroBubble": 2}
+# Schedules whose backward runs as B then W, apart (Qi et al. 2024).
+SPLIT_BACKWARD = ("InterleavedZeroBubble",)
 
 
 def pipeline_seconds(stage_s: Sequence[float], microbatches: int) -> float:
@@ -26,16 +38,45 @@ def pipeline_seconds(stage_s: Sequence[float], microbatches: int) -> float:
 
 
 def schedule_seconds(stage_s: Sequence[float], microbatches: int, ranks: int,
-                     schedule: str) -> float:
+                     schedule: str, *, forward_s: Sequence[float] | None = None,
+                     weight_s: Sequence[float] | None = None) -> float:
     """A step's forward and backward over every microbatch under ``schedule``, ``stage_s`` the
     seconds per microbatch of each of its ``ranks · v`` stages: :func:`pipeline_seconds` for one
     stage per rank; interleaved, ``(m + (p - 1)/v)·max_r t_r``, ``t_r`` the sum of rank ``r``'s
-    stages (its slowest rank's share of the bubble shrinks ``v`` times)."""
+    stages (its slowest rank's share of the bubble shrinks ``v`` times).
+
+    Zero bubble: ``max(m, p)·max_r t_r + (p - 1)/v · max_r zero_bubble_idle(F_r, B_r, W_r)``,
+    ``F_r``, ``W_r`` the sums of rank ``r``'s ``forward_s`` and ``weight_s`` (each stage's F and
+    W; by default a third of its time each, the paper's ``T_F = T_B = T_W``), ``B_r`` the rest of
+    ``t_r``. With balanced stages and ``m`` a multiple of ``p`` this is the time of torch's
+    schedule exactly (its order of actions, run with those durations and no sends); with fewer
+    microbatches than ranks it is the time of ``p`` microbatches, a bound above it."""
     v = VIRTUAL_STAGES[schedule]
     if v == 1:
         return pipeline_seconds(stage_s, microbatches)
     per_rank = [sum(stage_s[r::ranks]) for r in range(ranks)]
-    return (microbatches + (ranks - 1) / v) * max(per_rank)
+    if schedule not in SPLIT_BACKWARD:
+        return (microbatches + (ranks - 1) / v) * max(per_rank)
+    f = forward_s if forward_s is not None else [t / 3 for t in stage_s]
+    w = weight_s if weight_s is not None else [t / 3 for t in stage_s]
+    idle = max(zero_bubble_idle(sum(f[r::ranks]), t - sum(f[r::ranks]) - sum(w[r::ranks]),
+                                sum(w[r::ranks]))
+               for r, t in enumerate(per_rank))
+    return max(microbatches, ranks) * max(per_rank) + (ranks - 1) / v * idle
+
+
+def zero_bubble_idle(forward: float, backward_input: float, backward_weight: float) -> float:
+    """A rank's idle seconds per rank of pipeline depth under the interleaved zero-bubble
+    schedule, from its F, B and W seconds per microbatch: ``max(F, B, F + B - W)``.
+
+    Qi et al. (2024, §3.1) give ZB-H1's bubble as ``(p - 1)(T_F + T_B - T_W)``, reached while W
+    is no longer than F or B (it fills the gaps between them); a W longer than that cannot fill
+    more than the gap, and the idle time stays that of the longer of F and B. So written, it
+    is never below the paper's figure, and it is what torch's ``ScheduleInterleavedZeroBubble``
+    takes: run action by action with per-stage durations f, b, w (tests/test_pipeline.py), its
+    step is ``2m(f + b + w) + (p - 1)·max(f, b, f + b - w)``, i.e. this over ``v`` = 2 for the
+    rank's sums."""
+    return max(forward, backward_input, forward + backward_input - backward_weight)
 
 
 def bubble_fraction(stages: int, microbatches: int, virtual: int = 1) -> float:
@@ -43,13 +84,32 @@ def bubble_fraction(stages: int, microbatches: int, virtual: int = 1) -> float:
     return (stages - 1) / (virtual * microbatches + stages - 1)
 
 
+def balanced_bubble(schedule: str, ranks: int, microbatches: int) -> float:
+    """The idle fraction of :func:`schedule_seconds` with balanced stages (zero bubble: F, B and W
+    a third of a stage's time each): :func:`bubble_fraction` for the others."""
+    v = VIRTUAL_STAGES[schedule]
+    step = schedule_seconds([1.0 / v] * (ranks * v), microbatches, ranks, schedule)
+    return 1 - microbatches / step
+
+
 def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
     """Microbatches whose activations stage ``stage`` holds at its peak: all ``m`` under GPipe,
-    ``min(m, p - stage)`` under 1F1B (its warm-up forwards, then one forward per backward)."""
+    ``min(m, p - stage)`` under 1F1B (its warm-up forwards, then one forward per backward).
+
+    Zero bubble (``stages``: the ranks ``p``; ``stage`` of ``2p``): a microbatch's activations
+    stay until its W, which the schedule defers. torch's order keeps
+    ``min(m, m/k + p)`` on a rank's first stage (``k = max(1, m // p)`` rounds of ``m/k``
+    microbatches: ``2p`` once ``m >= 2p``) and ``min(m, p)`` on its second, on every rank (counted
+    from the schedule's actions for p up to 8 and every m it takes). A rank holds up to
+    ``1.5·p`` microbatches of its layers' activations, where 1F1B's first rank holds ``p``: the
+    paper's ZB-H1 keeps 1F1B's peak, this interleaved variant does not."""
     if schedule == "GPipe":
         return microbatches
     if schedule == "1F1B":
         return min(microbatches, stages - stage)
     if schedule == "Interleaved1F1B":      # ``stages``: the ranks; each of a rank's stages
         return min(microbatches, stages)
+    if schedule == "InterleavedZeroBubble":
+        per_round = microbatches // max(1, microbatches // stages)
+        return min(microbatches, per_round + stages if stage < stages else stages)
     raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")

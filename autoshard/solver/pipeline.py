@@ -21,9 +21,10 @@ from typing import Any
 
 from autoshard import progress
 from autoshard.cost.comm import collective_time
-from autoshard.cost.compute import local_numel
+from autoshard.cost.compute import local_numel, op_times
 from autoshard.cost.overlap import bucket_bytes_by_axis, gradient_buckets
-from autoshard.cost.pipeline import SCHEDULES, VIRTUAL_STAGES, in_flight, schedule_seconds
+from autoshard.cost.pipeline import (SCHEDULES, SPLIT_BACKWARD, VIRTUAL_STAGES, in_flight,
+                                     schedule_seconds)
 from autoshard.cost.price import Pricer
 from autoshard.cost.reshards import reshard_edges
 from autoshard.errors import AutoshardError
@@ -83,6 +84,8 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
     # The sub-plan holds every layer's state where a stage holds 1/p of it: its bound is the
     # stage's budget times p (the stages' exact peaks are checked below).
     sub_options = options.replace(pipeline=None, memory_budget=budget * p)
+    if options.schedule in SPLIT_BACKWARD and options.recompute == "auto":
+        sub_options = sub_options.replace(recompute="none")     # see ``recomputed`` below
     with progress.step(f"layouts of the stages over {','.join(sub.axes)}, {m} microbatches"):
         spmd = plan_spmd(traced, sub, sub_options, model_name=model_name, trace_s=trace_s)
     # The sub-mesh has at most two axes (meshes have three): no axes merged, no joint groups.
@@ -94,7 +97,7 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
     # comes after the last with that one (trace/layers.py stages_of, one layer per stage).
     L = len(layers)
     where = stages_of(graph, traced.layers, tuple((name,) for name in layers))
-    secs, state, acts, opt, comm, sync = ([0.0] * L for _ in range(6))
+    secs, state, acts, opt, comm, sync, fwd, wgt = ([0.0] * L for _ in range(8))
     for n in graph.nodes:
         if n.name not in strategies:
             continue
@@ -105,6 +108,12 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
         else:
             secs[i] += pricer.compute(n.name, st)
             acts[i] += pricer.memory(n.name, st)
+            # Its forward, and its share of the weights' gradient (W of a split backward,
+            # cost/pipeline.py): half its backward, as for a matmul (dX and dW cost alike); a
+            # recomputed forward runs with B.
+            f, b = op_times(pricer.info(n.name), st, sub, training=True)
+            fwd[i] += f
+            wgt[i] += b / 2
     # Saved copies of resharded values (what a consumer saves in its own layout), on the layer
     # of the value they copy, as the ILP's memory sum counts them (Pricer.saved_copies).
     for ref, cons in pricer.saved_inputs().items():
@@ -127,14 +136,25 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
     send = [collective_time("send_recv", 2, f, link.alpha, link.bandwidth)
             + collective_time("send_recv", 2, b, link.alpha, link.bandwidth)
             for f, b in zip(*boundary)]
+    # A split backward (zero bubble) computes the weights' gradients in autograd runs apart
+    # from the inputs': a checkpointed layer's forward would run again in each of them
+    # (torch.utils.checkpoint recomputes per backward run), so it is offered without one.
+    recomputed = sorted(k for k, v in spmd.recompute.items() if v != "none")
     if options.schedule != "auto":
         schedules: tuple[str, ...] = (options.schedule,)
         if L < p * VIRTUAL_STAGES[options.schedule]:
             raise AutoshardError(f"at least {p * VIRTUAL_STAGES[options.schedule]} layers for "
                                  f"{options.schedule} on {p} ranks (one per stage)",
                                  got=f"{L} layers", fix="schedule='1F1B', or fewer ranks")
+        if options.schedule in SPLIT_BACKWARD and recomputed:
+            raise AutoshardError(f"{options.schedule} without activation checkpointing (its "
+                                 f"split backward would recompute a layer once per weight "
+                                 f"group)", got=f"{len(recomputed)} layers recomputed "
+                                 f"({recomputed[0]}, ...)",
+                                 fix="recompute='none', or schedule='Interleaved1F1B'")
     else:
-        schedules = tuple(x for x in SCHEDULES if L >= p * VIRTUAL_STAGES[x])
+        schedules = tuple(x for x in SCHEDULES if L >= p * VIRTUAL_STAGES[x]
+                          and not (x in SPLIT_BACKWARD and recomputed))
     best = None
     for schedule in schedules:
         v = VIRTUAL_STAGES[schedule]
@@ -143,12 +163,13 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
         if cuts is None:
             progress.note(f"{schedule}: no cut into {p * v} stages fits")
             continue
-        figures = _stage_figures(cuts, secs, comm, send, state, acts, opt, sync, p, m,
-                                 schedule)
-        step = schedule_seconds([f["compute_s"] + f["comm_s"] for f in figures], m, p,
-                                schedule) + _per_rank(figures, p, "optimizer_s", "sync_s")
-        # Equal times: fewer microbatches in flight, then fewer sends.
-        key = (step, SCHEDULES.index(schedule) != 1, schedule == "Interleaved1F1B")
+        figures = _stage_figures(cuts, secs, comm, send, state, acts, opt, sync, fwd, wgt, p,
+                                 m, schedule)
+        step = _schedule_seconds(figures, m, p, schedule, comm=True) \
+            + _per_rank(figures, p, "optimizer_s", "sync_s")
+        # Equal times: fewer microbatches in flight, then fewer sends, then one backward pass.
+        key = (step, schedule != "1F1B", VIRTUAL_STAGES[schedule] > 1,
+               schedule in SPLIT_BACKWARD)
         progress.note(f"{schedule}: {p * v} stages, step {step * 1e3:.3f} ms")
         if best is None or key < best[0]:
             best = (key, schedule, cuts, figures, step)
@@ -199,6 +220,19 @@ def _boundary_bytes(traced: TracedGraph, where: dict[str, int], strategies: dict
     return out
 
 
+def _schedule_seconds(figures: list[dict], m: int, ranks: int, schedule: str, *,
+                      comm: bool) -> float:
+    """The schedule's forward and backward over ``m`` microbatches (cost/pipeline.py), of the
+    stages' compute, and their communication with ``comm``. A split backward's F is a stage's
+    forward and W its weights' gradient (``_stage_figures``); its communication (collectives
+    and sends, forward and backward about alike) counts half with F, half with B, none with
+    W."""
+    total = [f["compute_s"] + (f["comm_s"] if comm else 0.0) for f in figures]
+    forward = [f["forward_s"] + (f["comm_s"] / 2 if comm else 0.0) for f in figures]
+    return schedule_seconds(total, m, ranks, schedule, forward_s=forward,
+                            weight_s=[f["weight_s"] for f in figures])
+
+
 def _per_rank(figures: list[dict], ranks: int, *keys: str) -> float:
     """The largest sum of ``keys`` over one rank's stages (rank ``r``: stages ``r``, ``r + p``,
     ...)."""
@@ -240,13 +274,14 @@ def _cuts(secs, comm, send, state, acts, p: int, m: int, schedule: str, budget: 
     return cuts[::-1]
 
 
-def _stage_figures(cuts, secs, comm, send, state, acts, opt, sync, p, m, schedule
+def _stage_figures(cuts, secs, comm, send, state, acts, opt, sync, fwd, wgt, p, m, schedule
                    ) -> list[dict]:
     L = len(secs)
     out = []
     for s, (i, j) in enumerate(cuts):
         sends = (send[j - 1] if j < L else 0.0) + (send[i - 1] if i > 0 else 0.0)
         out.append({"compute_s": sum(secs[i:j]), "comm_s": sum(comm[i:j]) + sends,
+                    "forward_s": sum(fwd[i:j]), "weight_s": sum(wgt[i:j]),
                     "optimizer_s": sum(opt[i:j]), "sync_s": sum(sync[i:j]),
                     "peak_memory_bytes": sum(state[i:j])
                     + in_flight(schedule, s, p, m) * sum(acts[i:j])})
@@ -327,7 +362,7 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
                                               ("compute_s", "comm_s", "peak_memory_bytes")})
                    for i in range(p))
     loss_s = collective_time("all_reduce", ranks, 4, link.alpha, link.bandwidth)
-    compute = schedule_seconds([f["compute_s"] for f in figures], m, ranks, schedule) \
+    compute = _schedule_seconds(figures, m, ranks, schedule, comm=False) \
         + _per_rank(figures, ranks, "optimizer_s")
     total = step + loss_s + tied_s
     keep = [x for x in sub.axes if x != DUMMY]
