@@ -43,6 +43,12 @@ def pipeline_options(args) -> dict:
     """--pipeline, --schedule, --microbatches as PlanOptions fields (a --gpus search takes
     the schedule and microbatches for the pipelines it tries)."""
     if args.pipeline is None and getattr(args, "gpus", None) is None:
+        given = [f"--{k} {v}" for k, v in (("schedule", args.schedule),
+                                           ("microbatches", args.microbatches)) if v != "auto"]
+        if given:
+            raise AutoshardError("--schedule and --microbatches with --pipeline (or --gpus)",
+                                 got=f"{' '.join(given)} without a pipeline",
+                                 fix="add --pipeline AXIS (or auto), or drop them")
         return {}
     m = args.microbatches
     if m != "auto":

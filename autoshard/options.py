@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from autoshard.cost.pipeline import SCHEDULES as PIPELINE_SCHEDULES
+from autoshard.schedules import SCHEDULES as PIPELINE_SCHEDULES
 from autoshard.errors import AutoshardError
 
 OPTIMIZERS = ("adam", "adamw", "sgd", "none")
@@ -66,6 +66,10 @@ class PlanOptions:
     - ``schedule``: the pipeline schedule (see SCHEDULES).
     - ``microbatches``: how many microbatches the batch is cut into on a pipeline, or "auto"
       (the planner tries p, 2p and 4p for p stages, where they divide the batch).
+    - ``stage_run``: set by the pipeline planner on the options of the SPMD plan its stages
+      share (solver/pipeline.py), None otherwise: ``(m, k)``, the graph is one of ``m``
+      microbatches (it bears 1/m of the once-per-step gradient sync and optimizer step) and
+      ``k`` microbatches' activations are alive at once on the fullest stage (cost/price.py).
     """
 
     training: bool = True
@@ -80,6 +84,7 @@ class PlanOptions:
     pipeline: str | None = None
     schedule: str = "auto"
     microbatches: int | str = "auto"
+    stage_run: tuple[int, float] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.training, bool):
@@ -134,6 +139,12 @@ class PlanOptions:
         if m != "auto" and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise AutoshardError("PlanOptions.microbatches is a positive integer or 'auto'",
                                  got=repr(m), fix="e.g. microbatches=8, or 'auto'")
+        r = self.stage_run
+        if r is not None and not (isinstance(r, (tuple, list)) and len(r) == 2
+                                  and _positive(r[0]) and _positive(r[1])):
+            raise AutoshardError("PlanOptions.stage_run is None or (microbatches, activation "
+                                 "copies), set by the pipeline planner", got=repr(r),
+                                 fix="leave it None")
 
     @property
     def bucket_bytes(self) -> float:
@@ -154,7 +165,10 @@ class PlanOptions:
         return dataclasses.replace(self, **overrides) if overrides else self
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if out["stage_run"] is None:      # the pipeline planner's own: not in plan files
+            del out["stage_run"]
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "PlanOptions":

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from autoshard.cost.pipeline import SCHEDULES, balanced_bubble
+from autoshard.schedules import SCHEDULES, balanced_bubble
 from autoshard.errors import AutoshardError
 from autoshard.ir import (Layer, Spec, Strategy, parse_spec, replicated, spec_fits, spec_str,
                           work_fraction)
@@ -99,6 +99,11 @@ class Pipeline:
     microbatches: int
     stages: tuple[Stage, ...]
     virtual_stages: int = 1
+
+    def stages_of(self, coord: int) -> tuple[int, ...]:
+        """The stages coordinate ``coord`` of the pipeline axis runs: ``coord``, ``coord + p``,
+        ... (torch.distributed.pipelining's loop placement, ``p`` ranks)."""
+        return tuple(range(coord, len(self.stages), len(self.stages) // self.virtual_stages))
 
     def to_json(self) -> dict:
         return {"axis": self.axis, "schedule": self.schedule, "microbatches": self.microbatches,

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from autoshard.cluster import PRESETS
-from autoshard.cost.pipeline import schedule_seconds
+from autoshard.schedules import schedule_seconds
 from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Shard, spec_str
 from autoshard.plans import Pipeline, Plan

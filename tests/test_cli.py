@@ -58,6 +58,15 @@ def test_bad_mesh_is_refused(capsys, mesh: str) -> None:
     assert repr(mesh) in err and "8x8" in err and "Fix" in err, err
 
 
+@pytest.mark.parametrize("flag", [["--microbatches", "4"], ["--schedule", "1F1B"]])
+def test_pipeline_flags_without_a_pipeline_are_refused(capsys, flag: list[str]) -> None:
+    """Without --pipeline the batch runs whole: a schedule or microbatch count would be
+    silently ignored."""
+    assert main(["plan", "gpt2-tiny", "--mesh", "2", *flag]) == 2
+    err = capsys.readouterr().err
+    assert " ".join(flag) in err and "without a pipeline" in err and "--pipeline" in err
+
+
 def test_show_of_a_missing_file(tmp_path, capsys) -> None:
     missing = tmp_path / "nope.json"
     assert main(["show", str(missing)]) == 2

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from autoshard import Mesh, Plan
-from autoshard.cost.pipeline import (SCHEDULES, VIRTUAL_STAGES, balanced_bubble,
+from autoshard.schedules import (SCHEDULES, VIRTUAL_STAGES, balanced_bubble,
                                      bubble_fraction, in_flight, pipeline_seconds,
                                      schedule_seconds, zero_bubble_idle)
 from autoshard.errors import AutoshardError
@@ -40,7 +40,7 @@ def test_interleaving_shrinks_the_bubble_v_times() -> None:
     assert total == pytest.approx((m + (p - 1) / 2) * t)
     assert 1 - m * t / total == pytest.approx(bubble_fraction(p, m, 2)) == pytest.approx(3 / 19)
     assert schedule_seconds([t] * p, m, p, "1F1B") == pytest.approx(pipeline_seconds([t] * p, m))
-    assert in_flight("Interleaved1F1B", 5, 4, 8) == 4
+    assert in_flight("Interleaved1F1B", 5, 4, 8) == 4 and in_flight("Interleaved1F1B", 0, 4, 8) == 8
 
 
 def test_microbatches_in_flight_per_schedule() -> None:
@@ -49,16 +49,38 @@ def test_microbatches_in_flight_per_schedule() -> None:
     assert in_flight("1F1B", 0, 4, 2) == 2          # never more than there are
 
 
-def _torch_order(p: int, m: int) -> dict:
-    """torch's ScheduleInterleavedZeroBubble's actions per rank (2 stages per rank), computed
-    as its constructor does, without process groups."""
+def _torch_order(p: int, m: int, schedule: str = "InterleavedZeroBubble") -> dict:
+    """torch's interleaved schedule's actions per rank (2 stages per rank), computed as its
+    constructor does, without process groups."""
     from types import SimpleNamespace
-    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble as ZB
+    from torch.distributed.pipelining import schedules
+    cls = {"InterleavedZeroBubble": schedules.ScheduleInterleavedZeroBubble,
+           "Interleaved1F1B": schedules.ScheduleInterleaved1F1B}[schedule]
     me = SimpleNamespace(n_local_stages=2, pp_group_size=p, _n_microbatches=m,
                          number_of_rounds=max(1, m // p))
     me.microbatches_per_round = m // me.number_of_rounds
-    me.pipeline_order = {r: ZB._calculate_single_rank_operations(me, r) for r in range(p)}
-    return ZB._add_bubbles_to_actions(me, 2 * p)
+    me.pipeline_order = {r: cls._calculate_single_rank_operations(me, r) for r in range(p)}
+    if schedule == "Interleaved1F1B":
+        return me.pipeline_order
+    return cls._add_bubbles_to_actions(me, 2 * p)
+
+
+def test_interleaved_1f1b_holds_what_torchs_order_keeps() -> None:
+    """ScheduleInterleaved1F1B's own order, read rank by rank: the most microbatches between a
+    stage's forward and its backward are min(m, m/k + p) on a rank's first stage (2p once
+    m >= 2p, as Megatron-LM's warm-up of 2(p-1) + p chunk forwards) and min(m, p) on its
+    second: the activation memory the planner charges."""
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+    for p, m in ((2, 2), (2, 8), (3, 6), (4, 4), (4, 8), (4, 16), (8, 64)):
+        peak: dict[int, int] = {}
+        for acts in _torch_order(p, m, "Interleaved1F1B").values():
+            live: dict[int, int] = {}
+            for a in acts:
+                if a is not None:
+                    s = a.stage_index
+                    live[s] = live.get(s, 0) + (1 if a.computation_type == C.FORWARD else -1)
+                    peak[s] = max(peak.get(s, 0), live[s])
+        assert peak == {s: in_flight("Interleaved1F1B", s, p, m) for s in range(2 * p)}, (p, m)
 
 
 def _run_order(order: dict, stages: int, f: float, b: float, w: float) -> tuple[float, dict]:
@@ -204,6 +226,41 @@ def test_pipeline_errors_say_what_to_do() -> None:
                  microbatches=4)
     with pytest.raises(AutoshardError, match="at least 4 layers for Interleaved1F1B"):
         plan_for("gpt2-tiny", mesh, pipeline="pp", schedule="Interleaved1F1B", microbatches=2)
+    four = Mesh((2,), ("pp",), cluster="cpu")
+    with pytest.raises(AutoshardError, match="microbatches divisible by the 2 pipeline ranks"):
+        plan_for("gpt2-tiny-4l", four, pipeline="pp", schedule="Interleaved1F1B",
+                 microbatches=1, batch=3)
+    with pytest.raises(AutoshardError, match="microbatches only with a pipeline"):
+        plan_for("gpt2-tiny", mesh, microbatches=2)
+
+
+def test_a_stages_plan_bears_its_share_of_the_step() -> None:
+    """The SPMD plan the stages share is of one microbatch of m: it bears 1/m of the step's
+    optimizer step and gradient sync, and its activations weigh the k microbatches the fullest
+    stage keeps alive (1F1B's first stage: min(m, p)) against the stages' memory."""
+    from autoshard.schedules import fullest_stage
+    from autoshard.cost.price import Pricer
+    from autoshard.options import PlanOptions
+    from autoshard.solver.planner import plan_traced, trace_for
+    from autoshard.zoo.registry import load_model
+    assert fullest_stage("1F1B", 4, 8) == fullest_stage("auto", 4, 8) == 4
+    assert fullest_stage("GPipe", 4, 8) == 8
+    assert fullest_stage("Interleaved1F1B", 4, 8) == (8 + 4) / 2
+    model, inputs = load_model("gpt2-tiny", batch=8, seq=16, device="meta")
+    options = PlanOptions(pipeline="pp", microbatches=4)
+    traced = trace_for(model, inputs, options)
+    sub = Mesh((2,), ("tp",), cluster="cpu")
+    plan = plan_traced(traced, sub, options.replace(pipeline=None, microbatches="auto"))
+    whole = Pricer(traced, sub, plan.options)
+    share = Pricer(traced, sub, plan.options.replace(stage_run=(4, 3.0)))
+    strategies = plan.strategies()
+    params = [p.name for p in traced.params]
+    ops = [n for n, st in strategies.items() if n not in params and whole.memory(n, st) > 0]
+    assert ops and all(share.memory(n, strategies[n]) == pytest.approx(
+        3 * whole.memory(n, strategies[n])) for n in ops)
+    assert all(share.optimizer_seconds(n, strategies[n]) == pytest.approx(
+        whole.optimizer_seconds(n, strategies[n]) / 4) for n in params)
+    assert "stage_run" not in plan.options.to_json()
 
 
 def test_auto_microbatches_pick_the_fastest() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from autoshard.cli import main
-from autoshard.cost.pipeline import schedule_seconds
+from autoshard.schedules import schedule_seconds
 from autoshard.ir import spec_str
 from autoshard.mesh import Mesh
 from autoshard.plans import Pipeline, Plan, Stage

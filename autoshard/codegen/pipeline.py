@@ -201,7 +201,7 @@ class Pipelined:
         self.axis = plan.mesh_axes.index(pl.axis)
         self.ranks = plan.mesh_shape[self.axis]           # p
         self.n = len(pl.stages)                           # p * v
-        self.mine = stages_of_rank(groups.coords[self.axis], self.ranks, self.n)
+        self.mine = pl.stages_of(groups.coords[self.axis])
         self.m = pl.microbatches
         self.group = groups.groups[self.axis]
         values = pm.bound_values()
@@ -335,12 +335,6 @@ def _held(buckets: Any, hold: bool):
     finally:
         if buckets is not None:
             buckets.defer = False
-
-
-def stages_of_rank(coord: int, ranks: int, stages: int) -> tuple[int, ...]:
-    """The stages coordinate ``coord`` of a pipeline axis of ``ranks`` runs: ``coord``,
-    ``coord + ranks``, ... (torch.distributed.pipelining's loop placement)."""
-    return tuple(range(coord, stages, ranks))
 
 
 def _tied(plan: Plan) -> dict[str, tuple[int, ...]]:

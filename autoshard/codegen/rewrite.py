@@ -89,14 +89,12 @@ class RankRuntime:
         # "recompute" while a checkpointed layer runs again; "replay" while a selectively
         # checkpointed one does (its collectives return stored outputs: nothing is counted).
         self.phase = "forward"
-        # On a pipeline, this rank's stages (codegen/pipeline.py stages_of_rank) and their
-        # buckets; -1 stands for every rank.
+        # On a pipeline, this rank's stages (plans.py Pipeline.stages_of) and their buckets;
+        # -1 stands for every rank.
         self.stages: tuple[int, ...] = (-1,)
         if plan is not None and plan.pipeline is not None:
-            from autoshard.codegen.pipeline import stages_of_rank
             axis = plan.mesh_axes.index(plan.pipeline.axis)
-            self.stages = (-1, *stages_of_rank(groups.coords[axis], plan.mesh_shape[axis],
-                                               len(plan.pipeline.stages)))
+            self.stages = (-1, *plan.pipeline.stages_of(groups.coords[axis]))
         records = [c for c in (plan.collectives if plan else ())
                    if c.members and c.stage in self.stages]
         self.buckets = GradBuckets(records, groups, self.ledger) if records else None

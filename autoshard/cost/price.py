@@ -79,6 +79,12 @@ class Pricer:
                  recompute: Mapping[str, str] | frozenset[str] = frozenset(),
                  offload: bool = False, joint: Groups = ()) -> None:
         self.traced, self.mesh, self.options, self.merge = traced, mesh, options, merge
+        # A pipeline's stages share one SPMD plan of one microbatch (solver/pipeline.py): they
+        # run the graph m times per step and the gradient sync and optimizer step once, so each
+        # run bears 1/m of those; and k microbatches' activations are alive at once on the
+        # fullest stage, so its activations weigh k against the stages' memory.
+        m, k = options.stage_run or (1, 1.0)
+        self.step_share, self.activation_copies = 1.0 / m, float(k)
         self.joint: Groups = merge.joint() if merge is not None else joint
         self.training = traced.training
         self.modes = state_modes(options, offload) if self.training else (None,)
@@ -168,8 +174,8 @@ class Pricer:
                 return 0.0      # a stored collective output: :meth:`stored_reshard_bytes`
             # Recomputed in backward from what is stored (a stored op's own output, kept in
             # its producer's layout, is :meth:`memory`'s and costs nothing here).
-            return min(self._layer_weight(c) for c, _ in consumers)
-        return min(self.memory_weight(c) for c, _ in consumers)
+            return min(self._layer_weight(c) for c, _ in consumers) * self.activation_copies
+        return min(self.memory_weight(c) for c, _ in consumers) * self.activation_copies
 
     def _layer_weight(self, name: str) -> float:
         if not self.recomputed(name):
@@ -187,7 +193,7 @@ class Pricer:
         if self.policy(consumer) != "selective" or not self._collective(value, src, dst):
             return 0.0
         shape, itemsize = self.shapes[value]
-        return float(local_numel(shape, dst, self.mesh.shape) * itemsize)
+        return float(local_numel(shape, dst, self.mesh.shape) * itemsize) * self.activation_copies
 
     def _stored(self, value: ValueRef) -> bool:
         node = self._nodes[value[0]]
@@ -281,8 +287,10 @@ class Pricer:
         per = SGD_STEP_BYTES if opt == "sgd" else ADAM_STEP_BYTES
         c = self.mesh.cluster
         if mode == "offload":
-            return n * per / c.host_mem_bandwidth + 2 * n * ph.info.dtype.itemsize / c.host_bandwidth
-        return n * per / c.mem_bandwidth
+            t = n * per / c.host_mem_bandwidth + 2 * n * ph.info.dtype.itemsize / c.host_bandwidth
+        else:
+            t = n * per / c.mem_bandwidth
+        return t * self.step_share
 
     def optimizer_steps(self, name: str, strategy: Strategy) -> Reshard | None:
         """The all-gather(s) that bring the updated state shards back to the parameter's
@@ -303,7 +311,8 @@ class Pricer:
 
     def optimizer_comm_seconds(self, name: str, strategy: Strategy) -> float:
         r = self.optimizer_steps(name, strategy)
-        return steps_time(r.forward, self.merge.real if self.merge else self.mesh) if r else 0.0
+        mesh = self.merge.real if self.merge else self.mesh
+        return steps_time(r.forward, mesh) * self.step_share if r else 0.0
 
     def memory(self, name: str, strategy: Strategy) -> float:
         """Bytes one device holds for the node: a parameter's state or a buffer; for an op, what
@@ -321,7 +330,8 @@ class Pricer:
             saved = max(saved, sum(local_numel(shape, spec, self.mesh.shape) * isz
                                    for (shape, isz), spec in zip(
                                        op_profile(info).outputs, strategy.outputs)))
-        return saved * self.memory_weight(name) + self._kept_for_checkpoint(name, strategy)
+        return (saved * self.memory_weight(name) + self._kept_for_checkpoint(name, strategy)) \
+            * self.activation_copies
 
     def _kept_for_checkpoint(self, name: str, strategy: Strategy) -> float:
         """The outputs of ``name`` a checkpointed layer keeps as its inputs, in their layout."""
@@ -423,7 +433,8 @@ class Pricer:
             mesh = self.merge.real if self.merge else self.mesh
             if param and is_grad_sync(steps):
                 steps = self.bucketed_sync(value, src, steps, mode)
-                t = (0.0, sync_share_seconds(steps, mesh, self.options.bucket_bytes))
+                t = (0.0, self.step_share * sync_share_seconds(steps, mesh,
+                                                               self.options.bucket_bytes))
             else:
                 t = (reshard_time(steps, mesh), 0.0)
             self._reshard_memo[key] = t

@@ -8,10 +8,10 @@ identical-layer templates make one layer's decision every layer's). Its prices t
 layer's seconds per microbatch and its memory, and a dynamic program over the cut points (Alpa's
 stage construction, Zheng et al. 2022, arXiv 2201.12023 §5, here on one axis) picks the stages
 that minimise the slowest one within the device memory, with each schedule's microbatches in
-flight (cost/pipeline.py). The step: the schedule's forward and backward over every microbatch,
+flight (autoshard/schedules.py). The step: the schedule's forward and backward over every microbatch,
 then the slowest stage's gradient sync (its buckets run once, after the last microbatch) and
-optimizer step. The SPMD plan is chosen for one microbatch's step, whose gradient sync weighs m
-times what it does in the pipelined step: a bias towards layouts that sync less.
+optimizer step. The SPMD plan is chosen for one microbatch's run, which bears 1/m of the
+gradient sync and optimizer step (cost/price.py ``step_share``), as the pipelined step does.
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from autoshard import progress
 from autoshard.cost.comm import collective_time
 from autoshard.cost.compute import local_numel, op_times
 from autoshard.cost.overlap import bucket_bytes_by_axis, gradient_buckets
-from autoshard.cost.pipeline import (SCHEDULES, SPLIT_BACKWARD, VIRTUAL_STAGES, in_flight,
-                                     schedule_seconds)
+from autoshard.schedules import (SCHEDULES, SPLIT_BACKWARD, VIRTUAL_STAGES, fullest_stage,
+                                     in_flight, schedule_seconds)
 from autoshard.cost.price import Pricer
 from autoshard.cost.reshards import reshard_edges
 from autoshard.errors import AutoshardError
@@ -83,7 +83,10 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
     budget = mesh.cluster.memory_bytes if options.memory_budget is None else options.memory_budget
     # The sub-plan holds every layer's state where a stage holds 1/p of it: its bound is the
     # stage's budget times p (the stages' exact peaks are checked below).
-    sub_options = options.replace(pipeline=None, memory_budget=budget * p)
+    # Its activations weigh the microbatches the fullest stage keeps alive, and each run of it
+    # bears 1/m of the step's gradient sync and optimizer step (PlanOptions.stage_run).
+    sub_options = options.replace(pipeline=None, memory_budget=budget * p, microbatches="auto",
+                                  stage_run=(m, fullest_stage(options.schedule, p, m)))
     if options.schedule in SPLIT_BACKWARD and options.recompute == "auto":
         sub_options = sub_options.replace(recompute="none")     # see ``recomputed`` below
     with progress.step(f"layouts of the stages over {','.join(sub.axes)}, {m} microbatches"):
@@ -91,7 +94,9 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
     # The sub-mesh has at most two axes (meshes have three): no axes merged, no joint groups.
     assert not spmd.joint_axes, spmd.joint_axes
     strategies = spmd.strategies()
-    pricer = Pricer(traced, sub, sub_options, recompute=dict(spmd.recompute))
+    # Priced per step (the optimizer step whole), as the stages' figures are.
+    pricer = Pricer(traced, sub, sub_options.replace(stage_run=None),
+                    recompute=dict(spmd.recompute))
     graph = traced.graph
     # Seconds and bytes per layer; what comes before the first layer counts with it, what
     # comes after the last with that one (trace/layers.py stages_of, one layer per stage).
@@ -109,7 +114,7 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
             secs[i] += pricer.compute(n.name, st)
             acts[i] += pricer.memory(n.name, st)
             # Its forward, and its share of the weights' gradient (W of a split backward,
-            # cost/pipeline.py): half its backward, as for a matmul (dX and dW cost alike); a
+            # autoshard/schedules.py): half its backward, as for a matmul (dX and dW cost alike); a
             # recomputed forward runs with B.
             f, b = op_times(pricer.info(n.name), st, sub, training=True)
             fwd[i] += f
@@ -146,6 +151,12 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
             raise AutoshardError(f"at least {p * VIRTUAL_STAGES[options.schedule]} layers for "
                                  f"{options.schedule} on {p} ranks (one per stage)",
                                  got=f"{L} layers", fix="schedule='1F1B', or fewer ranks")
+        if VIRTUAL_STAGES[options.schedule] > 1 and m % p:
+            raise AutoshardError(f"a number of microbatches divisible by the {p} pipeline ranks "
+                                 f"for {options.schedule} (as Megatron-LM requires; the "
+                                 f"activations it keeps are priced for whole rounds of {p})",
+                                 got=f"{m} microbatches",
+                                 fix=f"microbatches={m - m % p or p}, or schedule='1F1B'")
         if options.schedule in SPLIT_BACKWARD and recomputed:
             raise AutoshardError(f"{options.schedule} without activation checkpointing (its "
                                  f"split backward would recompute a layer once per weight "
@@ -154,6 +165,7 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
                                  fix="recompute='none', or schedule='Interleaved1F1B'")
     else:
         schedules = tuple(x for x in SCHEDULES if L >= p * VIRTUAL_STAGES[x]
+                          and not (VIRTUAL_STAGES[x] > 1 and m % p)
                           and not (x in SPLIT_BACKWARD and recomputed))
     best = None
     for schedule in schedules:
@@ -222,7 +234,7 @@ def _boundary_bytes(traced: TracedGraph, where: dict[str, int], strategies: dict
 
 def _schedule_seconds(figures: list[dict], m: int, ranks: int, schedule: str, *,
                       comm: bool) -> float:
-    """The schedule's forward and backward over ``m`` microbatches (cost/pipeline.py), of the
+    """The schedule's forward and backward over ``m`` microbatches (autoshard/schedules.py), of the
     stages' compute, and their communication with ``comm``. A split backward's F is a stage's
     forward and W its weights' gradient (``_stage_figures``); its communication (collectives
     and sends, forward and backward about alike) counts half with F, half with B, none with

@@ -105,8 +105,8 @@ def _plan_pipeline_auto(traces: Traces, mesh: Mesh, options: PlanOptions,
     for axis in (None, *(a for a, n in zip(mesh.axes, mesh.shape) if n >= 2)):
         try:
             with progress.step(f"pipeline over {axis}" if axis else "without a pipeline"):
-                tries.append((axis, plan_with(traces, mesh, options.replace(pipeline=axis),
-                                              model_name=model_name), None))
+                opts = options.replace(pipeline=axis, **({} if axis else {"microbatches": "auto"}))
+                tries.append((axis, plan_with(traces, mesh, opts, model_name=model_name), None))
         except AutoshardError as e:
             tries.append((axis, None, e))
     found = [(axis, p) for axis, p, _ in tries if p is not None]
@@ -155,6 +155,11 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = N
         raise AutoshardError(f"options.training equal to the traced graph's ({traced.training})",
                              got=f"training={options.training}",
                              fix="trace with the same training flag the options ask for")
+    if options.pipeline is None and options.microbatches != "auto":
+        raise AutoshardError("microbatches only with a pipeline (the batch runs whole "
+                             "otherwise)", got=f"microbatches={options.microbatches!r} and no "
+                             "pipeline", fix="add pipeline='pp' (an axis of the mesh) or "
+                             "'auto', or drop microbatches")
     if options.pipeline == "auto":
         raise AutoshardError("a pipeline axis or None to plan a traced graph",
                              got="pipeline='auto'",
@@ -487,7 +492,7 @@ def _solve(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_name:
             if deadline is not None:
                 limit = max(MIN_SOLVE_S, deadline - time.perf_counter())
             sol = solve(problem, time_limit_s=limit, cutoff_s=cutoff_s,
-                        verdict=deadline is None)
+                        verdict=deadline is None, highs_first=options.stage_run is not None)
     except Infeasible as e:
         least = f"{'' if e.exact else 'at least '}{gib(e.least_memory)}"
         raise AutoshardError(

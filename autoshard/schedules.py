@@ -8,8 +8,8 @@ backward) that is ``(m + p - 1)·t``, an idle fraction of ``(p - 1)/(m + p - 1)`
 They differ in memory: GPipe keeps every microbatch's activations until its backward; 1F1B at
 most ``p - i`` on stage ``i``. Interleaved 1F1B (Narayanan et al. 2021, §2.2.2) gives each
 rank ``v`` stages (rank ``r`` runs stages ``r``, ``r + p``, ...): the bubble shrinks to
-``(p - 1)/(v·m + p - 1)`` for ``v`` times the sends, and each of a rank's stages keeps up to
-``p`` microbatches in flight.
+``(p - 1)/(v·m + p - 1)`` for ``v`` times the sends, and a rank's first stage keeps up to
+``2p`` microbatches in flight, its second ``p`` (:func:`in_flight`).
 
 The zero-bubble schedules (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", arXiv 2401.10241)
 split a stage's backward into B, the gradient of its input, which the previous stage waits for,
@@ -96,20 +96,35 @@ def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
     """Microbatches whose activations stage ``stage`` holds at its peak: all ``m`` under GPipe,
     ``min(m, p - stage)`` under 1F1B (its warm-up forwards, then one forward per backward).
 
-    Zero bubble (``stages``: the ranks ``p``; ``stage`` of ``2p``): a microbatch's activations
-    stay until its W, which the schedule defers. torch's order keeps
-    ``min(m, m/k + p)`` on a rank's first stage (``k = max(1, m // p)`` rounds of ``m/k``
-    microbatches: ``2p`` once ``m >= 2p``) and ``min(m, p)`` on its second, on every rank (counted
-    from the schedule's actions for p up to 8 and every m it takes). A rank holds up to
-    ``1.5·p`` microbatches of its layers' activations, where 1F1B's first rank holds ``p``: the
+    Interleaved 1F1B and zero bubble (``stages``: the ranks ``p``; ``stage`` of ``2p``, rank
+    ``r = stage mod p``), counted from torch's orders of actions (tests/test_pipeline.py): a
+    rank's second stage keeps ``c_r = min(m, p)`` under zero bubble, ``min(m, p, 2(p - r) - 1)``
+    under interleaved 1F1B (a later rank's backwards start sooner); its first stage
+    ``min(m, m/k + c_r)`` (``k = max(1, m // p)`` rounds of ``m/k`` microbatches: ``p + c_r``
+    once ``m >= 2p``). Rank 0 holds ``1.5·p`` microbatches of its layers' activations where
+    1F1B's holds ``p`` (Megatron-LM's interleaved warm-up on rank 0, ``2(p-1) + p`` chunk
+    forwards, is the same). Zero bubble defers W and keeps every rank at rank 0's count: the
     paper's ZB-H1 keeps 1F1B's peak, this interleaved variant does not."""
     if schedule == "GPipe":
         return microbatches
     if schedule == "1F1B":
         return min(microbatches, stages - stage)
-    if schedule == "Interleaved1F1B":      # ``stages``: the ranks; each of a rank's stages
-        return min(microbatches, stages)
-    if schedule == "InterleavedZeroBubble":
-        per_round = microbatches // max(1, microbatches // stages)
-        return min(microbatches, per_round + stages if stage < stages else stages)
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        p, m = stages, microbatches
+        per_round = m // max(1, m // p)
+        # zero bubble: every rank alike; interleaved 1F1B: later ranks' backwards come sooner
+        second = p if schedule == "InterleavedZeroBubble" else min(p, 2 * (p - stage % p) - 1)
+        return min(m, per_round + second if stage < p else second)
     raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
+
+
+def fullest_stage(schedule: str, ranks: int, microbatches: int) -> float:
+    """Microbatches of a rank's share of the layers whose activations the fullest rank keeps
+    alive (rank 0): ``m`` under GPipe, ``min(m, p)`` under 1F1B, under an interleaved schedule
+    its two stages' counts (:func:`in_flight`), each of half its layers. ``schedule`` "auto":
+    1F1B's (the others' cuts are checked on their own)."""
+    p, m = ranks, microbatches
+    if schedule in ("auto", "1F1B", "GPipe"):
+        return float(in_flight("1F1B" if schedule == "auto" else schedule, 0, p, m))
+    return (in_flight(schedule, 0, p, m) + in_flight(schedule, p, p, m)) / VIRTUAL_STAGES[schedule]
+
