@@ -184,6 +184,47 @@ def test_gpt2_124m_sends_no_more_than_megatron_per_block(gpt2_124m_plan: Plan) -
     assert 0.5 * megatron < sent / itemsize <= 1.02 * megatron
 
 
+# Published architectures at a size where 4 devices split a block (hidden 1024, one sequence
+# of 1024 tokens): Phi-3 with grouped-query attention (16 query, 4 key-value heads: Q four
+# times as wide as K and V) and GPT-NeoX (heads interleaved in its fused weight).
+_BLOCK = {"hidden_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 16,
+          "vocab_size": 4096, "max_position_embeddings": 1024, "bos_token_id": 0,
+          "eos_token_id": 0, "torch_dtype": "bfloat16"}
+FUSED_CONFIGS = {
+    "phi3": ({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], **_BLOCK,
+              "num_key_value_heads": 4, "intermediate_size": 2816, "pad_token_id": 0,
+              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attention_dropout": 0.0},
+             "model.model.layers.0.", {"self_attn.qkv_proj.weight": (Shard(0, (4, 1, 1)),),
+                                       "mlp.gate_up_proj.weight": (Shard(0, (1, 1)),),
+                                       "mlp.down_proj.weight": (Shard(1),)}),
+    "gpt_neox": ({"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"], **_BLOCK,
+                  "intermediate_size": 4096, "rotary_pct": 0.25},
+                 "model.gpt_neox.layers.0.", {"attention.query_key_value.weight": (Shard(0),),
+                                              "mlp.dense_h_to_4h.weight": (Shard(0),),
+                                              "mlp.dense_4h_to_h.weight": (Shard(1),)}),
+}
+
+
+@pytest.mark.parametrize("name", list(FUSED_CONFIGS))
+def test_the_planner_finds_megatrons_fused_layouts(tmp_path, name: str) -> None:
+    """Planned freely on 4 devices (cpu preset, batch 1 x 1024): Phi-3's fused QKV strided in
+    its 4:1:1 groups and its gate-up in two, GPT-NeoX's head-interleaved QKV contiguous, the
+    MLPs column- then row-parallel, and nothing moved between the fused projection and the
+    attention."""
+    config, layer, want = FUSED_CONFIGS[name]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(path), "--mesh", "4", "--cluster", "cpu", "--batch", "1",
+                 "--seq", "1024", "--quiet", "-o", str(out)]) == 0
+    plan = Plan.loads(out.read_text())
+    assert {k: plan.params[layer + k] for k in want} == want
+    nodes = list(plan.layers[0].nodes)
+    qkv = nodes[nodes.index("linear"):nodes.index("scaled_dot_product_attention") + 1]
+    assert not [c for c in plan.collectives if c.kind == "all_to_all" and c.node in qkv
+                and c.value in qkv]
+
+
 # -- numerical (gloo) --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mesh, baseline", [("4", "megatron"), ("2x2", "megatron-dp")])
