@@ -213,7 +213,7 @@ def split_pieces(op: OpInfo) -> tuple[int, list[tuple[int, int]]] | None:
 
 def _group_bounds(groups: tuple[int, ...], size: int) -> list[tuple[int, int]]:
     out, lo = [], 0
-    for g in (Shard(0, groups).group_sizes(size)):
+    for g in Shard(0, groups).group_sizes(size):
         out.append((lo, lo + g))
         lo += g
     return out
@@ -237,18 +237,17 @@ def split_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tu
                    args: tuple, kwargs: dict) -> tuple:
     """The op unchanged, unless its input is sharded on the dim it splits (strided, each piece
     a group): then sizes and offsets shrink to the local ones, the shard factor times smaller."""
-    dim, _ = split_pieces(op)
+    dim, pieces = split_pieces(op)
     f = shard_factor(strategy.inputs[0], dim, mesh_shape)
     if f == 1:
         return op.target, args, kwargs
-    t, n = op.target, op.inputs[0].shape[dim]
-    args = list(args)
+    t, args = op.target, list(args)
     if t == aten.split.Tensor:
         args[1] //= f
     elif t == aten.split_with_sizes.default:
         args[1] = [size // f for size in args[1]]
     elif t in (aten.slice.Tensor, aten.narrow.default):
-        (start, end), = split_pieces(op)[1]
+        (start, end), = pieces
         if t == aten.narrow.default:
             args[2:4] = [start // f, (end - start) // f]
         else:

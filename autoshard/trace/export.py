@@ -7,12 +7,12 @@ decisions, and every one of them is differentiable, so the per-rank program trai
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import operator
 import re
 from collections.abc import Mapping
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 

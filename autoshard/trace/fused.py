@@ -51,7 +51,6 @@ def _info(node: fx.Node):
 def _cuts(graph: fx.Graph) -> dict[Mark, tuple[int, ...]]:
     """Every (value, dim) some split cuts into two or more pieces, with its groups."""
     points: dict[Mark, set[int]] = {}
-    sizes: dict[Mark, int] = {}
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in SPLITS:
             continue
@@ -59,10 +58,9 @@ def _cuts(graph: fx.Graph) -> dict[Mark, tuple[int, ...]]:
         if found is None:
             continue
         dim, pieces = found
-        ref = value_inputs(node)[0]
-        mark = (ref, dim)
-        sizes[mark] = output_infos(node.args[0])[0].shape[dim]
-        points.setdefault(mark, {0, sizes[mark]}).update(p for lo, hi in pieces for p in (lo, hi))
+        size = output_infos(node.args[0])[0].shape[dim]
+        points.setdefault((value_inputs(node)[0], dim), {0, size}).update(
+            p for lo, hi in pieces for p in (lo, hi))
     for node in graph.nodes:         # a fused dim viewed as (k, ...), the k dim then split
         if node.op != "call_function" or node.target not in VIEWS:
             continue
@@ -156,11 +154,8 @@ def mark_fused_dims(gm: fx.GraphModule, params: set[str]) -> None:
         per_out[out] = tuple(sorted(per_out.get(out, ()) + ((dim, marks[((name, out), dim)]),)))
 
 
-def marked_info(node: fx.Node, out: int = 0) -> TensorInfo | None:
+def marked_info(node: fx.Node, out: int = 0) -> TensorInfo:
     """Output ``out`` of ``node`` as a TensorInfo with its marks."""
-    infos = output_infos(node)
-    if out >= len(infos):
-        return None
+    info = output_infos(node)[out]
     groups = node.meta.get(GROUPS, {}).get(out, ())
-    info = infos[out]
     return TensorInfo(info.shape, info.dtype, groups) if groups else info
