@@ -434,23 +434,43 @@ def _comm(sizes: Sizes, device: torch.device) -> dict:
 
 
 def _overlap(sizes: Sizes, device: torch.device) -> dict:
-    """How much of an all-reduce issued asynchronously hides behind compute, as a gradient
-    bucket hides behind backward (docs/cost-model.md §7): per round, the all-reduce alone
-    (``comm``), a matmul burst of about its length alone (``compute``), then both, the
-    all-reduce issued first (``both``). The hidden share is ``(comm + compute - both) /
-    min(comm, compute)``: 1 where the two run side by side (a GPU's NCCL stream), 0 where they
-    take turns (a CPU host whose cores gloo's threads share with the compute)."""
+    """How much of a gradient bucket's all-reduce hides behind backward, issued as DDP and the
+    runtime issue it (docs/cost-model.md §7): from a gradient hook, asynchronously, once
+    backward has begun, and waited for when it ends. Per round: the all-reduce alone
+    (``comm``), a chain of matmuls and tanh (``burst`` sizes, about as long as the all-reduce)
+    forward alone (``forward``) and forward + backward alone (``compute``), then forward +
+    backward with the all-reduce issued from the last layer's gradient hook (``both``). The
+    hidden share is ``(comm + compute - both) / min(comm, compute - forward)``: 1 where they run
+    side by side (a GPU's NCCL stream), 0 or below (clipped) where they take turns or get in
+    each other's way (a CPU host whose cores gloo's threads and the autograd engine share)."""
     import torch.distributed as dist
     x = torch.randn(sizes.overlap_bytes // 4, device=device)
-    m, k, n = sizes.burst
-    a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
+    m, k, _ = sizes.burst
+    inp = torch.randn(m, k, device=device)
 
     def comm() -> None:
         dist.all_reduce(x, async_op=True).wait()
 
-    def compute(reps: int) -> None:
-        for _ in range(reps):
-            a @ b
+    def chain(depth: int) -> list[torch.Tensor]:
+        return [(torch.randn(k, k, device=device) / k ** 0.5).requires_grad_()
+                for _ in range(depth)]
+
+    def forward(ws: list[torch.Tensor]) -> torch.Tensor:
+        h = inp
+        for w in ws:
+            h = torch.tanh(h @ w)
+        return h.sum()
+
+    def step(ws: list[torch.Tensor], bucket: bool = False) -> None:
+        loss, work = forward(ws), []
+        if bucket:      # the last layer's gradient is backward's first: the bucket goes then
+            ws[-1].register_hook(lambda g: work.append(dist.all_reduce(x, async_op=True)))
+        loss.backward()
+        for w in work:
+            w.wait()
+        for w in ws:
+            w.grad = None
+            w._backward_hooks = None
 
     def timed(fn: Callable[[], Any]) -> float:
         dist.barrier()
@@ -461,18 +481,17 @@ def _overlap(sizes: Sizes, device: torch.device) -> dict:
         return time.perf_counter() - t0
 
     comm()
-    one = min(timed(lambda: compute(1)) for _ in range(3))
-    reps = max(1, round(timed(comm) / max(one, 1e-9)))
+    one = min(timed(lambda: step(chain(1))) for _ in range(3))
+    depth = max(1, round(timed(comm) / max(one, 1e-9)))
+    ws = chain(depth)
     rounds = []
     for _ in range(sizes.overlap_calls):
-        t_comm, t_compute = timed(comm), timed(lambda: compute(reps))
-
-        def both() -> None:
-            work = dist.all_reduce(x, async_op=True)
-            compute(reps)
-            work.wait()
-        rounds.append({"comm_s": t_comm, "compute_s": t_compute, "both_s": timed(both)})
-    return {"bytes": sizes.overlap_bytes, "matmuls": reps, "rounds": rounds}
+        with torch.no_grad():
+            t_forward = timed(lambda: forward(ws))
+        rounds.append({"comm_s": timed(comm), "forward_s": t_forward,
+                       "compute_s": timed(lambda: step(ws)),
+                       "both_s": timed(lambda: step(ws, bucket=True))})
+    return {"bytes": sizes.overlap_bytes, "layers": depth, "rounds": rounds}
 
 
 def overlap_share(reports: list[dict]) -> float:
@@ -482,9 +501,11 @@ def overlap_share(reports: list[dict]) -> float:
     shares = []
     for i in range(len(reports[0]["overlap"]["rounds"])):
         rows = [r["overlap"]["rounds"][i] for r in reports]
-        comm, compute, both = (max(row[k] for row in rows)
-                               for k in ("comm_s", "compute_s", "both_s"))
-        shares.append(min(1.0, max(0.01, (comm + compute - both) / min(comm, compute))))
+        comm, forward, compute, both = (max(row.get(k, 0.0) for row in rows)
+                                        for k in ("comm_s", "forward_s", "compute_s", "both_s"))
+        window = min(comm, compute - forward)
+        shares.append(min(1.0, max(0.01, (comm + compute - both) / window)) if window > 0
+                      else 0.01)
     return _median(shares)
 
 
@@ -802,7 +823,7 @@ def summary(prof: dict) -> str:
         lines.append(f"  {c['note']}")
     if "overlap" in m:
         lines.append(f"  overlap: {prof['comm_overlap']:.2f} of backward compute can hide a "
-                     f"gradient sync (an asynchronous all-reduce beside matmuls)")
+                     f"gradient sync (an all-reduce issued from a gradient hook during backward)")
     return "\n".join(lines)
 
 

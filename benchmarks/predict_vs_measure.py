@@ -129,7 +129,7 @@ def family_rank(m: Model, plans: dict[str, str], names: tuple[str, ...], reps: i
     backward as the difference."""
     import torch.distributed as dist
     from autoshard.ir import local_shape
-    from autoshard.ops.registry import VIEW, localize, record_of
+    from autoshard.ops.registry import VIEW, CollectiveKernel, localize, record_of
     from autoshard.trace.export import op_info, trace
     torch.set_num_threads(1)
     traced = trace(*build(m, "meta"))
@@ -177,6 +177,10 @@ def family_rank(m: Model, plans: dict[str, str], names: tuple[str, ...], reps: i
             args = torch.fx.node.map_aggregate(node.args, real)
             kwargs = torch.fx.node.map_aggregate(node.kwargs, real)
             fn, args, kwargs = localize(op, st, plan.mesh_shape, coords, args, kwargs)
+            if isinstance(fn, CollectiveKernel):
+                # its reductions are collectives, priced and measured as such: time the
+                # kernel's compute with them left local
+                fn = fn.bind(lambda x, how: x)
             wrt = [t for t in tensors if t.requires_grad]
             dist.barrier()
             fwd = timed(lambda: fn(*args, **kwargs))
@@ -572,7 +576,10 @@ def render(args, m: Model, prof: dict, result: dict, wall_s: float, plot_rel: st
         f"{prof['kernel_floor_s'] * 1e6:.1f} µs; link alpha {prof['intra_alpha'] * 1e6:.0f} µs, "
         f"bandwidth {prof['intra_bandwidth'] / 1e9:.3f} GB/s"
         + (f" (fit to {', '.join(coll.get('link_fit_kinds', []))}, largest relative error "
-           f"{link['max_rel_err']:.0%})" if link else "") + ".",
+           f"{link['max_rel_err']:.0%})" if link else "")
+        + (f"; overlap {prof['comm_overlap']:.2f} of backward compute can hide a gradient "
+           f"bucket (an all-reduce issued from a gradient hook during backward)"
+           if "comm_overlap" in prof else "") + ".",
         "",
         "| plan | predicted ms | measured median ms (IQR) | error % | predicted compute ms | "
         "measured outside collectives ms | predicted comm ms (exposed) | measured in collectives ms "

@@ -156,21 +156,25 @@ def test_cuda_profile_takes_bf16_peak_and_the_gpus_preset() -> None:
 
 
 def test_overlap_share_is_what_running_both_saves() -> None:
-    """comm 10 ms and compute 10 ms: side by side they take 10 (all hidden), in turns 20
-    (nothing hidden: clipped to the field's floor), 15 half; the slowest rank's times count."""
+    """comm 10 ms, forward 5 ms, forward + backward 15 ms: side by side they take 15 (all
+    hidden behind backward), in turns 25 (nothing hidden: clipped to the field's floor), 20
+    half, and more than in turns (in each other's way) is nothing too; the slowest rank's times
+    count."""
     from autoshard.calibrate import CalibrateSpec, overlap_share
 
     def report(both: float, slow: float = 0.0) -> dict:
         r = _fake_report(1e11)
-        r["overlap"] = {"bytes": 4096, "matmuls": 3, "rounds": [
-            {"comm_s": 0.010 + slow, "compute_s": 0.010, "both_s": both + slow}] * 3}
+        r["overlap"] = {"bytes": 4096, "layers": 3, "rounds": [
+            {"comm_s": 0.010 + slow, "forward_s": 0.005, "compute_s": 0.015,
+             "both_s": both + slow}] * 3}
         return r
-    assert overlap_share([report(0.010), report(0.010)]) == 1.0
-    assert overlap_share([report(0.020), report(0.020)]) == 0.01
-    assert math.isclose(overlap_share([report(0.015), report(0.015)]), 0.5)
-    # a rank 5 ms slower on both: (15 + 10 - 20) / 10
-    assert math.isclose(overlap_share([report(0.015), report(0.015, slow=0.005)]), 0.5)
-    prof = profile(CalibrateSpec("cpu", 2), [report(0.015), report(0.015)])
+    assert overlap_share([report(0.015), report(0.015)]) == 1.0
+    assert overlap_share([report(0.025), report(0.025)]) == 0.01
+    assert overlap_share([report(0.040), report(0.040)]) == 0.01
+    assert math.isclose(overlap_share([report(0.020), report(0.020)]), 0.5)
+    # a rank 5 ms slower on comm and on both: (15 + 15 - 25) / 10
+    assert math.isclose(overlap_share([report(0.020), report(0.020, slow=0.005)]), 0.5)
+    prof = profile(CalibrateSpec("cpu", 2), [report(0.020), report(0.020)])
     assert math.isclose(Cluster._from_profile(dict(prof)).comm_overlap, 0.5)
 
 
