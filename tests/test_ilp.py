@@ -193,6 +193,24 @@ def test_feasible_incumbent_states_its_gap(monkeypatch) -> None:
     assert 0.0 <= sol.gap <= 1.0 and sol.note == ""
 
 
+def test_a_backend_without_a_proven_optimum_hands_over_to_the_next(monkeypatch) -> None:
+    """CBC solves first, for half the time limit; where it proves no optimum, HiGHS gets the
+    other half and its optimum is kept."""
+    from autoshard.solver import ilp
+    real, calls = ilp._attempt, []
+
+    def attempt(problem, backends, limit, cutoff):
+        status, m = real(problem, backends, limit, cutoff)
+        calls.append((m.backend, limit))
+        # CBC stops at its time limit with an incumbent it could not prove
+        return (pywraplp.Solver.FEASIBLE if m.backend == "CBC" else status), m
+
+    monkeypatch.setattr(ilp, "_attempt", attempt)
+    sol = solve(chain(), time_limit_s=8.0)
+    assert [b for b, _ in calls] == ["CBC", "HIGHS"] and calls[0][1] == 4.0
+    assert sol.status == "OPTIMAL" and sol.objective == pytest.approx(5.0, rel=REL)
+
+
 def test_time_limit_without_a_plan_is_not_reported_as_infeasible(monkeypatch) -> None:
     """The solver stopping before its first incumbent (status NOT_SOLVED) used to be reported as
     an infeasible memory budget, quoting a least memory far below the budget. Now the plan of

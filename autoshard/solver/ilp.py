@@ -251,19 +251,39 @@ def _prices_time(item: Edge | Fanout) -> bool:
     return any(any(row) for row in item.cost) or any(any(row) for row in item.sync)
 
 
-def _solve(problem: Problem, time_limit_s: float, t0: float,
-           cutoff_s: float | None = None, verdict: bool = True,
-           highs_first: bool = False) -> Solution:
-    m = _Model(problem, BACKENDS if verdict and not highs_first else DEADLINE_BACKENDS)
+def _attempt(problem: Problem, backends: tuple[str, ...], time_limit_s: float,
+             cutoff_s: float | None) -> tuple[int, "_Model"]:
+    """One solve of the MIP by the first available of ``backends``: (status, model)."""
+    m = _Model(problem, backends)
     m.s.Add(m.mem <= problem.memory_budget)
     if cutoff_s is not None:
         m.s.Add(m.obj <= US * cutoff_s * (1 - 1e-9))
     m.s.Minimize(m.obj)
     m.s.SetTimeLimit(int(time_limit_s * 1000))
-    status = _run(m)
+    return _run(m), m
+
+
+def _solve(problem: Problem, time_limit_s: float, t0: float,
+           cutoff_s: float | None = None, verdict: bool = True,
+           highs_first: bool = False) -> Solution:
+    found = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
+    if verdict and not highs_first:
+        # CBC first, for half the time: it settles most problems in a fraction of it. Where it
+        # proves no optimum, HiGHS gets the other half, and the better incumbent is kept: on
+        # Gemma-7B's 8x8 problem CBC's 20 s incumbent was 22x the optimum HiGHS proved in 3 s.
+        status, m = _attempt(problem, BACKENDS, time_limit_s / 2, cutoff_s)
+        if status != pywraplp.Solver.OPTIMAL:
+            left = max(time_limit_s / 2, time_limit_s - (time.perf_counter() - t0))
+            status2, m2 = _attempt(problem, DEADLINE_BACKENDS, left, cutoff_s)
+            if status2 == pywraplp.Solver.OPTIMAL or status not in found or (
+                    status2 in found
+                    and evaluate(problem, m2.choice())[0] < evaluate(problem, m.choice())[0]):
+                status, m = status2, m2
+    else:
+        status, m = _attempt(problem, DEADLINE_BACKENDS, time_limit_s, cutoff_s)
     variables = sum(len(xs) for xs in m.x) + m.n_aux
     bound = m.s.Objective().BestBound() / US
-    if status in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+    if status in found:
         choice = m.choice()
         objective = evaluate(problem, choice)[0]     # exact, not within the solver's tolerances
         optimal = status == pywraplp.Solver.OPTIMAL
