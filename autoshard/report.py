@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from autoshard.cluster import PRESETS
-from autoshard.schedules import schedule_seconds
+from autoshard.schedules import SPLIT_BACKWARD, schedule_seconds
 from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Shard, spec_str
 from autoshard.plans import Pipeline, Plan
@@ -206,6 +206,10 @@ def gantt_slots(pl: Pipeline) -> list[Slot]:
     last = len(pl.stages) - 1
     t = [st.predicted["compute_s"] + st.predicted["comm_s"] for st in pl.stages]
     orders = _orders(pl.schedule, ranks, pl.virtual_stages, pl.microbatches)
+    # forward a third of a stage's time, backward the rest; a split backward (zero bubble) is
+    # B (its input's gradient) and W (its weights'), a third each (autoshard/schedules.py)
+    share = {"F": 1 / 3, "B": 2 / 3, "W": 0.0} if pl.schedule not in SPLIT_BACKWARD \
+        else {"F": 1 / 3, "B": 1 / 3, "W": 1 / 3}
     done: dict[tuple[str, int, int], float] = {}
     free, pos, slots = [0.0] * ranks, [0] * ranks, []
     progress = True
@@ -216,12 +220,14 @@ def gantt_slots(pl: Pipeline) -> list[Slot]:
                 kind, s, k = orders[r][pos[r]]
                 if kind == "F":
                     ready = 0.0 if s == 0 else done.get(("F", s - 1, k))
+                elif kind == "W":
+                    ready = done.get(("B", s, k))
                 else:
                     ready = done.get(("F", s, k) if s == last else ("B", s + 1, k))
                 if ready is None:
                     break
                 start = max(free[r], ready)
-                dur = t[s] / 3 if kind == "F" else 2 * t[s] / 3
+                dur = t[s] * share[kind]
                 done[(kind, s, k)] = free[r] = start + dur
                 slots.append(Slot(r, s, k, kind, start, dur))
                 pos[r] += 1
@@ -236,7 +242,10 @@ def _orders(schedule: str, p: int, v: int, m: int) -> list[list[tuple[str, int, 
     ``p - r`` forwards, then alternates backward and forward. Interleaved 1F1B (Megatron-LM,
     Narayanan et al. 2021 §2.2.2): microbatches in groups of ``p``, each group through the
     rank's first stage, then its next; ``2(p - r - 1) + (v - 1)p`` forwards of warm-up, then
-    one forward per backward, backwards taking the rank's stages last first."""
+    one forward per backward, backwards taking the rank's stages last first. Interleaved zero
+    bubble: torch's own order of F, B and W (ScheduleInterleavedZeroBubble's)."""
+    if schedule in SPLIT_BACKWARD:
+        return _zero_bubble_orders(p, m)
     out = []
     for r in range(p):
         if schedule == "GPipe":
@@ -261,6 +270,21 @@ def _orders(schedule: str, p: int, v: int, m: int) -> list[list[tuple[str, int, 
                 nf += 1
         out.append(order)
     return out
+
+
+def _zero_bubble_orders(p: int, m: int) -> list[list[tuple[str, int, int]]]:
+    """ScheduleInterleavedZeroBubble's actions per rank (2 stages per rank), computed as its
+    constructor computes them, without process groups."""
+    from types import SimpleNamespace
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble as ZB
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+    me = SimpleNamespace(n_local_stages=2, pp_group_size=p, _n_microbatches=m,
+                         number_of_rounds=max(1, m // p))
+    me.microbatches_per_round = m // me.number_of_rounds
+    kinds = {C.FORWARD: "F", C.BACKWARD_INPUT: "B", C.BACKWARD_WEIGHT: "W"}
+    return [[(kinds[a.computation_type], a.stage_index, a.microbatch_index)
+             for a in ZB._calculate_single_rank_operations(me, r) if a is not None]
+            for r in range(p)]
 
 
 # ------------------------------------------------------------------------------------- drawing
@@ -439,7 +463,7 @@ def gantt_figure(pl: Pipeline) -> Any:
     slots = gantt_slots(pl)
     ranks = len(pl.stages) // pl.virtual_stages
     fig, ax = plt.subplots(figsize=(10, 0.35 * ranks + 1.5))
-    base = {"F": (0.30, 0.45, 0.69), "B": (0.87, 0.52, 0.32)}
+    base = {"F": (0.30, 0.45, 0.69), "B": (0.87, 0.52, 0.32), "W": (0.33, 0.66, 0.41)}
     label_them = pl.microbatches * pl.virtual_stages <= 16
     for s in slots:
         chunk = s.stage // ranks
@@ -455,8 +479,9 @@ def gantt_figure(pl: Pipeline) -> Any:
     ax.invert_yaxis()
     end = max(s.start + s.seconds for s in slots)
     busy = max(sum(s.seconds for s in slots if s.rank == r) for r in range(ranks))
-    ax.set_xlabel("ms (forward blue, backward orange, a microbatch's number on it; white "
-                  "space: the bubble)")
+    ax.set_xlabel("ms (forward blue, backward orange" + (
+        ", its weights' gradient green" if pl.schedule in SPLIT_BACKWARD else "")
+        + "; a microbatch's number on it; white space: the bubble)")
     ax.set_title(f"{pl.schedule} over {pl.axis}: {len(pl.stages)} stages on {ranks} ranks, "
                  f"{pl.microbatches} microbatches; busiest rank idle "
                  f"{1 - busy / end:.0%} of {end * 1e3:.3f} ms (predicted)", fontsize=9)

@@ -111,35 +111,38 @@ def test_layer_map_shows_what_the_plan_records(main_job) -> None:
 
 
 def _pipeline(schedule: str, p: int, m: int, seconds: list[float] | None = None) -> Pipeline:
-    v = 2 if schedule == "Interleaved1F1B" else 1
+    v = 2 if schedule.startswith("Interleaved") else 1
     seconds = seconds or [0.3] * (p * v)
     return Pipeline("pp", schedule, m, tuple(
         Stage(i, (f"l.{i}",), {"compute_s": t * 0.9, "comm_s": t * 0.1, "peak_memory_bytes": 0})
         for i, t in enumerate(seconds)), v)
 
 
-@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B"])
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B",
+                                      "InterleavedZeroBubble"])
 def test_gantt_follows_the_schedule(schedule) -> None:
+    split = schedule == "InterleavedZeroBubble"      # F, B and W slots: torch's order
     for p in (2, 3, 4):
-        for m in (1, 2, 3, p, 2 * p, 4 * p + 1):
+        for m in ((p, 2 * p, 4 * p) if split else (1, 2, 3, p, 2 * p, 4 * p + 1)):
             pl = _pipeline(schedule, p, m)
             slots = gantt_slots(pl)
-            assert len(slots) == 2 * m * len(pl.stages)
+            assert len(slots) == (3 if split else 2) * m * len(pl.stages)
             end = {(s.kind, s.stage, s.microbatch): s.start + s.seconds for s in slots}
             last = len(pl.stages) - 1
             for s in slots:
                 assert s.rank == s.stage % p
                 before = ("F", s.stage - 1, s.microbatch) if s.kind == "F" else (
+                    ("B", s.stage, s.microbatch) if s.kind == "W" else
                     ("F", s.stage, s.microbatch) if s.stage == last else
                     ("B", s.stage + 1, s.microbatch))
-                if s.kind == "B" or s.stage > 0:
+                if s.kind != "F" or s.stage > 0:
                     assert s.start >= end[before] - 1e-12, (schedule, p, m, s)
             for r in range(p):                      # a rank runs one slot at a time
                 mine = sorted((s.start, s.start + s.seconds) for s in slots if s.rank == r)
                 assert all(a[1] <= b[0] + 1e-12 for a, b in zip(mine, mine[1:]))
             # balanced stages: the closed form of docs/cost-model.md §10 (interleaved: for a
             # number of microbatches the ranks divide, as Megatron-LM's schedule asks)
-            if schedule != "Interleaved1F1B" or m % p == 0:
+            if not schedule.startswith("Interleaved") or m % p == 0:
                 makespan = max(end.values())
                 assert makespan == pytest.approx(schedule_seconds(
                     [0.3] * len(pl.stages), m, p, schedule)), (schedule, p, m)
