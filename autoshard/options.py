@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from autoshard.schedules import SCHEDULES as PIPELINE_SCHEDULES
 from autoshard.errors import AutoshardError
+from autoshard.schedules import SCHEDULES as PIPELINE_SCHEDULES
 
 OPTIMIZERS = ("adam", "adamw", "sgd", "none")
 # "model": parameters, activations and gradients in the model's own dtypes; a 16-bit model is

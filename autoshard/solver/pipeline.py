@@ -8,8 +8,8 @@ identical-layer templates make one layer's decision every layer's). Its prices t
 layer's seconds per microbatch and its memory, and a dynamic program over the cut points (Alpa's
 stage construction, Zheng et al. 2022, arXiv 2201.12023 §5, here on one axis) picks the stages
 that minimise the slowest one within the device memory, with each schedule's microbatches in
-flight (autoshard/schedules.py). The step: the schedule's forward and backward over every microbatch,
-then the slowest stage's gradient sync (its buckets run once, after the last microbatch) and
+flight (autoshard/schedules.py). The step: the schedule's forward and backward over every
+microbatch, then the slowest stage's gradient sync (its buckets run once, after the last microbatch) and
 optimizer step. The SPMD plan is chosen for one microbatch's run, which bears 1/m of the
 gradient sync and optimizer step (cost/price.py ``step_share``), as the pipelined step does.
 """
@@ -23,8 +23,6 @@ from autoshard import progress
 from autoshard.cost.comm import collective_time
 from autoshard.cost.compute import local_numel, op_times
 from autoshard.cost.overlap import bucket_bytes_by_axis, gradient_buckets
-from autoshard.schedules import (SCHEDULES, SPLIT_BACKWARD, VIRTUAL_STAGES, fullest_stage,
-                                     in_flight, schedule_seconds)
 from autoshard.cost.price import Pricer
 from autoshard.cost.reshards import reshard_edges
 from autoshard.errors import AutoshardError
@@ -32,6 +30,8 @@ from autoshard.ir import Replicate, Spec
 from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions
 from autoshard.plans import CollectiveRecord, NodePlan, Pipeline, Plan, Stage
+from autoshard.schedules import (SCHEDULES, SPLIT_BACKWARD, VIRTUAL_STAGES, fullest_stage,
+                                 in_flight, schedule_seconds)
 from autoshard.trace.export import TracedGraph
 from autoshard.trace.graph import value_inputs
 from autoshard.trace.layers import stages_of
