@@ -463,14 +463,16 @@ def _overlap(sizes: Sizes, device: torch.device) -> dict:
 
     def step(ws: list[torch.Tensor], bucket: bool = False) -> None:
         loss, work = forward(ws), []
-        if bucket:      # the last layer's gradient is backward's first: the bucket goes then
-            ws[-1].register_hook(lambda g: work.append(dist.all_reduce(x, async_op=True)))
+        # the last layer's gradient is backward's first: the bucket goes then
+        hook = ws[-1].register_hook(lambda g: work.append(dist.all_reduce(x, async_op=True))) \
+            if bucket else None
         loss.backward()
         for w in work:
             w.wait()
+        if hook is not None:
+            hook.remove()
         for w in ws:
             w.grad = None
-            w._backward_hooks = None
 
     def timed(fn: Callable[[], Any]) -> float:
         dist.barrier()

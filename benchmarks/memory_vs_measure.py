@@ -141,7 +141,8 @@ def _pricer(traced, plan):
     from autoshard import Mesh
     from autoshard.cost.price import Pricer
     mesh = Mesh(plan.mesh_shape, plan.mesh_axes, cluster=plan.cluster)
-    return Pricer(traced, mesh, plan.options, recompute=dict(plan.recompute))
+    return Pricer(traced, mesh, plan.options, recompute=dict(plan.recompute),
+                  joint=plan.joint_groups())
 
 
 def liveness(traced, plan):

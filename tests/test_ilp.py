@@ -209,6 +209,12 @@ def test_a_backend_without_a_proven_optimum_hands_over_to_the_next(monkeypatch) 
     sol = solve(chain(), time_limit_s=8.0)
     assert [b for b, _ in calls] == ["CBC", "HIGHS"] and calls[0][1] == 4.0
     assert sol.status == "OPTIMAL" and sol.objective == pytest.approx(5.0, rel=REL)
+    # infeasibility CBC proves well before its limit is not tried again
+    calls.clear()
+    monkeypatch.setattr(ilp, "_attempt", lambda *a: calls.append(a[1][0]) or real(*a))
+    with pytest.raises(Infeasible):
+        solve(replace(two_ways(3), memory_budget=32.9), time_limit_s=8.0)
+    assert calls == ["CBC"]
 
 
 def test_time_limit_without_a_plan_is_not_reported_as_infeasible(monkeypatch) -> None:

@@ -261,15 +261,12 @@ class Pipelined:
             self.pstages.append(CountedStage(module, k, self.n, device, input_args=ins,
                                              output_args=outs, group=self.group))
         m = self.m
-        if pl.schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
-            multi = {"Interleaved1F1B": ScheduleInterleaved1F1B,
-                     "InterleavedZeroBubble": ScheduleInterleavedZeroBubble}[pl.schedule]
-            self.schedule = multi(self.pstages, n_microbatches=m,
-                                  loss_fn=lambda out, _: out / m, scale_grads=False)
-        else:
-            cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[pl.schedule]
-            self.schedule = cls(self.pstages[0], n_microbatches=m,
-                                loss_fn=lambda out, _: out / m, scale_grads=False)
+        cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B,
+               "Interleaved1F1B": ScheduleInterleaved1F1B,
+               "InterleavedZeroBubble": ScheduleInterleavedZeroBubble}[pl.schedule]
+        # the multi-stage schedules take every stage of the rank, the others its one
+        self.schedule = cls(self.pstages if pl.virtual_stages > 1 else self.pstages[0],
+                            n_microbatches=m, loss_fn=lambda out, _: out / m, scale_grads=False)
         self._tied = self._tied_groups(pm)
 
     def _tied_groups(self, pm: Any) -> list[tuple[str, Any]]:

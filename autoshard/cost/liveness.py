@@ -64,6 +64,7 @@ the collectives' own staging buffers.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
@@ -74,7 +75,7 @@ import torch.fx as fx
 from autoshard.cost.comm import Reshard
 from autoshard.cost.compute import local_numel, op_profile
 from autoshard.cost.memory import param_state_bytes, saved_rule
-from autoshard.cost.overlap import Sync, form_buckets, is_grad_sync
+from autoshard.cost.overlap import Sync, form_buckets, grad_sync, is_grad_sync
 from autoshard.cost.reshards import ReshardEdge, reshard_edges
 from autoshard.ir import Strategy, shard_factor
 from autoshard.ops.registry import VIEW, record_of
@@ -246,7 +247,7 @@ class _Walk:
         self.mem = _Memory()
         self.edges: list[ReshardEdge] = list(reshard_edges(
             self.graph, strategies, self.mesh_shape, pricer.shapes, self.params,
-            training=self.training, joint=getattr(pricer, "joint", ())))
+            training=self.training, joint=pricer.joint))
         self.edge_of: dict[tuple[ValueRef, tuple[str, int]], int] = {}
         for i, e in enumerate(self.edges):
             for c in e.consumers:
@@ -313,14 +314,13 @@ class _Walk:
             if e.from_param and e.value[0] not in syncs and is_grad_sync(e.reshard):
                 ph = self.nodes[e.value[0]]
                 dtype = str(ph.meta["val"].dtype).removeprefix("torch.")
-                nbytes = self._local_bytes(e.value, e.src)
-                axes = tuple(a for s in e.reshard.backward for a in s.axes)
+                # as gradient_buckets syncs it, with the parameter's local bytes
+                sync = dataclasses.replace(grad_sync(e.value[0], e.reshard, dtype),
+                                           nbytes=self._local_bytes(e.value, e.src))
                 if self._scatters(e.value[0], e.src):
-                    syncs[e.value[0]] = Sync(e.value[0], tuple(sorted(axes)), dtype, nbytes,
-                                             "reduce_scatter")
-                else:
-                    syncs[e.value[0]] = Sync(e.value[0], axes, dtype, nbytes, joint=tuple(
-                        s.joint for s in e.reshard.backward if s.joint))
+                    sync = dataclasses.replace(sync, axes=tuple(sorted(sync.axes)), joint=(),
+                                               kind="reduce_scatter")
+                syncs[e.value[0]] = sync
         order = sorted(syncs, key=lambda name: -first_use.get(name, 0))
         buckets = form_buckets([syncs[n] for n in order], self.pricer.options.bucket_bytes)
         of = {m: k for k, b in enumerate(buckets) for m in b.members}

@@ -127,7 +127,7 @@ class Pricer:
 
     def compute(self, name: str, strategy: Strategy) -> float:
         """Forward + backward seconds (+ the forward again where it is recomputed)."""
-        fwd, bwd = self._times(name, strategy)
+        fwd, bwd = self.times(name, strategy)
         return fwd * (2 if self.reruns(name) else 1) + bwd
 
     def policy(self, name: str) -> str | None:
@@ -246,9 +246,10 @@ class Pricer:
     def backward(self, name: str, strategy: Strategy) -> float:
         """The window gradient syncs hide behind: the backward part of :meth:`compute`, times
         the share of it a collective can overlap on this cluster (``Cluster.comm_overlap``)."""
-        return self._times(name, strategy)[1] * self.mesh.cluster.comm_overlap
+        return self.times(name, strategy)[1] * self.mesh.cluster.comm_overlap
 
-    def _times(self, name: str, strategy: Strategy) -> tuple[float, float]:
+    def times(self, name: str, strategy: Strategy) -> tuple[float, float]:
+        """(forward, backward) seconds of an op once (a parameter: its optimizer step, 0)."""
         if self._nodes[name].op == "placeholder":
             return self.optimizer_seconds(name, strategy), 0.0
         return op_times(self.info(name), strategy, self.mesh, training=self.training)

@@ -9,9 +9,10 @@ layer's seconds per microbatch and its memory, and a dynamic program over the cu
 stage construction, Zheng et al. 2022, arXiv 2201.12023 §5, here on one axis) picks the stages
 that minimise the slowest one within the device memory, with each schedule's microbatches in
 flight (autoshard/schedules.py). The step: the schedule's forward and backward over every
-microbatch, then the slowest stage's gradient sync (its buckets run once, after the last microbatch) and
-optimizer step. The SPMD plan is chosen for one microbatch's run, which bears 1/m of the
-gradient sync and optimizer step (cost/price.py ``step_share``), as the pipelined step does.
+microbatch, then the slowest stage's gradient sync (its buckets run once, after the last
+microbatch) and optimizer step. The SPMD plan is chosen for one microbatch's run, which bears
+1/m of the gradient sync and optimizer step (cost/price.py ``step_share``), as the pipelined
+step does.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Any
 
 from autoshard import progress
 from autoshard.cost.comm import collective_time
-from autoshard.cost.compute import local_numel, op_times
+from autoshard.cost.compute import local_numel
 from autoshard.cost.overlap import bucket_bytes_by_axis, gradient_buckets
 from autoshard.cost.price import Pricer
 from autoshard.cost.reshards import reshard_edges
@@ -114,9 +115,9 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
             secs[i] += pricer.compute(n.name, st)
             acts[i] += pricer.memory(n.name, st)
             # Its forward, and its share of the weights' gradient (W of a split backward,
-            # autoshard/schedules.py): half its backward, as for a matmul (dX and dW cost alike); a
-            # recomputed forward runs with B.
-            f, b = op_times(pricer.info(n.name), st, sub, training=True)
+            # autoshard/schedules.py): half its backward, as for a matmul (dX and dW cost
+            # alike); a recomputed forward runs with B.
+            f, b = pricer.times(n.name, st)
             fwd[i] += f
             wgt[i] += b / 2
     # Saved copies of resharded values (what a consumer saves in its own layout), on the layer
@@ -234,8 +235,8 @@ def _boundary_bytes(traced: TracedGraph, where: dict[str, int], strategies: dict
 
 def _schedule_seconds(figures: list[dict], m: int, ranks: int, schedule: str, *,
                       comm: bool) -> float:
-    """The schedule's forward and backward over ``m`` microbatches (autoshard/schedules.py), of the
-    stages' compute, and their communication with ``comm``. A split backward's F is a stage's
+    """The schedule's forward and backward over ``m`` microbatches (autoshard/schedules.py), of
+    the stages' compute, and their communication with ``comm``. A split backward's F is a stage's
     forward and W its weights' gradient (``_stage_figures``); its communication (collectives
     and sends, forward and backward about alike) counts half with F, half with B, none with
     W."""

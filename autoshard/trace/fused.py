@@ -83,9 +83,9 @@ def _split_later(node: fx.Node, dim: int, k: int, depth: int = 4) -> bool:
     """Whether ``node``'s output dim ``dim`` (of size k) is unbound, selected from or cut into
     its k pieces, after at most ``depth`` permutes, transposes and the like."""
     for user in node.users:
-        if user.op != "call_function":
-            continue
         t = user.target
+        if user.op != "call_function" or t not in DIM_MAPPED:   # (DIM_MAPPED: splits too)
+            continue
         info = _info(user)
         if t in (aten.unbind.int, aten.select.int):
             if norm_dim(arg(info, 1, "dim", 0), info.inputs[0].ndim) == dim:
@@ -94,7 +94,7 @@ def _split_later(node: fx.Node, dim: int, k: int, depth: int = 4) -> bool:
             found = split_pieces(info)
             if found and found[0] == dim and len(found[1]) == k:
                 return True
-        elif t in DIM_MAPPED and depth:
+        elif depth:
             moved = dim_map(info).get(dim)
             if moved is not None and _split_later(user, moved, k, depth - 1):
                 return True
