@@ -524,6 +524,24 @@ def test_special_functions_are_priced_per_evaluation():
                  fwd / 4)
 
 
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_cross_entropy_is_priced_by_its_passes_over_the_logits(dtype):
+    # docs/cost-model.md §3.9: the composite moves 4 logits' worth forward and 5 backward; the
+    # vocabulary-parallel kernel (an fp32 log_softmax) 8 and 4 on 16-bit logits, 4 and 4 on
+    # fp32 ones, on its shard of the classes.
+    from autoshard.cost.compute import op_times
+    mesh, tp = Mesh((1,), cluster="h100"), Mesh((8,), cluster="h100")
+    bw = mesh.cluster.mem_bandwidth
+    x, tgt = t_((2048, 128256), dtype), TensorInfo((2048,), torch.int64)
+    ce = OpInfo(aten.cross_entropy_loss.default, (x, tgt), {}, (t_((), F32),))
+    fwd, bwd = op_times(ce, rep(ce), mesh, training=True)
+    assert close(fwd, 4 * x.nbytes / bw) and close(bwd, 5 * x.nbytes / bw)
+    vocab = Strategy(((S(1),), (R,)), ((P,),), kernel="vocab_parallel", compute_scale=1 / 8)
+    fwd, bwd = op_times(ce, vocab, tp, training=True)
+    want = (8, 4) if dtype == BF16 else (4, 4)
+    assert close(fwd, want[0] * x.nbytes / 8 / bw) and close(bwd, want[1] * x.nbytes / 8 / bw)
+
+
 @pytest.mark.parametrize("preset", ["h100", "h200", "a100"])
 @pytest.mark.parametrize("dtype", [BF16, F32])
 def test_gpu_elementwise_ops_stay_bandwidth_bound(preset, dtype):

@@ -50,13 +50,24 @@ def plans() -> dict[str, Plan]:
     megatron-dp (tensor parallel over "tp" with the batch dim sharded between its Linears, data
     parallel over "dp") and the FSDP stored layout (the planner reads the weights sharded over
     "dp" with the sequence sharded between Linears, and keeps them ZeRO-3 over "tp")."""
-    from autoshard.solver.baselines import baseline_plan, stored_plan
+    from autoshard.ir import Partial, Shard, Strategy
+    from autoshard.solver.alternatives import plan_stored
+    from autoshard.solver.baselines import baseline_plan, zero3_layouts
     from autoshard.trace.export import trace
     mesh = Mesh((2, 2), cluster=CLUSTER)
     model, inputs = build(MODEL, None, None, 0)
     traced = trace(model, inputs)          # as verify traces it (plan_for)
+    # The FSDP storage, with the out-projection read row-parallel over "dp" (a Partial output
+    # over "dp", the batch over "tp"): on a 2-way axis its reduce-scatter costs exactly what
+    # the column-parallel read's all-gather and all-to-all do, and the solver may return either.
+    ph = next(p.name for p in traced.placeholders
+              if p.fqn == "model.model.layers.0.self_attn.o_proj.weight")
+    o_proj = next(n.name for n in traced.graph.nodes
+                  if n.op == "call_function" and ph in {a.name for a in n.all_input_nodes})
+    stored = zero3_layouts(traced, mesh) | {o_proj: Strategy((), ((Partial(), Shard(0)),))}
     return {"megatron-dp": baseline_plan(traced, mesh, "megatron-dp", model_name=MODEL),
-            "fsdp": stored_plan(traced, mesh, "fsdp", model_name=MODEL)}
+            "fsdp": plan_stored(traced, mesh, stored, model_name=MODEL, label="fsdp",
+                                zero="none", offload="none")}
 
 
 def _load(source: str, tmp_path: Path, name: str):

@@ -142,7 +142,11 @@ def test_state_modes_train_as_single_device(world4, model, shape, baseline, kw):
     assert ok, text
     assert reports[0]["bytes"] == reports[0]["planned_bytes"]
     errs = world4.run(_adamw_steps, model, plan.dumps(), 20)
-    assert max(errs) <= 1e-4, errs
+    # Adam's first step moves every weight by about lr whatever its gradient's size, so a
+    # gradient entry that is rounding noise in both programs (summed in different orders) can
+    # step either way: gpt2-tiny on 2x2 differs by 1.2e-4 after one step and 1.0e-4 after 20.
+    # A wrong shard, state or gather is off by far more (order 1).
+    assert max(errs) <= 3e-4, errs
 
 
 def _adamw_steps(model_name: str, plan_json: str, steps: int) -> float:

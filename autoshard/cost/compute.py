@@ -52,6 +52,16 @@ SPECIALS: dict[str, tuple[int, int]] = {
     "cross_entropy_loss": (1, 1),          # log_softmax, then a gather of the target's entry
 }
 GELU_ERF = (1, 2)                          # gelu(approximate="none"); "tanh": one tanh each way
+# Passes over the logits a cross-entropy's kernels make, in units of the logits' local bytes,
+# (forward, backward), by the strategy's kernel (docs/cost-model.md §3.9). PyTorch's composite
+# (log_softmax + nll_loss) keeps its statistics in registers: reads for the row max, for the
+# sum of exps, and to write the log-probabilities (4); backward writes nll's zero-filled
+# gradient, then log_softmax_backward reads it and the saved output, sums it, and writes the
+# input's gradient (5). The vocabulary-parallel kernel (ops/loss.py) runs one log_softmax in
+# fp32: three reads and an fp32 write, and on 16-bit logits the cast it saves (8; 4 on fp32
+# logits); backward the exp of the saved log-probabilities and one row scale in place (4).
+CROSS_ENTROPY_PASSES = (4.0, 5.0)
+VOCAB_PARALLEL_PASSES = {True: (8.0, 4.0), False: (4.0, 4.0)}   # by 16-bit logits
 # Additive inputs a matmul broadcasts over its rows (a bias), by position: their gradient is a
 # sum of the output gradient over the rows, one more kernel in backward (derivatives.yaml:
 # addmm's ``self``, linear's bias).
@@ -73,6 +83,7 @@ class OpProfile:
     specials: float = 0.0                           # whole forward special-function evaluations
     specials_backward: float = 0.0                  # ... and its backward's
     bias: int = -1                                  # MATMUL: position of a broadcast bias input
+    cross_entropy: bool = False                     # priced by passes over its logits (§3.9)
 
 
 _PROFILE_KEY = "_autoshard_op_profile"
@@ -104,7 +115,8 @@ def _make_profile(op: OpInfo) -> OpProfile:
         inputs=tuple((t.shape, t.dtype.itemsize) for t in ins),
         outputs=tuple((t.shape, t.dtype.itemsize) for t in outs),
         table=0 if family == GATHER and ins else -1,
-        specials=fwd_sp, specials_backward=bwd_sp, bias=bias)
+        specials=fwd_sp, specials_backward=bwd_sp, bias=bias,
+        cross_entropy=op.target == aten.cross_entropy_loss.default and bool(ins))
 
 
 def _specials(op: OpInfo, family: str) -> tuple[float, float]:
@@ -194,6 +206,14 @@ def op_times(op: OpInfo, strategy: Strategy, mesh: Mesh, *,
     # Special functions run on the same units as the op's arithmetic, one after the other
     # (docs/cost-model.md §3.7): the two compute terms add.
     special = prof.specials * scale / c.transcendental_rate
+    passes = None
+    if prof.cross_entropy:
+        shape, isz = prof.inputs[0]
+        spec = _specs(strategy.inputs, len(prof.inputs))
+        logits = local_numel(shape, spec[0] if spec else None, mesh.shape) * isz
+        passes = (VOCAB_PARALLEL_PASSES[isz <= 2] if strategy.kernel == "vocab_parallel"
+                  else CROSS_ENTROPY_PASSES)
+        nbytes = max(nbytes, passes[0] * logits)
     fwd = max(flops / rate + special, nbytes / c.mem_bandwidth, c.kernel_floor_s)
     if not training or not prof.has_backward:
         return fwd, 0.0
@@ -212,5 +232,5 @@ def op_times(op: OpInfo, strategy: Strategy, mesh: Mesh, *,
         spec = _specs(strategy.inputs, len(prof.inputs))
         table = local_numel(shape, spec[prof.table] if spec else None, mesh.shape) * isz
         return fwd, max(flops / rate, (table + nbytes) / c.mem_bandwidth, c.kernel_floor_s)
-    return fwd, max(flops / rate + special_bwd,
-                    ELEMENTWISE_BACKWARD_BYTES * nbytes / c.mem_bandwidth, c.kernel_floor_s)
+    moved = passes[1] * logits if passes else ELEMENTWISE_BACKWARD_BYTES * nbytes
+    return fwd, max(flops / rate + special_bwd, moved / c.mem_bandwidth, c.kernel_floor_s)

@@ -16,10 +16,11 @@ the input (batch, tokens, spatial) may be sharded together with the matching tar
 Vocabulary parallel (``cross_entropy_loss`` only, Megatron's vocab-parallel cross-entropy:
 Shoeybi et al. 2019 §3; torchtitan's loss parallel): the logits arrive sharded on the class dim,
 the target whole on those axes, kernel ``"vocab_parallel"``. The softmax's statistics are
-reduced across the axis instead of gathering the logits: a rank takes its rows' local max,
-all-reduces it (max), sums ``exp(x - max)`` over its classes and all-reduces that (sum): two
-collectives of one value per row (b·s, never b·s·V). Each rank's loss of a row is then
-``[first shard]·(max + log sumexp) - (1-ε)·x[target]·[target in its classes] - ε/C·Σ x``
+reduced across the axis instead of gathering the logits: a rank takes its rows' local
+log-sum-exp ``l`` (one fused log_softmax over its classes), all-reduces its max ``m`` (max) and
+``Σ exp(l - m)`` (sum): two collectives of one value per row (b·s, never b·s·V), giving the
+row's log-sum-exp ``L = m + log Σ``. Each rank's loss of a row is then
+``[first shard]·L - (1-ε)·x[target]·[target in its classes] - ε/C·Σ x``
 (``Σ`` over its own classes), so the sum over ranks is the row's loss and the output is Partial: the target's logit is reduced
 with the loss (a scalar under ``mean``/``sum``) by the reshard that follows. Backward is local:
 ``softmax - (1-ε)·onehot - ε/C`` on the rank's classes. The collectives are declared by
@@ -188,42 +189,52 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     """Each row's share of the cross-entropy on this rank's classes (Megatron's
     ``_VocabParallelCrossEntropy``, Shoeybi et al. 2019 §3). ``reduce`` all-reduces over the
     class axes; ``first``: this rank holds the first classes and adds the row's log-sum-exp
-    once. Ignored rows give 0."""
+    once. Ignored rows give 0.
+
+    The local statistics come from one fused ``log_softmax`` over the rank's classes (in fp32 at
+    least): its log-sum-exp ``l`` per row is ``x[0] - log_softmax(x)[0]``. The rows' global
+    log-sum-exp ``L`` is ``m + log Σ exp(l - m)`` with ``m`` the max of ``l`` over the ranks:
+    the same two all-reduces (max, then sum) of one value per row as ``max`` and ``Σ exp(x -
+    max)`` would take, with a handful of passes over the logits instead of one per eager op
+    (docs/cost-model.md §3.9). Backward: the global softmax is ``exp(log_softmax(x)) · exp(l -
+    L)``, a row scale of the local one."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, target: torch.Tensor, reduce: Reduce, start: int,
                 ignore_index: int, smoothing: float, classes: int, first: bool) -> torch.Tensor:
-        xs = x.to(_stat_dtype(x.dtype))
-        top = reduce(xs.amax(CLASS_DIM), "max")
-        e = (xs - top.unsqueeze(CLASS_DIM)).exp()
-        sumexp = reduce(e.sum(CLASS_DIM), "sum")
+        stat = _stat_dtype(x.dtype)
+        logp = torch.log_softmax(x, CLASS_DIM, dtype=stat)
+        lse = x.select(CLASS_DIM, 0).to(stat) - logp.select(CLASS_DIM, 0)
+        top = reduce(lse, "max")
+        total = top + reduce((lse - top).exp(), "sum").log()
         local = target - start
         mine = (local >= 0) & (local < x.shape[CLASS_DIM])
         index = local.clamp(0, x.shape[CLASS_DIM] - 1).unsqueeze(CLASS_DIM)
-        picked = xs.gather(CLASS_DIM, index).squeeze(CLASS_DIM) * mine
+        picked = x.gather(CLASS_DIM, index).squeeze(CLASS_DIM).to(stat) * mine
         rows = -(1.0 - smoothing) * picked
         if smoothing:
-            rows = rows - smoothing / classes * xs.sum(CLASS_DIM)
+            rows = rows - smoothing / classes * x.sum(CLASS_DIM, dtype=stat)
         if first:
-            rows = rows + top + sumexp.log()
+            rows = rows + total
         valid = target != ignore_index
         rows = torch.where(valid, rows, torch.zeros_like(rows))
         # Saved as a logits-sized tensor in the logits' dtype, as the composite saves its
         # log-softmax (ops/loss.py cross_entropy_saves).
-        ctx.save_for_backward((e / sumexp.unsqueeze(CLASS_DIM)).to(x.dtype), index, mine, valid)
+        ctx.save_for_backward(logp.to(x.dtype), (lse - total).exp(), index, mine, valid)
         ctx.smoothing, ctx.classes = smoothing, classes
         return rows.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        softmax, index, mine, valid = ctx.saved_tensors
-        g = softmax.to(_stat_dtype(softmax.dtype), copy=True)   # the saved one stays intact
-        onehot = mine.unsqueeze(CLASS_DIM).to(g.dtype)
-        g.scatter_add_(CLASS_DIM, index, -(1.0 - ctx.smoothing) * onehot)
+        logp, share, index, mine, valid = ctx.saved_tensors
+        w = grad.to(share.dtype) * valid
+        g = logp.exp()                                       # the local softmax
+        g.mul_((share * w).to(g.dtype).unsqueeze(CLASS_DIM))  # ... the global one, times grad
+        g.scatter_add_(CLASS_DIM, index,
+                       (-(1.0 - ctx.smoothing) * mine * w).to(g.dtype).unsqueeze(CLASS_DIM))
         if ctx.smoothing:
-            g = g - ctx.smoothing / ctx.classes
-        g = g * (grad.to(g.dtype) * valid).unsqueeze(CLASS_DIM)
-        return g.to(softmax.dtype), None, None, None, None, None, None, None
+            g.sub_((ctx.smoothing / ctx.classes * w).to(g.dtype).unsqueeze(CLASS_DIM))
+        return g, None, None, None, None, None, None, None
 
 
 def mse_strategy(op: OpInfo, mesh_shape: tuple) -> list:
