@@ -1,5 +1,6 @@
 """The benchmark scripts' own logic on tiny models: compare_plans.py's baseline columns (the
-checkpointed stored-layout baselines, the failure cells) and memory_curve.py's budget sweep."""
+checkpointed stored-layout baselines, the failure cells), memory_curve.py's budget sweep, and
+what gpu.py decides without a GPU (which ops need gradients, their classes)."""
 from __future__ import annotations
 
 import sys
@@ -10,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import compare_plans  # noqa: E402
+import gpu  # noqa: E402
 import memory_curve  # noqa: E402
 
 from autoshard.errors import AutoshardError  # noqa: E402
@@ -109,3 +111,30 @@ def test_chart_is_drawn_and_linked_from_its_section(tmp_path):
     assert results.read_text() == once
     with pytest.raises(ValueError, match="no section"):
         compare_plans.replot(results, "compare_plans_quick")
+
+
+def test_gpu_benchmark_grads_and_classes_follow_the_training_step():
+    """Only what the step differentiates gets a gradient (parameters and what is computed from
+    them, not the ids or the rotary tables), and a norm's elementwise ops count as the norm."""
+    model, inputs = get_model("llama-tiny")
+    traced = trace(model, inputs, training=True)
+    grads = gpu.needs_grad(traced)
+    kinds = {p.name: p.kind for p in traced.placeholders}
+    assert {n for n, k in kinds.items() if k == "param"} <= grads
+    assert not {n for n, k in kinds.items() if k != "param"} & grads
+    classes = {}
+    for node in traced.graph.nodes:
+        if node.op == "call_function" and (c := gpu.op_class(node)) is not None:
+            classes.setdefault(c, set()).add(str(node.target))
+    assert classes["matmul"] == {"aten.linear.default"}
+    assert "aten.rsqrt.default" in classes["norm"] and "aten.silu.default" in classes["pointwise"]
+    assert classes["loss"] == {"aten.cross_entropy_loss.default"}
+    cos = next(n for n in traced.graph.nodes if str(n.target) == "aten.cos.default")
+    assert cos.name not in grads                    # the rotary table: no gradient flows
+
+
+def test_gpu_benchmark_says_it_needs_a_gpu(capsys):
+    if gpu.torch.cuda.is_available():
+        pytest.skip("a GPU is here: the benchmark would run")
+    assert gpu.main([]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
