@@ -178,14 +178,15 @@ class ShardedOptimizer:
         grads = [(e, g) for e in apart if (g := self.grad_shard(e)) is not None]
         for e in apart:
             e.master.grad = None
-        local = [(e, g) for e, g in grads if g.device == e.master.device]
+        local = [(e, g) for e, g in grads
+                 if g.device == e.master.device and g.dtype != e.master.dtype]
         if local:
             bufs = [torch.empty_like(e.master) for e, _ in local]
             torch._foreach_copy_(bufs, [g for _, g in local])
             for (e, _), b in zip(local, bufs):
                 e.master.grad = b
         for e, g in grads:
-            if g.device != e.master.device:
+            if e.master.grad is None:        # already fp32 here: no copy; else to the host
                 e.master.grad = g.to(e.master.device, torch.float32)
         self.optimizer.step()
         ledger = self.pm.runtime.ledger

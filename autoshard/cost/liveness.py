@@ -1013,7 +1013,7 @@ class _Walk:
         mem.mark("optimizer step")
         if self.pricer.options.state_optimizer not in ("adam", "adamw"):
             return
-        moments = []
+        moments, grads32 = [], 0
         for name in (p.name for p in self.traced.params):
             st = self.state.get(name)
             if not st or not st["optimizer"]:
@@ -1022,15 +1022,20 @@ class _Walk:
             # fp32 moments (momentum, variance), and a master copy of a 16-bit parameter or of
             # a ZeRO-1/2 shard: the optimizer bytes are two or three moment-sized tensors.
             three = ph.info.dtype.itemsize < 4 or self.strategies[name].kernel is not None
-            moments.append((name, int(st["optimizer"] / (3 if three else 2))))
+            m = int(st["optimizer"] / (3 if three else 2))
+            moments.append((name, m))
+            # A 16-bit parameter's gradient is cast to its fp32 master's for the whole step
+            # (codegen/optim.py casts them all before the update): one more moment-sized tensor.
+            if ph.info.dtype.itemsize < 4:
+                grads32 += m
         if self.foreach:
-            mem.mark("optimizer step", extra=sum(m for _, m in moments))
+            mem.mark("optimizer step", extra=grads32 + sum(m for _, m in moments))
         else:
             prev = 0
             for name, m in moments:
                 # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps): two at once,
                 # with the previous parameter's denom not yet released.
-                mem.mark(f"optimizer step ({name})", extra=prev + 2 * m)
+                mem.mark(f"optimizer step ({name})", extra=grads32 + prev + 2 * m)
                 prev = m
         # ZeRO-1/2 and offload: each updated state shard is all-gathered back into the
         # parameter's layout (codegen/optim.py), one parameter at a time.
