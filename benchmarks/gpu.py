@@ -15,7 +15,7 @@ Three parts, one command (docs/cost-model.md §2.9 for the profile's fields):
    shapes, as ``localize`` gives them).
 3. The rank program on world 1 against the eager model: a GPT of GPT-2 small's shape (fp32,
    bf16, and fp32 under autocast against autoshard's bf16-mixed) and Llama-3-8B cut to 2 layers
-   (bf16), stepped with AdamW, eagerly and through ``autoshard.parallelize`` (``pm.step`` +
+   (bf16, and fp32 under autocast against bf16-mixed), stepped with AdamW, eagerly and through ``autoshard.parallelize`` (``pm.step`` +
    ``pm.optimizer``), steps interleaved, median per step; forward + backward and the optimizer
    step timed apart; the rank program's peak memory against the plan's. Target: the rank
    program within 1.05× of eager. Then ``examples/train.py --device cuda`` under torchrun on
@@ -262,12 +262,12 @@ def gpt2_small(dtype: torch.dtype):
     return model, model.example_inputs(8, 1024, device=torch.get_default_device())
 
 
-def llama3_8b_2_layers():
-    """Llama-3-8B cut to 2 decoder layers (1.5B parameters with embedding and head), bf16,
-    batch 1 × 2048."""
+def llama3_8b_2_layers(dtype: torch.dtype = torch.bfloat16):
+    """Llama-3-8B cut to 2 decoder layers (1.5B parameters with embedding and head), batch
+    1 × 2048."""
     from autoshard.zoo.models import Llama
     from autoshard.zoo.registry import _lookup
-    model = Llama(replace(_lookup("llama3-8b").config, n_layers=2))
+    model = Llama(replace(_lookup("llama3-8b").config, n_layers=2, dtype=dtype))
     return model, model.example_inputs(1, 2048, device=torch.get_default_device())
 
 
@@ -491,7 +491,9 @@ def main(argv=None) -> int:
                  ("GPT-2 small shape, batch 8 × 1024, bf16", partial(gpt2_small, torch.bfloat16),
                   False),
                  ("GPT-2 small shape, batch 8 × 1024", partial(gpt2_small, torch.float32), True),
-                 ("Llama-3-8B, 2 layers, batch 1 × 2048, bf16", llama3_8b_2_layers, False))
+                 ("Llama-3-8B, 2 layers, batch 1 × 2048, bf16", llama3_8b_2_layers, False),
+                 ("Llama-3-8B, 2 layers, batch 1 × 2048",
+                  partial(llama3_8b_2_layers, torch.float32), True))
         for label, build, mixed in cases:
             steps.append(step_vs_eager(device, clusters, label, build, steps=args.steps,
                                        mixed=mixed))
