@@ -15,11 +15,11 @@ Three parts, one command (docs/cost-model.md §2.9 for the profile's fields):
    shapes, as ``localize`` gives them).
 3. The rank program on world 1 against the eager model: a GPT of GPT-2 small's shape (fp32,
    bf16, and fp32 under autocast against autoshard's bf16-mixed) and Llama-3-8B cut to 2 layers
-   (bf16, and fp32 under autocast against bf16-mixed), stepped with AdamW, eagerly and through ``autoshard.parallelize`` (``pm.step`` +
-   ``pm.optimizer``), steps interleaved, median per step; forward + backward and the optimizer
-   step timed apart; the rank program's peak memory against the plan's. Target: the rank
-   program within 1.05× of eager. Then ``examples/train.py --device cuda`` under torchrun on
-   world 1, as a user runs it.
+   (bf16, and fp32 under autocast against bf16-mixed), stepped with AdamW, eagerly and through
+   ``autoshard.parallelize`` (``pm.step`` + ``pm.optimizer``), steps interleaved, median per
+   step; forward + backward and the optimizer step timed apart; the rank program's peak memory
+   against the plan's. Target: the rank program within 1.05× of eager. Then
+   ``examples/train.py --device cuda`` under torchrun on world 1, as a user runs it.
 
     python benchmarks/gpu.py --out benchmarks/RESULTS.md --profile benchmarks/h100-calibrated.json
 
