@@ -13,6 +13,7 @@ from autoshard.schedules import (SCHEDULES, VIRTUAL_STAGES, balanced_bubble,
                                      schedule_seconds, zero_bubble_idle)
 from autoshard.errors import AutoshardError
 from autoshard.verify import VerifySpec, plan_for, summarize, verify_rank
+from autoshard.zoo.registry import get_model
 from dist import world_fixture
 
 world2 = world_fixture(2, timeout_s=300)
@@ -310,6 +311,19 @@ def test_pipelined_step_equals_single_device(world2, world4, model, shape, axes,
     assert plan.pipeline.virtual_stages == v
     report = check(world2 if len(shape) == 1 else world4, model, plan)
     assert report["collectives"] > 0
+
+
+def test_a_tied_weight_under_zero2_is_summed_across_stages(world4) -> None:
+    """GPT-2's token embedding is read by the first stage and, tied, by the last; under ZeRO-2
+    over "tp" each stage's gradient is a bucket's reduce-scattered shard, and that shard (not
+    the empty ``.grad``) is what the stages all-reduce over "pp" (the plan records its bytes)."""
+    plan = plan_for("gpt2-tiny", Mesh((2, 2), ("pp", "tp"), cluster="stress"), pipeline="pp",
+                    schedule="GPipe", microbatches=2, zero="zero2")
+    assert plan.param_state["tok_emb.weight"].mode == "zero2"
+    weight = get_model("gpt2-tiny")[0].tok_emb.weight
+    tied = [c for c in plan.collectives if c.node == "tied:tok_emb.weight"]
+    assert [c.bytes for c in tied] == [weight.numel() * weight.element_size() // 2] * 2
+    check(world4, "gpt2-tiny", plan)
 
 
 @pytest.mark.parametrize("model,schedule", [("llama-tiny", "1F1B"),

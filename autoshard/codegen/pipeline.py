@@ -305,9 +305,14 @@ class Pipelined:
         else:
             self.schedule.step(*args, return_outputs=False)
         params = self.pm.local_parameters()
+        buckets = self.pm.runtime.buckets
         for fqn, group in self._tied:
-            grad = params[fqn].grad
-            if grad is not None:
+            # The stages' gradients summed: in .grad, or under ZeRO-2 and offload in the
+            # bucket's shard the sharded optimizer reads (codegen/optim.py grad_shard).
+            shard = buckets.shards.get(self.pm._param_ph[fqn]) if buckets is not None else None
+            for grad in (params[fqn].grad, shard):
+                if grad is None:
+                    continue
                 dist.all_reduce(grad, group=group)
                 self.pm.ledger.add(ExecutedCollective(
                     "all_reduce", (self.plan.pipeline.axis,), grad.numel() * grad.element_size(),

@@ -357,8 +357,11 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
         if len(by_rank) < 2:
             continue
         ph = next(x for x in traced.params if x.fqn == fqn)
-        nbytes = local_numel(tuple(ph.info.shape), spmd.params[fqn], spmd.mesh_shape) \
-            * ph.info.dtype.itemsize
+        # The gradient as the stage holds it after backward: reduce-scattered into its bucket's
+        # shard under ZeRO-2 or offload (the ParamState's grad spec), whole otherwise.
+        st = spmd.param_state.get(fqn)
+        nbytes = local_numel(tuple(ph.info.shape), st.grad if st else spmd.params[fqn],
+                             spmd.mesh_shape) * ph.info.dtype.itemsize
         tied_s = max(tied_s, collective_time("all_reduce", len(by_rank), nbytes, link.alpha,
                                              link.bandwidth))
         for s in sorted(by_rank.values()):
