@@ -639,8 +639,9 @@ def profile(spec: CalibrateSpec, reports: list[dict], *, wall_s: float = 0.0,
                                                  for r in reports])
     if spec.device == "cuda":
         fields["memory_bytes"] = float(reports[0]["device_memory_bytes"])
-        fields["devices_per_node"] = max(p, torch.cuda.device_count() if torch.cuda.is_available()
-                                         else p)
+        if p >= 2:     # one rank measures no link: the preset's node and links stand
+            fields["devices_per_node"] = max(p, torch.cuda.device_count()
+                                             if torch.cuda.is_available() else p)
     measured: dict[str, Any] = {
         "tool": "autoshard calibrate", "date": datetime.datetime.now(datetime.timezone.utc)
         .strftime("%Y-%m-%d %H:%M UTC"), "device": spec.device, "world": p,
