@@ -295,7 +295,8 @@ def step_vs_eager(device, clusters: dict, label: str, build, *, steps: int,
     pm = autoshard.parallelize(model, mesh, plan=plan, example_inputs=(x, y))
     del model
     opt_pm = pm.optimizer(torch.optim.AdamW, lr=1e-4)
-    opt_eager = torch.optim.AdamW(eager.parameters(), lr=1e-4)
+    # pm.optimizer steps with the fused kernel (codegen/optim.py); the eager model does too.
+    opt_eager = torch.optim.AdamW(eager.parameters(), lr=1e-4, fused=True)
     xs, ys = pm.shard_inputs(x, y)
 
     def eager_fb():

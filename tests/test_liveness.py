@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from autoshard import Mesh, with_loss
+from autoshard.errors import AutoshardError
 from autoshard.cost.liveness import MemoryBreakdown, step_memory
 from autoshard.cost.price import Pricer
 from autoshard.solver.alternatives import plan_stored
@@ -83,9 +84,8 @@ def test_mlp_on_one_device_peaks_where_hand_computed(mlp):
     assert (m.gradients, m.activations, m.temporaries) == (W, 2 * A + 5 * A, 4 * A)
     assert (m.parameters, m.optimizer, m.host) == (4 * W, 8 * W, 0)
     assert m.state == {"parameters": 4 * W, "gradients": 4 * W, "optimizer": 8 * W, "host": 0}
-    # The AdamW step (single-tensor, as on CPU): every gradient (4W) + a moment-sized sqrt and
-    # quotient of one weight and the previous weight's denominator (3W).
-    assert m.phases["optimizer"] == base + 4 * W + 3 * W
+    # The AdamW step (fused, pm.optimizer's default): every gradient (4W), no temporaries.
+    assert m.phases["optimizer"] == base + 4 * W
     assert parts(m) == m.peak
 
 
@@ -147,7 +147,7 @@ def test_a_zero3_weight_gathered_for_a_matmul_lives_while_it_is_used(mlp):
     assert end_of_forward(again) == base + 2 * y + 8
     assert full.phases["forward"] == base + W + y + u + y     # at the last linear: W3, y0, u1, y1
     # In backward each layer gathers its weights again; the optimizer step sees none of them.
-    assert plain.phases["optimizer"] == full.phases["optimizer"] == base + 4 * w + 3 * w
+    assert plain.phases["optimizer"] == full.phases["optimizer"] == base + 4 * w
     assert full.peak < plain.peak
 
 
@@ -179,13 +179,16 @@ def test_model_state_without_pricer_state_bytes_comes_from_param_state_bytes(mlp
     assert older.to_json()["peak"] == older.peak and older.to_json()["phases"] == older.phases
 
 
-def test_the_foreach_optimizer_holds_a_moment_of_every_parameter(mlp):
+def test_the_optimizer_update_holds_what_its_implementation_makes(mlp):
+    """The fused kernel (pm.optimizer's default) makes no temporaries; the single-tensor loop
+    two moments of a parameter and one of the previous; foreach one of every variance."""
     plan = plan_traced(mlp, Mesh((1,), cluster="stress"), recompute="none")
-    loop = predict(mlp, plan, foreach=False)
-    fused = predict(mlp, plan, foreach=True)
     base = 12 * W + 2 * A
-    assert loop.phases["optimizer"] == base + 4 * W + 3 * W
-    assert fused.phases["optimizer"] == base + 4 * W + 4 * W    # one sqrt of every variance
+    assert predict(mlp, plan).phases["optimizer"] == base + 4 * W
+    assert predict(mlp, plan, update="loop").phases["optimizer"] == base + 4 * W + 3 * W
+    assert predict(mlp, plan, update="foreach").phases["optimizer"] == base + 4 * W + 4 * W
+    with pytest.raises(AutoshardError, match="fused"):
+        predict(mlp, plan, update="adam")
 
 
 # ------------------------------------------------------------------------ a transformer

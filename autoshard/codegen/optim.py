@@ -138,6 +138,8 @@ class ShardedOptimizer:
             sharded = st is not None and st.mode in ("zero2", "offload") and dim is not None
             self.entries.append(_Entry(fqn, ph, p, master, dim, cut, gather, sharded, shape,
                                        tuple(spec), placements, p._version))
+        if _fused_by_default(optimizer_cls, kwargs, [e.master for e in self.entries]):
+            kwargs = {**kwargs, "fused": True}
         self.optimizer = optimizer_cls([e.master for e in self.entries], **kwargs)
         _OWNED.add(self.optimizer)
 
@@ -187,7 +189,9 @@ class ShardedOptimizer:
                 e.master.grad = b
         for e, g in grads:
             if e.master.grad is None:        # already fp32 here: no copy; else to the host
-                e.master.grad = g.to(e.master.device, torch.float32)
+                # A fused kernel reads its tensors as dense: a slice of .grad across a dim
+                # other than the first is copied out.
+                e.master.grad = g.to(e.master.device, torch.float32).contiguous()
         self.optimizer.step()
         ledger = self.pm.runtime.ledger
         stepped = [e for e in apart if e.master.grad is not None]
@@ -401,6 +405,24 @@ class ShardedOptimizer:
             part = _slice(e.param.grad, e.dim, e.cut)
             g = part if g is None else g + part
         return g
+
+
+def _fused_by_default(optimizer_cls: type, kwargs: dict, masters: list[torch.Tensor]) -> bool:
+    """Whether to step with the optimizer's fused kernel, as the plan prices it
+    (docs/cost-model.md §9: one pass reading the gradient, the master and the moments, writing
+    the last three): where the class has one, the caller chose no implementation (``fused`` or
+    ``foreach``), and every master is a float on a device torch fuses for (torchtitan's default
+    too). PyTorch's own default, foreach, streams about three times the bytes."""
+    if "fused" not in inspect.signature(optimizer_cls.__init__).parameters:
+        return False
+    if kwargs.keys() & {"fused", "foreach"} or not masters:
+        return False
+    try:
+        from torch.optim.optimizer import _get_fused_kernels_supported_devices
+        devices = set(_get_fused_kernels_supported_devices())
+    except ImportError:                 # a torch without the helper: the two we test on
+        devices = {"cuda", "cpu"}
+    return all(m.dtype.is_floating_point and m.device.type in devices for m in masters)
 
 
 def _zero_axes(spec: Spec, state: Spec) -> list[int]:

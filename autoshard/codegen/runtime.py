@@ -231,7 +231,8 @@ class ParallelModule(torch.nn.Module):
         """A torch.optim-compatible optimizer (``optimizer_cls(**kwargs)`` inside) that keeps
         fp32 masters for 16-bit parameters, shards its state as the plan says (ZeRO-1/2, on the
         host for offload) and gathers the updated parameters (codegen/optim.py). Required when
-        the plan places gradients or optimizer state apart from the parameters."""
+        the plan places gradients or optimizer state apart from the parameters. Steps with the
+        class's fused kernel unless ``fused`` or ``foreach`` is given."""
         from autoshard.codegen.optim import ShardedOptimizer
         return ShardedOptimizer(self, optimizer_cls, **kwargs)
 

@@ -24,22 +24,22 @@ are alive:
   tensor (``torch.utils.checkpoint`` recomputes on the first unpack): what its ops save is
   alive again, one layer at a time; selective checkpointing hands the kept outputs back
   instead of making them again.
-- **optimizer step**: parameters, gradients and optimizer state, plus the step's temporaries
-  (``torch.optim.AdamW``'s single-tensor update, its default on CPU, keeps two moment-sized
-  temporaries of a parameter and one of the previous; its foreach update, the default on GPUs,
-  one moment-sized copy of every parameter's at once).
+- **optimizer step**: parameters, gradients and optimizer state, the fp32 copies of 16-bit
+  gradients for their masters, plus the update's temporaries: none for the fused kernel
+  ``pm.optimizer`` steps with by default (codegen/optim.py); ``torch.optim.AdamW``'s
+  single-tensor loop keeps two moment-sized temporaries of a parameter and one of the previous,
+  its foreach update one moment-sized copy of every parameter's at once.
 
 Interface (one function)::
 
-    step_memory(traced, strategies, pricer, *, foreach=None, log=None) -> MemoryBreakdown
+    step_memory(traced, strategies, pricer, *, update="fused", log=None) -> MemoryBreakdown
 
 ``traced``: the :class:`~autoshard.trace.export.TracedGraph` of a training step; ``strategies``:
 node name -> :class:`~autoshard.ir.Strategy` for every placeholder and op (``Plan.strategies()``,
 or the planner's assignment, as ``solver.planner.assemble`` has it); ``pricer``: the
 :class:`~autoshard.cost.price.Pricer` the plan is priced with (its mesh, options, checkpointed
-layers, ``state_bytes``). ``foreach``: price the optimizer step as torch's foreach
-implementation (True) or its single-tensor loop (False); None picks the loop for the CPU
-clusters (``cpu``, ``stress``, ``calibrated-cpu``) and foreach for the others, as torch does.
+layers, ``state_bytes``). ``update``: the optimizer's implementation, "fused" (what
+``pm.optimizer`` runs unless told otherwise), "foreach" or "loop".
 ``log``: a list that gets every moment the walk checks, ``(phase, node, bytes)``. For a
 forward-only graph the walk is the forward alone. Linear in the graph's size (an 8B-parameter
 Llama, 2,200 nodes: under a second).
@@ -77,6 +77,7 @@ from autoshard.cost.compute import local_numel, op_profile
 from autoshard.cost.memory import param_state_bytes, saved_rule
 from autoshard.cost.overlap import Sync, form_buckets, grad_sync, is_grad_sync
 from autoshard.cost.reshards import ReshardEdge, reshard_edges
+from autoshard.errors import AutoshardError
 from autoshard.ir import Strategy, shard_factor
 from autoshard.ops.registry import VIEW, record_of
 from autoshard.trace.graph import ValueRef, value_inputs, value_ref
@@ -84,6 +85,7 @@ from autoshard.trace.graph import ValueRef, value_inputs, value_ref
 aten = torch.ops.aten
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+UPDATES = ("fused", "foreach", "loop")      # how the optimizer step runs (step_memory)
 
 
 @dataclass(frozen=True)
@@ -198,19 +200,18 @@ class _Event:
 
 
 def step_memory(traced: Any, strategies: dict[str, Strategy], pricer: Any, *,
-                foreach: bool | None = None,
+                update: str = "fused",
                 log: list[tuple[str, str, int]] | None = None) -> MemoryBreakdown:
     """Peak bytes one device holds over a training step (forward, backward, optimizer step) of
     ``traced`` under ``strategies``, priced with ``pricer``; see the module docstring.
 
-    ``foreach``: price the optimizer step as torch's foreach implementation (its default on
-    GPUs) or as its single-tensor loop (its default on CPU); None: the loop for the CPU
-    clusters (``cpu``, ``stress``, a ``calibrated-cpu`` profile), foreach for the others.
+    ``update``: the optimizer's implementation, "fused" (no temporaries; ``pm.optimizer``'s
+    default), "foreach" or "loop" (torch's others).
     ``log``: a list to append every moment the walk checks, as (phase, node, bytes)."""
-    if foreach is None:
-        name = getattr(getattr(pricer.mesh, "cluster", None), "name", "")
-        foreach = not (name in ("cpu", "stress") or name.endswith("-cpu"))
-    walk = _Walk(traced, strategies, pricer, foreach)
+    if update not in UPDATES:
+        raise AutoshardError(f"an optimizer update among {UPDATES}", got=repr(update),
+                             fix='pass update="fused" (pm.optimizer\'s default)')
+    walk = _Walk(traced, strategies, pricer, update)
     walk.mem.log = log
     return walk.run()
 
@@ -234,9 +235,9 @@ def _storage_key(t: Any) -> int | None:
 
 class _Walk:
     def __init__(self, traced: Any, strategies: dict[str, Strategy], pricer: Any,
-                 foreach: bool) -> None:
+                 update: str) -> None:
         self.traced, self.strategies, self.pricer = traced, strategies, pricer
-        self.foreach = foreach
+        self.update = update
         self.graph: fx.Graph = traced.graph
         self.mesh_shape = tuple(pricer.mesh.shape)
         self.training = bool(traced.training)
@@ -1028,15 +1029,17 @@ class _Walk:
             # (codegen/optim.py casts them all before the update): one more moment-sized tensor.
             if ph.info.dtype.itemsize < 4:
                 grads32 += m
-        if self.foreach:
+        if self.update == "foreach":
             mem.mark("optimizer step", extra=grads32 + sum(m for _, m in moments))
-        else:
+        elif self.update == "loop":
             prev = 0
             for name, m in moments:
                 # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps): two at once,
                 # with the previous parameter's denom not yet released.
                 mem.mark(f"optimizer step ({name})", extra=grads32 + prev + 2 * m)
                 prev = m
+        else:
+            mem.mark("optimizer step", extra=grads32)
         # ZeRO-1/2 and offload: each updated state shard is all-gathered back into the
         # parameter's layout (codegen/optim.py), one parameter at a time.
         for name in (p.name for p in self.traced.params):
