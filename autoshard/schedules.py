@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 VIRTUAL_STAGES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2,     # stages per rank
                   "InterleavedZeroBubble": 2, "ZBVZeroBubble": 2}
 # Schedules whose backward runs as B then W, apart (Qi et al. 2024).
