@@ -39,8 +39,10 @@ OFFLOAD = ("auto", "none", "optimizer")
 # steady state: the same bubble, at most p - i microbatches of activations alive on stage i),
 # "Interleaved1F1B" (two stages per rank: the bubble halved for twice the sends),
 # "InterleavedZeroBubble" (two stages per rank, backward split into the inputs' gradient and the
-# weights', which fills the bubble; activations kept longer), or "auto" (the planner picks the
-# one it prices fastest, less memory breaking ties).
+# weights', which fills the bubble; activations kept longer), "ZBVZeroBubble" (the same split,
+# a rank's two stages placed as a V: r and 2p - 1 - r, one send fewer, activations even across
+# the ranks; any number of microbatches), or "auto" (the planner picks the one it prices
+# fastest, less memory breaking ties).
 SCHEDULES = (*PIPELINE_SCHEDULES, "auto")
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from autoshard.schedules import SCHEDULES, balanced_bubble
+from autoshard.schedules import SCHEDULES, balanced_bubble, rank_stages, stage_rank
 from autoshard.errors import AutoshardError
 from autoshard.ir import (Layer, Spec, Strategy, parse_spec, replicated, spec_fits, spec_str,
                           work_fraction)
@@ -100,10 +100,20 @@ class Pipeline:
     stages: tuple[Stage, ...]
     virtual_stages: int = 1
 
+    @property
+    def ranks(self) -> int:
+        """The coordinates of the pipeline axis, ``p``."""
+        return len(self.stages) // self.virtual_stages
+
     def stages_of(self, coord: int) -> tuple[int, ...]:
         """The stages coordinate ``coord`` of the pipeline axis runs: ``coord``, ``coord + p``,
-        ... (torch.distributed.pipelining's loop placement, ``p`` ranks)."""
-        return tuple(range(coord, len(self.stages), len(self.stages) // self.virtual_stages))
+        ... (torch.distributed.pipelining's loop placement, ``p`` ranks), or ``coord`` and
+        ``2p - 1 - coord`` under a V-placed schedule (autoshard/schedules.py ``rank_stages``)."""
+        return rank_stages(self.schedule, self.ranks, coord)
+
+    def rank_of(self, stage: int) -> int:
+        """The coordinate of the pipeline axis that runs stage ``stage``."""
+        return stage_rank(self.schedule, self.ranks, stage)
 
     def to_json(self) -> dict:
         return {"axis": self.axis, "schedule": self.schedule, "microbatches": self.microbatches,

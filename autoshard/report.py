@@ -73,8 +73,8 @@ def pipeline_bubble(pl: Pipeline) -> float:
     the schedule's compute over every microbatch less that rank's own work, ``m`` times the sum
     of its stages' seconds per microbatch."""
     compute = [st.predicted["compute_s"] for st in pl.stages]
-    ranks = len(pl.stages) // pl.virtual_stages
-    busy = pl.microbatches * max(sum(compute[r::ranks]) for r in range(ranks))
+    ranks = pl.ranks
+    busy = pl.microbatches * max(sum(compute[k] for k in pl.stages_of(r)) for r in range(ranks))
     return max(0.0, schedule_seconds(compute, pl.microbatches, ranks, pl.schedule) - busy)
 
 
@@ -93,13 +93,12 @@ def memory_parts(plan: Plan) -> list[tuple[str, float]]:
 
 def stage_peaks(plan: Plan) -> list[list[tuple[int, float]]]:
     """On a pipeline, per rank of the pipeline axis, its stages and their peaks (a rank holds
-    ``virtual_stages`` of them: stage ``k`` runs on rank ``k mod p``)."""
+    ``virtual_stages`` of them: plans.py ``Pipeline.stages_of``)."""
     pl = plan.pipeline
     if pl is None:
         return []
-    ranks = len(pl.stages) // pl.virtual_stages
-    return [[(st.index, float(st.predicted["peak_memory_bytes"])) for st in pl.stages[r::ranks]]
-            for r in range(ranks)]
+    return [[(k, float(pl.stages[k].predicted["peak_memory_bytes"])) for k in pl.stages_of(r)]
+            for r in range(pl.ranks)]
 
 
 def budget_bytes(plan: Plan) -> float | None:
@@ -243,9 +242,10 @@ def _orders(schedule: str, p: int, v: int, m: int) -> list[list[tuple[str, int, 
     Narayanan et al. 2021 §2.2.2): microbatches in groups of ``p``, each group through the
     rank's first stage, then its next; ``2(p - r - 1) + (v - 1)p`` forwards of warm-up, then
     one forward per backward, backwards taking the rank's stages last first. Interleaved zero
-    bubble: torch's own order of F, B and W (ScheduleInterleavedZeroBubble's)."""
+    bubble and ZB-V: torch's own order of F, B and W (ScheduleInterleavedZeroBubble's,
+    ScheduleZBVZeroBubble's)."""
     if schedule in SPLIT_BACKWARD:
-        return _zero_bubble_orders(p, m)
+        return _zero_bubble_orders(schedule, p, m)
     out = []
     for r in range(p):
         if schedule == "GPipe":
@@ -272,14 +272,20 @@ def _orders(schedule: str, p: int, v: int, m: int) -> list[list[tuple[str, int, 
     return out
 
 
-def _zero_bubble_orders(p: int, m: int) -> list[list[tuple[str, int, int]]]:
-    """ScheduleInterleavedZeroBubble's actions per rank (2 stages per rank), computed as its
-    constructor computes them, without process groups."""
+def _zero_bubble_orders(schedule: str, p: int, m: int) -> list[list[tuple[str, int, int]]]:
+    """The split-backward schedule's actions per rank (2 stages per rank), computed as its
+    torch class's constructor computes them, without process groups."""
     from types import SimpleNamespace
-    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble as ZB
+    from torch.distributed.pipelining import schedules
     from torch.distributed.pipelining.schedules import _ComputationType as C
+    ZB = {"InterleavedZeroBubble": schedules.ScheduleInterleavedZeroBubble,
+          "ZBVZeroBubble": schedules.ScheduleZBVZeroBubble}.get(schedule)
+    if ZB is None:
+        raise AutoshardError("a split-backward schedule whose order of actions the chart "
+                             "knows (InterleavedZeroBubble, ZBVZeroBubble)", got=repr(schedule),
+                             fix="draw the plan without its Gantt chart")
     me = SimpleNamespace(n_local_stages=2, pp_group_size=p, _n_microbatches=m,
-                         number_of_rounds=max(1, m // p))
+                         number_of_rounds=max(1, m // p), num_stages=2 * p)
     me.microbatches_per_round = m // me.number_of_rounds
     kinds = {C.FORWARD: "F", C.BACKWARD_INPUT: "B", C.BACKWARD_WEIGHT: "W"}
     return [[(kinds[a.computation_type], a.stage_index, a.microbatch_index)
@@ -474,8 +480,8 @@ def gantt_figure(pl: Pipeline) -> Any:
             ax.text((s.start + s.seconds / 2) * 1e3, s.rank, str(s.microbatch), ha="center",
                     va="center", fontsize=6, color="white")
     ax.set_yticks(range(ranks), [f"rank {r}: stage{'s' if pl.virtual_stages > 1 else ''} "
-                                 + ", ".join(str(r + c * ranks) for c in range(pl.virtual_stages))
-                                 for r in range(ranks)], fontsize=8)
+                                 + ", ".join(map(str, pl.stages_of(r))) for r in range(ranks)],
+                  fontsize=8)
     ax.invert_yaxis()
     end = max(s.start + s.seconds for s in slots)
     busy = max(sum(s.seconds for s in slots if s.rank == r) for r in range(ranks))

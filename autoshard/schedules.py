@@ -19,16 +19,48 @@ per rank the paper's ZB-H1 idles ``(p - 1)(T_F + T_B - T_W)`` (§3.1, 1F1B's
 ``ScheduleInterleavedZeroBubble`` (:data:`SCHEDULES` "InterleavedZeroBubble") is that schedule
 interleaved, ``v`` = 2 stages per rank placed as Interleaved 1F1B places them; its idle time is
 :func:`zero_bubble_idle`, its memory :func:`in_flight`.
+
+ZB-V (Qi et al. 2024, §6; Qi et al. 2024, "Pipeline Parallelism with Controllable Memory",
+arXiv 2405.15362) places a rank's two stages as a V: rank ``r`` runs stages ``r`` and
+``2p - 1 - r`` (:func:`rank_stages`), so stages ``p - 1`` and ``p`` are on one rank and torch
+hands a microbatch between them without a send, and every rank keeps about the same
+activations. torch.distributed.pipelining's ``ScheduleZBVZeroBubble`` (:data:`SCHEDULES`
+"ZBVZeroBubble") orders it; its time is :func:`zbv_excess` beyond the busy time, its memory
+:func:`in_flight`.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 VIRTUAL_STAGES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2,     # stages per rank
-                  "InterleavedZeroBubble": 2}
+                  "InterleavedZeroBubble": 2, "ZBVZeroBubble": 2}
 # Schedules whose backward runs as B then W, apart (Qi et al. 2024).
-SPLIT_BACKWARD = ("InterleavedZeroBubble",)
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble")
+# Schedules placing a rank's two stages as a V: rank r runs stages r and 2p - 1 - r (torch's
+# ``generate_stage_to_rank_mapping(style="v")``); the others loop: r, r + p, ...
+V_PLACED = ("ZBVZeroBubble",)
+
+
+def rank_stages(schedule: str, ranks: int, rank: int) -> tuple[int, ...]:
+    """The stages rank ``rank`` of ``ranks`` runs under ``schedule``: ``(r, 2p - 1 - r)`` when
+    V-placed, else ``r, r + p, ...`` (its :data:`VIRTUAL_STAGES`)."""
+    if schedule in V_PLACED:
+        return (rank, 2 * ranks - 1 - rank)
+    return tuple(range(rank, ranks * VIRTUAL_STAGES[schedule], ranks))
+
+
+def stage_rank(schedule: str, ranks: int, stage: int) -> int:
+    """The rank running stage ``stage`` (:func:`rank_stages` inverted)."""
+    if schedule in V_PLACED and stage >= ranks:
+        return 2 * ranks - 1 - stage
+    return stage % ranks
+
+
+def sends_between(schedule: str, ranks: int, stage: int) -> bool:
+    """Whether the values crossing from stage ``stage`` to ``stage + 1`` are sent: not when one
+    rank runs both (the turn of a V, which torch hands over in memory)."""
+    return stage_rank(schedule, ranks, stage) != stage_rank(schedule, ranks, stage + 1)
 
 
 def pipeline_seconds(stage_s: Sequence[float], microbatches: int) -> float:
@@ -50,18 +82,29 @@ def schedule_seconds(stage_s: Sequence[float], microbatches: int, ranks: int,
     W; by default a third of its time each, the paper's ``T_F = T_B = T_W``), ``B_r`` the rest of
     ``t_r``. With balanced stages and ``m`` a multiple of ``p`` this is the time of torch's
     schedule exactly (its order of actions, run with those durations and no sends); with fewer
-    microbatches than ranks it is the time of ``p`` microbatches, a bound above it."""
+    microbatches than ranks it is the time of ``p`` microbatches, a bound above it.
+
+    ZB-V (V-placed): ``m'·max_r t_r + max_r zbv_excess(F_r/2, B_r/2, W_r/2, p, m)``, ``m' = m``
+    for ``m <= p`` or ``m >= 2p - 1``, where it is torch's order exactly with balanced stages,
+    else ``2p - 1`` (the time of ``2p - 1`` microbatches, a bound above: fewer actions in the
+    same order never take longer)."""
     v = VIRTUAL_STAGES[schedule]
     if v == 1:
         return pipeline_seconds(stage_s, microbatches)
-    per_rank = [sum(stage_s[r::ranks]) for r in range(ranks)]
+    mine = [rank_stages(schedule, ranks, r) for r in range(ranks)]
+    per_rank = [sum(stage_s[k] for k in ks) for ks in mine]
     if schedule not in SPLIT_BACKWARD:
         return (microbatches + (ranks - 1) / v) * max(per_rank)
     f = forward_s if forward_s is not None else [t / 3 for t in stage_s]
     w = weight_s if weight_s is not None else [t / 3 for t in stage_s]
-    idle = max(zero_bubble_idle(sum(f[r::ranks]), t - sum(f[r::ranks]) - sum(w[r::ranks]),
-                                sum(w[r::ranks]))
-               for r, t in enumerate(per_rank))
+    fw = [(sum(f[k] for k in ks), sum(w[k] for k in ks)) for ks in mine]
+    if schedule in V_PLACED:
+        # A rank's mean stage: F, B and W per stage are the rank's over v = 2.
+        m, p = microbatches, ranks
+        busy = m if m <= p or m >= 2 * p - 1 else 2 * p - 1
+        return busy * max(per_rank) + max(zbv_excess(fr / 2, (t - fr - wr) / 2, wr / 2, p, m)
+                                          for (fr, wr), t in zip(fw, per_rank))
+    idle = max(zero_bubble_idle(fr, t - fr - wr, wr) for (fr, wr), t in zip(fw, per_rank))
     return max(microbatches, ranks) * max(per_rank) + (ranks - 1) / v * idle
 
 
@@ -77,6 +120,29 @@ def zero_bubble_idle(forward: float, backward_input: float, backward_weight: flo
     step is ``2m(f + b + w) + (p - 1)·max(f, b, f + b - w)``, i.e. this over ``v`` = 2 for the
     rank's sums."""
     return max(forward, backward_input, forward + backward_input - backward_weight)
+
+
+def zbv_excess(forward: float, backward_input: float, backward_weight: float, ranks: int,
+               microbatches: int) -> float:
+    """Seconds torch's ``ScheduleZBVZeroBubble`` takes beyond ``2m'(f + b + w)`` (``m'`` as in
+    :func:`schedule_seconds`), from a stage's F, B and W seconds ``f``, ``b``, ``w`` per
+    microbatch, ``p`` ranks, ``q = p - 1``: the longest chain of its order of actions, a maximum
+    of linear forms read off that order (each the critical path for some durations) and checked
+    against it action by action (tests/test_pipeline.py). With ``m >= 2p - 1``:
+    ``max(b + (q-1)w, q·b, 2q(b - w), f + (q-1)w, (2q-1)f - (q-1)b, (2q-1)f + b - 2q·w,
+    2q·f - q·b - w, 2q·f - (2q+1)w)``, ``q·f`` when ``f = b = w`` (the warm-up's forwards; the
+    paper's ZB-V, §6, reaches zero only counting from the first rank's start); with
+    ``m <= p``, ``j = m - 1``: ``max(2(q-j)f + 2q·b, (2q-j)(f + b), 2q·f + (2q-3j)b - j·w,
+    2q·f + (2q-2j)b - 2j·w)``; between them, that of ``2p - 1`` microbatches."""
+    f, b, w, q = forward, backward_input, backward_weight, ranks - 1
+    if microbatches <= ranks:
+        j = microbatches - 1
+        return max(2 * (q - j) * f + 2 * q * b, (2 * q - j) * (f + b),
+                   2 * q * f + (2 * q - 3 * j) * b - j * w,
+                   2 * q * f + (2 * q - 2 * j) * b - 2 * j * w)
+    return max(b + (q - 1) * w, q * b, 2 * q * (b - w), f + (q - 1) * w,
+               (2 * q - 1) * f - (q - 1) * b, (2 * q - 1) * f + b - 2 * q * w,
+               2 * q * f - q * b - w, 2 * q * f - (2 * q + 1) * w)
 
 
 def bubble_fraction(stages: int, microbatches: int, virtual: int = 1) -> float:
@@ -104,7 +170,11 @@ def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
     once ``m >= 2p``). Rank 0 holds ``1.5·p`` microbatches of its layers' activations where
     1F1B's holds ``p`` (Megatron-LM's interleaved warm-up on rank 0, ``2(p-1) + p`` chunk
     forwards, is the same). Zero bubble defers W and keeps every rank at rank 0's count: the
-    paper's ZB-H1 keeps 1F1B's peak, this interleaved variant does not."""
+    paper's ZB-H1 keeps 1F1B's peak, this interleaved variant does not.
+
+    ZB-V (``stage`` of ``2p``, V-placed): ``min(m, 2p - stage)`` from F to W, so rank ``r``
+    (stages ``r`` and ``2p - 1 - r``) holds ``2p + 1`` once ``m >= 2p``, the same on every rank
+    (Qi et al. 2024, §6: ZB-V's memory is balanced across ranks)."""
     if schedule == "GPipe":
         return microbatches
     if schedule == "1F1B":
@@ -115,16 +185,20 @@ def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
         # zero bubble: every rank alike; interleaved 1F1B: later ranks' backwards come sooner
         second = p if schedule == "InterleavedZeroBubble" else min(p, 2 * (p - stage % p) - 1)
         return min(m, per_round + second if stage < p else second)
+    if schedule == "ZBVZeroBubble":
+        return min(microbatches, 2 * stages - stage)
     raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
 
 
 def fullest_stage(schedule: str, ranks: int, microbatches: int) -> float:
     """Microbatches of a rank's share of the layers whose activations the fullest rank keeps
     alive (rank 0): ``m`` under GPipe, ``min(m, p)`` under 1F1B, under an interleaved schedule
-    its two stages' counts (:func:`in_flight`), each of half its layers. ``schedule`` "auto":
-    1F1B's (the others' cuts are checked on their own)."""
+    its two stages' counts (:func:`in_flight`), each of half its layers; V-placed, the fullest
+    rank's (with fewer than ``2p`` microbatches not rank 0). ``schedule`` "auto": 1F1B's (the
+    others' cuts are checked on their own)."""
     p, m = ranks, microbatches
     if schedule in ("auto", "1F1B", "GPipe"):
         return float(in_flight("1F1B" if schedule == "auto" else schedule, 0, p, m))
-    return (in_flight(schedule, 0, p, m) + in_flight(schedule, p, p, m)) / VIRTUAL_STAGES[schedule]
+    return max(sum(in_flight(schedule, k, p, m) for k in rank_stages(schedule, p, r))
+               for r in range(p)) / VIRTUAL_STAGES[schedule]
 

@@ -9,8 +9,9 @@ import pytest
 
 from autoshard import Mesh, Plan
 from autoshard.schedules import (SCHEDULES, VIRTUAL_STAGES, balanced_bubble,
-                                     bubble_fraction, in_flight, pipeline_seconds,
-                                     schedule_seconds, zero_bubble_idle)
+                                     bubble_fraction, fullest_stage, in_flight,
+                                     pipeline_seconds, rank_stages, schedule_seconds,
+                                     sends_between, zbv_excess, zero_bubble_idle)
 from autoshard.errors import AutoshardError
 from autoshard.verify import VerifySpec, plan_for, summarize, verify_rank
 from autoshard.zoo.registry import get_model
@@ -56,12 +57,13 @@ def _torch_order(p: int, m: int, schedule: str = "InterleavedZeroBubble") -> dic
     from types import SimpleNamespace
     from torch.distributed.pipelining import schedules
     cls = {"InterleavedZeroBubble": schedules.ScheduleInterleavedZeroBubble,
-           "Interleaved1F1B": schedules.ScheduleInterleaved1F1B}[schedule]
+           "Interleaved1F1B": schedules.ScheduleInterleaved1F1B,
+           "ZBVZeroBubble": schedules.ScheduleZBVZeroBubble}[schedule]
     me = SimpleNamespace(n_local_stages=2, pp_group_size=p, _n_microbatches=m,
-                         number_of_rounds=max(1, m // p))
+                         number_of_rounds=max(1, m // p), num_stages=2 * p)
     me.microbatches_per_round = m // me.number_of_rounds
     me.pipeline_order = {r: cls._calculate_single_rank_operations(me, r) for r in range(p)}
-    if schedule == "Interleaved1F1B":
+    if schedule in ("Interleaved1F1B", "ZBVZeroBubble"):
         return me.pipeline_order
     return cls._add_bubbles_to_actions(me, 2 * p)
 
@@ -151,6 +153,50 @@ def test_zero_bubble_closed_form() -> None:
     assert zero_bubble_idle(1.0, 1.0, 3.0) == 1.0 and zero_bubble_idle(1.0, 1.0, 0.5) == 1.5
     assert [in_flight("InterleavedZeroBubble", s, 4, 8) for s in (0, 3, 4, 7)] == [8, 8, 4, 4]
     assert in_flight("InterleavedZeroBubble", 0, 4, 2) == 2
+
+
+def test_zbv_matches_torchs_schedule() -> None:
+    """ZBVZeroBubble (REFERENCE: Qi et al. 2024, arXiv 2401.10241 §6, ZB-V; torch's
+    ScheduleZBVZeroBubble): rank r runs stages r and 2p - 1 - r, and torch's own order of
+    actions, run with per-stage F, B, W seconds, takes 2m(f + b + w) + zbv_excess exactly for
+    m <= p and m >= 2p - 1, at most the time of 2p - 1 microbatches between them; stage s holds
+    min(m, 2p - s) microbatches from F to W (2p + 1 on every rank once m >= 2p)."""
+    import random
+    rng = random.Random(0)
+    durations = [(1.0, 1.0, 1.0), (1.0, 2.0, 0.5), (1.0, 0.5, 1.5), (0.7, 1.3, 1.1),
+                 (2.0, 1.0, 1.0), (1.0, 1.0, 3.0), (1.0, 1.0, 0.0)]
+    durations += [tuple(rng.uniform(0.1, 3.0) for _ in range(3)) for _ in range(6)]
+    for p in (2, 3, 4, 5):
+        assert [rank_stages("ZBVZeroBubble", p, r) for r in range(p)] == \
+            [(r, 2 * p - 1 - r) for r in range(p)]
+        for m in range(1, 3 * p + 2):
+            order = _torch_order(p, m, "ZBVZeroBubble")
+            # torch's order runs exactly the stages the plan places on each rank
+            assert all({a.stage_index for a in acts if a is not None}
+                       == set(rank_stages("ZBVZeroBubble", p, r)) for r, acts in order.items())
+            for f, b, w in durations:
+                step, peak = _run_order(order, 2 * p, f, b, w)
+                formula = schedule_seconds([f + b + w] * (2 * p), m, p, "ZBVZeroBubble",
+                                           forward_s=[f] * (2 * p), weight_s=[w] * (2 * p))
+                if m <= p or m >= 2 * p - 1:
+                    assert step == pytest.approx(formula), (p, m, f, b, w)
+                    assert step == pytest.approx(2 * m * (f + b + w) + zbv_excess(f, b, w, p, m))
+                else:
+                    assert step <= formula + 1e-9, (p, m, f, b, w)
+            assert peak == {s: in_flight("ZBVZeroBubble", s, p, m) for s in range(2 * p)}
+    # Balanced with F = B = W: the interleaved zero-bubble time, on a rank of t = 1 per
+    # microbatch; every rank keeps 2p + 1 of its stages' microbatches (p + 1/2 of its layers').
+    assert schedule_seconds([0.5] * 8, 8, 4, "ZBVZeroBubble") == pytest.approx(
+        schedule_seconds([0.5] * 8, 8, 4, "InterleavedZeroBubble")) == pytest.approx(8 + 0.5)
+    assert fullest_stage("ZBVZeroBubble", 4, 8) == 4.5 \
+        < fullest_stage("InterleavedZeroBubble", 4, 8) == 6
+    # With fewer microbatches than 2p the fullest rank is not rank 0: rank 1 of 2 holds stages
+    # 1 and 2, min(2, 3) + min(2, 2) = 4 microbatches of half its layers.
+    assert fullest_stage("ZBVZeroBubble", 2, 2) == 2.0
+    # The turn of the V (stages p - 1 and p) is on one rank: no send; every other cut sends.
+    assert [sends_between("ZBVZeroBubble", 4, s) for s in range(7)] == [True] * 3 + [False] + \
+        [True] * 3
+    assert all(sends_between("InterleavedZeroBubble", 4, s) for s in range(7))
 
 
 # -- the planner ------------------------------------------------------------------------------
@@ -287,7 +333,13 @@ CASES = [("gpt2-tiny", (2,), ("pp",), "1F1B", 2, "cpu"),
          ("gpt2-tiny-4l", (2,), ("pp",), "InterleavedZeroBubble", 2, "cpu"),
          ("llama-tiny-4l", (2,), ("pp",), "InterleavedZeroBubble", 2, "cpu"),
          ("gpt2-tiny-4l", (2, 2), ("pp", "tp"), "InterleavedZeroBubble", 2, "stress"),
-         ("llama-tiny-4l", (2, 2), ("pp", "tp"), "InterleavedZeroBubble", 4, "stress")]
+         ("llama-tiny-4l", (2, 2), ("pp", "tp"), "InterleavedZeroBubble", 4, "stress"),
+         # V-placed: rank 0 runs stages 0 and 3 (the inputs and the loss), rank 1 stages 1 and
+         # 2, handed from one to the other in memory (no send: the ledgers say so)
+         ("gpt2-tiny-4l", (2,), ("pp",), "ZBVZeroBubble", 2, "cpu"),
+         ("llama-tiny-4l", (2,), ("pp",), "ZBVZeroBubble", 4, "cpu"),
+         ("gpt2-tiny-4l", (2, 2), ("pp", "tp"), "ZBVZeroBubble", 2, "stress"),
+         ("llama-tiny-4l", (2, 2), ("pp", "tp"), "ZBVZeroBubble", 4, "stress")]
 
 
 def check(world, model: str, plan: Plan) -> dict:
@@ -309,6 +361,10 @@ def test_pipelined_step_equals_single_device(world2, world4, model, shape, axes,
     v = VIRTUAL_STAGES[schedule]
     assert plan.pipeline.schedule == schedule and len(plan.pipeline.stages) == 2 * v
     assert plan.pipeline.virtual_stages == v
+    sends = {c.node for c in plan.collectives if c.kind == "send_recv"}
+    ranks = shape[axes.index("pp")]
+    assert sends == {f"stage{s + d}->stage{s + 1 - d}" for s in range(2 * v - 1) for d in (0, 1)
+                     if sends_between(schedule, ranks, s)}
     report = check(world2 if len(shape) == 1 else world4, model, plan)
     assert report["collectives"] > 0
 
@@ -328,7 +384,8 @@ def test_a_tied_weight_under_zero2_is_summed_across_stages(world4) -> None:
 
 @pytest.mark.parametrize("model,schedule", [("llama-tiny", "1F1B"),
                                             ("llama-tiny-4l", "Interleaved1F1B"),
-                                            ("llama-tiny-4l", "InterleavedZeroBubble")])
+                                            ("llama-tiny-4l", "InterleavedZeroBubble"),
+                                            ("llama-tiny-4l", "ZBVZeroBubble")])
 def test_data_pipeline_tensor_on_eight_ranks(world8, model, schedule) -> None:
     """`autoshard verify llama-tiny --mesh 2x2x2 --axes dp,pp,tp --pipeline pp`: data parallel
     gradient buckets per stage (two stages per rank interleaved), synced once per step; under
@@ -356,6 +413,35 @@ def test_zero_bubble_in_the_search() -> None:
         plan_for("gpt2-tiny-4l", mesh, schedule="InterleavedZeroBubble", recompute="full", **kw)
     full = plan_for("gpt2-tiny-4l", mesh, recompute="full", **kw)
     assert full.pipeline.schedule != "InterleavedZeroBubble"
+
+
+def test_zbv_in_the_search() -> None:
+    """ZBVZeroBubble: the V's turn (stages 1 and 2 on rank 1 of 2) has no send in the plan or in
+    the cut search, GPT-2's head tied to the embedding is one copy on rank 0 (stages 0 and 3:
+    no all-reduce), any number of microbatches is taken, and "auto" is never slower than it.
+    Too few layers or a recomputed layer are refused, saying what to do."""
+    mesh = Mesh((2,), ("pp",), cluster="cpu")
+    kw = dict(pipeline="pp", microbatches=2)
+    zbv = plan_for("gpt2-tiny-4l", mesh, schedule="ZBVZeroBubble", **kw)
+    izb = plan_for("gpt2-tiny-4l", mesh, schedule="InterleavedZeroBubble", **kw)
+    pl = zbv.pipeline
+    assert (pl.stages_of(0), pl.stages_of(1)) == ((0, 3), (1, 2))
+    sends = sorted(c.node for c in zbv.collectives if c.kind == "send_recv")
+    assert sends == ["stage0->stage1", "stage1->stage0", "stage2->stage3", "stage3->stage2"]
+    assert not any(c.node.startswith("tied:") for c in zbv.collectives)
+    assert any(c.node.startswith("tied:") for c in izb.collectives)
+    # the same cuts; rank 1's stages pay no send between them
+    assert [st.layers for st in pl.stages] == [st.layers for st in izb.pipeline.stages]
+    assert pl.stages[1].predicted["comm_s"] < izb.pipeline.stages[1].predicted["comm_s"]
+    auto = plan_for("gpt2-tiny-4l", mesh, **kw)
+    assert auto.predicted["step_time_s"] <= zbv.predicted["step_time_s"] + 1e-12
+    odd = plan_for("gpt2-tiny-4l", mesh, schedule="ZBVZeroBubble", pipeline="pp",
+                   microbatches=3, batch=6)
+    assert odd.pipeline.microbatches == 3
+    with pytest.raises(AutoshardError, match="at least 4 layers for ZBVZeroBubble"):
+        plan_for("gpt2-tiny", mesh, schedule="ZBVZeroBubble", **kw)
+    with pytest.raises(AutoshardError, match="without activation checkpointing"):
+        plan_for("gpt2-tiny-4l", mesh, schedule="ZBVZeroBubble", recompute="full", **kw)
 
 
 def test_auto_pipeline_keeps_the_faster_and_records_the_search() -> None:

@@ -111,7 +111,7 @@ def test_layer_map_shows_what_the_plan_records(main_job) -> None:
 
 
 def _pipeline(schedule: str, p: int, m: int, seconds: list[float] | None = None) -> Pipeline:
-    v = 2 if schedule.startswith("Interleaved") else 1
+    v = 2 if schedule.startswith("Interleaved") or schedule == "ZBVZeroBubble" else 1
     seconds = seconds or [0.3] * (p * v)
     return Pipeline("pp", schedule, m, tuple(
         Stage(i, (f"l.{i}",), {"compute_s": t * 0.9, "comm_s": t * 0.1, "peak_memory_bytes": 0})
@@ -119,9 +119,10 @@ def _pipeline(schedule: str, p: int, m: int, seconds: list[float] | None = None)
 
 
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B",
-                                      "InterleavedZeroBubble"])
+                                      "InterleavedZeroBubble", "ZBVZeroBubble"])
 def test_gantt_follows_the_schedule(schedule) -> None:
-    split = schedule == "InterleavedZeroBubble"      # F, B and W slots: torch's order
+    # F, B and W slots: torch's order
+    split = schedule in ("InterleavedZeroBubble", "ZBVZeroBubble")
     for p in (2, 3, 4):
         for m in ((p, 2 * p, 4 * p) if split else (1, 2, 3, p, 2 * p, 4 * p + 1)):
             pl = _pipeline(schedule, p, m)
@@ -130,7 +131,7 @@ def test_gantt_follows_the_schedule(schedule) -> None:
             end = {(s.kind, s.stage, s.microbatch): s.start + s.seconds for s in slots}
             last = len(pl.stages) - 1
             for s in slots:
-                assert s.rank == s.stage % p
+                assert s.rank == pl.rank_of(s.stage)    # ZB-V: rank r runs r and 2p - 1 - r
                 before = ("F", s.stage - 1, s.microbatch) if s.kind == "F" else (
                     ("B", s.stage, s.microbatch) if s.kind == "W" else
                     ("F", s.stage, s.microbatch) if s.stage == last else

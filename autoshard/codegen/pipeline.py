@@ -10,7 +10,9 @@ across stages is held by every stage reading it, its gradients all-reduced after
 microbatch, as Megatron-LM does for its tied embedding). torch.distributed.pipelining's
 ``PipelineStage`` sends and receives the crossing values over the pipeline axis's process
 group, its ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` /
-``ScheduleInterleavedZeroBubble`` run the microbatches; the loss of each is the last stage's
+``ScheduleInterleavedZeroBubble`` / ``ScheduleZBVZeroBubble`` run the microbatches (the last
+places a rank's stages as a V and hands a microbatch from stage ``p - 1`` to stage ``p``, both
+on one rank, without a send); the loss of each is the last stage's
 output divided by the number of microbatches (the step's loss is their mean; no gradient scaling
 afterwards), and the last stage's sum is all-reduced over the pipeline axis so every rank
 returns it. Gradient buckets are held over the microbatches and synced once, in the last one's
@@ -186,7 +188,8 @@ def _carries_grad(gm: fx.GraphModule, name: str, grads: set) -> bool:
 
 class Pipelined:
     """One rank's pipeline: its stages of the rank program (stage ``k`` runs on coordinate
-    ``k mod p`` of the pipeline axis: one per rank, or ``v`` interleaved), the schedule, the
+    ``k mod p`` of the pipeline axis: one per rank, or ``v`` interleaved; V-placed, coordinate
+    ``r`` runs ``r`` and ``2p - 1 - r``: plans.py ``Pipeline.stages_of``), the schedule, the
     groups for tied weights. ``step(*local_inputs)`` (the first stage's ranks read the inputs;
     the others may be given them, they are not read) runs one schedule over the microbatches
     and returns the step's loss on every rank."""
@@ -194,7 +197,8 @@ class Pipelined:
     def __init__(self, pm: Any, programs: list, device: torch.device) -> None:
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleaved1F1B,
-                                                  ScheduleInterleavedZeroBubble)
+                                                  ScheduleInterleavedZeroBubble,
+                                                  ScheduleZBVZeroBubble)
         plan, groups = pm.plan, pm.groups
         pl = plan.pipeline
         self.pm, self.plan, self.device = pm, plan, device
@@ -213,6 +217,22 @@ class Pipelined:
         for c in plan.collectives:
             if c.members:
                 members.setdefault(c.stage, []).extend(c.members)
+        # Per bucketed parameter, this rank's stages whose weight passes are still to finish
+        # before it syncs: every stage of the rank reading it (under a V, a weight tied across
+        # stages 0 and 2p - 1 is one copy on rank 0, in one bucket, its gradient from both).
+        mine_members = {x for k in self.mine for x in members.get(k, ())}
+        waiting = {x: {k for k in self.mine if x in programs[k][1]} for x in mine_members}
+
+        def finished(stage: int) -> list[str]:
+            """The members whose last weight pass on this rank was ``stage``'s."""
+            out = []
+            for x, left in waiting.items():
+                left.discard(stage)
+                if not left:
+                    out.append(x)
+            for x in out:
+                del waiting[x]
+            return out
 
         class CountedStage(PipelineStage):
             """PipelineStage whose sends are counted in the byte ledger (phase "pipeline"), and
@@ -232,7 +252,7 @@ class Pipelined:
                 with _held(buckets, True):
                     super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
                 if last_backward and buckets is not None:
-                    buckets.release(members.get(self.stage_index, []))
+                    buckets.release(finished(self.stage_index))
 
             def get_fwd_send_ops(self, fwd_chunk_id):
                 ops = super().get_fwd_send_ops(fwd_chunk_id)
@@ -263,7 +283,8 @@ class Pipelined:
         m = self.m
         cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B,
                "Interleaved1F1B": ScheduleInterleaved1F1B,
-               "InterleavedZeroBubble": ScheduleInterleavedZeroBubble}[pl.schedule]
+               "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+               "ZBVZeroBubble": ScheduleZBVZeroBubble}[pl.schedule]
         # the multi-stage schedules take every stage of the rank, the others its one
         self.schedule = cls(self.pstages if pl.virtual_stages > 1 else self.pstages[0],
                             n_microbatches=m, loss_fn=lambda out, _: out / m, scale_grads=False)
@@ -276,7 +297,7 @@ class Pipelined:
         out = []
         shape, coords = self.plan.mesh_shape, pm.groups.coords
         for fqn, stages in sorted(_tied(self.plan).items()):
-            holders = sorted({s % self.ranks for s in stages})
+            holders = sorted({self.plan.pipeline.rank_of(s) for s in stages})
             if len(holders) < 2:
                 continue               # one rank holds every stage reading it: one copy
             mine = None

@@ -31,8 +31,9 @@ from autoshard.ir import Replicate, Spec
 from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions
 from autoshard.plans import CollectiveRecord, NodePlan, Pipeline, Plan, Stage
-from autoshard.schedules import (SCHEDULES, SPLIT_BACKWARD, VIRTUAL_STAGES, fullest_stage,
-                                 in_flight, schedule_seconds)
+from autoshard.schedules import (SCHEDULES, SPLIT_BACKWARD, V_PLACED, VIRTUAL_STAGES,
+                                 fullest_stage, in_flight, rank_stages, schedule_seconds,
+                                 sends_between, stage_rank)
 from autoshard.trace.export import TracedGraph
 from autoshard.trace.graph import value_inputs
 from autoshard.trace.layers import stages_of
@@ -152,7 +153,7 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
             raise AutoshardError(f"at least {p * VIRTUAL_STAGES[options.schedule]} layers for "
                                  f"{options.schedule} on {p} ranks (one per stage)",
                                  got=f"{L} layers", fix="schedule='1F1B', or fewer ranks")
-        if VIRTUAL_STAGES[options.schedule] > 1 and m % p:
+        if _needs_rounds(options.schedule) and m % p:
             raise AutoshardError(f"a number of microbatches divisible by the {p} pipeline ranks "
                                  f"for {options.schedule} (as Megatron-LM requires; the "
                                  f"activations it keeps are priced for whole rounds of {p})",
@@ -166,7 +167,7 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
                                  fix="recompute='none', or schedule='Interleaved1F1B'")
     else:
         schedules = tuple(x for x in SCHEDULES if L >= p * VIRTUAL_STAGES[x]
-                          and not (VIRTUAL_STAGES[x] > 1 and m % p)
+                          and not (_needs_rounds(x) and m % p)
                           and not (x in SPLIT_BACKWARD and recomputed))
     best = None
     for schedule in schedules:
@@ -179,10 +180,11 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
         figures = _stage_figures(cuts, secs, comm, send, state, acts, opt, sync, fwd, wgt, p,
                                  m, schedule)
         step = _schedule_seconds(figures, m, p, schedule, comm=True) \
-            + _per_rank(figures, p, "optimizer_s", "sync_s")
-        # Equal times: fewer microbatches in flight, then fewer sends, then one backward pass.
+            + _per_rank(figures, p, schedule, "optimizer_s", "sync_s")
+        # Equal times: fewer microbatches in flight, then fewer sends, then one backward pass;
+        # of the split ones, the V (a send fewer, its activations even across the ranks).
         key = (step, schedule != "1F1B", VIRTUAL_STAGES[schedule] > 1,
-               schedule in SPLIT_BACKWARD)
+               schedule in SPLIT_BACKWARD, schedule not in V_PLACED)
         progress.note(f"{schedule}: {p * v} stages, step {step * 1e3:.3f} ms")
         if best is None or key < best[0]:
             best = (key, schedule, cuts, figures, step)
@@ -197,6 +199,13 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
     stage_layers = tuple(tuple(layers[i] for i in range(lo, hi)) for lo, hi in cuts)
     return _assemble(traced, mesh, a, spmd, sub, pricer, stage_layers, cuts, figures, boundary,
                      schedule, m, step, options)
+
+
+def _needs_rounds(schedule: str) -> bool:
+    """Whether ``schedule`` takes microbatches in rounds of ``p`` (the looped interleaved
+    schedules, as Megatron-LM's; torch's ZB-V takes any number, pricing it in
+    autoshard/schedules.py ``schedule_seconds``)."""
+    return VIRTUAL_STAGES[schedule] > 1 and schedule not in V_PLACED
 
 
 def _record_seconds(c: CollectiveRecord, mesh: Mesh) -> float:
@@ -246,17 +255,19 @@ def _schedule_seconds(figures: list[dict], m: int, ranks: int, schedule: str, *,
                             weight_s=[f["weight_s"] for f in figures])
 
 
-def _per_rank(figures: list[dict], ranks: int, *keys: str) -> float:
+def _per_rank(figures: list[dict], ranks: int, schedule: str, *keys: str) -> float:
     """The largest sum of ``keys`` over one rank's stages (rank ``r``: stages ``r``, ``r + p``,
-    ...)."""
-    return max(sum(f[k] for f in figures[r::ranks] for k in keys) for r in range(ranks))
+    ..., or ``r`` and ``2p - 1 - r`` V-placed)."""
+    return max(sum(figures[s][k] for s in rank_stages(schedule, ranks, r) for k in keys)
+               for r in range(ranks))
 
 
 def _cuts(secs, comm, send, state, acts, p: int, m: int, schedule: str, budget: float, *,
           stages: int):
     """``stages`` stages as (first layer, end) pairs minimising the slowest stage's seconds per
     microbatch, every stage within ``budget`` with the schedule's microbatches in flight on ``p``
-    ranks: a dynamic program over the cut points, O(L² · stages)."""
+    ranks: a dynamic program over the cut points, O(L² · stages). A cut between two stages of one
+    rank (the turn of a V) sends nothing."""
     L = len(secs)
     n = stages
     inf = float("inf")
@@ -272,8 +283,9 @@ def _cuts(secs, comm, send, state, acts, p: int, m: int, schedule: str, budget: 
                 mem = sum(state[i:j]) + in_flight(schedule, s - 1, p, m) * sum(acts[i:j])
                 if mem > budget:
                     continue
-                t = sum(secs[i:j]) + sum(comm[i:j]) + (send[j - 1] if j < L else 0.0) \
-                    + (send[i - 1] if i > 0 else 0.0)
+                t = sum(secs[i:j]) + sum(comm[i:j]) \
+                    + (send[j - 1] if j < L and sends_between(schedule, p, s - 1) else 0.0) \
+                    + (send[i - 1] if i > 0 and sends_between(schedule, p, s - 2) else 0.0)
                 v = max(best[s - 1][i], t)
                 if v < best[s][j]:
                     best[s][j], arg[s][j] = v, i
@@ -292,7 +304,8 @@ def _stage_figures(cuts, secs, comm, send, state, acts, opt, sync, fwd, wgt, p, 
     L = len(secs)
     out = []
     for s, (i, j) in enumerate(cuts):
-        sends = (send[j - 1] if j < L else 0.0) + (send[i - 1] if i > 0 else 0.0)
+        sends = (send[j - 1] if j < L and sends_between(schedule, p, s) else 0.0) \
+            + (send[i - 1] if i > 0 and sends_between(schedule, p, s - 1) else 0.0)
         out.append({"compute_s": sum(secs[i:j]), "comm_s": sum(comm[i:j]) + sends,
                     "forward_s": sum(fwd[i:j]), "weight_s": sum(wgt[i:j]),
                     "optimizer_s": sum(opt[i:j]), "sync_s": sum(sync[i:j]),
@@ -340,8 +353,13 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
     nodes = [n for n in graph.nodes if n.name in strategies]
     reads = {s: {ref[0] for n in nodes if where.get(n.name) == s and n.op != "placeholder"
                  for ref in value_inputs(n)} & params for s in range(p)}
+    # A parameter two stages of one rank read (under a V, the embedding on stage 0 and the head
+    # tied to it on stage 2p - 1) has one copy there, synced once: in the first one's buckets.
+    bucketed_on: dict[int, set[str]] = {}
     for s in range(p):
-        mine = [e for e in edges if e.value[0] in reads[s]]
+        held = bucketed_on.setdefault(stage_rank(schedule, ranks, s), set())
+        mine = [e for e in edges if e.value[0] in reads[s] - held]
+        held |= reads[s]
         for k, b in enumerate(gradient_buckets(mine, nodes, options.bucket_bytes, modes,
                                                sub.shape)):
             for ax, nbytes in zip(b.axes, bucket_bytes_by_axis(b, sub.shape)):
@@ -353,7 +371,7 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
     tied_s = 0.0
     for fqn, stages in tied.items():
         # One all-reduce per rank holding the weight (a rank may hold two of its stages).
-        by_rank = {s % ranks: s for s in reversed(stages)}
+        by_rank = {stage_rank(schedule, ranks, s): s for s in reversed(stages)}
         if len(by_rank) < 2:
             continue
         ph = next(x for x in traced.params if x.fqn == fqn)
@@ -368,6 +386,8 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
             collectives.append(CollectiveRecord("all_reduce", (axis,), nbytes, "grad_sync",
                                                 f"tied:{fqn}", ph.name, stage=s))
     for s in range(p - 1):
+        if not sends_between(schedule, ranks, s):
+            continue                      # the turn of a V: handed over on one rank, no send
         fwd, bwd = (int(b[cuts[s][1] - 1]) for b in boundary)
         collectives.append(CollectiveRecord("send_recv", (axis,), fwd, "pipeline",
                                             f"stage{s}->stage{s + 1}", stage=s, count=m))
@@ -379,7 +399,7 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
                    for i in range(p))
     loss_s = collective_time("all_reduce", ranks, 4, link.alpha, link.bandwidth)
     compute = _schedule_seconds(figures, m, ranks, schedule, comm=False) \
-        + _per_rank(figures, ranks, "optimizer_s")
+        + _per_rank(figures, ranks, schedule, "optimizer_s")
     total = step + loss_s + tied_s
     keep = [x for x in sub.axes if x != DUMMY]
     # Per axis, the collectives of the slowest stage, as often as they run; the pipeline axis
@@ -393,7 +413,7 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
     inner = {k: v for k, v in spmd.predicted.items() if k not in ("memory", "peak_phase")}
     predicted = {**inner, "step_time_s": total, "compute_s": compute,
                  "comm_s": total - compute,
-                 "peak_memory_bytes": _per_rank(figures, ranks, "peak_memory_bytes"),
+                 "peak_memory_bytes": _per_rank(figures, ranks, schedule, "peak_memory_bytes"),
                  "exposed_comm_s": {**exposed,
                                     axis: max(0.0, total - compute - sum(exposed.values()))},
                  "overlapped_comm_s": {x: 0.0 for x in keep}}
