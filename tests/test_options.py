@@ -96,6 +96,17 @@ def test_optimizer_option_prices_model_state(gpt2_tiny) -> None:
         pytest.approx((28 - 12) * n / bw)
 
 
+def test_a_16_bit_parameter_pays_the_casts_to_and_from_its_master() -> None:
+    """A bf16 model trains with fp32 masters: the step streams AdamW's 28 bytes per element
+    plus 12 for the casts (docs/cost-model.md §9)."""
+    model, inputs = get_model("gpt2-tiny", batch=8, device="meta", dtype=torch.bfloat16)
+    traced = trace(model, inputs)
+    mesh = Mesh((1,), cluster="cpu")
+    mixed = plan_traced(traced, mesh)
+    n = sum(math.prod(p.info.shape) for p in traced.params)
+    assert mixed.predicted["optimizer_s"] == pytest.approx((28 + 12) * n / mesh.cluster.mem_bandwidth)
+
+
 def test_edited_options_in_a_plan_file_are_refused(gpt2_tiny) -> None:
     model, inputs, traced = gpt2_tiny
     d = json.loads(plan_traced(traced, Mesh((2,), cluster="cpu")).dumps())

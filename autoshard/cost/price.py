@@ -35,9 +35,9 @@ from autoshard.cost.compute import local_numel, op_profile, op_times
 from autoshard.cost.memory import saved_activation_bytes, saved_rule
 from autoshard.cost.overlap import is_grad_sync, sync_share_seconds
 from autoshard.cost.reshards import grad_values, no_backward
-from autoshard.cost.state import (ADAM_STEP_BYTES, SGD_STEP_BYTES, StateBytes, modes_for,
-                                  state_bytes, state_spec, step_elements, zero_axes,
-                                  zero_grad_sync)
+from autoshard.cost.state import (ADAM_STEP_BYTES, MASTER_CAST_BYTES, SGD_STEP_BYTES,
+                                  StateBytes, modes_for, state_bytes, state_spec, step_elements,
+                                  zero_axes, zero_grad_sync)
 from autoshard.ir import OpInfo, Spec, Strategy, local_shape
 from autoshard.mesh import AxisMerge, Mesh
 from autoshard.ops.registry import ATTENTION, MATMUL, VIEW, op_collectives, record_of
@@ -290,7 +290,8 @@ class Pricer:
         if mode == "offload":
             t = n * per / c.host_mem_bandwidth + 2 * n * ph.info.dtype.itemsize / c.host_bandwidth
         else:
-            t = n * per / c.mem_bandwidth
+            casts = MASTER_CAST_BYTES if ph.info.dtype.itemsize < 4 else 0
+            t = n * (per + casts) / c.mem_bandwidth
         return t * self.step_share
 
     def optimizer_steps(self, name: str, strategy: Strategy) -> Reshard | None:

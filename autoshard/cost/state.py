@@ -37,6 +37,9 @@ MODES = ("zero1", "zero2", "offload")    # None: the state follows the parameter
 # CPU-Adam). SGD reads the gradient and the parameter and writes the parameter.
 ADAM_STEP_BYTES = 28
 SGD_STEP_BYTES = 12
+# A 16-bit parameter with an fp32 master (codegen/optim.py): its gradient cast up (read 2, write
+# 4) and the updated master cast back into it (read 4, write 2), per element.
+MASTER_CAST_BYTES = 12
 
 
 def zero_axes(spec: Spec, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
