@@ -308,3 +308,16 @@ def test_bf16_mixed_saves_the_fp32_masters(world4, world2, tmp_path):
     for f in save.params:        # the bf16 parameter is its master rounded, as after a step
         assert params[f].dtype == torch.bfloat16
         assert torch.equal(params[f], saved[f"master.{f}"].to(torch.bfloat16)), f
+
+
+def test_the_fused_kernel_is_the_default_where_the_class_has_one():
+    """pm.optimizer asks for the fused kernel the plan prices (docs/cost-model.md §9) unless the
+    caller chose an implementation or the class has none."""
+    from autoshard.codegen.optim import _fused_by_default
+    masters = [torch.zeros(4), torch.zeros(2, 3)]
+    assert _fused_by_default(torch.optim.AdamW, {"lr": 1e-3}, masters)
+    assert _fused_by_default(torch.optim.SGD, {"lr": 1e-3}, masters)
+    assert not _fused_by_default(torch.optim.AdamW, {"foreach": True}, masters)
+    assert not _fused_by_default(torch.optim.AdamW, {"fused": False}, masters)
+    assert not _fused_by_default(torch.optim.RMSprop, {}, masters)       # no fused kernel
+    assert not _fused_by_default(torch.optim.AdamW, {}, [])
