@@ -415,6 +415,45 @@ def test_zero_bubble_in_the_search() -> None:
     assert full.pipeline.schedule != "InterleavedZeroBubble"
 
 
+def test_v_cuts_balance_stages_within_each_ranks_memory() -> None:
+    """The V's cut search (solver/pipeline.py ``_cuts_v``) finds the least slowest stage over
+    every cut whose ranks (stages r and 2p - 1 - r together) fit the budget: checked against all
+    cuts of small random problems."""
+    import itertools
+    import random
+    from autoshard.solver.pipeline import _cuts_v
+    from autoshard.schedules import in_flight, rank_stages, sends_between
+    zbv = "ZBVZeroBubble"
+    rng = random.Random(1)
+    for _ in range(25):
+        p, m = rng.choice([2, 3]), rng.choice([2, 4, 8])
+        L = rng.randint(2 * p, 9)
+        secs, comm, send, state, acts = ([rng.random() * k for _ in range(L)]
+                                         for k in (1.0, 0.1, 0.2, 1.0, 0.1))
+        budget = rng.uniform(1.0, 6.0)
+
+        def stage(b, s):
+            i, j = b[s], b[s + 1]
+            t = sum(secs[i:j]) + sum(comm[i:j]) \
+                + (send[j - 1] if j < L and sends_between(zbv, p, s) else 0.0) \
+                + (send[i - 1] if i > 0 and sends_between(zbv, p, s - 1) else 0.0)
+            return t, sum(state[i:j]) + in_flight(zbv, s, p, m) * sum(acts[i:j])
+
+        def score(b):
+            fits = all(sum(stage(b, s)[1] for s in rank_stages(zbv, p, r)) <= budget
+                       for r in range(p))
+            return max(stage(b, s)[0] for s in range(2 * p)) if fits else None
+
+        scores = [x for c in itertools.combinations(range(1, L), 2 * p - 1)
+                  if (x := score((0, *c, L))) is not None]
+        got = _cuts_v(secs, comm, send, state, acts, p, m, zbv, budget)
+        if not scores:
+            assert got is None
+            continue
+        bounds = [i for i, _ in got] + [L]
+        assert score(bounds) == pytest.approx(min(scores))
+
+
 def test_zbv_in_the_search() -> None:
     """ZBVZeroBubble: the V's turn (stages 1 and 2 on rank 1 of 2) has no send in the plan or in
     the cut search, GPT-2's head tied to the embedding is one copy on rank 0 (stages 0 and 3:
