@@ -86,10 +86,12 @@ def test_interleaved_1f1b_holds_what_torchs_order_keeps() -> None:
         assert peak == {s: in_flight("Interleaved1F1B", s, p, m) for s in range(2 * p)}, (p, m)
 
 
-def _run_order(order: dict, stages: int, f: float, b: float, w: float) -> tuple[float, dict]:
+def _run_order(order: dict, stages: int, f: float, b: float, w: float,
+               scale: list[float] | None = None) -> tuple[float, dict]:
     """Each rank runs its actions in order, each once its inputs are done (F after the previous
     stage's F, B after its own F and the next stage's B, W after its B; no sends): the step's
-    seconds, and per stage the most microbatches between an F and its W."""
+    seconds, and per stage the most microbatches between an F and its W. ``scale``: stage
+    ``s``'s durations times ``scale[s]``."""
     from torch.distributed.pipelining.schedules import _ComputationType as C
     kinds = {C.FORWARD: ("F", f), C.BACKWARD_INPUT: ("B", b), C.BACKWARD_WEIGHT: ("W", w)}
     todo = {r: [a for a in acts if a is not None] for r, acts in order.items()}
@@ -106,7 +108,7 @@ def _run_order(order: dict, stages: int, f: float, b: float, w: float) -> tuple[
                 if any(x not in done for x in needs):
                     break
                 clock[r] = max([clock[r]] + [done[x] for x in needs]) \
-                    + kinds[acts[0].computation_type][1]
+                    + kinds[acts[0].computation_type][1] * (scale[s] if scale else 1.0)
                 done[(kind, s, k)] = clock[r]
                 live[s] = live.get(s, 0) + {"F": 1, "B": 0, "W": -1}[kind]
                 peak[s] = max(peak.get(s, 0), live[s])
@@ -452,6 +454,21 @@ def test_v_cuts_balance_stages_within_each_ranks_memory() -> None:
             continue
         bounds = [i for i, _ in got] + [L]
         assert score(bounds) == pytest.approx(min(scores))
+
+
+def test_zbv_closed_form_holds_for_balanced_stages_only() -> None:
+    """Why the V's cuts balance stages, not just ranks (docs/cost-model.md §10): GPT-3 175B's
+    96 layers on 16 ranks as 32 stages of 3 run torch's ZB-V order in the closed form's time;
+    as a 1-layer and a 5-layer stage on every rank (the same load per rank) they run 12%
+    longer than the closed form prices them."""
+    p, m = 16, 64
+    order = _torch_order(p, m, "ZBVZeroBubble")
+    for layers, over in (([3] * 32, 1.0), ([1] * 16 + [5] * 16, 1.12)):
+        ran, _ = _run_order(order, 2 * p, 1.0, 1.0, 1.0, scale=[float(x) for x in layers])
+        priced = schedule_seconds([3.0 * x for x in layers], m, p, "ZBVZeroBubble",
+                                  forward_s=[float(x) for x in layers],
+                                  weight_s=[float(x) for x in layers])
+        assert ran / priced == pytest.approx(over, abs=0.005)
 
 
 def test_zbv_in_the_search() -> None:
