@@ -1,4 +1,5 @@
-"""Shared helpers of the benchmark scripts: the machine line and RESULTS.md sections."""
+"""Shared helpers of the benchmark scripts: the machine line, RESULTS.md sections, and one op
+of a plan run alone as a rank runs it."""
 from __future__ import annotations
 
 import datetime
@@ -86,3 +87,45 @@ def timing(plan, key: str) -> float:
         return float(t[key])
     s = plan.solver
     return float(s["seconds"] if key == "solve_s" and "solve_s" not in s else s[key])
+
+
+def node_strategies(plan) -> dict:
+    """The plan's strategy per node, as the planner priced them."""
+    from autoshard.ir import Strategy, work_fraction
+    shape = tuple(plan.mesh_shape)
+    return {n.name: Strategy(tuple(n.inputs), tuple(n.outputs), n.kernel,
+                             work_fraction(tuple(n.inputs), tuple(n.outputs), shape))
+            for n in plan.nodes}
+
+
+def local_call(node, strategy, mesh_shape: tuple, coords: tuple, make, device=None):
+    """Op ``node`` of a traced graph as the rank at ``coords`` runs it under ``strategy``: its
+    kernel (an op's own collectives left local: they are priced and timed as collectives) and
+    arguments, each tensor argument ``make(arg_node, value, local_shape)``, a factory's device
+    ``device`` where given. Returns ``(fn, args, kwargs, tensors made)``."""
+    import torch
+    from autoshard.ir import local_shape
+    from autoshard.ops.registry import CollectiveKernel, localize
+    from autoshard.trace.export import op_info
+    op = op_info(node)
+    specs = list(strategy.inputs) if len(strategy.inputs) == len(op.inputs) else [
+        s for s in strategy.inputs if s is not None]
+    tensors: list = []
+
+    def real(a):
+        if device is not None and isinstance(a, torch.device):
+            return device
+        if not isinstance(a, torch.fx.Node):
+            return a
+        v = a.meta["val"]
+        spec = specs[len(tensors)] if len(tensors) < len(specs) else None
+        shape = tuple(v.shape) if spec is None else local_shape(tuple(v.shape), spec, mesh_shape)
+        tensors.append(make(a, v, shape))
+        return tensors[-1]
+
+    args = torch.fx.node.map_aggregate(node.args, real)
+    kwargs = torch.fx.node.map_aggregate(node.kwargs, real)
+    fn, args, kwargs = localize(op, strategy, mesh_shape, coords, args, kwargs)
+    if isinstance(fn, CollectiveKernel):
+        fn = fn.bind(lambda x, how: x)
+    return fn, args, kwargs, tensors

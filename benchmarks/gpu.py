@@ -42,7 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import command, machine, revision, today, write_section  # noqa: E402
+from _results import (command, local_call, machine, node_strategies, revision,  # noqa: E402
+                      today, write_section)
 
 SECTION = "gpu"
 STEP_TARGET = 1.05
@@ -139,10 +140,7 @@ def time_ops(traced, plan, device) -> list[dict]:
     """Every op of ``traced`` alone at the local shapes of ``plan``'s strategies on rank 0, with
     gradients where the training step has them: forward and backward (``autograd.grad`` of the
     op's outputs, the graph retained) timed apart, wall and device time each."""
-    from autoshard.ir import local_shape
-    from autoshard.ops.registry import CollectiveKernel, localize
-    from autoshard.trace.export import op_info
-    strategies = plan_strategies(plan)
+    strategies = node_strategies(plan)
     coords = tuple(0 for _ in plan.mesh_shape)
     grads = needs_grad(traced)
     rows = []
@@ -152,29 +150,9 @@ def time_ops(traced, plan, device) -> list[dict]:
         cls = op_class(node)
         if cls is None:
             continue
-        op, st = op_info(node), strategies[node.name]
-        specs = list(st.inputs) if len(st.inputs) == len(op.inputs) else [
-            s for s in st.inputs if s is not None]
-        tensors: list[torch.Tensor] = []
-
-        def real(a, specs=specs, tensors=tensors):
-            if isinstance(a, torch.device):          # a factory's device: the meta one traced
-                return device
-            if not isinstance(a, torch.fx.Node):
-                return a
-            v = a.meta["val"]
-            spec = specs[len(tensors)] if len(tensors) < len(specs) else None
-            shape = tuple(v.shape) if spec is None else local_shape(tuple(v.shape), spec,
-                                                                    plan.mesh_shape)
-            t = _real(v, shape, device, a.name in grads)
-            tensors.append(t)
-            return t
-
-        args = torch.fx.node.map_aggregate(node.args, real)
-        kwargs = torch.fx.node.map_aggregate(node.kwargs, real)
-        fn, args, kwargs = localize(op, st, plan.mesh_shape, coords, args, kwargs)
-        if isinstance(fn, CollectiveKernel):      # its reductions are collectives: keep local
-            fn = fn.bind(lambda x, how: x)
+        fn, args, kwargs, tensors = local_call(
+            node, strategies[node.name], plan.mesh_shape, coords,
+            lambda a, v, shape: _real(v, shape, device, a.name in grads), device)
         wrt = [t for t in tensors if t.requires_grad]
         fwd = cuda_timed(lambda: fn(*args, **kwargs))
         bwd = (0.0, 0.0)
@@ -192,21 +170,13 @@ def time_ops(traced, plan, device) -> list[dict]:
     return rows
 
 
-def plan_strategies(plan):
-    from autoshard.ir import Strategy, work_fraction
-    shape = tuple(plan.mesh_shape)
-    return {n.name: Strategy(tuple(n.inputs), tuple(n.outputs), n.kernel,
-                             work_fraction(tuple(n.inputs), tuple(n.outputs), shape))
-            for n in plan.nodes}
-
-
 def predict_ops(traced, plan, rows, clusters: dict) -> None:
     """Adds ``predicted[cluster] = (forward_s, backward_s)`` to each row: ``op_times`` under the
     plan's strategy on each cluster."""
     from autoshard.cost.compute import op_times
     from autoshard.mesh import Mesh
     from autoshard.trace.export import op_info
-    strategies = plan_strategies(plan)
+    strategies = node_strategies(plan)
     nodes = {n.name: n for n in traced.graph.nodes}
     for name, cluster in clusters.items():
         mesh = Mesh(plan.mesh_shape, plan.mesh_axes, cluster=cluster)

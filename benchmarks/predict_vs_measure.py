@@ -52,7 +52,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _results import command, machine, md_cell, revision, today, write_section  # noqa: E402
+from _results import (command, local_call, machine, md_cell, node_strategies,  # noqa: E402
+                      revision, today, write_section)
 
 SECTION = "predict_vs_measure"
 TARGET_MAPE = 15.0      # percent
@@ -106,13 +107,9 @@ def make_plans(m: Model, cluster: str, time_limit: float) -> dict[str, str]:
 
 def plan_strategies(plan_json: str):
     """The plan and its strategy per node, as the planner priced them."""
-    from autoshard.ir import Strategy, work_fraction
     from autoshard.plans import Plan
     plan = Plan.loads(plan_json)
-    shape = tuple(plan.mesh_shape)
-    return plan, {n.name: Strategy(tuple(n.inputs), tuple(n.outputs), n.kernel,
-                                   work_fraction(tuple(n.inputs), tuple(n.outputs), shape))
-                  for n in plan.nodes}
+    return plan, node_strategies(plan)
 
 
 # ------------------------------------------------------------------------- op families alone
@@ -128,9 +125,8 @@ def family_rank(m: Model, plans: dict[str, str], names: tuple[str, ...], reps: i
     warm-up call, a barrier before each op. Returns per plan ``[(node, forward_s, backward_s)]``,
     backward as the difference."""
     import torch.distributed as dist
-    from autoshard.ir import local_shape
-    from autoshard.ops.registry import VIEW, CollectiveKernel, localize, record_of
-    from autoshard.trace.export import op_info, trace
+    from autoshard.ops.registry import VIEW, record_of
+    from autoshard.trace.export import trace
     torch.set_num_threads(1)
     traced = trace(*build(m, "meta"))
     coords = (dist.get_rank(),)
@@ -157,30 +153,10 @@ def family_rank(m: Model, plans: dict[str, str], names: tuple[str, ...], reps: i
                 continue
             if record_of(node.target).family == VIEW:
                 continue
-            op, st = op_info(node), strategies[node.name]
-            specs = list(st.inputs) if len(st.inputs) == len(op.inputs) else [
-                s for s in st.inputs if s is not None]
-            tensors: list[torch.Tensor] = []
-
-            def real(a, specs=specs, tensors=tensors):
-                if not isinstance(a, torch.fx.Node):
-                    return a
-                v = a.meta["val"]
-                spec = specs[len(tensors)] if len(tensors) < len(specs) else None
-                shape = tuple(v.shape) if spec is None else local_shape(
-                    tuple(v.shape), spec, plan.mesh_shape)
-                t = (torch.randn(shape, dtype=v.dtype, requires_grad=True)
-                     if v.dtype.is_floating_point else torch.randint(0, 2, shape, dtype=v.dtype))
-                tensors.append(t)
-                return t
-
-            args = torch.fx.node.map_aggregate(node.args, real)
-            kwargs = torch.fx.node.map_aggregate(node.kwargs, real)
-            fn, args, kwargs = localize(op, st, plan.mesh_shape, coords, args, kwargs)
-            if isinstance(fn, CollectiveKernel):
-                # its reductions are collectives, priced and measured as such: time the
-                # kernel's compute with them left local
-                fn = fn.bind(lambda x, how: x)
+            fn, args, kwargs, tensors = local_call(
+                node, strategies[node.name], plan.mesh_shape, coords,
+                lambda a, v, shape: torch.randn(shape, dtype=v.dtype, requires_grad=True)
+                if v.dtype.is_floating_point else torch.randint(0, 2, shape, dtype=v.dtype))
             wrt = [t for t in tensors if t.requires_grad]
             dist.barrier()
             fwd = timed(lambda: fn(*args, **kwargs))
