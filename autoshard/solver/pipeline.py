@@ -174,17 +174,19 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
         v = VIRTUAL_STAGES[schedule]
         # A rank holds v stages: each within 1/v of its memory.
         cuts = _cuts(secs, comm, send, state, acts, p, m, schedule, budget / v, stages=p * v)
-        tries = [c for c in (cuts, _cuts_v(secs, comm, send, state, acts, p, m, schedule, budget)
-                             if schedule in V_PLACED else None) if c is not None]
-        if not tries:
+        tries = [cuts]
+        if schedule in V_PLACED:
+            tries.append(_cuts_v(secs, comm, send, state, acts, p, m, schedule, budget))
+        priced = []
+        for c in (c for c in tries if c is not None):
+            f = _stage_figures(c, secs, comm, send, state, acts, opt, sync, fwd, wgt, p, m,
+                               schedule)
+            priced.append((_schedule_seconds(f, m, p, schedule, comm=True)
+                           + _per_rank(f, p, schedule, "optimizer_s", "sync_s"), c, f))
+        if not priced:
             progress.note(f"{schedule}: no cut into {p * v} stages fits")
             continue
-        step, cuts, figures = min(
-            ((_schedule_seconds(f, m, p, schedule, comm=True)
-              + _per_rank(f, p, schedule, "optimizer_s", "sync_s"), c, f)
-             for c in tries
-             for f in [_stage_figures(c, secs, comm, send, state, acts, opt, sync, fwd, wgt, p,
-                                      m, schedule)]), key=lambda x: x[0])
+        step, cuts, figures = min(priced, key=lambda x: x[0])
         # Equal times: fewer microbatches in flight, then fewer sends, then one backward pass;
         # of the split ones, the V (a send fewer, its activations even across the ranks).
         key = (step, schedule != "1F1B", VIRTUAL_STAGES[schedule] > 1,
