@@ -908,3 +908,53 @@ def test_a_product_keeps_a_factor_only_for_the_others_gradient() -> None:
     ``y``, as cos needs no gradient: the activations are linear's input alone (§4.4)."""
     x = torch.randn(4, 8, 16)
     assert _replicated_memory(_Rotate(), x) == x.numel() * 4
+
+
+class _Mlp3(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x))).sum()
+
+
+@pytest.mark.parametrize("merge", [None, ((0, 1), (2,))], ids=["2x2x2", "merged"])
+def test_the_reshard_floor_never_exceeds_the_reshard(merge) -> None:
+    """``Pricer.reshard_floor`` prunes the follower search (solver/build.py): it must stay at or
+    below the priced reshard for every pair of layouts, for a value with a gradient and one
+    without, on a real 3-axis mesh and one with axes merged; it is the latency of one
+    collective per changed axis, so 0 for a slice of a gradient-free value and for a change
+    into partial sums."""
+    from autoshard.cost.price import Pricer
+    from autoshard.mesh import AxisMerge
+    from autoshard.options import PlanOptions
+    from autoshard.solver.build import placeholder_strategies
+    from autoshard.trace.export import trace
+    traced = trace(_Mlp3(), (torch.randn(4, 4, 8),), training=True)
+    real = Mesh((2, 2, 2), cluster="h100")
+    mesh = real if merge is None else AxisMerge(real, merge).merged()
+    pricer = Pricer(traced, real if merge is None else mesh, PlanOptions(),
+                    **({} if merge is None else {"merge": AxisMerge(real, merge)}))
+    x = next(p.name for p in traced.placeholders if p.kind == "input")
+    up = next(n.name for n in traced.graph.nodes if n.op == "call_function")
+    checked = 0
+    for value in ((x, 0), (up, 0)):              # the batch (no gradient), an activation
+        info = pricer.info(up) if value[0] == up else traced.placeholder(x).info
+        shape = pricer.shapes[value][0]
+        specs = [s.outputs[0] for s in placeholder_strategies(
+            TensorInfo(shape, info.outputs[0].dtype) if value[0] == up else info,
+            mesh.shape, "input")]
+        for src, dst in itertools.product(specs, repeat=2):
+            floor = pricer.reshard_floor(value, src, dst)
+            assert floor <= pricer.reshard_seconds(value, src, dst, frozenset()) * (1 + 1e-12)
+            checked += 1
+    assert checked > 100
+    # One changed axis of the batch's layout: one gather over 2 devices, (2 - 1)·alpha; the
+    # merged axis stands for two real axes, each gathered: 2·alpha.
+    alpha = real.links[0].alpha
+    gathered = (S(0),) + (R,) * (mesh.ndim - 1)
+    assert pricer.reshard_floor((up, 0), gathered, (R,) * mesh.ndim) == pytest.approx(
+        alpha * (1 if merge is None else 2))
+    assert pricer.reshard_floor((x, 0), (R,) * mesh.ndim, gathered) == 0.0
+    assert pricer.reshard_floor((up, 0), (R,) * mesh.ndim, gathered) > 0.0

@@ -38,7 +38,7 @@ from autoshard.cost.reshards import grad_values, no_backward
 from autoshard.cost.state import (ADAM_STEP_BYTES, MASTER_CAST_BYTES, SGD_STEP_BYTES,
                                   StateBytes, modes_for, state_bytes, state_spec, step_elements,
                                   zero_axes, zero_grad_sync)
-from autoshard.ir import OpInfo, Spec, Strategy, local_shape
+from autoshard.ir import OpInfo, Partial, Replicate, Shard, Spec, Strategy, local_shape
 from autoshard.mesh import AxisMerge, Mesh
 from autoshard.ops.registry import ATTENTION, MATMUL, VIEW, op_collectives, record_of
 from autoshard.options import PlanOptions, state_modes
@@ -440,6 +440,30 @@ class Pricer:
             else:
                 t = (reshard_time(steps, mesh), 0.0)
             self._reshard_memo[key] = t
+        return t
+
+    def reshard_floor(self, value: ValueRef, src: Spec, dst: Spec) -> float:
+        """A lower bound on :meth:`reshard_seconds` without building the reshard: every real
+        mesh axis whose placement changes needs a collective on it — forward, or backward for a
+        value with a gradient — unless it changes from replicated to partial, or to a shard of a
+        value without a gradient (local steps both). A collective over ``p`` devices pays at
+        least ``(p - 1)·alpha`` of its axis (docs/cost-model.md §1.1), and one over several axes
+        at least the sum of theirs (``p1·p2 - 1 >= (p1 - 1) + (p2 - 1)`` at the slowest
+        member's alpha). A parameter's gradient sync is priced in buckets, one latency per
+        bucket: 0 for parameters."""
+        if value[0] in self.params:
+            return 0.0
+        mesh = self.mesh
+        if self.merge is not None:
+            src, dst, mesh = self.merge.expand_spec(src), self.merge.expand_spec(dst), \
+                self.merge.real
+        grad = value[0] in self.grads
+        t = 0.0
+        for a, (x, y) in enumerate(zip(src, dst)):
+            if x == y or (isinstance(x, Replicate)
+                          and (isinstance(y, Partial) or (isinstance(y, Shard) and not grad))):
+                continue
+            t += (mesh.shape[a] - 1) * mesh.links[a].alpha
         return t
 
     def bucketed_sync(self, value: ValueRef, src: Spec, steps: Reshard, mode: str | None

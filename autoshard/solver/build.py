@@ -88,6 +88,7 @@ class _Builder:
         self.shapes = pricer.shapes
         self._follow_memo: dict[tuple, int] = {}
         self._own: dict[str, tuple[list[float], list[int]]] = {}
+        self._as_is: dict[tuple[str, tuple[int, ...]], dict[tuple, list[int]]] = {}
         self.ins = {n.name: value_inputs(n) for n in traced.graph.nodes if n.op != "placeholder"}
         self.layer = traced.layer_of_node
 
@@ -226,12 +227,34 @@ class _Builder:
             self._own[n.name] = (own, sorted(range(len(strats)), key=lambda j: (own[j], j)))
         own, order = self._own[n.name]
         best = (float("inf"), -1)
+        # A strategy reading every source as it is laid out moves (nearly) nothing: priced
+        # first, it bounds the rest, which only a lower own cost (or, tied, index) could beat.
+        for j in self._reading_as_is(n.name, strats, srcs):
+            best = min(best, (self._follow_cost(n.name, strats[j], srcs, own[j]), j))
+        ins = self.ins[n.name]
         for j in order:
-            if own[j] > best[0]:
+            if (own[j], j) >= best:
                 break
+            floor = own[j] + sum(self.pricer.reshard_floor(ins[k], spec, strats[j].inputs[k])
+                                 for k, spec in srcs.items())
+            if (floor, j) >= best:
+                continue
             best = min(best, (self._follow_cost(n.name, strats[j], srcs, own[j]), j))
         self._follow_memo[key] = best[1]
         return best[1]
+
+    def _reading_as_is(self, name: str, strats: list[Strategy], srcs: dict[int, Spec]
+                       ) -> list[int]:
+        """The strategies of follower ``name`` whose inputs at ``srcs``' positions are
+        ``srcs``' specs, by input positions then specs (built once per node and positions)."""
+        positions = tuple(sorted(srcs))
+        index = self._as_is.get((name, positions))
+        if index is None:
+            index = {}
+            for j, s in enumerate(strats):
+                index.setdefault(tuple(s.inputs[k] for k in positions), []).append(j)
+            self._as_is[(name, positions)] = index
+        return index.get(tuple(srcs[k] for k in positions), [])
 
     def _internal_reshard(self, name: str, mb: Member, i: int, members: dict[str, Member],
                           seen: set[tuple]) -> float:
