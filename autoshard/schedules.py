@@ -27,9 +27,14 @@ hands a microbatch between them without a send, and every rank keeps about the s
 activations. torch.distributed.pipelining's ``ScheduleZBVZeroBubble`` (:data:`SCHEDULES`
 "ZBVZeroBubble") orders it; its time is :func:`zbv_excess` beyond the busy time, its memory
 :func:`in_flight`.
+
+The closed forms hold for balanced stages. :func:`simulate_schedule` runs a schedule's own
+order of actions (:func:`schedule_order`: torch's, for the split-backward ones) with each
+stage's own F, B and W seconds: exact for uneven stages too; the planner prices its stages so.
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
@@ -87,7 +92,9 @@ def schedule_seconds(stage_s: Sequence[float], microbatches: int, ranks: int,
     ZB-V (V-placed): ``m'·max_r t_r + max_r zbv_excess(F_r/2, B_r/2, W_r/2, p, m)``, ``m' = m``
     for ``m <= p`` or ``m >= 2p - 1``, where it is torch's order exactly with balanced stages,
     else ``2p - 1`` (the time of ``2p - 1`` microbatches, a bound above: fewer actions in the
-    same order never take longer)."""
+    same order never take longer).
+
+    Uneven stages: :func:`simulate_schedule` (exact)."""
     v = VIRTUAL_STAGES[schedule]
     if v == 1:
         return pipeline_seconds(stage_s, microbatches)
@@ -202,3 +209,188 @@ def fullest_stage(schedule: str, ranks: int, microbatches: int) -> float:
     return max(sum(in_flight(schedule, k, p, m) for k in rank_stages(schedule, p, r))
                for r in range(p)) / VIRTUAL_STAGES[schedule]
 
+
+
+# ------------------------------------------------------------------ orders of actions, simulated
+
+# One action of a rank: sub-actions (kind, stage, microbatch) run back to back, their results
+# handed on once the last ends (torch runs an overlapped F&B, or a full backward on a split
+# schedule, as one action and sends after it). Kinds: "F" forward, "B" the backward (the
+# inputs' gradient under a split backward, the whole backward otherwise), "W" the weights'
+# gradient (split backward only).
+Action = tuple[tuple[str, int, int], ...]
+
+
+@functools.lru_cache(maxsize=128)
+def schedule_order(schedule: str, ranks: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    """Per rank, its actions in the order ``schedule`` runs them.
+
+    GPipe: every forward, then every backward. 1F1B (PipeDream-Flush): rank ``r`` warms up with
+    ``p - r`` forwards, then alternates backward and forward. Interleaved 1F1B (Megatron-LM,
+    Narayanan et al. 2021 §2.2.2): microbatches in groups of ``p``, each group through the
+    rank's first stage, then its next; ``2(p - r - 1) + (v - 1)p`` forwards of warm-up, then
+    one forward per backward, backwards taking the rank's stages last first. The split-backward
+    schedules (InterleavedZeroBubble, ZBVZeroBubble): torch's own order, computed as its
+    class's constructor computes it (``_calculate_single_rank_operations``, no process
+    groups)."""
+    p, m = ranks, microbatches
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
+    if schedule in SPLIT_BACKWARD:
+        return _torch_order(schedule, p, m)
+    v = VIRTUAL_STAGES[schedule]
+    out = []
+    for r in range(p):
+        if schedule == "GPipe":
+            out.append(tuple((("F", r, k),) for k in range(m))
+                       + tuple((("B", r, k),) for k in range(m)))
+            continue
+        fwd: list[Action] = []
+        bwd: list[Action] = []
+        for g in range(0, m, p):
+            group = range(g, min(m, g + p))
+            fwd += [(("F", c * p + r, k),) for c in range(v) for k in group]
+            bwd += [(("B", c * p + r, k),) for c in reversed(range(v)) for k in group]
+        warm = min(len(fwd), p - r if v == 1 else 2 * (p - r - 1) + (v - 1) * p)
+        order, nf = fwd[:warm], warm
+        for b in bwd:
+            if v > 1 and nf < len(fwd):      # Megatron: the steady state's forward first
+                order.append(fwd[nf])
+                nf += 1
+                order.append(b)
+                continue
+            order.append(b)
+            if nf < len(fwd):
+                order.append(fwd[nf])
+                nf += 1
+        out.append(tuple(order))
+    return tuple(out)
+
+
+def _torch_order(schedule: str, p: int, m: int) -> tuple[tuple[Action, ...], ...]:
+    from types import SimpleNamespace
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+    cls = {"InterleavedZeroBubble": schedules.ScheduleInterleavedZeroBubble,
+           "ZBVZeroBubble": schedules.ScheduleZBVZeroBubble}[schedule]
+    me = SimpleNamespace(n_local_stages=2, pp_group_size=p, _n_microbatches=m,
+                         number_of_rounds=max(1, m // p), num_stages=2 * p)
+    me.microbatches_per_round = m // me.number_of_rounds
+
+    def subs(a) -> Action:
+        t, s, k = a.computation_type, a.stage_index, a.microbatch_index
+        if t == C.OVERLAP_F_B:
+            return tuple(x for sub in a.sub_actions for x in subs(sub))
+        if t == C.FULL_BACKWARD:
+            return (("B", s, k), ("W", s, k))
+        return ((({C.FORWARD: "F", C.BACKWARD_INPUT: "B", C.BACKWARD_WEIGHT: "W"}[t]), s, k),)
+
+    return tuple(tuple(subs(a) for a in cls._calculate_single_rank_operations(me, r)
+                       if a is not None) for r in range(p))
+
+
+@functools.lru_cache(maxsize=128)
+def _compiled(schedule: str, ranks: int, microbatches: int):
+    """:func:`schedule_order` as the simulator reads it: per rank, per action, per sub-action
+    (its result's slot, its duration's slot ``kind·S + stage``, its inputs as (result slot,
+    cut crossed or -1)); a result's slot is ``(kind·S + stage)·m + microbatch``."""
+    p, m = ranks, microbatches
+    S = p * VIRTUAL_STAGES[schedule]
+    code = {"F": 0, "B": 1, "W": 2}
+    cross = [s if sends_between(schedule, p, s) else -1 for s in range(S - 1)]
+    out = []
+    for acts in schedule_order(schedule, p, m):
+        rank = []
+        for act in acts:
+            subs = []
+            for kind, s, k in act:
+                c = code[kind]
+                if kind == "F":
+                    deps = ((s - 1) * m + k, cross[s - 1]) if s else None
+                elif kind == "B":
+                    # and its own forward, which its rank ran before it
+                    deps = ((S + s + 1) * m + k, cross[s]) if s < S - 1 else None
+                else:
+                    deps = ((S + s) * m + k, -1)
+                if deps is not None and any(deps[0] == x[0] for x in subs):
+                    deps = None          # made earlier in this action, just before
+                subs.append(((c * S + s) * m + k, c * S + s, deps))
+            rank.append(tuple(subs))
+        out.append(tuple(rank))
+    return tuple(out), S
+
+
+def simulate_schedule(schedule: str, ranks: int, microbatches: int, forward: Sequence[float],
+                      backward: Sequence[float], weight: Sequence[float] | None = None,
+                      send: Sequence[float] | None = None, *, slots: list | None = None
+                      ) -> float:
+    """The makespan of ``schedule`` run action by action in its order (:func:`schedule_order`)
+    on ``ranks`` ranks with ``microbatches`` microbatches, stage ``s`` taking ``forward[s]``
+    seconds per F, ``backward[s]`` per B (the inputs' gradient under a split backward) and
+    ``weight[s]`` per W (a schedule without a split backward runs B and W as one: its B takes
+    ``backward[s] + weight[s]``). Each rank runs its actions in its order, one at a time, each
+    sub-action once its inputs are there: F of stage ``s`` after F of ``s - 1`` (same
+    microbatch), B after B of ``s + 1`` (the last stage's B after its own F, which its rank ran
+    before), W after B; a result is handed on when its action ends, ``send[c]`` seconds later
+    across cut ``c`` (stages ``c`` and ``c + 1``) where it is sent (not at a V's turn).
+    Exact, where the closed forms (:func:`schedule_seconds`) hold only for balanced stages.
+    ``slots``: a list to which each sub-action is appended as
+    ``(rank, kind, stage, microbatch, start, seconds)``."""
+    acts, S = _compiled(schedule, ranks, microbatches)
+    m = microbatches
+    w = list(weight) if weight is not None else [0.0] * S
+    b = list(backward) if schedule in SPLIT_BACKWARD else [x + y for x, y in zip(backward, w)]
+    dur = [*forward, *b, *w]
+    assert len(dur) == 3 * S, (len(forward), len(backward), S)
+    lat = [*(send if send is not None else [0.0] * (S - 1)), 0.0]    # lat[-1]: no send
+    done = [-1.0] * (3 * S * m)
+    clock = [0.0] * ranks
+    pos = [0] * ranks
+    left = sum(len(a) for a in acts)
+    names = "FBW"
+    while left:
+        moved = False
+        for r in range(ranks):
+            mine, i, t = acts[r], pos[r], clock[r]
+            n = len(mine)
+            while i < n:
+                act = mine[i]
+                if any(d is not None and done[d[0]] < 0 for _, _, d in act):
+                    break
+                for out, k, d in act:
+                    if d is not None:
+                        ready = done[d[0]] + lat[d[1]]
+                        if ready > t:
+                            t = ready
+                    if slots is not None:
+                        slots.append((r, names[k // S], k % S, out % m, t, dur[k]))
+                    t += dur[k]
+                for out, _, _ in act:
+                    done[out] = t
+                i += 1
+            if i != pos[r]:
+                left -= i - pos[r]
+                pos[r], clock[r] = i, t
+                moved = True
+        if not moved:
+            raise RuntimeError(f"{schedule}'s order of actions deadlocks")
+    return max(clock)
+
+
+@functools.lru_cache(maxsize=256)
+def order_in_flight(schedule: str, ranks: int, microbatches: int) -> tuple[int, ...]:
+    """Per stage, the most microbatches whose F has run and whose backward has not finished
+    (its W under a split backward, its B otherwise), read off :func:`schedule_order`: the
+    activations each stage keeps at its peak."""
+    last = "W" if schedule in SPLIT_BACKWARD else "B"
+    peak = [0] * (ranks * VIRTUAL_STAGES[schedule])
+    for acts in schedule_order(schedule, ranks, microbatches):
+        live = dict.fromkeys(range(len(peak)), 0)
+        for act in acts:
+            for kind, s, _ in act:
+                if kind == "F":
+                    live[s] += 1
+                    peak[s] = max(peak[s], live[s])
+                elif kind == last:
+                    live[s] -= 1
+    return tuple(peak)

@@ -8,10 +8,11 @@ import json
 import pytest
 
 from autoshard import Mesh, Plan
-from autoshard.schedules import (SCHEDULES, VIRTUAL_STAGES, balanced_bubble,
-                                     bubble_fraction, fullest_stage, in_flight,
-                                     pipeline_seconds, rank_stages, schedule_seconds,
-                                     sends_between, zbv_excess, zero_bubble_idle)
+from autoshard.schedules import (SCHEDULES, SPLIT_BACKWARD, VIRTUAL_STAGES, balanced_bubble,
+                                 bubble_fraction, fullest_stage, in_flight,
+                                 order_in_flight, pipeline_seconds, rank_stages,
+                                 schedule_order, schedule_seconds, sends_between,
+                                 simulate_schedule, zbv_excess, zero_bubble_idle)
 from autoshard.errors import AutoshardError
 from autoshard.verify import VerifySpec, plan_for, summarize, verify_rank
 from autoshard.zoo.registry import get_model
@@ -86,32 +87,50 @@ def test_interleaved_1f1b_holds_what_torchs_order_keeps() -> None:
         assert peak == {s: in_flight("Interleaved1F1B", s, p, m) for s in range(2 * p)}, (p, m)
 
 
-def _run_order(order: dict, stages: int, f: float, b: float, w: float,
+def _run_order(order: dict, stages: int, f, b, w,
                scale: list[float] | None = None) -> tuple[float, dict]:
     """Each rank runs its actions in order, each once its inputs are done (F after the previous
     stage's F, B after its own F and the next stage's B, W after its B; no sends): the step's
-    seconds, and per stage the most microbatches between an F and its W. ``scale``: stage
-    ``s``'s durations times ``scale[s]``."""
+    seconds, and per stage the most microbatches between an F and its W. A whole backward
+    under a split-backward schedule is its B then its W, an overlapped F&B its F then that;
+    their results are handed on when the whole action ends. ``f``, ``b``, ``w``: seconds, one
+    for every stage or a list per stage; ``scale``: stage ``s``'s durations times
+    ``scale[s]``."""
     from torch.distributed.pipelining.schedules import _ComputationType as C
-    kinds = {C.FORWARD: ("F", f), C.BACKWARD_INPUT: ("B", b), C.BACKWARD_WEIGHT: ("W", w)}
-    todo = {r: [a for a in acts if a is not None] for r, acts in order.items()}
+
+    def per(x, s):
+        return (x[s] if isinstance(x, (list, tuple)) else x) * (scale[s] if scale else 1.0)
+
+    def parts(a):
+        t, s, k = a.computation_type, a.stage_index, a.microbatch_index
+        if t == C.OVERLAP_F_B:
+            return [x for sub in a.sub_actions for x in parts(sub)]
+        if t == C.FULL_BACKWARD:
+            return [("B", s, k), ("W", s, k)]
+        return [({C.FORWARD: "F", C.BACKWARD_INPUT: "B", C.BACKWARD_WEIGHT: "W"}[t], s, k)]
+
+    durations = {"F": f, "B": b, "W": w}
+    todo = {r: [parts(a) for a in acts if a is not None] for r, acts in order.items()}
     done, clock, live, peak = {}, dict.fromkeys(order, 0.0), {}, {}
     while any(todo.values()):
         moved = False
         for r, acts in todo.items():
             while acts:
-                s, kind, k = acts[0].stage_index, *kinds[acts[0].computation_type][:1], \
-                    acts[0].microbatch_index
-                needs = {"F": [("F", s - 1, k)] if s else [],
-                         "B": [("F", s, k)] + ([("B", s + 1, k)] if s < stages - 1 else []),
-                         "W": [("B", s, k)]}[kind]
-                if any(x not in done for x in needs):
+                needs = [[x for x in {"F": [("F", s - 1, k)] if s else [],
+                                      "B": [("F", s, k)] + ([("B", s + 1, k)]
+                                                            if s < stages - 1 else []),
+                                      "W": [("B", s, k)]}[kind] if x not in acts[0]]
+                         for kind, s, k in acts[0]]
+                if any(x not in done for xs in needs for x in xs):
                     break
-                clock[r] = max([clock[r]] + [done[x] for x in needs]) \
-                    + kinds[acts[0].computation_type][1] * (scale[s] if scale else 1.0)
-                done[(kind, s, k)] = clock[r]
-                live[s] = live.get(s, 0) + {"F": 1, "B": 0, "W": -1}[kind]
-                peak[s] = max(peak.get(s, 0), live[s])
+                t = clock[r]
+                for (kind, s, k), xs in zip(acts[0], needs):
+                    t = max([t] + [done[x] for x in xs]) + per(durations[kind], s)
+                    live[s] = live.get(s, 0) + {"F": 1, "B": 0, "W": -1}[kind]
+                    peak[s] = max(peak.get(s, 0), live[s])
+                for x in acts[0]:
+                    done[x] = t
+                clock[r] = t
                 acts.pop(0)
                 moved = True
         assert moved, "the order deadlocks"
@@ -199,6 +218,96 @@ def test_zbv_matches_torchs_schedule() -> None:
     assert [sends_between("ZBVZeroBubble", 4, s) for s in range(7)] == [True] * 3 + [False] + \
         [True] * 3
     assert all(sends_between("InterleavedZeroBubble", 4, s) for s in range(7))
+
+
+def _torch_single_order(p: int, m: int, schedule: str) -> dict:
+    """The order of actions of torch's one-stage-per-rank schedules: ScheduleGPipe's as its
+    ``_get_pipeline_order`` writes it; Schedule1F1B's as its ``_step_microbatches`` runs it,
+    ``min(m, p - r)`` forwards, then a backward and a forward in turn (its
+    ``_get_pipeline_order``, a picture of the schedule, numbers the last rank's forwards from
+    1: not what runs)."""
+    from types import SimpleNamespace
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType as C
+    if schedule == "GPipe":
+        order = schedules.ScheduleGPipe._get_pipeline_order(
+            SimpleNamespace(_num_stages=p, _n_microbatches=m))
+        return {r: [a for a in acts if a is not None and a.computation_type in
+                    (C.FORWARD, C.FULL_BACKWARD)] for r, acts in order.items()}
+    out = {}
+    for r in range(p):
+        warm = min(m, p - r)
+        acts = [_Action(r, C.FORWARD, k) for k in range(warm)]
+        for k in range(m):
+            acts.append(_Action(r, C.FULL_BACKWARD, k))
+            if warm + k < m:
+                acts.append(_Action(r, C.FORWARD, warm + k))
+        out[r] = acts
+    return out
+
+
+def test_simulation_is_the_closed_forms_where_they_hold() -> None:
+    """simulate_schedule runs a schedule's order of actions one by one; with balanced stages it
+    takes each closed form's time where that form is exact: every m for GPipe and 1F1B, m a
+    multiple of p for the interleaved ones, m <= p or m >= 2p - 1 for ZB-V. Without a split
+    backward B is the whole backward (W's seconds added to it)."""
+    durations = [(1.0, 1.0, 1.0), (1.0, 2.0, 0.5), (1.0, 0.5, 1.5), (0.7, 1.3, 1.1),
+                 (2.0, 1.0, 0.0)]
+    for schedule in SCHEDULES:
+        v = VIRTUAL_STAGES[schedule]
+        for p in (2, 3, 4):
+            n = p * v
+            for m in range(1, 4 * p + 2):
+                if not {"Interleaved1F1B": m % p == 0, "InterleavedZeroBubble": m % p == 0,
+                        "ZBVZeroBubble": m <= p or m >= 2 * p - 1}.get(schedule, True):
+                    continue
+                for f, b, w in durations:
+                    step = simulate_schedule(schedule, p, m, [f] * n, [b] * n, [w] * n)
+                    assert step == pytest.approx(schedule_seconds(
+                        [f + b + w] * n, m, p, schedule, forward_s=[f] * n,
+                        weight_s=[w] * n)), (schedule, p, m, f, b, w)
+
+
+def test_simulation_runs_torchs_order_with_uneven_stages() -> None:
+    """Uneven stages: simulate_schedule takes the time of torch's own order of actions run one
+    by one (``_run_order``, written apart from it), for every schedule, each stage with its own
+    F, B and W seconds; and it is the makespan worked out by hand on two small cases, where the
+    closed form is not (GPipe with a stage slow forward and the other slow backward) or where a
+    send adds its latency on the way (1F1B, one microbatch)."""
+    import random
+    rng = random.Random(2)
+    for schedule in SCHEDULES:
+        v = VIRTUAL_STAGES[schedule]
+        split = schedule in SPLIT_BACKWARD
+        for p in (2, 3, 4):
+            n = p * v
+            for m in sorted({p, 2 * p, 2 * p + 1, 3 * p}):
+                if (v > 1 and not split or schedule == "InterleavedZeroBubble") and m % p:
+                    continue
+                order = _torch_order(p, m, schedule) if v > 1 else \
+                    _torch_single_order(p, m, schedule)
+                if not split:      # the one schedule_order writes itself: torch's, action by action
+                    assert [[((a.computation_type.value, a.stage_index, a.microbatch_index),)
+                             for a in order[r] if a is not None] for r in range(p)] == \
+                        [list(acts) for acts in schedule_order(schedule, p, m)], (schedule, p, m)
+                for _ in range(3):
+                    f, b, w = ([rng.uniform(0.1, 2.0) for _ in range(n)] for _ in range(3))
+                    if not split:
+                        w = [0.0] * n
+                    step, peak = _run_order(order, n, f, b, w)
+                    assert simulate_schedule(schedule, p, m, f, b, w) == pytest.approx(step), \
+                        (schedule, p, m)
+                if split:   # the microbatches a stage holds from F to W, by either count
+                    assert tuple(peak[s] for s in range(n)) == order_in_flight(schedule, p, m)
+    # GPipe, 2 stages, 2 microbatches, F = (2, 1), B = (1, 2): forwards end at 2, 4 on rank 0
+    # and 3, 5 on rank 1; its backwards 5-7, 7-9; rank 0's 7-8, then 9-10. The closed form,
+    # both stages 3 s per microbatch: 3 + 3 + 3 = 9.
+    assert simulate_schedule("GPipe", 2, 2, [2.0, 1.0], [1.0, 2.0]) == pytest.approx(10.0)
+    assert schedule_seconds([3.0, 3.0], 2, 2, "GPipe") == pytest.approx(9.0)
+    # 1F1B, one microbatch, every F and B 1 s, 0.5 s to cross the cut: F 0-1, F 1.5-2.5,
+    # B 2.5-3.5, B 4-5.
+    assert simulate_schedule("1F1B", 2, 1, [1.0, 1.0], [1.0, 1.0], send=[0.5]) == \
+        pytest.approx(5.0)
 
 
 # -- the planner ------------------------------------------------------------------------------
