@@ -215,8 +215,8 @@ def gantt_slots(pl: Pipeline) -> list[Slot]:
 
 def _shares(pl: Pipeline, seconds: list[float]) -> tuple[list[float], ...]:
     """A stage's seconds per microbatch as F, B and W: forward a third, backward the rest; a
-    split backward (zero bubble) is B (its input's gradient) and W (its weights'), a third
-    each (autoshard/schedules.py)."""
+    split backward (zero bubble, DualPipeV) is B (its input's gradient) and W (its weights'),
+    a third each (autoshard/schedules.py)."""
     split = pl.schedule in SPLIT_BACKWARD
     return ([t / 3 for t in seconds], [t * (1 if split else 2) / 3 for t in seconds],
             [t / 3 if split else 0.0 for t in seconds])

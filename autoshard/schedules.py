@@ -28,6 +28,15 @@ activations. torch.distributed.pipelining's ``ScheduleZBVZeroBubble`` (:data:`SC
 "ZBVZeroBubble") orders it; its time is :func:`zbv_excess` beyond the busy time, its memory
 :func:`in_flight`.
 
+DualPipeV (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", arXiv 2412.19437 §3.2.1: DualPipe;
+its V-shaped half, DualPipeV, in the deepseek-ai/DualPipe repository) places stages as ZB-V
+does and pairs, in its steady state, the forward of one microbatch on one of a rank's stages
+with the backward of another on the other, as one action; torch.distributed.pipelining's
+``ScheduleDualPipeV`` (:data:`SCHEDULES` "DualPipeV") orders it, takes at least ``2p``
+microbatches, and runs a pair's forward and backward one after the other (DeepSeek overlaps
+the pair's communication with its computation, not the two computations). Its time is
+:func:`dualpipev_excess` beyond the busy time.
+
 The closed forms hold for balanced stages. :func:`simulate_schedule` runs a schedule's own
 order of actions (:func:`schedule_order`: torch's, for the split-backward ones) with each
 stage's own F, B and W seconds: exact for uneven stages too; the planner prices its stages so.
@@ -37,14 +46,18 @@ from __future__ import annotations
 import functools
 from typing import Sequence
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+from autoshard.errors import AutoshardError
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble",
+             "DualPipeV")
 VIRTUAL_STAGES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2,     # stages per rank
-                  "InterleavedZeroBubble": 2, "ZBVZeroBubble": 2}
-# Schedules whose backward runs as B then W, apart (Qi et al. 2024).
-SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble")
+                  "InterleavedZeroBubble": 2, "ZBVZeroBubble": 2, "DualPipeV": 2}
+# Schedules whose backward runs as B then W, apart (Qi et al. 2024); DualPipeV splits some of
+# its backwards (the others run B and W as one action).
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 # Schedules placing a rank's two stages as a V: rank r runs stages r and 2p - 1 - r (torch's
 # ``generate_stage_to_rank_mapping(style="v")``); the others loop: r, r + p, ...
-V_PLACED = ("ZBVZeroBubble",)
+V_PLACED = ("ZBVZeroBubble", "DualPipeV")
 
 
 def rank_stages(schedule: str, ranks: int, rank: int) -> tuple[int, ...]:
@@ -92,7 +105,8 @@ def schedule_seconds(stage_s: Sequence[float], microbatches: int, ranks: int,
     ZB-V (V-placed): ``m'·max_r t_r + max_r zbv_excess(F_r/2, B_r/2, W_r/2, p, m)``, ``m' = m``
     for ``m <= p`` or ``m >= 2p - 1``, where it is torch's order exactly with balanced stages,
     else ``2p - 1`` (the time of ``2p - 1`` microbatches, a bound above: fewer actions in the
-    same order never take longer).
+    same order never take longer). DualPipeV: ``m·max_r t_r + max_r dualpipev_excess(F_r/2,
+    B_r/2, W_r/2, p)``, torch's order exactly with balanced stages (it takes ``m >= 2p``).
 
     Uneven stages: :func:`simulate_schedule` (exact)."""
     v = VIRTUAL_STAGES[schedule]
@@ -105,6 +119,11 @@ def schedule_seconds(stage_s: Sequence[float], microbatches: int, ranks: int,
     f = forward_s if forward_s is not None else [t / 3 for t in stage_s]
     w = weight_s if weight_s is not None else [t / 3 for t in stage_s]
     fw = [(sum(f[k] for k in ks), sum(w[k] for k in ks)) for ks in mine]
+    if schedule == "DualPipeV":
+        check_microbatches(schedule, ranks, microbatches)
+        return microbatches * max(per_rank) + max(
+            dualpipev_excess(fr / 2, (t - fr - wr) / 2, wr / 2, ranks)
+            for (fr, wr), t in zip(fw, per_rank))
     if schedule in V_PLACED:
         # A rank's mean stage: F, B and W per stage are the rank's over v = 2.
         m, p = microbatches, ranks
@@ -152,6 +171,20 @@ def zbv_excess(forward: float, backward_input: float, backward_weight: float, ra
                2 * q * f - q * b - w, 2 * q * f - (2 * q + 1) * w)
 
 
+def dualpipev_excess(forward: float, backward_input: float, backward_weight: float,
+                     ranks: int) -> float:
+    """Seconds torch's ``ScheduleDualPipeV`` takes beyond ``2m(f + b + w)`` (any ``m >= 2p``:
+    it does not grow with ``m``), from a stage's F, B and W seconds per microbatch, ``p``
+    ranks, ``q = p - 1``: ``q·max(0, b - w) + max((q-1)f + q·b, 2q·f)``, the longest chain of
+    its order of actions (each overlapped F&B run as F then the full backward, as torch's
+    runtime runs it), read off the order's critical paths and checked against it action by
+    action (tests/test_pipeline.py). With ``F = B = W`` it is ``2q·f``, the DualPipe README's
+    ``(PP/2 - 1)(F&B + B - 3W)`` for DualPipeV (``PP = 2p`` stages, ``F&B = F + B``, ``B`` the
+    full backward); twice ZB-V's ``q·f``."""
+    f, b, w, q = forward, backward_input, backward_weight, ranks - 1
+    return q * max(0.0, b - w) + max((q - 1) * f + q * b, 2 * q * f)
+
+
 def bubble_fraction(stages: int, microbatches: int, virtual: int = 1) -> float:
     """The idle fraction of balanced stages: ``(p - 1)/(v·m + p - 1)``, ``p`` ranks."""
     return (stages - 1) / (virtual * microbatches + stages - 1)
@@ -181,7 +214,9 @@ def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
 
     ZB-V (``stage`` of ``2p``, V-placed): ``min(m, 2p - stage)`` from F to W, so rank ``r``
     (stages ``r`` and ``2p - 1 - r``) holds ``2p + 1`` once ``m >= 2p``, the same on every rank
-    (Qi et al. 2024, §6: ZB-V's memory is balanced across ranks)."""
+    (Qi et al. 2024, §6: ZB-V's memory is balanced across ranks). DualPipeV (``m >= 2p``) the
+    same, ``2p - stage``: ``2p + 1`` per rank, the DualPipe README's ``PP + 1`` (checked against
+    torch's order by :func:`order_in_flight`)."""
     if schedule == "GPipe":
         return microbatches
     if schedule == "1F1B":
@@ -192,7 +227,7 @@ def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
         # zero bubble: every rank alike; interleaved 1F1B: later ranks' backwards come sooner
         second = p if schedule == "InterleavedZeroBubble" else min(p, 2 * (p - stage % p) - 1)
         return min(m, per_round + second if stage < p else second)
-    if schedule == "ZBVZeroBubble":
+    if schedule in V_PLACED:
         return min(microbatches, 2 * stages - stage)
     raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
 
@@ -230,12 +265,15 @@ def schedule_order(schedule: str, ranks: int, microbatches: int) -> tuple[tuple[
     Narayanan et al. 2021 §2.2.2): microbatches in groups of ``p``, each group through the
     rank's first stage, then its next; ``2(p - r - 1) + (v - 1)p`` forwards of warm-up, then
     one forward per backward, backwards taking the rank's stages last first. The split-backward
-    schedules (InterleavedZeroBubble, ZBVZeroBubble): torch's own order, computed as its
-    class's constructor computes it (``_calculate_single_rank_operations``, no process
-    groups)."""
+    schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV): torch's own order, computed as
+    its class's constructor computes it (``_calculate_single_rank_operations``, no process
+    groups); DualPipeV's full backwards are a B and its W in one action, its overlapped F&B
+    pairs an F, a B and a W in one action, as torch's runtime runs them (one after the other,
+    sending after both)."""
     p, m = ranks, microbatches
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
+    check_microbatches(schedule, p, m)
     if schedule in SPLIT_BACKWARD:
         return _torch_order(schedule, p, m)
     v = VIRTUAL_STAGES[schedule]
@@ -267,12 +305,24 @@ def schedule_order(schedule: str, ranks: int, microbatches: int) -> tuple[tuple[
     return tuple(out)
 
 
+def check_microbatches(schedule: str, ranks: int, microbatches: int) -> None:
+    """Refuse a number of microbatches ``schedule`` cannot run on ``ranks`` ranks: DualPipeV
+    takes at least one per stage, ``2p`` (torch's ScheduleDualPipeV refuses fewer)."""
+    if schedule == "DualPipeV" and microbatches < 2 * ranks:
+        raise AutoshardError(f"at least {2 * ranks} microbatches for DualPipeV on {ranks} ranks "
+                             f"(one per stage, as torch's ScheduleDualPipeV requires)",
+                             got=f"{microbatches} microbatches",
+                             fix=f"microbatches={2 * ranks} or more (a divisor of the batch), "
+                                 f"or schedule='ZBVZeroBubble' (the same V, any number)")
+
+
 def _torch_order(schedule: str, p: int, m: int) -> tuple[tuple[Action, ...], ...]:
     from types import SimpleNamespace
     from torch.distributed.pipelining import schedules
     from torch.distributed.pipelining.schedules import _ComputationType as C
     cls = {"InterleavedZeroBubble": schedules.ScheduleInterleavedZeroBubble,
-           "ZBVZeroBubble": schedules.ScheduleZBVZeroBubble}[schedule]
+           "ZBVZeroBubble": schedules.ScheduleZBVZeroBubble,
+           "DualPipeV": schedules.ScheduleDualPipeV}[schedule]
     me = SimpleNamespace(n_local_stages=2, pp_group_size=p, _n_microbatches=m,
                          number_of_rounds=max(1, m // p), num_stages=2 * p)
     me.microbatches_per_round = m // me.number_of_rounds

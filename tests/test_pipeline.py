@@ -9,7 +9,7 @@ import pytest
 
 from autoshard import Mesh, Plan
 from autoshard.schedules import (SCHEDULES, SPLIT_BACKWARD, VIRTUAL_STAGES, balanced_bubble,
-                                 bubble_fraction, fullest_stage, in_flight,
+                                 bubble_fraction, dualpipev_excess, fullest_stage, in_flight,
                                  order_in_flight, pipeline_seconds, rank_stages,
                                  schedule_order, schedule_seconds, sends_between,
                                  simulate_schedule, zbv_excess, zero_bubble_idle)
@@ -59,12 +59,13 @@ def _torch_order(p: int, m: int, schedule: str = "InterleavedZeroBubble") -> dic
     from torch.distributed.pipelining import schedules
     cls = {"InterleavedZeroBubble": schedules.ScheduleInterleavedZeroBubble,
            "Interleaved1F1B": schedules.ScheduleInterleaved1F1B,
-           "ZBVZeroBubble": schedules.ScheduleZBVZeroBubble}[schedule]
+           "ZBVZeroBubble": schedules.ScheduleZBVZeroBubble,
+           "DualPipeV": schedules.ScheduleDualPipeV}[schedule]
     me = SimpleNamespace(n_local_stages=2, pp_group_size=p, _n_microbatches=m,
                          number_of_rounds=max(1, m // p), num_stages=2 * p)
     me.microbatches_per_round = m // me.number_of_rounds
     me.pipeline_order = {r: cls._calculate_single_rank_operations(me, r) for r in range(p)}
-    if schedule in ("Interleaved1F1B", "ZBVZeroBubble"):
+    if schedule in ("Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"):
         return me.pipeline_order
     return cls._add_bubbles_to_actions(me, 2 * p)
 
@@ -249,8 +250,8 @@ def _torch_single_order(p: int, m: int, schedule: str) -> dict:
 def test_simulation_is_the_closed_forms_where_they_hold() -> None:
     """simulate_schedule runs a schedule's order of actions one by one; with balanced stages it
     takes each closed form's time where that form is exact: every m for GPipe and 1F1B, m a
-    multiple of p for the interleaved ones, m <= p or m >= 2p - 1 for ZB-V. Without a split
-    backward B is the whole backward (W's seconds added to it)."""
+    multiple of p for the interleaved ones, m <= p or m >= 2p - 1 for ZB-V, any m from 2p for
+    DualPipeV. Without a split backward B is the whole backward (W's seconds added to it)."""
     durations = [(1.0, 1.0, 1.0), (1.0, 2.0, 0.5), (1.0, 0.5, 1.5), (0.7, 1.3, 1.1),
                  (2.0, 1.0, 0.0)]
     for schedule in SCHEDULES:
@@ -259,7 +260,8 @@ def test_simulation_is_the_closed_forms_where_they_hold() -> None:
             n = p * v
             for m in range(1, 4 * p + 2):
                 if not {"Interleaved1F1B": m % p == 0, "InterleavedZeroBubble": m % p == 0,
-                        "ZBVZeroBubble": m <= p or m >= 2 * p - 1}.get(schedule, True):
+                        "ZBVZeroBubble": m <= p or m >= 2 * p - 1,
+                        "DualPipeV": m >= 2 * p}.get(schedule, True):
                     continue
                 for f, b, w in durations:
                     step = simulate_schedule(schedule, p, m, [f] * n, [b] * n, [w] * n)
@@ -282,7 +284,8 @@ def test_simulation_runs_torchs_order_with_uneven_stages() -> None:
         for p in (2, 3, 4):
             n = p * v
             for m in sorted({p, 2 * p, 2 * p + 1, 3 * p}):
-                if (v > 1 and not split or schedule == "InterleavedZeroBubble") and m % p:
+                if (v > 1 and not split or schedule == "InterleavedZeroBubble") and m % p \
+                        or schedule == "DualPipeV" and m < 2 * p:
                     continue
                 order = _torch_order(p, m, schedule) if v > 1 else \
                     _torch_single_order(p, m, schedule)
@@ -308,6 +311,54 @@ def test_simulation_runs_torchs_order_with_uneven_stages() -> None:
     # B 2.5-3.5, B 4-5.
     assert simulate_schedule("1F1B", 2, 1, [1.0, 1.0], [1.0, 1.0], send=[0.5]) == \
         pytest.approx(5.0)
+
+
+def test_dualpipev_matches_torchs_schedule() -> None:
+    """DualPipeV (REFERENCE: DeepSeek-V3 Technical Report, arXiv 2412.19437 §3.2.1 and Table 2;
+    the deepseek-ai/DualPipe README's DualPipeV row: bubble (PP/2 - 1)(F&B + B - 3W), activations
+    PP + 1 per device, PP stages on PP/2 devices; torch's ScheduleDualPipeV): rank r runs stages
+    r and 2p - 1 - r, and torch's order of actions, each overlapped F&B run as the F then the
+    full backward (as torch's runtime runs it), takes 2m(f + b + w) + dualpipev_excess with
+    balanced stages for every m >= 2p: the README's bubble when F = B = W (PP = 2p, F&B =
+    F + B, B the full backward b + w), not otherwise. Stage s holds 2p - s microbatches from F
+    to W: 2p + 1 per rank, the README's PP + 1. Fewer than 2p microbatches are refused."""
+    import random
+    rng = random.Random(0)
+    durations = [(1.0, 1.0, 1.0), (1.0, 2.0, 0.5), (1.0, 0.5, 1.5), (0.7, 1.3, 1.1),
+                 (2.0, 1.0, 1.0), (1.0, 1.0, 3.0), (1.0, 1.0, 0.0)]
+    durations += [tuple(rng.uniform(0.1, 3.0) for _ in range(3)) for _ in range(6)]
+    for p in (2, 3, 4, 5):
+        assert [rank_stages("DualPipeV", p, r) for r in range(p)] == \
+            [(r, 2 * p - 1 - r) for r in range(p)]
+        assert [sends_between("DualPipeV", p, s) for s in range(2 * p - 1)] == \
+            [sends_between("ZBVZeroBubble", p, s) for s in range(2 * p - 1)]
+        for m in range(2 * p, 3 * p + 2):
+            order = _torch_order(p, m, "DualPipeV")
+            assert all({a.stage_index for a in acts if a.sub_actions is None}
+                       == set(rank_stages("DualPipeV", p, r)) for r, acts in order.items())
+            for f, b, w in durations:
+                step, peak = _run_order(order, 2 * p, f, b, w)
+                assert step == pytest.approx(2 * m * (f + b + w) + dualpipev_excess(f, b, w, p))
+                assert step == pytest.approx(schedule_seconds(
+                    [f + b + w] * (2 * p), m, p, "DualPipeV", forward_s=[f] * (2 * p),
+                    weight_s=[w] * (2 * p))), (p, m, f, b, w)
+            assert peak == {s: in_flight("DualPipeV", s, p, m) == 2 * p - s and 2 * p - s
+                            for s in range(2 * p)}
+            assert all(sum(peak[s] for s in rank_stages("DualPipeV", p, r)) == 2 * p + 1
+                       for r in range(p))
+        # the README's bubble, PP = 2p: (p - 1)(F&B + B - 3W), F&B = f + (b + w), B = b + w
+        readme = (p - 1) * ((1.0 + 2.0) + 2.0 - 3 * 1.0)
+        assert dualpipev_excess(1.0, 1.0, 1.0, p) == pytest.approx(readme)
+        # not otherwise: with b = 2, w = 0.5, one F under it (a B longer than W leaves less)
+        readme = (p - 1) * ((1.0 + 2.5) + 2.5 - 3 * 0.5)
+        assert dualpipev_excess(1.0, 2.0, 0.5, p) == pytest.approx(readme - 1.0)
+    # With F = B = W it idles twice ZB-V's (torch runs the pair's F and B one after the other;
+    # DeepSeek overlaps their communication, not the two computations)
+    assert dualpipev_excess(1.0, 1.0, 1.0, 4) == 2 * zbv_excess(1.0, 1.0, 1.0, 4, 16) == 6.0
+    assert balanced_bubble("DualPipeV", 4, 16) > balanced_bubble("ZBVZeroBubble", 4, 16)
+    for bad in (1, 7):
+        with pytest.raises(AutoshardError, match="at least 8 microbatches for DualPipeV"):
+            simulate_schedule("DualPipeV", 4, bad, [1.0] * 8, [1.0] * 8, [1.0] * 8)
 
 
 # -- the planner ------------------------------------------------------------------------------
@@ -450,11 +501,19 @@ CASES = [("gpt2-tiny", (2,), ("pp",), "1F1B", 2, "cpu"),
          ("gpt2-tiny-4l", (2,), ("pp",), "ZBVZeroBubble", 2, "cpu"),
          ("llama-tiny-4l", (2,), ("pp",), "ZBVZeroBubble", 4, "cpu"),
          ("gpt2-tiny-4l", (2, 2), ("pp", "tp"), "ZBVZeroBubble", 2, "stress"),
-         ("llama-tiny-4l", (2, 2), ("pp", "tp"), "ZBVZeroBubble", 4, "stress")]
+         ("llama-tiny-4l", (2, 2), ("pp", "tp"), "ZBVZeroBubble", 4, "stress"),
+         # DualPipeV: the V of ZB-V, at least one microbatch per stage, some backwards whole
+         # and overlapped with a forward (torch runs the pair one after the other), the rest
+         # split; GPT-2's tied head and embedding one copy on rank 0, whose bucket waits for
+         # both stages' last backward (whole on stage 3, split on stage 0)
+         ("gpt2-tiny-4l", (2,), ("pp",), "DualPipeV", 4, "cpu"),
+         ("llama-tiny-4l", (2,), ("pp",), "DualPipeV", 4, "cpu"),
+         ("gpt2-tiny-4l", (2, 2), ("pp", "tp"), "DualPipeV", 4, "stress"),
+         ("llama-tiny-4l", (2, 2), ("pp", "tp"), "DualPipeV", 4, "stress")]
 
 
-def check(world, model: str, plan: Plan) -> dict:
-    spec = VerifySpec(model, plan.mesh_shape, plan.mesh_axes, plan.dumps())
+def check(world, model: str, plan: Plan, batch: int | None = None) -> dict:
+    spec = VerifySpec(model, plan.mesh_shape, plan.mesh_axes, plan.dumps(), batch=batch)
     reports = world.run(verify_rank, spec)
     ok, text = summarize(reports, 1e-5)
     assert ok, text
@@ -496,15 +555,18 @@ def test_a_tied_weight_under_zero2_is_summed_across_stages(world4) -> None:
 @pytest.mark.parametrize("model,schedule", [("llama-tiny", "1F1B"),
                                             ("llama-tiny-4l", "Interleaved1F1B"),
                                             ("llama-tiny-4l", "InterleavedZeroBubble"),
-                                            ("llama-tiny-4l", "ZBVZeroBubble")])
+                                            ("llama-tiny-4l", "ZBVZeroBubble"),
+                                            ("llama-tiny-4l", "DualPipeV")])
 def test_data_pipeline_tensor_on_eight_ranks(world8, model, schedule) -> None:
     """`autoshard verify llama-tiny --mesh 2x2x2 --axes dp,pp,tp --pipeline pp`: data parallel
     gradient buckets per stage (two stages per rank interleaved), synced once per step; under
     the zero-bubble schedule every weight's gradient reaches its bucket in the weight pass."""
+    # DualPipeV takes a microbatch per stage at least: 4 of 2 rows each, split over dp
+    batch, m = (8, 4) if schedule == "DualPipeV" else (None, 2)
     plan = plan_for(model, Mesh((2, 2, 2), ("dp", "pp", "tp"), cluster="stress"),
-                    pipeline="pp", schedule=schedule, microbatches=2)
+                    pipeline="pp", schedule=schedule, microbatches=m, batch=batch)
     assert any(c.members for c in plan.collectives)
-    check(world8, model, plan)
+    check(world8, model, plan, batch=batch)
 
 
 def test_zero_bubble_in_the_search() -> None:
@@ -616,6 +678,47 @@ def test_zbv_in_the_search() -> None:
         plan_for("gpt2-tiny", mesh, schedule="ZBVZeroBubble", **kw)
     with pytest.raises(AutoshardError, match="without activation checkpointing"):
         plan_for("gpt2-tiny-4l", mesh, schedule="ZBVZeroBubble", recompute="full", **kw)
+
+
+def test_dualpipev_in_the_search() -> None:
+    """DualPipeV: placed as ZB-V (rank 0: stages 0 and 3, rank 1: 1 and 2, handed from one to
+    the other in memory), so the plan's sends are the V's, once per microbatch each way, each
+    of the values crossing its cut: GPT-2's residual stream of a microbatch forward (1 row x 16
+    x 32 fp32) with its labels (16 int64), its gradient backward; the tied head is one copy on
+    rank 0 (no all-reduce). At least a microbatch per stage: asked for fewer, the planner and a
+    plan file say so and how to fix it, and "auto" leaves it out; else "auto" is never slower.
+    Too few layers or a recomputed layer are refused as for ZB-V."""
+    mesh = Mesh((2,), ("pp",), cluster="cpu")
+    kw = dict(pipeline="pp", microbatches=4)
+    dpv = plan_for("gpt2-tiny-4l", mesh, schedule="DualPipeV", **kw)
+    pl = dpv.pipeline
+    assert (pl.schedule, pl.virtual_stages, pl.stages_of(0), pl.stages_of(1)) == \
+        ("DualPipeV", 2, (0, 3), (1, 2))
+    assert [st.layers for st in pl.stages] == [(f"layers.{i}",) for i in range(4)]
+    sends = {c.node: c for c in dpv.collectives if c.kind == "send_recv"}
+    stream, labels = 1 * 16 * 32 * 4, 16 * 8
+    assert {k: (c.bytes, c.count, c.axes, c.stage) for k, c in sends.items()} == {
+        "stage0->stage1": (stream + labels, 4, ("pp",), 0),
+        "stage1->stage0": (stream, 4, ("pp",), 1),
+        "stage2->stage3": (stream + labels, 4, ("pp",), 2),
+        "stage3->stage2": (stream, 4, ("pp",), 3)}
+    assert not any(c.node.startswith("tied:") for c in dpv.collectives)
+    assert "DualPipeV, 4 microbatches, 4 stages on 2 ranks" in dpv.summary()
+    assert Plan.loads(dpv.dumps()) == dpv
+    auto = plan_for("gpt2-tiny-4l", mesh, **kw)
+    assert auto.predicted["step_time_s"] <= dpv.predicted["step_time_s"] + 1e-12
+    few = plan_for("gpt2-tiny-4l", mesh, pipeline="pp", microbatches=2)
+    assert few.pipeline.schedule != "DualPipeV"
+    with pytest.raises(AutoshardError, match="at least 4 microbatches for DualPipeV on 2 ranks"):
+        plan_for("gpt2-tiny-4l", mesh, schedule="DualPipeV", pipeline="pp", microbatches=2)
+    d = json.loads(dpv.dumps())
+    d["pipeline"]["microbatches"] = 2
+    with pytest.raises(AutoshardError, match="microbatches at least 4 under DualPipeV"):
+        Plan.loads(json.dumps(d))
+    with pytest.raises(AutoshardError, match="at least 4 layers for DualPipeV"):
+        plan_for("gpt2-tiny", mesh, schedule="DualPipeV", **kw)
+    with pytest.raises(AutoshardError, match="without activation checkpointing"):
+        plan_for("gpt2-tiny-4l", mesh, schedule="DualPipeV", recompute="full", **kw)
 
 
 def test_auto_pipeline_keeps_the_faster_and_records_the_search() -> None:

@@ -33,8 +33,8 @@ from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions
 from autoshard.plans import CollectiveRecord, NodePlan, Pipeline, Plan, Stage
 from autoshard.schedules import (SCHEDULES, SPLIT_BACKWARD, V_PLACED, VIRTUAL_STAGES,
-                                 fullest_stage, in_flight, rank_stages, sends_between,
-                                 simulate_schedule, stage_rank)
+                                 check_microbatches, fullest_stage, in_flight, rank_stages,
+                                 sends_between, simulate_schedule, stage_rank)
 from autoshard.trace.export import TracedGraph
 from autoshard.trace.graph import value_inputs
 from autoshard.trace.layers import stages_of
@@ -82,6 +82,8 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
         raise AutoshardError("a number of microbatches here", got=repr(m),
                              fix="autoshard.plan and the CLI choose it; pass an int to "
                                  "plan_traced")
+    if options.schedule != "auto":
+        check_microbatches(options.schedule, p, m)
     sub = sub_mesh(mesh, a)
     budget = mesh.cluster.memory_bytes if options.memory_budget is None else options.memory_budget
     # The sub-plan holds every layer's state where a stage holds 1/p of it: its bound is the
@@ -169,6 +171,7 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
     else:
         schedules = tuple(x for x in SCHEDULES if L >= p * VIRTUAL_STAGES[x]
                           and not (_needs_rounds(x) and m % p)
+                          and not (x == "DualPipeV" and m < 2 * p)
                           and not (x in SPLIT_BACKWARD and recomputed))
     best = None
     for schedule in schedules:
@@ -213,7 +216,8 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
 
 def _needs_rounds(schedule: str) -> bool:
     """Whether ``schedule`` takes microbatches in rounds of ``p`` (the looped interleaved
-    schedules, as Megatron-LM's; torch's ZB-V takes any number)."""
+    schedules, as Megatron-LM's; torch's ZB-V takes any number, DualPipeV any from ``2p``:
+    autoshard/schedules.py ``check_microbatches``)."""
     return VIRTUAL_STAGES[schedule] > 1 and schedule not in V_PLACED
 
 
