@@ -41,8 +41,10 @@ OFFLOAD = ("auto", "none", "optimizer")
 # "InterleavedZeroBubble" (two stages per rank, backward split into the inputs' gradient and the
 # weights', which fills the bubble; activations kept longer), "ZBVZeroBubble" (the same split,
 # a rank's two stages placed as a V: r and 2p - 1 - r, one send fewer, activations even across
-# the ranks; any number of microbatches), or "auto" (the planner picks the one it prices
-# fastest, less memory breaking ties).
+# the ranks; any number of microbatches), "DualPipeV" (DeepSeek-V3's DualPipe, V-shaped: placed
+# as ZBVZeroBubble, a forward paired with another microbatch's backward; at least 2p
+# microbatches), or "auto" (the planner picks the one it prices fastest, less memory breaking
+# ties).
 SCHEDULES = (*PIPELINE_SCHEDULES, "auto")
 
 

@@ -697,8 +697,13 @@ def _read_pipeline(f: _Field, axes: tuple[str, ...], layers: tuple[Layer, ...]
         stages.append(Stage(i, stage_layers, _read_numbers(x.key("predicted"),
                                                            ("compute_s", "comm_s",
                                                             "peak_memory_bytes"))))
-    return Pipeline(axis.value, schedule.value, f.key("microbatches").integer(least=1),
-                    tuple(stages), f.key("virtual_stages", 1).integer(least=1))
+    microbatches = f.key("microbatches")
+    m = microbatches.integer(least=1)
+    if schedule.value == "DualPipeV" and m < len(stages):
+        microbatches.fail(f"at least {len(stages)} under DualPipeV (one per stage, as torch's "
+                          f"ScheduleDualPipeV requires)")
+    return Pipeline(axis.value, schedule.value, m, tuple(stages),
+                    f.key("virtual_stages", 1).integer(least=1))
 
 
 def _read_param_state(f: _Field, params: dict[str, Spec], nodes: tuple[NodePlan, ...],

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from autoshard.cluster import PRESETS
-from autoshard.schedules import SPLIT_BACKWARD, schedule_seconds
+from autoshard.schedules import SPLIT_BACKWARD, simulate_schedule
 from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Shard, spec_str
 from autoshard.plans import Pipeline, Plan
@@ -70,12 +70,14 @@ def hidden_parts(plan: Plan) -> list[tuple[str, float]]:
 
 def pipeline_bubble(pl: Pipeline) -> float:
     """Seconds of the schedule's compute that the busiest rank waits (docs/cost-model.md §10):
-    the schedule's compute over every microbatch less that rank's own work, ``m`` times the sum
-    of its stages' seconds per microbatch."""
+    the schedule's compute over every microbatch, its order of actions run with the stages'
+    compute (:func:`gantt_slots`' split of it into F, B and W), less that rank's own work,
+    ``m`` times the sum of its stages' seconds per microbatch."""
     compute = [st.predicted["compute_s"] for st in pl.stages]
     ranks = pl.ranks
     busy = pl.microbatches * max(sum(compute[k] for k in pl.stages_of(r)) for r in range(ranks))
-    return max(0.0, schedule_seconds(compute, pl.microbatches, ranks, pl.schedule) - busy)
+    step = simulate_schedule(pl.schedule, ranks, pl.microbatches, *_shares(pl, compute))
+    return max(0.0, step - busy)
 
 
 MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "temporaries")
@@ -184,7 +186,8 @@ def _op_kind(op: str) -> str:
 
 @dataclass(frozen=True)
 class Slot:
-    """One forward ("F") or backward ("B") of one microbatch on one stage, on its rank."""
+    """One forward ("F"), backward ("B") or weight pass ("W", split backward) of one microbatch
+    on one stage, on its rank."""
 
     rank: int
     stage: int
@@ -198,99 +201,25 @@ def gantt_slots(pl: Pipeline) -> list[Slot]:
     """The schedule's slots over one step, from the stages' predicted seconds per microbatch
     (compute and communication; backward taken as twice forward, the matmul rule of
     docs/cost-model.md §3.5). Each rank runs its slots in the schedule's order
-    (:func:`_orders`); a slot starts once its rank is free and its input has arrived: a forward
-    the previous stage's forward of that microbatch, a backward the next stage's backward (or
-    its own forward on the last stage)."""
-    ranks = len(pl.stages) // pl.virtual_stages
-    last = len(pl.stages) - 1
-    t = [st.predicted["compute_s"] + st.predicted["comm_s"] for st in pl.stages]
-    orders = _orders(pl.schedule, ranks, pl.virtual_stages, pl.microbatches)
-    # forward a third of a stage's time, backward the rest; a split backward (zero bubble) is
-    # B (its input's gradient) and W (its weights'), a third each (autoshard/schedules.py)
-    share = {"F": 1 / 3, "B": 2 / 3, "W": 0.0} if pl.schedule not in SPLIT_BACKWARD \
-        else {"F": 1 / 3, "B": 1 / 3, "W": 1 / 3}
-    done: dict[tuple[str, int, int], float] = {}
-    free, pos, slots = [0.0] * ranks, [0] * ranks, []
-    progress = True
-    while progress:
-        progress = False
-        for r in range(ranks):
-            while pos[r] < len(orders[r]):
-                kind, s, k = orders[r][pos[r]]
-                if kind == "F":
-                    ready = 0.0 if s == 0 else done.get(("F", s - 1, k))
-                elif kind == "W":
-                    ready = done.get(("B", s, k))
-                else:
-                    ready = done.get(("F", s, k) if s == last else ("B", s + 1, k))
-                if ready is None:
-                    break
-                start = max(free[r], ready)
-                dur = t[s] * share[kind]
-                done[(kind, s, k)] = free[r] = start + dur
-                slots.append(Slot(r, s, k, kind, start, dur))
-                pos[r] += 1
-                progress = True
-    assert all(pos[r] == len(orders[r]) for r in range(ranks)), "schedule order deadlocks"
-    return slots
+    (autoshard/schedules.py ``schedule_order``, torch's for the split-backward schedules); a
+    slot starts once its rank is free and its input has arrived: a forward the previous
+    stage's forward of that microbatch, a backward the next stage's backward (or its own
+    forward on the last stage), a weight pass its backward (``simulate_schedule``, which
+    prices the plan's stages the same way)."""
+    slots: list[tuple] = []
+    simulate_schedule(pl.schedule, pl.ranks, pl.microbatches,
+                      *_shares(pl, [st.predicted["compute_s"] + st.predicted["comm_s"]
+                                    for st in pl.stages]), slots=slots)
+    return [Slot(r, s, k, kind, start, seconds) for r, kind, s, k, start, seconds in slots]
 
 
-def _orders(schedule: str, p: int, v: int, m: int) -> list[list[tuple[str, int, int]]]:
-    """Per rank, its (kind, stage, microbatch) slots in the order the schedule runs them.
-    GPipe: every forward, then every backward. 1F1B (PipeDream-Flush): rank ``r`` warms up with
-    ``p - r`` forwards, then alternates backward and forward. Interleaved 1F1B (Megatron-LM,
-    Narayanan et al. 2021 §2.2.2): microbatches in groups of ``p``, each group through the
-    rank's first stage, then its next; ``2(p - r - 1) + (v - 1)p`` forwards of warm-up, then
-    one forward per backward, backwards taking the rank's stages last first. Interleaved zero
-    bubble and ZB-V: torch's own order of F, B and W (ScheduleInterleavedZeroBubble's,
-    ScheduleZBVZeroBubble's)."""
-    if schedule in SPLIT_BACKWARD:
-        return _zero_bubble_orders(schedule, p, m)
-    out = []
-    for r in range(p):
-        if schedule == "GPipe":
-            out.append([("F", r, k) for k in range(m)] + [("B", r, k) for k in range(m)])
-            continue
-        fwd, bwd = [], []
-        for g in range(0, m, p):
-            group = range(g, min(m, g + p))
-            fwd += [("F", c * p + r, k) for c in range(v) for k in group]
-            bwd += [("B", c * p + r, k) for c in reversed(range(v)) for k in group]
-        warm = min(len(fwd), p - r if v == 1 else 2 * (p - r - 1) + (v - 1) * p)
-        order, nf = fwd[:warm], warm
-        for b in bwd:
-            if v > 1 and nf < len(fwd):      # Megatron: the steady state's forward first
-                order.append(fwd[nf])
-                nf += 1
-                order.append(b)
-                continue
-            order.append(b)
-            if nf < len(fwd):
-                order.append(fwd[nf])
-                nf += 1
-        out.append(order)
-    return out
-
-
-def _zero_bubble_orders(schedule: str, p: int, m: int) -> list[list[tuple[str, int, int]]]:
-    """The split-backward schedule's actions per rank (2 stages per rank), computed as its
-    torch class's constructor computes them, without process groups."""
-    from types import SimpleNamespace
-    from torch.distributed.pipelining import schedules
-    from torch.distributed.pipelining.schedules import _ComputationType as C
-    ZB = {"InterleavedZeroBubble": schedules.ScheduleInterleavedZeroBubble,
-          "ZBVZeroBubble": schedules.ScheduleZBVZeroBubble}.get(schedule)
-    if ZB is None:
-        raise AutoshardError("a split-backward schedule whose order of actions the chart "
-                             "knows (InterleavedZeroBubble, ZBVZeroBubble)", got=repr(schedule),
-                             fix="draw the plan without its Gantt chart")
-    me = SimpleNamespace(n_local_stages=2, pp_group_size=p, _n_microbatches=m,
-                         number_of_rounds=max(1, m // p), num_stages=2 * p)
-    me.microbatches_per_round = m // me.number_of_rounds
-    kinds = {C.FORWARD: "F", C.BACKWARD_INPUT: "B", C.BACKWARD_WEIGHT: "W"}
-    return [[(kinds[a.computation_type], a.stage_index, a.microbatch_index)
-             for a in ZB._calculate_single_rank_operations(me, r) if a is not None]
-            for r in range(p)]
+def _shares(pl: Pipeline, seconds: list[float]) -> tuple[list[float], ...]:
+    """A stage's seconds per microbatch as F, B and W: forward a third, backward the rest; a
+    split backward (zero bubble, DualPipeV) is B (its input's gradient) and W (its weights'),
+    a third each (autoshard/schedules.py)."""
+    split = pl.schedule in SPLIT_BACKWARD
+    return ([t / 3 for t in seconds], [t * (1 if split else 2) / 3 for t in seconds],
+            [t / 3 if split else 0.0 for t in seconds])
 
 
 # ------------------------------------------------------------------------------------- drawing

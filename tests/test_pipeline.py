@@ -8,10 +8,11 @@ import json
 import pytest
 
 from autoshard import Mesh, Plan
-from autoshard.schedules import (SCHEDULES, VIRTUAL_STAGES, balanced_bubble,
-                                     bubble_fraction, fullest_stage, in_flight,
-                                     pipeline_seconds, rank_stages, schedule_seconds,
-                                     sends_between, zbv_excess, zero_bubble_idle)
+from autoshard.schedules import (SCHEDULES, SPLIT_BACKWARD, VIRTUAL_STAGES, balanced_bubble,
+                                 bubble_fraction, dualpipev_excess, fullest_stage, in_flight,
+                                 order_in_flight, pipeline_seconds, rank_stages,
+                                 schedule_order, schedule_seconds, sends_between,
+                                 simulate_schedule, zbv_excess, zero_bubble_idle)
 from autoshard.errors import AutoshardError
 from autoshard.verify import VerifySpec, plan_for, summarize, verify_rank
 from autoshard.zoo.registry import get_model
@@ -58,12 +59,13 @@ def _torch_order(p: int, m: int, schedule: str = "InterleavedZeroBubble") -> dic
     from torch.distributed.pipelining import schedules
     cls = {"InterleavedZeroBubble": schedules.ScheduleInterleavedZeroBubble,
            "Interleaved1F1B": schedules.ScheduleInterleaved1F1B,
-           "ZBVZeroBubble": schedules.ScheduleZBVZeroBubble}[schedule]
+           "ZBVZeroBubble": schedules.ScheduleZBVZeroBubble,
+           "DualPipeV": schedules.ScheduleDualPipeV}[schedule]
     me = SimpleNamespace(n_local_stages=2, pp_group_size=p, _n_microbatches=m,
                          number_of_rounds=max(1, m // p), num_stages=2 * p)
     me.microbatches_per_round = m // me.number_of_rounds
     me.pipeline_order = {r: cls._calculate_single_rank_operations(me, r) for r in range(p)}
-    if schedule in ("Interleaved1F1B", "ZBVZeroBubble"):
+    if schedule in ("Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"):
         return me.pipeline_order
     return cls._add_bubbles_to_actions(me, 2 * p)
 
@@ -86,32 +88,50 @@ def test_interleaved_1f1b_holds_what_torchs_order_keeps() -> None:
         assert peak == {s: in_flight("Interleaved1F1B", s, p, m) for s in range(2 * p)}, (p, m)
 
 
-def _run_order(order: dict, stages: int, f: float, b: float, w: float,
+def _run_order(order: dict, stages: int, f, b, w,
                scale: list[float] | None = None) -> tuple[float, dict]:
     """Each rank runs its actions in order, each once its inputs are done (F after the previous
     stage's F, B after its own F and the next stage's B, W after its B; no sends): the step's
-    seconds, and per stage the most microbatches between an F and its W. ``scale``: stage
-    ``s``'s durations times ``scale[s]``."""
+    seconds, and per stage the most microbatches between an F and its W. A whole backward
+    under a split-backward schedule is its B then its W, an overlapped F&B its F then that;
+    their results are handed on when the whole action ends. ``f``, ``b``, ``w``: seconds, one
+    for every stage or a list per stage; ``scale``: stage ``s``'s durations times
+    ``scale[s]``."""
     from torch.distributed.pipelining.schedules import _ComputationType as C
-    kinds = {C.FORWARD: ("F", f), C.BACKWARD_INPUT: ("B", b), C.BACKWARD_WEIGHT: ("W", w)}
-    todo = {r: [a for a in acts if a is not None] for r, acts in order.items()}
+
+    def per(x, s):
+        return (x[s] if isinstance(x, (list, tuple)) else x) * (scale[s] if scale else 1.0)
+
+    def parts(a):
+        t, s, k = a.computation_type, a.stage_index, a.microbatch_index
+        if t == C.OVERLAP_F_B:
+            return [x for sub in a.sub_actions for x in parts(sub)]
+        if t == C.FULL_BACKWARD:
+            return [("B", s, k), ("W", s, k)]
+        return [({C.FORWARD: "F", C.BACKWARD_INPUT: "B", C.BACKWARD_WEIGHT: "W"}[t], s, k)]
+
+    durations = {"F": f, "B": b, "W": w}
+    todo = {r: [parts(a) for a in acts if a is not None] for r, acts in order.items()}
     done, clock, live, peak = {}, dict.fromkeys(order, 0.0), {}, {}
     while any(todo.values()):
         moved = False
         for r, acts in todo.items():
             while acts:
-                s, kind, k = acts[0].stage_index, *kinds[acts[0].computation_type][:1], \
-                    acts[0].microbatch_index
-                needs = {"F": [("F", s - 1, k)] if s else [],
-                         "B": [("F", s, k)] + ([("B", s + 1, k)] if s < stages - 1 else []),
-                         "W": [("B", s, k)]}[kind]
-                if any(x not in done for x in needs):
+                needs = [[x for x in {"F": [("F", s - 1, k)] if s else [],
+                                      "B": [("F", s, k)] + ([("B", s + 1, k)]
+                                                            if s < stages - 1 else []),
+                                      "W": [("B", s, k)]}[kind] if x not in acts[0]]
+                         for kind, s, k in acts[0]]
+                if any(x not in done for xs in needs for x in xs):
                     break
-                clock[r] = max([clock[r]] + [done[x] for x in needs]) \
-                    + kinds[acts[0].computation_type][1] * (scale[s] if scale else 1.0)
-                done[(kind, s, k)] = clock[r]
-                live[s] = live.get(s, 0) + {"F": 1, "B": 0, "W": -1}[kind]
-                peak[s] = max(peak.get(s, 0), live[s])
+                t = clock[r]
+                for (kind, s, k), xs in zip(acts[0], needs):
+                    t = max([t] + [done[x] for x in xs]) + per(durations[kind], s)
+                    live[s] = live.get(s, 0) + {"F": 1, "B": 0, "W": -1}[kind]
+                    peak[s] = max(peak.get(s, 0), live[s])
+                for x in acts[0]:
+                    done[x] = t
+                clock[r] = t
                 acts.pop(0)
                 moved = True
         assert moved, "the order deadlocks"
@@ -199,6 +219,146 @@ def test_zbv_matches_torchs_schedule() -> None:
     assert [sends_between("ZBVZeroBubble", 4, s) for s in range(7)] == [True] * 3 + [False] + \
         [True] * 3
     assert all(sends_between("InterleavedZeroBubble", 4, s) for s in range(7))
+
+
+def _torch_single_order(p: int, m: int, schedule: str) -> dict:
+    """The order of actions of torch's one-stage-per-rank schedules: ScheduleGPipe's as its
+    ``_get_pipeline_order`` writes it; Schedule1F1B's as its ``_step_microbatches`` runs it,
+    ``min(m, p - r)`` forwards, then a backward and a forward in turn (its
+    ``_get_pipeline_order``, a picture of the schedule, numbers the last rank's forwards from
+    1: not what runs)."""
+    from types import SimpleNamespace
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType as C
+    if schedule == "GPipe":
+        order = schedules.ScheduleGPipe._get_pipeline_order(
+            SimpleNamespace(_num_stages=p, _n_microbatches=m))
+        return {r: [a for a in acts if a is not None and a.computation_type in
+                    (C.FORWARD, C.FULL_BACKWARD)] for r, acts in order.items()}
+    out = {}
+    for r in range(p):
+        warm = min(m, p - r)
+        acts = [_Action(r, C.FORWARD, k) for k in range(warm)]
+        for k in range(m):
+            acts.append(_Action(r, C.FULL_BACKWARD, k))
+            if warm + k < m:
+                acts.append(_Action(r, C.FORWARD, warm + k))
+        out[r] = acts
+    return out
+
+
+def test_simulation_is_the_closed_forms_where_they_hold() -> None:
+    """simulate_schedule runs a schedule's order of actions one by one; with balanced stages it
+    takes each closed form's time where that form is exact: every m for GPipe and 1F1B, m a
+    multiple of p for the interleaved ones, m <= p or m >= 2p - 1 for ZB-V, any m from 2p for
+    DualPipeV. Without a split backward B is the whole backward (W's seconds added to it)."""
+    durations = [(1.0, 1.0, 1.0), (1.0, 2.0, 0.5), (1.0, 0.5, 1.5), (0.7, 1.3, 1.1),
+                 (2.0, 1.0, 0.0)]
+    for schedule in SCHEDULES:
+        v = VIRTUAL_STAGES[schedule]
+        for p in (2, 3, 4):
+            n = p * v
+            for m in range(1, 4 * p + 2):
+                if not {"Interleaved1F1B": m % p == 0, "InterleavedZeroBubble": m % p == 0,
+                        "ZBVZeroBubble": m <= p or m >= 2 * p - 1,
+                        "DualPipeV": m >= 2 * p}.get(schedule, True):
+                    continue
+                for f, b, w in durations:
+                    step = simulate_schedule(schedule, p, m, [f] * n, [b] * n, [w] * n)
+                    assert step == pytest.approx(schedule_seconds(
+                        [f + b + w] * n, m, p, schedule, forward_s=[f] * n,
+                        weight_s=[w] * n)), (schedule, p, m, f, b, w)
+
+
+def test_simulation_runs_torchs_order_with_uneven_stages() -> None:
+    """Uneven stages: simulate_schedule takes the time of torch's own order of actions run one
+    by one (``_run_order``, written apart from it), for every schedule, each stage with its own
+    F, B and W seconds; and it is the makespan worked out by hand on two small cases, where the
+    closed form is not (GPipe with a stage slow forward and the other slow backward) or where a
+    send adds its latency on the way (1F1B, one microbatch)."""
+    import random
+    rng = random.Random(2)
+    for schedule in SCHEDULES:
+        v = VIRTUAL_STAGES[schedule]
+        split = schedule in SPLIT_BACKWARD
+        for p in (2, 3, 4):
+            n = p * v
+            for m in sorted({p, 2 * p, 2 * p + 1, 3 * p}):
+                if (v > 1 and not split or schedule == "InterleavedZeroBubble") and m % p \
+                        or schedule == "DualPipeV" and m < 2 * p:
+                    continue
+                order = _torch_order(p, m, schedule) if v > 1 else \
+                    _torch_single_order(p, m, schedule)
+                if not split:      # the one schedule_order writes itself: torch's, action by action
+                    assert [[((a.computation_type.value, a.stage_index, a.microbatch_index),)
+                             for a in order[r] if a is not None] for r in range(p)] == \
+                        [list(acts) for acts in schedule_order(schedule, p, m)], (schedule, p, m)
+                for _ in range(3):
+                    f, b, w = ([rng.uniform(0.1, 2.0) for _ in range(n)] for _ in range(3))
+                    if not split:
+                        w = [0.0] * n
+                    step, peak = _run_order(order, n, f, b, w)
+                    assert simulate_schedule(schedule, p, m, f, b, w) == pytest.approx(step), \
+                        (schedule, p, m)
+                if split:   # the microbatches a stage holds from F to W, by either count
+                    assert tuple(peak[s] for s in range(n)) == order_in_flight(schedule, p, m)
+    # GPipe, 2 stages, 2 microbatches, F = (2, 1), B = (1, 2): forwards end at 2, 4 on rank 0
+    # and 3, 5 on rank 1; its backwards 5-7, 7-9; rank 0's 7-8, then 9-10. The closed form,
+    # both stages 3 s per microbatch: 3 + 3 + 3 = 9.
+    assert simulate_schedule("GPipe", 2, 2, [2.0, 1.0], [1.0, 2.0]) == pytest.approx(10.0)
+    assert schedule_seconds([3.0, 3.0], 2, 2, "GPipe") == pytest.approx(9.0)
+    # 1F1B, one microbatch, every F and B 1 s, 0.5 s to cross the cut: F 0-1, F 1.5-2.5,
+    # B 2.5-3.5, B 4-5.
+    assert simulate_schedule("1F1B", 2, 1, [1.0, 1.0], [1.0, 1.0], send=[0.5]) == \
+        pytest.approx(5.0)
+
+
+def test_dualpipev_matches_torchs_schedule() -> None:
+    """DualPipeV (REFERENCE: DeepSeek-V3 Technical Report, arXiv 2412.19437 §3.2.1 and Table 2;
+    the deepseek-ai/DualPipe README's DualPipeV row: bubble (PP/2 - 1)(F&B + B - 3W), activations
+    PP + 1 per device, PP stages on PP/2 devices; torch's ScheduleDualPipeV): rank r runs stages
+    r and 2p - 1 - r, and torch's order of actions, each overlapped F&B run as the F then the
+    full backward (as torch's runtime runs it), takes 2m(f + b + w) + dualpipev_excess with
+    balanced stages for every m >= 2p: the README's bubble when F = B = W (PP = 2p, F&B =
+    F + B, B the full backward b + w), not otherwise. Stage s holds 2p - s microbatches from F
+    to W: 2p + 1 per rank, the README's PP + 1. Fewer than 2p microbatches are refused."""
+    import random
+    rng = random.Random(0)
+    durations = [(1.0, 1.0, 1.0), (1.0, 2.0, 0.5), (1.0, 0.5, 1.5), (0.7, 1.3, 1.1),
+                 (2.0, 1.0, 1.0), (1.0, 1.0, 3.0), (1.0, 1.0, 0.0)]
+    durations += [tuple(rng.uniform(0.1, 3.0) for _ in range(3)) for _ in range(6)]
+    for p in (2, 3, 4, 5):
+        assert [rank_stages("DualPipeV", p, r) for r in range(p)] == \
+            [(r, 2 * p - 1 - r) for r in range(p)]
+        assert [sends_between("DualPipeV", p, s) for s in range(2 * p - 1)] == \
+            [sends_between("ZBVZeroBubble", p, s) for s in range(2 * p - 1)]
+        for m in range(2 * p, 3 * p + 2):
+            order = _torch_order(p, m, "DualPipeV")
+            assert all({a.stage_index for a in acts if a.sub_actions is None}
+                       == set(rank_stages("DualPipeV", p, r)) for r, acts in order.items())
+            for f, b, w in durations:
+                step, peak = _run_order(order, 2 * p, f, b, w)
+                assert step == pytest.approx(2 * m * (f + b + w) + dualpipev_excess(f, b, w, p))
+                assert step == pytest.approx(schedule_seconds(
+                    [f + b + w] * (2 * p), m, p, "DualPipeV", forward_s=[f] * (2 * p),
+                    weight_s=[w] * (2 * p))), (p, m, f, b, w)
+            assert peak == {s: in_flight("DualPipeV", s, p, m) == 2 * p - s and 2 * p - s
+                            for s in range(2 * p)}
+            assert all(sum(peak[s] for s in rank_stages("DualPipeV", p, r)) == 2 * p + 1
+                       for r in range(p))
+        # the README's bubble, PP = 2p: (p - 1)(F&B + B - 3W), F&B = f + (b + w), B = b + w
+        readme = (p - 1) * ((1.0 + 2.0) + 2.0 - 3 * 1.0)
+        assert dualpipev_excess(1.0, 1.0, 1.0, p) == pytest.approx(readme)
+        # not otherwise: with b = 2, w = 0.5, one F under it (a B longer than W leaves less)
+        readme = (p - 1) * ((1.0 + 2.5) + 2.5 - 3 * 0.5)
+        assert dualpipev_excess(1.0, 2.0, 0.5, p) == pytest.approx(readme - 1.0)
+    # With F = B = W it idles twice ZB-V's (torch runs the pair's F and B one after the other;
+    # DeepSeek overlaps their communication, not the two computations)
+    assert dualpipev_excess(1.0, 1.0, 1.0, 4) == 2 * zbv_excess(1.0, 1.0, 1.0, 4, 16) == 6.0
+    assert balanced_bubble("DualPipeV", 4, 16) > balanced_bubble("ZBVZeroBubble", 4, 16)
+    for bad in (1, 7):
+        with pytest.raises(AutoshardError, match="at least 8 microbatches for DualPipeV"):
+            simulate_schedule("DualPipeV", 4, bad, [1.0] * 8, [1.0] * 8, [1.0] * 8)
 
 
 # -- the planner ------------------------------------------------------------------------------
@@ -341,11 +501,19 @@ CASES = [("gpt2-tiny", (2,), ("pp",), "1F1B", 2, "cpu"),
          ("gpt2-tiny-4l", (2,), ("pp",), "ZBVZeroBubble", 2, "cpu"),
          ("llama-tiny-4l", (2,), ("pp",), "ZBVZeroBubble", 4, "cpu"),
          ("gpt2-tiny-4l", (2, 2), ("pp", "tp"), "ZBVZeroBubble", 2, "stress"),
-         ("llama-tiny-4l", (2, 2), ("pp", "tp"), "ZBVZeroBubble", 4, "stress")]
+         ("llama-tiny-4l", (2, 2), ("pp", "tp"), "ZBVZeroBubble", 4, "stress"),
+         # DualPipeV: the V of ZB-V, at least one microbatch per stage, some backwards whole
+         # and overlapped with a forward (torch runs the pair one after the other), the rest
+         # split; GPT-2's tied head and embedding one copy on rank 0, whose bucket waits for
+         # both stages' last backward (whole on stage 3, split on stage 0)
+         ("gpt2-tiny-4l", (2,), ("pp",), "DualPipeV", 4, "cpu"),
+         ("llama-tiny-4l", (2,), ("pp",), "DualPipeV", 4, "cpu"),
+         ("gpt2-tiny-4l", (2, 2), ("pp", "tp"), "DualPipeV", 4, "stress"),
+         ("llama-tiny-4l", (2, 2), ("pp", "tp"), "DualPipeV", 4, "stress")]
 
 
-def check(world, model: str, plan: Plan) -> dict:
-    spec = VerifySpec(model, plan.mesh_shape, plan.mesh_axes, plan.dumps())
+def check(world, model: str, plan: Plan, batch: int | None = None) -> dict:
+    spec = VerifySpec(model, plan.mesh_shape, plan.mesh_axes, plan.dumps(), batch=batch)
     reports = world.run(verify_rank, spec)
     ok, text = summarize(reports, 1e-5)
     assert ok, text
@@ -387,15 +555,18 @@ def test_a_tied_weight_under_zero2_is_summed_across_stages(world4) -> None:
 @pytest.mark.parametrize("model,schedule", [("llama-tiny", "1F1B"),
                                             ("llama-tiny-4l", "Interleaved1F1B"),
                                             ("llama-tiny-4l", "InterleavedZeroBubble"),
-                                            ("llama-tiny-4l", "ZBVZeroBubble")])
+                                            ("llama-tiny-4l", "ZBVZeroBubble"),
+                                            ("llama-tiny-4l", "DualPipeV")])
 def test_data_pipeline_tensor_on_eight_ranks(world8, model, schedule) -> None:
     """`autoshard verify llama-tiny --mesh 2x2x2 --axes dp,pp,tp --pipeline pp`: data parallel
     gradient buckets per stage (two stages per rank interleaved), synced once per step; under
     the zero-bubble schedule every weight's gradient reaches its bucket in the weight pass."""
+    # DualPipeV takes a microbatch per stage at least: 4 of 2 rows each, split over dp
+    batch, m = (8, 4) if schedule == "DualPipeV" else (None, 2)
     plan = plan_for(model, Mesh((2, 2, 2), ("dp", "pp", "tp"), cluster="stress"),
-                    pipeline="pp", schedule=schedule, microbatches=2)
+                    pipeline="pp", schedule=schedule, microbatches=m, batch=batch)
     assert any(c.members for c in plan.collectives)
-    check(world8, model, plan)
+    check(world8, model, plan, batch=batch)
 
 
 def test_zero_bubble_in_the_search() -> None:
@@ -456,19 +627,28 @@ def test_v_cuts_balance_stages_within_each_ranks_memory() -> None:
         assert score(bounds) == pytest.approx(min(scores))
 
 
-def test_zbv_closed_form_holds_for_balanced_stages_only() -> None:
-    """Why the V's cuts balance stages, not just ranks (docs/cost-model.md §10): GPT-3 175B's
-    96 layers on 16 ranks as 32 stages of 3 run torch's ZB-V order in the closed form's time;
-    as a 1-layer and a 5-layer stage on every rank (the same load per rank) they run 12%
-    longer than the closed form prices them."""
+def test_zbv_uneven_stages_are_priced_by_their_order() -> None:
+    """Why the V's cuts balance stages, not just ranks, and how the plan prices the cut it keeps
+    (docs/cost-model.md §10): GPT-3 175B's 96 layers on 16 ranks as 32 stages of 3 run torch's
+    ZB-V order in the closed form's time; as a 1-layer and a 5-layer stage on every rank (the
+    same load per rank) they run 12% longer than the closed form says. The planner's price of a
+    cut (solver/pipeline.py ``_schedule_seconds``) is that order run with the stages' own
+    seconds (``simulate_schedule``): the plan's prediction is the run's time in both cases."""
+    from autoshard.solver.pipeline import _schedule_seconds
     p, m = 16, 64
     order = _torch_order(p, m, "ZBVZeroBubble")
     for layers, over in (([3] * 32, 1.0), ([1] * 16 + [5] * 16, 1.12)):
-        ran, _ = _run_order(order, 2 * p, 1.0, 1.0, 1.0, scale=[float(x) for x in layers])
-        priced = schedule_seconds([3.0 * x for x in layers], m, p, "ZBVZeroBubble",
-                                  forward_s=[float(x) for x in layers],
-                                  weight_s=[float(x) for x in layers])
-        assert ran / priced == pytest.approx(over, abs=0.005)
+        scale = [float(x) for x in layers]
+        ran, _ = _run_order(order, 2 * p, 1.0, 1.0, 1.0, scale=scale)
+        closed = schedule_seconds([3.0 * x for x in layers], m, p, "ZBVZeroBubble",
+                                  forward_s=scale, weight_s=scale)
+        assert ran / closed == pytest.approx(over, abs=0.005)
+        figures = [{"compute_s": 3.0 * x, "comm_s": 0.0, "forward_s": x, "weight_s": x}
+                   for x in scale]
+        assert _schedule_seconds(figures, m, p, "ZBVZeroBubble", comm=True) == \
+            pytest.approx(ran, rel=1e-12)
+        assert simulate_schedule("ZBVZeroBubble", p, m, scale, scale, scale) == \
+            pytest.approx(ran, rel=1e-12)
 
 
 def test_zbv_in_the_search() -> None:
@@ -498,6 +678,47 @@ def test_zbv_in_the_search() -> None:
         plan_for("gpt2-tiny", mesh, schedule="ZBVZeroBubble", **kw)
     with pytest.raises(AutoshardError, match="without activation checkpointing"):
         plan_for("gpt2-tiny-4l", mesh, schedule="ZBVZeroBubble", recompute="full", **kw)
+
+
+def test_dualpipev_in_the_search() -> None:
+    """DualPipeV: placed as ZB-V (rank 0: stages 0 and 3, rank 1: 1 and 2, handed from one to
+    the other in memory), so the plan's sends are the V's, once per microbatch each way, each
+    of the values crossing its cut: GPT-2's residual stream of a microbatch forward (1 row x 16
+    x 32 fp32) with its labels (16 int64), its gradient backward; the tied head is one copy on
+    rank 0 (no all-reduce). At least a microbatch per stage: asked for fewer, the planner and a
+    plan file say so and how to fix it, and "auto" leaves it out; else "auto" is never slower.
+    Too few layers or a recomputed layer are refused as for ZB-V."""
+    mesh = Mesh((2,), ("pp",), cluster="cpu")
+    kw = dict(pipeline="pp", microbatches=4)
+    dpv = plan_for("gpt2-tiny-4l", mesh, schedule="DualPipeV", **kw)
+    pl = dpv.pipeline
+    assert (pl.schedule, pl.virtual_stages, pl.stages_of(0), pl.stages_of(1)) == \
+        ("DualPipeV", 2, (0, 3), (1, 2))
+    assert [st.layers for st in pl.stages] == [(f"layers.{i}",) for i in range(4)]
+    sends = {c.node: c for c in dpv.collectives if c.kind == "send_recv"}
+    stream, labels = 1 * 16 * 32 * 4, 16 * 8
+    assert {k: (c.bytes, c.count, c.axes, c.stage) for k, c in sends.items()} == {
+        "stage0->stage1": (stream + labels, 4, ("pp",), 0),
+        "stage1->stage0": (stream, 4, ("pp",), 1),
+        "stage2->stage3": (stream + labels, 4, ("pp",), 2),
+        "stage3->stage2": (stream, 4, ("pp",), 3)}
+    assert not any(c.node.startswith("tied:") for c in dpv.collectives)
+    assert "DualPipeV, 4 microbatches, 4 stages on 2 ranks" in dpv.summary()
+    assert Plan.loads(dpv.dumps()) == dpv
+    auto = plan_for("gpt2-tiny-4l", mesh, **kw)
+    assert auto.predicted["step_time_s"] <= dpv.predicted["step_time_s"] + 1e-12
+    few = plan_for("gpt2-tiny-4l", mesh, pipeline="pp", microbatches=2)
+    assert few.pipeline.schedule != "DualPipeV"
+    with pytest.raises(AutoshardError, match="at least 4 microbatches for DualPipeV on 2 ranks"):
+        plan_for("gpt2-tiny-4l", mesh, schedule="DualPipeV", pipeline="pp", microbatches=2)
+    d = json.loads(dpv.dumps())
+    d["pipeline"]["microbatches"] = 2
+    with pytest.raises(AutoshardError, match="microbatches at least 4 under DualPipeV"):
+        Plan.loads(json.dumps(d))
+    with pytest.raises(AutoshardError, match="at least 4 layers for DualPipeV"):
+        plan_for("gpt2-tiny", mesh, schedule="DualPipeV", **kw)
+    with pytest.raises(AutoshardError, match="without activation checkpointing"):
+        plan_for("gpt2-tiny-4l", mesh, schedule="DualPipeV", recompute="full", **kw)
 
 
 def test_auto_pipeline_keeps_the_faster_and_records_the_search() -> None:

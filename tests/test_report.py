@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from autoshard.cli import main
-from autoshard.schedules import schedule_seconds
+from autoshard.schedules import SCHEDULES, SPLIT_BACKWARD, VIRTUAL_STAGES, schedule_seconds
 from autoshard.ir import spec_str
 from autoshard.mesh import Mesh
 from autoshard.plans import Pipeline, Plan, Stage
@@ -111,20 +111,21 @@ def test_layer_map_shows_what_the_plan_records(main_job) -> None:
 
 
 def _pipeline(schedule: str, p: int, m: int, seconds: list[float] | None = None) -> Pipeline:
-    v = 2 if schedule.startswith("Interleaved") or schedule == "ZBVZeroBubble" else 1
+    v = VIRTUAL_STAGES[schedule]
     seconds = seconds or [0.3] * (p * v)
     return Pipeline("pp", schedule, m, tuple(
         Stage(i, (f"l.{i}",), {"compute_s": t * 0.9, "comm_s": t * 0.1, "peak_memory_bytes": 0})
         for i, t in enumerate(seconds)), v)
 
 
-@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B",
-                                      "InterleavedZeroBubble", "ZBVZeroBubble"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_gantt_follows_the_schedule(schedule) -> None:
-    # F, B and W slots: torch's order
-    split = schedule in ("InterleavedZeroBubble", "ZBVZeroBubble")
+    # F, B and W slots: torch's order (DualPipeV: from 2p microbatches, a full backward a B
+    # and its W back to back, an overlapped F&B an F, a B and a W)
+    split = schedule in SPLIT_BACKWARD
     for p in (2, 3, 4):
-        for m in ((p, 2 * p, 4 * p) if split else (1, 2, 3, p, 2 * p, 4 * p + 1)):
+        for m in ((2 * p, 2 * p + 1, 4 * p) if schedule == "DualPipeV" else
+                  (p, 2 * p, 4 * p) if split else (1, 2, 3, p, 2 * p, 4 * p + 1)):
             pl = _pipeline(schedule, p, m)
             slots = gantt_slots(pl)
             assert len(slots) == (3 if split else 2) * m * len(pl.stages)

@@ -10,14 +10,14 @@ across stages is held by every stage reading it, its gradients all-reduced after
 microbatch, as Megatron-LM does for its tied embedding). torch.distributed.pipelining's
 ``PipelineStage`` sends and receives the crossing values over the pipeline axis's process
 group, its ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` /
-``ScheduleInterleavedZeroBubble`` / ``ScheduleZBVZeroBubble`` run the microbatches (the last
-places a rank's stages as a V and hands a microbatch from stage ``p - 1`` to stage ``p``, both
-on one rank, without a send); the loss of each is the last stage's
-output divided by the number of microbatches (the step's loss is their mean; no gradient scaling
-afterwards), and the last stage's sum is all-reduced over the pipeline axis so every rank
-returns it. Gradient buckets are held over the microbatches and synced once, in the last one's
-backward (codegen/buckets.py ``defer``), or under the zero-bubble schedule's split backward
-after the last one's weight pass (:class:`StageModule`). The sends are counted in the byte
+``ScheduleInterleavedZeroBubble`` / ``ScheduleZBVZeroBubble`` / ``ScheduleDualPipeV`` run the
+microbatches (the last two place a rank's stages as a V and hand a microbatch from stage
+``p - 1`` to stage ``p``, both on one rank, without a send); the loss of each is the last
+stage's output divided by the number of microbatches (the step's loss is their mean; no
+gradient scaling afterwards), and the last stage's sum is all-reduced over the pipeline axis so
+every rank returns it. Gradient buckets are held over the microbatches and synced once, in the
+last one's backward (codegen/buckets.py ``defer``), or under a split backward after the last
+one's weight pass or whole backward (:class:`StageModule`). The sends are counted in the byte
 ledger as they are issued.
 """
 from __future__ import annotations
@@ -34,6 +34,7 @@ from autoshard.codegen.collectives import ExecutedCollective
 from autoshard.ir import local_shape
 from autoshard.plans import Plan
 from autoshard.cost.reshards import grad_values
+from autoshard.schedules import SPLIT_BACKWARD
 
 
 def cut(gm: fx.GraphModule, stages: int, input_names: list[str]
@@ -195,7 +196,8 @@ class Pipelined:
     and returns the step's loss on every rank."""
 
     def __init__(self, pm: Any, programs: list, device: torch.device) -> None:
-        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
+                                                  ScheduleDualPipeV, ScheduleGPipe,
                                                   ScheduleInterleaved1F1B,
                                                   ScheduleInterleavedZeroBubble,
                                                   ScheduleZBVZeroBubble)
@@ -220,6 +222,7 @@ class Pipelined:
         # Per bucketed parameter, this rank's stages whose weight passes are still to finish
         # before it syncs: every stage of the rank reading it (under a V, a weight tied across
         # stages 0 and 2p - 1 is one copy on rank 0, in one bucket, its gradient from both).
+        split = pl.schedule in SPLIT_BACKWARD
         mine_members = {x for k in self.mine for x in members.get(k, ())}
         waiting = {x: {k for k in self.mine if x in programs[k][1]} for x in mine_members}
 
@@ -240,10 +243,18 @@ class Pipelined:
 
             def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
                                    last_backward=False):
-                with _held(buckets, not last_backward):
-                    return super().backward_one_chunk(bwd_chunk_id, loss=loss,
-                                                      full_backward=full_backward,
-                                                      last_backward=last_backward)
+                # Under a split backward a stage's last backward may be whole (DualPipeV runs
+                # some backwards whole): held too, then synced once its rank's other stage
+                # reading the same weight (a V's tied head) is done with it, as after a weight
+                # pass.
+                release = split and last_backward
+                with _held(buckets, not last_backward or release):
+                    out = super().backward_one_chunk(bwd_chunk_id, loss=loss,
+                                                     full_backward=full_backward,
+                                                     last_backward=last_backward)
+                if release and buckets is not None:
+                    buckets.release(finished(self.stage_index))
+                return out
 
             def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
                 # A split backward's weight pass (the zero-bubble schedules): one autograd run
@@ -284,7 +295,8 @@ class Pipelined:
         cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B,
                "Interleaved1F1B": ScheduleInterleaved1F1B,
                "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
-               "ZBVZeroBubble": ScheduleZBVZeroBubble}[pl.schedule]
+               "ZBVZeroBubble": ScheduleZBVZeroBubble,
+               "DualPipeV": ScheduleDualPipeV}[pl.schedule]
         # the multi-stage schedules take every stage of the rank, the others its one
         self.schedule = cls(self.pstages if pl.virtual_stages > 1 else self.pstages[0],
                             n_microbatches=m, loss_fn=lambda out, _: out / m, scale_grads=False)

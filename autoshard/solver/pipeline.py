@@ -9,8 +9,9 @@ layer's seconds per microbatch and its memory, and a dynamic program over the cu
 stage construction, Zheng et al. 2022, arXiv 2201.12023 §5, here on one axis) picks the stages
 that minimise the slowest one within the device memory, with each schedule's microbatches in
 flight (autoshard/schedules.py). The step: the schedule's forward and backward over every
-microbatch, then the slowest stage's gradient sync (its buckets run once, after the last
-microbatch) and optimizer step. The SPMD plan is chosen for one microbatch's run, which bears
+microbatch, its order of actions run with the stages' own seconds (``simulate_schedule``), then
+the slowest stage's gradient sync (its buckets run once, after the last microbatch) and
+optimizer step. The SPMD plan is chosen for one microbatch's run, which bears
 1/m of the gradient sync and optimizer step (cost/price.py ``step_share``), as the pipelined
 step does.
 """
@@ -32,8 +33,8 @@ from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions
 from autoshard.plans import CollectiveRecord, NodePlan, Pipeline, Plan, Stage
 from autoshard.schedules import (SCHEDULES, SPLIT_BACKWARD, V_PLACED, VIRTUAL_STAGES,
-                                 fullest_stage, in_flight, rank_stages, schedule_seconds,
-                                 sends_between, stage_rank)
+                                 check_microbatches, fullest_stage, in_flight, rank_stages,
+                                 sends_between, simulate_schedule, stage_rank)
 from autoshard.trace.export import TracedGraph
 from autoshard.trace.graph import value_inputs
 from autoshard.trace.layers import stages_of
@@ -81,6 +82,8 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
         raise AutoshardError("a number of microbatches here", got=repr(m),
                              fix="autoshard.plan and the CLI choose it; pass an int to "
                                  "plan_traced")
+    if options.schedule != "auto":
+        check_microbatches(options.schedule, p, m)
     sub = sub_mesh(mesh, a)
     budget = mesh.cluster.memory_bytes if options.memory_budget is None else options.memory_budget
     # The sub-plan holds every layer's state where a stage holds 1/p of it: its bound is the
@@ -168,6 +171,7 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
     else:
         schedules = tuple(x for x in SCHEDULES if L >= p * VIRTUAL_STAGES[x]
                           and not (_needs_rounds(x) and m % p)
+                          and not (x == "DualPipeV" and m < 2 * p)
                           and not (x in SPLIT_BACKWARD and recomputed))
     best = None
     for schedule in schedules:
@@ -177,6 +181,9 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
         tries = [cuts]
         if schedule in V_PLACED:
             tries.append(_cuts_v(secs, comm, send, state, acts, p, m, schedule, budget))
+        # Each cut priced by running the schedule's order with its stages' own seconds
+        # (``_schedule_seconds``): the closed forms the cut search balances hold for balanced
+        # stages only.
         priced = []
         for c in (c for c in tries if c is not None):
             f = _stage_figures(c, secs, comm, send, state, acts, opt, sync, fwd, wgt, p, m,
@@ -209,8 +216,8 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
 
 def _needs_rounds(schedule: str) -> bool:
     """Whether ``schedule`` takes microbatches in rounds of ``p`` (the looped interleaved
-    schedules, as Megatron-LM's; torch's ZB-V takes any number, pricing it in
-    autoshard/schedules.py ``schedule_seconds``)."""
+    schedules, as Megatron-LM's; torch's ZB-V takes any number, DualPipeV any from ``2p``:
+    autoshard/schedules.py ``check_microbatches``)."""
     return VIRTUAL_STAGES[schedule] > 1 and schedule not in V_PLACED
 
 
@@ -250,15 +257,18 @@ def _boundary_bytes(traced: TracedGraph, where: dict[str, int], strategies: dict
 
 def _schedule_seconds(figures: list[dict], m: int, ranks: int, schedule: str, *,
                       comm: bool) -> float:
-    """The schedule's forward and backward over ``m`` microbatches (autoshard/schedules.py), of
-    the stages' compute, and their communication with ``comm``. A split backward's F is a stage's
-    forward and W its weights' gradient (``_stage_figures``); its communication (collectives
-    and sends, forward and backward about alike) counts half with F, half with B, none with
-    W."""
+    """The schedule's forward and backward over ``m`` microbatches, of the stages' compute, and
+    their communication with ``comm``: its order of actions run with each stage's own F, B and W
+    seconds (autoshard/schedules.py ``simulate_schedule``; exact for uneven stages, where the
+    closed forms are not). F is a stage's forward and, under a split backward, W its weights'
+    gradient (``_stage_figures``); its communication (collectives and sends, forward and
+    backward about alike) counts half with F, half with B, none with W. Without a split
+    backward B is the rest, the whole backward."""
     total = [f["compute_s"] + (f["comm_s"] if comm else 0.0) for f in figures]
     forward = [f["forward_s"] + (f["comm_s"] / 2 if comm else 0.0) for f in figures]
-    return schedule_seconds(total, m, ranks, schedule, forward_s=forward,
-                            weight_s=[f["weight_s"] for f in figures])
+    weight = [f["weight_s"] if schedule in SPLIT_BACKWARD else 0.0 for f in figures]
+    backward = [t - x - y for t, x, y in zip(total, forward, weight)]
+    return simulate_schedule(schedule, ranks, m, forward, backward, weight)
 
 
 def _per_rank(figures: list[dict], ranks: int, schedule: str, *keys: str) -> float:
@@ -312,8 +322,9 @@ def _cuts_v(secs, comm, send, state, acts, p: int, m: int, schedule: str, budget
     rank's memory; but a rank's early stage keeps ``2p - r`` microbatches and its late one
     ``r + 1``, so the early one may take more than half. Stages stay balanced, not only ranks:
     torch's order of actions runs a rank's two stages in turn, and with uneven ones (1 layer
-    and 5 on every rank of GPT-3 175B) it idles 12% beyond the closed form, which is exact for
-    balanced stages (autoshard/schedules.py). A dynamic program over the ranks from the outside
+    and 5 on every rank of GPT-3 175B) it idles 12% beyond the same ranks' balanced time (the
+    plan prices the cut it keeps by running that order: autoshard/schedules.py
+    ``simulate_schedule``). A dynamic program over the ranks from the outside
     in, on (left cut, right cut) pairs, a stage at most ``width`` layers wide (vectorised over
     the pairs)."""
     import numpy as np
