@@ -209,12 +209,28 @@ def test_a_backend_without_a_proven_optimum_hands_over_to_the_next(monkeypatch) 
     sol = solve(chain(), time_limit_s=8.0)
     assert [b for b, _ in calls] == ["CBC", "HIGHS"] and calls[0][1] == 4.0
     assert sol.status == "OPTIMAL" and sol.objective == pytest.approx(5.0, rel=REL)
-    # infeasibility CBC proves well before its limit is not tried again
+    # infeasibility CBC proves well before its limit is not tried again: here the switch's
+    # saved copy (edge memory) is what does not fit, which no decision's own memory shows
     calls.clear()
     monkeypatch.setattr(ilp, "_attempt", lambda *a: calls.append(a[1][0]) or real(*a))
+    p = replace(two_ways(3), memory_budget=33.5)
+    p = replace(p, edges=(replace(p.edges[0], memory=((1.0, 1.0), (1.0, 1.0))),))
     with pytest.raises(Infeasible):
-        solve(replace(two_ways(3), memory_budget=32.9), time_limit_s=8.0)
+        solve(p, time_limit_s=8.0)
     assert calls == ["CBC"]
+
+
+def test_a_budget_below_every_decisions_least_memory_is_refused_without_a_search(
+        monkeypatch) -> None:
+    """Every decision at its leanest already over the budget: Infeasible at once, with the
+    least memory, and no step-time MIP run (on a memory-bound 70B model each ran to its time
+    limit before it said so)."""
+    from autoshard.solver import ilp
+    calls = []
+    monkeypatch.setattr(ilp, "_attempt", lambda *a: calls.append(a[1][0]))
+    with pytest.raises(Infeasible) as e:
+        solve(replace(two_ways(3), memory_budget=32.9), time_limit_s=8.0)
+    assert calls == [] and e.value.exact and e.value.least_memory == pytest.approx(33.0)
 
 
 def test_time_limit_without_a_plan_is_not_reported_as_infeasible(monkeypatch) -> None:

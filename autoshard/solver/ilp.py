@@ -89,14 +89,9 @@ def least_memory_plan(problem: Problem, *, time_limit_s: float = 30.0) -> LeastM
     """The least memory of any assignment. Without memory on edges, memory depends on the
     decisions alone: each decision's least-memory strategy, exactly. With it, a MIP that
     minimises memory; if that MIP does not finish in time, the per-decision minimum, a bound."""
-    pins: dict[int, set[int]] = {}
-    for g, i in problem.fixed:
-        pins.setdefault(g, set()).add(i)
-    if any(len(v) > 1 for v in pins.values()):
+    bound, leanest = _leanest(problem)
+    if leanest is None:
         return LeastMemory(float("inf"), True, None)   # two strategies pinned on one decision
-    leanest = tuple(min(pins.get(g, range(len(dec.memory))), key=lambda i: dec.memory[i])
-                    for g, dec in enumerate(problem.decisions))
-    bound = sum(dec.multiplicity * dec.memory[i] for dec, i in zip(problem.decisions, leanest))
     if not any(e.memory for e in (*problem.edges, *problem.fanouts)):
         return LeastMemory(bound, True, leanest)
     m = _Model(problem)
@@ -106,6 +101,21 @@ def least_memory_plan(problem: Problem, *, time_limit_s: float = 30.0) -> LeastM
         choice = m.choice()
         return LeastMemory(evaluate(problem, choice)[1], True, choice)
     return LeastMemory(bound, False, None)
+
+
+def _leanest(problem: Problem) -> tuple[float, tuple[int, ...] | None]:
+    """Each decision's least-memory strategy (within its pins) and their memory: the least
+    memory of any assignment without memory on edges, a lower bound with it (edges and fanouts
+    only add memory). ``(inf, None)`` when two strategies are pinned on one decision."""
+    pins: dict[int, set[int]] = {}
+    for g, i in problem.fixed:
+        pins.setdefault(g, set()).add(i)
+    if any(len(v) > 1 for v in pins.values()):
+        return float("inf"), None
+    leanest = tuple(min(pins.get(g, range(len(dec.memory))), key=lambda i: dec.memory[i])
+                    for g, dec in enumerate(problem.decisions))
+    return sum(dec.multiplicity * dec.memory[i]
+               for dec, i in zip(problem.decisions, leanest)), leanest
 
 
 def _run(m: "_Model") -> int:
@@ -233,6 +243,11 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0,
     fits with them counted, it is optimal for the whole problem too (dropping them relaxes the
     memory constraint only)."""
     t0 = time.perf_counter()
+    if verdict and cutoff_s is None and _leanest(problem)[0] > problem.memory_budget:
+        # Every decision at its leanest already exceeds the budget: no plan fits, which the
+        # step-time MIP would only find out at its time limit. The least memory, for the error.
+        least = least_memory_plan(problem, time_limit_s=time_limit_s)
+        raise Infeasible(least.bytes, budget=problem.memory_budget, exact=least.exact)
     relaxed = replace(problem, edges=tuple(e for e in problem.edges if _prices_time(e)),
                       fanouts=tuple(f for f in problem.fanouts if _prices_time(f)))
     if len(relaxed.edges) + len(relaxed.fanouts) < len(problem.edges) + len(problem.fanouts):
