@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ortools.linear_solver import pywraplp
 
-from autoshard.solver.ilp import (Infeasible, NoSolution, break_ties, least_memory,
+from autoshard.solver.ilp import (Infeasible, NoBetter, NoSolution, break_ties, least_memory,
                                   least_memory_plan, solve)
 from autoshard.solver.problem import Edge, Fanout, Decision, Problem, evaluate
 
@@ -231,6 +231,13 @@ def test_a_budget_below_every_decisions_least_memory_is_refused_without_a_search
     with pytest.raises(Infeasible) as e:
         solve(replace(two_ways(3), memory_budget=32.9), time_limit_s=8.0)
     assert calls == [] and e.value.exact and e.value.least_memory == pytest.approx(33.0)
+    # under a deadline, the bound itself, at once; beside a plan in hand, no better one
+    with pytest.raises(Infeasible) as e:
+        solve(replace(two_ways(3), memory_budget=32.9), time_limit_s=8.0, verdict=False)
+    assert calls == [] and not e.value.exact and e.value.least_memory == pytest.approx(33.0)
+    with pytest.raises(NoBetter):
+        solve(replace(two_ways(3), memory_budget=32.9), time_limit_s=8.0, cutoff_s=10.0)
+    assert calls == []
 
 
 def test_time_limit_without_a_plan_is_not_reported_as_infeasible(monkeypatch) -> None:

@@ -235,7 +235,8 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0,
     incumbent, raise :class:`NoSolution` at once, without the least-memory MIP that tells the two
     apart (and may take the time limit again): for a caller that has other plans (a search under
     a deadline, ``autoshard explain``'s swap alone), solved HiGHS first, as ``highs_first``
-    problems are.
+    problems are. A budget below the sum of every decision's least memory is refused before any
+    search (Infeasible; NoBetter with ``cutoff_s``).
 
     Edges and fanouts that only add memory (a saved activation kept once per layout, build.py)
     matter only when the budget binds, and they make the MIP much harder (T5-large on 8x8 finds
@@ -243,9 +244,16 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0,
     fits with them counted, it is optimal for the whole problem too (dropping them relaxes the
     memory constraint only)."""
     t0 = time.perf_counter()
-    if verdict and cutoff_s is None and _leanest(problem)[0] > problem.memory_budget:
+    floor = _leanest(problem)[0]
+    if floor > problem.memory_budget:
         # Every decision at its leanest already exceeds the budget: no plan fits, which the
-        # step-time MIP would only find out at its time limit. The least memory, for the error.
+        # step-time MIP would only find out at its time limit (or well past it: HiGHS took
+        # 234 s over a 5 s limit on such a 3-axis problem). The least memory for the error,
+        # unless the caller holds a plan (cutoff) or is under a deadline (no verdict).
+        if cutoff_s is not None:
+            raise NoBetter()
+        if not verdict:
+            raise Infeasible(floor, budget=problem.memory_budget, exact=False)
         least = least_memory_plan(problem, time_limit_s=time_limit_s)
         raise Infeasible(least.bytes, budget=problem.memory_budget, exact=least.exact)
     relaxed = replace(problem, edges=tuple(e for e in problem.edges if _prices_time(e)),
