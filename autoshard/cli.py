@@ -259,8 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gradients and optimizer state sharded apart from the parameters "
                         "(default auto: the planner chooses ZeRO-2 or not per parameter)")
     p.add_argument("--offload", default="auto", choices=OFFLOAD,
-                   help="optimizer state and step on the host (default auto: only when no plan "
-                        "fits without it)")
+                   help="optimizer: optimizer state and step on the host; parameters: the "
+                        "parameters and gradients too, copied to the device at each use "
+                        "(default auto: optimizer offload only when no plan fits without it, "
+                        "parameter offload only when none fits with that alone)")
     p.add_argument("--precision", default="model", choices=PRECISIONS,
                    help="model: the model's own dtypes (a bf16 model trains mixed precision); "
                         "bf16-mixed: bf16 step, fp32 masters and optimizer state")

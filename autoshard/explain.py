@@ -313,7 +313,7 @@ def _key(s: Strategy | NodePlan) -> tuple:
 
 def strategy_text(s: Strategy | NodePlan, *, placeholder: bool) -> str:
     """A strategy in one line; a graph input's as the layout it is stored in (and the
-    parameter's state mode: zero1, zero2 or offload)."""
+    parameter's state mode: zero1, zero2, offload or offload_params)."""
     if placeholder:
         return ", ".join(spec_str(x) for x in s.outputs) + (f" {s.kernel}" if s.kernel else "")
     ins = " x ".join(spec_str(x) for x in s.inputs)
@@ -337,7 +337,8 @@ class _Problem:
         traced = rebuilt.traced
         layers = regroup(traced.layers, self.recompute)    # as the planner groups them
         self.traced = traced if layers == traced.layers else replace(traced, layers=layers)
-        offload = any(st.offload for st in plan.param_state.values())
+        from autoshard.solver.planner import offload_level
+        offload = offload_level(plan)       # the state modes the plan was solved with
         t0 = time.perf_counter()
         self.built = build_problem(self.traced, self.mesh, self.options,
                                    recompute=self.recompute, offload=offload)

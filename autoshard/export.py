@@ -945,7 +945,10 @@ def _other_decisions(exp: Export) -> None:
     modes = Counter(st.mode for st in plan.param_state.values())
     names = {"zero1": "ZeRO-1 (optimizer state sharded)",
              "zero2": "ZeRO-2 (gradients and optimizer state sharded)",
-             "offload": "optimizer state and step on the host (offload)"}
+             "offload": "optimizer state and step on the host (offload)",
+             "offload_params": "parameters, gradients and optimizer state on the host "
+                               "(parameter offload; fully_shard's offload_policy="
+                               "CPUOffloadPolicy() is its counterpart)"}
     for mode, n in sorted(modes.items()):
         notes.append(f"{names[mode]} for {n} parameters: here gradients and optimizer state "
                      f"follow the parameter")

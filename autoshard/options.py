@@ -31,9 +31,12 @@ RECOMPUTE = ("auto", "none", "selective", "full")
 # "auto" (the planner chooses per parameter between plain and ZeRO-2), "none" (they follow the
 # parameter), or one of "zero1"/"zero2" on every parameter that has a replicated axis.
 ZERO = ("auto", "none", "zero1", "zero2")
-# Optimizer state and step on the host (ZeRO-Offload): "auto" (only where no plan fits without
-# it), "none", or "optimizer" (every parameter).
-OFFLOAD = ("auto", "none", "optimizer")
+# Offload to the host (docs/cost-model.md §9): "optimizer" puts every parameter's optimizer state
+# and step on the host (ZeRO-Offload); "parameters" the stored parameters and their gradients too,
+# each parameter copied to the device at each use (ZeRO-Infinity, FSDP2's CPUOffloadPolicy);
+# "auto": optimizer offload only where no plan fits without it, parameter offload only where no
+# plan fits with optimizer offload alone (each costs host-link time); "none".
+OFFLOAD = ("auto", "none", "optimizer", "parameters")
 # Pipeline schedules, as torch.distributed.pipelining names its classes (docs/cost-model.md §10):
 # "GPipe" (every microbatch forward, then every backward), "1F1B" (one forward, one backward in
 # steady state: the same bubble, at most p - i microbatches of activations alive on stage i),
@@ -63,7 +66,7 @@ class PlanOptions:
       gradients are ready and overlapped with the rest of backward (docs/cost-model.md §7).
     - ``recompute``: activation checkpointing of repeated layers (see RECOMPUTE).
     - ``zero``: gradient and optimizer-state sharding apart from the parameter (see ZERO).
-    - ``offload``: optimizer state and step on the host (see OFFLOAD).
+    - ``offload``: optimizer state and step, or the parameters too, on the host (see OFFLOAD).
     - ``pipeline``: the mesh axis whose devices hold consecutive pipeline stages (cuts at the
       model's layer boundaries), None for no pipeline, or "auto" (``autoshard.plan`` plans
       without and over each axis, and keeps the fastest) (docs/cost-model.md §10).
@@ -129,7 +132,7 @@ class PlanOptions:
             raise AutoshardError(f"PlanOptions.offload is one of {OFFLOAD}",
                                  got=repr(self.offload),
                                  fix="pass offload='auto' (only where nothing fits without it), "
-                                     "'none' or 'optimizer'")
+                                     "'none', 'optimizer' or 'parameters'")
 
         if self.pipeline is not None and (not isinstance(self.pipeline, str) or not self.pipeline):
             raise AutoshardError("PlanOptions.pipeline is a mesh axis name, 'auto' or None",
@@ -179,17 +182,25 @@ class PlanOptions:
         return cls().replace(**data)
 
 
-def state_modes(options: PlanOptions, offload: bool) -> tuple[str | None, ...]:
-    """The state modes (cost/state.py) parameters may take under ``options``; ``offload``: the
-    planner is trying offload (``options.offload`` "auto") or it is forced ("optimizer")."""
+def state_modes(options: PlanOptions, offload: bool | str) -> tuple[str | None, ...]:
+    """The state modes (cost/state.py) parameters may take under ``options``; ``offload``: how
+    far the planner is trying offload under ``options.offload`` "auto": False (not at all),
+    True (the optimizer's: mode "offload"), or "parameters" (the parameters' too:
+    "offload_params" beside "offload"). A forced ``options.offload`` is the one mode offered.
+    A pipeline's stages (``stage_run``) are not offered parameter offload."""
     if options.offload == "optimizer":
         return ("offload",)
+    if options.offload == "parameters":
+        return ("offload_params",)
     # "auto" offers ZeRO-2, not ZeRO-1: priced alike, ZeRO-1 never beats it (the same gather
     # after the step, an all-reduce where ZeRO-2 reduce-scatters, more memory), and every mode
     # offered grows the ILP.
     zero = {"auto": (None, "zero2"), "none": (None,), "zero1": ("zero1",),
             "zero2": ("zero2",)}[options.zero]
-    return zero + (("offload",) if offload and options.offload == "auto" else ())
+    if not offload or options.offload != "auto":
+        return zero
+    params = offload == "parameters" and options.stage_run is None
+    return zero + ("offload",) + (("offload_params",) if params else ())
 
 
 def _positive(v: Any) -> bool:

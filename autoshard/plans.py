@@ -72,6 +72,29 @@ class CollectiveRecord:
         return out
 
 
+# The two directions of the host link (docs/cost-model.md §9): device to host, host to device.
+DIRECTIONS = ("d2h", "h2d")
+
+
+@dataclass(frozen=True, slots=True)
+class HostTransfer:
+    """One copy over the host link per step (optimizer and parameter offload): ``direction``
+    "d2h" (device to host) or "h2d"; ``bytes``; ``phase`` as a collective's ("forward",
+    "recompute", "backward", "grad_sync", "optimizer"); ``node``: where it runs (the op whose
+    use copies a parameter in, a gradient bucket, or "optimizer"); ``value``: the parameter's
+    placeholder."""
+
+    direction: str
+    bytes: int
+    phase: str
+    node: str
+    value: str
+
+    def to_json(self) -> dict:
+        return {"direction": self.direction, "bytes": self.bytes, "phase": self.phase,
+                "node": self.node, "value": self.value}
+
+
 @dataclass(frozen=True, slots=True)
 class Stage:
     """One pipeline stage: its index along the pipeline axis, the model's layers it runs (the
@@ -124,13 +147,15 @@ class Pipeline:
 @dataclass(frozen=True, slots=True)
 class ParamState:
     """Where a parameter's gradient and optimizer state live when not with the parameter
-    (docs/cost-model.md §9): ``mode`` "zero1", "zero2" or "offload"; the gradient's and the
-    optimizer state's specs; ``offload``: the optimizer state and step are on the host."""
+    (docs/cost-model.md §9): ``mode`` "zero1", "zero2", "offload" or "offload_params"; the
+    gradient's and the optimizer state's specs; ``offload``: what is on the host, "" (nothing),
+    "optimizer" (the optimizer state and step: mode "offload") or "parameters" (the stored
+    parameter and its gradient too, copied to the device at each use: "offload_params")."""
 
     mode: str
     grad: Spec
     optimizer: Spec
-    offload: bool = False
+    offload: str = ""
 
 
 @dataclass(frozen=True)
@@ -162,6 +187,8 @@ class Plan:
     # Parameter fqn -> where its gradient and optimizer state live, for the parameters whose
     # state is not laid out as the parameter is (ZeRO-1/2, offload).
     param_state: dict[str, ParamState] = field(default_factory=dict)
+    # Every copy over the host link per step (optimizer and parameter offload).
+    host_transfers: tuple[HostTransfer, ...] = ()
     # The pipeline stages, when the plan pipelines over a mesh axis (options.pipeline).
     pipeline: Pipeline | None = None
     # Groups of mesh axes (names, in mesh order) whose collectives run as one collective over
@@ -210,8 +237,10 @@ class Plan:
                  f"cluster {self.cluster}, {'training' if self.training else 'inference'}",
                  f"  predicted step {p['step_time_s'] * 1e3:.3f} ms = compute "
                  f"{p['compute_s'] * 1e3:.3f} ms + exposed comm "
-                 f"{(p['step_time_s'] - p['compute_s']) * 1e3:.3f} ms (of {p['comm_s'] * 1e3:.3f} "
-                 f"ms comm); peak memory {_size(p['peak_memory_bytes'])} per device",
+                 f"{(p['step_time_s'] - p['compute_s'] - p.get('host_s', 0.0)) * 1e3:.3f} ms "
+                 f"(of {p['comm_s'] * 1e3:.3f} ms comm)"
+                 + (f" + host link {p['host_s'] * 1e3:.3f} ms" if p.get("host_s") else "")
+                 + f"; peak memory {_size(p['peak_memory_bytes'])} per device",
                  *self._comm_by_axis(),
                  f"  solver {s['status']}, {s['variables']} variables, {s.get('decisions', '?')} "
                  f"decisions, gap {s['gap']:.2%}", *self._mesh_search_summary()]
@@ -251,11 +280,16 @@ class Plan:
         by: dict[str, int] = {}
         for st in self.param_state.values():
             by[st.mode] = by.get(st.mode, 0) + 1
-        names = {"zero1": "ZeRO-1 (optimizer state sharded)",
-                 "zero2": "ZeRO-2 (gradients and optimizer state sharded)",
-                 "offload": "optimizer state and step on the host (offload)"}
         for mode, n in sorted(by.items()):
-            lines.append(f"  {names[mode]}: {n} of {len(self.params)} parameters")
+            lines.append(f"  {MODE_NAMES.get(mode, mode)}: {n} of {len(self.params)} parameters")
+        if self.host_transfers:
+            by_dir = {d: sum(t.bytes for t in self.host_transfers if t.direction == d)
+                      for d in DIRECTIONS}
+            host_s = self.predicted.get("host_s")
+            lines.append(f"  host link per step: {_size(by_dir['h2d'])} host to device, "
+                         f"{_size(by_dir['d2h'])} device to host"
+                         + (f"; {host_s * 1e3:.3f} ms of it outside the optimizer step, "
+                            f"not overlapped" if host_s else ""))
         mem = self.predicted.get("memory")
         if isinstance(mem, dict):
             parts = ", ".join(f"{k} {_size(mem[k])}" for k in
@@ -362,6 +396,8 @@ class Plan:
                               if k in self.input_meta else {})}
                        for k, v in self.inputs.items()},
             "collectives": [c.to_json() for c in self.collectives],
+            **({"host_transfers": [t.to_json() for t in self.host_transfers]}
+               if self.host_transfers else {}),
             "predicted": self.predicted, "solver": self.solver,
             "node_signatures": self.node_sigs,
             **({"pipeline": self.pipeline.to_json()} if self.pipeline else {}),
@@ -374,7 +410,7 @@ class Plan:
         return {"placements": spec_str(spec),
                 "grad_placements": spec_str(st.grad if st else spec),
                 "optimizer_placements": spec_str(st.optimizer if st else spec),
-                "offload": bool(st and st.offload)}
+                "offload": st.offload if st and st.offload else False}
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n"
@@ -429,6 +465,9 @@ class Plan:
                    inputs={k: spec for k, (spec, _) in inputs.items()},
                    input_meta={k: meta for k, (_, meta) in inputs.items() if meta is not None},
                    collectives=tuple(_read_collective(f) for f in root.key("collectives").entries()),
+                   # Optional: plans written before host transfers were listed have none.
+                   host_transfers=tuple(_read_host_transfer(f) for f in
+                                        root.key("host_transfers", []).entries()),
                    predicted=_read_numbers(root.key("predicted"), PREDICTED),
                    solver=_read_solver(root.key("solver")),
                    model=root.key("model", "").text(),
@@ -487,6 +526,12 @@ class Plan:
 
 # ------------------------------------------------------------------------------ reading a file
 
+# How summary() names each state mode (cost/state.py).
+MODE_NAMES = {"zero1": "ZeRO-1 (optimizer state sharded)",
+              "zero2": "ZeRO-2 (gradients and optimizer state sharded)",
+              "offload": "optimizer state and step on the host (offload)",
+              "offload_params": "parameters, gradients and optimizer state on the host, "
+                                "copied in at each use (parameter offload)"}
 # The figures summary() prints; a plan may carry more.
 PREDICTED = ("step_time_s", "compute_s", "comm_s", "peak_memory_bytes")
 # Per mesh axis: communication the step waits for (blocking, and gradient sync that backward
@@ -717,23 +762,38 @@ def _read_param_state(f: _Field, params: dict[str, Spec], nodes: tuple[NodePlan,
         grad = pf.key("grad_placements", spec_str(spec)).spec(ndim)
         opt = pf.key("optimizer_placements", spec_str(spec)).spec(ndim)
         off = pf.key("offload", False)
-        if not isinstance(off.value, bool):
-            off.fail("true or false")
-        if grad == spec and opt == spec and not off.value:
+        # false, "optimizer" or "parameters"; true in plans written before parameter offload
+        # (the optimizer's).
+        what = {False: "", True: "optimizer", "optimizer": "optimizer",
+                "parameters": "parameters"}.get(off.value) \
+            if isinstance(off.value, (bool, str)) else None
+        if what is None:
+            off.fail('false, "optimizer" or "parameters"')
+        if grad == spec and opt == spec and not what:
             continue
-        mode = "offload" if off.value else "zero2" if grad != spec else "zero1"
-        if mode != "offload" and grad not in (spec, opt):
+        mode = {"optimizer": "offload", "parameters": "offload_params"}.get(what) or (
+            "zero2" if grad != spec else "zero1")
+        if not what and grad not in (spec, opt):
             pf.key("grad_placements").fail(f"the parameter's placements or its "
                                            f"optimizer_placements {spec_str(opt)}")
-        out[fqn] = ParamState(mode, grad, opt, bool(off.value))
+        out[fqn] = ParamState(mode, grad, opt, what)
     return out
+
+
+def _read_host_transfer(f: _Field) -> HostTransfer:
+    direction = f.key("direction")
+    if direction.text() not in DIRECTIONS:
+        direction.fail(f"one of {', '.join(map(json.dumps, DIRECTIONS))}")
+    return HostTransfer(direction.value, f.key("bytes").integer(), f.key("phase").text(),
+                        f.key("node").text(), f.key("value").text())
 
 
 def _read_numbers(f: _Field, keys: tuple[str, ...]) -> dict[str, Any]:
     for k in keys:
         f.key(k).number()
-    if "optimizer_s" in f.obj():      # absent from plans made before it was priced
-        f.key("optimizer_s").number()
+    for k in ("optimizer_s", "host_s"):     # absent from plans made before they were priced
+        if k in f.obj():
+            f.key(k).number()
     for k in (*PER_AXIS, "memory"):   # absent from plans made before they were priced
         for x in f.key(k, {}).obj():
             f.key(k).key(x).number()

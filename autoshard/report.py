@@ -52,6 +52,8 @@ def step_parts(plan: Plan) -> list[tuple[str, float]]:
         parts += [(f"comm over {a}", float(exposed[a])) for a in plan.mesh_axes if a in exposed]
     if bubble:
         parts.append(("pipeline bubble", bubble))
+    if p.get("host_s"):            # parameter offload's copies in and out (not overlapped)
+        parts.append(("host link", float(p["host_s"])))
     rest = float(p["step_time_s"]) - sum(s for _, s in parts)
     if not isinstance(exposed, dict) or not exposed:
         parts.append(("exposed comm", rest))
@@ -579,7 +581,7 @@ def write_report(plan: Plan | str | Path, output: str | Path) -> list[str]:
 def techniques(plan: Plan) -> dict[str, Any]:
     """What the plan does beyond placing tensors, counted: parameters stored sharded, under
     ZeRO-1/2 or offloaded, layers checkpointed per policy, gradient buckets, the pipeline."""
-    modes = {"zero1": 0, "zero2": 0, "offload": 0}
+    modes = {"zero1": 0, "zero2": 0, "offload": 0, "offload_params": 0}
     for st in plan.param_state.values():
         modes[st.mode] = modes.get(st.mode, 0) + 1
     policies = {"selective": 0, "full": 0}

@@ -109,6 +109,12 @@ def _run_rank(spec: VerifySpec) -> dict[str, Any]:
             for _ in range(c.count)]
     planned = [(c.kind, c.axes, c.bytes, c.phase, c.node) for c in mine]
     ran = [(r.kind, r.axes, r.nbytes, r.phase, r.node) for r in pm.ledger]
+    # The host link's copies (offload), as the plan lists them. (A pipelined plan lists its
+    # stages' together: not compared yet.)
+    host_planned = [(t.direction, t.bytes, t.phase, t.node, t.value)
+                    for t in plan.host_transfers] if plan.pipeline is None else []
+    host_ran = [(t.direction, t.nbytes, t.phase, t.node, t.value)
+                for t in pm.ledger.host] if plan.pipeline is None else []
     report = {
         "loss": float(loss), "ref_loss": float(ref_loss.detach()),
         "loss_err": abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-30),
@@ -116,6 +122,9 @@ def _run_rank(spec: VerifySpec) -> dict[str, Any]:
         "ledger_diff": ledger_diff(planned, ran),
         "collectives": len(ran), "bytes": sum(r.nbytes for r in pm.ledger),
         "planned_bytes": sum(c.bytes for c in mine),
+        "host_ledger_diff": ledger_diff(host_planned, host_ran),
+        "host_bytes": sum(t[1] for t in host_ran),
+        "planned_host_bytes": sum(t[1] for t in host_planned),
         # The ranks each collective ran over, by its axes (a joint group: their product).
         "group_sizes": {",".join(r.axes): r.group_size for r in pm.ledger},
     }
@@ -303,12 +312,19 @@ def summarize(reports: list[dict[str, Any]], tolerance: float) -> tuple[bool, st
              f"gradients: {len(r['grad_errs'])} compared, largest rel err {worst[1]:.2e} ({worst[0]})",
              f"collectives per rank: {r['collectives']}, {r['bytes']} bytes run, "
              f"{r['planned_bytes']} bytes planned"]
+    if r.get("host_bytes") or r.get("planned_host_bytes"):
+        lines.append(f"host link per rank: {r['host_bytes']} bytes copied, "
+                     f"{r['planned_host_bytes']} bytes planned")
     ok = r["loss_err"] <= tolerance and worst[1] <= tolerance and not r["missing_grads"]
     for rank, rep in enumerate(reports):
         if rep["ledger_diff"]:
             ok = False
             lines.append(f"rank {rank}: run-time collectives differ from the plan:")
             lines += [f"  {d}" for d in rep["ledger_diff"][:20]]
+        if rep.get("host_ledger_diff"):
+            ok = False
+            lines.append(f"rank {rank}: run-time host copies differ from the plan:")
+            lines += [f"  {d}" for d in rep["host_ledger_diff"][:20]]
         if rep["missing_grads"]:
             lines.append(f"rank {rank}: no gradient for {rep['missing_grads'][:5]}")
         if rep["loss_err"] > tolerance or max(rep["grad_errs"].values(), default=0) > tolerance:

@@ -201,7 +201,9 @@ def techniques(p) -> str:
     for st in p.param_state.values():
         modes[st.mode] = modes.get(st.mode, 0) + 1
     out = [f"{label} {modes[m]}" for m, label in (("zero1", "ZeRO-1"), ("zero2", "ZeRO-2"),
-                                                  ("offload", "offload")) if modes.get(m)]
+                                                  ("offload", "offload"),
+                                                  ("offload_params", "param offload"))
+           if modes.get(m)]
     sharded = sum(1 for s in p.params.values() if any(isinstance(x, Shard) for x in s))
     if sharded:
         out.append(f"sharded {sharded}/{len(p.params)}")

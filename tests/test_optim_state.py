@@ -5,9 +5,9 @@ The layout first: for every parameter spec and optimizer-state spec ``_cut`` acc
 placements ``_placements`` gives say exactly which part of the global tensor a rank holds (the
 offsets DCP computes from them, torch.distributed.tensor._utils, equal the slice ``_cut`` takes).
 Then on gloo: gpt2-tiny planned with ZeRO-2, ZeRO-1 (beside tensor parallelism, two zero axes
-cutting one dim) and optimizer offload on 4 ranks takes 2 AdamW steps and is saved with DCP; on
-2 ranks, under another plan, it is loaded: the full optimizer state equals the saved one, and
-one more step gives the parameters single-device AdamW has after 3 steps.
+cutting one dim), optimizer offload and parameter offload on 4 ranks takes 2 AdamW steps and is
+saved with DCP; on 2 ranks, under another plan, it is loaded: the full optimizer state equals the
+saved one, and one more step gives the parameters single-device AdamW has after 3 steps.
 """
 from __future__ import annotations
 
@@ -125,6 +125,9 @@ def _train_and_save(model_name: str, plan_json: str, path: str, steps: int):
     # What this rank holds of each state tensor, beside the whole: a quarter where it is cut.
     held = {k: v.to_local().numel() / v.numel() for k, v in osd.items() if isinstance(v, DTensor)}
     devices = {k: v.to_local().device.type for k, v in osd.items() if isinstance(v, DTensor)}
+    # Parameters kept on the host are saved from there (the DTensor holds the host tensor).
+    devices.update({f"param.{k}": v.to_local().device.type
+                    for k, v in pm.sharded_state_dict().items() if k in pm.on_host})
     return _full(osd), held, devices
 
 
@@ -175,12 +178,14 @@ def _noise(key: str) -> bool:
 
 CASES = [((4,), "dp", dict(zero="zero2"), (2,), "dp", {}, False),
          ((2, 2), "megatron-dp", dict(zero="zero1"), (2,), "dp", dict(zero="zero2"), True),
-         ((4,), "dp", dict(offload="optimizer"), (2,), "megatron", {}, False)]
+         ((4,), "dp", dict(offload="optimizer"), (2,), "megatron", {}, False),
+         ((4,), "dp", dict(offload="parameters"), (2,), "megatron", dict(offload="parameters"),
+          True)]
 
 
 @pytest.mark.parametrize("save_shape,save_base,save_kw,load_shape,load_base,load_kw,step_first",
                          CASES, ids=["zero2-4-to-dp-2", "tp-zero1-2x2-to-zero2-2",
-                                     "offload-4-to-tp-2"])
+                                     "offload-4-to-tp-2", "offload-params-4-to-tp-2"])
 def test_optimizer_state_saved_on_four_loads_on_two_under_another_plan(
         world4, world2, tmp_path, save_shape, save_base, save_kw, load_shape, load_base, load_kw,
         step_first):
@@ -195,6 +200,10 @@ def test_optimizer_state_saved_on_four_loads_on_two_under_another_plan(
     cut = [f"state.{f}.exp_avg" for f in save.param_state]
     assert cut and all(held[k] == 0.25 for k in cut), held
     assert all(devices[k] == "cpu" for k in cut)
+    if save_kw.get("offload") == "parameters":
+        assert {k for k in devices if k.startswith("param.")} == {f"param.{f}"
+                                                                 for f in save.param_state}
+        assert all(v == "cpu" for v in devices.values())
     loaded, params = world2.run(_load_and_step, model, load.dumps(), path, step_first)[0]
 
     # (a) the full state loaded under the other plan is the saved one, entry for entry.

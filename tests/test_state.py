@@ -256,7 +256,7 @@ def _bf16_steps(model_name: str, plan_json: str, steps: int):
 
 def test_no_technique_that_costs_time_where_memory_is_plentiful():
     """GPT-2 124M on 8 H100s at batch 8: nothing binds, so nothing that only buys memory with
-    time is chosen: no recomputation, no offload."""
+    time is chosen: no recomputation, no offload (of the optimizer or of parameters)."""
     from autoshard.solver.planner import plan_traced
     from autoshard.trace.export import trace
     from autoshard.zoo.registry import load_model
@@ -264,4 +264,6 @@ def test_no_technique_that_costs_time_where_memory_is_plentiful():
     plan = plan_traced(trace(model, inputs), Mesh((8,), cluster="h100"))
     assert not plan.recompute
     assert not any(s.offload for s in plan.param_state.values())
+    assert not any(s.mode == "offload_params" for s in plan.param_state.values())
     assert plan.predicted["memory"]["host"] == 0
+    assert not plan.host_transfers and "host_s" not in plan.predicted

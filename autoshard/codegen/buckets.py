@@ -85,6 +85,9 @@ class GradBuckets:
         # reduce_scatter buckets: each member's shard dim (set by the module), and the shards.
         self.shard_dim: dict[str, int] = {}
         self.shards: dict[str, torch.Tensor] = {}
+        # Members kept on the host (parameter offload, set by the module): their synced
+        # gradient, or shard, is copied down to the host once its bucket is done.
+        self.host: set[str] = set()
         self._inflight: list[_Bucket] = []
         self._pending = False
         # Accumulation without sync (DDP's no_sync): while ``defer`` is set (a pipeline's
@@ -156,7 +159,12 @@ class GradBuckets:
 
     def _grad_or_zero(self, b: _Bucket, m: str) -> torch.Tensor:
         g = b.grads.get(m) if b.grads else None
-        return g if g is not None else torch.zeros_like(self.params[m])
+        if g is not None:
+            return g
+        # (where the arrived gradients are: a member kept on the host is not)
+        near = next(iter(b.grads.values()), None) if b.grads else None
+        return torch.zeros_like(self.params[m], device=near.device if near is not None
+                                else self.params[m].device)
 
     def _queue_finish(self) -> None:
         if not self._pending:
@@ -180,6 +188,9 @@ class GradBuckets:
                 b.buffer = _interleave(pieces, dims, self.groups.joint_size(nxt))
                 out = reduce_scatter(b.buffer, 0, self.groups.group_of(nxt))
         for m, g in zip(b.members, pieces):
+            if m in self.host:
+                self.ledger.add_host("d2h", g, "grad_sync", b.name, m)
+                g = g.to("cpu")
             if m in self.shards:
                 self.shards[m].add_(g)
             else:
@@ -226,6 +237,9 @@ class GradBuckets:
             for m, (off, shape) in b.offsets.items():
                 g = b.buffer[off:off + math.prod(shape)].view(shape)
                 p = self.params[m]
+                if m in self.host:
+                    self.ledger.add_host("d2h", g, "grad_sync", b.name, m)
+                    g = g.to(p.device, copy=True)
                 if p.grad is None:
                     p.grad = g
                 else:

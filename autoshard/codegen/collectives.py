@@ -120,14 +120,37 @@ class ExecutedCollective:
         return f"{self.phase} {self.kind}[{','.join(self.axes)}] {self.nbytes} B{flag}{at}"
 
 
+@dataclass(frozen=True, slots=True)
+class ExecutedTransfer:
+    """One copy over the host link as executed (optimizer and parameter offload): ``direction``
+    "d2h" or "h2d", the bytes copied, and where, as autoshard.plans.HostTransfer lists it. On a
+    CPU run the host is the device and the copy moves nothing, but is counted all the same."""
+
+    direction: str
+    nbytes: int
+    phase: str
+    node: str
+    value: str
+
+    def __str__(self) -> str:
+        return f"{self.phase} {self.direction} {self.nbytes} B @{self.node} ({self.value})"
+
+
 @dataclass(slots=True)
 class Ledger:
-    """Every collective a rank executed, in order."""
+    """Every collective a rank executed, in order; and every host-link copy (``host``)."""
 
     records: list[ExecutedCollective] = field(default_factory=list)
+    host: list[ExecutedTransfer] = field(default_factory=list)
 
     def add(self, record: ExecutedCollective) -> None:
         self.records.append(record)
+
+    def add_host(self, direction: str, t: torch.Tensor, phase: str, node: str,
+                 value: str) -> None:
+        """Count a copy of ``t`` over the host link (its bytes as they travel)."""
+        self.host.append(ExecutedTransfer(direction, t.numel() * t.element_size(), phase, node,
+                                          value))
 
     def mismatches(self) -> list[ExecutedCollective]:
         """Records whose measured bytes differ from the planned ``Step.nbytes``."""
@@ -138,6 +161,7 @@ class Ledger:
 
     def clear(self) -> None:
         self.records.clear()
+        self.host.clear()
 
     def __len__(self) -> int:
         return len(self.records)

@@ -11,7 +11,13 @@ what the plan says each rank keeps:
   state's placement, cut along the state dim over the zero axes), on the host for offload. Its
   gradient is the slice of ``.grad`` (zero1) or the shard a reduce-scatter bucket left
   (codegen/buckets.py); after the step the updated slices are all-gathered back into the
-  parameter (phase "optimizer" of the plan's collectives, counted in the ledger).
+  parameter (phase "optimizer" of the plan's collectives, counted in the ledger). Under
+  offload the gradient shard goes down to the host and the updated shard (cast to the
+  parameter's dtype there) comes back up, each copy counted in the ledger's host records.
+- offload_params (parameter offload): as offload, but the parameter and its gradient are on
+  the host already (codegen/runtime.py, codegen/rewrite.py): the step reads the gradient and
+  writes the host parameter where they lie; only a shard cut apart from its parameter (a
+  replicated one) goes up to be all-gathered, and the gathered parameter comes back down.
 
 ``step``, ``zero_grad``, ``state_dict``, ``load_state_dict`` and ``param_groups`` behave as the
 wrapped optimizer's (its state dict holds this rank's shards). ``sharded_state_dict`` and
@@ -44,6 +50,7 @@ import torch
 
 from autoshard.codegen.collectives import apply_steps
 from autoshard.cost.comm import reshard
+from autoshard.cost.state import HOST_MODES, SCATTERS
 from autoshard.errors import AutoshardError
 from autoshard.ir import Shard, Spec, spec_str
 from autoshard.ops.simulate import shard_tensor
@@ -63,6 +70,7 @@ class _Entry:
     spec: Spec                      # the parameter's spec
     placements: tuple               # DTensor placements of the master and the state (global)
     seen: int = -1                  # the parameter's version when its fp32 master was cut from it
+    mode: str | None = None         # the state mode (cost/state.py)
 
 
 # Parameters whose gradients only a ShardedOptimizer reads right (held apart by a bucket), so a
@@ -135,9 +143,10 @@ class ShardedOptimizer:
             else:
                 master = torch.nn.Parameter(local.to(torch.device("cpu") if host else p.device,
                                                      torch.float32, copy=True))
-            sharded = st is not None and st.mode in ("zero2", "offload") and dim is not None
+            sharded = st is not None and st.mode in SCATTERS and dim is not None
             self.entries.append(_Entry(fqn, ph, p, master, dim, cut, gather, sharded, shape,
-                                       tuple(spec), placements, p._version))
+                                       tuple(spec), placements, p._version,
+                                       st.mode if st is not None else None))
         if _fused_by_default(optimizer_cls, kwargs, [e.master for e in self.entries]):
             kwargs = {**kwargs, "fused": True}
         self.optimizer = optimizer_cls([e.master for e in self.entries], **kwargs)
@@ -180,6 +189,12 @@ class ShardedOptimizer:
         grads = [(e, g) for e in apart if (g := self.grad_shard(e)) is not None]
         for e in apart:
             e.master.grad = None
+        ledger = self.pm.runtime.ledger
+        # Offload: the gradient shard goes down to the host in its own dtype (cast there).
+        for i, (e, g) in enumerate(grads):
+            if e.mode == "offload":
+                ledger.add_host("d2h", g, "optimizer", "optimizer", e.placeholder)
+                grads[i] = (e, g.to(e.master.device))
         local = [(e, g) for e, g in grads
                  if g.device == e.master.device and g.dtype != e.master.dtype]
         if local:
@@ -193,17 +208,31 @@ class ShardedOptimizer:
                 # other than the first is copied out.
                 e.master.grad = g.to(e.master.device, torch.float32).contiguous()
         self.optimizer.step()
-        ledger = self.pm.runtime.ledger
         stepped = [e for e in apart if e.master.grad is not None]
-        plain = [e for e in stepped if not e.gather and e.master.device == e.param.device]
+        plain = [e for e in stepped if not e.gather and e.mode != "offload"
+                 and e.master.device == e.param.device]
         if plain:
             torch._foreach_copy_([e.param for e in plain], [e.master.detach() for e in plain])
+        done = {id(e) for e in plain}
+        device = self.pm.runtime.device
         for e in stepped:
-            if e.gather or e.master.device != e.param.device:
-                new = e.master.detach().to(e.param.device, e.param.dtype)
+            if id(e) not in done:
+                new = e.master.detach()
+                if e.mode in HOST_MODES:
+                    # Cast on the host; up the link only what the device needs: offload's
+                    # updated shard, or parameter offload's shard to be gathered.
+                    new = new.to(e.param.dtype)
+                    if e.mode == "offload" or e.gather:
+                        ledger.add_host("h2d", new, "optimizer", "optimizer", e.placeholder)
+                        new = new.to(device)
+                else:
+                    new = new.to(e.param.device, e.param.dtype)
                 if e.gather:
                     new = apply_steps(new, e.gather, self.pm.groups, ledger=ledger,
                                       phase="optimizer", node="optimizer")
+                    if e.mode == "offload_params":     # the gathered parameter to its host copy
+                        ledger.add_host("d2h", new, "optimizer", "optimizer", e.placeholder)
+                        new = new.to(e.param.device)
                 e.param.copy_(new)
             e.seen = e.param._version
         return loss

@@ -50,6 +50,53 @@ class ReshardCall:
         return self.__name__
 
 
+HOST = torch.device("cpu")
+
+
+class HostFetch(torch.autograd.Function):
+    """A parameter kept on the host (parameter offload, cost/state.py ``offload_params``): its
+    stored shard copied to the device for one use; in backward, the gradient of that use
+    copied back down (AccumulateGrad then adds it to the host parameter's ``.grad``). Both
+    copies are counted in the ledger's host records, as the plan lists them; on a CPU run the
+    host is the device and nothing moves."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, call: "FetchCall") -> torch.Tensor:
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        rt = call.rt
+        # A checkpointed layer's recomputation copies it in again, selective or not: the copy
+        # is not one of the outputs selective checkpointing stores.
+        phase = "recompute" if rt.phase in ("recompute", "replay") else rt.phase
+        rt.ledger.add_host("h2d", x, phase, call.node, call.value)
+        if x.device == rt.device:
+            return x.view_as(x)
+        return x.to(rt.device)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None):
+        if grad is None:        # a bucket took the gradient (codegen/buckets.py)
+            return None, None
+        call = ctx.call
+        call.rt.ledger.add_host("d2h", grad, "backward", call.node, call.value)
+        return (grad if grad.device == HOST else grad.to(HOST)), None
+
+
+class FetchCall:
+    """A graph target: one use's copy in of a parameter kept on the host (:class:`HostFetch`);
+    ``node``: the first op of the use, ``value``: the parameter's placeholder."""
+
+    def __init__(self, runtime: "RankRuntime", node: str, value: str) -> None:
+        self.rt, self.node, self.value = runtime, node, value
+        self.__name__ = "fetch_" + value
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return HostFetch.apply(x, self)
+
+    def __repr__(self) -> str:
+        return self.__name__
+
+
 class KernelCall:
     """A graph target: an op's kernel that reduces across ranks inside itself (ops/registry.py
     ``CollectiveKernel``, e.g. the vocabulary-parallel cross-entropy), bound to this rank's
@@ -120,19 +167,38 @@ def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime,
     # The gradient sync each bucket member's bucket runs, as the planner picked it.
     members = set(runtime.buckets.of) if runtime.buckets is not None else set()
     bucketed = {e for p, e in first_grad_syncs(all_edges).items() if p in members}
+    # Parameters kept on the host: each use copies them in (a reshard's input, or one copy
+    # the ops reading them where they lie share), as planner.host_transfers lists.
+    fetched = {p for p in params
+               if getattr(strategies.get(p), "kernel", None) == "offload_params"}
 
     g = fx.Graph()
     env: dict[str, fx.Node] = {}
     moved: dict[tuple, fx.Node] = {}   # (value, dst, divergent) -> resharded node, shared
 
+    def fetch(ref: tuple[str, int], src: fx.Node, node: str, stage: int | None) -> fx.Node:
+        n = g.call_function(FetchCall(runtime, node, ref[0]), (src,))
+        n.meta["autoshard"] = {"fetch": ref[0]}
+        n.meta["autoshard_ref"] = (ref, None)
+        if stage is not None:
+            n.meta["autoshard_stage"] = stage
+        return n
+
     def local(ref: tuple[str, int], consumer: tuple[str, int]) -> fx.Node:
         src = env.get(f"{ref[0]}#{ref[1]}", env.get(ref[0]))
         e = edges.get((ref, consumer))
-        if e is None:
-            return src
         stage = None if stages is None else stages.get(consumer[0], last_stage)
+        if e is None:
+            if ref[0] not in fetched:
+                return src
+            key = (ref, "fetch", stage)
+            if key not in moved:
+                moved[key] = fetch(ref, src, consumer[0], stage)
+            return moved[key]
         key = (ref, e.dst, e.divergent, stage)
         if key not in moved:
+            if ref[0] in fetched:
+                src = fetch(ref, src, e.consumers[0][0], stage)
             moved[key] = g.call_function(ReshardCall(e, runtime, bucketed=e in bucketed), (src,))
             moved[key].meta["autoshard"] = {"reshard": f"{spec_str(e.src)} -> {spec_str(e.dst)}",
                                             "divergent": sorted(e.divergent)}

@@ -68,6 +68,10 @@ class ParallelModule(torch.nn.Module):
         self._buffers_local: dict[str, torch.Tensor] = {}
         self.fqns: list[str] = []
         strategies = plan.strategies()
+        # Parameters kept on the host (parameter offload): their shards live in host memory
+        # (pinned beside a GPU, as FSDP2's CPUOffloadPolicy keeps them), copied in at each use.
+        self.on_host = {ph.fqn for ph in traced.params
+                        if strategies[ph.name].kernel == "offload_params"}
         for ph in traced.placeholders:
             if ph.kind == "input" or (bound is not None and ph.name not in bound):
                 continue          # an input, or (on a pipeline) another stage's
@@ -80,6 +84,8 @@ class ParallelModule(torch.nn.Module):
             if ph.kind == "param":
                 self.fqns.append(ph.fqn)
                 local = local_shard(model, ph.fqn, full[ph.fqn], spec, *here)
+                if ph.fqn in self.on_host:
+                    local = _to_host(local, device)
                 self.params[_key(ph.fqn)] = torch.nn.Parameter(local, requires_grad=full[ph.fqn].requires_grad)
             elif ph.kind == "buffer":
                 self._buffers_local[ph.name] = local_shard(model, ph.fqn, full[ph.fqn], spec, *here)
@@ -100,6 +106,9 @@ class ParallelModule(torch.nn.Module):
                                      got=f"unknown members {unknown[:5]}",
                                      fix="re-plan: the plan file was edited or is damaged")
             self.runtime.buckets.params = known
+            # Members kept on the host: their synced gradient goes down to it.
+            self.runtime.buckets.host = {ph.name for ph in traced.params
+                                         if ph.fqn in self.on_host and ph.name in known}
             # reduce_scatter buckets cut each member along its state dim (codegen/optim.py).
             for fqn, st in plan.param_state.items():
                 if fqn not in self._param_ph:
@@ -136,8 +145,8 @@ class ParallelModule(torch.nn.Module):
     def _gather(self, local: torch.Tensor, spec: Spec, shape: Sequence[int]) -> torch.Tensor:
         r = reshard(tuple(spec), (Replicate(),) * len(spec), tuple(shape), local.element_size(),
                     self.plan.mesh_shape)
-        with torch.no_grad():
-            return apply_steps(local.detach(), r.forward, self.groups)
+        with torch.no_grad():     # (a tensor kept on the host is gathered on the device)
+            return apply_steps(local.detach().to(self.runtime.device), r.forward, self.groups)
 
     # -- running -------------------------------------------------------------------------------
     def shard_inputs(self, *global_args: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -256,8 +265,8 @@ class ParallelModule(torch.nn.Module):
                 r = reshard(tuple(st.grad), tuple(self.plan.params[fqn]), tuple(ph.info.shape),
                             shard.element_size(), self.plan.mesh_shape)
                 with torch.no_grad():
-                    whole = apply_steps(shard, r.forward, self.groups)
-                g = whole if g is None else g + whole
+                    whole = apply_steps(shard.to(self.runtime.device), r.forward, self.groups)
+                g = whole if g is None else g.to(whole.device) + whole
             if g is not None:
                 out[fqn] = g
         return out
@@ -301,12 +310,23 @@ class ParallelModule(torch.nn.Module):
     def sharded_state_dict(self) -> dict[str, Any]:
         """Parameters as DTensors on the torch DeviceMesh, for torch.distributed.checkpoint."""
         from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
         out = {}
         for fqn, p in self.local_parameters().items():
             ph = self.traced.placeholder(self._param_ph[fqn])
             refuse_strided(fqn, self._specs[ph.name])
-            out[fqn] = DTensor.from_local(p.detach(), self.groups.device_mesh,
-                                          _dtensor_placements(self._specs[ph.name]),
+            placements = _dtensor_placements(self._specs[ph.name])
+            if fqn in self.on_host:
+                # The host tensor itself, not a device copy (from_local would move it): DCP
+                # reads and writes it in place, as the optimizer's offloaded state
+                # (codegen/optim.py ``_dtensor``) and FSDP2's CPU offload do.
+                meta = TensorMeta(torch.Size(ph.info.shape), _contiguous_stride(ph.info.shape),
+                                  p.dtype)
+                out[fqn] = DTensor(p.detach(), DTensorSpec(self.groups.device_mesh,
+                                                           tuple(placements), tensor_meta=meta),
+                                   requires_grad=False)
+                continue
+            out[fqn] = DTensor.from_local(p.detach(), self.groups.device_mesh, placements,
                                           run_check=False, shape=torch.Size(ph.info.shape),
                                           stride=_contiguous_stride(ph.info.shape))
         return out
@@ -319,6 +339,13 @@ class ParallelModule(torch.nn.Module):
     @property
     def ledger(self) -> Ledger:
         return self.runtime.ledger
+
+
+def _to_host(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` in host memory: pinned where the device is a GPU (copies to it and back run at
+    the link's speed), as is on a CPU run (the host is the device)."""
+    t = t.to("cpu")
+    return t.pin_memory() if device.type == "cuda" else t
 
 
 def _key(fqn: str) -> str:

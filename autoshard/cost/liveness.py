@@ -24,6 +24,12 @@ are alive:
   tensor (``torch.utils.checkpoint`` recomputes on the first unpack): what its ops save is
   alive again, one layer at a time; selective checkpointing hands the kept outputs back
   instead of making them again.
+- **parameter offload** (state mode ``offload_params``, cost/state.py): the parameter, its
+  gradient and optimizer state live on the host. Each use copies the stored shard to the
+  device (codegen/rewrite.py): a reshard of it holds that copy while it runs (then its output,
+  as any reshard's); the ops that read it where it lies share one copy, made at the first of
+  them and freed after the last, unless one keeps it for backward. Its gradient leaves the
+  device as soon as it lands (or, bucketed, once its bucket is done).
 - **optimizer step**: parameters, gradients and optimizer state, the fp32 copies of 16-bit
   gradients for their masters, plus the update's temporaries: none for the fused kernel
   ``pm.optimizer`` steps with by default (codegen/optim.py); ``torch.optim.AdamW``'s
@@ -271,6 +277,17 @@ class _Walk:
                 if ev.kind == "op":
                     self.region_ops.setdefault(ev.region, set()).add(ev.name)
         self.bucket_of, self.buckets = self._buckets() if self.training else ({}, [])
+        # Parameters kept on the host (offload_params), by every placeholder name they have.
+        self.fetched: set[str] = {n for n in self.params
+                                  if getattr(strategies.get(n), "kernel", None) == "offload_params"}
+        # Where the copy the direct readers of such a parameter share is made: the checkpointed
+        # layer of the first of them (None: outside any).
+        self.fetch_region: dict[str, str | None] = {}
+        for ev in self.events:
+            if ev.kind == "op" and self.fetched:
+                for key in self._event_reads(ev):
+                    if key[0] == "fetch" and key[1] not in self.fetch_region:
+                        self.fetch_region[key[1]] = ev.region
 
     # -- the program ----------------------------------------------------------------------
     def _region(self, name: str) -> str | None:
@@ -331,9 +348,9 @@ class _Walk:
         """Whether the parameter's bucket reduce-scatters its gradient (ZeRO-2, offload: the
         state mode is the placeholder strategy's kernel, cost/state.py)."""
         strat = self.strategies.get(param)
-        if strat is None or strat.kernel not in ("zero2", "offload"):
+        from autoshard.cost.state import SCATTERS, state_spec
+        if strat is None or strat.kernel not in SCATTERS:
             return False
-        from autoshard.cost.state import state_spec
         shape = tuple(self.pricer.shapes[(param, 0)][0])
         return state_spec(shape, src, self.mesh_shape) is not None
 
@@ -511,14 +528,20 @@ class _Walk:
                     mem.mark(ev.name)
                     self._drop_staging(region, ev.edge)
                 elif self._reshard_aliases(e.reshard):
-                    tensors[key] = mem.ref(src)
+                    if e.value[0] in self.fetched:     # the copy in from the host
+                        tensors[key] = mem.alloc(self._local_bytes(e.value, e.src),
+                                                 "activations")
+                    else:
+                        tensors[key] = mem.ref(src)
                     mem.mark(ev.name)
                 else:
-                    most, _ = self._steps_transient(e.reshard.forward,
-                                                    self._local_bytes(e.value, e.src))
+                    nin = self._local_bytes(e.value, e.src)
+                    most, _ = self._steps_transient(e.reshard.forward, nin)
                     out = self._edge_bytes(ev.edge)
                     tensors[key] = mem.alloc(out, "activations")
-                    mem.mark(ev.name, extra=max(0, most - out), extra_cat="activations")
+                    # A parameter kept on the host: its copy in is alive while it is gathered.
+                    held = nin if e.value[0] in self.fetched else 0
+                    mem.mark(ev.name, extra=max(0, most - out) + held, extra_cat="activations")
                     if recompute and store:     # made again from the stored staging output
                         self._drop_staging(region, ev.edge)
                 if store and not recompute:
@@ -535,6 +558,15 @@ class _Walk:
                 continue
             node = self.nodes[ev.name]
             reads = self._event_reads(ev)
+            for key in reads:
+                if key[0] == "fetch" and key not in self.born_here and (
+                        not recompute or self.fetch_region.get(key[1]) == region):
+                    # The copy in of a parameter kept on the host, made for its first direct
+                    # reader (again where that reader is recomputed).
+                    tensors[key] = mem.alloc(self._local_bytes((key[1], 0),
+                                                               self._out_spec((key[1], 0))),
+                                             "activations")
+                    self._born(key, uses)
             store = self._stores_op(node.name)
             if recompute and store:
                 outs = self._replayed_outputs(region, node)
@@ -568,9 +600,14 @@ class _Walk:
         return [self._delivered(ref, (node.name, k)) for k, ref in enumerate(value_inputs(node))]
 
     def _delivered(self, ref: ValueRef, consumer: tuple[str, int]) -> Any:
-        """The tensor a consumer reads: the value, or its resharded copy."""
+        """The tensor a consumer reads: the value, or its resharded copy, or (a parameter kept
+        on the host, read where it lies) the copy its direct readers share."""
         i = self.edge_of.get((ref, consumer))
-        return ref if i is None else ("edge", i)
+        if i is not None:
+            return ("edge", i)
+        if ref[0] in self.__dict__.get("fetched", ()):
+            return ("fetch", ref[0])
+        return ref
 
     def _born(self, key: Any, uses: dict[Any, int]) -> None:
         """A tensor just made: it holds its storage while forward reads remain."""
@@ -675,8 +712,9 @@ class _Walk:
         for ev in self.region_events.get(region, []):
             keys = [self.edges[ev.edge].value] if ev.kind == "reshard" else self._event_reads(ev)
             for key in keys:
-                produced_inside = (key[0] != "edge" and key[0] in inside) or (
-                    key[0] == "edge" and self.edge_region.get(key[1]) == region)
+                produced_inside = (key[0] not in ("edge", "fetch") and key[0] in inside) or (
+                    key[0] == "edge" and self.edge_region.get(key[1]) == region) or (
+                    key[0] == "fetch" and self.fetch_region.get(key[1]) == region)
                 if produced_inside or key in self.pinned or key not in self.tensors:
                     continue
                 s = self.tensors[key]
@@ -806,6 +844,9 @@ class _Walk:
     def _contribute(self, key: Any, s: _Storage, at: str) -> None:
         """A gradient for ``key`` arrives (one reference on ``s`` handed over)."""
         mem = self.mem
+        if key[0] == "fetch":
+            self._land(self.tied_to.get(key[1], key[1]), s, at)
+            return
         if key[0] != "edge" and (key[0] in self.params or key[0] in self.tied_to):
             self._land(self.tied_to.get(key[0], key[0]), s, at)
             return
@@ -830,6 +871,11 @@ class _Walk:
         """A parameter's gradient reaches ``.grad`` (AccumulateGrad): stolen if no one else
         holds it, else copied; a second one is added in place."""
         mem = self.mem
+        if param in self.fetched:
+            # Kept on the host: the gradient goes down to it as it lands (codegen/rewrite.py).
+            mem.mark(at)
+            mem.unref(s)
+            return
         old = self.p_grad.get(param)
         if old is None:
             if s.refs == 1:
@@ -863,7 +909,7 @@ class _Walk:
                 continue
             key = self._delivered(ref, (name, k))
             nbytes = self._local_bytes(ref, self.edges[key[1]].dst) if key[0] == "edge" \
-                else self._value_bytes(ref)
+                else self._value_bytes(ref)      # (a parameter's copy in: its stored bytes)
             g0 = out_grads.get(alias.get(k, -1))
             if g0 is not None and node.target not in _VIEW_NEW_GRAD:
                 # A view's (or an aliasing op's) gradient is its output's, reshaped: a copy only
@@ -1000,7 +1046,7 @@ class _Walk:
         mem = self.mem
         out = self.bucket_out.pop(b)
         for m in self.buckets[b].members:
-            if m in self.state:
+            if m in self.state and m not in self.fetched:    # (a host one's goes down)
                 self.p_grad.setdefault(m, mem.alloc(int(self.state[m]["gradients"]),
                                                     "gradients"))
         mem.mark("gradient buckets")
@@ -1042,12 +1088,18 @@ class _Walk:
             mem.mark("optimizer step", extra=grads32)
         # ZeRO-1/2 and offload: each updated state shard is all-gathered back into the
         # parameter's layout (codegen/optim.py), one parameter at a time.
+        # Parameter offload: the shard comes up, is gathered, and the gathered parameter goes
+        # back down to its host copy.
         for name in (p.name for p in self.traced.params):
             strat = self.strategies.get(name)
             if name in self.state and strat is not None and strat.kernel in (
-                    "zero1", "zero2", "offload"):
+                    "zero1", "zero2", "offload", "offload_params"):
                 from autoshard.cost.state import state_spec
                 ph = self.traced.placeholder(name)
-                if state_spec(tuple(ph.info.shape), strat.outputs[0], self.mesh_shape):
-                    mem.mark(f"optimizer step ({name})",
-                             extra=int(self.state[name]["parameters"]))
+                sspec = state_spec(tuple(ph.info.shape), strat.outputs[0], self.mesh_shape)
+                if sspec:
+                    extra = int(self.state[name]["parameters"])
+                    if strat.kernel == "offload_params":
+                        extra = self._value_bytes((name, 0)) + self._local_bytes((name, 0),
+                                                                                  sspec)
+                    mem.mark(f"optimizer step ({name})", extra=extra)

@@ -24,7 +24,7 @@ from typing import Iterable
 
 from autoshard.cost.comm import Reshard, collective_time
 from autoshard.cost.reshards import ReshardEdge
-from autoshard.cost.state import state_spec
+from autoshard.cost.state import SCATTERS, state_spec
 from autoshard.mesh import Mesh
 from autoshard.trace.graph import value_inputs
 
@@ -170,8 +170,8 @@ def gradient_buckets(edges: list[ReshardEdge], nodes: list, bucket_bytes: float,
     reshard's consumers (other reads of the parameter add their own, unsynced, as autograd
     does). Gradients become ready in the reverse order of their parameter's first use in
     forward. A parameter read through two such reshards (in two layouts) buckets the first.
-    ``modes``: each parameter's state mode; zero2/offload ones are reduce-scattered over their
-    zero axes (cost/state.py), in buckets of their own."""
+    ``modes``: each parameter's state mode; zero2/offload/offload_params ones are
+    reduce-scattered over their zero axes (cost/state.py), in buckets of their own."""
     first_use: dict[str, int] = {}
     for i, n in enumerate(nodes):
         for ref in value_inputs(n):
@@ -181,7 +181,7 @@ def gradient_buckets(edges: list[ReshardEdge], nodes: list, bucket_bytes: float,
     syncs: dict[str, Sync] = {}
     shapes = {n.name: tuple(n.meta["val"].shape) for n in nodes if n.op == "placeholder"}
     for name, e in first_grad_syncs(edges).items():
-        if (modes or {}).get(name) in ("zero2", "offload") \
+        if (modes or {}).get(name) in SCATTERS \
                 and state_spec(shapes[name], e.src, mesh_shape) is not None:
             axes = tuple(sorted(a for s in e.reshard.backward for a in s.axes))
             syncs[name] = Sync(name, axes, dtypes[name], e.reshard.backward[0].nbytes,

@@ -35,7 +35,7 @@ from autoshard.cost.compute import local_numel, op_profile, op_times
 from autoshard.cost.memory import saved_activation_bytes, saved_rule
 from autoshard.cost.overlap import is_grad_sync, sync_share_seconds
 from autoshard.cost.reshards import grad_values, no_backward
-from autoshard.cost.state import (ADAM_STEP_BYTES, MASTER_CAST_BYTES, SGD_STEP_BYTES,
+from autoshard.cost.state import (ADAM_STEP_BYTES, MASTER_CAST_BYTES, SCATTERS, SGD_STEP_BYTES,
                                   StateBytes, modes_for, state_bytes, state_spec, step_elements,
                                   zero_axes, zero_grad_sync)
 from autoshard.ir import OpInfo, Partial, Replicate, Shard, Spec, Strategy, local_shape
@@ -71,13 +71,14 @@ class Pricer:
     and everything else (norms, activations, RoPE, residual adds, local slices) is recomputed
     from them.
 
-    ``offload``: whether parameters may keep their optimizer state on the host
-    (cost/state.py); the ZeRO modes ``options`` allows are offered either way."""
+    ``offload``: whether parameters may keep their optimizer state on the host (True), or their
+    stored shards and gradients too ("parameters") (cost/state.py, options.state_modes); the
+    ZeRO modes ``options`` allows are offered either way."""
 
     def __init__(self, traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
                  merge: AxisMerge | None = None,
                  recompute: Mapping[str, str] | frozenset[str] = frozenset(),
-                 offload: bool = False, joint: Groups = ()) -> None:
+                 offload: bool | str = False, joint: Groups = ()) -> None:
         self.traced, self.mesh, self.options, self.merge = traced, mesh, options, merge
         # A pipeline's stages share one SPMD plan of one microbatch (solver/pipeline.py): they
         # run the graph m times per step and the gradient sync and optimizer step once, so each
@@ -277,8 +278,11 @@ class Pricer:
     def optimizer_seconds(self, name: str, strategy: Strategy) -> float:
         """The optimizer step's seconds for one parameter (docs/cost-model.md §9): its shard of
         the update, streamed at the device's (or with offload the host's) memory bandwidth, and
-        with offload the gradient shard down and the updated shard up the host link. The
-        all-gather of the updated shards is a collective (:meth:`optimizer_steps`)."""
+        with offload the gradient shard down and the updated shard up the host link. Under
+        parameter offload the gradient is on the host already; a shard of a replicated
+        parameter goes up to be all-gathered, and the gathered parameter comes back down to its
+        host copy (:meth:`host_steps`). The all-gather of the updated shards is a collective
+        (:meth:`optimizer_steps`)."""
         ph = self.traced.placeholder(name)
         opt = self.options.state_optimizer
         if ph.kind != "param" or opt == "none" or name in self.tied_to:
@@ -289,10 +293,66 @@ class Pricer:
         c = self.mesh.cluster
         if mode == "offload":
             t = n * per / c.host_mem_bandwidth + 2 * n * ph.info.dtype.itemsize / c.host_bandwidth
+        elif mode == "offload_params":
+            t = n * per / c.host_mem_bandwidth + sum(
+                b for _, b in self.host_steps(name, strategy)) / c.host_bandwidth
         else:
             casts = MASTER_CAST_BYTES if ph.info.dtype.itemsize < 4 else 0
             t = n * (per + casts) / c.mem_bandwidth
         return t * self.step_share
+
+    def host_steps(self, name: str, strategy: Strategy) -> list[tuple[str, int]]:
+        """The host-link copies of one parameter's optimizer step, as (direction, bytes):
+        "d2h" (device to host) or "h2d". Offload: its gradient shard down, the updated shard
+        up. Parameter offload of a parameter whose state is cut apart from it (a replicated
+        one): the updated shard up, its all-gathered parameter down to the host copy; of any
+        other, none (the step writes the host copy where it lies)."""
+        ph = self.traced.placeholder(name)
+        mode = strategy.kernel
+        if ph.kind != "param" or name in self.tied_to or mode not in ("offload",
+                                                                       "offload_params") \
+                or self.options.state_optimizer == "none":
+            return []
+        spec = strategy.outputs[0]
+        isz = ph.info.dtype.itemsize
+        ns = step_elements(ph.info.shape, spec, mode, self.mesh.shape) * isz
+        if mode == "offload":
+            return [("d2h", ns), ("h2d", ns)]
+        if state_spec(ph.info.shape, spec, self.mesh.shape) is None:
+            return []
+        n = math.prod(local_shape(ph.info.shape, spec, self.mesh.shape)) * isz
+        return [("h2d", ns), ("d2h", n)]
+
+    def fetch_bytes(self, value: ValueRef, src: Spec, mode: str | None) -> int:
+        """Bytes one use of a parameter under parameter offload copies to the device: its
+        stored local shard (0 for any other value or mode)."""
+        if mode != "offload_params" or value[0] not in self.params:
+            return 0
+        shape, itemsize = self.shapes[value]
+        return local_numel(shape, src, self.mesh.shape) * itemsize
+
+    def host_seconds(self, value: ValueRef, src: Spec, dst: Spec, divergent: frozenset[int],
+                     mode: str | None, again: bool = False) -> float:
+        """Seconds on the host link of one use of a parameter under parameter offload
+        (docs/cost-model.md §9), read in ``dst``: its stored shard copied to the device (again
+        where ``again``: the use is recomputed), and the gradient that comes back copied down:
+        the stored-layout gradient of this use, or for a bucketed gradient sync its bucket's
+        share (its reduce-scattered shard). Blocking: the runtime copies at the use, without
+        prefetch."""
+        n = self.fetch_bytes(value, src, mode)
+        if not n:
+            return 0.0
+        down = 0
+        if value[0] in self.grads:
+            steps = self.steps(value, src, dst, divergent)
+            down = n
+            if is_grad_sync(steps):
+                shape, itemsize = self.shapes[value]
+                sspec = state_spec(shape, src, self.mesh.shape)
+                if sspec is not None:
+                    down = local_numel(shape, sspec, self.mesh.shape) * itemsize
+        return (n * (2 if again else 1) + down) / self.mesh.cluster.host_bandwidth \
+            * self.step_share
 
     def optimizer_steps(self, name: str, strategy: Strategy) -> Reshard | None:
         """The all-gather(s) that bring the updated state shards back to the parameter's
@@ -374,14 +434,16 @@ class Pricer:
         other = refs[1 - k][0]
         return other in self.grads or other in self.params
 
-    def saved_copy_bytes(self, value: ValueRef, src: Spec, dst: Spec) -> float:
+    def saved_copy_bytes(self, value: ValueRef, src: Spec, dst: Spec,
+                         mode: str | None = None) -> float:
         """Bytes one device keeps of ``value`` in layout ``dst`` for the ops that save it there
         (one tensor however many ops save it). Nothing when that tensor is the producer's own
         (``dst == src``) and already counted: a parameter or buffer, an output its op saves, or
-        a view of one."""
+        a view of one; but a parameter under offload (``mode``, its state mode) is read from
+        its copy on the device, which is what the ops keep."""
         same = dst == src or not self.steps(value, src, dst, frozenset()).forward
-        if same and self.kept(value):      # (specs that differ only on 1-device axes: same)
-            return 0.0
+        if same and self.kept(value) and not self.fetch_bytes(value, src, mode):
+            return 0.0      # (specs that differ only on 1-device axes: same)
         shape, itemsize = self.shapes[value]
         return float(local_numel(shape, dst, self.mesh.shape) * itemsize)
 
@@ -392,9 +454,10 @@ class Pricer:
         total = 0.0
         for ref, cons in self.saved_inputs().items():
             src = strategies[ref[0]].outputs[ref[1]]
+            mode = strategies[ref[0]].kernel if ref[0] in self.params else None
             for dst in dict.fromkeys(strategies[c].inputs[k] for c, k in cons):
-                total += self.saved_copy_bytes(ref, src, dst) * self.copy_weight(ref, cons, src,
-                                                                                  dst)
+                total += self.saved_copy_bytes(ref, src, dst, mode) * self.copy_weight(
+                    ref, cons, src, dst)
         return total
 
     def kept(self, value: ValueRef) -> bool:
@@ -470,7 +533,7 @@ class Pricer:
                       ) -> Reshard:
         """A parameter's pure gradient sync as its bucket runs it: all-reduces, or under
         zero2/offload reduce-scatters over its zero axes (on the real mesh)."""
-        if mode not in ("zero2", "offload"):
+        if mode not in SCATTERS:
             return steps
         shape = self.shapes[value][0]
         if state_spec(shape, src, self.mesh.shape) is None:

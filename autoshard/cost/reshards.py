@@ -72,24 +72,19 @@ def output_requirement(ndim_mesh: int) -> Spec:
     return (Replicate(),) * ndim_mesh
 
 
-def reshard_edges(graph: fx.Graph, strategies: dict[str, Strategy], mesh_shape: tuple[int, ...],
-                  shapes: dict[ValueRef, tuple[tuple[int, ...], int]], param_names: set[str],
-                  *, training: bool, joint: Groups = ()) -> Iterator[ReshardEdge]:
-    """Every (value, requirement) pair that needs steps, in graph order.
-
-    ``shapes`` maps a value to (global shape, itemsize). The graph's output (the loss, in training)
-    is required replicated. ``joint``: the plan's groups of axes whose collectives run as one
-    (``Plan.joint_axes``, docs/cost-model.md §1.4).
-    """
+def _requirements(graph: fx.Graph, strategies: dict[str, Strategy], grads: set[str],
+                  mesh_ndim: int, training: bool
+                  ) -> Iterator[tuple[ValueRef, Spec, frozenset[int], list[tuple[str, int]]]]:
+    """Every (value, required spec, divergent axes, consumers) of the graph, values in the
+    order they are first read, requirements in the order their first consumer reads them."""
     wants: dict[ValueRef, dict[tuple[Spec, frozenset[int]], list[tuple[str, int]]]] = {}
     order: list[ValueRef] = []
-    grads = grad_values(graph, param_names) if training else set()
     for node in graph.nodes:
         if node.op == "output":
             if not training:
                 continue
             for k, ref in enumerate(value_inputs(node)):
-                key = (output_requirement(len(mesh_shape)), frozenset())
+                key = (output_requirement(mesh_ndim), frozenset())
                 wants.setdefault(ref, {}).setdefault(key, []).append((node.name, k))
             continue
         strat = strategies.get(node.name)
@@ -103,12 +98,44 @@ def reshard_edges(graph: fx.Graph, strategies: dict[str, Strategy], mesh_shape: 
     seen = set(order)
     order += [r for r in wants if r not in seen]
     for ref in order:
-        src = strategies[ref[0]].outputs[ref[1]]
-        shape, itemsize = shapes[ref]
         for (dst, div), consumers in wants[ref].items():
-            if dst == src and not div:
-                continue
-            r = reshard(src, dst, shape, itemsize, mesh_shape, div, joint)
-            if ref[0] not in grads:
-                r = no_backward(r)
-            yield ReshardEdge(ref, tuple(consumers), src, dst, div, r, ref[0] in param_names)
+            yield ref, dst, div, consumers
+
+
+def direct_reads(graph: fx.Graph, strategies: dict[str, Strategy], param_names: set[str],
+                 *, training: bool) -> dict[str, list[tuple[str, int]]]:
+    """Each parameter's consumers that read it where it lies (its stored layout, no gradient to
+    sum): the reads no reshard edge carries. Under parameter offload they share one copy to
+    the device (codegen/rewrite.py), made at the first of them."""
+    out: dict[str, list[tuple[str, int]]] = {}
+    specs = {n: strategies[n].outputs[0] for n in param_names if n in strategies}
+    if not specs:
+        return out
+    grads = grad_values(graph, param_names) if training else set()
+    ndim = len(next(iter(specs.values())))
+    for ref, dst, div, consumers in _requirements(graph, strategies, grads, ndim, training):
+        if ref[0] in specs and ref[1] == 0 and not div and dst == specs[ref[0]]:
+            out.setdefault(ref[0], []).extend(consumers)
+    return out
+
+
+def reshard_edges(graph: fx.Graph, strategies: dict[str, Strategy], mesh_shape: tuple[int, ...],
+                  shapes: dict[ValueRef, tuple[tuple[int, ...], int]], param_names: set[str],
+                  *, training: bool, joint: Groups = ()) -> Iterator[ReshardEdge]:
+    """Every (value, requirement) pair that needs steps, in graph order.
+
+    ``shapes`` maps a value to (global shape, itemsize). The graph's output (the loss, in training)
+    is required replicated. ``joint``: the plan's groups of axes whose collectives run as one
+    (``Plan.joint_axes``, docs/cost-model.md §1.4).
+    """
+    grads = grad_values(graph, param_names) if training else set()
+    for ref, dst, div, consumers in _requirements(graph, strategies, grads, len(mesh_shape),
+                                                  training):
+        src = strategies[ref[0]].outputs[ref[1]]
+        if dst == src and not div:
+            continue
+        shape, itemsize = shapes[ref]
+        r = reshard(src, dst, shape, itemsize, mesh_shape, div, joint)
+        if ref[0] not in grads:
+            r = no_backward(r)
+        yield ReshardEdge(ref, tuple(consumers), src, dst, div, r, ref[0] in param_names)

@@ -13,6 +13,13 @@ mesh axes of more than one device on which the parameter is replicated (Rajbhand
   bytes), so each rank keeps only its shard of it too; then as ``zero1``.
 - ``offload``: as ``zero2``, with the optimizer state on the host and the optimizer step run
   there: the gradient shard goes down the host link, the updated parameter shard comes back.
+- ``offload_params``: parameter offload (ZeRO-Infinity, Rajbhandari et al., arXiv 2104.07857;
+  FSDP2's ``CPUOffloadPolicy``): as ``offload``, and the stored parameter itself lives in host
+  memory too. Each read of it in forward (and again where its layer is recomputed) copies its
+  stored shard to the device, where it is gathered as the plan says; the gradient that comes
+  back in its stored layout (or its bucket's shard) goes down to the host at once. Any stored
+  layout may take it, sharded or replicated. The device keeps no parameter state of its own,
+  only the transient copies of each use (cost/liveness.py).
 
 The shard is cut along one tensor dim that no other mesh axis splits (``state_spec``), so a
 rank's optimizer state is a plain slice of its stored parameter and the state dicts stay
@@ -30,7 +37,11 @@ import torch
 from autoshard.cost.comm import Reshard, Step
 from autoshard.ir import Replicate, Shard, Spec, local_shape
 
-MODES = ("zero1", "zero2", "offload")    # None: the state follows the parameter
+MODES = ("zero1", "zero2", "offload", "offload_params")   # None: the state follows the parameter
+# The modes whose bucketed gradient is reduce-scattered over the zero axes (each rank keeps its
+# shard), and those that keep the optimizer state and step on the host.
+SCATTERS = ("zero2", "offload", "offload_params")
+HOST_MODES = ("offload", "offload_params")
 # Bytes one optimizer step reads and writes per updated element: a fused Adam kernel reads the
 # gradient, the fp32 parameter (master), momentum and variance and writes the last three,
 # 7 x 4 bytes (PyTorch's fused/foreach AdamW; ZeRO-Offload §4.1 counts the same streams for
@@ -66,11 +77,12 @@ def state_spec(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...]) 
 def modes_for(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...], optimizer: str,
               allowed: tuple[str | None, ...]) -> list[str | None]:
     """The modes a parameter stored in ``spec`` may take, among ``allowed``: the ZeRO modes only
-    where there is optimizer state and a dim to shard it on; offload wherever there is state."""
+    where there is optimizer state and a dim to shard it on; offload (of the optimizer, or of
+    the parameters too) wherever there is state."""
     if optimizer in ("none", "sgd"):
         return [None]
     shardable = state_spec(shape, spec, mesh_shape) is not None
-    out = [m for m in allowed if m is None or m == "offload" or shardable]
+    out = [m for m in allowed if m is None or m in HOST_MODES or shardable]
     return out or [None]          # a forced ZeRO mode leaves an unshardable parameter plain
 
 
@@ -121,9 +133,14 @@ def state_bytes(shape: tuple[int, ...], dtype: torch.dtype, spec: Spec, mode: st
         return StateBytes(n * isz, n * isz, ns * k)
     if mode == "zero2":
         return StateBytes(n * isz, ns * isz, ns * k)
-    # offload: the gradient shard waits on the device for the step, which copies it to an fp32
-    # host buffer beside the host's optimizer state.
-    return StateBytes(n * isz, ns * isz, 0.0, host=ns * (k + 4))
+    if mode == "offload":
+        # The gradient shard waits on the device for the step, which copies it to an fp32 host
+        # buffer beside the host's optimizer state.
+        return StateBytes(n * isz, ns * isz, 0.0, host=ns * (k + 4))
+    # offload_params: nothing on the device; the host holds the stored parameter, its gradient
+    # shard (landed there from the device), the master and moments, and a 16-bit gradient's
+    # fp32 copy for the step (an fp32 gradient is stepped from where it lies).
+    return StateBytes(host=n * isz + ns * isz + ns * k + (ns * 4 if isz < 4 else 0))
 
 
 def step_elements(shape: tuple[int, ...], spec: Spec, mode: str | None,

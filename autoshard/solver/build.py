@@ -25,6 +25,7 @@ import autoshard.ops  # noqa: F401  (registers every op)
 from autoshard.cost.price import Pricer
 from autoshard.cost.reshards import input_divergence, output_requirement
 from autoshard.cost.comm import reshard
+from autoshard.cost.state import HOST_MODES
 from autoshard.ir import Replicate, Shard, Spec, Strategy, TensorInfo, spec_fits
 from autoshard.mesh import AxisMerge, Mesh
 from autoshard.ops.registry import INPUT, LARGEST, record_of, strategies_for
@@ -77,8 +78,10 @@ def placeholder_strategies(info: TensorInfo, mesh_shape: tuple[int, ...],
 
 class _Builder:
     def __init__(self, traced: TracedGraph, pricer: Pricer, memory_budget: float, *,
-                 in_place: frozenset[str] = frozenset(), deadline: float | None = None) -> None:
+                 in_place: frozenset[str] = frozenset(), deadline: float | None = None,
+                 host_budget: float | None = None) -> None:
         self.traced, self.pricer, self.budget, self.in_place = traced, pricer, memory_budget, in_place
+        self.host_budget = host_budget
         self.deadline = deadline
         self.mesh_shape = pricer.mesh.shape
         self.nodes = [n for n in traced.graph.nodes
@@ -153,9 +156,9 @@ class _Builder:
         memory: dict[tuple[str, int], float] = {}     # members share strategies: price once
         for names in decision_nodes:
             root = members[names[0]]
-            cost, mem, bwd = [], [], []
+            cost, mem, bwd, host = [], [], [], []
             for i in range(len(root.index)):
-                c = m_ = b = 0.0
+                c = m_ = b = h = 0.0
                 seen: set[tuple] = set()     # a reshard two followers need runs once
                 for name in names:
                     mb = members[name]
@@ -165,6 +168,7 @@ class _Builder:
                     c += self.pricer.op_comm_seconds(name, s)
                     if self.by_name[name].op == "placeholder":
                         c += self.pricer.optimizer_comm_seconds(name, s)
+                        h += self.pricer.state_bytes(name, s).host
                     b += self.pricer.backward(name, s)
                     key = (name, mb.index[i])
                     if key not in memory:
@@ -173,12 +177,15 @@ class _Builder:
                 cost.append(c)
                 mem.append(m_)
                 bwd.append(b)
+                host.append(h)
             decisions.append(Decision(names[0], multiplicity[names[0]], tuple(cost), tuple(mem),
-                                      tuple(bwd) if any(bwd) else ()))
+                                      tuple(bwd) if any(bwd) else (),
+                                      tuple(host) if any(host) else ()))
         self._out_decision = len(decisions)
         decisions.append(Decision(OUTPUT, 1, (0.0,), (0.0,)))
         edges, fanouts = self._edges(template, members)
-        problem = Problem(tuple(decisions), tuple(edges), float(self.budget), fanouts=tuple(fanouts))
+        problem = Problem(tuple(decisions), tuple(edges), float(self.budget),
+                          fanouts=tuple(fanouts), host_budget=self.host_budget)
         return Built(problem, members, template, self.pricer.tied_to)
 
     def _merge_plan(self, n: fx.Node, members: dict[str, Member]
@@ -324,6 +331,13 @@ class _Builder:
                 prices = [[(t + self.pricer.forward_seconds(value, src, dst[0]), sync)
                            for (t, sync), dst in zip(row, keys)]
                           for row, (src, _) in zip(prices, specs)]
+            if param and any(mode == "offload_params" for _, mode in specs):
+                # A parameter kept on the host: each use copies it to the device (again where
+                # it is read only inside checkpointed layers) and its gradient back.
+                again = all(c != OUTPUT and self.pricer.recomputed(c) for c, _ in cons)
+                prices = [[(t + self.pricer.host_seconds(value, src, dst[0], dst[1], mode, again),
+                            sync) for (t, sync), dst in zip(row, keys)]
+                          for row, (src, mode) in zip(prices, specs)]
             cost = tuple(tuple(p[0] for p in row) for row in prices)
             sync = tuple(tuple(p[1] for p in row) for row in prices)
             memory: tuple = ()
@@ -365,7 +379,11 @@ class _Builder:
             keyed[key] = keyed.get(key, 0) + 1
         for (pname, o, cons), multiplicity in keyed.items():
             pm = members[pname]
-            src_specs = [pm.strategies[i].outputs[o] for i in pm.index]
+            # A parameter's source is its layout and state mode (one kept on the host is read
+            # from its copy on the device, which its savers keep); any other value's, its layout.
+            param = pname in self.pricer.params
+            src_specs = [(pm.strategies[i].outputs[o], pm.strategies[i].kernel if param else None)
+                         for i in pm.index]
             reqs = [(members[c].decision, [members[c].strategies[j].inputs[k]
                                            for j in members[c].index]) for c, k in cons]
             keys = list(dict.fromkeys(r for _, req in reqs for r in req))
@@ -373,9 +391,9 @@ class _Builder:
             value = (pname, o)
             real = self.pricer.saved_inputs()[value] if value in self.pricer.saved_inputs() \
                 else cons
-            memory = tuple(tuple(self.pricer.saved_copy_bytes(value, src, dst)
+            memory = tuple(tuple(self.pricer.saved_copy_bytes(value, src, dst, mode)
                                  * self.pricer.copy_weight(value, real, src, dst)
-                                 for dst in keys) for src in specs)
+                                 for dst in keys) for src, mode in specs)
             if not any(any(row) for row in memory):
                 continue
             classes = list(dict.fromkeys((cdec, tuple(keys.index(r) for r in req))
@@ -417,13 +435,16 @@ def _spec(m: Member, i: int, out: int) -> Spec:
 def build_problem(traced: TracedGraph, mesh: Mesh, options: PlanOptions = PlanOptions(), *,
                   in_place: frozenset[str] = frozenset(), merge: AxisMerge | None = None,
                   recompute: Mapping[str, str] | frozenset[str] = frozenset(),
-                  offload: bool = False, deadline: float | None = None) -> Built:
+                  offload: bool | str = False, deadline: float | None = None) -> Built:
     """``in_place``: parameters every op must read in their stored layout (a hand-written plan's
     weights are used where they lie, never resharded on the way in). ``merge``: ``mesh`` merges
     axes of a real mesh (see planner.py); reshards are priced as they run there. ``recompute``:
     layer -> checkpointing policy, or the layers fully checkpointed (cost/price.py); ``offload``: offer optimizer
-    offload as a state mode (cost/state.py). ``deadline`` (``time.perf_counter()`` seconds):
-    raise :class:`BuildTimeout` once pricing runs past it."""
+    offload as a state mode (True), and parameter offload too ("parameters") (cost/state.py);
+    the host memory they fill is bounded by the cluster's ``host_memory_bytes``. ``deadline``
+    (``time.perf_counter()`` seconds): raise :class:`BuildTimeout` once pricing runs past it."""
     budget = mesh.cluster.memory_bytes if options.memory_budget is None else options.memory_budget
     pricer = Pricer(traced, mesh, options, merge=merge, recompute=recompute, offload=offload)
-    return _Builder(traced, pricer, budget, in_place=in_place, deadline=deadline).build()
+    host = mesh.cluster.host_memory_bytes if any(m in HOST_MODES for m in pricer.modes) else None
+    return _Builder(traced, pricer, budget, in_place=in_place, deadline=deadline,
+                    host_budget=host).build()

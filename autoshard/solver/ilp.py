@@ -11,6 +11,7 @@
                       w >= sum n*sync*e + sum n*sync*z - sum n*backward*x
     minimise   sum n*cost*x + sum n*cost*e + sum n*cost*z + w
     subject to sum n*memory*x + sum n*memory*e + sum n*memory*z <= budget
+               sum n*host*x <= host budget      (where strategies offload state to the host)
 
 (n is the multiplicity: how many identical layers a decision, edge or fanout stands for;
 the memory on e and z is a value its consumers save for backward, once per layout they read it
@@ -30,7 +31,8 @@ from dataclasses import dataclass, replace
 
 from ortools.linear_solver import pywraplp
 
-from autoshard.solver.problem import Edge, Fanout, Problem, Solution, evaluate, price, totals
+from autoshard.solver.problem import (Edge, Fanout, Problem, Solution, evaluate, host_bytes,
+                                      price, totals)
 
 BACKENDS = ("CBC", "HIGHS", "SCIP")
 # Under a deadline (solve(verdict=False)), HiGHS first: on the ILP of a 3-axis mesh over every
@@ -47,13 +49,21 @@ US = 1e6
 
 class Infeasible(Exception):
     """No assignment fits the memory ``budget``: ``least_memory`` is the least memory any plan
-    needs, exactly (``exact``) or a lower bound that already exceeds the budget."""
+    needs, exactly (``exact``) or a lower bound that already exceeds the budget. Where plans
+    fit the device but none of them within the host memory (``host_budget``) too,
+    ``least_host`` is the least host memory a plan that fits the device needs (else None)."""
 
-    def __init__(self, least_memory: float, *, budget: float, exact: bool = True) -> None:
+    def __init__(self, least_memory: float, *, budget: float, exact: bool = True,
+                 least_host: float | None = None, host_budget: float | None = None) -> None:
         self.least_memory, self.budget, self.exact = least_memory, budget, exact
+        self.least_host, self.host_budget = least_host, host_budget
         what = "is" if exact else "is at least"
         super().__init__(f"no plan fits; the least memory per device {what} "
-                         f"{least_memory:.4g} bytes")
+                         f"{least_memory:.4g} bytes" + (
+                             "" if least_host is None else
+                             f" within {host_budget:.4g} bytes of host memory; a plan that "
+                             f"fits the device needs at least {least_host:.4g} bytes of host "
+                             f"memory"))
 
 
 class NoSolution(Exception):
@@ -92,14 +102,30 @@ def least_memory_plan(problem: Problem, *, time_limit_s: float = 30.0) -> LeastM
     bound, leanest = _leanest(problem)
     if leanest is None:
         return LeastMemory(float("inf"), True, None)   # two strategies pinned on one decision
-    if not any(e.memory for e in (*problem.edges, *problem.fanouts)):
+    hosted = _host_bound(problem)
+    if not any(e.memory for e in (*problem.edges, *problem.fanouts)) and (
+            not hosted or host_bytes(problem, leanest) <= problem.host_budget):
         return LeastMemory(bound, True, leanest)
-    m = _Model(problem)
+    # With the host bound, HiGHS first: CBC took over 20 s on gpt2-tiny's host-bound MIPs
+    # where HiGHS took 0.2 s.
+    m = _Model(problem, DEADLINE_BACKENDS if hosted else BACKENDS)
+    if hosted:
+        m.s.Add(m.host <= problem.host_budget)
     m.s.Minimize(m.mem)
     m.s.SetTimeLimit(int(time_limit_s * 1000))
-    if _run(m) == pywraplp.Solver.OPTIMAL:
+    status = _run(m)
+    if status == pywraplp.Solver.OPTIMAL:
         choice = m.choice()
         return LeastMemory(evaluate(problem, choice)[1], True, choice)
+    if hosted and status == pywraplp.Solver.INFEASIBLE:
+        return LeastMemory(float("inf"), True, None)    # no plan within the host memory
+    if hosted and status == pywraplp.Solver.FEASIBLE:
+        # Stopped at the limit: a plan within both bounds if the incumbent fits the budget,
+        # else the solver's bound (over the per-decision one, which ignores the host).
+        choice = m.choice()
+        if evaluate(problem, choice)[1] <= problem.memory_budget:
+            return LeastMemory(evaluate(problem, choice)[1], False, choice)
+        return LeastMemory(max(bound, _finite(m.s.Objective().BestBound(), 0.0)), False, None)
     return LeastMemory(bound, False, None)
 
 
@@ -116,6 +142,28 @@ def _leanest(problem: Problem) -> tuple[float, tuple[int, ...] | None]:
                     for g, dec in enumerate(problem.decisions))
     return sum(dec.multiplicity * dec.memory[i]
                for dec, i in zip(problem.decisions, leanest)), leanest
+
+
+def least_host(problem: Problem, *, time_limit_s: float = 30.0) -> float | None:
+    """The least host memory of an assignment that fits the device memory budget: exact, or
+    the solver's lower bound when it stops at the time limit (None: it has none)."""
+    m = _Model(problem, DEADLINE_BACKENDS)
+    m.s.Add(m.mem <= problem.memory_budget)
+    m.s.Minimize(m.host)
+    m.s.SetTimeLimit(int(time_limit_s * 1000))
+    status = _run(m)
+    if status == pywraplp.Solver.OPTIMAL:
+        return host_bytes(problem, m.choice())
+    if status == pywraplp.Solver.FEASIBLE:
+        bound = m.s.Objective().BestBound()
+        return bound if math.isfinite(bound) and bound > 0 else None
+    return None
+
+
+def _host_bound(problem: Problem) -> bool:
+    """Whether the problem's host memory bound can bind: a budget and offloading strategies."""
+    return problem.host_budget is not None and any(any(d.host) for d in problem.decisions
+                                                   if d.host)
 
 
 def _run(m: "_Model") -> int:
@@ -161,6 +209,8 @@ class _Model:
                for i, v in enumerate(x[g]) if dec.cost[i]]
         mem = [dec.memory[i] * dec.multiplicity * v for g, dec in enumerate(problem.decisions)
                for i, v in enumerate(x[g]) if dec.memory[i]]
+        host = [dec.host[i] * dec.multiplicity * v for g, dec in enumerate(problem.decisions)
+                if dec.host for i, v in enumerate(x[g]) if dec.host[i]]
         sync: list = []
         self.n_aux = 0
 
@@ -200,7 +250,7 @@ class _Model:
                         for i, v in enumerate(x[g]) if dec.backward[i]]
             s.Add(w >= s.Sum(sync) - s.Sum(backward))
             obj.append(w)
-        self.obj, self.mem = s.Sum(obj), s.Sum(mem)
+        self.obj, self.mem, self.host = s.Sum(obj), s.Sum(mem), s.Sum(host)
 
     def _transport(self, name: str, producer: int, out: tuple[int, ...], consumer: int,
                    req: tuple[int, ...], n_o: int, n_r: int) -> list[list]:
@@ -265,7 +315,7 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0,
             sol = None            # the whole problem is no easier: solve it for its verdict
         if sol is not None and sol.status == "OPTIMAL" and \
                 evaluate(problem, sol.choice)[1] <= problem.memory_budget:
-            return sol
+            return sol      # (the host bound has no edge terms: the relaxed solve kept it)
         time_limit_s = max(time_limit_s / 2, time_limit_s - (time.perf_counter() - t0))
     return _solve(problem, time_limit_s, t0, cutoff_s, verdict, highs_first)
 
@@ -279,6 +329,8 @@ def _attempt(problem: Problem, backends: tuple[str, ...], time_limit_s: float,
     """One solve of the MIP by the first available of ``backends``: (status, model)."""
     m = _Model(problem, backends)
     m.s.Add(m.mem <= problem.memory_budget)
+    if _host_bound(problem):
+        m.s.Add(m.host <= problem.host_budget)
     if cutoff_s is not None:
         m.s.Add(m.obj <= US * cutoff_s * (1 - 1e-9))
     m.s.Minimize(m.obj)
@@ -325,6 +377,17 @@ def _solve(problem: Problem, time_limit_s: float, t0: float,
         raise NoSolution(time_limit_s, status, _finite(bound, 0.0))
     least = least_memory_plan(problem, time_limit_s=time_limit_s)
     if least.bytes > problem.memory_budget:
+        if _host_bound(problem):
+            # The host memory may be what rules every plan out: the device alone is then
+            # within reach, and the error says how much host memory that takes.
+            free = least_memory_plan(replace(problem, host_budget=None),
+                                     time_limit_s=time_limit_s)
+            if free.bytes <= problem.memory_budget:
+                host = least_host(problem, time_limit_s=time_limit_s)
+                if host is not None:
+                    raise Infeasible(free.bytes, budget=problem.memory_budget,
+                                     exact=free.exact, least_host=host,
+                                     host_budget=problem.host_budget)
         raise Infeasible(least.bytes, budget=problem.memory_budget, exact=least.exact)
     if least.choice is None:
         raise NoSolution(time_limit_s, status, _finite(bound, 0.0))
@@ -370,6 +433,8 @@ def break_ties(problem: Problem, choice: tuple[int, ...], order: dict[int, list[
     cost, mem, sync, bwd = totals(problem, choice)
     total = cost + max(0.0, sync - bwd)
     tol = rel_tol * max(total, 0.0)
+    hosted = _host_bound(problem)
+    host = host_bytes(problem, choice) if hosted else 0.0
     for g, prefs in order.items():
         if g in fixed:
             continue
@@ -381,8 +446,12 @@ def break_ties(problem: Problem, choice: tuple[int, ...], order: dict[int, list[
             choice[g] = i
             after = local(g)
             c1, m1, s1, b1 = (a + x - y for a, x, y in zip((cost, mem, sync, bwd), after, before))
-            if c1 + max(0.0, s1 - b1) - total <= tol and m1 <= problem.memory_budget:
-                cost, mem, sync, bwd = c1, m1, s1, b1
+            dec = problem.decisions[g]
+            h1 = host + (dec.host[i] - dec.host[now]) * dec.multiplicity if hosted and dec.host \
+                else host
+            if c1 + max(0.0, s1 - b1) - total <= tol and m1 <= problem.memory_budget and (
+                    not hosted or h1 <= problem.host_budget):
+                cost, mem, sync, bwd, host = c1, m1, s1, b1, h1
                 total = cost + max(0.0, sync - bwd)
                 break
             choice[g] = now

@@ -13,13 +13,14 @@ from autoshard.cost.price import Pricer
 from autoshard.cost.comm import Groups, Step, joint_groups, step_seconds
 from autoshard.cost.overlap import (bucket_collectives, exposed_seconds, first_grad_syncs,
                                     gradient_buckets, sync_share_by_axis)
-from autoshard.cost.state import StateBytes, state_spec
-from autoshard.cost.reshards import reshard_edges
+from autoshard.cost.compute import local_numel
+from autoshard.cost.state import SCATTERS, StateBytes, state_spec
+from autoshard.cost.reshards import direct_reads, reshard_edges
 from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Strategy, work_fraction
 from autoshard.mesh import AxisMerge, Merges, Mesh
 from autoshard.options import PlanOptions, resolve_options
-from autoshard.plans import CollectiveRecord, NodePlan, ParamState, Plan
+from autoshard.plans import CollectiveRecord, HostTransfer, NodePlan, ParamState, Plan
 from autoshard.solver.build import BuildTimeout, Built, build_problem
 from autoshard.solver.ilp import Infeasible, NoBetter, NoSolution, break_ties, solve
 from autoshard.solver.diagnostics import gib, mesh_use, smaller_mesh, unruled_note
@@ -164,6 +165,12 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = N
         raise AutoshardError("a pipeline axis or None to plan a traced graph",
                              got="pipeline='auto'",
                              fix="call autoshard.plan (or the CLI), which searches the axes")
+    if options.pipeline is not None and options.offload == "parameters":
+        raise AutoshardError("parameter offload without a pipeline (not built for pipeline "
+                             "stages yet)", got=f"offload='parameters' and pipeline="
+                             f"{options.pipeline!r}",
+                             fix="drop the pipeline, or offload the optimizer only "
+                                 "(offload='optimizer')")
     if options.pipeline is not None:
         # The graph is one microbatch's (trace_for); the stages' SPMD plan is this function's.
         from autoshard.solver.pipeline import plan_pipelined
@@ -183,7 +190,7 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = N
         # lowered by the excess, and keep that plan if its own peak fits.
         # The same techniques (checkpointing, offload allowed), one more solve.
         lower = plan.predicted["peak_memory_bytes"] - (live - budget)
-        offload = any(st.offload for st in plan.param_state.values())
+        offload = offload_level(plan)
         try:
             with progress.step("re-planning for the step's liveness peak"):
                 again = _plan_traced(traced, mesh, options.replace(memory_budget=lower),
@@ -207,27 +214,48 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = N
 def _plan_memory(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw: Any) -> Plan:
     """Plan with the memory techniques ``options`` allows, cheapest first: parameter, gradient
     and optimizer-state sharding (ZeRO-1/2/3) are always in the search; activation
-    checkpointing as :func:`_plan_recompute` decides; optimizer offload ("auto") only when no
-    plan fits without it, since it always costs host-link time. When nothing fits, the error
+    checkpointing as :func:`_plan_recompute` decides; under offload "auto", optimizer offload
+    only when no plan fits without it, and parameter offload (beside it) only when no plan fits
+    with optimizer offload alone, since each costs host-link time. When nothing fits, the error
     names the least memory found and the techniques that were tried."""
-    offload = options.offload == "optimizer"
-    try:
-        plan = _plan_recompute(traced, mesh, options, offload=offload, **kw)
-    except AutoshardError as e:
-        if not isinstance(e.__cause__, Infeasible) or offload or options.offload == "none" \
-                or not traced.training or options.state_optimizer in ("none", "sgd"):
-            raise _with_techniques(e, traced, options, offload)
+    forced = forced_offload(options)
+    ladder: list[bool | str] = [forced]
+    if not forced and options.offload == "auto" and traced.training \
+            and options.state_optimizer not in ("none", "sgd"):
+        ladder += [True] + (["parameters"] if options.stage_run is None else [])
+    for k, offload in enumerate(ladder):
         try:
-            with progress.step("no plan fits: with optimizer offload"):
-                plan = _plan_recompute(traced, mesh, options, offload=True, **kw)
-        except AutoshardError as e2:
-            raise _with_techniques(e2, traced, options, True)
+            if k:
+                what = "optimizer offload" if offload is True else "parameter offload"
+                with progress.step(f"no plan fits: with {what}"):
+                    plan = _plan_recompute(traced, mesh, options, offload=offload, **kw)
+            else:
+                plan = _plan_recompute(traced, mesh, options, offload=offload, **kw)
+            break
+        except AutoshardError as e:
+            if not isinstance(e.__cause__, Infeasible) or k == len(ladder) - 1:
+                raise _with_techniques(e, traced, options, offload)
     _check_host(plan, mesh)
     return plan
 
 
+def forced_offload(options: PlanOptions) -> bool | str:
+    """The offload level ``options.offload`` forces (see :func:`offload_level`), else False."""
+    return {"optimizer": True, "parameters": "parameters"}.get(options.offload, False)
+
+
+def offload_level(plan: Plan) -> bool | str:
+    """How far offload went in ``plan`` (the ``offload`` argument that plans it again with
+    the same state modes offered): "parameters" where a parameter is kept on the host, True
+    where only optimizer state is, else False."""
+    modes = {st.mode for st in plan.param_state.values()}
+    if "offload_params" in modes or plan.options.offload == "parameters":
+        return "parameters"
+    return "offload" in modes or plan.options.offload == "optimizer"
+
+
 def _with_techniques(e: AutoshardError, traced: TracedGraph, options: PlanOptions,
-                     offload: bool) -> AutoshardError:
+                     offload: bool | str) -> AutoshardError:
     if not isinstance(e.__cause__, Infeasible):
         return e
     tried = ["parameter sharding (ZeRO-3)"]
@@ -239,6 +267,8 @@ def _with_techniques(e: AutoshardError, traced: TracedGraph, options: PlanOption
         tried.append(f"full activation checkpointing of its {len(layers)} repeated layers")
     if offload:
         tried.append("optimizer offload to the host")
+    if offload == "parameters":
+        tried.append("parameter offload to the host")
     fix = e.fix
     if not offload and traced.training and options.offload == "none":
         fix += ", or allow optimizer offload (offload='auto')"
@@ -252,7 +282,7 @@ def _check_host(plan: Plan, mesh: Mesh) -> None:
     host = plan.predicted.get("memory", {}).get("host", 0.0)
     if host > mesh.cluster.host_memory_bytes:
         raise AutoshardError(
-            f"optimizer state offloaded within the host memory of one device "
+            f"state offloaded within the host memory of one device "
             f"({gib(mesh.cluster.host_memory_bytes)}, cluster field host_memory_bytes)",
             got=f"the plan offloads {gib(host)} per device",
             fix="use a larger mesh, or a cluster profile with more host memory per device")
@@ -339,7 +369,7 @@ def _fit_live(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan,
     lower = plan.predicted["peak_memory_bytes"] - (live - budget)
     if lower <= 0:
         return None
-    offload = any(st.offload for st in plan.param_state.values())
+    offload = offload_level(plan)
     try:
         with progress.step("re-planning for the step's liveness peak"):
             again = _plan_traced(traced, mesh, options.replace(memory_budget=lower),
@@ -495,6 +525,15 @@ def _solve(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_name:
                         verdict=deadline is None, highs_first=options.stage_run is not None)
     except Infeasible as e:
         least = f"{'' if e.exact else 'at least '}{gib(e.least_memory)}"
+        if e.least_host is not None:
+            raise AutoshardError(
+                f"a plan within the memory budget of {gib(e.budget)} per device and the host "
+                f"memory of {gib(e.host_budget)} per device (cluster field host_memory_bytes)",
+                got=f"none fits both: the plans that fit the device keep parameters, gradients "
+                    f"or optimizer state on the host, at least {gib(e.least_host)} per device"
+                    f"{unruled_note(traced)}",
+                fix="use a larger mesh or a smaller batch, or a cluster profile with more host "
+                    "memory per device (host_memory_bytes)") from e
         raise AutoshardError(
             f"a plan within the memory budget of {gib(e.budget)} per device",
             got=f"none fits; the least memory any plan needs is {least} per device"
@@ -577,7 +616,7 @@ def plan_merged(traced: TracedGraph, mesh: Mesh, merges: Merges,
                              fix="plan_traced plans with every axis on its own")
     check_mesh_fits(traced, mesh)
     plan = _plan_merged(traced, mesh, options, merge, fixed=None, model_name=model_name,
-                        trace_s=0.0, recompute={}, offload=options.offload == "optimizer")
+                        trace_s=0.0, recompute={}, offload=forced_offload(options))
     assert plan is not None                  # only pinned layouts can refuse a merge
     return plan
 
@@ -818,6 +857,11 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
                 collectives.append(CollectiveRecord(step.kind,
                                                     tuple(mesh.axes[a] for a in step.axes),
                                                     step.nbytes, "optimizer", "optimizer", name))
+    # The host link (docs/cost-model.md §9): each use of a parameter kept on the host copies it
+    # in and its gradient back, blocking; the optimizer step's copies are in optimizer_s.
+    transfers = host_transfers(traced, pricer, strategies, edges, first, buckets)
+    host_s = sum(t.bytes for t in transfers if t.phase != "optimizer") \
+        / mesh.cluster.host_bandwidth * pricer.step_share
     # One overlap window (cost/overlap.py): the buckets run behind backward compute; what does
     # not fit is exposed, shared over the axes by their sync seconds.
     total_sync = sum(sync.values())
@@ -844,7 +888,8 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
         params={params[n]: strategies[n].outputs[0] for n in params},
         inputs={p.fqn: strategies[p.name].outputs[0] for p in traced.inputs},
         collectives=tuple(collectives),
-        predicted={"step_time_s": compute_s + sum(exposed.values()), "compute_s": compute_s,
+        predicted={"step_time_s": compute_s + sum(exposed.values()) + host_s,
+                   "compute_s": compute_s, **({"host_s": host_s} if host_s else {}),
                    "comm_s": comm_s, "peak_memory_bytes": memory,
                    "optimizer_s": optimizer_s, "peak_phase": live.phase,
                    "memory": {"peak": live.peak, "parameters": live.parameters,
@@ -857,7 +902,7 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
         tied={fqn: tuple(reads) for fqn, reads in tied.items()},
         recompute={layer.name: recompute[layer.name] for layer in traced.layers
                    if layer.name in recompute},
-        param_state=param_state,
+        param_state=param_state, host_transfers=tuple(transfers),
         joint_axes=tuple(tuple(mesh.axes[a] for a in g) for g in joint),
         input_meta={p.fqn: (p.info.shape, str(p.info.dtype).removeprefix("torch."))
                     for p in traced.inputs if p.info is not None},
@@ -876,8 +921,49 @@ def _state_record(pricer: Pricer, name: str, strategy: Strategy) -> ParamState:
     ph = pricer.traced.placeholder(name)
     spec, mode = strategy.outputs[0], strategy.kernel
     sspec = state_spec(ph.info.shape, spec, pricer.mesh.shape) or spec
-    return ParamState(mode, sspec if mode in ("zero2", "offload") else spec, sspec,
-                      mode == "offload")
+    return ParamState(mode, sspec if mode in SCATTERS else spec, sspec,
+                      {"offload": "optimizer", "offload_params": "parameters"}.get(mode, ""))
+
+
+def host_transfers(traced: TracedGraph, pricer: Pricer, strategies: dict[str, Strategy],
+                   edges: list, first: dict, buckets: list) -> list[HostTransfer]:
+    """Every copy over the host link a step makes (docs/cost-model.md §9), as the runtime makes
+    them (codegen/rewrite.py, codegen/buckets.py, codegen/optim.py). A parameter kept on the
+    host (offload_params) is copied to the device once per use: per reshard edge that reads it,
+    and once for all the ops that read it where it lies (``direct_reads``), at the first of
+    them; again where that use is recomputed. The gradient of a use comes back down in the
+    stored layout, unless a bucket syncs it: then its share of the bucket (the reduce-scattered
+    shard) comes down once the bucket is done. Then the optimizer step's
+    (``Pricer.host_steps``)."""
+    out: list[HostTransfer] = []
+    params = [p.name for p in traced.params]
+    fetched = {n for n in params if strategies[n].kernel == "offload_params"}
+    if fetched:
+        uses = [(e.value[0], e.src, e.consumers[0][0], first.get(e.value[0]) is e)
+                for e in edges if e.value[0] in fetched]
+        for name, cons in direct_reads(traced.graph, strategies, fetched,
+                                       training=traced.training).items():
+            uses.append((name, strategies[name].outputs[0], cons[0][0], False))
+        for name, src, node, bucketed in uses:
+            n = pricer.fetch_bytes((name, 0), src, "offload_params")
+            out.append(HostTransfer("h2d", n, "forward", node, name))
+            if pricer.recomputed(node):
+                out.append(HostTransfer("h2d", n, "recompute", node, name))
+            if not bucketed and name in pricer.grads:
+                out.append(HostTransfer("d2h", n, "backward", node, name))
+        for k, b in enumerate(buckets):
+            for m in b.members:
+                if m in fetched:
+                    shape, isz = pricer.shapes[(m, 0)]
+                    spec = strategies[m].outputs[0]
+                    if b.kind == "reduce_scatter":
+                        spec = state_spec(shape, spec, pricer.mesh.shape) or spec
+                    out.append(HostTransfer("d2h", local_numel(shape, spec, pricer.mesh.shape)
+                                            * isz, "grad_sync", f"bucket{k}", m))
+    for name in params:
+        for direction, nbytes in pricer.host_steps(name, strategies[name]):
+            out.append(HostTransfer(direction, nbytes, "optimizer", "optimizer", name))
+    return out
 
 
 def _op_name(n) -> str:

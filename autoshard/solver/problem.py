@@ -22,6 +22,7 @@ class Decision:
     cost: tuple[float, ...]      # seconds per strategy (compute + internal reshards), one copy
     memory: tuple[float, ...]    # bytes per device per strategy, one copy
     backward: tuple[float, ...] = ()   # of ``cost``, the backward compute seconds; () for none
+    host: tuple[float, ...] = ()   # bytes of host memory per strategy, one copy (offload)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,13 +66,17 @@ class Fanout:
 @dataclass(frozen=True, slots=True)
 class Problem:
     """The step time of an assignment is the sum of the chosen costs plus the overlap window's
-    exposed part, ``max(0, sum of chosen sync - sum of chosen backward)`` (cost/overlap.py)."""
+    exposed part, ``max(0, sum of chosen sync - sum of chosen backward)`` (cost/overlap.py).
+    ``host_budget``: the host memory one device's process may fill with offloaded state
+    (``Cluster.host_memory_bytes``), bounding the decisions' ``host`` bytes; None: unbounded
+    (nothing offered is offloaded)."""
 
     decisions: tuple[Decision, ...]
     edges: tuple[Edge, ...]
     memory_budget: float
     fixed: tuple[tuple[int, int], ...] = ()   # (decision, strategy) forced by the caller
     fanouts: tuple[Fanout, ...] = ()
+    host_budget: float | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -83,7 +88,8 @@ class Problem:
             return tuple(tuple(r) for r in rows)
 
         decisions = tuple(Decision(g["name"], g["multiplicity"], tuple(g["cost"]),
-                                   tuple(g["memory"]), tuple(g.get("backward", ())))
+                                   tuple(g["memory"]), tuple(g.get("backward", ())),
+                                   tuple(g.get("host", ())))
                           for g in d["decisions"])
         edges = tuple(Edge(e["name"], e["multiplicity"], e["producer"], e["consumer"],
                            tuple(e["out"]), tuple(e["req"]), table(e["cost"]),
@@ -95,7 +101,7 @@ class Problem:
                                table(f.get("sync", ())))
                         for f in d.get("fanouts", ()))
         return cls(decisions, edges, d["memory_budget"], tuple(tuple(f) for f in d["fixed"]),
-                   fanouts)
+                   fanouts, d.get("host_budget"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +146,11 @@ def totals(problem: Problem, choice: tuple[int, ...] | list[int]
     return t, mem, sync, backward
 
 
+def host_bytes(problem: Problem, choice: tuple[int, ...] | list[int]) -> float:
+    """Host memory bytes of a full assignment (offloaded state)."""
+    return sum(g.host[c] * g.multiplicity for g, c in zip(problem.decisions, choice) if g.host)
+
+
 def evaluate(problem: Problem, choice: tuple[int, ...]) -> tuple[float, float]:
     """Step time (s) and memory (bytes) of a full assignment, outside the ILP (for tests and
     for pricing hand-written plans in exactly the solver's terms)."""
@@ -168,7 +179,7 @@ def restrict(problem: Problem, allowed: dict[int, tuple[int, ...]]) -> Problem:
             raise ValueError(f"decision {g}: fixed strategy {i} is not among {allowed[g]}")
         fixed.append((g, allowed[g].index(i)) if g in allowed else (g, i))
     decisions = tuple(replace(d, cost=keep(d.cost, g), memory=keep(d.memory, g),
-                              backward=keep(d.backward, g))
+                              backward=keep(d.backward, g), host=keep(d.host, g))
                       for g, d in enumerate(problem.decisions))
     edges = tuple(replace(e, out=keep(e.out, e.producer), req=keep(e.req, e.consumer))
                   for e in problem.edges)
