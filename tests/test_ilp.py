@@ -431,3 +431,25 @@ def test_solves_under_a_deadline_print_nothing(capfd) -> None:
     assert sol.objective == pytest.approx(5.0, rel=REL)
     out, err = capfd.readouterr()
     assert out == "" and "HiGHS" not in err
+
+
+def test_a_deadline_solve_that_overruns_its_limit_is_stopped(monkeypatch) -> None:
+    """Under a deadline (verdict=False) the solve runs in a child process killed at
+    WALL_SLACK times its limit: a backend stuck past its own limit (HiGHS ran 234 s past 5 s
+    in presolve on a 3-axis ILP) costs the caller its time limit, not minutes. The child's
+    answers come back as they are: a solution, or the solver's own exceptions."""
+    import time as _time
+    from autoshard.solver import ilp
+    real = ilp._search
+    monkeypatch.setattr(ilp, "_search", lambda *a: _time.sleep(30))
+    t0 = _time.perf_counter()
+    with pytest.raises(NoSolution):
+        solve(two_ways(3), time_limit_s=0.4, verdict=False)
+    assert _time.perf_counter() - t0 < 5.0
+    monkeypatch.setattr(ilp, "_search", real)
+    sol = solve(chain(), time_limit_s=8.0, verdict=False)
+    assert sol.status == "OPTIMAL" and sol.objective == pytest.approx(5.0, rel=REL)
+    p = replace(two_ways(3), memory_budget=33.5)
+    p = replace(p, edges=(replace(p.edges[0], memory=((1.0, 1.0), (1.0, 1.0))),))
+    with pytest.raises(NoSolution):          # no incumbent, and no verdict asked for
+        solve(p, time_limit_s=8.0, verdict=False)

@@ -285,8 +285,9 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0,
     incumbent, raise :class:`NoSolution` at once, without the least-memory MIP that tells the two
     apart (and may take the time limit again): for a caller that has other plans (a search under
     a deadline, ``autoshard explain``'s swap alone), solved HiGHS first, as ``highs_first``
-    problems are. A budget below the sum of every decision's least memory is refused before any
-    search (Infeasible; NoBetter with ``cutoff_s``).
+    problems are, in a child process stopped at :data:`WALL_SLACK` times the limit. A budget
+    below the sum of every decision's least memory is refused before any search (Infeasible;
+    NoBetter with ``cutoff_s``).
 
     Edges and fanouts that only add memory (a saved activation kept once per layout, build.py)
     matter only when the budget binds, and they make the MIP much harder (T5-large on 8x8 finds
@@ -306,6 +307,71 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0,
             raise Infeasible(floor, budget=problem.memory_budget, exact=False)
         least = least_memory_plan(problem, time_limit_s=time_limit_s)
         raise Infeasible(least.bytes, budget=problem.memory_budget, exact=least.exact)
+    if not verdict and hasattr(os, "fork"):
+        return _bounded(_search, problem, time_limit_s, t0, cutoff_s, verdict, highs_first,
+                        wall_s=time_limit_s * WALL_SLACK + 1.0)
+    return _search(problem, time_limit_s, t0, cutoff_s, verdict, highs_first)
+
+
+# A deadline solve is stopped at this multiple of its time limit (plus a second): the backends
+# check their limit between phases, and a phase can run far past it (HiGHS 234 s past a 5 s
+# limit in presolve, CBC 3 to 8 times in root processing, on a 3-axis mesh's ILP).
+WALL_SLACK = 1.25
+
+
+def _bounded(fn, *args, wall_s: float):
+    """``fn(*args)`` in a forked child killed after ``wall_s`` seconds (NoSolution then): the
+    only hard bound on a backend that overruns its own time limit. The child returns the
+    Solution, or which of the solver's exceptions it raised, through a pipe."""
+    import pickle
+    import select
+    import signal
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                   # the child: solve, report, exit at once
+        os.close(r)
+        try:
+            out = ("ok", fn(*args))
+        except Infeasible as e:
+            out = ("infeasible", (e.least_memory, e.budget, e.exact))
+        except NoSolution as e:
+            out = ("nosolution", (e.time_limit_s, e.status, e.bound))
+        except NoBetter:
+            out = ("nobetter", ())
+        except BaseException as e:  # noqa: BLE001 - re-raised in the parent
+            out = ("error", repr(e))
+        with os.fdopen(w, "wb") as f:
+            f.write(pickle.dumps(out))
+        os._exit(0)
+    os.close(w)
+    end, data = time.perf_counter() + wall_s, []
+    try:
+        while True:
+            left = end - time.perf_counter()
+            if left <= 0 or not select.select([r], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                raise NoSolution(args[1], -1)
+            chunk = os.read(r, 1 << 20)
+            if not chunk:
+                break
+            data.append(chunk)
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    kind, value = pickle.loads(b"".join(data))
+    if kind == "ok":
+        return value
+    if kind == "infeasible":
+        raise Infeasible(value[0], budget=value[1], exact=value[2])
+    if kind == "nosolution":
+        raise NoSolution(*value)
+    if kind == "nobetter":
+        raise NoBetter()
+    raise RuntimeError(f"the solver's process failed: {value}")
+
+
+def _search(problem: Problem, time_limit_s: float, t0: float, cutoff_s: float | None,
+            verdict: bool, highs_first: bool) -> Solution:
     relaxed = replace(problem, edges=tuple(e for e in problem.edges if _prices_time(e)),
                       fanouts=tuple(f for f in problem.fanouts if _prices_time(f)))
     if len(relaxed.edges) + len(relaxed.fanouts) < len(problem.edges) + len(problem.fanouts):
