@@ -374,3 +374,27 @@ def test_merged_plan_runs_as_planned_over_a_group_of_four(world8, gpt2_merged):
     for r in reports:
         assert not r["ledger_diff"] and r["bytes"] == r["planned_bytes"]
         assert r["group_sizes"]["x,y"] == 4 and r["group_sizes"]["z"] == 2, r["group_sizes"]
+
+
+def test_memory_far_out_of_reach_is_told_from_the_merged_axes_alone(monkeypatch) -> None:
+    """Every axis merged into one is solved first: when its least memory is more than
+    OUT_OF_REACH times the budget, the other groupings (which split the same 8 devices) are not
+    tried, and the error says so. Within reach, every grouping is still searched."""
+    from autoshard.options import PlanOptions
+    from autoshard.solver import planner
+    from autoshard.zoo import get_model
+    model, inputs = get_model("gpt2-tiny", batch=8, seq=16)
+    traced = trace(model, inputs)
+    mesh = Mesh((2, 2, 2), cluster="h100")
+    tried = []
+    real = planner._plan_merged
+    monkeypatch.setattr(planner, "_plan_merged",
+                        lambda *a, **k: tried.append(a[3].merges) or real(*a, **k))
+    with pytest.raises(AutoshardError, match="merged into one") as e:
+        plan_traced(traced, mesh, PlanOptions(memory_budget=1024, recompute="none",
+                                              offload="none"))
+    assert tried == [((0, 1, 2),)] and "were not tried" in str(e.value)
+    tried.clear()
+    plan = plan_traced(traced, mesh, PlanOptions(recompute="none", offload="none"))
+    assert len(tried) == len(partitions(3)) - 1           # every grouping, the whole one once
+    assert len(plan.solver["axis_search"]) >= len(partitions(3))
