@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -354,11 +355,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.fn(args)
+        code = args.fn(args)
+        sys.stdout.flush()             # inside: a reader gone by now is a broken pipe too
+        return code
     except AutoshardError as e:
         # One line, as promised: a value quoted from a file may hold a line break.
         print("autoshard: error: " + " ".join(str(e).splitlines()), file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`autoshard show plan.json | head`): nothing left to say to it.
+        # Point stdout at /dev/null so that Python's own flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -93,3 +93,20 @@ def test_usage_errors_exit_2(capsys) -> None:
         main(["plan", "gpt2-tiny"])                  # --mesh is required
     assert info.value.code == 2
     assert "--mesh" in capsys.readouterr().err
+
+
+def test_a_reader_that_goes_away_gets_no_traceback(plan_file, monkeypatch) -> None:
+    """`autoshard show plan.json | head`: once the reader closes the pipe, the next write
+    fails with a broken pipe; the command ends with status 1 and no traceback."""
+    import os
+    import sys
+    r, w = os.pipe()
+    os.close(r)
+    saved = os.dup(1)
+    out = os.fdopen(w, "w")
+    monkeypatch.setattr(sys, "stdout", out)
+    try:
+        assert main(["show", plan_file[0]]) == 1
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
