@@ -117,6 +117,9 @@ def failure_cell(e: BaseException) -> str:
     """What a plan's failure means, from the solver verdict the planner's error chains: OOM (no
     plan fits memory), a solver timeout, or an error."""
     cause = verdict(e) if isinstance(e, AutoshardError) else None
+    if isinstance(cause, Infeasible) and cause.least_host is not None:
+        return (f"infeasible: host OOM (what fits the device keeps at least "
+                f"{cause.least_host / 2**30:.1f} GiB on the host)")
     if isinstance(cause, Infeasible):
         bound = "" if cause.exact else "at least "
         return f"infeasible: OOM (needs {bound}{cause.least_memory / 2**30:.1f} GiB)"

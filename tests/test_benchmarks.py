@@ -57,6 +57,19 @@ def test_out_of_memory_is_reported_as_such(gpt2_tiny):
     assert f"{least / 2**30:.4g} GiB" in str(info.value)      # the figure the error names
 
 
+def test_a_host_too_small_is_reported_as_such() -> None:
+    """A plan that fits the device only by keeping state on the host, and a host too small for
+    it: the cell says the host is what ran out, with the host memory needed."""
+    from autoshard.solver.ilp import Infeasible
+    cause = Infeasible(6.1 * 2**30, budget=74.5 * 2**30, least_host=324.1 * 2**30,
+                       host_budget=232.8 * 2**30)
+    try:
+        raise AutoshardError("a plan within both", got="none fits both", fix="-") from cause
+    except AutoshardError as e:
+        cell = compare_plans.failure_cell(e)
+    assert cell.startswith("infeasible: host OOM") and "324.1 GiB on the host" in cell
+
+
 def test_budgets_fall_from_the_peak_to_the_least():
     gib = 2**30
     bs = memory_curve.budgets(55.6 * gib, 5.2 * gib, 12)
