@@ -112,3 +112,23 @@ def test_memory_lines_without_a_measurement():
                                      "not_measured": "RuntimeError: x"}}])
     assert line[1] == "  rank 0: predicted 3.00 (model state 2.00 + saved 1.00), not measured: " \
                       "RuntimeError: x"
+
+
+def test_on_cpu_the_host_state_of_an_offload_plan_is_predicted_in_the_measured_memory(world4):
+    """Optimizer offload keeps the optimizer state on the host; on a CPU run the host is the
+    memory the tracker measures, so verify compares the measurement with the device's peak
+    plus the host bytes, and says so."""
+    from autoshard.solver.planner import plan_traced
+    traced = trace(*build(MODEL, None, None, 0))
+    plan = plan_traced(traced, Mesh((4,), cluster="stress"), offload="optimizer")
+    host = int(plan.predicted["memory"]["host"])
+    assert host > 0
+    reps = world4.run(verify_rank, VerifySpec(MODEL, plan.mesh_shape, plan.mesh_axes,
+                                              plan.dumps()))
+    ok, text = summarize(reps, TOL)
+    assert ok, text
+    for r in reps:
+        p = r["memory"]["predicted"]
+        assert p["host"] == host and p["peak"] == int(plan.predicted["memory"]["peak"]) + host
+        assert abs(r["memory"]["error"]) < 0.15, r["memory"]
+    assert "the same memory on CPU" in text
