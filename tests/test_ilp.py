@@ -435,8 +435,8 @@ def test_solves_under_a_deadline_print_nothing(capfd) -> None:
 
 def test_a_deadline_solve_that_overruns_its_limit_is_stopped(monkeypatch) -> None:
     """Under a deadline (verdict=False) the solve runs in a child process killed at
-    WALL_SLACK times its limit: a backend stuck past its own limit (HiGHS ran 234 s past 5 s
-    in presolve on a 3-axis ILP) costs the caller its time limit, not minutes. The child's
+    WALL_SLACK times its limit: a backend stuck past its own limit (HiGHS in presolve on a
+    3-axis ILP) costs the caller its time limit, not minutes. The child's
     answers come back as they are: a solution, or the solver's own exceptions."""
     import time as _time
     from autoshard.solver import ilp

@@ -28,7 +28,7 @@ from autoshard.solver.baselines import stored_plan
 from autoshard.solver.planner import plan_traced
 from autoshard.trace.export import trace
 from autoshard.verify import VerifySpec, build, plan_for, summarize, verify_rank
-from dist import world_fixture
+from dist import adamw_steps, world_fixture
 
 CLUSTER = str(Path(__file__).parent / "data" / "compute_bound.json")
 R, S0 = Replicate(), Shard(0)
@@ -258,7 +258,7 @@ def test_offloaded_parameters_train_as_single_device(world4, model, shape, base,
     if "recompute" in kw:
         assert any(t.phase == "recompute" for t in plan.host_transfers)
     _verify(world4, model, plan)
-    errs = [e for e, _ in world4.run(_adamw_steps, model, plan.dumps(), 20)]
+    errs = [e for e, _ in world4.run(adamw_steps, model, plan.dumps(), 20)]
     assert max(errs) <= 1e-4, errs
 
 
@@ -273,45 +273,9 @@ def test_gpt2_streamed_steps_as_its_device_twin(world4):
     assert [(n.inputs, n.outputs) for n in stream.nodes] == \
         [(n.inputs, n.outputs) for n in twin.nodes]
     _verify(world4, "gpt2-tiny", stream)
-    _, a = world4.run(_adamw_steps, "gpt2-tiny", stream.dumps(), 20)[0]
-    _, b = world4.run(_adamw_steps, "gpt2-tiny", twin.dumps(), 20)[0]
+    _, a = world4.run(adamw_steps, "gpt2-tiny", stream.dumps(), 20)[0]
+    _, b = world4.run(adamw_steps, "gpt2-tiny", twin.dumps(), 20)[0]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def _adamw_steps(model_name: str, plan_json: str, steps: int):
-    """``steps`` AdamW steps through pm.optimizer against single-device AdamW: the largest
-    relative parameter difference at the end, and the parameters. What the plan keeps on the
-    host stays there, and a full state dict loads back."""
-    from autoshard.codegen.runtime import parallelize
-    from autoshard.loss import as_loss_module
-    from autoshard.verify import rel_err
-    plan = Plan.loads(plan_json)
-    model, inputs = build(model_name, None, None, 0)
-    ref = as_loss_module(build(model_name, None, None, 0)[0])
-    pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan, example_inputs=inputs)
-    streamed = {f for f, st in plan.param_state.items() if st.mode == "offload_params"}
-    assert pm.on_host == streamed
-    opt = pm.optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
-    assert all(e.master.device.type == "cpu" for e in opt.entries if e.fqn in streamed)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
-    local = pm.shard_inputs(*inputs)
-    for _ in range(steps):
-        pm.step(*local)
-        opt.step()
-        opt.zero_grad()
-        ref(*inputs).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    full = pm.full_state_dict()
-    pm.load_full_state_dict(full)
-    again = pm.full_state_dict()
-    assert all(torch.equal(again[k], v) for k, v in full.items())
-    # A key projection's bias has a gradient of exactly zero in exact arithmetic (softmax is
-    # invariant to one constant added to every score of a query): its Adam steps are rounding
-    # noise scaled up, in any program (tests/test_state.py).
-    err = max(rel_err(full[n.removeprefix("model.")], p.detach())
-              for n, p in ref.named_parameters() if not n.endswith("k_proj.bias"))
-    return err, full
 
 
 # -- the planner's choice ---------------------------------------------------------------------

@@ -4,6 +4,7 @@ plan lists, sends included."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -177,17 +178,21 @@ def test_zero_bubble_closed_form() -> None:
     assert in_flight("InterleavedZeroBubble", 0, 4, 2) == 2
 
 
+# Per-stage (F, B, W) seconds the V-placed schedules' closed forms are checked with: equal,
+# each longer than the others, W zero, and six drawn at random.
+_rng = random.Random(0)
+V_DURATIONS = [(1.0, 1.0, 1.0), (1.0, 2.0, 0.5), (1.0, 0.5, 1.5), (0.7, 1.3, 1.1),
+               (2.0, 1.0, 1.0), (1.0, 1.0, 3.0), (1.0, 1.0, 0.0)] + \
+    [tuple(_rng.uniform(0.1, 3.0) for _ in range(3)) for _ in range(6)]
+
+
 def test_zbv_matches_torchs_schedule() -> None:
     """ZBVZeroBubble (REFERENCE: Qi et al. 2024, arXiv 2401.10241 §6, ZB-V; torch's
     ScheduleZBVZeroBubble): rank r runs stages r and 2p - 1 - r, and torch's own order of
     actions, run with per-stage F, B, W seconds, takes 2m(f + b + w) + zbv_excess exactly for
     m <= p and m >= 2p - 1, at most the time of 2p - 1 microbatches between them; stage s holds
     min(m, 2p - s) microbatches from F to W (2p + 1 on every rank once m >= 2p)."""
-    import random
-    rng = random.Random(0)
-    durations = [(1.0, 1.0, 1.0), (1.0, 2.0, 0.5), (1.0, 0.5, 1.5), (0.7, 1.3, 1.1),
-                 (2.0, 1.0, 1.0), (1.0, 1.0, 3.0), (1.0, 1.0, 0.0)]
-    durations += [tuple(rng.uniform(0.1, 3.0) for _ in range(3)) for _ in range(6)]
+    durations = V_DURATIONS
     for p in (2, 3, 4, 5):
         assert [rank_stages("ZBVZeroBubble", p, r) for r in range(p)] == \
             [(r, 2 * p - 1 - r) for r in range(p)]
@@ -276,7 +281,6 @@ def test_simulation_runs_torchs_order_with_uneven_stages() -> None:
     F, B and W seconds; and it is the makespan worked out by hand on two small cases, where the
     closed form is not (GPipe with a stage slow forward and the other slow backward) or where a
     send adds its latency on the way (1F1B, one microbatch)."""
-    import random
     rng = random.Random(2)
     for schedule in SCHEDULES:
         v = VIRTUAL_STAGES[schedule]
@@ -322,11 +326,7 @@ def test_dualpipev_matches_torchs_schedule() -> None:
     balanced stages for every m >= 2p: the README's bubble when F = B = W (PP = 2p, F&B =
     F + B, B the full backward b + w), not otherwise. Stage s holds 2p - s microbatches from F
     to W: 2p + 1 per rank, the README's PP + 1. Fewer than 2p microbatches are refused."""
-    import random
-    rng = random.Random(0)
-    durations = [(1.0, 1.0, 1.0), (1.0, 2.0, 0.5), (1.0, 0.5, 1.5), (0.7, 1.3, 1.1),
-                 (2.0, 1.0, 1.0), (1.0, 1.0, 3.0), (1.0, 1.0, 0.0)]
-    durations += [tuple(rng.uniform(0.1, 3.0) for _ in range(3)) for _ in range(6)]
+    durations = V_DURATIONS
     for p in (2, 3, 4, 5):
         assert [rank_stages("DualPipeV", p, r) for r in range(p)] == \
             [(r, 2 * p - 1 - r) for r in range(p)]
@@ -593,7 +593,6 @@ def test_v_cuts_balance_stages_within_each_ranks_memory() -> None:
     every cut whose ranks (stages r and 2p - 1 - r together) fit the budget: checked against all
     cuts of small random problems."""
     import itertools
-    import random
     from autoshard.solver.pipeline import _cuts_v
     from autoshard.schedules import in_flight, rank_stages, sends_between
     zbv = "ZBVZeroBubble"

@@ -18,7 +18,7 @@ from autoshard.cost.comm import reshard
 from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Shard
 from autoshard.verify import VerifySpec, build, plan_for, summarize, verify_rank
-from dist import world_fixture
+from dist import adamw_steps, world_fixture
 
 CLUSTER = str(Path(__file__).parent / "data" / "compute_bound.json")
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
@@ -141,41 +141,12 @@ def test_state_modes_train_as_single_device(world4, model, shape, baseline, kw):
     ok, text = summarize(reports, 1e-5)
     assert ok, text
     assert reports[0]["bytes"] == reports[0]["planned_bytes"]
-    errs = world4.run(_adamw_steps, model, plan.dumps(), 20)
+    errs = [e for e, _ in world4.run(adamw_steps, model, plan.dumps(), 20)]
     # Adam's first step moves every weight by about lr whatever its gradient's size, so a
     # gradient entry that is rounding noise in both programs (summed in different orders) can
     # step either way: gpt2-tiny on 2x2 differs by 1.2e-4 after one step and 1.0e-4 after 20.
     # A wrong shard, state or gather is off by far more (order 1).
     assert max(errs) <= 3e-4, errs
-
-
-def _adamw_steps(model_name: str, plan_json: str, steps: int) -> float:
-    """``steps`` AdamW steps through pm.optimizer against single-device AdamW: the largest
-    relative parameter difference at the end."""
-    from autoshard.codegen.runtime import parallelize
-    from autoshard.loss import as_loss_module
-    from autoshard.verify import rel_err
-    plan = Plan.loads(plan_json)
-    model, inputs = build(model_name, None, None, 0)
-    ref = as_loss_module(build(model_name, None, None, 0)[0])
-    pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan, example_inputs=inputs)
-    opt = pm.optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
-    local = pm.shard_inputs(*inputs)
-    for _ in range(steps):
-        pm.step(*local)
-        opt.step()
-        opt.zero_grad()
-        ref(*inputs).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    full = pm.full_state_dict()
-    # A key projection's bias has a gradient of exactly zero in exact arithmetic (softmax is
-    # invariant to adding one constant to every score of a query): what arrives is rounding
-    # noise, which Adam's g / sqrt(v) scales up to full-size steps, differently in every
-    # summation order. No program can match it; every other parameter must.
-    return max(rel_err(full[n.removeprefix("model.")], p.detach())
-               for n, p in ref.named_parameters() if not n.endswith("k_proj.bias"))
 
 
 # -- mixed precision --------------------------------------------------------------------------

@@ -333,12 +333,8 @@ class ShardedOptimizer:
         mesh's device: the DTensor keeps the host tensor, on the device mesh, as FSDP2's CPU
         offload builds its sharded parameters (torch.distributed.fsdp, ``_from_local_no_grad``),
         and DCP reads and writes it in place."""
-        from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
         refuse_strided(e.fqn, e.spec)
-        meta = TensorMeta(torch.Size(e.shape), _contiguous_stride(e.shape), local.dtype)
-        spec = DTensorSpec(self.pm.groups.device_mesh, e.placements, tensor_meta=meta)
-        return DTensor(local, spec, requires_grad=False)
+        return dtensor_in_place(local, self.pm.groups.device_mesh, e.placements, e.shape)
 
     def _incoming(self, key: str, e: _Entry | None, target: Any, value: Any) -> Any:
         """This rank's part of ``value`` loaded for ``target``, checked."""
@@ -520,7 +516,20 @@ def _placements(spec: Spec, state: Spec, mesh_shape: tuple[int, ...]) -> tuple:
     return tuple(out)
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+def dtensor_in_place(local: torch.Tensor, device_mesh: Any, placements: tuple,
+                     shape: tuple[int, ...]) -> Any:
+    """``local`` as the DTensor of global ``shape`` and ``placements``, the tensor itself
+    wherever it lies: ``DTensor.from_local`` would copy a host tensor to the mesh's device. As
+    FSDP2's CPU offload builds its sharded parameters (torch.distributed.fsdp,
+    ``_from_local_no_grad``); DCP reads and writes it in place."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    meta = TensorMeta(torch.Size(shape), contiguous_stride(shape), local.dtype)
+    return DTensor(local, DTensorSpec(device_mesh, tuple(placements), tensor_meta=meta),
+                   requires_grad=False)
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, acc = [], 1
     for n in reversed(shape):
         stride.append(acc)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from autoshard.codegen.collectives import Ledger, apply_steps
 from autoshard.codegen.groups import MeshGroups
-from autoshard.codegen.optim import refuse_strided
+from autoshard.codegen.optim import contiguous_stride, dtensor_in_place, refuse_strided
 from autoshard.codegen.rewrite import RankRuntime, emit
 from autoshard.cost.comm import reshard
 from autoshard.errors import AutoshardError
@@ -310,25 +310,19 @@ class ParallelModule(torch.nn.Module):
     def sharded_state_dict(self) -> dict[str, Any]:
         """Parameters as DTensors on the torch DeviceMesh, for torch.distributed.checkpoint."""
         from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
         out = {}
         for fqn, p in self.local_parameters().items():
             ph = self.traced.placeholder(self._param_ph[fqn])
             refuse_strided(fqn, self._specs[ph.name])
             placements = _dtensor_placements(self._specs[ph.name])
             if fqn in self.on_host:
-                # The host tensor itself, not a device copy (from_local would move it): DCP
-                # reads and writes it in place, as the optimizer's offloaded state
-                # (codegen/optim.py ``_dtensor``) and FSDP2's CPU offload do.
-                meta = TensorMeta(torch.Size(ph.info.shape), _contiguous_stride(ph.info.shape),
-                                  p.dtype)
-                out[fqn] = DTensor(p.detach(), DTensorSpec(self.groups.device_mesh,
-                                                           tuple(placements), tensor_meta=meta),
-                                   requires_grad=False)
+                # The host tensor itself, not a device copy (from_local would move it).
+                out[fqn] = dtensor_in_place(p.detach(), self.groups.device_mesh, placements,
+                                            ph.info.shape)
                 continue
             out[fqn] = DTensor.from_local(p.detach(), self.groups.device_mesh, placements,
                                           run_check=False, shape=torch.Size(ph.info.shape),
-                                          stride=_contiguous_stride(ph.info.shape))
+                                          stride=contiguous_stride(ph.info.shape))
         return out
 
     def load_sharded_state_dict(self, sd: dict[str, Any]) -> None:
@@ -350,14 +344,6 @@ def _to_host(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _key(fqn: str) -> str:
     return fqn.replace(".", "__")
-
-
-def _contiguous_stride(shape):
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= s
-    return tuple(reversed(stride))
 
 
 def _dtensor_placements(spec: Spec):

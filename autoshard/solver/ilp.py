@@ -298,9 +298,9 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0,
     floor = _leanest(problem)[0]
     if floor > problem.memory_budget:
         # Every decision at its leanest already exceeds the budget: no plan fits, which the
-        # step-time MIP would only find out at its time limit (or well past it: HiGHS took
-        # 234 s over a 5 s limit on such a 3-axis problem). The least memory for the error,
-        # unless the caller holds a plan (cutoff) or is under a deadline (no verdict).
+        # step-time MIP would only find out at its time limit (or past it, see WALL_SLACK).
+        # The least memory for the error, unless the caller holds a plan (cutoff) or is under
+        # a deadline (no verdict).
         if cutoff_s is not None:
             raise NoBetter()
         if not verdict:
@@ -309,19 +309,20 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0,
         raise Infeasible(least.bytes, budget=problem.memory_budget, exact=least.exact)
     if not verdict and hasattr(os, "fork"):
         return _bounded(_search, problem, time_limit_s, t0, cutoff_s, verdict, highs_first,
-                        wall_s=time_limit_s * WALL_SLACK + 1.0)
+                        limit_s=time_limit_s)
     return _search(problem, time_limit_s, t0, cutoff_s, verdict, highs_first)
 
 
 # A deadline solve is stopped at this multiple of its time limit (plus a second): the backends
-# check their limit between phases, and a phase can run far past it (HiGHS 234 s past a 5 s
-# limit in presolve, CBC 3 to 8 times in root processing, on a 3-axis mesh's ILP).
+# check their limit between phases, and a phase can run far past it (HiGHS minutes past a
+# seconds' limit in presolve on Llama-3-70B's 2x2x2 problem over every subset of axes, CBC 3 to
+# 8 times in root processing).
 WALL_SLACK = 1.25
 
 
-def _bounded(fn, *args, wall_s: float):
-    """``fn(*args)`` in a forked child killed after ``wall_s`` seconds (NoSolution then): the
-    only hard bound on a backend that overruns its own time limit. The child returns the
+def _bounded(fn, *args, limit_s: float):
+    """``fn(*args)`` in a forked child killed after ``limit_s`` times :data:`WALL_SLACK` plus a
+    second (NoSolution then): the only hard bound on a backend that overruns its own limit. The child returns the
     Solution, or which of the solver's exceptions it raised, through a pipe."""
     import pickle
     import select
@@ -344,13 +345,13 @@ def _bounded(fn, *args, wall_s: float):
             f.write(pickle.dumps(out))
         os._exit(0)
     os.close(w)
-    end, data = time.perf_counter() + wall_s, []
+    end, data = time.perf_counter() + limit_s * WALL_SLACK + 1.0, []
     try:
         while True:
             left = end - time.perf_counter()
             if left <= 0 or not select.select([r], [], [], left)[0]:
                 os.kill(pid, signal.SIGKILL)
-                raise NoSolution(args[1], -1)
+                raise NoSolution(limit_s, -1)
             chunk = os.read(r, 1 << 20)
             if not chunk:
                 break

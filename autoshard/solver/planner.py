@@ -623,8 +623,9 @@ def plan_merged(traced: TracedGraph, mesh: Mesh, merges: Merges,
 
 # A grouping of a 3-axis mesh's axes changes which tensor dims can split over which devices,
 # not how many devices share the work: the least memory of the plans with every axis merged into
-# one is within a few percent of the other groupings' (Llama-3-70B on 2x2x2: 262.7 GiB against
-# 262.7 and 267.9). Beyond this multiple of the budget, none of them fits either.
+# one is within a few percent of the other groupings' (Llama-3-70B on 2x2x2, each grouping's
+# least memory as ``plan_merged`` reports it). Beyond this multiple of the budget, none of them
+# fits either.
 OUT_OF_REACH = 1.25
 
 
@@ -637,7 +638,7 @@ def _plan_by_merging(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
     every = min(mesh.shape) > 1
     # Every axis merged into one is the quickest problem (a 1-D mesh): solved first, it tells
     # when memory is far out of reach for every grouping, which then need not be tried.
-    whole = tuple(range(mesh.ndim)),
+    whole = (tuple(range(mesh.ndim)),)
     try:
         probe: Plan | None | AutoshardError = _plan_merged(
             traced, mesh, options, AxisMerge(mesh, whole), fixed=fixed, model_name=model_name,
