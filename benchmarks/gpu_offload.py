@@ -1,0 +1,280 @@
+"""On one GPU: CPU offload as the runtime runs it, against the plan's prediction.
+
+Optimizer offload (ZeRO-Offload, arXiv 2101.06840) and parameter offload (ZeRO-Infinity, arXiv
+2104.07857; FSDP2's ``CPUOffloadPolicy``) price the host link and the host's optimizer step
+(docs/cost-model.md §9). On a CPU run the "host" is the device itself; only a GPU exercises
+the real path: pinned host memory, copies over PCIe each way, AdamW on the host's cores. This
+script measures, on one GPU as rank 0 of a world of 1 (NCCL):
+
+1. The host link: pinned and pageable copies each way at the sizes the runtime moves, against
+   the preset's ``host_bandwidth``; and AdamW over fp32 state on the host's cores (the kernel
+   ``pm.optimizer`` picks there) against ``host_mem_bandwidth``.
+2. One model planned three ways on the h100 preset, ``offload`` forced to ``none``,
+   ``optimizer`` and ``parameters``: the median step (forward + backward, then the optimizer
+   step) against the plan's predicted step and its parts; the host bytes the runtime counted in
+   a step against the plan's ``host_transfers``; the CUDA allocator's peak against the plan's
+   liveness peak and its host bytes; and the losses of a few AdamW steps from one init against
+   the eager model's (every plan must train as the model does).
+
+    python benchmarks/gpu_offload.py --out benchmarks/RESULTS.md
+
+Needs a CUDA device; on a machine without one it says so and writes nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _results import command, machine, revision, today, write_section  # noqa: E402
+
+SECTION = "gpu-offload"
+MODES = ("none", "optimizer", "parameters")
+
+
+def _timed(fn, device) -> float:
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def host_link(device, sizes_mib=(4, 64, 256), reps: int = 10) -> list[dict]:
+    """Copies each way between the GPU and host memory, pinned and pageable: GB/s, median."""
+    rows = []
+    for mib in sizes_mib:
+        n = mib * 2**20 // 4
+        dev = torch.empty(n, device=device)
+        for pinned in (True, False):
+            host = torch.empty(n, pin_memory=pinned)
+            for direction, fn in (("h2d", lambda: dev.copy_(host)),
+                                  ("d2h", lambda: host.copy_(dev))):
+                fn()
+                t = statistics.median(_timed(fn, device) for _ in range(reps))
+                rows.append({"MiB": mib, "pinned": pinned, "direction": direction,
+                             "GB_s": n * 4 / t / 1e9})
+    return rows
+
+
+def host_adamw(numel: int = 50_000_000, reps: int = 5) -> dict:
+    """AdamW over ``numel`` fp32 parameters on the host, as ``pm.optimizer`` steps offloaded
+    state (its fused CPU kernel where torch has one): seconds and the bytes a step streams
+    (docs/cost-model.md §9: ADAM_STEP_BYTES an element) per second."""
+    from autoshard.codegen.optim import _fused_by_default
+    from autoshard.cost.state import ADAM_STEP_BYTES
+    p = torch.nn.Parameter(torch.randn(numel))
+    p.grad = torch.randn(numel)
+    fused = _fused_by_default(torch.optim.AdamW, {}, [p])
+    opt = torch.optim.AdamW([p], lr=1e-4, **({"fused": True} if fused else {}))
+    opt.step()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        opt.step()
+        ts.append(time.perf_counter() - t0)
+    t = statistics.median(ts)
+    return {"numel": numel, "fused": fused, "threads": torch.get_num_threads(), "s": t,
+            "GB_s": numel * ADAM_STEP_BYTES / t / 1e9}
+
+
+def gpt2_small(device, batch: int, seq: int):
+    from autoshard.zoo.models import GPT, GPTConfig
+    torch.manual_seed(0)
+    with device:
+        model = GPT(GPTConfig(12, 768, 12, vocab_size=50257, context=1024, dtype=torch.float32))
+        inputs = model.example_inputs(batch, seq, device=device)
+    return model, inputs
+
+
+def eager_losses(device, batch: int, seq: int, steps: int) -> list[float]:
+    model, (x, y) = gpt2_small(device, batch, seq)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    out = []
+    for _ in range(steps):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def run_plan(device, mode: str, batch: int, seq: int, steps: int, loss_steps: int) -> dict:
+    """One plan with ``offload=mode`` on a world of 1: losses from the seeded init, then the
+    median step and its two parts, the host bytes of one step and the allocator's peak."""
+    import autoshard
+    model, (x, y) = gpt2_small(device, batch, seq)
+    mesh = autoshard.Mesh((1,), ("x",), cluster="h100")
+    t0 = time.perf_counter()
+    plan = autoshard.plan(model, (x, y), mesh, model_name="gpt2-small-shape", offload=mode)
+    plan_s = time.perf_counter() - t0
+    pm = autoshard.parallelize(model, mesh, plan=plan, example_inputs=(x, y))
+    del model
+    opt = pm.optimizer(torch.optim.AdamW, lr=1e-4)
+    xs, ys = pm.shard_inputs(x, y)
+    losses = []
+    for _ in range(loss_steps):
+        losses.append(pm.step(xs, ys).item())
+        opt.step()
+        opt.zero_grad()
+    host_params = sum(p.numel() for p in pm.params.values() if p.device.type == "cpu")
+    pm.runtime.ledger.clear()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+
+    def fb():
+        pm.step(xs, ys)
+
+    def step_opt():
+        opt.step()
+        opt.zero_grad()
+
+    fb()
+    step_opt()
+    peak = torch.cuda.max_memory_allocated(device)
+    ledger = pm.runtime.ledger
+    measured_host = {d: sum(t.nbytes for t in ledger.host if t.direction == d)
+                     for d in ("h2d", "d2h")}
+    planned_host = {d: sum(t.bytes for t in plan.host_transfers if t.direction == d)
+                    for d in ("h2d", "d2h")}
+    times = {"fb": [], "opt": []}
+    for i in range(steps + 2):
+        ledger.clear()
+        a, b = _timed(fb, device), _timed(step_opt, device)
+        if i >= 2:
+            times["fb"].append(a)
+            times["opt"].append(b)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    p = plan.predicted
+    out = {"mode": mode, "plan_s": plan_s, "losses": losses, "median_s": med,
+           "step_s": med["fb"] + med["opt"],
+           "predicted": {k: p.get(k, 0.0) for k in ("step_time_s", "compute_s", "host_s",
+                                                    "optimizer_s")},
+           "host_bytes": {"measured": measured_host, "planned": planned_host},
+           "params_on_host": host_params,
+           "peak_bytes": peak, "predicted_peak_bytes": p["memory"]["peak"],
+           "predicted_host_bytes": p["memory"].get("host", 0.0)}
+    del pm, opt
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def render(args, link: list[dict], adamw: dict, rows: list[dict], eager: list[float],
+           wall_s: float) -> str:
+    from autoshard.cluster import Cluster
+    c = Cluster.preset("h100")
+    lines = ["## On one GPU: CPU offload against its prediction", "",
+             f"- command: `{command('benchmarks/gpu_offload.py')}`",
+             f"- machine: {torch.cuda.get_device_name()}; {machine()}", f"- {revision()}",
+             f"- date: {today()}; total wall time {wall_s / 60:.1f} min", "",
+             f"**Host link** (GB/s, median of 10 copies; the h100 preset prices "
+             f"{c.host_bandwidth / 1e9:.0f} GB/s each way, docs/cost-model.md §2.10):", "",
+             "| MiB | pinned h2d | pinned d2h | pageable h2d | pageable d2h |",
+             "| ---: | ---: | ---: | ---: | ---: |"]
+    for mib in sorted({r["MiB"] for r in link}):
+        get = {(r["pinned"], r["direction"]): r["GB_s"] for r in link if r["MiB"] == mib}
+        lines.append(f"| {mib} | {get[True, 'h2d']:.1f} | {get[True, 'd2h']:.1f} | "
+                     f"{get[False, 'h2d']:.1f} | {get[False, 'd2h']:.1f} |")
+    lines += ["", f"**AdamW on the host** ({adamw['numel'] / 1e6:.0f}M fp32 parameters, "
+              f"{'fused' if adamw['fused'] else 'foreach'} kernel, {adamw['threads']} threads): "
+              f"{adamw['s'] * 1e3:.1f} ms a step, {adamw['GB_s']:.1f} GB/s of the bytes a step "
+              f"streams, against the preset's {c.host_mem_bandwidth / 1e9:.1f} GB/s of host "
+              "memory bandwidth per GPU.", "",
+              f"**GPT-2 small's shape** (12 layers, hidden 768, vocab 50257; fp32, batch "
+              f"{args.batch} × {args.seq}) planned on `Mesh((1,), cluster=\"h100\")` with "
+              "`offload` forced; AdamW through `pm.optimizer`; median of "
+              f"{args.steps} steps (ms):", "",
+              "| offload | parameters on host | predicted step (compute + host link + host "
+              "optimizer) | measured step | fwd+bwd | optimizer | measured / predicted | "
+              "host bytes a step, measured / planned (MB) | peak GPU memory, measured / "
+              "liveness (GiB) | host state, planned (GiB) |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        p = r["predicted"]
+        hb = r["host_bytes"]
+        meas = sum(hb["measured"].values()) / 1e6
+        plan = sum(hb["planned"].values()) / 1e6
+        lines.append(
+            f"| {r['mode']} | {r['params_on_host'] / 1e6:.1f}M | {p['step_time_s'] * 1e3:.1f} "
+            f"({p['compute_s'] * 1e3:.1f} + {p['host_s'] * 1e3:.1f} + "
+            f"{p['optimizer_s'] * 1e3:.1f}) | {r['step_s'] * 1e3:.1f} | "
+            f"{r['median_s']['fb'] * 1e3:.1f} | {r['median_s']['opt'] * 1e3:.1f} | "
+            f"{r['step_s'] / p['step_time_s']:.2f} | {meas:.1f} / {plan:.1f} | "
+            f"{r['peak_bytes'] / 2**30:.2f} / {r['predicted_peak_bytes'] / 2**30:.2f} | "
+            f"{r['predicted_host_bytes'] / 2**30:.2f} |")
+    lines += ["", "The predicted step's parts: `compute_s` holds the optimizer step "
+              "(`optimizer_s`, the host's AdamW and its copies for offload) and the rest of "
+              "the step; `host_s` is parameter offload's copies in forward and backward. "
+              "Peak GPU memory is `max_memory_allocated` over one step after the warm-up.", "",
+              f"**Training as the model does** (AdamW, lr 1e-4, {len(eager)} steps from one "
+              "seeded init; loss per step):", "",
+              "| run | " + " | ".join(f"step {i + 1}" for i in range(len(eager)))
+              + " | largest relative difference from eager |",
+              "| --- |" + " ---: |" * (len(eager) + 1)]
+    lines.append("| eager (fused AdamW on the GPU) | " + " | ".join(f"{v:.6f}" for v in eager)
+                 + " | – |")
+    for r in rows:
+        diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], eager))
+        lines.append(f"| offload {r['mode']} | " + " | ".join(f"{v:.6f}" for v in r["losses"])
+                     + f" | {diff:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="write the section into this RESULTS.md")
+    ap.add_argument("--json", default=None, help="also write every measurement here")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--loss-steps", type=int, default=4)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/gpu_offload.py needs a CUDA device; torch.cuda.is_available() is "
+              "False here. Run it on a GPU machine.", file=sys.stderr)
+        return 2
+    t_start = time.perf_counter()
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    link = host_link(device)
+    print(json.dumps(link), flush=True)
+    adamw = host_adamw()
+    print(json.dumps(adamw), flush=True)
+    eager = eager_losses(device, args.batch, args.seq, args.loss_steps)
+    gc.collect()
+    torch.cuda.empty_cache()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29534")
+    import torch.distributed as dist
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    rows = []
+    try:
+        for mode in MODES:
+            rows.append(run_plan(device, mode, args.batch, args.seq, args.steps,
+                                 args.loss_steps))
+            print(json.dumps(rows[-1], default=str), flush=True)
+    finally:
+        dist.destroy_process_group()
+    text = render(args, link, adamw, rows, eager, time.perf_counter() - t_start)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"link": link, "adamw": adamw, "rows": rows,
+                                               "eager": eager}, indent=1, default=str))
+    if args.out:
+        write_section(args.out, SECTION, text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
