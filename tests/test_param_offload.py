@@ -102,6 +102,24 @@ def test_host_seconds_by_hand():
         + (whole // 4 + whole) / c.host_bandwidth, rel=1e-12)
 
 
+def test_host_buffers_keep_one_buffer_per_key_and_accumulate():
+    """The host link's buffers (codegen/hostlink.py): a copy down lands in the buffer kept for
+    its key, the same memory every step; a second gradient for a tensor that already has one
+    is added to it (a tied weight, accumulation without zero_grad), through its own buffer."""
+    from autoshard.codegen.hostlink import HostBuffers
+    bufs = HostBuffers()
+    g1, g2 = torch.randn(3, 4), torch.randn(3, 4)
+    first = bufs.down(g1, "w")
+    assert torch.equal(first, g1) and first is not g1
+    total = bufs.down(g2, "w", into=first)
+    assert total is first and torch.allclose(total, g1 + g2)
+    assert bufs.down(g2, "w") is first and torch.equal(first, g2)     # a new step: reused
+    assert bufs.down(g1, "v") is not first                            # another key: its own
+    assert bufs.down(g1.to(torch.float64), "w").dtype == torch.float64    # a changed layout
+    up = bufs.up(g1, "w", torch.device("cpu"))
+    assert torch.equal(up, g1)
+
+
 def test_optimizer_offload_alone_offers_no_parameter_offload():
     _, pricer = _mlp_pricer(offload=True)
     assert "offload" in pricer.modes and "offload_params" not in pricer.modes

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from autoshard.codegen.collectives import (ExecutedCollective, Ledger, _reduce_scatter_single,
                                            _wait, reduce_scatter)
 from autoshard.codegen.groups import MeshGroups
+from autoshard.codegen.hostlink import HostBuffers
 from autoshard.errors import AutoshardError
 from autoshard.plans import CollectiveRecord
 
@@ -53,8 +54,9 @@ class _Bucket:
 class GradBuckets:
     """One rank's gradient buckets, from the plan's bucket records."""
 
-    def __init__(self, records: list[CollectiveRecord], groups: MeshGroups, ledger: Ledger) -> None:
-        self.groups, self.ledger = groups, ledger
+    def __init__(self, records: list[CollectiveRecord], groups: MeshGroups, ledger: Ledger,
+                 hostbufs: HostBuffers) -> None:
+        self.groups, self.ledger, self.hostbufs = groups, ledger, hostbufs
         self.buckets: list[_Bucket] = []
         self.of: dict[str, _Bucket] = {}
         by_name: dict[str, _Bucket] = {}
@@ -190,6 +192,9 @@ class GradBuckets:
         for m, g in zip(b.members, pieces):
             if m in self.host:
                 self.ledger.add_host("d2h", g, "grad_sync", b.name, m)
+                if g.is_cuda:         # into pinned memory, at the link's speed (hostlink.py)
+                    self.shards[m] = self.hostbufs.down(g, m + ":shard", self.shards.get(m))
+                    continue
                 g = g.to("cpu")
             if m in self.shards:
                 self.shards[m].add_(g)
@@ -239,6 +244,9 @@ class GradBuckets:
                 p = self.params[m]
                 if m in self.host:
                     self.ledger.add_host("d2h", g, "grad_sync", b.name, m)
+                    if g.is_cuda:     # into pinned memory, at the link's speed (hostlink.py)
+                        p.grad = self.hostbufs.down(g, m, p.grad)
+                        continue
                     g = g.to(p.device, copy=True)
                 if p.grad is None:
                     p.grad = g

@@ -141,8 +141,11 @@ class ShardedOptimizer:
             if dim is None and not host and p.dtype == torch.float32:
                 master = p                       # an fp32 parameter is its own master
             else:
-                master = torch.nn.Parameter(local.to(torch.device("cpu") if host else p.device,
-                                                     torch.float32, copy=True))
+                master = local.to(torch.device("cpu") if host else p.device, torch.float32,
+                                  copy=True)
+                if host and p.is_cuda:      # the link's copies run at its speed from pinned memory
+                    master = master.pin_memory()
+                master = torch.nn.Parameter(master)
             sharded = st is not None and st.mode in SCATTERS and dim is not None
             self.entries.append(_Entry(fqn, ph, p, master, dim, cut, gather, sharded, shape,
                                        tuple(spec), placements, p._version,
@@ -189,12 +192,13 @@ class ShardedOptimizer:
         grads = [(e, g) for e in apart if (g := self.grad_shard(e)) is not None]
         for e in apart:
             e.master.grad = None
-        ledger = self.pm.runtime.ledger
+        ledger, host = self.pm.runtime.ledger, self.pm.runtime.host
         # Offload: the gradient shard goes down to the host in its own dtype (cast there).
         for i, (e, g) in enumerate(grads):
             if e.mode == "offload":
                 ledger.add_host("d2h", g, "optimizer", "optimizer", e.placeholder)
-                grads[i] = (e, g.to(e.master.device))
+                grads[i] = (e, host.down(g, e.placeholder + ":grad") if g.is_cuda
+                            else g.to(e.master.device))
         local = [(e, g) for e, g in grads
                  if g.device == e.master.device and g.dtype != e.master.dtype]
         if local:
@@ -224,7 +228,7 @@ class ShardedOptimizer:
                     new = new.to(e.param.dtype)
                     if e.mode == "offload" or e.gather:
                         ledger.add_host("h2d", new, "optimizer", "optimizer", e.placeholder)
-                        new = new.to(device)
+                        new = host.up(new, e.placeholder, device)
                 else:
                     new = new.to(e.param.device, e.param.dtype)
                 if e.gather:

@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from autoshard.codegen.buckets import DeferredGradSync, GradBuckets
 from autoshard.codegen.collectives import Ledger, redistribute, reduce_over_axis
+from autoshard.codegen.hostlink import HostBuffers
 from autoshard.codegen.recompute import outline
 from autoshard.cost.overlap import first_grad_syncs
 from autoshard.errors import AutoshardError
@@ -56,13 +57,14 @@ HOST = torch.device("cpu")
 class HostFetch(torch.autograd.Function):
     """A parameter kept on the host (parameter offload, cost/state.py ``offload_params``): its
     stored shard copied to the device for one use; in backward, the gradient of that use
-    copied back down (AccumulateGrad then adds it to the host parameter's ``.grad``). Both
-    copies are counted in the ledger's host records, as the plan lists them; on a CPU run the
-    host is the device and nothing moves."""
+    copied back down into the host parameter's ``.grad`` (codegen/hostlink.py: pinned memory
+    kept from step to step; autograd's own accumulation would copy into a fresh pageable tensor
+    at a fraction of the link's speed). Both copies are counted in the ledger's host records,
+    as the plan lists them; on a CPU run the host is the device and nothing moves."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, call: "FetchCall") -> torch.Tensor:
-        ctx.call = call
+        ctx.call, ctx.param = call, x
         ctx.set_materialize_grads(False)
         rt = call.rt
         # A checkpointed layer's recomputation copies it in again, selective or not: the copy
@@ -79,7 +81,11 @@ class HostFetch(torch.autograd.Function):
             return None, None
         call = ctx.call
         call.rt.ledger.add_host("d2h", grad, "backward", call.node, call.value)
-        return (grad if grad.device == HOST else grad.to(HOST)), None
+        if grad.device == HOST:
+            return grad, None
+        p = ctx.param
+        p.grad = call.rt.host.down(grad, call.value, p.grad)
+        return None, None
 
 
 class FetchCall:
@@ -133,6 +139,7 @@ class RankRuntime:
         self.groups = groups
         self.device = device
         self.ledger = Ledger()
+        self.host = HostBuffers()       # offload's copies over the host link (hostlink.py)
         # "recompute" while a checkpointed layer runs again; "replay" while a selectively
         # checkpointed one does (its collectives return stored outputs: nothing is counted).
         self.phase = "forward"
@@ -144,7 +151,7 @@ class RankRuntime:
             self.stages = (-1, *plan.pipeline.stages_of(groups.coords[axis]))
         records = [c for c in (plan.collectives if plan else ())
                    if c.members and c.stage in self.stages]
-        self.buckets = GradBuckets(records, groups, self.ledger) if records else None
+        self.buckets = GradBuckets(records, groups, self.ledger, self.host) if records else None
 
 
 def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime,
