@@ -226,7 +226,11 @@ def test_optimizer_state_saved_on_four_loads_on_two_under_another_plan(
     # (b) one more step after the load is the third step of the original run.
     worst = max((params[n] - p).abs().max().item() for n, p in want_params.items()
                 if not _noise(n))
-    assert worst <= 1e-6, worst
+    # One AdamW step moves an element by about LR at most; where an element's gradient is
+    # rounding-sized, g / sqrt(v) turns the summation order's noise into a visible part of a
+    # step (as for _noise's keys, less so). Measured: up to 1.4% of a step (layers.1.mlp.fc1)
+    # on an Intel Xeon host, under 1% on an AMD EPYC one; a wrong state is a whole step off.
+    assert worst <= 0.02 * LR, worst
 
 
 # -- bad state dicts ----------------------------------------------------------------------------
