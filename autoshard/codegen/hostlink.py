@@ -2,10 +2,10 @@
 speed: each copy lands in a host buffer allocated once and kept from step to step, pinned when
 the other side is a GPU (FSDP2's ``CPUOffloadPolicy`` and DeepSpeed's ZeRO-Offload keep theirs
 pinned too). The cost model prices these copies at the link's bandwidth (docs/cost-model.md
-§2.10); a copy down into a fresh pageable tensor runs far below it: on one H100, GPT-2 small's
-gradients went down at 2.4 GB/s that way (allocation and page faults included), against
-53 GB/s into pinned memory (benchmarks/RESULTS.md "On one GPU: CPU offload against its
-prediction").
+§2.10), which on one H100 pinned copies reach (53.7-55.0 GB/s) and pageable ones do not (10-19
+GB/s, before a fresh tensor's allocation): with fresh pageable tensors GPT-2 small's shape
+stepped 2.5x its price under optimizer offload, with these buffers 1.01x (docs/cost-model.md
+§9, benchmarks/RESULTS.md "On one GPU: CPU offload against its prediction").
 
 A buffer handed out holds the same memory every step, as DDP's ``gradient_as_bucket_view``
 gradients do: a gradient kept past the next backward must be copied by whoever keeps it.
