@@ -42,6 +42,7 @@ import datetime
 import math
 import os
 import platform
+import socket
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -381,15 +382,14 @@ def _setup_device(spec: CalibrateSpec) -> torch.device:
 
 
 def _comm(sizes: Sizes, device: torch.device) -> dict:
-    """Per collective kind and size: this rank's seconds in each timed call.
+    """Per collective kind and size: this rank's entry and exit of each timed call, on the
+    host's wall clock, and its seconds in it.
 
     Each call comes after a burst of compute (a matmul), as a collective does in a training
     step: timed back to back, collectives run with the communication threads awake and their
     buffers hot, and take a fraction of what they take between ops (on a CPU host, 2-4x less for
-    gloo). The ranks do not arrive together after the burst; the parent takes, per call, the
-    shortest time over ranks: the last rank to arrive waits for no one, so its time is the
-    collective's own, without the wait for a late rank (load imbalance, which the model does not
-    price)."""
+    gloo). The ranks do not arrive together after the burst; the parent times each call from the
+    last rank's entry to the last rank's exit (``comm_samples``)."""
     import torch.distributed as dist
     from autoshard.codegen import collectives as C
     p, rank = dist.get_world_size(), dist.get_rank()
@@ -420,15 +420,17 @@ def _comm(sizes: Sizes, device: torch.device) -> dict:
                 fn = _ping_pong(x, rank)
             fn()
             dist.barrier()
-            times = []
+            times, enter, leave = [], [], []
             for _ in range(sizes.comm_calls):
                 a @ b
                 _sync(device)
-                t0 = time.perf_counter()
+                w0, t0 = time.time(), time.perf_counter()
                 fn()
                 _sync(device)
                 times.append(time.perf_counter() - t0)
-            rows.append({"bytes": nbytes, "times_s": times})
+                enter.append(w0)
+                leave.append(w0 + times[-1])
+            rows.append({"bytes": nbytes, "times_s": times, "enter_s": enter, "exit_s": leave})
         out[kind] = rows
     return out
 
@@ -553,6 +555,7 @@ def measure_rank(spec: CalibrateSpec) -> dict:
         out["overlap"] = _overlap(sizes, device)
     out["comm_wall_s"] = time.perf_counter() - t1
     out["threads"] = torch.get_num_threads()
+    out["host"] = socket.gethostname()       # ranks on one host compare wall-clock entries
     out["cpu_s"] = time.process_time() - c0
     if device.type == "cuda":
         out["device_name"] = torch.cuda.get_device_name(device)
@@ -583,16 +586,30 @@ def matmul_figures(rows_per_rank: list[list[dict]]) -> dict:
     return {"peak_flops_per_s": _median(peaks), "overall_flops_per_s": _median(overall)}
 
 
+def _call_seconds(reports: list[dict], kind: str, i: int, j: int) -> float:
+    """Call ``j`` of size ``i`` of ``kind``: from the last rank's entry to the last rank's exit,
+    what a step waits for once every rank has reached the call. A rank's own time is no
+    measure: the first to arrive also waits for the others, and the last finds their parts
+    already sent (gloo writes them into its sockets at once), so the shortest time over ranks
+    reads under the call (on 2 gloo ranks of one host, by 5-15% at 1-16 MiB). Ranks on several
+    hosts share no clock to compare entries: there, and for a send/recv round trip (which the
+    rank that starts it times whole), the shortest time over ranks."""
+    rows = [r["comm"][kind][i] for r in reports]
+    hosts = {r.get("host") for r in reports}
+    if kind == "send_recv" or len(hosts) != 1 or None in hosts or "enter_s" not in rows[0]:
+        return min(row["times_s"][j] for row in rows)
+    return max(row["exit_s"][j] for row in rows) - max(row["enter_s"][j] for row in rows)
+
+
 def comm_samples(reports: list[dict], p: int) -> dict[str, list[tuple[str, int, float, float]]]:
-    """Per kind, ``(kind, p, S, seconds)``: per call the shortest time over ranks (the last rank
-    to arrive, which waits for no one: see ``_comm``), median over calls. A send/recv round trip
-    is two messages."""
+    """Per kind, ``(kind, p, S, seconds)``: per call the time a step waits for it once every
+    rank has reached it (``_call_seconds``), median over calls. A send/recv round trip is two
+    messages."""
     out: dict[str, list] = {}
     for kind in COLLECTIVE_KINDS:
         rows = []
         for i, row in enumerate(reports[0]["comm"][kind]):
-            per_call = [min(r["comm"][kind][i]["times_s"][j] for r in reports)
-                        for j in range(len(row["times_s"]))]
+            per_call = [_call_seconds(reports, kind, i, j) for j in range(len(row["times_s"]))]
             t = _median(per_call) / (2 if kind == "send_recv" else 1)
             rows.append((kind, p, float(row["bytes"]), t))
         out[kind] = rows

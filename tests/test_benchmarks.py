@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import compare_plans  # noqa: E402
 import gpu  # noqa: E402
+import gpu_offload  # noqa: E402
 import memory_curve  # noqa: E402
 
 from autoshard.errors import AutoshardError  # noqa: E402
@@ -146,7 +147,8 @@ def test_gpu_benchmark_grads_and_classes_follow_the_training_step():
     assert cos.name not in grads                    # the rotary table: no gradient flows
 
 
-def test_gpu_benchmark_says_it_needs_a_gpu(capsys, monkeypatch):
-    monkeypatch.setattr(gpu.torch.cuda, "is_available", lambda: False)
-    assert gpu.main([]) == 2
+@pytest.mark.parametrize("script", [gpu, gpu_offload], ids=["gpu", "gpu_offload"])
+def test_gpu_benchmarks_say_they_need_a_gpu(capsys, monkeypatch, script):
+    monkeypatch.setattr(script.torch.cuda, "is_available", lambda: False)
+    assert script.main([]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
