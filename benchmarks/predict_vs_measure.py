@@ -4,9 +4,11 @@ this machine?
     python benchmarks/predict_vs_measure.py --out benchmarks/RESULTS.md       # calibrates first
     python benchmarks/predict_vs_measure.py --cluster cluster.json            # a saved profile
 
-On 2 gloo ranks of this host (one thread each), a GPT (default 4 layers, hidden 512, 8 heads,
-vocab 4096, seq 128, batch 4, fp32: about 15M parameters, big enough that compute and gloo
-communication both matter) is planned on a 2-device mesh with the calibrated CPU profile
+On 2 gloo ranks of this host (one thread each), a GPT (default 4 layers, hidden 1024, 16 heads,
+vocab 4096, seq 128, batch 4, fp32: about 55M parameters, big enough that compute and gloo
+communication both matter; `--hidden 512 --heads 8` runs the smaller model of earlier
+revisions, whose step the runtime's work around each op, which no op's price counts, weighs on
+more) is planned on a 2-device mesh with the calibrated CPU profile
 (``autoshard calibrate``, run here first unless ``--cluster`` names a saved one), six ways:
 
 - ``autoshard``: the planner's choice (``plan_traced``);
@@ -63,8 +65,8 @@ PICK_SLACK = 0.05       # "within 5% of the fastest"
 @dataclass(frozen=True)
 class Model:
     layers: int = 4
-    hidden: int = 512
-    heads: int = 8
+    hidden: int = 1024
+    heads: int = 16
     vocab: int = 4096
     seq: int = 128
     batch: int = 4
