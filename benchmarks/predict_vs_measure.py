@@ -707,24 +707,23 @@ def error_lines(result: dict, prof: dict) -> list[str]:
                    f"({each}). The fit (one alpha and one bandwidth for every kind and size, "
                    f"largest relative error {link['max_rel_err']:.0%}) is a compromise over "
                    f"gloo's costs, which are not linear in the message size (docs/cost-model.md "
-                   f"§6: no bandwidth ramp); and the same calls take longer between a step's "
-                   f"ops than after the calibration's one-matmul burst, with both ranks in "
-                   f"(the wait for a late rank, load imbalance, is the rest).")
+                   f"§6: no bandwidth ramp), and gloo's reduce-scatter costs about what its "
+                   f"all-reduce does, which one link cannot say; and the same calls take longer "
+                   f"between a step's ops than after the calibration's one-matmul burst, with "
+                   f"both ranks in: a call after tens of ms of compute takes longer than one "
+                   f"after a few (\"Collectives against the compute before them\" below).")
     return out
 
 
 def gpu_paragraph() -> str:
-    where = ("No GPU was available on this machine, so the CUDA path of `autoshard calibrate` "
-             "(bf16 and fp32 matmuls, NCCL collectives, the GPU's memory) has not run here"
-             if not torch.cuda.is_available() else
-             "This table is CPU/gloo only; the CUDA path of `autoshard calibrate` was not run "
-             "for it")
-    return (f"**GPUs.** {where}. On a GPU host: `autoshard calibrate --device cuda --world 8 -o "
-            f"gpu.json` (8 local NCCL ranks), or `torchrun --nproc-per-node 8 -m autoshard "
-            f"calibrate --device cuda -o gpu.json` (rank 0 writes), then `autoshard plan "
-            f"llama3-8b --mesh 8 --cluster gpu.json`; the profile starts from the preset of the "
-            f"GPU it finds (h100, h200 or a100). This benchmark's step-time comparison runs on "
-            f"gloo ranks only.")
+    return ("**GPUs.** This comparison runs on gloo ranks of a CPU host. On one H100, the "
+            "calibration, every op of a Llama-3-8B layer against its price, the rank program "
+            "against eager (\"On one GPU: calibration, op classes at Llama-3-8B shapes, rank "
+            "program vs eager\", `benchmarks/gpu.py`) and CPU offload against its price (\"On "
+            "one GPU: CPU offload against its prediction\", `benchmarks/gpu_offload.py`) are "
+            "below. NCCL between GPUs needs a host with several: `autoshard calibrate --device "
+            "cuda --world 8 -o gpu.json`, then `autoshard plan llama3-8b --mesh 8 --cluster "
+            "gpu.json`.")
 
 
 def diagnosis_lines(result: dict) -> list[str]:
