@@ -504,8 +504,8 @@ def overlap_share(reports: list[dict]) -> float:
     share of those medians, clipped to [0.01, 1] (the field is positive). On a CPU host the share
     of one round is a difference of four timings of a few ms, each as noisy as the difference:
     the median of such shares over 7 rounds read 0.63 in one run where the step hid nothing
-    and other runs read 0.01. The medians of the timings, over 15 rounds on CPU, read 0.01 in
-    each of 5 runs."""
+    and other runs read 0.01. The medians of the timings, over 15 rounds on CPU, read 0.01 to
+    0.17 over 6 runs."""
     rounds = reports[0]["overlap"]["rounds"]
     slowest = [{k: max(r["overlap"]["rounds"][i].get(k, 0.0) for r in reports)
                 for k in ("comm_s", "forward_s", "compute_s", "both_s")}
