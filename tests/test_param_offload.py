@@ -107,7 +107,7 @@ def test_host_buffers_keep_one_buffer_per_key_and_accumulate():
     its key, the same memory every step; a second gradient for a tensor that already has one
     is added to it (a tied weight, accumulation without zero_grad), through its own buffer."""
     from autoshard.codegen.hostlink import HostBuffers
-    bufs = HostBuffers()
+    bufs = HostBuffers(torch.device("cpu"))
     g1, g2 = torch.randn(3, 4), torch.randn(3, 4)
     first = bufs.down(g1, "w")
     assert torch.equal(first, g1) and first is not g1

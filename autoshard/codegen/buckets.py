@@ -253,6 +253,7 @@ class GradBuckets:
                 else:
                     p.grad.add_(g)
             b.buffer, b.offsets, b.arrived, b.work = None, None, 0, None
+        self.hostbufs.settle()        # the host members' gradients copied down have landed
 
 
 def _interleave(pieces: list[torch.Tensor], dims: list[int], n: int) -> torch.Tensor:

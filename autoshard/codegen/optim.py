@@ -193,12 +193,14 @@ class ShardedOptimizer:
         for e in apart:
             e.master.grad = None
         ledger, host = self.pm.runtime.ledger, self.pm.runtime.host
+        host.settle()        # copies over the host link still in flight (codegen/hostlink.py)
         # Offload: the gradient shard goes down to the host in its own dtype (cast there).
         for i, (e, g) in enumerate(grads):
             if e.mode == "offload":
                 ledger.add_host("d2h", g, "optimizer", "optimizer", e.placeholder)
                 grads[i] = (e, host.down(g, e.placeholder + ":grad") if g.is_cuda
                             else g.to(e.master.device))
+        host.settle()
         local = [(e, g) for e, g in grads
                  if g.device == e.master.device and g.dtype != e.master.dtype]
         if local:

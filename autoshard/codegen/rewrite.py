@@ -73,7 +73,7 @@ class HostFetch(torch.autograd.Function):
         rt.ledger.add_host("h2d", x, phase, call.node, call.value)
         if x.device == rt.device:
             return x.view_as(x)
-        return x.to(rt.device)
+        return rt.host.fetch(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor | None):
@@ -83,8 +83,9 @@ class HostFetch(torch.autograd.Function):
         call.rt.ledger.add_host("d2h", grad, "backward", call.node, call.value)
         if grad.device == HOST:
             return grad, None
-        p = ctx.param
-        p.grad = call.rt.host.down(grad, call.value, p.grad)
+        p, host = ctx.param, call.rt.host
+        p.grad = host.down(grad, call.value, p.grad)
+        host.settle_after_backward()
         return None, None
 
 
@@ -139,7 +140,7 @@ class RankRuntime:
         self.groups = groups
         self.device = device
         self.ledger = Ledger()
-        self.host = HostBuffers()       # offload's copies over the host link (hostlink.py)
+        self.host = HostBuffers(device)     # offload's copies over the host link (hostlink.py)
         # "recompute" while a checkpointed layer runs again; "replay" while a selectively
         # checkpointed one does (its collectives return stored outputs: nothing is counted).
         self.phase = "forward"

@@ -300,6 +300,7 @@ class ParallelModule(torch.nn.Module):
         if missing:
             raise AutoshardError("a full state dict with every parameter of the model",
                                  got=f"missing {missing[:5]}", fix="pass model.state_dict()")
+        self.runtime.host.settle()      # no copy of a host parameter still in flight
         with torch.no_grad():
             for fqn, p in self.local_parameters().items():
                 p.copy_(self._shard(sd[fqn], self._specs[self._param_ph[fqn]]))
@@ -308,7 +309,9 @@ class ParallelModule(torch.nn.Module):
                     self._buffers_local[ph.name] = self._shard(sd[ph.fqn], self._specs[ph.name])
 
     def sharded_state_dict(self) -> dict[str, Any]:
-        """Parameters as DTensors on the torch DeviceMesh, for torch.distributed.checkpoint."""
+        """Parameters as DTensors on the torch DeviceMesh, for torch.distributed.checkpoint
+        (``dcp.load`` writes into them: no copy of a host parameter is left in flight)."""
+        self.runtime.host.settle()
         from torch.distributed.tensor import DTensor
         out = {}
         for fqn, p in self.local_parameters().items():
@@ -326,6 +329,7 @@ class ParallelModule(torch.nn.Module):
         return out
 
     def load_sharded_state_dict(self, sd: dict[str, Any]) -> None:
+        self.runtime.host.settle()
         with torch.no_grad():
             for fqn, p in self.local_parameters().items():
                 p.copy_(sd[fqn].to_local())
