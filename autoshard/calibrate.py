@@ -691,7 +691,10 @@ def profile(spec: CalibrateSpec, reports: list[dict], *, wall_s: float = 0.0,
         link = fit_alpha_beta([s for k in PLAN_KINDS for s in samples[k]])
         per_kind = {k: asdict(fit_alpha_beta(rows)) for k, rows in samples.items()}
         fields.update(intra_alpha=link.alpha, intra_bandwidth=link.bandwidth,
-                      inter_alpha=link.alpha, inter_bandwidth=link.bandwidth)
+                      inter_alpha=link.alpha, inter_bandwidth=link.bandwidth,
+                      # Each kind on its own fit: gloo's do not share one alpha-beta.
+                      collective_kinds={k: {"alpha": f["alpha"], "bandwidth": f["bandwidth"]}
+                                        for k, f in per_kind.items()})
         if all("overlap" in r for r in reports):
             fields["comm_overlap"] = overlap_share(reports)
             measured["overlap"] = reports[0]["overlap"] | {"comm_overlap": fields["comm_overlap"]}
@@ -699,9 +702,11 @@ def profile(spec: CalibrateSpec, reports: list[dict], *, wall_s: float = 0.0,
             "link_fit": asdict(link), "link_fit_kinds": list(PLAN_KINDS),
             "per_kind_fit": per_kind,
             "samples": {k: [{"bytes": s, "seconds": t,
-                             "model_seconds": predicted_time(k, p, s, link)}
+                             "model_seconds": predicted_time(k, p, s, AlphaBeta(
+                                 **per_kind[k]))}
                             for _, _, s, t in rows] for k, rows in samples.items()},
-            "note": "one host: inter_alpha and inter_bandwidth are set to the intra figures"}
+            "note": "one host: inter_alpha and inter_bandwidth are set to the intra figures; "
+                    "each kind is priced on its own fit (collective_kinds)"}
     else:
         measured["collectives"] = {"note": "one rank: no collective measured; the link figures "
                                            f"are the {base!r} preset's"}

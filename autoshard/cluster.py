@@ -16,6 +16,8 @@ from pathlib import Path
 from autoshard.errors import AutoshardError
 
 MEASURED_KEY = "measured"    # a profile's raw measurements, not a figure (docs/cost-model.md §2.1)
+# The collectives a plan's steps use (docs/cost-model.md §1.1; priced in cost/comm.py).
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +51,12 @@ class Cluster:
     # host shares its cores between gloo's threads and the compute: `autoshard calibrate`
     # measures it (an all-reduce issued asynchronously beside a matmul burst).
     comm_overlap: float = 1.0
+    # Per collective kind, (kind, alpha, bandwidth) in place of the link figures above, on every
+    # axis (docs/cost-model.md §2.9): where a backend's collectives do not share one alpha-beta
+    # (gloo's reduce-scatter costs about what its all-reduce does). `autoshard calibrate` fits
+    # them on one host, where the intra- and inter-node link is one; the presets have none.
+    # A profile gives them as {"reduce_scatter": {"alpha": ..., "bandwidth": ...}, ...}.
+    collective_kinds: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -59,6 +67,9 @@ class Cluster:
             # bool is an int subclass and JSON's true would pass as 1. The upper bound refuses
             # inf, and an int too large for a float (the cost model divides by these); nan
             # fails every comparison.
+            if f.name == "collective_kinds":
+                self._check_kinds()
+                continue
             if f.name != "name" and not (isinstance(v, (int, float)) and not isinstance(v, bool)
                                          and 0 < v <= sys.float_info.max):
                 raise AutoshardError(f"Cluster field {f.name!r} must be a positive, finite number",
@@ -75,6 +86,27 @@ class Cluster:
                                  "(0, 1]", got=repr(self.comm_overlap),
                                  fix="1 where collectives overlap compute fully (GPUs); "
                                      "`autoshard calibrate` measures it")
+
+    def _check_kinds(self) -> None:
+        kinds = self.collective_kinds
+        ok = isinstance(kinds, tuple) and all(
+            isinstance(e, tuple) and len(e) == 3 and e[0] in COLLECTIVE_KINDS
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                    and 0 < x <= sys.float_info.max for x in e[1:]) for e in kinds)
+        if not ok or len({e[0] for e in kinds}) != len(kinds):
+            raise AutoshardError("Cluster field 'collective_kinds' maps collective kinds among "
+                                 f"{list(COLLECTIVE_KINDS)} to positive alpha and bandwidth",
+                                 got=repr(kinds),
+                                 fix='e.g. {"reduce_scatter": {"alpha": 4e-4, "bandwidth": 5e8}}')
+        if kinds and (self.intra_alpha, self.intra_bandwidth) != (self.inter_alpha,
+                                                                  self.inter_bandwidth):
+            raise AutoshardError("per-kind collective figures on a cluster whose links inside "
+                                 "and across nodes are one (a host `autoshard calibrate` "
+                                 "measured)", got=f"collective_kinds with intra figures "
+                                 f"{self.intra_alpha}, {self.intra_bandwidth} and inter figures "
+                                 f"{self.inter_alpha}, {self.inter_bandwidth}",
+                                 fix="drop collective_kinds, or give equal intra and inter "
+                                     "figures")
 
     @classmethod
     def preset(cls, name: str) -> "Cluster":
@@ -111,6 +143,16 @@ class Cluster:
         if unknown:
             raise AutoshardError(f"cluster profile keys are among {sorted(known)}", got=str(unknown),
                                  fix="remove or rename the unknown keys")
+        kinds = data.get("collective_kinds")
+        if isinstance(kinds, dict):
+            try:
+                data["collective_kinds"] = tuple(sorted(
+                    (k, v["alpha"], v["bandwidth"]) for k, v in kinds.items()))
+            except (TypeError, KeyError) as e:
+                raise AutoshardError("collective_kinds entries of the form "
+                                     '{"alpha": ..., "bandwidth": ...}', got=repr(kinds),
+                                     fix='e.g. {"reduce_scatter": {"alpha": 4e-4, '
+                                         '"bandwidth": 5e8}}') from e
         return dataclasses.replace(base, **data)
 
     @classmethod
@@ -122,7 +164,10 @@ class Cluster:
         return cls.preset(str(value))
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out["collective_kinds"] = {k: {"alpha": a, "bandwidth": b}
+                                   for k, a, b in self.collective_kinds}
+        return out
 
 
 GB = 1e9

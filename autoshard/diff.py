@@ -248,7 +248,7 @@ def _collective_seconds(p: Plan) -> list[float] | None:
     """Each collective's alpha-beta seconds on the plan's mesh and cluster (docs/cost-model.md
     §1), whose sum is the plan's predicted comm; None when the cluster cannot be rebuilt from
     its name (a profile file made it)."""
-    from autoshard.cost.comm import collective_time
+    from autoshard.cost.comm import link_time
     from autoshard.mesh import Mesh
     try:
         mesh = Mesh(p.mesh_shape, p.mesh_axes, cluster=p.cluster)
@@ -259,9 +259,7 @@ def _collective_seconds(p: Plan) -> list[float] | None:
         axes = [p.mesh_axes.index(x) for x in c.axes if x in p.mesh_axes]
         if len(axes) != 1:      # the ledger runs each collective over one axis
             return None
-        link = mesh.links[axes[0]]
-        out.append(collective_time(c.kind, mesh.shape[axes[0]], c.bytes, link.alpha,
-                                   link.bandwidth))
+        out.append(link_time(mesh.links[axes[0]], c.kind, mesh.shape[axes[0]], c.bytes))
     return out
 
 

@@ -689,15 +689,13 @@ def ledger_seconds(plan: Plan, mesh: Mesh) -> float:
 
 def _seconds(c: Any, mesh: Mesh) -> float:
     """One run of collective ``c``: alpha-beta on its axis (docs/cost-model.md §1)."""
-    from autoshard.cost.comm import collective_time
-
+    from autoshard.cost.comm import link_time
     if len(c.axes) != 1 or c.axes[0] not in mesh.axes:
         raise AutoshardError(f"collectives over one axis of the plan's mesh {mesh.axes}",
                              got=f"{c.kind} over {list(c.axes)} for {c.node}",
                              fix="re-plan: the plan file was edited or is damaged")
     a = mesh.axes.index(c.axes[0])
-    link = mesh.links[a]
-    return collective_time(c.kind, mesh.shape[a], c.bytes, link.alpha, link.bandwidth)
+    return link_time(mesh.links[a], c.kind, mesh.shape[a], c.bytes)
 
 
 def _layer_positions(plan: Plan) -> dict[str, tuple[str, int, int, str]]:

@@ -14,6 +14,23 @@ from autoshard.errors import AutoshardError
 class AxisLink:
     alpha: float       # s per collective step
     bandwidth: float   # bus bandwidth, bytes/s
+    # Per collective kind, (kind, alpha, bandwidth) in place of the two above: a backend whose
+    # collectives do not share one alpha-beta (gloo's reduce-scatter costs about its
+    # all-reduce), as `autoshard calibrate` measures them (Cluster.collective_kinds,
+    # docs/cost-model.md §2.9). Empty: every kind on the link's figures (NCCL's ring).
+    kinds: tuple[tuple[str, float, float], ...] = ()
+
+    @property
+    def least_alpha(self) -> float:
+        """The smallest latency any kind runs at on this link."""
+        return min([self.alpha] + [a for _, a, _ in self.kinds])
+
+    def figures(self, kind: str) -> tuple[float, float]:
+        """(alpha, bandwidth) that ``kind`` runs at on this link."""
+        for k, a, b in self.kinds:
+            if k == kind:
+                return a, b
+        return self.alpha, self.bandwidth
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -88,7 +105,12 @@ class Mesh:
         """A collective over several axes runs at the slowest member's figures
         (docs/cost-model.md §1.4)."""
         ls = [self.links[a] for a in axes]
-        return AxisLink(alpha=max(l.alpha for l in ls), bandwidth=min(l.bandwidth for l in ls))
+        if len(ls) == 1:
+            return ls[0]
+        kinds = sorted({k for l in ls for k, _, _ in l.kinds})
+        return AxisLink(alpha=max(l.alpha for l in ls), bandwidth=min(l.bandwidth for l in ls),
+                        kinds=tuple((k, max(l.figures(k)[0] for l in ls),
+                                     min(l.figures(k)[1] for l in ls)) for k in kinds))
 
     def __str__(self) -> str:
         dims = "x".join(str(n) for n in self.shape)
@@ -109,9 +131,11 @@ def _default_links(shape: tuple[int, ...], cluster: Cluster) -> tuple[AxisLink, 
     for n in reversed(shape):
         inner *= n
         if one_node or (inner <= dpn and dpn % inner == 0):
-            links.append(AxisLink(cluster.intra_alpha, cluster.intra_bandwidth))
+            links.append(AxisLink(cluster.intra_alpha, cluster.intra_bandwidth,
+                                  cluster.collective_kinds))
         else:
-            links.append(AxisLink(cluster.inter_alpha, cluster.inter_bandwidth))
+            links.append(AxisLink(cluster.inter_alpha, cluster.inter_bandwidth,
+                                  cluster.collective_kinds))
     return tuple(reversed(links))
 
 

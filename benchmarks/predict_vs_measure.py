@@ -340,30 +340,9 @@ def measure(m: Model, plans: dict[str, str], warmup: int, iters: int) -> dict:
 
 # ---------------------------------------------------------------------------------- analysis
 
-def ledger_comm(plan, alpha_bw) -> float:
-    """The plan's collectives (its ledger) priced by docs/cost-model.md §1.1, each on
-    ``alpha_bw(kind) -> (alpha, bandwidth)``."""
-    from autoshard.cost.comm import collective_time
-    p = plan.mesh_shape[0]
-    return sum(collective_time(c.kind, p, c.bytes, *alpha_bw(c.kind)) for c in plan.collectives)
-
-
-def per_kind_step(plan, prof: dict) -> float | None:
-    """For diagnosis only: the plan's predicted step with each collective priced on the
-    calibration's fit for its own kind (``measured.collectives.per_kind_fit``) instead of the one
-    link figure the cost model uses for all (docs/cost-model.md §1.1). None when the profile has
-    no such fits, or when the plan's comm is not its ledger priced on the link (a cost model
-    that hides some communication behind compute)."""
-    from autoshard.cluster import Cluster
-    fits = prof.get("measured", {}).get("collectives", {}).get("per_kind_fit")
-    if not fits:
-        return None
-    cl = Cluster._from_profile(dict(prof))
-    link = ledger_comm(plan, lambda k: (cl.intra_alpha, cl.intra_bandwidth))
-    if not math.isclose(link, plan.predicted["comm_s"], rel_tol=1e-6, abs_tol=1e-9):
-        return None
-    kind = ledger_comm(plan, lambda k: (fits[k]["alpha"], fits[k]["bandwidth"]))
-    return plan.predicted["step_time_s"] - link + kind
+def _kinds(prof: dict) -> dict:
+    """The profile's per-kind collective figures: kind -> (alpha, bandwidth)."""
+    return {k: (v["alpha"], v["bandwidth"]) for k, v in prof.get("collective_kinds", {}).items()}
 
 
 def table_time(samples: list[dict], nbytes: float) -> float:
@@ -384,16 +363,17 @@ def table_time(samples: list[dict], nbytes: float) -> float:
 
 def blocking_comm(calls: list[tuple[str, int]], prof: dict) -> tuple[float, float] | None:
     """The step's blocking collective calls (as run) priced two ways from the calibration: its
-    timings of the same kind and size (``table_time``), and the fitted link the cost model uses
-    (docs/cost-model.md §1.1). None without the calibration's samples."""
+    timings of the same kind and size (``table_time``), and the fitted figures of each kind the
+    cost model prices them at (docs/cost-model.md §1.1, §2.9). None without the calibration's samples."""
     from autoshard.cluster import Cluster
-    from autoshard.cost.comm import collective_time
+    from autoshard.cost.comm import link_time
+    from autoshard.mesh import Mesh
     samples = prof.get("measured", {}).get("collectives", {}).get("samples")
     if not samples:
         return None
-    c = Cluster._from_profile(dict(prof))
+    link = Mesh((2,), cluster=Cluster._from_profile(dict(prof))).links[0]
     table = sum(table_time(samples[k], b) for k, b in calls)
-    fit = sum(collective_time(k, 2, b, c.intra_alpha, c.intra_bandwidth) for k, b in calls)
+    fit = sum(link_time(link, k, 2, b) for k, b in calls)
     return table, fit
 
 
@@ -412,7 +392,6 @@ def analyse(plans: dict[str, str], measured: dict, prof: dict, families: dict) -
         plan = Plan.loads(text)
         pred = plan.predicted["step_time_s"]
         meas = measured[name]["median_s"]
-        kind_step = per_kind_step(plan, prof)
         priced = blocking_comm(measured[name]["calls"], prof)
         rows.append({
             "plan": name, "predicted_ms": pred * 1e3, "measured_ms": meas * 1e3,
@@ -424,7 +403,6 @@ def analyse(plans: dict[str, str], measured: dict, prof: dict, families: dict) -
             "comm_ms": plan.predicted["comm_s"] * 1e3,
             # what the model leaves on the step after hiding any comm behind compute
             "exposed_ms": (pred - plan.predicted["compute_s"]) * 1e3,
-            "per_kind_ms": None if kind_step is None else kind_step * 1e3,
             # the step if the bucketed gradient sync the model hides behind backward were paid
             "no_overlap_ms": (pred + sum(plan.predicted.get("overlapped_comm_s", {}).values()))
             * 1e3,
@@ -444,9 +422,6 @@ def analyse(plans: dict[str, str], measured: dict, prof: dict, families: dict) -
     mape = statistics.mean(abs(r["error_pct"]) for r in rows)
     fastest = min(rows, key=lambda r: r["measured_ms"])
     pick = next(r for r in rows if r["plan"] == "autoshard")
-    kind_rows = [r for r in rows if r["per_kind_ms"] is not None]
-    kind_mape = (statistics.mean(abs(r["per_kind_ms"] - r["measured_ms"]) / r["measured_ms"] * 100
-                                 for r in kind_rows) if len(kind_rows) == len(rows) else None)
     no_overlap_mape = statistics.mean(abs(r["no_overlap_ms"] - r["measured_ms"])
                                       / r["measured_ms"] * 100 for r in rows)
     host = measured["_host"]
@@ -456,7 +431,7 @@ def analyse(plans: dict[str, str], measured: dict, prof: dict, families: dict) -
     return {"rows": rows, "mape": mape, "fastest": fastest["plan"],
             "pick_ratio": pick["measured_ms"] / fastest["measured_ms"],
             "pick_ok": pick["measured_ms"] <= fastest["measured_ms"] * (1 + PICK_SLACK),
-            "per_kind_mape": kind_mape, "families": families,
+ "families": families,
             "no_overlap_mape": no_overlap_mape,
             "other_load": host["other_load"], "probe": host["probe_flops_per_s"],
             "calibrated_probe": cal_probe,
@@ -555,6 +530,9 @@ def render(args, m: Model, prof: dict, result: dict, wall_s: float, plot_rel: st
         f"bandwidth {prof['intra_bandwidth'] / 1e9:.3f} GB/s"
         + (f" (fit to {', '.join(coll.get('link_fit_kinds', []))}, largest relative error "
            f"{link['max_rel_err']:.0%})" if link else "")
+        + ("; each kind priced on its own fit: " + ", ".join(
+            f"{k} {a * 1e6:.0f} µs and {b / 1e9:.3f} GB/s"
+            for k, (a, b) in sorted(_kinds(prof).items())) if _kinds(prof) else "")
         + (f"; overlap {prof['comm_overlap']:.2f} of backward compute can hide a gradient "
            f"bucket (an all-reduce issued from a gradient hook during backward)"
            if "comm_overlap" in prof else "") + ".",
@@ -696,22 +674,22 @@ def error_lines(result: dict, prof: dict) -> list[str]:
                    f"than the plans without bucketed sync.")
     blocking = [r for r in rows if r not in hidden and r["calls_table_ms"] is not None
                 and r["measured_comm_ms"] > 1.5 * r["exposed_ms"]]
-    link = meas.get("collectives", {}).get("link_fit")
-    if blocking and link:
+    fits = meas.get("collectives", {}).get("per_kind_fit")
+    if blocking and fits:
+        worst = max(f["max_rel_err"] for f in fits.values())
         each = "; ".join(
             f"{r['plan']}: {r['calls']} calls, {_ms(r['measured_moving_ms'])} ms with both ranks "
             f"in (of {r['measured_comm_ms']:.1f} ms in the calls), against "
             f"{r['calls_table_ms']:.1f} ms for the same kinds and sizes in the calibration's "
-            f"timings and {r['calls_fit_ms']:.1f} ms on its fitted link" for r in blocking)
+            f"timings and {r['calls_fit_ms']:.1f} ms on its fits" for r in blocking)
         out.append(f"- **Blocking collectives take longer in a step than in the calibration** "
-                   f"({each}). The fit (one alpha and one bandwidth for every kind and size, "
-                   f"largest relative error {link['max_rel_err']:.0%}) is a compromise over "
-                   f"gloo's costs, which are not linear in the message size (docs/cost-model.md "
-                   f"§6: no bandwidth ramp), and gloo's reduce-scatter costs about what its "
-                   f"all-reduce does, which one link cannot say; and the same calls take longer "
-                   f"between a step's ops than after the calibration's one-matmul burst, with "
-                   f"both ranks in: a call after tens of ms of compute takes longer than one "
-                   f"after a few (\"Collectives against the compute before them\" below).")
+                   f"({each}). The fits (one alpha and one bandwidth per kind over every size, "
+                   f"largest relative error {worst:.0%}) are a compromise over gloo's costs, "
+                   f"which are not linear in the message size (docs/cost-model.md §6: no "
+                   f"bandwidth ramp); and the same calls take longer between a step's ops than "
+                   f"after the calibration's one-matmul burst, with both ranks in: a call after "
+                   f"tens of ms of compute takes longer than one after a few (\"Collectives "
+                   f"against the compute before them\" below).")
     return out
 
 
@@ -755,11 +733,6 @@ def diagnosis_lines(result: dict) -> list[str]:
             f"behind backward (gloo's copies and reductions need the cores every rank computes "
             f"on), MAPE would be {result['no_overlap_mape']:.1f}% ("
             + ", ".join(f"{r['plan']} {r['no_overlap_ms']:.1f} ms" for r in result["rows"]) + ").")
-    if result["per_kind_mape"] is not None:
-        out.append(
-            f"- diagnosis: pricing each plan's collectives on the calibration's fit for its own "
-            f"kind instead of the one link figure, MAPE would be {result['per_kind_mape']:.1f}% ("
-            + ", ".join(f"{r['plan']} {r['per_kind_ms']:.1f} ms" for r in result["rows"]) + ").")
     return out
 
 

@@ -131,6 +131,9 @@ def test_profile_maps_measurements_onto_cluster_fields() -> None:
     assert (c.inter_alpha, c.inter_bandwidth) == (c.intra_alpha, c.intra_bandwidth)
     fits = prof["measured"]["collectives"]["per_kind_fit"]
     assert math.isclose(fits["send_recv"]["alpha"], 5e-5)   # a round trip is two messages
+    # each kind priced on its own fit (here all one link)
+    assert {k for k, _, _ in c.collective_kinds} == set(COLLECTIVE_KINDS)
+    assert all(math.isclose(a, 5e-5) and math.isclose(b, 1e9) for _, a, b in c.collective_kinds)
     assert c.memory_bytes == PRESETS["cpu"].memory_bytes
 
 

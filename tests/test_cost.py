@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autoshard.cluster import PRESETS, Cluster
-from autoshard.cost.comm import (bytes_sent_per_device, collective_time, reshard, reshard_time,
-                                 steps_time)
+from autoshard.cost.comm import (bytes_sent_per_device, collective_time, link_time, reshard,
+                                 reshard_time, steps_time)
 from autoshard.cost.compute import op_time
 from autoshard.cost.memory import (activation_bytes_per_layer, param_state_bytes,
                                    saved_activation_bytes, zero_model_state_bytes)
@@ -59,6 +59,43 @@ def test_collective_times_match_reference_formulas(p):
             "all_to_all": f * NBYTES, "send_recv": NBYTES}
     for kind, b in sent.items():
         assert close(bytes_sent_per_device(kind, p, NBYTES), b), kind
+
+
+def test_a_kinds_own_figures_price_it_on_every_axis():
+    """Cluster.collective_kinds (a calibrated gloo host): a kind named there runs at its own
+    alpha and bandwidth on every axis and over merged axes; the others at the link's; a
+    reshard's steps are priced so; bad figures and figures on two links are refused."""
+    cpu = PRESETS["cpu"]
+    rs = ("reduce_scatter", 4 * cpu.intra_alpha, cpu.intra_bandwidth / 2)   # gloo's: slower
+    c = Cluster._from_profile({"base": "cpu", "collective_kinds": {
+        "reduce_scatter": {"alpha": rs[1], "bandwidth": rs[2]}}})
+    assert c.collective_kinds == (rs,)
+    mesh = Mesh((2, 4), cluster=c)
+    for link in mesh.links + (mesh.group_link((0, 1)),):
+        assert close(link_time(link, "reduce_scatter", 4, NBYTES),
+                     collective_time("reduce_scatter", 4, NBYTES, rs[1], rs[2]))
+        assert close(link_time(link, "all_gather", 4, NBYTES),
+                     collective_time("all_gather", 4, NBYTES, c.intra_alpha, c.intra_bandwidth))
+    assert mesh.links[0].least_alpha == min(c.intra_alpha, rs[1])
+    # A partial sum reduce-scattered over axis 1 costs the kind's price, not the link's.
+    r = reshard((R, P), (R, S(0)), (1024, 1024), 4, mesh.shape)
+    (step,), (back,) = r.forward, r.backward
+    assert (step.kind, back.kind) == ("reduce_scatter", "all_gather")
+    assert close(reshard_time(r, mesh),
+                 collective_time("reduce_scatter", 4, step.nbytes, rs[1], rs[2])
+                 + collective_time("all_gather", 4, back.nbytes, c.intra_alpha,
+                                   c.intra_bandwidth))
+    # The profile round-trips through its JSON form.
+    assert Cluster._from_profile({k: v for k, v in c.to_json().items() if k != "name"}
+                                 | {"base": "cpu"}).collective_kinds == c.collective_kinds
+    for bad in ({"reduce_scatter": {"alpha": -1.0, "bandwidth": 1e9}},
+                {"broadcast": {"alpha": 1e-5, "bandwidth": 1e9}},
+                {"reduce_scatter": {"alpha": 1e-5}}):
+        with pytest.raises(AutoshardError, match="collective_kinds"):
+            Cluster._from_profile({"base": "cpu", "collective_kinds": bad})
+    with pytest.raises(AutoshardError, match="inside"):
+        Cluster._from_profile({"base": "h100", "collective_kinds": {
+            "reduce_scatter": {"alpha": 1e-5, "bandwidth": 1e9}}})
 
 
 @pytest.mark.parametrize("p", [2, 4, 8, 64])

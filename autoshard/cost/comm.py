@@ -20,9 +20,17 @@ from functools import lru_cache
 from typing import Sequence
 
 from autoshard.ir import Partial, Replicate, Shard, Spec, shard_factor
-from autoshard.mesh import Mesh
+from autoshard.cluster import COLLECTIVE_KINDS
+from autoshard.mesh import AxisLink, Mesh
 
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+def link_time(link: AxisLink, kind: str, p: int, nbytes: float, *,
+              latency_share: float = 1.0) -> float:
+    """One ``kind`` collective of ``nbytes`` over ``p`` devices on ``link``, at the figures the
+    link has for that kind (``AxisLink.figures``); ``latency_share``: the part of its latency
+    charged (a gradient's share of a bucket, cost/overlap.py)."""
+    alpha, bandwidth = link.figures(kind)
+    return collective_time(kind, p, nbytes, alpha * latency_share, bandwidth)
 
 
 def collective_time(kind: str, p: int, nbytes: float, alpha: float, bandwidth: float) -> float:
@@ -329,8 +337,7 @@ def step_seconds(s: Step, mesh: Mesh) -> float:
     if not s.is_collective:
         return 0.0
     link = mesh.group_link(s.axes) if s.joint else mesh.links[s.axis]
-    return collective_time(s.kind, s.group_size(mesh.shape), s.nbytes, link.alpha,
-                           link.bandwidth)
+    return link_time(link, s.kind, s.group_size(mesh.shape), s.nbytes)
 
 
 def steps_time(steps: Sequence[Step], mesh: Mesh) -> float:

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
-from autoshard.cost.comm import Reshard, collective_time
+from autoshard.cost.comm import Reshard, link_time
 from autoshard.cost.reshards import ReshardEdge
 from autoshard.cost.state import SCATTERS, state_spec
 from autoshard.mesh import Mesh
@@ -59,8 +59,7 @@ def sync_share_by_axis(r: Reshard, mesh: Mesh, bucket_bytes: float) -> dict[int,
     for s in r.backward:
         link = mesh.group_link(s.axes)
         share = min(1.0, s.nbytes / bucket_bytes)
-        t = collective_time(s.kind, s.group_size(mesh.shape), s.nbytes, link.alpha * share,
-                            link.bandwidth)
+        t = link_time(link, s.kind, s.group_size(mesh.shape), s.nbytes, latency_share=share)
         for a in s.axes:
             out[a] = out.get(a, 0.0) + t / len(s.axes)
     return out
@@ -144,8 +143,7 @@ def bucket_collectives(b: Bucket, mesh_shape: tuple[int, ...]
 
 def bucket_seconds(b: Bucket, mesh: Mesh) -> float:
     """One collective of the bucket per axis (or joint group), one latency each."""
-    return sum(collective_time(b.kind, math.prod(mesh.shape[a] for a in g), n,
-                               mesh.group_link(g).alpha, mesh.group_link(g).bandwidth)
+    return sum(link_time(mesh.group_link(g), b.kind, math.prod(mesh.shape[a] for a in g), n)
                for g, n in bucket_collectives(b, mesh.shape))
 
 

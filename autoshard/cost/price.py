@@ -526,7 +526,7 @@ class Pricer:
             if x == y or (isinstance(x, Replicate)
                           and (isinstance(y, Partial) or (isinstance(y, Shard) and not grad))):
                 continue
-            t += (mesh.shape[a] - 1) * mesh.links[a].alpha
+            t += (mesh.shape[a] - 1) * mesh.links[a].least_alpha
         return t
 
     def bucketed_sync(self, value: ValueRef, src: Spec, steps: Reshard, mode: str | None

@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from autoshard import progress
-from autoshard.cost.comm import collective_time
+from autoshard.cost.comm import link_time
 from autoshard.cost.compute import local_numel
 from autoshard.cost.overlap import bucket_bytes_by_axis, gradient_buckets
 from autoshard.cost.price import Pricer
@@ -143,8 +143,7 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
                 _boundary_bytes(traced, where, strategies, sub, grads=pricer.grads))
     link = mesh.links[a]
     # Activations forward, their gradients backward: one send each way per microbatch.
-    send = [collective_time("send_recv", 2, f, link.alpha, link.bandwidth)
-            + collective_time("send_recv", 2, b, link.alpha, link.bandwidth)
+    send = [link_time(link, "send_recv", 2, f) + link_time(link, "send_recv", 2, b)
             for f, b in zip(*boundary)]
     # A split backward (zero bubble) computes the weights' gradients in autograd runs apart
     # from the inputs': a checkpointed layer's forward would run again in each of them
@@ -223,8 +222,7 @@ def _needs_rounds(schedule: str) -> bool:
 
 def _record_seconds(c: CollectiveRecord, mesh: Mesh) -> float:
     axis = mesh.axes.index(c.axes[0])
-    link = mesh.links[axis]
-    return collective_time(c.kind, mesh.shape[axis], c.bytes, link.alpha, link.bandwidth)
+    return link_time(mesh.links[axis], c.kind, mesh.shape[axis], c.bytes)
 
 
 def _boundary_bytes(traced: TracedGraph, where: dict[str, int], strategies: dict,
@@ -463,8 +461,7 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
         st = spmd.param_state.get(fqn)
         nbytes = local_numel(tuple(ph.info.shape), st.grad if st else spmd.params[fqn],
                              spmd.mesh_shape) * ph.info.dtype.itemsize
-        tied_s = max(tied_s, collective_time("all_reduce", len(by_rank), nbytes, link.alpha,
-                                             link.bandwidth))
+        tied_s = max(tied_s, link_time(link, "all_reduce", len(by_rank), nbytes))
         for s in sorted(by_rank.values()):
             collectives.append(CollectiveRecord("all_reduce", (axis,), nbytes, "grad_sync",
                                                 f"tied:{fqn}", ph.name, stage=s))
@@ -480,7 +477,7 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
     stages = tuple(Stage(i, stage_layers[i], {k: figures[i][k] for k in
                                               ("compute_s", "comm_s", "peak_memory_bytes")})
                    for i in range(p))
-    loss_s = collective_time("all_reduce", ranks, 4, link.alpha, link.bandwidth)
+    loss_s = link_time(link, "all_reduce", ranks, 4)
     compute = _schedule_seconds(figures, m, ranks, schedule, comm=False) \
         + _per_rank(figures, ranks, schedule, "optimizer_s")
     total = step + loss_s + tied_s
