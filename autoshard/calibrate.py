@@ -160,6 +160,11 @@ class Sizes:
     message_bytes: tuple[int, ...]             # S of each collective, §1.1
     comm_calls: int                            # timed calls per (collective, size)
     burst: tuple[int, int, int]                # (m, k, n) of the matmul run before each call
+    # The compute before each timed collective: the burst repeated to last at least this long.
+    # A step's blocking collectives come tens of ms apart on a CPU host (the predict_vs_measure
+    # GPT: one every 35 ms), and there a gloo call takes 1.2-2.3x longer after 30 ms of compute
+    # than after 3 (benchmarks/RESULTS.md "Collectives against the compute before them").
+    comm_gap_s: float = 0.0
     overlap_bytes: int = 2**22                 # the all-reduce the overlap figure hides
     overlap_calls: int = 7                     # timed rounds of it (median taken)
 
@@ -172,7 +177,7 @@ SIZES = {
         copy_bytes=256 * 2**20, elementwise_shape=(4, 128, 512),
         attention=(4, 8, 128, 64), tiny_chain=200,
         message_bytes=tuple(2**k for k in (12, 14, 16, 18, 20, 22, 23, 24)),
-        comm_calls=15, burst=(512, 512, 512), overlap_calls=31),
+        comm_calls=15, burst=(512, 512, 512), overlap_calls=31, comm_gap_s=0.03),
     ("cpu", True): Sizes(
         window_s=0.005, repeats=2, matmul=((64, 64, 128), (128, 64, 64)), copy_bytes=2**20,
         elementwise_shape=(2, 16, 32), attention=(2, 2, 16, 8), tiny_chain=20,
@@ -234,6 +239,14 @@ def _timed(fn: Callable[[], Any], device: torch.device, sizes: Sizes) -> float:
         _sync(device)
         out.append((time.perf_counter() - t0) / iters)
     return statistics.median(out)
+
+
+def _once(fn: Callable[[], Any], device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
 
 
 def _matmuls(sizes: Sizes, device: torch.device, dtype: torch.dtype) -> list[dict]:
@@ -397,6 +410,10 @@ def _comm(sizes: Sizes, device: torch.device) -> dict:
     m, k, n = sizes.burst
     a = torch.randn(m, k, device=device)
     b = torch.randn(k, n, device=device)
+    bursts = 1
+    if sizes.comm_gap_s > 0:
+        one = min(_once(lambda: a @ b, device) for _ in range(3))
+        bursts = max(1, math.ceil(sizes.comm_gap_s / max(one, 1e-9)))
     out: dict[str, list] = {}
     for kind in COLLECTIVE_KINDS:
         rows = []
@@ -422,7 +439,8 @@ def _comm(sizes: Sizes, device: torch.device) -> dict:
             dist.barrier()
             times, enter, leave = [], [], []
             for _ in range(sizes.comm_calls):
-                a @ b
+                for _ in range(bursts):
+                    a @ b
                 _sync(device)
                 w0, t0 = time.time(), time.perf_counter()
                 fn()
@@ -498,6 +516,21 @@ def _overlap(sizes: Sizes, device: torch.device) -> dict:
     return {"bytes": sizes.overlap_bytes, "layers": depth, "rounds": rounds}
 
 
+MIN_OVERLAP = 0.01      # Cluster.comm_overlap is positive: "hides nothing" is its floor
+
+
+def cores_full(spec: CalibrateSpec, reports: list[dict]) -> bool:
+    """Whether the ranks' compute threads fill every core of their one CPU host: then gloo's
+    threads have no core of their own, a collective beside backward takes its time from the
+    compute, and nothing hides (``comm_overlap`` is its floor, whatever the probe reads: on 2
+    ranks of one thread on 2 cores it read 0.01-0.30 from run to run while the steps hid
+    nothing, benchmarks/RESULTS.md "Predicted vs measured step time")."""
+    if spec.device != "cpu" or len({r.get("host") for r in reports}) != 1:
+        return False
+    cpus = reports[0].get("cpus")
+    return cpus is not None and sum(r.get("threads", 1) for r in reports) >= cpus
+
+
 def overlap_share(reports: list[dict]) -> float:
     """``Cluster.comm_overlap`` from every rank's :func:`_overlap` rounds: per round the
     slowest rank's times (a step waits for it); per quantity the median over rounds; the hidden
@@ -513,7 +546,8 @@ def overlap_share(reports: list[dict]) -> float:
     comm, forward, compute, both = (_median([row[k] for row in slowest])
                                     for k in ("comm_s", "forward_s", "compute_s", "both_s"))
     window = min(comm, compute - forward)
-    return min(1.0, max(0.01, (comm + compute - both) / window)) if window > 0 else 0.01
+    return (min(1.0, max(MIN_OVERLAP, (comm + compute - both) / window)) if window > 0
+            else MIN_OVERLAP)
 
 
 def _ping_pong(x: torch.Tensor, rank: int) -> Callable[[], None]:
@@ -558,6 +592,8 @@ def measure_rank(spec: CalibrateSpec) -> dict:
         out["overlap"] = _overlap(sizes, device)
     out["comm_wall_s"] = time.perf_counter() - t1
     out["threads"] = torch.get_num_threads()
+    out["cpus"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else os.cpu_count()
     out["host"] = socket.gethostname()       # ranks on one host compare wall-clock entries
     out["cpu_s"] = time.process_time() - c0
     if device.type == "cuda":
@@ -697,7 +733,11 @@ def profile(spec: CalibrateSpec, reports: list[dict], *, wall_s: float = 0.0,
                                         for k, f in per_kind.items()})
         if all("overlap" in r for r in reports):
             fields["comm_overlap"] = overlap_share(reports)
-            measured["overlap"] = reports[0]["overlap"] | {"comm_overlap": fields["comm_overlap"]}
+            if cores_full(spec, reports):
+                fields["comm_overlap"] = MIN_OVERLAP
+            measured["overlap"] = reports[0]["overlap"] | {
+                "comm_overlap": fields["comm_overlap"], "probe_share": overlap_share(reports),
+                "cores_full": cores_full(spec, reports)}
         measured["collectives"] = {
             "link_fit": asdict(link), "link_fit_kinds": list(PLAN_KINDS),
             "per_kind_fit": per_kind,
@@ -705,6 +745,7 @@ def profile(spec: CalibrateSpec, reports: list[dict], *, wall_s: float = 0.0,
                              "model_seconds": predicted_time(k, p, s, AlphaBeta(
                                  **per_kind[k]))}
                             for _, _, s, t in rows] for k, rows in samples.items()},
+            "compute_before_each_call_s": SIZES[(spec.device, spec.quick)].comm_gap_s,
             "note": "one host: inter_alpha and inter_bandwidth are set to the intra figures; "
                     "each kind is priced on its own fit (collective_kinds)"}
     else:
@@ -851,7 +892,10 @@ def summary(prof: dict) -> str:
         lines.append(f"  {c['note']}")
     if "overlap" in m:
         lines.append(f"  overlap: {prof['comm_overlap']:.2f} of backward compute can hide a "
-                     f"gradient sync (an all-reduce issued from a gradient hook during backward)")
+                     f"gradient sync (an all-reduce issued from a gradient hook during backward)"
+                     + (f"; the ranks' threads fill every core, so none (the probe read "
+                        f"{m['overlap']['probe_share']:.2f})" if m["overlap"].get("cores_full")
+                        else ""))
     return "\n".join(lines)
 
 

@@ -179,6 +179,14 @@ def test_overlap_share_is_what_running_both_saves() -> None:
     assert math.isclose(overlap_share([report(0.020), report(0.020, slow=0.005)]), 0.5)
     prof = profile(CalibrateSpec("cpu", 2), [report(0.020), report(0.020)])
     assert math.isclose(Cluster._from_profile(dict(prof)).comm_overlap, 0.5)
+    # Ranks whose threads fill their host's cores: nothing can hide, whatever the probe read.
+    full = [report(0.020) | {"host": "h", "cpus": 2}, report(0.020) | {"host": "h", "cpus": 2}]
+    prof = profile(CalibrateSpec("cpu", 2), full)
+    assert Cluster._from_profile(dict(prof)).comm_overlap == 0.01
+    assert math.isclose(prof["measured"]["overlap"]["probe_share"], 0.5)
+    spare = [r | {"cpus": 4} for r in full]                 # two cores left for gloo
+    assert math.isclose(Cluster._from_profile(dict(profile(CalibrateSpec("cpu", 2), spare)))
+                        .comm_overlap, 0.5)
 
 
 def test_comm_overlap_shrinks_the_window_gradient_sync_hides_behind() -> None:
