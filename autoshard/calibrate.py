@@ -162,7 +162,7 @@ class Sizes:
     burst: tuple[int, int, int]                # (m, k, n) of the matmul run before each call
     # The compute before each timed collective: the burst repeated to last at least this long.
     # A step's blocking collectives come tens of ms apart on a CPU host (the predict_vs_measure
-    # GPT: one every 35 ms), and there a gloo call takes 1.2-2.3x longer after 30 ms of compute
+    # GPT: one every 35 ms), and there a gloo call takes up to 2.9x longer after 30 ms of compute
     # than after 3 (benchmarks/RESULTS.md "Collectives against the compute before them").
     comm_gap_s: float = 0.0
     overlap_bytes: int = 2**22                 # the all-reduce the overlap figure hides

@@ -3,11 +3,9 @@ this host.
 
     python benchmarks/collective_gaps.py --out benchmarks/RESULTS.md
 
-`autoshard calibrate` times each collective after a short burst of compute (one matmul, about
-2 ms on a CPU host), as a training step calls it between ops (docs/cost-model.md §2.9). Between
-a step's collectives the ranks compute for longer: a 4-layer GPT at hidden 512 makes 36
-blocking calls in about 200 ms of compute, one every 6 ms or so, and at hidden 1024 one every
-20 ms. This measures the dependence directly: on 2 gloo ranks (one thread each, as the
+`autoshard calibrate` times each collective after compute, as a training step calls it between
+ops (docs/cost-model.md §2.9); how long that compute runs matters on a CPU host, and this
+measures how: on 2 gloo ranks (one thread each, as the
 benchmarks run plans), all-gather, reduce-scatter and all-reduce of 256 KiB, 1 MiB and 4 MiB
 (S as docs/cost-model.md §1.1 defines it), each call after ``gap`` ms of small matmuls on both
 ranks, timed from the last rank's entry to the last rank's exit (the calibration's measure);
@@ -89,8 +87,8 @@ def render(res: dict, calls: int, wall_s: float) -> str:
              f"- date: {today()}; total wall time {wall_s:.0f} s", "",
              "Each call after `gap` ms of small matmuls on both ranks, timed from the last "
              "rank's entry to the last rank's exit; median of "
-             f"{calls} calls, ms. `autoshard calibrate` times its calls after one matmul of "
-             "about 2 ms.", "",
+             f"{calls} calls, ms. `autoshard calibrate --device cpu` times its calls after 30 ms "
+             "of compute (a step's collectives come tens of ms apart).", "",
              "| collective | S | " + " | ".join(f"gap {g} ms" for g in GAPS_MS)
              + f" | gap {GAPS_MS[-1]} / gap {GAPS_MS[2]} |",
              "| --- | ---: |" + " ---: |" * (len(GAPS_MS) + 1)]

@@ -687,9 +687,9 @@ def error_lines(result: dict, prof: dict) -> list[str]:
                    f"largest relative error {worst:.0%}) are a compromise over gloo's costs, "
                    f"which are not linear in the message size (docs/cost-model.md §6: no "
                    f"bandwidth ramp); and the same calls take longer between a step's ops than "
-                   f"after the calibration's one-matmul burst, with both ranks in: a call after "
-                   f"tens of ms of compute takes longer than one after a few (\"Collectives "
-                   f"against the compute before them\" below).")
+                   f"after the calibration's compute, with both ranks in: how long the ranks "
+                   f"computed before a call matters (\"Collectives against the compute before "
+                   f"them\" below).")
     return out
 
 
