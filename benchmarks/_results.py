@@ -63,6 +63,18 @@ def today() -> str:
     return datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
 
 
+def cuda_device(script: str):
+    """The first CUDA device, made current; None, having said so, where there is none."""
+    import torch
+    if not torch.cuda.is_available():
+        print(f"{script} needs a CUDA device; torch.cuda.is_available() is False here. Run it "
+              "on a GPU machine.", file=sys.stderr)
+        return None
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    return device
+
+
 def md_cell(text: object) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 

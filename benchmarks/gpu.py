@@ -42,8 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import (command, local_call, machine, node_strategies, revision,  # noqa: E402
-                      today, write_section)
+from _results import (command, cuda_device, local_call, machine,  # noqa: E402
+                      node_strategies, revision, today, write_section)
 
 SECTION = "gpu"
 STEP_TARGET = 1.05
@@ -428,13 +428,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--skip-calibrate", action="store_true")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks/gpu.py needs a CUDA device; torch.cuda.is_available() is False here. "
-              "Run it on a GPU machine.", file=sys.stderr)
+    device = cuda_device("benchmarks/gpu.py")
+    if device is None:
         return 2
     t_start = time.perf_counter()
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
     prof, cal_s = None, 0.0
     if not args.skip_calibrate:
         from autoshard.calibrate import calibrate, summary, write_profile

@@ -35,7 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import command, machine, revision, today, write_section  # noqa: E402
+from _results import (command, cuda_device, machine, revision, today,  # noqa: E402
+                      write_section)
 
 SECTION = "gpu-offload"
 MODES = ("none", "optimizer", "parameters")
@@ -240,13 +241,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--loss-steps", type=int, default=4)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks/gpu_offload.py needs a CUDA device; torch.cuda.is_available() is "
-              "False here. Run it on a GPU machine.", file=sys.stderr)
+    device = cuda_device("benchmarks/gpu_offload.py")
+    if device is None:
         return 2
     t_start = time.perf_counter()
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
     link = host_link(device)
     print(json.dumps(link), flush=True)
     adamw = host_adamw()
