@@ -199,7 +199,12 @@ PRESETS: dict[str, Cluster] = {
                    memory_bytes=16 * GB, devices_per_node=64, intra_alpha=3e-5,
                    intra_bandwidth=2 * GB, inter_alpha=3e-5, inter_bandwidth=2 * GB,
                    kernel_floor_s=5e-6, host_bandwidth=2e10, host_memory_bytes=16 * GB,
-                   host_mem_bandwidth=2e10),
+                   host_mem_bandwidth=2e10,
+                   # gloo's threads share the cores the compute fills (torch runs as many
+                   # compute threads as a process has cores): a gradient sync issued during
+                   # backward hides behind none of it (docs/cost-model.md §7; measured in
+                   # benchmarks/RESULTS.md "Predicted vs measured step time").
+                   comm_overlap=0.01),
     # Not hardware: a CPU whose compute is 10,000x slower than the "cpu" preset and whose links
     # have ~no latency, so every op is worth sharding. `autoshard verify` plans with it by
     # default, so that even tiny models get plans that shard and move data on gloo.

@@ -158,29 +158,36 @@ def gpt2_124m_plan(tmp_path_factory) -> Plan:
     return Plan.loads(out.read_text())
 
 
-def test_gpt2_124m_sends_no_more_than_megatron_per_block(gpt2_124m_plan: Plan) -> None:
-    """GPT-2 124M (b 1, s 1024, h 768, bf16) on 4 devices: ``c_attn`` strided as Megatron's, no
-    all-to-all from it to the attention, and one block's activation collectives send at most
-    Megatron's 8·b·s·h·(t-1)/t elements per device (+2%).
+def test_gpt2_124m_sends_megatrons_bytes_per_block(gpt2_124m_plan: Plan) -> None:
+    """GPT-2 124M (b 1, s 1024, h 768, bf16) on 4 devices, cpu preset: ``c_attn`` strided as
+    Megatron's, no all-to-all in any block, and every block's activation collectives send
+    Megatron's 8·b·s·h·(t-1)/t elements per device within 2%: Megatron with sequence
+    parallelism, a reduce-scatter and an all-gather where Megatron all-reduces, each way.
 
-    The plan is Megatron's with sequence parallelism but for the attention's output projection:
-    with 1024 tokens its weight (h² elements) is as large as its input, and the planner runs it
-    on sequence shards behind one small all-to-all of the attention output (b·s·h/t elements)
-    instead of a reduce-scatter of b·s·h, the weight's gradient synchronised in buckets behind
-    backward: fewer activation bytes than Megatron's."""
+    The first block also gathers the causal mask (s·s booleans) that every block's attention
+    reads: once for all twelve, a value the blocks share. (On a cluster whose gradient sync
+    hides behind backward the planner instead ran the out-projection on sequence shards behind
+    a small all-to-all, its weight's gradient synced in buckets; on CPU hosts nothing hides,
+    docs/cost-model.md §7.)"""
     plan, t, (b, s, h), itemsize = gpt2_124m_plan, 4, (1, 1024, 768), 2
     blk = "model.transformer.h.0."
     assert plan.params[blk + "attn.c_attn.weight"] == (Shard(1, QKV),)
     assert plan.params[blk + "attn.c_attn.bias"] == (Shard(0, QKV),)
-    nodes = list(plan.layers[0].nodes)
-    qkv = nodes[nodes.index("addmm"):nodes.index("scaled_dot_product_attention") + 1]
-    block = [c for c in plan.collectives
-             if not c.members and c.phase in ("forward", "backward")
-             and (c.node in nodes or c.value in nodes)]
-    assert not [c for c in block if c.kind == "all_to_all" and c.node in qkv and c.value in qkv]
-    sent = sum(c.bytes * (2 if c.kind == "all_reduce" else 1) * (t - 1) / t for c in block)
     megatron = 8 * b * s * h * (t - 1) / t
-    assert 0.5 * megatron < sent / itemsize <= 1.02 * megatron
+    extra = []
+    for k, layer in enumerate(plan.layers):
+        nodes = set(layer.nodes)
+        block = [c for c in plan.collectives
+                 if not c.members and c.phase in ("forward", "backward")
+                 and (c.node in nodes or c.value in nodes)]
+        assert not [c for c in block if c.kind == "all_to_all"], layer.name
+        mask = [c for c in block if c.kind == "all_gather" and c.bytes == s * s
+                and c.node.startswith("scaled_dot_product_attention")]
+        extra += mask
+        rest = [c for c in block if c not in mask]
+        sent = sum(c.bytes * (2 if c.kind == "all_reduce" else 1) * (t - 1) / t for c in rest)
+        assert abs(sent / itemsize - megatron) <= 0.02 * megatron, (layer.name, sent / itemsize)
+    assert len(extra) == 1 and extra[0].phase == "forward"
 
 
 # Published architectures at a size where 4 devices split a block (hidden 1024, one sequence
