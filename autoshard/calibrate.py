@@ -162,7 +162,7 @@ class Sizes:
     burst: tuple[int, int, int]                # (m, k, n) of the matmul run before each call
     # The compute before each timed collective: the burst repeated to last at least this long.
     # A step's blocking collectives come tens of ms apart on a CPU host (the predict_vs_measure
-    # GPT: one every 35 ms), and there a gloo call takes up to 2.9x longer after 30 ms of compute
+    # GPT: 21 in a step of about 900 ms), and there a gloo call takes up to 2.9x longer after 30 ms of compute
     # than after 3 (benchmarks/RESULTS.md "Collectives against the compute before them").
     comm_gap_s: float = 0.0
     overlap_bytes: int = 2**22                 # the all-reduce the overlap figure hides
@@ -522,9 +522,9 @@ MIN_OVERLAP = 0.01      # Cluster.comm_overlap is positive: "hides nothing" is i
 def cores_full(spec: CalibrateSpec, reports: list[dict]) -> bool:
     """Whether the ranks' compute threads fill every core of their one CPU host: then gloo's
     threads have no core of their own, a collective beside backward takes its time from the
-    compute, and nothing hides (``comm_overlap`` is its floor, whatever the probe reads: on 2
-    ranks of one thread on 2 cores it read 0.01-0.30 from run to run while the steps hid
-    nothing, benchmarks/RESULTS.md "Predicted vs measured step time")."""
+    compute, and nothing hides (``comm_overlap`` is its floor, whatever the probe reads: its
+    reading varies from run to run there, while predict_vs_measure's data-parallel step pays
+    its whole bucketed sync, benchmarks/RESULTS.md "Predicted vs measured step time")."""
     if spec.device != "cpu" or len({r.get("host") for r in reports}) != 1:
         return False
     cpus = reports[0].get("cpus")
@@ -535,10 +535,9 @@ def overlap_share(reports: list[dict]) -> float:
     """``Cluster.comm_overlap`` from every rank's :func:`_overlap` rounds: per round the
     slowest rank's times (a step waits for it); per quantity the median over rounds; the hidden
     share of those medians, clipped to [0.01, 1] (the field is positive). On a CPU host the share
-    of one round is a difference of four timings of a few ms, each as noisy as the difference:
-    the median of such shares over 7 rounds read 0.63 in one run where the step hid nothing
-    and other runs read 0.01. The medians of the timings read 0.01 to 0.17 over 6 runs of 15
-    rounds, and 0.01 to 0.06 over 6 runs of 31 rounds (about 1 s), the CPU calibration's."""
+    of one round is a difference of four timings of a few ms, each as noisy as the difference,
+    so a median of per-round shares swings with a few rounds; the medians of the timings over
+    many rounds (31 on CPU, about 1 s) are steadier."""
     rounds = reports[0]["overlap"]["rounds"]
     slowest = [{k: max(r["overlap"]["rounds"][i].get(k, 0.0) for r in reports)
                 for k in ("comm_s", "forward_s", "compute_s", "both_s")}
@@ -630,12 +629,12 @@ def _call_seconds(reports: list[dict], kind: str, i: int, j: int) -> float:
     what a step waits for once every rank has reached the call. A rank's own time is no
     measure: the first to arrive also waits for the others, and the last finds their parts
     already sent (gloo writes them into its sockets at once), so the shortest time over ranks
-    reads under the call (on 2 gloo ranks of one host, by 5-15% at 1-16 MiB). Ranks on several
-    hosts share no clock to compare entries: there, and for a send/recv round trip (which the
-    rank that starts it times whole), the shortest time over ranks."""
+    reads under the call. Ranks on several hosts (or of no recorded host) share no clock to
+    compare entries: there, and for a send/recv round trip (which the rank that starts it times
+    whole), the shortest time over ranks."""
     rows = [r["comm"][kind][i] for r in reports]
     hosts = {r.get("host") for r in reports}
-    if kind == "send_recv" or len(hosts) != 1 or None in hosts or "enter_s" not in rows[0]:
+    if kind == "send_recv" or len(hosts) != 1 or None in hosts:
         return min(row["times_s"][j] for row in rows)
     return max(row["exit_s"][j] for row in rows) - max(row["enter_s"][j] for row in rows)
 
@@ -732,12 +731,10 @@ def profile(spec: CalibrateSpec, reports: list[dict], *, wall_s: float = 0.0,
                       collective_kinds={k: {"alpha": f["alpha"], "bandwidth": f["bandwidth"]}
                                         for k, f in per_kind.items()})
         if all("overlap" in r for r in reports):
-            fields["comm_overlap"] = overlap_share(reports)
-            if cores_full(spec, reports):
-                fields["comm_overlap"] = MIN_OVERLAP
+            probe, full = overlap_share(reports), cores_full(spec, reports)
+            fields["comm_overlap"] = MIN_OVERLAP if full else probe
             measured["overlap"] = reports[0]["overlap"] | {
-                "comm_overlap": fields["comm_overlap"], "probe_share": overlap_share(reports),
-                "cores_full": cores_full(spec, reports)}
+                "comm_overlap": fields["comm_overlap"], "probe_share": probe, "cores_full": full}
         measured["collectives"] = {
             "link_fit": asdict(link), "link_fit_kinds": list(PLAN_KINDS),
             "per_kind_fit": per_kind,

@@ -112,9 +112,11 @@ def _fake_report(rate: float, comm: bool = True) -> dict:
            "attention": {"training_flops_per_s": rate / 2},
            "kernel_floor": {"autograd_per_kernel_s": 7e-6}, "threads": 1, "comm": {}}
     if comm:
-        out["comm"] = {k: [{"bytes": s, "times_s": [collective_time(k, 2, s, 5e-5, 1e9)
-                                                    * (2 if k == "send_recv" else 1)]}
-                           for s in SIZES] for k in COLLECTIVE_KINDS}
+        out["comm"] = {k: [{"bytes": s, "times_s": [t], "enter_s": [0.0], "exit_s": [t]}
+                           for s in SIZES
+                           for t in [collective_time(k, 2, s, 5e-5, 1e9)
+                                     * (2 if k == "send_recv" else 1)]]
+                       for k in COLLECTIVE_KINDS}
     return out
 
 

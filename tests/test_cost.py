@@ -76,7 +76,8 @@ def test_a_kinds_own_figures_price_it_on_every_axis():
                      collective_time("reduce_scatter", 4, NBYTES, rs[1], rs[2]))
         assert close(link_time(link, "all_gather", 4, NBYTES),
                      collective_time("all_gather", 4, NBYTES, c.intra_alpha, c.intra_bandwidth))
-    assert mesh.links[0].least_alpha == min(c.intra_alpha, rs[1])
+    assert mesh.links[0].least_alpha == c.intra_alpha          # the reduce-scatter's is larger
+    assert AxisLink(1e-5, 1e9, (("all_to_all", 2e-6, 1e9),)).least_alpha == 2e-6
     # A partial sum reduce-scattered over axis 1 costs the kind's price, not the link's.
     r = reshard((R, P), (R, S(0)), (1024, 1024), 4, mesh.shape)
     (step,), (back,) = r.forward, r.backward
@@ -956,20 +957,29 @@ class _Mlp3(torch.nn.Module):
         return self.down(torch.relu(self.up(x))).sum()
 
 
+# A calibrated gloo host's profile: each kind at its own figures, one of them quicker to start
+# than the link (the floor must take the least latency of any kind).
+PER_KIND = {"base": "cpu", "collective_kinds": {
+    "all_to_all": {"alpha": 3e-6, "bandwidth": 2e9},
+    "reduce_scatter": {"alpha": 1.2e-4, "bandwidth": 1e9}}}
+
+
+@pytest.mark.parametrize("cluster", ["h100", "per-kind"])
 @pytest.mark.parametrize("merge", [None, ((0, 1), (2,))], ids=["2x2x2", "merged"])
-def test_the_reshard_floor_never_exceeds_the_reshard(merge) -> None:
+def test_the_reshard_floor_never_exceeds_the_reshard(merge, cluster) -> None:
     """``Pricer.reshard_floor`` prunes the follower search (solver/build.py): it must stay at or
     below the priced reshard for every pair of layouts, for a value with a gradient and one
-    without, on a real 3-axis mesh and one with axes merged; it is the latency of one
-    collective per changed axis, so 0 for a slice of a gradient-free value and for a change
-    into partial sums."""
+    without, on a real 3-axis mesh and one with axes merged, on a preset and on a profile
+    pricing each collective kind apart; it is the least latency of one collective per changed
+    axis, so 0 for a slice of a gradient-free value and for a change into partial sums."""
     from autoshard.cost.price import Pricer
     from autoshard.mesh import AxisMerge
     from autoshard.options import PlanOptions
     from autoshard.solver.build import placeholder_strategies
     from autoshard.trace.export import trace
     traced = trace(_Mlp3(), (torch.randn(4, 4, 8),), training=True)
-    real = Mesh((2, 2, 2), cluster="h100")
+    real = Mesh((2, 2, 2), cluster=cluster if cluster == "h100" else
+                Cluster._from_profile(dict(PER_KIND)))
     mesh = real if merge is None else AxisMerge(real, merge).merged()
     pricer = Pricer(traced, real if merge is None else mesh, PlanOptions(),
                     **({} if merge is None else {"merge": AxisMerge(real, merge)}))
@@ -989,7 +999,7 @@ def test_the_reshard_floor_never_exceeds_the_reshard(merge) -> None:
     assert checked > 100
     # One changed axis of the batch's layout: one gather over 2 devices, (2 - 1)·alpha; the
     # merged axis stands for two real axes, each gathered: 2·alpha.
-    alpha = real.links[0].alpha
+    alpha = real.links[0].least_alpha
     gathered = (S(0),) + (R,) * (mesh.ndim - 1)
     assert pricer.reshard_floor((up, 0), gathered, (R,) * mesh.ndim) == pytest.approx(
         alpha * (1 if merge is None else 2))

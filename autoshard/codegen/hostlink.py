@@ -11,8 +11,7 @@ A buffer handed out holds the same memory every step, as DDP's ``gradient_as_buc
 gradients do: a gradient kept past the next backward must be copied by whoever keeps it. A
 copy that the host does not read at once is not waited for where it is issued: a copy that
 waits stops the CPU until the GPU has run everything queued before it, and the GPU then idles
-while the CPU queues the next kernels (a parameter read in 196 places, as GPT-2 small's are,
-waits 196 times a step).
+while the CPU queues the next kernels, at every read of every parameter kept on the host.
 """
 from __future__ import annotations
 
