@@ -272,6 +272,7 @@ def test_objective_is_the_plans_price(traces, name: str) -> None:
     assert plan.solver["objective"] == pytest.approx(plan.predicted["step_time_s"], rel=1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_fused_projection_plans_run_on_gloo(tmp_path, capsys, name: str) -> None:
     """Megatron's layout of the fused projections runs on 2 gloo ranks: loss and gradients

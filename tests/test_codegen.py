@@ -54,6 +54,7 @@ def test_mlp_on_two(world2):
     check(world2, "mlp-tiny", plan_for("mlp-tiny", mesh_of((2,))))
 
 
+@pytest.mark.slow
 def test_three_axis_mesh_at_world_size_eight(world8):
     check(world8, "gpt2-tiny", plan_for("gpt2-tiny", mesh_of((2, 2, 2))))
 
@@ -251,6 +252,7 @@ def _train(plan_json: str, steps: int) -> list[float]:
     return losses
 
 
+@pytest.mark.slow
 def test_two_hundred_training_steps_track_one_process(world4):
     from autoshard.loss import as_loss_module
     steps = 200
@@ -336,6 +338,7 @@ RECOMPUTE_CASES = [("gpt2-tiny", (4,), "megatron", "full"), ("llama-tiny", (4,),
                    ("llama-tiny", (2, 2), "megatron-dp", "selective")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,shape,baseline,policy", RECOMPUTE_CASES,
                          ids=[f"{m}-{'x'.join(map(str, s))}-{b or 'autoshard'}-{p}"
                               for m, s, b, p in RECOMPUTE_CASES])

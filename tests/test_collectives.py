@@ -229,6 +229,7 @@ CASES = [(shape, axes, world, spec_str(src), "float64" if i % 2 else "float32")
          for shape, axes, world in MESHES for i, src in enumerate(_specs(len(shape)))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape, axes, world, src, dtype", CASES,
                          ids=[f"{'x'.join(map(str, c[0]))}-{c[3]}" for c in CASES])
 def test_redistribute_every_dst(request, mesh_shape, axes, world, src, dtype):

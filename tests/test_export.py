@@ -92,6 +92,7 @@ def _imports(source: str) -> set[str]:
     return mods
 
 
+@pytest.mark.slow
 def test_megatron_dp_maps_to_column_row_and_sequence_parallel(plans, tmp_path):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
@@ -392,6 +393,7 @@ def _plan_linear_boundaries(plan: Plan, axis: str) -> Counter:
                    if c.axes == (axis,) and c.value in values and c.phase in phase)
 
 
+@pytest.mark.slow
 def test_exported_megatron_dp_matches_verify_on_gloo(world4, plans, tmp_path):
     """Same loss and gradients as autoshard's runtime; the Linears' collectives are exactly the
     plan's. The other differences, as declared: SequenceParallel all-reduces each norm weight's

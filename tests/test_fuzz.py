@@ -123,6 +123,7 @@ def plan_doc(request: pytest.FixtureRequest) -> dict:
     return json.loads(plan.dumps())
 
 
+@pytest.mark.slow
 @FUZZ
 @given(data=st.data())
 def test_a_mutated_plan_loads_usable_or_is_refused(plan_doc: dict, data: st.DataObject) -> None:

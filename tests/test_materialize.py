@@ -109,6 +109,7 @@ def _meta_rank(name: str, plan_json: str, seed: int) -> dict:
 CASES = [("gpt2-tiny", (4,)), ("llama-tiny", (2, 2))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,shape", CASES,
                          ids=[f"{n}-{'x'.join(map(str, s))}" for n, s in CASES])
 def test_meta_build_materialises_the_single_device_slices(world4, name, shape):

@@ -80,6 +80,7 @@ def test_a_spent_budget_plans_the_start_and_says_what_it_left():
     assert "not planned (time budget" in plan.summary()
 
 
+@pytest.mark.slow
 def test_chosen_plan_runs_on_gloo(tmp_path):
     """The search's plan is an ordinary plan of its mesh: it verifies (loss, gradients, bytes)."""
     from autoshard.verify import verify

@@ -184,6 +184,7 @@ def _moe_einsums(traced: TracedGraph) -> list[dict[str, str]]:
     return list(layers.values())
 
 
+@pytest.mark.slow
 def test_the_model_traces_with_a_rule_for_every_op() -> None:
     traced = _traced()
     assert unruled_note(traced) == ""
@@ -192,6 +193,7 @@ def test_the_model_traces_with_a_rule_for_every_op() -> None:
                                     for l in layers)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape, axes", MESHES, ids=["8", "2x4"])
 def test_experts_are_sharded_over_an_axis_with_all_to_all(shape, axes) -> None:
     traced, plan = _traced(), _plan(shape, axes)
@@ -219,6 +221,7 @@ def test_experts_are_sharded_over_an_axis_with_all_to_all(shape, axes) -> None:
     assert sizes == {full // n}, sizes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape, axes", MESHES, ids=["8", "2x4"])
 def test_expert_parallelism_is_no_slower_than_the_alternatives(shape, axes) -> None:
     auto = _plan(shape, axes).predicted["step_time_s"]
@@ -258,6 +261,7 @@ def _all_to_alls(plan: Plan) -> int:
     return sum(c.kind == "all_to_all" for c in plan.collectives)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(4,), (2, 2)], ids=["4", "2x2"])
 def test_gshard_moe_tiny_on_gloo(world4, shape) -> None:
     """`autoshard verify gshard-moe-tiny --mesh 4` and `--mesh 2x2`: the stress cluster's plan
@@ -302,6 +306,7 @@ def _expert_specs(plan: Plan) -> list:
     return [spec for fqn, spec in plan.params.items() if fqn.endswith(EXPERT_WEIGHTS)]
 
 
+@pytest.mark.slow
 def test_hf_mixtral_spreads_its_experts_where_memory_requires(mixtral) -> None:
     """On H100s the tiny model is best replicated; under a memory budget a third of that
     plan's, every expert weight is split over the axis."""
@@ -315,6 +320,7 @@ def test_hf_mixtral_spreads_its_experts_where_memory_requires(mixtral) -> None:
     assert tight.predicted["memory"]["peak"] <= budget
 
 
+@pytest.mark.slow
 def test_hf_mixtral_tiny_on_gloo(world4, mixtral) -> None:
     plan = plan_for(mixtral, Mesh((2, 2), cluster="stress"), batch=2, seq=8)
     report = _check(world4, mixtral, plan, batch=2, seq=8)

@@ -351,6 +351,7 @@ def _check_joint(group: tuple[int, ...]) -> tuple[int, dict[str, int], list[str]
     return seed // 10, sizes, problems
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group", [(0, 1), (0, 2), (1, 2), (0, 1, 2)],
                          ids=["xy", "xz", "yz", "xyz"])
 def test_one_collective_over_a_joint_group_equals_the_per_axis_steps(world8, group):
@@ -376,6 +377,7 @@ def test_merged_plan_runs_as_planned_over_a_group_of_four(world8, gpt2_merged):
         assert r["group_sizes"]["x,y"] == 4 and r["group_sizes"]["z"] == 2, r["group_sizes"]
 
 
+@pytest.mark.slow
 def test_memory_far_out_of_reach_is_told_from_the_merged_axes_alone(monkeypatch) -> None:
     """Every axis merged into one is solved first: when its least memory is more than
     OUT_OF_REACH times the budget, the other groupings (which split the same 8 devices) are not

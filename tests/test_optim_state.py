@@ -183,6 +183,7 @@ CASES = [((4,), "dp", dict(zero="zero2"), (2,), "dp", {}, False),
           True)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("save_shape,save_base,save_kw,load_shape,load_base,load_kw,step_first",
                          CASES, ids=["zero2-4-to-dp-2", "tp-zero1-2x2-to-zero2-2",
                                      "offload-4-to-tp-2", "offload-params-4-to-tp-2"])

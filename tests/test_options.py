@@ -185,6 +185,7 @@ def test_plan_carries_layers_and_show_prints_them(gpt2_tiny, tmp_path) -> None:
 
 # ------------------------------------------------------------------------------- pricing
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape,cluster", [((2,), "stress"), ((2, 2), "stress"),
                                             ((2, 2, 2), "stress")])
 def test_predicted_figures_are_the_prices_summed(gpt2_tiny, shape, cluster) -> None:

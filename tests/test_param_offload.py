@@ -266,6 +266,7 @@ def _verify(world, model: str, plan: Plan) -> None:
         assert rep["bytes"] == rep["planned_bytes"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,shape,base,kw", CASES,
                          ids=[f"{m}-{'x'.join(map(str, s))}-{b}" + "".join(
                              f"-{v}" for v in k.values()) for m, s, b, k in CASES])
@@ -278,6 +279,7 @@ def test_offloaded_parameters_train_as_single_device(world4, model, shape, base,
     assert max(errs) <= 1e-4, errs
 
 
+@pytest.mark.slow
 def test_gpt2_streamed_steps_as_its_device_twin(world4):
     """gpt2-tiny in ZeRO-3's layout (tied embedding and head, biases, layer norms): gradients
     as the single-device model's; and 20 AdamW steps give the parameters, bit for bit, of the
@@ -303,6 +305,7 @@ def llama70b():
     return trace(model, inputs)
 
 
+@pytest.mark.slow
 def test_llama2_70b_streams_parameters_only_when_memory_requires_it(llama70b):
     """Llama-2-70B on 8 H100s, data parallel, batch 8 x 4096 (docs/cost-model.md §9): in 80 GB
     optimizer offload is enough and no parameter is streamed; in 30 GiB nothing fits with
@@ -324,6 +327,7 @@ def test_llama2_70b_streams_parameters_only_when_memory_requires_it(llama70b):
     assert tight.predicted["memory"]["host"] <= mesh.cluster.host_memory_bytes
 
 
+@pytest.mark.slow
 def test_no_plan_when_even_streaming_overfills_the_host():
     """A device budget only parameter offload meets, on a host too small for what it keeps:
     the error names the host memory and the least any plan that fits the device needs."""

@@ -370,6 +370,7 @@ def gpt2_pp() -> Plan:
                     pipeline="pp", schedule="1F1B", microbatches=8)
 
 
+@pytest.mark.slow
 def test_stages_cover_the_layers_in_order_and_balance(gpt2_pp) -> None:
     pl = gpt2_pp.pipeline
     assert (pl.axis, pl.schedule, pl.microbatches, len(pl.stages)) == ("pp", "1F1B", 8, 4)
@@ -522,6 +523,7 @@ def check(world, model: str, plan: Plan, batch: int | None = None) -> dict:
     return reports[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,shape,axes,schedule,m,cluster", CASES,
                          ids=[f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[3]}" for c in CASES])
 def test_pipelined_step_equals_single_device(world2, world4, model, shape, axes, schedule, m,
@@ -552,6 +554,7 @@ def test_a_tied_weight_under_zero2_is_summed_across_stages(world4) -> None:
     check(world4, "gpt2-tiny", plan)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,schedule", [("llama-tiny", "1F1B"),
                                             ("llama-tiny-4l", "Interleaved1F1B"),
                                             ("llama-tiny-4l", "InterleavedZeroBubble"),
@@ -720,6 +723,7 @@ def test_dualpipev_in_the_search() -> None:
         plan_for("gpt2-tiny-4l", mesh, schedule="DualPipeV", recompute="full", **kw)
 
 
+@pytest.mark.slow
 def test_auto_pipeline_keeps_the_faster_and_records_the_search() -> None:
     """pipeline='auto': the plan without a pipeline and one over each axis; the fastest is kept
     and every try is in solver["pipeline_search"] (and in the summary)."""

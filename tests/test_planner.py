@@ -278,6 +278,7 @@ def test_zero_twin_when_memory_asks_for_it() -> None:
 
 
 # One budget on the 2-D mesh: the ILP with memory binding takes CBC ~15-30 s a solve there.
+@pytest.mark.slow
 @pytest.mark.parametrize("shape,fracs", [((8,), (0.8, 0.6)), ((2, 4), (0.8,))])
 def test_plans_fit_the_budget_they_were_given(baseline_traces, shape, fracs) -> None:
     """Tighter budgets give plans whose predicted peak (node by node, as assembled) is within
@@ -322,6 +323,7 @@ def test_layer_dedup(gpt2_b1, megatron_cpu) -> None:
 
 # ------------------------------------------------------------------------------ determinism
 
+@pytest.mark.slow
 def test_same_model_same_bytes() -> None:
     mesh = Mesh((2, 2))
     texts = []
@@ -348,6 +350,7 @@ CASES = [(name, shape) for name in ("gpt2-tiny", "gpt2") for shape in MESHES
          if not (name == "gpt2" and len(shape) == 3 and not os.environ.get("AUTOSHARD_SLOW"))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, shape", CASES,
                          ids=[f"{n}-{'x'.join(map(str, s))}" for n, s in CASES])
 def test_never_slower_than_a_baseline(baseline_traces, name: str, shape) -> None:
@@ -411,6 +414,7 @@ def test_plan_contents(gpt2_b1, megatron_cpu) -> None:
 
 # ------------------------------------------------------------------------------ HF models
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["hf-gpt2-tiny", "hf-llama-tiny", "hf-bert-tiny"])
 def test_hf_models_plan_without_fallbacks(monkeypatch, name: str) -> None:
     pytest.importorskip("transformers")
@@ -687,6 +691,7 @@ def test_recompute_prices_the_forward_again_and_keeps_one_layer(gpt2_b1) -> None
     assert full.predicted["peak_memory_bytes"] < base.predicted["peak_memory_bytes"]
 
 
+@pytest.mark.slow
 def test_recompute_ladder_holds_the_step_peak(gpt2_b8) -> None:
     """Plans are compared by the step's liveness peak too: a looser budget never gives a slower
     plan, and every plan's peak over the step fits (a selective plan whose sum fits can peak at

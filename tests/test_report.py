@@ -61,6 +61,7 @@ def png_size(data: bytes) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
+@pytest.mark.slow
 def test_step_parts_add_up_to_the_step(main_job, pipelined) -> None:
     plain, pp = Plan.load(main_job), Plan.load(pipelined)
     parts = dict(step_parts(plain))

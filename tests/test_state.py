@@ -130,6 +130,7 @@ MODES = [("gpt2-tiny", (4,), "dp", dict(zero="zero1")),
          ("gpt2-tiny", (2, 2), None, dict(offload="optimizer"))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,shape,baseline,kw", MODES,
                          ids=[f"{m}-{'x'.join(map(str, s))}-{b}-{list(k.values())[0]}"
                               for m, s, b, k in MODES])
@@ -167,6 +168,7 @@ def test_bf16_mixed_plans_the_step_in_bf16():
     assert mixed.bytes_by(phase="grad_sync") == fp32.bytes_by(phase="grad_sync") // 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape,kw", [((4,), {}), ((2, 2), dict(zero="zero2"))],
                          ids=["4-autoshard", "2x2-zero2"])
 def test_bf16_mixed_trains_as_single_device_bf16_mixed(world4, shape, kw):

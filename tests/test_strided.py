@@ -158,6 +158,7 @@ def gpt2_124m_plan(tmp_path_factory) -> Plan:
     return Plan.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_gpt2_124m_sends_megatrons_bytes_per_block(gpt2_124m_plan: Plan) -> None:
     """GPT-2 124M (b 1, s 1024, h 768, bf16) on 4 devices, cpu preset: ``c_attn`` strided as
     Megatron's, no all-to-all in any block, and every block's activation collectives send
@@ -233,6 +234,7 @@ def test_the_planner_finds_megatrons_fused_layouts(tmp_path, name: str) -> None:
 
 # -- numerical (gloo) --------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh, baseline", [("4", "megatron"), ("2x2", "megatron-dp")])
 def test_gpt2_fused_qkv_trains_as_one_device_on_gloo(capsys, mesh: str, baseline: str) -> None:
     """Megatron's layout of HF GPT-2's fused ``c_attn`` (strided) on 4 gloo ranks: loss and
@@ -245,6 +247,7 @@ def test_gpt2_fused_qkv_trains_as_one_device_on_gloo(capsys, mesh: str, baseline
     assert capsys.readouterr().out.rstrip().endswith("PASS")
 
 
+@pytest.mark.slow
 def test_a_fused_qkv_viewed_into_heads_trains_as_one_device_on_gloo(capsys) -> None:
     """A fused QKV viewed as [b, s, 3, heads, head_dim] and unbound, a gate-up chunked: both
     strided in Megatron's layout on 4 gloo ranks, equal to the single-device model."""
@@ -282,6 +285,7 @@ def _state_rank(plan_json: str) -> dict:
             "refused": refused}
 
 
+@pytest.mark.slow
 def test_full_state_dict_returns_the_fused_layout(world4) -> None:
     """Strided parameters cut from the model reassemble to its state dict, and a full state
     dict loads back into them; DCP, which cannot describe them, is refused with a reason."""

@@ -233,6 +233,7 @@ def test_without_the_vocab_parallel_loss_the_logits_move(gpt2_v50304, monkeypatc
     assert moves and all(c.bytes // 2 >= 8 * 1024 * 50304 // 8 for c in moves)
 
 
+@pytest.mark.slow
 def test_gpt2_free_plan_shards_head_and_loss_together() -> None:
     """Unpinned, one sequence of 1024 tokens on 8 H100s: the solver shards the table by rows
     and then reads the logits vocab-parallel."""
@@ -248,6 +249,7 @@ def test_gpt2_free_plan_shards_head_and_loss_together() -> None:
                    for c in plan.collectives)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cluster", ["cpu", "h100"])
 def test_gpt2_vocab_50257_on_eight_moves_no_logits(cluster) -> None:
     """GPT-2 as published (vocabulary 50257, which 8 does not divide, so no plan shards it):
@@ -265,6 +267,7 @@ GLOO = [("gpt2-tiny", (4,), "[S(1)] x [R] -> [P] (vocab_parallel)"),
         ("gpt2-tiny", (2, 2), "[S(1), S(1)] x [R, R] -> [P, P] (vocab_parallel)")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,shape,loss", GLOO, ids=[
     f"{m}-{'x'.join(map(str, s))}-{i}" for i, (m, s, _) in enumerate(GLOO)])
 def test_vocab_parallel_plan_equals_single_device(world4, model, shape, loss) -> None:
