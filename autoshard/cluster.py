@@ -138,6 +138,26 @@ class Cluster:
         # The raw measurements `autoshard calibrate` keeps beside its figures: a record for
         # people, ignored here (docs/cost-model.md §2.1).
         data.pop(MEASURED_KEY, None)
+        return dataclasses.replace(base, **cls._figures(data))
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Cluster":
+        """The figures :meth:`to_json` wrote (a plan records the cluster it was priced on, so
+        that every tool prices it again on those, docs/plan-format.md). Every field without a
+        default must be there; one added to Cluster since the file was written takes its
+        default."""
+        required = sorted(f.name for f in dataclasses.fields(cls)
+                          if f.default is dataclasses.MISSING and f.name not in data)
+        if required:
+            raise AutoshardError("a cluster's figures as Cluster.to_json writes them",
+                                 got=f"no {', '.join(required)}",
+                                 fix="re-create the plan (it records its cluster's figures)")
+        return cls(**cls._figures(dict(data)))
+
+    @classmethod
+    def _figures(cls, data: dict) -> dict:
+        """``data``'s fields checked against Cluster's, ``collective_kinds`` as the tuple the
+        field holds (a profile and a plan write it as {kind: {alpha, bandwidth}})."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -153,7 +173,7 @@ class Cluster:
                                      '{"alpha": ..., "bandwidth": ...}', got=repr(kinds),
                                      fix='e.g. {"reduce_scatter": {"alpha": 4e-4, '
                                          '"bandwidth": 5e8}}') from e
-        return dataclasses.replace(base, **data)
+        return data
 
     @classmethod
     def resolve(cls, value: "Cluster | str | Path") -> "Cluster":
@@ -168,6 +188,20 @@ class Cluster:
         out["collective_kinds"] = {k: {"alpha": a, "bandwidth": b}
                                    for k, a, b in self.collective_kinds}
         return out
+
+    def describe(self) -> str:
+        """The name, and for figures that are not the preset's of that name (a profile), the
+        figures that differ: what a plan was priced on, in one line."""
+        preset = PRESETS.get(self.name)
+        if preset == self:
+            return self.name
+        if preset is None:
+            return f"{self.name} (profile)"
+        changed = [f"{f.name} {getattr(self, f.name):g}" for f in dataclasses.fields(self)
+                   if f.name != "collective_kinds" and getattr(self, f.name) != getattr(preset, f.name)]
+        if self.collective_kinds != preset.collective_kinds:
+            changed.append("collective_kinds " + ",".join(k for k, _, _ in self.collective_kinds))
+        return f"{self.name} (profile: {', '.join(changed)})"
 
 
 GB = 1e9

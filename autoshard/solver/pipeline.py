@@ -33,8 +33,8 @@ from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions
 from autoshard.plans import CollectiveRecord, NodePlan, Pipeline, Plan, Stage
 from autoshard.schedules import (SCHEDULES, SPLIT_BACKWARD, V_PLACED, VIRTUAL_STAGES,
-                                 check_microbatches, fullest_stage, in_flight, rank_stages,
-                                 sends_between, simulate_schedule, stage_rank)
+                                 WARMUP_BYTES, check_microbatches, fullest_stage, in_flight, rank_stages,
+                                 sends_between, simulate_schedule, stage_rank, warmup_node)
 from autoshard.trace.export import TracedGraph
 from autoshard.trace.graph import value_inputs
 from autoshard.trace.layers import stages_of
@@ -473,6 +473,10 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
                                             f"stage{s}->stage{s + 1}", stage=s, count=m))
         collectives.append(CollectiveRecord("send_recv", (axis,), bwd, "pipeline",
                                             f"stage{s + 1}->stage{s}", stage=s + 1, count=m))
+        # torch's warm-up of the link on the first step, one int32 each way (schedules.py)
+        collectives += [CollectiveRecord("send_recv", (axis,), WARMUP_BYTES, "pipeline",
+                                         warmup_node(a, b), stage=a) for a, b in ((s, s + 1),
+                                                                                  (s + 1, s))]
     collectives.append(CollectiveRecord("all_reduce", (axis,), 4, "pipeline", "loss"))
     stages = tuple(Stage(i, stage_layers[i], {k: figures[i][k] for k in
                                               ("compute_s", "comm_s", "peak_memory_bytes")})
