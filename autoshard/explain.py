@@ -125,10 +125,7 @@ def _sizes(plan: Plan, name: str) -> tuple[int | None, int | None]:
 def _settled(plan: Plan) -> PlanOptions:
     """The plan's options with its pipeline as found ("auto" settled to the plan's axis, or to
     none), so that the graph is traced as the plan's was: one microbatch on a pipeline."""
-    if plan.pipeline is None:
-        return plan.options.replace(pipeline=None)
-    return plan.options.replace(pipeline=plan.pipeline.axis,
-                                microbatches=plan.pipeline.microbatches)
+    return plan.settled_options()
 
 
 # ------------------------------------------------------------------------------- source lines

@@ -213,6 +213,15 @@ class Plan:
     def training(self) -> bool:
         return self.options.training
 
+    def settled_options(self) -> PlanOptions:
+        """The options with the pipeline as found ("auto" settled to the plan's axis and
+        microbatches, or to none): tracing with them gives the graph the plan was made for
+        (solver/planner.py trace_for)."""
+        if self.pipeline is None:
+            return self.options.replace(pipeline=None)
+        return self.options.replace(pipeline=self.pipeline.axis,
+                                    microbatches=self.pipeline.microbatches)
+
     @property
     def cluster_name(self) -> str:
         return self.cluster.name if isinstance(self.cluster, Cluster) else self.cluster
