@@ -494,12 +494,14 @@ class Plan:
             raise AutoshardError(f"plan format version {VERSION}", got=f"{source}: {d.get('version')!r}",
                                  fix="re-plan with this version of autoshard")
         try:
-            return cls._from_dict(d)
+            plan = cls._from_dict(d)
         except _Malformed as e:
             raise AutoshardError("a complete plan (mesh, nodes, params, collectives, predicted, "
                                  f"solver), with {e.where} {e.expected}",
                                  got=f"{source}: malformed, {e.got}",
                                  fix="re-create the plan; do not edit plan files by hand") from e
+        _check_layouts(plan, source)
+        return plan
 
     @classmethod
     def _from_dict(cls, d: dict) -> "Plan":
@@ -894,6 +896,58 @@ def _read_solver(f: _Field) -> dict[str, Any]:
     f.key("gap").number()
     f.key("decisions", 0).integer()
     return dict(f.obj())
+
+def _check_layouts(plan: Plan, source: str) -> None:
+    """Every placement against its tensor (docs/plan-format.md "Which placements run"): each
+    spec of a node's outputs and inputs, of a parameter and its gradient and optimizer state, of
+    a tied weight's reads, fits the tensor's shape (its node signature) on the mesh: every S(d)
+    a dim the tensor has, split evenly. The nodes are what runs: ``params`` repeats each
+    parameter's placeholder spec, and its state mode is the placeholder's kernel; a file where
+    the two differ (one edited, not the other) is refused, naming both."""
+    from autoshard.export import graph_of     # the wiring and shapes of the node signatures
+
+    if not plan.node_sigs:        # older files: nothing to check the specs against
+        return
+    g = graph_of(plan)
+    index = {n.name: i for i, n in enumerate(plan.nodes)}
+
+    def fits(where: str, spec: Spec, shape: tuple[int, ...] | None) -> None:
+        if shape is not None and not spec_fits(shape, spec, plan.mesh_shape):
+            raise AutoshardError(
+                "every placement fits its tensor: each S(d) a dim the tensor has, split evenly "
+                "by the mesh axes that shard it",
+                got=f"{source}: {where} = {spec_str(spec)!r} for a tensor of shape {list(shape)} "
+                    f"on mesh {list(plan.mesh_shape)}",
+                fix="shard only dims the tensor has, into equal parts (or re-create the plan "
+                    "with `autoshard plan`)")
+
+    for n in plan.nodes:
+        at = f"nodes[{index[n.name]}] ({n.name})"
+        for k, spec in enumerate(n.outputs):
+            fits(f"{at}.placements[{k}]", spec, g.shapes.get((n.name, k)))
+        for k, (spec, value) in enumerate(zip(n.inputs, g.reads.get(n.name, ()))):
+            fits(f"{at}.inputs[{k}]", spec, g.shapes.get(value))
+    for fqn, name in g.param_node.items():
+        node, shape = g.nodes[name], g.shapes.get((name, 0))
+        st = plan.param_state.get(fqn)
+        fits(f"params[{fqn!r}].placements", plan.params[fqn], shape)
+        if node.outputs[0] != plan.params[fqn] or node.kernel != (st.mode if st else None):
+            raise AutoshardError(
+                "a parameter's layout in one place: its placeholder node's spec and kernel, "
+                "which run, repeated in params",
+                got=f"{source}: params[{fqn!r}] has {spec_str(plan.params[fqn])!r}"
+                    f"{' (' + st.mode + ')' if st else ''}, its node {name} "
+                    f"{spec_str(node.outputs[0])!r}"
+                    f"{' (' + node.kernel + ')' if node.kernel else ''}",
+                fix="edit both alike (the node's spec is the one that runs; its readers' "
+                    "inputs reshard from it), or re-create the plan with `autoshard plan`")
+        for what, spec in (("grad_placements", st.grad if st else None),
+                           ("optimizer_placements", st.optimizer if st else None)):
+            if spec is not None:
+                fits(f"params[{fqn!r}].{what}", spec, shape)
+        for k, spec in enumerate(plan.tied.get(fqn, ())):
+            fits(f"tied[{fqn!r}][{k}]", spec, shape)
+
 
 def _size(nbytes: float) -> str:
     """Bytes in the largest binary unit that keeps the figure >= 1: a tiny model's plan must not
