@@ -30,6 +30,7 @@ from autoshard.mesh import Mesh
 from autoshard.plans import Plan
 from autoshard.solver.baselines import baseline_plan
 from autoshard.solver.planner import plan, plan_traced, trace_for
+from autoshard.trace.batches import check_plannable
 from autoshard.trace.export import trace
 from autoshard.zoo.registry import load_model
 
@@ -400,6 +401,7 @@ def plan_for(model_name: str, mesh, *, batch: int | None = None, seq: int | None
              baseline: str | None = None, seed: int = 0, task: str | None = None,
              **plan_kwargs: Any):
     model, inputs = build(model_name, batch, seq, seed, task)
+    check_plannable(model, inputs, training=plan_kwargs.get("training", True))
     if plan_kwargs.get("pipeline") is not None:      # microbatches chosen, traced per microbatch
         return plan(model, inputs, mesh, model_name=model_name, **plan_kwargs)
     precision = plan_kwargs.get("precision", "model")

@@ -73,9 +73,14 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
     if not traced.training:
         raise AutoshardError("a training plan when pipelining", got="training=False",
                              fix="plan inference without a pipeline (pipeline=None)")
-    if p < 2 or len(layers) < p:
-        raise AutoshardError("a pipeline axis of 2 or more devices, and at least one layer per "
-                             "stage", got=f"axis {axis_name} of {p} devices, {len(layers)} layers",
+    if p < 2:
+        raise AutoshardError("a pipeline axis of 2 or more devices",
+                             got=f"axis {axis_name} of {p} device",
+                             fix="pipeline over an axis of 2 or more devices (a larger mesh "
+                                 "axis), or plan without a pipeline")
+    if len(layers) < p:
+        raise AutoshardError("at least one layer per pipeline stage",
+                             got=f"axis {axis_name} of {p} devices, {len(layers)} layers",
                              fix="pipeline over a smaller axis, or plan without a pipeline")
     m = options.microbatches
     if not isinstance(m, int):
