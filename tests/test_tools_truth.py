@@ -286,7 +286,11 @@ def test_outputs_are_written_whole_or_not_at_all(profiled, tmp_path, monkeypatch
 # ------------------------------------------------------------- plan files, field by field
 
 def _edited(path: str, edit) -> str:
-    d = json.loads(Path(path).read_text())
+    return _edited_text(Path(path).read_text(), edit)
+
+
+def _edited_text(text: str, edit) -> str:
+    d = json.loads(text)
     edit(d)
     return json.dumps(d)
 
@@ -383,3 +387,26 @@ def test_a_pipeline_over_one_device_is_told_to_pick_a_larger_axis() -> None:
                         "--pipeline", "pp", "--quiet"])
     assert code == 2 and "got axis pp of 1 device" in err and "smaller" not in err
     assert "an axis of 2 or more devices" in err
+
+
+def test_an_edited_layout_runs_as_written(world2) -> None:
+    """A weight's placeholder and its params entry edited alike from R to S(0): the ranks store
+    it sharded and gather it for its reader (the numbers still equal one device's), and verify
+    says why it fails: the ledger is the planner's, not the edit's."""
+    plan = plan_for("mlp-tiny", Mesh((2,), ("x",), cluster="stress"))
+    name, fqn = "p_model_layers_0_fc_weight", "layers.0.fc.weight"
+    assert plan.params[fqn] == next(n for n in plan.nodes if n.name == name).outputs[0]
+
+    def shard(d):
+        _node(d, name)["placements"] = ["[S(0)]"]
+        for key in ("placements", "grad_placements", "optimizer_placements"):
+            d["params"][fqn][key] = "[S(0)]"
+
+    text = _edited_text(plan.dumps(), shard)
+    reports = world2.run(verify_rank, VerifySpec("mlp-tiny", (2,), ("x",), text))
+    ok, out = summarize(reports)
+    assert reports[0]["loss_err"] < 1e-6 and max(reports[0]["grad_errs"].values()) < 1e-5
+    assert "run, not planned: ('all_gather', ('x',), 1024, 'forward', 'linear')" in out
+    assert not ok and out.splitlines()[-1] == (
+        "FAIL: rank 0's collectives differ from the plan's ledger; "
+        "rank 1's collectives differ from the plan's ledger")
