@@ -171,6 +171,8 @@ def verify_rank(spec: VerifySpec) -> dict[str, Any]:
 def _run_rank(spec: VerifySpec) -> dict[str, Any]:
     model, inputs = build(spec.model, spec.batch, spec.seq, spec.seed, spec.task)
     dtype = low_precision(model)
+    own_dtype = dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()),
+                              REFERENCE_DTYPE)
     keep = KeepAll()
     with keep:
         ref_loss, ref_grads = _loss_and_grads(*_reference(model, inputs))
@@ -206,11 +208,8 @@ def _run_rank(spec: VerifySpec) -> dict[str, Any]:
         "loss": float(loss), "ref_loss": float(ref_loss),
         "loss_err": _loss_err(loss, ref_loss),
         "grad_errs": grad_errs, "missing_grads": missing,
-        "dtype": str(dtype or REFERENCE_DTYPE).removeprefix("torch."),
-        "reference_dtype": str(REFERENCE_DTYPE if dtype is not None else
-                               next((p.dtype for p in model.parameters()
-                                     if p.is_floating_point()), REFERENCE_DTYPE)
-                               ).removeprefix("torch."),
+        "dtype": str(own_dtype).removeprefix("torch."),
+        "reference_dtype": str(REFERENCE_DTYPE if dtype else own_dtype).removeprefix("torch."),
         "random_draws": draws,
         # A 16-bit model: the single device's own errors in its dtype (the tolerance's base).
         "own_loss_err": _loss_err(own[0], ref_loss) if own else None,
