@@ -333,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model to trace again (default: the plan's, at its input shapes)")
     x.add_argument("--task", default=None, help=TASK_HELP)
     x.add_argument("--cluster", default=None,
-                   help="the cluster profile JSON, for a plan made with one")
+                   help="the cluster profile JSON, for a plan file written before plans "
+                        "recorded their cluster's figures (a plan prices on its own)")
     x.add_argument("--json", action="store_true", help="print the explanation as JSON")
     x.set_defaults(fn=cmd_explain)
     c = sub.add_parser("calibrate", help="measure this machine (matmul, memory, kernels, "

@@ -499,7 +499,8 @@ class Plan:
             raise AutoshardError("a complete plan (mesh, nodes, params, collectives, predicted, "
                                  f"solver), with {e.where} {e.expected}",
                                  got=f"{source}: malformed, {e.got}",
-                                 fix="re-create the plan; do not edit plan files by hand") from e
+                                 fix=f"correct {e.where} as docs/plan-format.md describes it, "
+                                     f"or re-create the plan with `autoshard plan -o`") from e
         _check_layouts(plan, source)
         return plan
 
