@@ -94,6 +94,19 @@ def test_a_bf16_config_is_verified_in_bf16_against_fp32(world2) -> None:
     assert text.endswith("PASS")
 
 
+def test_the_users_bf16_plan_file_is_the_one_verified(tmp_path) -> None:
+    """verify --plan bf16.json refused the user's own plan as "a plan for another model": it
+    traced the model cast to fp32."""
+    from autoshard.verify import check_plan
+    config = str(DATA / "hf_gpt2_bf16" / "config.json")
+    code, _, err = run(["plan", config, "--mesh", "2", "--cluster", "stress", "--batch", "4",
+                        "--seq", "16", "-o", str(tmp_path / "bf16.json"), "--quiet"])
+    assert code == 0, err
+    plan = Plan.load(tmp_path / "bf16.json")
+    assert plan.input_meta and any("bfloat16" in sig for sig in plan.node_sigs.values())
+    check_plan(plan, config, Mesh((2,), ("x",), cluster="stress"), batch=4, seq=16)
+
+
 def test_dropout_masks_are_drawn_keep_all_on_both_sides(world2) -> None:
     """GPT-2 with dropout 0.1: each rank drew its own masks on its shards, and verify reported
     FAIL (grads 0.7 relative error) with no reason."""
