@@ -850,12 +850,9 @@ def _calibrate_torchrun(spec: CalibrateSpec) -> dict:
 
 def write_profile(prof: dict, path: str | Path) -> None:
     import json
-    try:
-        Path(path).write_text(json.dumps(prof, indent=1) + "\n")
-    except OSError as e:
-        raise AutoshardError("a writable path for the cluster profile (-o)",
-                             got=f"{path}: {e.strerror}",
-                             fix="write into an existing directory you may write to") from e
+
+    from autoshard.files import write_output
+    write_output(path, json.dumps(prof, indent=1) + "\n", what="cluster profile")
 
 
 def summary(prof: dict) -> str:

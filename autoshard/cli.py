@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from autoshard.errors import AutoshardError
+from autoshard.files import check_output, model_files
 from autoshard.options import (OFFLOAD, OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES, ZERO,
                                PlanOptions)
 
@@ -81,8 +82,10 @@ def cmd_plan(args) -> int:
                              fix="set devices_per_node in a cluster profile, or use --gpus")
     mesh = make_mesh(args) if args.mesh is not None else None
     options = plan_options(args)
-    if args.output:
-        _check_writable(args.output)      # before planning, not after minutes of it
+    if args.output:                       # before planning, not after minutes of it
+        _check_writable(args.output)
+        check_output(args.output, [*model_files(args.model), *(
+            [("cluster profile", args.cluster)] if args.cluster.endswith(".json") else [])])
     t0 = time.perf_counter()
     # Progress on stderr (stdout keeps the summary or the JSON); --quiet silences it.
     with progress.enabled(not args.quiet):
@@ -104,17 +107,9 @@ def cmd_plan(args) -> int:
     print(f"  planned in {took:.2f} s (trace {t['trace_s']:.2f} s, build "
           f"{t['build_s']:.2f} s, solve {t['solve_s']:.2f} s)")
     if args.output:
-        _save_plan(p, args.output)
+        p.save(args.output)
         print(f"  wrote {args.output}")
     return 0
-
-
-def _save_plan(p, output: str) -> None:
-    try:
-        p.save(output)
-    except OSError as e:
-        raise AutoshardError("a writable path for the plan (-o)", got=f"{output}: {e.strerror}",
-                             fix="write into an existing directory you may write to") from e
 
 
 def _check_writable(output: str) -> None:
@@ -137,7 +132,7 @@ def _plan_json(p, took: float, output: str | None) -> int:
 
     from autoshard.report import summary_json
     if output:
-        _save_plan(p, output)
+        p.save(output)
     print(json.dumps(summary_json(p, seconds=took, output=output), indent=1))
     return 0
 
@@ -298,7 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--seq", type=int, default=None)
     v.add_argument("--plan", default=None, help="a plan file (default: plan on the spot)")
     v.add_argument("--baseline", default=None, help="force a hand-written plan: dp | megatron | megatron-dp")
-    v.add_argument("--tolerance", type=float, default=1e-5)
+    v.add_argument("--tolerance", type=float, default=None,
+                   help="largest relative error of the loss and of each gradient (default: "
+                        "1e-5 for an fp32 model; for a 16-bit one, measured from the single "
+                        "device's own error in its dtype)")
     add_pipeline_flags(v)
     v.set_defaults(fn=cmd_verify)
     d = sub.add_parser("diff", help="what two plans of one model place differently, and the "
@@ -335,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model to trace again (default: the plan's, at its input shapes)")
     x.add_argument("--task", default=None, help=TASK_HELP)
     x.add_argument("--cluster", default=None,
-                   help="the cluster profile JSON, for a plan made with one")
+                   help="the cluster profile JSON, for a plan file written before plans "
+                        "recorded their cluster's figures (a plan prices on its own)")
     x.add_argument("--json", action="store_true", help="print the explanation as JSON")
     x.set_defaults(fn=cmd_explain)
     c = sub.add_parser("calibrate", help="measure this machine (matmul, memory, kernels, "

@@ -74,6 +74,7 @@ class Cluster:
                                          and 0 < v <= sys.float_info.max):
                 raise AutoshardError(f"Cluster field {f.name!r} must be a positive, finite number",
                                      got=repr(v), fix=f"set {f.name} to the device's figure")
+        self._check_plausible()
         if not isinstance(self.devices_per_node, int):
             raise AutoshardError("Cluster field 'devices_per_node' must be an int",
                                  got=repr(self.devices_per_node), fix="e.g. 8 for a DGX H100 node")
@@ -86,6 +87,20 @@ class Cluster:
                                  "(0, 1]", got=repr(self.comm_overlap),
                                  fix="1 where collectives overlap compute fully (GPUs); "
                                      "`autoshard calibrate` measures it")
+
+    def _check_plausible(self) -> None:
+        """Figures no hardware has (a link of 1e-300 B/s) are refused here, naming the figure:
+        priced, they make step times of 1e300 s that overflow the solver's precision, which
+        then finds no plan and would blame its time limit."""
+        figures = [(f, f, getattr(self, f)) for f in PLAUSIBLE if hasattr(self, f)] + [
+            (f"collective_kinds.{k}.{what}", what, v) for k, a, b in self.collective_kinds
+            for what, v in (("alpha", a), ("bandwidth", b))]
+        for name, kind, v in figures:
+            unit, lo, hi, example = PLAUSIBLE[kind]
+            if not lo <= v <= hi:
+                raise AutoshardError(f"Cluster field {name!r} within what hardware has, "
+                                     f"{lo:g} to {hi:g} {unit}", got=repr(v),
+                                     fix=f"give it in {unit}, e.g. {example}")
 
     def _check_kinds(self) -> None:
         kinds = self.collective_kinds
@@ -138,6 +153,26 @@ class Cluster:
         # The raw measurements `autoshard calibrate` keeps beside its figures: a record for
         # people, ignored here (docs/cost-model.md §2.1).
         data.pop(MEASURED_KEY, None)
+        return dataclasses.replace(base, **cls._figures(data))
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Cluster":
+        """The figures :meth:`to_json` wrote (a plan records the cluster it was priced on, so
+        that every tool prices it again on those, docs/plan-format.md). Every field without a
+        default must be there; one added to Cluster since the file was written takes its
+        default."""
+        required = sorted(f.name for f in dataclasses.fields(cls)
+                          if f.default is dataclasses.MISSING and f.name not in data)
+        if required:
+            raise AutoshardError("a cluster's figures as Cluster.to_json writes them",
+                                 got=f"no {', '.join(required)}",
+                                 fix="re-create the plan (it records its cluster's figures)")
+        return cls(**cls._figures(dict(data)))
+
+    @classmethod
+    def _figures(cls, data: dict) -> dict:
+        """``data``'s fields checked against Cluster's, ``collective_kinds`` as the tuple the
+        field holds (a profile and a plan write it as {kind: {alpha, bandwidth}})."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -153,7 +188,7 @@ class Cluster:
                                      '{"alpha": ..., "bandwidth": ...}', got=repr(kinds),
                                      fix='e.g. {"reduce_scatter": {"alpha": 4e-4, '
                                          '"bandwidth": 5e8}}') from e
-        return dataclasses.replace(base, **data)
+        return data
 
     @classmethod
     def resolve(cls, value: "Cluster | str | Path") -> "Cluster":
@@ -169,6 +204,33 @@ class Cluster:
                                    for k, a, b in self.collective_kinds}
         return out
 
+    def describe(self) -> str:
+        """The name, and for figures that are not the preset's of that name (a profile), the
+        figures that differ: what a plan was priced on, in one line."""
+        preset = PRESETS.get(self.name)
+        if preset == self:
+            return self.name
+        if preset is None:
+            return f"{self.name} (profile)"
+        changed = [f"{f.name} {getattr(self, f.name):g}" for f in dataclasses.fields(self)
+                   if f.name != "collective_kinds" and getattr(self, f.name) != getattr(preset, f.name)]
+        if self.collective_kinds != preset.collective_kinds:
+            changed.append("collective_kinds " + ",".join(k for k, _, _ in self.collective_kinds))
+        return f"{self.name} (profile: {', '.join(changed)})"
+
+
+# The range of each figure a cluster may have (unit, least, most, an example): wide around
+# every device and link in use, from a laptop's CPU to a GPU generation or two ahead.
+_RATE = ("per second", 1e3, 1e18, "989e12 (H100 bf16 FLOP/s)")
+_BANDWIDTH = ("bytes/s", 1e3, 1e16, "46e9 (one 400 Gb/s InfiniBand NIC)")
+_SECONDS = ("seconds", 1e-12, 10.0, "45e-6 (an inter-node all-reduce's latency)")
+_BYTES = ("bytes", 1e3, 1e18, "80e9 (an H100's memory)")
+PLAUSIBLE = {"flops": _RATE, "fp32_flops": _RATE, "transcendental_rate": _RATE,
+             "mem_bandwidth": _BANDWIDTH, "intra_bandwidth": _BANDWIDTH,
+             "inter_bandwidth": _BANDWIDTH, "host_bandwidth": _BANDWIDTH,
+             "host_mem_bandwidth": _BANDWIDTH, "bandwidth": _BANDWIDTH,
+             "intra_alpha": _SECONDS, "inter_alpha": _SECONDS, "kernel_floor_s": _SECONDS,
+             "alpha": _SECONDS, "memory_bytes": _BYTES, "host_memory_bytes": _BYTES}
 
 GB = 1e9
 PRESETS: dict[str, Cluster] = {

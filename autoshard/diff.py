@@ -193,7 +193,7 @@ def _first_signature_differences(a: Plan, b: Plan) -> str:
 def _settings(a: Plan, b: Plan) -> dict[str, tuple[Any, Any]]:
     """The settings that differ, as the plan files write them (the mesh as text)."""
     out = {}
-    pairs = {"mesh": (_mesh_text(a), _mesh_text(b)), "cluster": (a.cluster, b.cluster)}
+    pairs = {"mesh": (_mesh_text(a), _mesh_text(b)), "cluster": (a.cluster_text, b.cluster_text)}
     oa, ob = a.options.to_json(), b.options.to_json()
     for k in dict.fromkeys(list(oa) + list(ob)):
         pairs[f"options.{k}"] = (oa.get(k), ob.get(k))
@@ -246,13 +246,12 @@ def _comm_sums(p: Plan, key: Callable[[Any], str]) -> dict[str, dict[str, float 
 
 def _collective_seconds(p: Plan) -> list[float] | None:
     """Each collective's alpha-beta seconds on the plan's mesh and cluster (docs/cost-model.md
-    §1), whose sum is the plan's predicted comm; None when the cluster cannot be rebuilt from
-    its name (a profile file made it)."""
+    §1), whose sum is the plan's predicted comm, on the cluster figures the plan records; None
+    for an old file that names a profile without its figures."""
     from autoshard.cost.comm import link_time
-    from autoshard.mesh import Mesh
     try:
-        mesh = Mesh(p.mesh_shape, p.mesh_axes, cluster=p.cluster)
-    except AutoshardError:
+        mesh = p.mesh()
+    except AutoshardError:      # a file written before plans recorded their cluster's figures
         return None
     out = []
     for c in p.collectives:

@@ -95,19 +95,9 @@ def rebuild(plan: Plan, *, model: str | None = None, cluster: str | None = None,
 
 
 def plan_mesh(plan: Plan, cluster: str | None = None) -> Mesh:
-    """The plan's mesh on its cluster: a preset by the name the plan records, or ``cluster``
-    (a profile JSON, whose name must be the plan's)."""
-    try:
-        mesh = Mesh(plan.mesh_shape, plan.mesh_axes, cluster=cluster or plan.cluster)
-    except AutoshardError as e:
-        raise AutoshardError(f"the cluster the plan was priced on ({plan.cluster!r})",
-                             got=e.got, fix="pass --cluster with the profile JSON the plan was "
-                                            "made with") from e
-    if mesh.cluster.name != plan.cluster:
-        raise AutoshardError(f"the cluster the plan was priced on ({plan.cluster!r})",
-                             got=f"cluster {mesh.cluster.name!r}",
-                             fix="pass --cluster with the profile the plan was made with")
-    return mesh
+    """The plan's mesh on the cluster figures it records (``cluster``: the profile JSON of a
+    file written before plans recorded them, Plan.priced_on)."""
+    return plan.mesh(cluster)
 
 
 def _sizes(plan: Plan, name: str) -> tuple[int | None, int | None]:
@@ -135,10 +125,7 @@ def _sizes(plan: Plan, name: str) -> tuple[int | None, int | None]:
 def _settled(plan: Plan) -> PlanOptions:
     """The plan's options with its pipeline as found ("auto" settled to the plan's axis, or to
     none), so that the graph is traced as the plan's was: one microbatch on a pipeline."""
-    if plan.pipeline is None:
-        return plan.options.replace(pipeline=None)
-    return plan.options.replace(pipeline=plan.pipeline.axis,
-                                microbatches=plan.pipeline.microbatches)
+    return plan.settled_options()
 
 
 # ------------------------------------------------------------------------------- source lines

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from autoshard.cluster import PRESETS, Cluster
 from autoshard.schedules import SCHEDULES, balanced_bubble, rank_stages, stage_rank
 from autoshard.errors import AutoshardError
 from autoshard.ir import (Layer, Spec, Strategy, parse_spec, replicated, spec_fits, spec_str,
@@ -162,7 +163,10 @@ class ParamState:
 class Plan:
     mesh_shape: tuple[int, ...]
     mesh_axes: tuple[str, ...]
-    cluster: str
+    # The figures the plan was priced on, which every tool prices it again on (a profile's, not
+    # only its base preset's name). A name alone only from a file written before plans recorded
+    # figures, naming no preset: see priced_on().
+    cluster: Cluster | str
     fingerprint: str
     options: PlanOptions
     nodes: tuple[NodePlan, ...]
@@ -209,6 +213,59 @@ class Plan:
     def training(self) -> bool:
         return self.options.training
 
+    def settled_options(self) -> PlanOptions:
+        """The options with the pipeline as found ("auto" settled to the plan's axis and
+        microbatches, or to none): tracing with them gives the graph the plan was made for
+        (solver/planner.py trace_for)."""
+        if self.pipeline is None:
+            return self.options.replace(pipeline=None)
+        return self.options.replace(pipeline=self.pipeline.axis,
+                                    microbatches=self.pipeline.microbatches)
+
+    @property
+    def cluster_name(self) -> str:
+        return self.cluster.name if isinstance(self.cluster, Cluster) else self.cluster
+
+    @property
+    def cluster_text(self) -> str:
+        """The cluster in one line: a preset's name, or a profile's name and the figures in
+        which it differs from the preset of that name."""
+        if isinstance(self.cluster, Cluster):
+            return self.cluster.describe()
+        return f"{self.cluster} (its figures not recorded)"
+
+    def priced_on(self, profile: "Cluster | str | Path | None" = None) -> Cluster:
+        """The cluster the plan was priced on, for a tool to price it again on: the figures it
+        records. ``profile`` (a profile JSON or a Cluster) is only for a file written before
+        plans recorded figures whose cluster names no preset; given for a plan that records
+        figures, it must hold the same ones."""
+        if profile is not None:
+            given = Cluster.resolve(profile)
+            if isinstance(self.cluster, Cluster) and given != self.cluster:
+                raise AutoshardError(
+                    "the cluster the plan was priced on; the plan records its figures",
+                    got=f"{given.describe()}, the plan was priced on {self.cluster.describe()}",
+                    fix="drop --cluster (the plan's own figures are used), or re-plan on "
+                        "that cluster")
+            if isinstance(self.cluster, str) and given.name != self.cluster:
+                raise AutoshardError(f"the cluster the plan was priced on ({self.cluster!r})",
+                                     got=f"cluster {given.name!r}",
+                                     fix="pass --cluster with the profile the plan was made with")
+            return given
+        if isinstance(self.cluster, Cluster):
+            return self.cluster
+        raise AutoshardError(f"the figures of the cluster the plan was priced on "
+                             f"({self.cluster!r})",
+                             got="a plan file written before plans recorded them, naming no "
+                                 "preset",
+                             fix="pass --cluster with the profile JSON the plan was made with, "
+                                 "or re-plan")
+
+    def mesh(self, profile: "Cluster | str | Path | None" = None):
+        """The mesh the plan was priced on: its shape and axes on :meth:`priced_on`'s cluster."""
+        from autoshard.mesh import Mesh
+        return Mesh(self.mesh_shape, self.mesh_axes, cluster=self.priced_on(profile))
+
     # -- views ---------------------------------------------------------------------------
     def strategies(self) -> dict[str, Strategy]:
         """Every node's strategy, with the share of the op's work one rank does."""
@@ -234,7 +291,7 @@ class Plan:
         p, s = self.predicted, self.solver
         dims = "x".join(map(str, self.mesh_shape))
         lines = [f"autoshard plan {self.model or ''} on mesh {dims} ({','.join(self.mesh_axes)}), "
-                 f"cluster {self.cluster}, {'training' if self.training else 'inference'}",
+                 f"cluster {self.cluster_text}, {'training' if self.training else 'inference'}",
                  f"  predicted step {p['step_time_s'] * 1e3:.3f} ms = compute "
                  f"{p['compute_s'] * 1e3:.3f} ms + exposed comm "
                  f"{(p['step_time_s'] - p['compute_s'] - p.get('host_s', 0.0)) * 1e3:.3f} ms "
@@ -383,7 +440,8 @@ class Plan:
         return {
             "format": FORMAT, "version": VERSION, "model": self.model,
             "mesh": {"shape": list(self.mesh_shape), "axes": list(self.mesh_axes),
-                     "cluster": self.cluster},
+                     "cluster": self.cluster.to_json() if isinstance(self.cluster, Cluster)
+                     else self.cluster},
             "fingerprint": self.fingerprint, "options": self.options.to_json(),
             "layers": [{"name": l.name, "same_as": l.same_as, "nodes": list(l.nodes)}
                        for l in self.layers],
@@ -416,7 +474,9 @@ class Plan:
         return json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n"
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.dumps())
+        """Write the plan file, atomically (autoshard/files.py)."""
+        from autoshard.files import write_output
+        write_output(path, self.dumps(), what="plan")
 
     @classmethod
     def loads(cls, text: str, *, source: str = "<string>") -> "Plan":
@@ -434,12 +494,15 @@ class Plan:
             raise AutoshardError(f"plan format version {VERSION}", got=f"{source}: {d.get('version')!r}",
                                  fix="re-plan with this version of autoshard")
         try:
-            return cls._from_dict(d)
+            plan = cls._from_dict(d)
         except _Malformed as e:
             raise AutoshardError("a complete plan (mesh, nodes, params, collectives, predicted, "
                                  f"solver), with {e.where} {e.expected}",
                                  got=f"{source}: malformed, {e.got}",
-                                 fix="re-create the plan; do not edit plan files by hand") from e
+                                 fix=f"correct {e.where} as docs/plan-format.md describes it, "
+                                     f"or re-create the plan with `autoshard plan -o`") from e
+        _check_layouts(plan, source)
+        return plan
 
     @classmethod
     def _from_dict(cls, d: dict) -> "Plan":
@@ -610,13 +673,25 @@ class _Field:
         return spec
 
 
-def _read_mesh(f: _Field) -> tuple[tuple[int, ...], tuple[str, ...], str]:
+def _read_mesh(f: _Field) -> tuple[tuple[int, ...], tuple[str, ...], Cluster | str]:
     shape = tuple(n.integer(least=1) for n in f.key("shape").entries(nonempty=True))
     axes_field = f.key("axes")
     axes = tuple(a.text(nonempty=True) for a in axes_field.entries())
     if len(axes) != len(shape) or len(set(axes)) != len(axes):
         axes_field.fail(f"one distinct name per dimension of the mesh shape {list(shape)}")
-    return shape, axes, f.key("cluster", "").text()
+    return shape, axes, _read_cluster(f.key("cluster", ""))
+
+
+def _read_cluster(f: _Field) -> Cluster | str:
+    """The cluster's figures (docs/plan-format.md). Files written before plans recorded them
+    name it: a preset by its name is taken as that preset (what every tool priced such a plan
+    on); another name is kept, and a tool that prices the plan asks for its profile."""
+    if isinstance(f.value, str):
+        return PRESETS.get(f.value, f.value)
+    try:
+        return Cluster.from_json(f.obj())
+    except AutoshardError as e:
+        raise _Malformed(f.where, f"the figures of a cluster: {e.expected}", e.got) from e
 
 
 def _read_nodes(f: _Field, ndim: int) -> tuple[NodePlan, ...]:
@@ -822,6 +897,58 @@ def _read_solver(f: _Field) -> dict[str, Any]:
     f.key("gap").number()
     f.key("decisions", 0).integer()
     return dict(f.obj())
+
+def _check_layouts(plan: Plan, source: str) -> None:
+    """Every placement against its tensor (docs/plan-format.md "Which placements run"): each
+    spec of a node's outputs and inputs, of a parameter and its gradient and optimizer state, of
+    a tied weight's reads, fits the tensor's shape (its node signature) on the mesh: every S(d)
+    a dim the tensor has, split evenly. The nodes are what runs: ``params`` repeats each
+    parameter's placeholder spec, and its state mode is the placeholder's kernel; a file where
+    the two differ (one edited, not the other) is refused, naming both."""
+    from autoshard.export import graph_of     # the wiring and shapes of the node signatures
+
+    if not plan.node_sigs:        # older files: nothing to check the specs against
+        return
+    g = graph_of(plan)
+    index = {n.name: i for i, n in enumerate(plan.nodes)}
+
+    def fits(where: str, spec: Spec, shape: tuple[int, ...] | None) -> None:
+        if shape is not None and not spec_fits(shape, spec, plan.mesh_shape):
+            raise AutoshardError(
+                "every placement fits its tensor: each S(d) a dim the tensor has, split evenly "
+                "by the mesh axes that shard it",
+                got=f"{source}: {where} = {spec_str(spec)!r} for a tensor of shape {list(shape)} "
+                    f"on mesh {list(plan.mesh_shape)}",
+                fix="shard only dims the tensor has, into equal parts (or re-create the plan "
+                    "with `autoshard plan`)")
+
+    for n in plan.nodes:
+        at = f"nodes[{index[n.name]}] ({n.name})"
+        for k, spec in enumerate(n.outputs):
+            fits(f"{at}.placements[{k}]", spec, g.shapes.get((n.name, k)))
+        for k, (spec, value) in enumerate(zip(n.inputs, g.reads.get(n.name, ()))):
+            fits(f"{at}.inputs[{k}]", spec, g.shapes.get(value))
+    for fqn, name in g.param_node.items():
+        node, shape = g.nodes[name], g.shapes.get((name, 0))
+        st = plan.param_state.get(fqn)
+        fits(f"params[{fqn!r}].placements", plan.params[fqn], shape)
+        if node.outputs[0] != plan.params[fqn] or node.kernel != (st.mode if st else None):
+            raise AutoshardError(
+                "a parameter's layout in one place: its placeholder node's spec and kernel, "
+                "which run, repeated in params",
+                got=f"{source}: params[{fqn!r}] has {spec_str(plan.params[fqn])!r}"
+                    f"{' (' + st.mode + ')' if st else ''}, its node {name} "
+                    f"{spec_str(node.outputs[0])!r}"
+                    f"{' (' + node.kernel + ')' if node.kernel else ''}",
+                fix="edit both alike (the node's spec is the one that runs; its readers' "
+                    "inputs reshard from it), or re-create the plan with `autoshard plan`")
+        for what, spec in (("grad_placements", st.grad if st else None),
+                           ("optimizer_placements", st.optimizer if st else None)):
+            if spec is not None:
+                fits(f"params[{fqn!r}].{what}", spec, shape)
+        for k, spec in enumerate(plan.tied.get(fqn, ())):
+            fits(f"tied[{fqn!r}][{k}]", spec, shape)
+
 
 def _size(nbytes: float) -> str:
     """Bytes in the largest binary unit that keeps the figure >= 1: a tiny model's plan must not

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autoshard.cluster import PRESETS
+from autoshard.cluster import Cluster
+from autoshard.files import check_output, write_output
 from autoshard.schedules import SPLIT_BACKWARD, simulate_schedule
 from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Shard, spec_str
@@ -106,12 +107,11 @@ def stage_peaks(plan: Plan) -> list[list[tuple[int, float]]]:
 
 
 def budget_bytes(plan: Plan) -> float | None:
-    """The memory budget the plan was made for: its option, else the device memory of its
-    cluster preset; None for a cluster profile the plan names but does not carry."""
+    """The memory budget the plan was made for: its option, else the device memory of the
+    cluster it records; None for an old file naming a profile without its figures."""
     if plan.options.memory_budget is not None:
         return float(plan.options.memory_budget)
-    cluster = PRESETS.get(plan.cluster)
-    return float(cluster.memory_bytes) if cluster is not None else None
+    return float(plan.cluster.memory_bytes) if isinstance(plan.cluster, Cluster) else None
 
 
 # Ops whose placement decides a layer's layout (and its collectives): the matmul-like ones.
@@ -485,7 +485,7 @@ def sections(plan: Plan) -> list[Section]:
     out.append(Section("memory", "Memory per device", png_base64(memory_figure(plan)),
                        f"At the step's peak: {mem}; budget "
                        + (f"{_bytes(budget)}." if budget is not None else
-                          f"unknown (cluster profile {plan.cluster}).")))
+                          f"unknown (cluster {plan.cluster_text}).")))
     fig = layer_figure(plan)
     if fig is not None:
         out.append(Section("layers", "Placements per layer", png_base64(fig),
@@ -520,7 +520,7 @@ def render_html(plan: Plan, figures: list[Section] | None = None) -> str:
     dims = "x".join(map(str, plan.mesh_shape))
     title = f"autoshard plan {plan.model or '(model not named)'} on mesh {dims}"
     p = plan.predicted
-    head = (f"mesh {dims} ({', '.join(plan.mesh_axes)}), cluster {plan.cluster}, "
+    head = (f"mesh {dims} ({', '.join(plan.mesh_axes)}), cluster {plan.cluster_text}, "
             f"{'training' if plan.training else 'inference'}; predicted step "
             f"{p['step_time_s'] * 1e3:.3f} ms, peak memory "
             f"{_bytes(_peak(plan))} per device; solver {plan.solver['status']}")
@@ -563,16 +563,10 @@ def write_report(plan: Plan | str | Path, output: str | Path) -> list[str]:
     """Write the report page of ``plan`` (a Plan or a plan file) to ``output``; the titles of
     the figures it holds."""
     if not isinstance(plan, Plan):
+        check_output(output, [("plan file", plan)], suffix=".html")
         plan = Plan.load(plan)
     figures = sections(plan)
-    text = render_html(plan, figures)
-    output = Path(output)
-    try:
-        output.write_text(text, encoding="utf-8")
-    except OSError as e:
-        raise AutoshardError("a writable path for the report (-o)",
-                             got=f"{output}: {e.strerror}",
-                             fix="write into an existing directory you may write to") from e
+    write_output(output, render_html(plan, figures), what="report")
     return [f.title.lower() for f in figures]
 
 
@@ -612,7 +606,7 @@ def summary_json(plan: Plan, *, seconds: float | None = None,
     return {
         "model": plan.model,
         "mesh": {"shape": list(plan.mesh_shape), "axes": list(plan.mesh_axes),
-                 "cluster": plan.cluster},
+                 "cluster": plan.cluster_name},
         "training": plan.training,
         "predicted": {
             "step_time_s": p["step_time_s"], "compute_s": p["compute_s"], "comm_s": p["comm_s"],

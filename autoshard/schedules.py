@@ -75,6 +75,19 @@ def stage_rank(schedule: str, ranks: int, stage: int) -> int:
     return stage % ranks
 
 
+# On a schedule's first step torch.distributed.pipelining warms the point-to-point links up:
+# every stage sends one 1-element int32 (4 bytes) to its next stage on another rank (the
+# forward vote on static shapes) and one back (the result), PipelineStage._warmup_forward_vote
+# and _warmup_backward_result (torch 2.13, which pyproject.toml pins).
+# Once per schedule: the plan lists them as such, node ``warmup_node(src, dst)``.
+WARMUP_BYTES = 4
+
+
+def warmup_node(src: int, dst: int) -> str:
+    """The ledger's name for the warm-up send from stage ``src`` to stage ``dst``."""
+    return f"stage{src}->stage{dst}:warmup"
+
+
 def sends_between(schedule: str, ranks: int, stage: int) -> bool:
     """Whether the values crossing from stage ``stage`` to ``stage + 1`` are sent: not when one
     rank runs both (the turn of a V, which torch hands over in memory)."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard.codegen.runtime import parallelize
 from autoshard.codegen.world import World
@@ -28,7 +29,8 @@ from autoshard.loss import as_loss_module
 from autoshard.mesh import Mesh
 from autoshard.plans import Plan
 from autoshard.solver.baselines import baseline_plan
-from autoshard.solver.planner import microbatch, plan, plan_traced
+from autoshard.solver.planner import plan, plan_traced, trace_for
+from autoshard.trace.batches import check_plannable
 from autoshard.trace.export import trace
 from autoshard.zoo.registry import load_model
 
@@ -48,23 +50,104 @@ class VerifySpec:
 
 def build(spec_model: str, batch: int | None, seq: int | None, seed: int,
           task: str | None = None):
+    """The model and its example inputs, in the model's own dtypes: the plan the user runs is
+    the one verified (a bf16 model is not cast to fp32)."""
     torch.manual_seed(seed)
     model, inputs = load_model(spec_model, batch=batch, seq=seq, device="cpu", task=task)
-    model = model.float().train()
-    inputs = tuple(t.float() if t.is_floating_point() else t for t in inputs)
-    return model, inputs
+    return model.train(), tuple(inputs)
 
 
-# Errors are relative to the tensor's largest magnitude, floored at 1e-3: some exact gradients
-# are zero up to rounding (an attention key bias cancels in softmax), and relative noise on
-# a zero is no error. With fp32 on gloo, 1e-5 of that is the tolerance.
-ERR_FLOOR = 1e-3
+# Errors are relative to the tensor's largest magnitude. A gradient that is zero in exact
+# arithmetic (a bias before a BatchNorm, an attention key bias under softmax) comes out as
+# rounding noise of the size of the terms summed into it: relative to itself that is any number.
+# Such a near-zero gradient is judged against the whole gradient instead: the denominator is at
+# least the root-mean-square entry of every parameter's gradient together (grad_scale), so an
+# error counts by how much it moves the step's update. With fp32 on gloo, 1e-5 of that is the
+# tolerance.
+ERR_FLOOR = 1e-3        # the floor of rel_err's other callers (parameters compared after steps)
+FP32_TOLERANCE = 1e-5
+# A 16-bit model is compared with an fp32 copy of itself on one device. Its own rounding is then
+# part of every error, so the tolerance is the error the single device makes in the model's
+# dtype, measured in the same run, times this margin (a sharded step sums in another order and
+# reduces 16-bit partial sums), and at least the dtype's unit roundoff times it.
+LOW_PRECISION_MARGIN = 4.0
+REFERENCE_DTYPE = torch.float32
 
 
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+def rel_err(got: torch.Tensor, want: torch.Tensor, floor: float = ERR_FLOOR) -> float:
+    """The largest absolute difference over ``want``'s largest magnitude, or ``floor`` where
+    that is larger."""
     if not want.numel():
         return 0.0
-    return (got - want).abs().max().item() / max(want.abs().max().item(), ERR_FLOOR)
+    diff = (got.to(want.dtype) - want).abs().max().item()
+    denom = max(want.abs().max().item(), floor)
+    return diff / denom if denom > 0 else (0.0 if diff == 0 else math.inf)
+
+
+def grad_scale(grads: dict[str, torch.Tensor]) -> float:
+    """The root-mean-square entry of all the gradients together: the floor a near-zero
+    gradient's error is judged against."""
+    n = sum(g.numel() for g in grads.values())
+    total = sum(float(g.double().pow(2).sum()) for g in grads.values())
+    return math.sqrt(total / n) if n else 0.0
+
+
+def low_precision(model: torch.nn.Module) -> torch.dtype | None:
+    """The 16-bit floating dtype the model's parameters are kept in, if any."""
+    return next((p.dtype for p in model.parameters()
+                 if p.is_floating_point() and p.element_size() < 4), None)
+
+
+def _reference(model: torch.nn.Module, inputs: tuple) -> tuple[torch.nn.Module, tuple]:
+    """The single-device reference: the model itself (a copy), or an fp32 copy of a 16-bit
+    model with its floating inputs in fp32."""
+    ref = copy.deepcopy(model)
+    if low_precision(model) is None:
+        return ref, inputs
+    return ref.to(REFERENCE_DTYPE), tuple(
+        t.to(REFERENCE_DTYPE) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+        for t in inputs)
+
+
+def _loss_and_grads(model: torch.nn.Module, inputs: tuple
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    wrapped = as_loss_module(model)
+    loss = wrapped(*inputs)
+    loss.backward()
+    return loss.detach(), {n.removeprefix("model."): p.grad for n, p in wrapped.named_parameters()
+                           if p.grad is not None}
+
+
+class KeepAll(TorchDispatchMode):
+    """Random masks drawn keep-all, counted: dropout's Bernoulli draws give ones (each unit kept,
+    scaled by 1/(1 - p) as dropout does), ``native_dropout`` and attention's ``dropout_p`` run
+    with p = 0. A rank draws its masks on its shards, so no seed makes them the single device's;
+    under this mode both sides run the same deterministic function, every op still as planned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.draws = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        packet = func.overloadpacket
+        if packet in (torch.ops.aten.bernoulli_, torch.ops.aten.bernoulli):
+            self.draws += 1
+            return args[0].fill_(1) if packet is torch.ops.aten.bernoulli_ else \
+                torch.ones_like(args[0])
+        if packet is torch.ops.aten.native_dropout:
+            self.draws += 1
+            args = (args[0], 0.0, *args[2:])
+        names = [a.name for a in func._schema.arguments]
+        if "dropout_p" in names:
+            i = names.index("dropout_p")
+            if i < len(args) and args[i]:
+                self.draws += 1
+                args = (*args[:i], 0.0, *args[i + 1:])
+            elif kwargs.get("dropout_p"):
+                self.draws += 1
+                kwargs["dropout_p"] = 0.0
+        return func(*args, **kwargs)
 
 
 def ledger_diff(plan_records: list[tuple], run_records: list[tuple]) -> list[str]:
@@ -87,17 +170,23 @@ def verify_rank(spec: VerifySpec) -> dict[str, Any]:
 
 def _run_rank(spec: VerifySpec) -> dict[str, Any]:
     model, inputs = build(spec.model, spec.batch, spec.seq, spec.seed, spec.task)
-    ref = as_loss_module(copy.deepcopy(model))
-    ref_loss = ref(*inputs)
-    ref_loss.backward()
-    ref_loss = ref_loss.detach()
-    ref_grads = {n.removeprefix("model."): p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    dtype = low_precision(model)
+    own_dtype = dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()),
+                              REFERENCE_DTYPE)
+    keep = KeepAll()
+    with keep:
+        ref_loss, ref_grads = _loss_and_grads(*_reference(model, inputs))
+    draws = keep.draws
+    with keep:      # a 16-bit model's own error on one device: its tolerance's measure
+        own = _loss_and_grads(copy.deepcopy(model), inputs) if dtype is not None else None
+    scale = grad_scale(ref_grads)
 
     plan = Plan.loads(spec.plan_json)
     pm = parallelize(model, Mesh(spec.mesh_shape, spec.axes), plan=plan, example_inputs=inputs)
-    loss = pm.step(*pm.shard_inputs(*inputs))
+    with keep:
+        loss = pm.step(*pm.shard_inputs(*inputs))
     grads = pm.full_grads()
-    grad_errs = {n: rel_err(grads[n], g) for n, g in ref_grads.items() if n in grads}
+    grad_errs = {n: rel_err(grads[n], g, scale) for n, g in ref_grads.items() if n in grads}
     missing = sorted(set(ref_grads) - set(grads))
     # The optimizer step too: its all-gathers (ZeRO-1/2, offload) are in the plan's ledger.
     opt, _ = _optimizer_for(pm, plan.options.state_optimizer)
@@ -116,9 +205,16 @@ def _run_rank(spec: VerifySpec) -> dict[str, Any]:
     host_ran = [(t.direction, t.nbytes, t.phase, t.node, t.value)
                 for t in pm.ledger.host] if plan.pipeline is None else []
     report = {
-        "loss": float(loss), "ref_loss": float(ref_loss.detach()),
-        "loss_err": abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-30),
+        "loss": float(loss), "ref_loss": float(ref_loss),
+        "loss_err": _loss_err(loss, ref_loss),
         "grad_errs": grad_errs, "missing_grads": missing,
+        "dtype": str(own_dtype).removeprefix("torch."),
+        "reference_dtype": str(REFERENCE_DTYPE if dtype else own_dtype).removeprefix("torch."),
+        "random_draws": draws,
+        # A 16-bit model: the single device's own errors in its dtype (the tolerance's base).
+        "own_loss_err": _loss_err(own[0], ref_loss) if own else None,
+        "own_grad_err": max((rel_err(own[1][n], g, scale) for n, g in ref_grads.items()
+                             if n in own[1]), default=0.0) if own else None,
         "ledger_diff": ledger_diff(planned, ran),
         "collectives": len(ran), "bytes": sum(r.nbytes for r in pm.ledger),
         "planned_bytes": sum(c.bytes for c in mine),
@@ -131,9 +227,13 @@ def _run_rank(spec: VerifySpec) -> dict[str, Any]:
     # (Per-stage peaks of a pipeline are not measured yet: its stages hold different parts.)
     if spec.measure_memory and plan.pipeline is None:
         # After the comparison (its figures are final above): the same module, gradients dropped.
-        del grads, ref, ref_grads
+        del grads, ref_grads
         report["memory"] = measure_step_memory(pm, pm.shard_inputs(*inputs))
     return report
+
+
+def _loss_err(loss: torch.Tensor, ref: torch.Tensor) -> float:
+    return abs(float(loss) - float(ref)) / max(abs(float(ref)), 1e-30)
 
 
 # ------------------------------------------------------------------------------ memory
@@ -300,6 +400,7 @@ def plan_for(model_name: str, mesh, *, batch: int | None = None, seq: int | None
              baseline: str | None = None, seed: int = 0, task: str | None = None,
              **plan_kwargs: Any):
     model, inputs = build(model_name, batch, seq, seed, task)
+    check_plannable(model, inputs, training=plan_kwargs.get("training", True))
     if plan_kwargs.get("pipeline") is not None:      # microbatches chosen, traced per microbatch
         return plan(model, inputs, mesh, model_name=model_name, **plan_kwargs)
     precision = plan_kwargs.get("precision", "model")
@@ -310,35 +411,69 @@ def plan_for(model_name: str, mesh, *, batch: int | None = None, seq: int | None
     return plan_traced(traced, mesh, model_name=model_name, **plan_kwargs)
 
 
-def summarize(reports: list[dict[str, Any]], tolerance: float) -> tuple[bool, str]:
+def tolerance_for(report: dict[str, Any], given: float | None) -> tuple[float, str]:
+    """The tolerance a run is held to, and how it was set: ``given``; else 1e-5 for an fp32
+    model; else, for a 16-bit model against its fp32 copy, LOW_PRECISION_MARGIN times the larger
+    of the error the single device makes in the model's dtype and that dtype's unit roundoff."""
+    if given is not None:
+        return given, f"tolerance {given:g} (as given)"
+    if report.get("own_grad_err") is None:
+        return FP32_TOLERANCE, f"tolerance {FP32_TOLERANCE:g} ({report.get('dtype', 'float32')})"
+    dtype = getattr(torch, report["dtype"])
+    roundoff = torch.finfo(dtype).eps / 2
+    own = max(report["own_loss_err"], report["own_grad_err"])
+    tol = LOW_PRECISION_MARGIN * max(own, roundoff)
+    return tol, (f"tolerance {tol:.2e} ({report['dtype']} model against its "
+                 f"{report['reference_dtype']} copy on one device: {LOW_PRECISION_MARGIN:g} x "
+                 f"the larger of the single device's own {report['dtype']} error {own:.2e} and "
+                 f"{report['dtype']}'s unit roundoff {roundoff:.2e})")
+
+
+def summarize(reports: list[dict[str, Any]], tolerance: float | None = None
+              ) -> tuple[bool, str]:
+    """The verdict over every rank's report, and the text: what was compared and how (dtypes,
+    tolerance, random masks), the figures, and PASS, or FAIL with each reason."""
     r = reports[0]
+    tol, how = tolerance_for(r, tolerance)
     worst = max(r["grad_errs"].items(), key=lambda kv: kv[1], default=("-", 0.0))
-    lines = [f"loss {r['loss']:.6f} vs single device {r['ref_loss']:.6f}: rel err {r['loss_err']:.2e}",
-             f"gradients: {len(r['grad_errs'])} compared, largest rel err {worst[1]:.2e} ({worst[0]})",
-             f"collectives per rank: {r['collectives']}, {r['bytes']} bytes run, "
-             f"{r['planned_bytes']} bytes planned"]
+    lines = [f"compared: the plan's step in the model's own {r.get('dtype', 'float32')} against "
+             f"one device in {r.get('reference_dtype', 'float32')}; {how}; a gradient's error "
+             f"relative to its largest entry, or to the root-mean-square entry of the whole "
+             f"gradient where that is larger (a near-zero gradient)"]
+    if r.get("random_draws"):
+        lines.append(f"random masks: {r['random_draws']} dropout draws per step run keep-all on "
+                     f"both sides (a rank draws its masks on its own shards, so no seed can "
+                     f"match the single device's); every op runs as planned")
+    lines += [f"loss {r['loss']:.6f} vs single device {r['ref_loss']:.6f}: rel err {r['loss_err']:.2e}",
+              f"gradients: {len(r['grad_errs'])} compared, largest rel err {worst[1]:.2e} ({worst[0]})",
+              f"collectives per rank: {r['collectives']}, {r['bytes']} bytes run, "
+              f"{r['planned_bytes']} bytes planned"]
     if r.get("host_bytes") or r.get("planned_host_bytes"):
         lines.append(f"host link per rank: {r['host_bytes']} bytes copied, "
                      f"{r['planned_host_bytes']} bytes planned")
-    ok = r["loss_err"] <= tolerance and worst[1] <= tolerance and not r["missing_grads"]
+    reasons: list[str] = []
     for rank, rep in enumerate(reports):
         if rep["ledger_diff"]:
-            ok = False
+            reasons.append(f"rank {rank}'s collectives differ from the plan's ledger")
             lines.append(f"rank {rank}: run-time collectives differ from the plan:")
             lines += [f"  {d}" for d in rep["ledger_diff"][:20]]
         if rep.get("host_ledger_diff"):
-            ok = False
+            reasons.append(f"rank {rank}'s host copies differ from the plan's")
             lines.append(f"rank {rank}: run-time host copies differ from the plan:")
             lines += [f"  {d}" for d in rep["host_ledger_diff"][:20]]
         if rep["missing_grads"]:
+            reasons.append(f"rank {rank} computed no gradient for {len(rep['missing_grads'])} "
+                           f"parameters")
             lines.append(f"rank {rank}: no gradient for {rep['missing_grads'][:5]}")
-        if rep["loss_err"] > tolerance or max(rep["grad_errs"].values(), default=0) > tolerance:
-            bad = sorted(((e, n) for n, e in rep["grad_errs"].items() if e > tolerance), reverse=True)
-            lines.append(f"rank {rank}: beyond tolerance {tolerance:g}: loss {rep['loss_err']:.2e}; "
-                         + ", ".join(f"{n} {e:.2e}" for e, n in bad[:5]))
-            ok = False
+        bad = sorted(((e, n) for n, e in rep["grad_errs"].items() if not e <= tol), reverse=True)
+        if not rep["loss_err"] <= tol or bad:        # `not <=`: a nan error fails too
+            what = ([f"loss {rep['loss_err']:.2e}"] if not rep["loss_err"] <= tol else []) + \
+                [f"{n} {e:.2e}" for e, n in bad[:5]]
+            reasons.append(f"rank {rank}: beyond tolerance {tol:.2g}: " + ", ".join(what)
+                           + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""))
     lines += memory_lines(reports)
-    lines.append("PASS" if ok else "FAIL")
+    ok = not reasons
+    lines.append("PASS" if ok else "FAIL: " + "; ".join(reasons))
     return ok, "\n".join(lines)
 
 
@@ -384,12 +519,14 @@ def memory_lines(reports: list[dict[str, Any]]) -> list[str]:
 
 def verify(model_name: str, mesh: Mesh, *, plan: Plan | None = None, batch: int | None = None,
            seq: int | None = None, baseline: str | None = None,
-           tolerance: float = 1e-5, task: str | None = None,
+           tolerance: float | None = None, task: str | None = None,
            **plan_kwargs: Any) -> tuple[bool, str]:
     """Run ``plan`` (or a fresh plan, or a hand-written ``baseline``) on ``mesh.size`` gloo ranks
-    here; (passed, report). ``task``: of a Hugging Face config.json model; ``plan_kwargs``:
-    options of a fresh plan (``pipeline``, ``schedule``, ``microbatches``)."""
-    if not (isinstance(tolerance, (int, float)) and 0 < tolerance < math.inf):   # nan fails too
+    here; (passed, report). ``tolerance``: default per dtype (:func:`tolerance_for`); ``task``:
+    of a Hugging Face config.json model; ``plan_kwargs``: options of a fresh plan
+    (``pipeline``, ``schedule``, ``microbatches``)."""
+    if tolerance is not None and not (isinstance(tolerance, (int, float))
+                                      and 0 < tolerance < math.inf):   # nan fails too
         raise AutoshardError("a tolerance that is a positive number", got=repr(tolerance),
                              fix="e.g. --tolerance 1e-5")
     if plan is not None and baseline:
@@ -421,7 +558,6 @@ def check_plan(plan: Plan, model_name: str, mesh: Mesh, *, batch: int | None,
                              got="a forward-only plan (options.training is false)",
                              fix="re-plan without --inference")
     model, inputs = build(model_name, batch, seq, seed=0, task=task)
-    if plan.pipeline is not None:               # a pipelined plan is of one microbatch
-        inputs = microbatch(inputs, plan.pipeline.microbatches)
-    traced = trace(model, inputs)
+    # As the planner traced it: in the plan's precision, one microbatch on a pipeline.
+    traced = trace_for(model, inputs, plan.settled_options())
     plan.check_matches(traced.fingerprint, traced.node_sigs)

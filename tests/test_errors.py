@@ -91,7 +91,7 @@ MESH_EDITS = {
 def test_a_hand_edited_mesh_is_refused_at_load(plan_doc, case: str) -> None:
     edit, where = MESH_EDITS[case]
     refused(lambda: Plan.loads(_edited(plan_doc, edit), source="plan.json"),
-            "plan.json", "malformed", where, "do not edit plan files by hand")
+            "plan.json", "malformed", where, f"correct {where} as docs/plan-format.md")
 
 
 # Found by tests/test_fuzz.py: loaded, then failed inside summary() or as another exception.

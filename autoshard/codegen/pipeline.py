@@ -34,7 +34,7 @@ from autoshard.codegen.collectives import ExecutedCollective
 from autoshard.ir import local_shape
 from autoshard.plans import Plan
 from autoshard.cost.reshards import grad_values
-from autoshard.schedules import SPLIT_BACKWARD
+from autoshard.schedules import SPLIT_BACKWARD, WARMUP_BYTES, warmup_node
 
 
 def cut(gm: fx.GraphModule, stages: int, input_names: list[str]
@@ -264,6 +264,24 @@ class Pipelined:
                     super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
                 if last_backward and buckets is not None:
                     buckets.release(finished(self.stage_index))
+
+            # torch's warm-up of the links on the first step (schedules.py WARMUP_BYTES): one
+            # int32 to the next stage and one back to the previous, on other ranks.
+            def _warmup_forward_vote(self, has_backward, received_acc=None):
+                out = super()._warmup_forward_vote(has_backward, received_acc=received_acc)
+                self._count_warmup(self.stage_index + 1, not self.is_last)
+                return out
+
+            def _warmup_backward_result(self, received_result=None):
+                out = super()._warmup_backward_result(received_result=received_result)
+                self._count_warmup(self.stage_index - 1, not self.is_first)
+                return out
+
+            def _count_warmup(self, peer: int, sends: bool) -> None:
+                if sends and not self._is_same_rank(peer):
+                    ledger.add(ExecutedCollective("send_recv", (axis_name,), WARMUP_BYTES,
+                                                  WARMUP_BYTES, "pipeline",
+                                                  warmup_node(self.stage_index, peer), 2))
 
             def get_fwd_send_ops(self, fwd_chunk_id):
                 ops = super().get_fwd_send_ops(fwd_chunk_id)

@@ -33,8 +33,8 @@ from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions
 from autoshard.plans import CollectiveRecord, NodePlan, Pipeline, Plan, Stage
 from autoshard.schedules import (SCHEDULES, SPLIT_BACKWARD, V_PLACED, VIRTUAL_STAGES,
-                                 check_microbatches, fullest_stage, in_flight, rank_stages,
-                                 sends_between, simulate_schedule, stage_rank)
+                                 WARMUP_BYTES, check_microbatches, fullest_stage, in_flight, rank_stages,
+                                 sends_between, simulate_schedule, stage_rank, warmup_node)
 from autoshard.trace.export import TracedGraph
 from autoshard.trace.graph import value_inputs
 from autoshard.trace.layers import stages_of
@@ -73,9 +73,14 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
     if not traced.training:
         raise AutoshardError("a training plan when pipelining", got="training=False",
                              fix="plan inference without a pipeline (pipeline=None)")
-    if p < 2 or len(layers) < p:
-        raise AutoshardError("a pipeline axis of 2 or more devices, and at least one layer per "
-                             "stage", got=f"axis {axis_name} of {p} devices, {len(layers)} layers",
+    if p < 2:
+        raise AutoshardError("a pipeline axis of 2 or more devices",
+                             got=f"axis {axis_name} of {p} device",
+                             fix="pipeline over an axis of 2 or more devices (a larger mesh "
+                                 "axis), or plan without a pipeline")
+    if len(layers) < p:
+        raise AutoshardError("at least one layer per pipeline stage",
+                             got=f"axis {axis_name} of {p} devices, {len(layers)} layers",
                              fix="pipeline over a smaller axis, or plan without a pipeline")
     m = options.microbatches
     if not isinstance(m, int):
@@ -473,6 +478,10 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
                                             f"stage{s}->stage{s + 1}", stage=s, count=m))
         collectives.append(CollectiveRecord("send_recv", (axis,), bwd, "pipeline",
                                             f"stage{s + 1}->stage{s}", stage=s + 1, count=m))
+        # torch's warm-up of the link on the first step, one int32 each way (schedules.py)
+        collectives += [CollectiveRecord("send_recv", (axis,), WARMUP_BYTES, "pipeline",
+                                         warmup_node(a, b), stage=a) for a, b in ((s, s + 1),
+                                                                                  (s + 1, s))]
     collectives.append(CollectiveRecord("all_reduce", (axis,), 4, "pipeline", "loss"))
     stages = tuple(Stage(i, stage_layers[i], {k: figures[i][k] for k in
                                               ("compute_s", "comm_s", "peak_memory_bytes")})

@@ -910,7 +910,7 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
                                 strategies[n.name].outputs, strategies[n.name].kernel)
                        for n in nodes)
     return Plan(
-        mesh_shape=mesh.shape, mesh_axes=mesh.axes, cluster=mesh.cluster.name,
+        mesh_shape=mesh.shape, mesh_axes=mesh.axes, cluster=mesh.cluster,
         fingerprint=traced.fingerprint, options=options, nodes=node_plans,
         params={params[n]: strategies[n].outputs[0] for n in params},
         inputs={p.fqn: strategies[p.name].outputs[0] for p in traced.inputs},

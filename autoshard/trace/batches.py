@@ -22,6 +22,7 @@ same either way, only slower.
 from __future__ import annotations
 
 import time
+from numbers import Number
 from typing import Any, Sequence
 
 import torch
@@ -50,6 +51,25 @@ def sliced(example_inputs: Sequence[Any], batch: int) -> tuple:
                  else x for x in example_inputs)
 
 
+def check_plannable(model: torch.nn.Module, inputs: tuple, *, training: bool) -> None:
+    """Refuse up front what no step can run: a Python number among the example inputs (the
+    graph would bake it in as a constant, and the planner prices tensors), and a training plan
+    for a model with no trainable parameter (nothing has a gradient: the step's backward
+    fails)."""
+    numbers = [f"input {i} ({type(x).__name__} {x!r})" for i, x in enumerate(inputs)
+               if isinstance(x, Number)]
+    if numbers:
+        raise AutoshardError("example inputs that are tensors",
+                             got="a Python number as " + ", ".join(numbers),
+                             fix="pass it as a tensor (torch.tensor(0.5)), or keep it in the "
+                                 "model (an attribute, or a default of forward's argument)")
+    if training and not any(p.requires_grad for p in model.parameters()):
+        raise AutoshardError("a model with a trainable parameter, for a training plan",
+                             got="no parameter requires grad (all frozen, or none)",
+                             fix="unfreeze the parameters to train (requires_grad_(True)), or "
+                                 "plan forward only (--inference, training=False)")
+
+
 class Traces:
     """``model(*example_inputs)`` traced at any batch up to the examples' (:meth:`at`), in
     ``precision``; concrete traces where a batch-generic one is not proven equal (see above).
@@ -59,6 +79,7 @@ class Traces:
                  training: bool, precision: str = "model") -> None:
         self.model, self.inputs = model, tuple(example_inputs)
         self.training, self.precision = training, precision
+        check_plannable(model, self.inputs, training=training)
         self.full = batch_of(self.inputs)
         self._graphs: dict[int, TracedGraph] = {}
         self._generic: ExportedProgram | None = None

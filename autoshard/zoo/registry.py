@@ -239,6 +239,9 @@ def _check_factory_result(spec: str, result: object) -> tuple[nn.Module, tuple[t
         raise AutoshardError(contract, got=f"a model of type {type(model).__name__}", fix=fix)
     if not isinstance(inputs, (tuple, list)) or not inputs or not all(
             isinstance(t, torch.Tensor) for t in inputs):
+        if isinstance(inputs, (tuple, list)) and inputs:   # a tuple holding a non-tensor
+            fix = ("make every example input a tensor: a number as torch.tensor(0.5), or kept "
+                   "in the model (an attribute, or a default of forward's argument)")
         raise AutoshardError(contract, got=f"example_inputs {_describe(inputs)}", fix=fix)
     return model, tuple(inputs)
 
