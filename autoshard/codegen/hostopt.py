@@ -146,6 +146,7 @@ class HostOptimizer:
         self._scratch = torch.empty(0)
         self._inflight: list[_Bucket] = []         # "delayed": the buckets stepping now
         self.handles: list = []
+        self.started_early = 0                     # buckets started from backward, all steps
         self._todo: list[_Bucket] = []
 
     # -- layout --------------------------------------------------------------------------------
@@ -200,6 +201,7 @@ class HostOptimizer:
             b.event = torch.cuda.Event()
             b.event.record()
         if early and b.landed == len(b.slots):
+            self.started_early += 1
             self._submit(b)
 
     def hooks(self, params: Iterable[tuple[Any, torch.nn.Parameter]]) -> list:
