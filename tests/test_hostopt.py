@@ -333,3 +333,35 @@ def test_on_one_device_each_bucket_steps_during_backward(world1):
     for a, b in zip(plain["params"], over["params"]):
         assert all(torch.equal(a[k], b[k]) for k in a)
     assert over["err"] < 1e-4
+
+
+def test_calibrate_maps_the_host_side_onto_the_host_fields():
+    """The host step's rate (median over ranks) is host_mem_bandwidth; on a GPU the slower way
+    of the pinned copies (median over ranks) is host_bandwidth; on a CPU the link stays the
+    preset's (the host is the device)."""
+    from test_calibrate import _fake_report
+
+    from autoshard.calibrate import CalibrateSpec, profile
+    from autoshard.cluster import PRESETS, Cluster
+    reports = []
+    for rate in (30e9, 40e9, 50e9):
+        r = _fake_report(50e12)
+        r["matmul"]["bfloat16"] = r["matmul"]["float32"]
+        r.update(device_name="NVIDIA H100 80GB HBM3", device_memory_bytes=85_000_000_000,
+                 host_side={"adam_bytes_per_s": rate, "h2d_bytes_per_s": rate + 5e9,
+                            "d2h_bytes_per_s": rate + 1e9})
+        reports.append(r)
+    c = Cluster._from_profile(dict(profile(CalibrateSpec("cuda", 3), reports)))
+    assert c.host_mem_bandwidth == 40e9 and c.host_bandwidth == 41e9
+    cpu = Cluster._from_profile(dict(profile(CalibrateSpec("cpu", 3), reports)))
+    assert cpu.host_mem_bandwidth == 40e9
+    assert cpu.host_bandwidth == PRESETS["cpu"].host_bandwidth
+
+
+def test_calibrate_measures_the_host_step_here():
+    """One rank's host measurement, quick sizes, on this CPU: a positive rate over the state it
+    says it stepped."""
+    from autoshard.calibrate import SIZES, _host_side
+    out = _host_side(SIZES[("cpu", True)], torch.device("cpu"))
+    assert out["state_bytes"] == SIZES[("cpu", True)].host_state_bytes // 12 * 12
+    assert out["adam_bytes_per_s"] > 1e7 and "h2d_bytes_per_s" not in out
