@@ -221,8 +221,8 @@ def run_llama(device, row: tuple, overlap: str, steps: int, loss_steps: int) -> 
     model = llama(layers)
     inputs = model.example_inputs(batch, seq, device=device)
     mesh = autoshard.Mesh((1,), ("x",), cluster="h100")
-    t0 = time.perf_counter()
-    plan = autoshard.plan(model, inputs, mesh, model_name=f"llama3-8b-{layers}l",
+    t0 = time.perf_counter()     # (planned on meta inputs, as the model's tensors are)
+    plan = autoshard.plan(model, model.example_inputs(batch, seq, device="meta"), mesh, model_name=f"llama3-8b-{layers}l",
                           precision="bf16-mixed", memory_budget=budget, offload=offload,
                           offload_overlap=overlap)
     plan_s = time.perf_counter() - t0
