@@ -285,18 +285,19 @@ class Pricer:
         with offload the gradient shard down and the updated shard up the host link. Under
         parameter offload the gradient is on the host already; a shard of a replicated
         parameter goes up to be all-gathered, and the gathered parameter comes back down to its
-        host copy (:meth:`host_steps`). The all-gather of the updated shards is a collective
+        host copy (:meth:`host_steps`). Under optimizer offload, the blocking part of
+        :meth:`offload_step_seconds`. The all-gather of the updated shards is a collective
         (:meth:`optimizer_steps`)."""
         ph = self.traced.placeholder(name)
         opt = self.options.state_optimizer
         if ph.kind != "param" or opt == "none" or name in self.tied_to:
             return 0.0
         spec, mode = strategy.outputs[0], strategy.kernel
+        if mode == "offload":
+            return self.offload_step_seconds(name, strategy)[0]
         n = step_elements(ph.info.shape, spec, mode, self.mesh.shape)
         per = SGD_STEP_BYTES if opt == "sgd" else ADAM_STEP_BYTES
         c = self.mesh.cluster
-        if mode == "offload":
-            return self.offload_step_seconds(name, strategy)[0]
         if mode == "offload_params":
             t = n * per / c.host_mem_bandwidth + sum(
                 b for _, b in self.host_steps(name, strategy)) / c.host_bandwidth

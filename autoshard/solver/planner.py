@@ -894,12 +894,13 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
     # not fit is exposed, shared over the axes by their sync seconds.
     # Offloaded host steps run in the same window (cost/price.py offload_step_seconds; each
     # took its seconds out of ``backward_s``, as in the ILP): what they add to the exposed part
-    # is the optimizer's.
+    # is the optimizer step's, on the critical path as its blocking part is (in compute).
     total_sync = sum(sync.values())
     window = backward_s + host_step_s
     comm_exposed = exposed_seconds(total_sync, window)
     host_exposed = exposed_seconds(total_sync + host_step_s, window) - comm_exposed
     optimizer_s += host_exposed
+    compute_s += host_exposed
     hidden_frac = 1.0 - comm_exposed / total_sync if total_sync else 1.0
     overlapped = {a: t * hidden_frac for a, t in sync.items()}
     exposed = {a: blocking[a] + sync[a] - overlapped[a] for a in mesh.axes}
@@ -923,7 +924,7 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
         params={params[n]: strategies[n].outputs[0] for n in params},
         inputs={p.fqn: strategies[p.name].outputs[0] for p in traced.inputs},
         collectives=tuple(collectives),
-        predicted={"step_time_s": compute_s + sum(exposed.values()) + host_s + host_exposed,
+        predicted={"step_time_s": compute_s + sum(exposed.values()) + host_s,
                    "compute_s": compute_s, **({"host_s": host_s} if host_s else {}),
                    "comm_s": comm_s, "peak_memory_bytes": memory,
                    "optimizer_s": optimizer_s, "peak_phase": live.phase,
