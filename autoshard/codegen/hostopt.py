@@ -29,7 +29,8 @@ and so does this module:
     parameters back (the copy up, any all-gather) while the thread steps the later ones. The
     numbers are those of ``"none"``: the same kernels on the same values. It needs one backward
     per optimizer step (a second backward before the step would add to a gradient that already
-    stepped): a parameter landing twice is refused.
+    stepped): a parameter landing twice is refused. On a pipeline (a backward per microbatch)
+    every gradient lands in ``step()``.
   - ``"delayed"``: ZeRO-Offload's delayed parameter update (DPU, §5.2): ``step()`` of step t
     waits for step t-1's host step, writes its parameters back, lands step t's gradients and
     returns while the host steps them, overlapped with step t+1's forward and backward. With
@@ -55,11 +56,11 @@ from typing import Any, Callable, Iterable
 import torch
 
 from autoshard.errors import AutoshardError
+from autoshard.options import OFFLOAD_OVERLAP
 
 # Elements per fused kernel call: a 16-bit gradient's fp32 conversion of this size (16 MiB)
 # stays in the last-level cache until the kernel reads it.
 CHUNK = 1 << 22
-OVERLAPS = ("backward", "delayed", "none")
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
@@ -96,7 +97,6 @@ class _Bucket:
     group: dict                    # the torch optimizer's param group of every member
     master: torch.Tensor           # flat fp32
     moments: list[torch.Tensor]    # Adam: exp_avg, exp_avg_sq; SGD with momentum: the buffer
-    pinned: bool
     grads: torch.Tensor | None = None      # the landing buffer, in the gradients' dtype
     up: torch.Tensor | None = None         # the updated masters cast to ``up_dtype``
     up_dtype: torch.dtype | None = None
@@ -121,8 +121,8 @@ class HostOptimizer:
                  masters: list[torch.nn.Parameter], up_dtypes: list[torch.dtype], *,
                  overlap: str, bucket_bytes: float, device: torch.device,
                  record: Callable[[Any, torch.Tensor], None] | None = None) -> None:
-        if overlap not in OVERLAPS:
-            raise AutoshardError(f"offload_overlap one of {OVERLAPS}", got=repr(overlap),
+        if overlap not in OFFLOAD_OVERLAP:
+            raise AutoshardError(f"offload_overlap one of {OFFLOAD_OVERLAP}", got=repr(overlap),
                                  fix="PlanOptions(offload_overlap='backward')")
         self.optimizer, self.kind, self.overlap = optimizer, kind, overlap
         self.device, self.record = device, record
@@ -132,9 +132,7 @@ class HostOptimizer:
         self.slot_of: dict[int, tuple[_Bucket, _Slot]] = {}
         run: list[tuple[Any, torch.nn.Parameter, torch.dtype]] = []
         for key, m, dt in zip(keys, masters, up_dtypes):
-            if m.dtype != torch.float32 or m.device.type != "cpu":
-                raise AutoshardError("fp32 host masters for the host optimizer",
-                                     got=f"{m.dtype} on {m.device}", fix="report this as a bug")
+            assert m.dtype == torch.float32 and m.device.type == "cpu", (m.dtype, m.device)
             if run and (group_of[id(run[0][1])] is not group_of[id(m)] or run[0][2] != dt
                         or 4 * (sum(r[1].numel() for r in run) + m.numel()) > bucket_bytes):
                 self._pack(run, group_of[id(run[0][1])])
@@ -163,7 +161,7 @@ class HostOptimizer:
                 m.data = flat[off:off + k].view(m.shape)
             slots.append(_Slot(key, m, off, k))
             off += k
-        b = _Bucket(slots, group, flat, moments, self.pinned)
+        b = _Bucket(slots, group, flat, moments)
         b.up_dtype = run[0][2]              # one dtype per bucket, the members' parameters'
         if b.up_dtype != torch.float32 or self.pinned:
             b.up = torch.empty(n, dtype=b.up_dtype, pin_memory=self.pinned)
@@ -407,8 +405,10 @@ def attach(opt: Any) -> HostOptimizer | None:
                          [e.param.dtype for e in order], overlap=options.offload_overlap,
                          bucket_bytes=options.bucket_bytes, device=rt.device, record=record)
     # A gradient that is the parameter's whole ``.grad`` is complete when autograd has
-    # accumulated it; a bucket's (codegen/buckets.py) lands in the optimizer's step.
+    # accumulated it; a bucket's (codegen/buckets.py) lands in the optimizer's step, and so
+    # does every gradient on a pipeline (its microbatches' backwards add to ``.grad``).
     bucketed = set(rt.buckets.of) if rt.buckets is not None else set()
-    host.handles = host.hooks((e, e.param) for e in order
-                              if e.dim is None and e.placeholder not in bucketed)
+    if opt.pm.plan.pipeline is None:
+        host.handles = host.hooks((e, e.param) for e in order
+                                  if e.dim is None and e.placeholder not in bucketed)
     return host

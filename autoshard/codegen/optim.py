@@ -195,6 +195,7 @@ class ShardedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.settle()         # the delayed host step, before anything reads the masters
         self._recut_masters()
         # The casts between 16-bit parameters and their fp32 masters, grouped into one
         # multi-tensor copy each way where the two sit on the same device (one kernel launch per

@@ -313,7 +313,9 @@ class Pricer:
         ``PlanOptions.offload_overlap`` "backward" or "delayed" (codegen/hostopt.py) all of it
         runs on the host while the device computes: it is work in the overlap window of §7
         (beside the gradient buckets' sync), which the step pays only where backward compute
-        cannot hide it; under "none" it blocks. (0, 0) for any other mode."""
+        cannot hide it; under "none" it blocks, and on a pipeline's stages too (the runtime
+        lands their gradients at the step, after every microbatch). (0, 0) for any other
+        mode."""
         ph = self.traced.placeholder(name)
         opt = self.options.state_optimizer
         mode = strategy.kernel
@@ -323,7 +325,9 @@ class Pricer:
         c = self.mesh.cluster
         t = (n * (SGD_STEP_BYTES if opt == "sgd" else ADAM_STEP_BYTES) / c.host_mem_bandwidth
              + 2 * n * ph.info.dtype.itemsize / c.host_bandwidth) * self.step_share
-        return (t, 0.0) if self.options.offload_overlap == "none" else (0.0, t)
+        if self.options.offload_overlap == "none" or self.options.stage_run is not None:
+            return t, 0.0
+        return 0.0, t
 
     def host_steps(self, name: str, strategy: Strategy) -> list[tuple[str, int]]:
         """The host-link copies of one parameter's optimizer step, as (direction, bytes):
