@@ -155,13 +155,19 @@ def test_an_optimizer_without_a_fused_host_step_is_named():
 
 
 def test_a_second_landing_before_the_step_is_refused():
-    """Under "backward", a parameter's step starts once its gradient is complete: a second
-    backward before the step (gradient accumulation) is refused, not stepped twice."""
+    """Under "backward", once the optimizer has stepped, a parameter's step starts as soon as
+    its gradient is complete: a second backward before the step (gradient accumulation) is
+    refused, not stepped twice. Before the first step nothing starts early."""
     mine = _masters()
     host = _host(torch.optim.AdamW(mine), mine, overlap="backward", bucket_bytes=1e9)
     grads = _grads(0)
-    for i, g in enumerate(grads):
+    for i, g in enumerate(grads):           # before any step: nothing lands early
         host.land(i, g, early=True)
+    assert host.started_early == 0 and not any(b.landed for b in host.buckets)
+    _run(host, grads)
+    for i, g in enumerate(grads):           # after it: the bucket starts at its last gradient
+        host.land(i, g, early=True)
+    assert host.started_early == 1
     with pytest.raises(AutoshardError, match="offload_overlap='none'"):
         host.land(0, grads[0], early=True)
     host.close()
@@ -329,7 +335,8 @@ def test_on_one_device_each_bucket_steps_during_backward(world1):
     plans = _plans((1,))
     plain, over = (world1.run(_train, plans[o])[0] for o in ("none", "backward"))
     assert over["hooked"] > 0 and over["buckets"] > 1
-    assert over["early"] == over["buckets"] * STEPS and plain["early"] == 0
+    # (the first step's gradients land at the step: nothing starts before a first step)
+    assert over["early"] == over["buckets"] * (STEPS - 1) and plain["early"] == 0
     for a, b in zip(plain["params"], over["params"]):
         assert all(torch.equal(a[k], b[k]) for k in a)
     assert over["err"] < 1e-4

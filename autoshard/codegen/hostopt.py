@@ -27,9 +27,13 @@ and so does this module:
     optimizer's ``step()`` lands the rest (the reduce-scattered shards of a sharded bucket, read
     after backward), then takes the buckets in order: waits for each and writes its updated
     parameters back (the copy up, any all-gather) while the thread steps the later ones. The
-    numbers are those of ``"none"``: the same kernels on the same values. It needs one backward
-    per optimizer step (a second backward before the step would add to a gradient that already
-    stepped): a parameter landing twice is refused. On a pipeline (a backward per microbatch)
+    numbers are those of ``"none"``: the same kernels on the same values. As ZeRO-Offload's
+    engine couples its backward and step, this starts a step on the host before ``step()`` is
+    called: it needs one backward per optimizer step once the optimizer has stepped (a second
+    backward before the step would add to a gradient that already stepped: a parameter landing
+    twice is refused; a backward whose gradients are thrown away, as a skipped step, needs
+    ``"none"``). Before the first ``step()`` nothing lands early, so a backward run to inspect
+    gradients before training (``autoshard verify`` does) steps nothing. On a pipeline (a backward per microbatch)
     every gradient lands in ``step()``.
   - ``"delayed"``: ZeRO-Offload's delayed parameter update (DPU, §5.2): ``step()`` of step t
     waits for step t-1's host step, writes its parameters back, lands step t's gradients and
@@ -49,6 +53,7 @@ masters (codegen/optim.py), which a warning says, as it is slower than the plan'
 from __future__ import annotations
 
 import warnings
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -145,6 +150,7 @@ class HostOptimizer:
         self._inflight: list[_Bucket] = []         # "delayed": the buckets stepping now
         self.handles: list = []
         self.started_early = 0                     # buckets started from backward, all steps
+        self.armed = False                         # "backward": land early (after a step)
         self._todo: list[_Bucket] = []
 
     # -- layout --------------------------------------------------------------------------------
@@ -177,6 +183,8 @@ class HostOptimizer:
         """Copy ``key``'s gradient into its bucket's landing buffer (down the link, without
         waiting, from a GPU). ``early``: from backward; the bucket is stepped once every member
         has landed."""
+        if early and not self.armed:
+            return                                 # (before the first step: at the step)
         b, s = self.slot_of[id(key)]
         if s.landed:
             if early:
@@ -201,6 +209,12 @@ class HostOptimizer:
         if early and b.landed == len(b.slots):
             self.started_early += 1
             self._submit(b)
+
+    def unhook(self) -> None:
+        """Land nothing early any more: every gradient at the step."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
 
     def hooks(self, params: Iterable[tuple[Any, torch.nn.Parameter]]) -> list:
         """Under ``"backward"``: land each of ``params``' ``.grad`` (its whole gradient) from a
@@ -240,6 +254,7 @@ class HostOptimizer:
             return
         for b in todo:
             self._collect(b, write_back)
+        self.armed = True
 
     def flush(self, write_back: Callable[[Any, torch.Tensor], None] | None = None) -> None:
         """Wait for every host step still running (``"delayed"``: the last step's) and write
@@ -409,6 +424,15 @@ def attach(opt: Any) -> HostOptimizer | None:
     # does every gradient on a pipeline (its microbatches' backwards add to ``.grad``).
     bucketed = set(rt.buckets.of) if rt.buckets is not None else set()
     if opt.pm.plan.pipeline is None:
+        # One optimizer of a module lands its gradients early: the latest (an earlier one,
+        # still referenced, would otherwise step on every backward no step of its follows).
+        previous = _HOOKED.get(opt.pm)
+        if previous is not None:
+            previous.unhook()
         host.handles = host.hooks((e, e.param) for e in order
                                   if e.dim is None and e.placeholder not in bucketed)
+        _HOOKED[opt.pm] = host
     return host
+
+
+_HOOKED: "weakref.WeakKeyDictionary[Any, HostOptimizer]" = weakref.WeakKeyDictionary()
