@@ -167,6 +167,10 @@ class Sizes:
     comm_gap_s: float = 0.0
     overlap_bytes: int = 2**22                 # the all-reduce the overlap figure hides
     overlap_calls: int = 7                     # timed rounds of it (median taken)
+    # Optimizer offload's host step over this much fp32 state (master and moments), beyond the
+    # last-level cache, and the pinned copies each way of ``copy_bytes`` (docs/cost-model.md
+    # §2.10).
+    host_state_bytes: int = 2**30
 
 
 SIZES = {
@@ -182,7 +186,7 @@ SIZES = {
         window_s=0.005, repeats=2, matmul=((64, 64, 128), (128, 64, 64)), copy_bytes=2**20,
         elementwise_shape=(2, 16, 32), attention=(2, 2, 16, 8), tiny_chain=20,
         message_bytes=(2**12, 2**15, 2**18), comm_calls=3, burst=(64, 64, 64),
-        overlap_bytes=2**16, overlap_calls=2),
+        overlap_bytes=2**16, overlap_calls=2, host_state_bytes=3 * 2**20),
     ("cuda", False): Sizes(
         window_s=0.05, repeats=5,
         matmul=((4096, 4096, 4096), (8192, 4096, 4096), (8192, 4096, 14336),
@@ -196,7 +200,7 @@ SIZES = {
         copy_bytes=16 * 2**20,
         elementwise_shape=(2, 128, 256), attention=(2, 4, 128, 64), tiny_chain=50,
         message_bytes=(2**12, 2**16, 2**20), comm_calls=3, burst=(512, 512, 512),
-        overlap_bytes=2**20, overlap_calls=2),
+        overlap_bytes=2**20, overlap_calls=2, host_state_bytes=3 * 2**20),
 }
 
 
@@ -279,6 +283,48 @@ def _bandwidth(sizes: Sizes, device: torch.device) -> dict:
     del a, b, c
     return {"bytes_per_tensor": n * 4, "copy_s": copy_s, "copy_bytes_per_s": 2 * n * 4 / copy_s,
             "add_s": add_s, "add_bytes_per_s": 3 * n * 4 / add_s}
+
+
+def _host_side(sizes: Sizes, device: torch.device) -> dict:
+    """Optimizer offload's host figures (docs/cost-model.md §2.10), every rank at once as they
+    share the host in training: codegen/hostopt.py's AdamW step over ``host_state_bytes`` of
+    fp32 state, its gradient landed as training lands it (from the GPU in bf16, pinned; on a
+    CPU run a host copy of the fp32 gradient); in the model's terms, 28 bytes an element per
+    second, the gradient's copy down the link taken out (it is priced at ``host_bandwidth``).
+    On a GPU, pinned copies of ``copy_bytes`` each way."""
+    from autoshard.codegen.hostopt import HostOptimizer
+    n = sizes.host_state_bytes // 12
+    master = torch.nn.Parameter(torch.randn(n))
+    grad = torch.randn(n, device=device,
+                       dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    host = HostOptimizer(torch.optim.AdamW([master], lr=1e-3), "adam", [0], [master],
+                         [torch.float32], overlap="none", bucket_bytes=25 * 2**20,
+                         device=device)
+
+    def step() -> None:
+        host.land(0, grad)
+        host.start([], _dropped)
+        host.finish(_dropped)
+
+    t = _timed(step, device, sizes)
+    host.close()
+    out: dict[str, Any] = {"state_bytes": 12 * n, "step_s": t}
+    link_s = 0.0
+    if device.type == "cuda":
+        m = sizes.copy_bytes // 4
+        pinned = torch.empty(m, pin_memory=True)
+        dev = torch.empty(m, device=device)
+        h2d = _timed(lambda: dev.copy_(pinned, non_blocking=True), device, sizes)
+        d2h = _timed(lambda: pinned.copy_(dev, non_blocking=True), device, sizes)
+        out.update(h2d_bytes_per_s=4 * m / h2d, d2h_bytes_per_s=4 * m / d2h)
+        link_s = n * grad.element_size() / out["d2h_bytes_per_s"]
+        del pinned, dev
+    out["adam_bytes_per_s"] = 28 * n / max(t - link_s, 1e-12)
+    return out
+
+
+def _dropped(key: Any, new: torch.Tensor) -> None:
+    """(a calibration step's updated parameters go nowhere)"""
 
 
 def _elementwise(sizes: Sizes, device: torch.device, dtype: torch.dtype) -> dict:
@@ -583,6 +629,7 @@ def measure_rank(spec: CalibrateSpec) -> dict:
     out["specials"] = _specials(sizes, device, low)
     out["attention"] = _attention(sizes, device, low)
     out["kernel_floor"] = _kernel_floor(sizes, device)
+    out["host_side"] = _host_side(sizes, device)
     out["compute_wall_s"] = time.perf_counter() - t0
     dist.barrier()
     t1 = time.perf_counter()
@@ -692,6 +739,13 @@ def profile(spec: CalibrateSpec, reports: list[dict], *, wall_s: float = 0.0,
         # special-function units, and the preset's figure stays.
         fields["transcendental_rate"] = _median([r["specials"]["overall_evals_per_s"]
                                                  for r in reports])
+    if all("host_side" in r for r in reports):        # the host figures of offload (§2.10)
+        fields["host_mem_bandwidth"] = _median([r["host_side"]["adam_bytes_per_s"]
+                                                for r in reports])
+        if spec.device == "cuda":
+            fields["host_bandwidth"] = _median([min(r["host_side"]["h2d_bytes_per_s"],
+                                                    r["host_side"]["d2h_bytes_per_s"])
+                                                for r in reports])
     if spec.device == "cuda":
         fields["memory_bytes"] = float(reports[0]["device_memory_bytes"])
         if p >= 2:     # one rank measures no link: the preset's node and links stand
@@ -712,6 +766,7 @@ def profile(spec: CalibrateSpec, reports: list[dict], *, wall_s: float = 0.0,
         "elementwise": reports[0]["elementwise"], "specials": reports[0].get("specials", {}),
         "attention": reports[0]["attention"],
         "kernel_floor": reports[0]["kernel_floor"],
+        "host_side": reports[0].get("host_side", {}),
         "matmul_shapes": reports[0]["matmul"],
     }
     if spec.device == "cuda":

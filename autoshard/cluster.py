@@ -233,6 +233,12 @@ PLAUSIBLE = {"flops": _RATE, "fp32_flops": _RATE, "transcendental_rate": _RATE,
              "alpha": _SECONDS, "memory_bytes": _BYTES, "host_memory_bytes": _BYTES}
 
 GB = 1e9
+# The share of a host's theoretical DRAM bandwidth (channels x transfer rate x 8 bytes) a
+# streaming kernel sustains: STREAM's copy/add/triad reach 73-79% of the wire rate (the STREAM
+# benchmark, McCalpin; vendors' STREAM tables), and the host optimizer's fused AdamW is such a
+# kernel (docs/cost-model.md §2.10). A preset's host_mem_bandwidth is that share of the node's
+# sockets, divided among its GPUs' processes.
+SUSTAINED = 0.75
 PRESETS: dict[str, Cluster] = {
     # H100 SXM: 989 TFLOP/s bf16 dense, 67 TFLOP/s fp32, 80 GB HBM3 at 3.35 TB/s (NVIDIA H100
     # datasheet); NVLink4 NCCL ring busbw ~370 GB/s (nccl-tests #212); IB NDR 400 Gb/s, ~46 GB/s
@@ -241,20 +247,20 @@ PRESETS: dict[str, Cluster] = {
                     memory_bytes=80 * GB, devices_per_node=8, intra_alpha=3e-6,
                     intra_bandwidth=370 * GB, inter_alpha=45e-6 / 2, inter_bandwidth=46 * GB,
                     host_bandwidth=55 * GB, host_memory_bytes=2000 * GB / 8,
-                    host_mem_bandwidth=614 * GB / 8),
+                    host_mem_bandwidth=SUSTAINED * 614 * GB / 8),
     # H200: 141 GB HBM3e at 4.8 TB/s, same compute and links as H100 (NVIDIA).
     "h200": Cluster(name="h200", flops=989e12, fp32_flops=67e12, mem_bandwidth=4.8e12,
                     memory_bytes=141 * GB, devices_per_node=8, intra_alpha=3e-6,
                     intra_bandwidth=370 * GB, inter_alpha=45e-6 / 2, inter_bandwidth=46 * GB,
                     host_bandwidth=55 * GB, host_memory_bytes=2000 * GB / 8,
-                    host_mem_bandwidth=614 * GB / 8),
+                    host_mem_bandwidth=SUSTAINED * 614 * GB / 8),
     # A100 SXM: 312 TFLOP/s bf16, 19.5 TFLOP/s fp32, 80 GB at 2.039 TB/s; all-reduce busbw
     # ~200 GB/s (NVIDIA; nccl-tests #149); HDR IB 200 Gb/s per GPU.
     "a100": Cluster(name="a100", flops=312e12, fp32_flops=19.5e12, mem_bandwidth=2.039e12,
                     memory_bytes=80 * GB, devices_per_node=8, intra_alpha=5e-6,
                     intra_bandwidth=200 * GB, inter_alpha=45e-6 / 2, inter_bandwidth=23 * GB,
                     host_bandwidth=25 * GB, host_memory_bytes=2000 * GB / 8,
-                    host_mem_bandwidth=410 * GB / 8),
+                    host_mem_bandwidth=SUSTAINED * 410 * GB / 8),
     # A laptop/CI CPU with gloo over loopback: rough figures, useful for tests and for ranking
     # plans that will run on this machine.
     "cpu": Cluster(name="cpu", flops=2e11, fp32_flops=1e11, mem_bandwidth=2e10,

@@ -37,6 +37,12 @@ ZERO = ("auto", "none", "zero1", "zero2")
 # "auto": optimizer offload only where no plan fits without it, parameter offload only where no
 # plan fits with optimizer offload alone (each costs host-link time); "none".
 OFFLOAD = ("auto", "none", "optimizer", "parameters")
+# How the host's optimizer step under optimizer offload overlaps the device (codegen/hostopt.py,
+# docs/cost-model.md §9.1): "backward" (each bucket of parameters steps on the host as soon as
+# its gradients are complete, while backward goes on; the numbers of "none"), "delayed"
+# (ZeRO-Offload's delayed parameter update: the host step of step t runs during step t+1's
+# forward and backward, whose parameters are one update behind), or "none" (after backward).
+OFFLOAD_OVERLAP = ("backward", "delayed", "none")
 # Pipeline schedules, as torch.distributed.pipelining names its classes (docs/cost-model.md §10):
 # "GPipe" (every microbatch forward, then every backward), "1F1B" (one forward, one backward in
 # steady state: the same bubble, at most p - i microbatches of activations alive on stage i),
@@ -67,6 +73,8 @@ class PlanOptions:
     - ``recompute``: activation checkpointing of repeated layers (see RECOMPUTE).
     - ``zero``: gradient and optimizer-state sharding apart from the parameter (see ZERO).
     - ``offload``: optimizer state and step, or the parameters too, on the host (see OFFLOAD).
+    - ``offload_overlap``: how the host's optimizer step overlaps the device (see
+      OFFLOAD_OVERLAP); "delayed" changes the numbers (one update behind).
     - ``pipeline``: the mesh axis whose devices hold consecutive pipeline stages (cuts at the
       model's layer boundaries), None for no pipeline, or "auto" (``autoshard.plan`` plans
       without and over each axis, and keeps the fastest) (docs/cost-model.md §10).
@@ -88,6 +96,7 @@ class PlanOptions:
     recompute: str = "auto"
     zero: str = "auto"
     offload: str = "auto"
+    offload_overlap: str = "backward"
     pipeline: str | None = None
     schedule: str = "auto"
     microbatches: int | str = "auto"
@@ -128,6 +137,11 @@ class PlanOptions:
             raise AutoshardError(f"PlanOptions.zero is one of {ZERO}", got=repr(self.zero),
                                  fix="pass zero='auto' (the planner decides), 'none', 'zero1' "
                                      "or 'zero2'")
+        if self.offload_overlap not in OFFLOAD_OVERLAP:
+            raise AutoshardError(f"PlanOptions.offload_overlap is one of {OFFLOAD_OVERLAP}",
+                                 got=repr(self.offload_overlap),
+                                 fix="pass offload_overlap='backward' (the default), 'delayed' "
+                                     "(one update behind, faster) or 'none'")
         if self.offload not in OFFLOAD:
             raise AutoshardError(f"PlanOptions.offload is one of {OFFLOAD}",
                                  got=repr(self.offload),
@@ -175,6 +189,8 @@ class PlanOptions:
         out = dataclasses.asdict(self)
         if out["stage_run"] is None:      # the pipeline planner's own: not in plan files
             del out["stage_run"]
+        if out["offload_overlap"] == "backward":   # the default: plan files stay as they were
+            del out["offload_overlap"]
         return out
 
     @classmethod

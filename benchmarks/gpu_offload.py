@@ -16,6 +16,16 @@ script measures, on one GPU as rank 0 of a world of 1 (NCCL):
    liveness peak and its host bytes; and the losses of a few AdamW steps from one init against
    the eager model's (every plan must train as the model does).
 
+3. Llama-3-8B at the shapes of the offload issue's table (bf16-mixed through ``parallelize`` and
+   ``pm.optimizer(AdamW)``; 8 layers at batch 2 x 2048, 32 layers at 1 x 2048), each row under
+   a memory budget and an ``offload`` mode, and for optimizer offload under each
+   ``offload_overlap`` (codegen/hostopt.py): predicted step against the measured step (a whole
+   iteration, forward + backward + ``opt.step()``), the forward + backward and optimizer parts,
+   and the losses of the first steps: every overlap's equal to the unoverlapped run's
+   ("backward"), or to its documented recurrence ("delayed": the parameters one update behind,
+   so from one batch repeated its loss at step 2 is step 1's, at step 3 the plain run's step 2).
+   ``--llama none`` skips them.
+
     python benchmarks/gpu_offload.py --out benchmarks/RESULTS.md
 
 Needs a CUDA device; on a machine without one it says so and writes nothing.
@@ -39,7 +49,18 @@ from _results import (command, cuda_device, machine, revision, today,  # noqa: E
                       write_section)
 
 SECTION = "gpu-offload"
+LLAMA_SECTION = "gpu-offload-llama"
 MODES = ("none", "optimizer", "parameters")
+GiB = 2**30
+# The offload issue's table: (label, layers, batch, seq, memory budget, offload, overlaps).
+LLAMA_ROWS = (
+    ("Llama-3-8B / 8 layers, 80 GB", 8, 2, 2048, None, "none", ("backward",)),
+    ("Llama-3-8B / 8 layers, 20 GiB", 8, 2, 2048, 20 * GiB, "optimizer",
+     ("none", "backward", "delayed")),
+    ("Llama-3-8B / 8 layers, 8 GiB", 8, 2, 2048, 8 * GiB, "parameters", ("backward",)),
+    ("Llama-3-8B / 32 layers, one 80 GB GPU", 32, 1, 2048, None, "optimizer",
+     ("none", "backward", "delayed")),
+)
 
 
 def _timed(fn, device) -> float:
@@ -67,25 +88,35 @@ def host_link(device, sizes_mib=(4, 64, 256), reps: int = 10) -> list[dict]:
     return rows
 
 
-def host_adamw(numel: int = 50_000_000, reps: int = 5) -> dict:
-    """AdamW over ``numel`` fp32 parameters on the host, as ``pm.optimizer`` steps offloaded
-    state (its fused CPU kernel where torch has one): seconds and the bytes a step streams
-    (docs/cost-model.md §9: ADAM_STEP_BYTES an element) per second."""
-    from autoshard.codegen.optim import _fused_by_default
+def host_adamw(state_bytes: int = 2**30, reps: int = 5) -> dict:
+    """AdamW on the host over ``state_bytes`` of fp32 state (master and moments), beyond the
+    last-level cache, as optimizer offload steps it (codegen/hostopt.py: flat buckets, torch's
+    fused kernel, bf16 gradients converted on the fly): seconds and the bytes a step streams
+    in the model's terms (docs/cost-model.md §9: ADAM_STEP_BYTES an element) per second."""
+    from autoshard.codegen.hostopt import HostOptimizer
     from autoshard.cost.state import ADAM_STEP_BYTES
+    numel = state_bytes // 12
     p = torch.nn.Parameter(torch.randn(numel))
-    p.grad = torch.randn(numel)
-    fused = _fused_by_default(torch.optim.AdamW, {}, [p])
-    opt = torch.optim.AdamW([p], lr=1e-4, **({"fused": True} if fused else {}))
-    opt.step()
-    ts = []
-    for _ in range(reps):
+    g = torch.randn(numel).to(torch.bfloat16)
+    host = HostOptimizer(torch.optim.AdamW([p], lr=1e-4), "adam", [0], [p], [torch.float32],
+                         overlap="none", bucket_bytes=25 * 2**20, device=torch.device("cpu"))
+
+    def step() -> float:
+        host.land(0, g)
         t0 = time.perf_counter()
-        opt.step()
-        ts.append(time.perf_counter() - t0)
-    t = statistics.median(ts)
-    return {"numel": numel, "fused": fused, "threads": torch.get_num_threads(), "s": t,
+        host.start([], _dropped)
+        host.finish(_dropped)
+        return time.perf_counter() - t0
+
+    step()
+    t = statistics.median(step() for _ in range(reps))
+    host.close()
+    return {"numel": numel, "fused": True, "threads": torch.get_num_threads(), "s": t,
             "GB_s": numel * ADAM_STEP_BYTES / t / 1e9}
+
+
+def _dropped(key, new) -> None:
+    pass
 
 
 def gpt2_small(device, batch: int, seq: int):
@@ -171,6 +202,103 @@ def run_plan(device, mode: str, batch: int, seq: int, steps: int, loss_steps: in
     return out
 
 
+def llama(layers: int):
+    """Llama-3-8B's dims with ``layers`` layers, built without memory (parallelize materializes
+    each rank's shards on its device)."""
+    from autoshard.codegen.materialize import deferred_init
+    from autoshard.zoo.models import Llama, LlamaConfig
+    cfg = LlamaConfig(layers, 4096, 32, 8, 14336, vocab_size=128256, context=8192,
+                      rope_theta=500000.0)
+    with deferred_init():
+        return Llama(cfg)
+
+
+def run_llama(device, row: tuple, overlap: str, steps: int, loss_steps: int) -> dict:
+    """One row of LLAMA_ROWS under ``overlap``: the plan's prediction, the median iteration and
+    its parts, the first losses (one batch, repeated)."""
+    import autoshard
+    label, layers, batch, seq, budget, offload, _ = row
+    model = llama(layers)
+    inputs = model.example_inputs(batch, seq, device=device)
+    mesh = autoshard.Mesh((1,), ("x",), cluster="h100")
+    t0 = time.perf_counter()     # (planned on meta inputs, as the model's tensors are)
+    plan = autoshard.plan(model, model.example_inputs(batch, seq, device="meta"), mesh, model_name=f"llama3-8b-{layers}l",
+                          precision="bf16-mixed", memory_budget=budget, offload=offload,
+                          offload_overlap=overlap)
+    plan_s = time.perf_counter() - t0
+    pm = autoshard.parallelize(model, mesh, plan=plan, example_inputs=inputs, seed=0)
+    del model
+    opt = pm.optimizer(torch.optim.AdamW, lr=1e-5)
+    local = pm.shard_inputs(*inputs)
+    losses = []
+    for _ in range(loss_steps):
+        losses.append(pm.step(*local).item())
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize(device)
+    times = {"fb": [], "opt": [], "iter": []}
+    for i in range(steps + 2):
+        t0 = time.perf_counter()
+        a = _timed(lambda: pm.step(*local), device)
+        b = _timed(lambda: (opt.step(), opt.zero_grad()), device)
+        if i >= 2:
+            times["fb"].append(a)
+            times["opt"].append(b)
+            times["iter"].append(time.perf_counter() - t0)
+    opt.settle()
+    p = plan.predicted
+    out = {"label": label, "offload": offload, "overlap": overlap, "plan_s": plan_s,
+           "losses": losses, "median_s": {k: statistics.median(v) for k, v in times.items()},
+           "predicted": {k: p.get(k, 0.0) for k in ("step_time_s", "compute_s", "host_s",
+                                                    "optimizer_s", "host_step_s")},
+           "modes": {m: sum(1 for st in plan.param_state.values() if st.mode == m)
+                     for m in {st.mode for st in plan.param_state.values()}},
+           "peak_bytes": torch.cuda.max_memory_allocated(device)}
+    del pm, opt
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return out
+
+
+def loss_check(rows: list[dict]) -> dict[int, str]:
+    """Per row, the losses against the unoverlapped run of its label: equal ("backward"), or
+    the delayed update's recurrence (module docstring)."""
+    plain = {r["label"]: r["losses"] for r in rows if r["overlap"] == "none"}
+    out = {}
+    for i, r in enumerate(rows):
+        ref = plain.get(r["label"])
+        if ref is None or r["overlap"] == "none":
+            out[i] = "-"
+            continue
+        want = ref if r["overlap"] == "backward" else [ref[0], ref[0], *ref[1:]]
+        n = min(len(want), len(r["losses"]), 3)
+        diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"][:n], want[:n]))
+        out[i] = f"{diff:.1e} over {n} steps"
+    return out
+
+
+def render_llama(rows: list[dict]) -> str:
+    lines = ["## On one GPU: Llama-3-8B under offload, overlapped (the offload issue's table)", "",
+             f"- command: `{command('benchmarks/gpu_offload.py')}`",
+             f"- machine: {torch.cuda.get_device_name()}; {machine()}", f"- {revision()}",
+             f"- date: {today()}", "",
+             "| model, budget | offload (parameters by mode) | overlap | predicted step "
+             "(host step in the window) | measured iteration | fwd+bwd | opt.step() | "
+             "measured / predicted | losses against the unoverlapped run |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    checks = loss_check(rows)
+    for i, r in enumerate(rows):
+        p, m = r["predicted"], r["median_s"]
+        modes = ", ".join(f"{k or 'plain'} {v}" for k, v in sorted(r["modes"].items(),
+                                                                     key=lambda kv: str(kv[0])))
+        lines.append(f"| {r['label']} | {r['offload']} ({modes}) | {r['overlap']} | "
+                     f"{p['step_time_s'] * 1e3:.0f} ({p['host_step_s'] * 1e3:.0f}) | "
+                     f"{m['iter'] * 1e3:.0f} | {m['fb'] * 1e3:.0f} | {m['opt'] * 1e3:.0f} | "
+                     f"{m['iter'] / p['step_time_s']:.2f} | {checks[i]} |")
+    return "\n".join(lines) + "\n"
+
+
 def render(args, link: list[dict], adamw: dict, rows: list[dict], eager: list[float],
            wall_s: float) -> str:
     from autoshard.cluster import Cluster
@@ -188,7 +316,7 @@ def render(args, link: list[dict], adamw: dict, rows: list[dict], eager: list[fl
         lines.append(f"| {mib} | {get[True, 'h2d']:.1f} | {get[True, 'd2h']:.1f} | "
                      f"{get[False, 'h2d']:.1f} | {get[False, 'd2h']:.1f} |")
     lines += ["", f"**AdamW on the host** ({adamw['numel'] / 1e6:.0f}M fp32 parameters, "
-              f"{'fused' if adamw['fused'] else 'foreach'} kernel, {adamw['threads']} threads): "
+              f"codegen/hostopt.py's fused step, bf16 gradients, {adamw['threads']} threads): "
               f"{adamw['s'] * 1e3:.1f} ms a step, {adamw['GB_s']:.1f} GB/s of the bytes a step "
               f"streams, against the preset's {c.host_mem_bandwidth / 1e9:.1f} GB/s of host "
               "memory bandwidth per GPU.", "",
@@ -240,6 +368,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--loss-steps", type=int, default=4)
+    ap.add_argument("--llama", choices=("all", "none"), default="all",
+                    help="the Llama-3-8B rows of the offload issue's table")
     args = ap.parse_args(argv)
     device = cuda_device("benchmarks/gpu_offload.py")
     if device is None:
@@ -256,21 +386,32 @@ def main(argv=None) -> int:
     os.environ.setdefault("MASTER_PORT", "29534")
     import torch.distributed as dist
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
-    rows = []
+    rows, llama_rows = [], []
     try:
         for mode in MODES:
             rows.append(run_plan(device, mode, args.batch, args.seq, args.steps,
                                  args.loss_steps))
             print(json.dumps(rows[-1], default=str), flush=True)
+        for row in (LLAMA_ROWS if args.llama == "all" else ()):
+            for overlap in row[-1]:
+                llama_rows.append(run_llama(device, row, overlap, args.steps,
+                                            args.loss_steps))
+                print(json.dumps(llama_rows[-1], default=str), flush=True)
     finally:
         dist.destroy_process_group()
     text = render(args, link, adamw, rows, eager, time.perf_counter() - t_start)
     print(text)
     if args.json:
         Path(args.json).write_text(json.dumps({"link": link, "adamw": adamw, "rows": rows,
-                                               "eager": eager}, indent=1, default=str))
+                                               "eager": eager, "llama": llama_rows},
+                                              indent=1, default=str))
     if args.out:
         write_section(args.out, SECTION, text)
+    if llama_rows:
+        text = render_llama(llama_rows)
+        print(text)
+        if args.out:
+            write_section(args.out, LLAMA_SECTION, text)
     return 0
 
 

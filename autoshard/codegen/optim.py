@@ -48,6 +48,7 @@ from typing import Any, Callable
 
 import torch
 
+from autoshard.codegen import hostopt
 from autoshard.codegen.collectives import apply_steps
 from autoshard.cost.comm import reshard
 from autoshard.cost.state import HOST_MODES, SCATTERS
@@ -154,6 +155,8 @@ class ShardedOptimizer:
             kwargs = {**kwargs, "fused": True}
         self.optimizer = optimizer_cls([e.master for e in self.entries], **kwargs)
         _OWNED.add(self.optimizer)
+        # The optimizer-offloaded masters' fused host step, overlapped (codegen/hostopt.py).
+        self.host = hostopt.attach(self)
 
     # -- the torch.optim surface ---------------------------------------------------------------
     @property
@@ -165,10 +168,18 @@ class ShardedOptimizer:
         return self.optimizer.state
 
     def state_dict(self) -> dict:
+        self.settle()
         return self.optimizer.state_dict()
 
     def load_state_dict(self, sd: dict) -> None:
+        self.settle()
         self.optimizer.load_state_dict(sd)
+
+    def settle(self) -> None:
+        """Finish a host step still running (``offload_overlap="delayed"``, codegen/hostopt.py)
+        and write its parameters back, so that the state and the parameters agree."""
+        if self.host is not None:
+            self.host.flush(self._write_back)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.pm.zero_grad(set_to_none=set_to_none)
@@ -184,6 +195,7 @@ class ShardedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.settle()         # the delayed host step, before anything reads the masters
         self._recut_masters()
         # The casts between 16-bit parameters and their fp32 masters, grouped into one
         # multi-tensor copy each way where the two sit on the same device (one kernel launch per
@@ -194,6 +206,9 @@ class ShardedOptimizer:
             e.master.grad = None
         ledger, host = self.pm.runtime.ledger, self.pm.runtime.host
         host.settle()        # copies over the host link still in flight (codegen/hostlink.py)
+        if self.host is not None:       # stepped on the host while the rest steps here
+            self.host.start([(e, g) for e, g in grads if self.host.owns(e)], self._write_back)
+            grads = [(e, g) for e, g in grads if not self.host.owns(e)]
         # Offload: the gradient shard goes down to the host in its own dtype (cast there).
         for i, (e, g) in enumerate(grads):
             if e.mode == "offload":
@@ -220,28 +235,34 @@ class ShardedOptimizer:
         if plain:
             torch._foreach_copy_([e.param for e in plain], [e.master.detach() for e in plain])
         done = {id(e) for e in plain}
-        device = self.pm.runtime.device
         for e in stepped:
             if id(e) not in done:
-                new = e.master.detach()
-                if e.mode in HOST_MODES:
-                    # Cast on the host; up the link only what the device needs: offload's
-                    # updated shard, or parameter offload's shard to be gathered.
-                    new = new.to(e.param.dtype)
-                    if e.mode == "offload" or e.gather:
-                        ledger.add_host("h2d", new, "optimizer", "optimizer", e.placeholder)
-                        new = host.up(new, e.placeholder, device)
-                else:
-                    new = new.to(e.param.device, e.param.dtype)
-                if e.gather:
-                    new = apply_steps(new, e.gather, self.pm.groups, ledger=ledger,
-                                      phase="optimizer", node="optimizer")
-                    if e.mode == "offload_params":     # the gathered parameter to its host copy
-                        ledger.add_host("d2h", new, "optimizer", "optimizer", e.placeholder)
-                        new = new.to(e.param.device)
-                e.param.copy_(new)
+                self._write_back(e, e.master.detach())
             e.seen = e.param._version
+        if self.host is not None:
+            self.host.finish(self._write_back)
         return loss
+
+    def _write_back(self, e: _Entry, new: torch.Tensor) -> None:
+        """The updated master ``new`` of ``e`` into its parameter."""
+        ledger = self.pm.runtime.ledger
+        if e.mode in HOST_MODES:
+            # Cast on the host; up the link only what the device needs: offload's updated
+            # shard, or parameter offload's shard to be gathered.
+            new = new.to(e.param.dtype)
+            if e.mode == "offload" or e.gather:
+                ledger.add_host("h2d", new, "optimizer", "optimizer", e.placeholder)
+                new = self.pm.runtime.host.up(new, e.placeholder, self.pm.runtime.device)
+        else:
+            new = new.to(e.param.device, e.param.dtype)
+        if e.gather:
+            new = apply_steps(new, e.gather, self.pm.groups, ledger=ledger,
+                              phase="optimizer", node="optimizer")
+            if e.mode == "offload_params":     # the gathered parameter to its host copy
+                ledger.add_host("d2h", new, "optimizer", "optimizer", e.placeholder)
+                new = new.to(e.param.device)
+        e.param.copy_(new)
+        e.seen = e.param._version
 
     # -- torch.distributed.checkpoint (module docstring) -------------------------------------
     def sharded_state_dict(self) -> dict[str, Any]:
@@ -252,6 +273,7 @@ class ShardedOptimizer:
         the dict then holds zero-filled state as the first step would create it, which
         ``load_sharded_state_dict`` installs (Adam's and AdamW's first step from it equals the
         first step from none)."""
+        self.settle()
         return {key: target for key, _, _, target in self._layout()}
 
     def load_sharded_state_dict(self, sd: Any) -> None:
@@ -261,6 +283,7 @@ class ShardedOptimizer:
         before or after): an fp32 parameter's master kept apart is cut from the parameter again,
         here and at the next step if the parameter changed since. Every entry is checked before
         any is written, so a refused ``sd`` leaves the optimizer as it was."""
+        self.settle()
         from torch.distributed.tensor import DTensor
         layout = self._layout()
         want = {key for key, *_ in layout}

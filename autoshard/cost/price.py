@@ -246,7 +246,11 @@ class Pricer:
 
     def backward(self, name: str, strategy: Strategy) -> float:
         """The window gradient syncs hide behind: the backward part of :meth:`compute`, times
-        the share of it a collective can overlap on this cluster (``Cluster.comm_overlap``)."""
+        the share of it a collective can overlap on this cluster (``Cluster.comm_overlap``).
+        A parameter whose offloaded host step runs in that window (:meth:`offload_step_seconds`)
+        takes its seconds out of it: the ILP's window is ``w >= sync + host - backward``."""
+        if self._nodes[name].op == "placeholder":
+            return -self.offload_step_seconds(name, strategy)[1]
         return self.times(name, strategy)[1] * self.mesh.cluster.comm_overlap
 
     def times(self, name: str, strategy: Strategy) -> tuple[float, float]:
@@ -281,25 +285,49 @@ class Pricer:
         with offload the gradient shard down and the updated shard up the host link. Under
         parameter offload the gradient is on the host already; a shard of a replicated
         parameter goes up to be all-gathered, and the gathered parameter comes back down to its
-        host copy (:meth:`host_steps`). The all-gather of the updated shards is a collective
+        host copy (:meth:`host_steps`). Under optimizer offload, the blocking part of
+        :meth:`offload_step_seconds`. The all-gather of the updated shards is a collective
         (:meth:`optimizer_steps`)."""
         ph = self.traced.placeholder(name)
         opt = self.options.state_optimizer
         if ph.kind != "param" or opt == "none" or name in self.tied_to:
             return 0.0
         spec, mode = strategy.outputs[0], strategy.kernel
+        if mode == "offload":
+            return self.offload_step_seconds(name, strategy)[0]
         n = step_elements(ph.info.shape, spec, mode, self.mesh.shape)
         per = SGD_STEP_BYTES if opt == "sgd" else ADAM_STEP_BYTES
         c = self.mesh.cluster
-        if mode == "offload":
-            t = n * per / c.host_mem_bandwidth + 2 * n * ph.info.dtype.itemsize / c.host_bandwidth
-        elif mode == "offload_params":
+        if mode == "offload_params":
             t = n * per / c.host_mem_bandwidth + sum(
                 b for _, b in self.host_steps(name, strategy)) / c.host_bandwidth
         else:
             casts = MASTER_CAST_BYTES if ph.info.dtype.itemsize < 4 else 0
             t = n * (per + casts) / c.mem_bandwidth
         return t * self.step_share
+
+    def offload_step_seconds(self, name: str, strategy: Strategy) -> tuple[float, float]:
+        """Optimizer offload's host step of one parameter (docs/cost-model.md §9.1), as
+        (blocking, overlapped) seconds: its state shard's update streamed at the host's memory
+        bandwidth, its gradient shard down and the updated shard up the host link. Under
+        ``PlanOptions.offload_overlap`` "backward" or "delayed" (codegen/hostopt.py) all of it
+        runs on the host while the device computes: it is work in the overlap window of §7
+        (beside the gradient buckets' sync), which the step pays only where backward compute
+        cannot hide it; under "none" it blocks, and on a pipeline's stages too (the runtime
+        lands their gradients at the step, after every microbatch). (0, 0) for any other
+        mode."""
+        ph = self.traced.placeholder(name)
+        opt = self.options.state_optimizer
+        mode = strategy.kernel
+        if ph.kind != "param" or opt == "none" or name in self.tied_to or mode != "offload":
+            return 0.0, 0.0
+        n = step_elements(ph.info.shape, strategy.outputs[0], mode, self.mesh.shape)
+        c = self.mesh.cluster
+        t = (n * (SGD_STEP_BYTES if opt == "sgd" else ADAM_STEP_BYTES) / c.host_mem_bandwidth
+             + 2 * n * ph.info.dtype.itemsize / c.host_bandwidth) * self.step_share
+        if self.options.offload_overlap == "none" or self.options.stage_run is not None:
+            return t, 0.0
+        return 0.0, t
 
     def host_steps(self, name: str, strategy: Strategy) -> list[tuple[str, int]]:
         """The host-link copies of one parameter's optimizer step, as (direction, bytes):

@@ -9,6 +9,8 @@
                       needs r (z is 1 exactly then, for integral x)
     w >= 0            the overlap window's exposed seconds (cost/overlap.py):
                       w >= sum n*sync*e + sum n*sync*z - sum n*backward*x
+                      (a decision's backward is negative where it puts work in the window:
+                      an offloaded host step, cost/price.py offload_step_seconds)
     minimise   sum n*cost*x + sum n*cost*e + sum n*cost*z + w
     subject to sum n*memory*x + sum n*memory*e + sum n*memory*z <= budget
                sum n*host*x <= host budget      (where strategies offload state to the host)
@@ -242,7 +244,8 @@ class _Model:
                 for f in flows:
                     s.Add(z >= f[o][r])
                 charge(item, o, r, z)
-        if sync:
+        # (a negative backward is work in the window: an offloaded host step, cost/price.py)
+        if sync or any(b < 0 for dec in problem.decisions for b in dec.backward):
             w = s.NumVar(0.0, s.infinity(), "exposed")
             self.n_aux += 1
             backward = [US * dec.backward[i] * dec.multiplicity * v

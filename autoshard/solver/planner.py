@@ -820,7 +820,7 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
     pricer = Pricer(traced, mesh, options, recompute=recompute, joint=joint)
     nodes = [n for n in graph.nodes if n.name in strategies]
     params = {p.name: p.fqn for p in traced.params}
-    compute_s = memory = backward_s = optimizer_s = 0.0
+    compute_s = memory = backward_s = optimizer_s = host_step_s = 0.0
     state = StateBytes()
     for n in nodes:
         price = pricer.node(n.name, strategies[n.name])
@@ -830,6 +830,7 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
         if n.op == "placeholder":
             state += pricer.state_bytes(n.name, strategies[n.name])
             optimizer_s += pricer.optimizer_seconds(n.name, strategies[n.name])
+            host_step_s += pricer.offload_step_seconds(n.name, strategies[n.name])[1]
     memory += pricer.saved_copies(strategies)
     edges = list(reshard_edges(graph, strategies, mesh.shape, pricer.shapes, set(params),
                                training=traced.training, joint=joint))
@@ -891,8 +892,16 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
         / mesh.cluster.host_bandwidth * pricer.step_share
     # One overlap window (cost/overlap.py): the buckets run behind backward compute; what does
     # not fit is exposed, shared over the axes by their sync seconds.
+    # Offloaded host steps run in the same window (cost/price.py offload_step_seconds; each
+    # took its seconds out of ``backward_s``, as in the ILP): what they add to the exposed part
+    # is the optimizer step's, on the critical path as its blocking part is (in compute).
     total_sync = sum(sync.values())
-    hidden_frac = 1.0 - exposed_seconds(total_sync, backward_s) / total_sync if total_sync else 1.0
+    window = backward_s + host_step_s
+    comm_exposed = exposed_seconds(total_sync, window)
+    host_exposed = exposed_seconds(total_sync + host_step_s, window) - comm_exposed
+    optimizer_s += host_exposed
+    compute_s += host_exposed
+    hidden_frac = 1.0 - comm_exposed / total_sync if total_sync else 1.0
     overlapped = {a: t * hidden_frac for a, t in sync.items()}
     exposed = {a: blocking[a] + sync[a] - overlapped[a] for a in mesh.axes}
     comm_s = sum(blocking.values()) + total_sync
@@ -919,6 +928,7 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
                    "compute_s": compute_s, **({"host_s": host_s} if host_s else {}),
                    "comm_s": comm_s, "peak_memory_bytes": memory,
                    "optimizer_s": optimizer_s, "peak_phase": live.phase,
+                   **({"host_step_s": host_step_s} if host_step_s else {}),
                    "memory": {"peak": live.peak, "parameters": live.parameters,
                               "gradients": live.gradients, "optimizer": live.optimizer,
                               "activations": live.activations, "temporaries": live.temporaries,
