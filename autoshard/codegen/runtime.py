@@ -6,14 +6,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from autoshard.codegen.collectives import Ledger, apply_steps
 from autoshard.codegen.groups import MeshGroups
-from autoshard.codegen.optim import contiguous_stride, dtensor_in_place, refuse_strided
+from autoshard.codegen.optim import _slice, contiguous_stride, dtensor_in_place, refuse_strided
 from autoshard.codegen.rewrite import RankRuntime, emit
 from autoshard.cost.comm import reshard
 from autoshard.errors import AutoshardError
@@ -65,6 +65,7 @@ class ParallelModule(torch.nn.Module):
         self._specs: dict[str, Spec] = {}
         self._names: list[str] = []          # placeholder order, params/buffers/constants
         self.params = torch.nn.ParameterDict()
+        self._views: dict[str, torch.nn.Parameter] = {}      # fqn -> DTensor view (named_parameters)
         self._buffers_local: dict[str, torch.Tensor] = {}
         self.fqns: list[str] = []
         strategies = plan.strategies()
@@ -211,10 +212,13 @@ class ParallelModule(torch.nn.Module):
         if self.pipeline is not None:
             self._check_local(local_args)
             self.runtime.ledger.clear()
-            return self.pipeline.step(*local_args)
-        loss = self(*local_args)
-        loss.backward()
-        return loss.detach()
+            loss = self.pipeline.step(*local_args)
+        else:
+            loss = self(*local_args)
+            loss.backward()
+            loss = loss.detach()
+        self._publish_grads()
+        return loss
 
     def gather_output(self, local: torch.Tensor) -> torch.Tensor:
         out = next(n for n in self.plan.nodes if n.name == self._output_node())
@@ -246,9 +250,73 @@ class ParallelModule(torch.nn.Module):
         return ShardedOptimizer(self, optimizer_cls, **kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none=set_to_none)
+        """As ``torch.nn.Module.zero_grad``, of the local shards, the gradient shards the
+        buckets hold (ZeRO-2, offload) and the DTensor views."""
+        for p in self.params.values():
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_().zero_()
         if self.runtime.buckets is not None:
             self.runtime.buckets.shards.clear()
+        self._publish_grads()
+
+    # -- parameters as torch's own utilities take them -----------------------------------------
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """The model's parameters (this rank's stage's, on a pipeline) under their own names, as
+        DTensors of their global shapes with the plan's placements on the mesh, as FSDP2 and
+        torch's tensor parallel modules give them. Each one's data is this rank's shard itself
+        (``local_parameters()``), and its ``.grad`` this rank's gradient as a DTensor laid out
+        as it is held: with the parameter, or, where a bucket reduce-scatters it apart (ZeRO-2,
+        offload), as the optimizer state's shard. So torch's own ``clip_grad_norm_``,
+        ``clip_grad_value_`` and ``get_total_norm`` reduce over the mesh and return what one
+        device returns, and clip in place what the optimizer then reads. The gradients are
+        brought up to date by ``pm.step``, ``zero_grad`` and each call of this method."""
+        views = [(prefix + fqn, self._view(fqn)) for fqn in self.fqns]
+        self._publish_grads()
+        yield from views
+
+    def _view(self, fqn: str) -> torch.nn.Parameter:
+        view = self._views.get(fqn)
+        if view is None:
+            p = self.local_parameters()[fqn]
+            spec = self._specs[self._param_ph[fqn]]
+            shape = tuple(self.traced.placeholder(self._param_ph[fqn]).info.shape)
+            data = dtensor_in_place(p.detach(), self.groups.device_mesh,
+                                    _dtensor_placements(spec), shape)
+            view = self._views[fqn] = torch.nn.Parameter(data, requires_grad=p.requires_grad)
+            if fqn in self.plan.param_state:
+                from autoshard.codegen.optim import watch
+                watch([view])
+        return view
+
+    def _publish_grads(self) -> None:
+        """Each DTensor view's ``.grad``: this rank's gradient, the tensor itself (so clipping it
+        in place clips what the optimizer reads). A gradient split between ``.grad`` (reads of
+        the parameter outside its bucket) and a bucket's shard is summed into the shard first,
+        as the optimizer would sum it."""
+        shards = self.runtime.buckets.shards if self.runtime.buckets is not None else {}
+        for fqn, view in self._views.items():
+            p, ph = self.local_parameters()[fqn], self._param_ph[fqn]
+            g, spec = p.grad, self._specs[ph]
+            if ph in shards:
+                st = self.plan.param_state[fqn]
+                dim, cut = _grad_cut(spec, st.grad, self.groups)
+                if g is not None:
+                    shards[ph].add_(_slice(g.to(shards[ph].device), dim, cut))
+                    p.grad = None
+                g, spec_grad = shards[ph], st.grad
+            else:
+                spec_grad = spec
+            if g is None:
+                view.grad = None
+            elif view.grad is None or view.grad._local_tensor is not g:
+                view.grad = dtensor_in_place(g, self.groups.device_mesh,
+                                             _grad_placements(spec, spec_grad, self.groups),
+                                             tuple(view.shape))
 
     def local_grads(self) -> dict[str, torch.Tensor]:
         """Each parameter's gradient in its stored layout on this rank: ``.grad``, plus, where a
@@ -351,9 +419,24 @@ def _key(fqn: str) -> str:
 
 
 def _dtensor_placements(spec: Spec):
+    """DTensor placements of a parameter kept as ``spec``. A strided shard (a fused projection)
+    is ``Shard`` of its dim here: the same elements per rank, so norms and elementwise ops are
+    exact; its offsets are not, which is why DCP refuses it (optim.refuse_strided)."""
     from torch.distributed.tensor import Replicate as DR, Shard as DS
     from autoshard.ir import Shard
     return [DS(p.dim) if isinstance(p, Shard) else DR() for p in spec]
+
+
+def _grad_cut(spec: Spec, grad: Spec, groups: MeshGroups):
+    from autoshard.codegen.optim import _cut
+    return _cut(spec, grad, groups.shape, groups.coords)
+
+
+def _grad_placements(spec: Spec, grad: Spec, groups: MeshGroups) -> tuple:
+    if grad == spec:
+        return tuple(_dtensor_placements(spec))
+    from autoshard.codegen.optim import _placements
+    return _placements(spec, grad, groups.shape)
 
 
 def parallelize(model: torch.nn.Module, mesh: Any, *, plan: Plan | str | Path | None = None,
