@@ -1,6 +1,7 @@
-"""The training loop people write (AdamW, warmup + cosine LambdaLR, global-norm clipping,
-accumulation over micro-batches), run on one rank through a ParallelModule and, beside it, on the
-single-device model; used by tests/test_training_loop.py (module level, so it pickles)."""
+"""The training loop people write (AdamW, warmup + cosine LambdaLR, global-norm clipping with
+torch's own clip_grad_norm_, accumulation over micro-batches), run on one rank through a
+ParallelModule and beside it on the single-device model. Used by tests/test_training_loop.py;
+module level, so the world's ranks unpickle it by reference."""
 from __future__ import annotations
 
 import math
@@ -22,55 +23,60 @@ def warmup_cosine(warmup: int, total: int):
 def micro_batch(inputs: tuple, step: int, micro: int) -> tuple:
     """Inputs shaped like ``inputs``, drawn anew per (step, micro-batch), the same on every rank."""
     g = torch.Generator().manual_seed(1000 * step + micro)
-    out = []
-    for t in inputs:
-        if t.is_floating_point():
-            out.append(torch.randn(t.shape, generator=g, dtype=t.dtype))
-        else:
-            hi = int(t.max()) + 1
-            out.append(torch.randint(0, hi, t.shape, generator=g, dtype=t.dtype))
-    return tuple(out)
+    return tuple(torch.randn(t.shape, generator=g, dtype=t.dtype) if t.is_floating_point()
+                 else torch.randint(0, int(t.max()) + 1, t.shape, generator=g, dtype=t.dtype)
+                 for t in inputs)
 
 
-def _loop(model, opt, step_fn, params_fn, inputs, steps: int, micro: int):
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(2, steps))
+def run_steps(opt, sched, step_fn, params_fn, inputs, steps: range, micro: int):
+    """Optimizer steps ``steps`` of ``micro`` micro-batches each: (losses, norms before clip)."""
     losses, norms = [], []
-    for s in range(steps):
-        loss = 0.0
-        for m in range(micro):
-            loss += float(step_fn(micro_batch(inputs, s, m)))
+    for s in steps:
+        losses.append(sum(float(step_fn(micro_batch(inputs, s, m))) for m in range(micro)))
         norm = torch.nn.utils.clip_grad_norm_(params_fn(), CLIP)
+        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
         opt.step()
         sched.step()
         opt.zero_grad()
-        losses.append(loss)
-        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
     return losses, norms
 
 
-def train_loop(model_name: str, plan_json: str, steps: int = 8, micro: int = 2, *,
-               offload_frozen: bool = False):
-    """Losses, gradient norms (before clipping) and final weights of ``steps`` optimizer steps
-    of ``micro`` micro-batches each, under the plan and on one device: (parallel, single)."""
+def parallel(model_name: str, plan_json: str, seed: int = 0):
+    """(pm, its optimizer and scheduler, the example inputs) for ``plan_json`` on this rank."""
     from autoshard import Mesh, Plan
     from autoshard.codegen.runtime import parallelize
-    from autoshard.loss import as_loss_module
     from autoshard.verify import build
     plan = Plan.loads(plan_json)
-    model, inputs = build(model_name, None, None, 0)
-    ref = as_loss_module(build(model_name, None, None, 0)[0])
+    model, inputs = build(model_name, None, None, seed)
     pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan,
                      example_inputs=inputs)
     opt = pm.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
-    got = _loop(pm, opt, lambda b: pm.step(*pm.shard_inputs(*b)), pm.parameters, inputs,
-                steps, micro)
+    return pm, opt, torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(2, 8)), inputs
 
-    def ref_step(b):
-        loss = ref(*b)
+
+def pm_step(pm):
+    return lambda batch: pm.step(*pm.shard_inputs(*batch))
+
+
+def single_device(model_name: str, steps: int, micro: int):
+    """The same loop on the single-device model: (losses, norms), its parameters by name."""
+    from autoshard.loss import as_loss_module
+    from autoshard.verify import build
+    ref = as_loss_module(build(model_name, None, None, 0)[0])
+    inputs = build(model_name, None, None, 0)[1]
+
+    def step(batch):
+        loss = ref(*batch)
         loss.backward()
         return loss.detach()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
-    want = _loop(ref, ref_opt, ref_step, ref.parameters, inputs, steps, micro)
-    full = pm.full_state_dict()
-    ref_sd = {n.removeprefix("model."): p.detach() for n, p in ref.named_parameters()}
-    return got, want, full, ref_sd
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(2, 8))
+    out = run_steps(opt, sched, step, ref.parameters, inputs, range(steps), micro)
+    return out, {n.removeprefix("model."): p.detach() for n, p in ref.named_parameters()}
+
+
+def train_loop(model_name: str, plan_json: str, steps: int = 8, micro: int = 2):
+    """The loop under the plan and on one device: ((losses, norms), full weights) of each."""
+    pm, opt, sched, inputs = parallel(model_name, plan_json)
+    got = run_steps(opt, sched, pm_step(pm), pm.parameters, inputs, range(steps), micro)
+    return got, pm.full_state_dict(), *single_device(model_name, steps, micro)

@@ -95,6 +95,13 @@ class ParallelModule(torch.nn.Module):
                 self._buffers_local[ph.name] = local_shard(model, ph.name, const, spec, *here)
         self._param_ph = {ph.fqn: ph.name for ph in traced.params
                           if bound is None or ph.name in bound}
+        # A tied parameter's other names (full_state_dict carries them, as state_dict() does).
+        from autoshard.trace.export import parameter_aliases
+        self._aliases = {a: c for a, c in parameter_aliases(model).items() if a != c}
+        # Buffers a state dict holds (not the non-persistent ones, e.g. rotary frequencies).
+        saved = set(model.state_dict(keep_vars=True))
+        self._saved_buffers = {ph.name for ph in traced.placeholders
+                               if ph.kind == "buffer" and ph.fqn in saved}
         # fqn -> this rank's fp32 shard of a weight the step runs in bf16 (bf16-mixed): the
         # optimizer's master starts from it (codegen/optim.py takes it).
         self.master_source: dict[str, torch.Tensor] = {}
@@ -344,12 +351,16 @@ class ParallelModule(torch.nn.Module):
                                     for fqn, g in self.local_grads().items()})
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's ``state_dict()``: every parameter and buffer whole, a tied parameter
+        under each of its names (as ``model.state_dict()`` has it). Collective."""
         out = {fqn: self._full(fqn, p) for fqn, p in self.local_parameters().items()}
-        for ph in self.traced.placeholders:
-            if ph.kind == "buffer" and ph.name in self._buffers_local:
+        for ph in self._state_placeholders():
+            if ph.kind == "buffer":
                 out[ph.fqn] = self._gather(self._buffers_local[ph.name], self._specs[ph.name],
                                            ph.info.shape)
-        return self._across_stages(out)
+        out = self._across_stages(out)
+        out.update({alias: out[fqn] for alias, fqn in self._aliases.items() if fqn in out})
+        return out
 
     def _across_stages(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """On a pipeline, every stage's tensors on every rank (each stage holds its own)."""
@@ -363,18 +374,42 @@ class ParallelModule(torch.nn.Module):
             out.update({k: v.to(self.pipeline.device) for k, v in part.items() if k not in out})
         return out
 
-    def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        missing = [f for f in self.fqns if f not in sd]
+    def _state_placeholders(self) -> list[Any]:
+        """The placeholders of this rank's parameters and buffers (its stage's, on a pipeline)."""
+        return [ph for ph in self.traced.placeholders
+                if (ph.kind == "param" and ph.fqn in self._param_ph)
+                or (ph.kind == "buffer" and ph.name in self._buffers_local
+                    and ph.name in self._saved_buffers)]
+
+    def _check_state(self, sd: dict[str, Any], what: str, fix: str) -> None:
+        """Every parameter and buffer of this rank is in ``sd`` with its global shape, before
+        anything is written; else an error naming the offending tensors."""
+        phs = self._state_placeholders()
+        missing = [ph.fqn for ph in phs if ph.fqn not in sd]
         if missing:
-            raise AutoshardError("a full state dict with every parameter of the model",
-                                 got=f"missing {missing[:5]}", fix="pass model.state_dict()")
+            raise AutoshardError(f"{what} with every parameter and buffer of the model",
+                                 got=f"{len(missing)} missing: {', '.join(missing[:5])}", fix=fix)
+        for ph in phs:
+            v = sd[ph.fqn]
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(ph.info.shape):
+                got = (f"shape {tuple(v.shape)}" if isinstance(v, torch.Tensor)
+                       else type(v).__name__)
+                raise AutoshardError(f"{ph.fqn} of shape {tuple(ph.info.shape)} in {what}",
+                                     got=got, fix=fix)
+
+    def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load ``model.state_dict()`` (or ``full_state_dict()``): each rank keeps its shard of
+        every parameter and buffer. Names and shapes are checked first (``strict``: every one
+        of this rank's tensors present, whole)."""
+        self._check_state(sd, "a full state dict", "pass model.state_dict() of the same model")
         self.runtime.host.settle()      # no copy of a host parameter still in flight
         with torch.no_grad():
             for fqn, p in self.local_parameters().items():
                 p.copy_(self._shard(sd[fqn], self._specs[self._param_ph[fqn]]))
-            for ph in self.traced.placeholders:
-                if ph.kind == "buffer" and ph.fqn in sd:
-                    self._buffers_local[ph.name] = self._shard(sd[ph.fqn], self._specs[ph.name])
+            for ph in self._state_placeholders():
+                if ph.kind == "buffer":
+                    self._buffers_local[ph.name].copy_(self._shard(sd[ph.fqn],
+                                                                   self._specs[ph.name]))
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """Parameters as DTensors on the torch DeviceMesh, for torch.distributed.checkpoint
@@ -394,13 +429,29 @@ class ParallelModule(torch.nn.Module):
             out[fqn] = DTensor.from_local(p.detach(), self.groups.device_mesh, placements,
                                           run_check=False, shape=torch.Size(ph.info.shape),
                                           stride=contiguous_stride(ph.info.shape))
+        for ph in self._state_placeholders():        # buffers (BatchNorm's running statistics)
+            if ph.kind == "buffer":
+                refuse_strided(ph.fqn, self._specs[ph.name])
+                out[ph.fqn] = dtensor_in_place(self._buffers_local[ph.name],
+                                               self.groups.device_mesh,
+                                               _dtensor_placements(self._specs[ph.name]),
+                                               tuple(ph.info.shape))
         return out
 
     def load_sharded_state_dict(self, sd: dict[str, Any]) -> None:
+        """Copy ``sd`` (``pm.sharded_state_dict()`` filled by ``dcp.load``, saved under any
+        plan) into this rank's parameters and buffers; names and global shapes are checked
+        first."""
+        self._check_state(sd, "a sharded state dict",
+                          "fill pm.sharded_state_dict() with torch.distributed.checkpoint.load "
+                          "from a checkpoint of the same model, and pass it")
         self.runtime.host.settle()
         with torch.no_grad():
             for fqn, p in self.local_parameters().items():
                 p.copy_(sd[fqn].to_local())
+            for ph in self._state_placeholders():
+                if ph.kind == "buffer":
+                    self._buffers_local[ph.name].copy_(sd[ph.fqn].to_local())
 
     @property
     def ledger(self) -> Ledger:
