@@ -41,8 +41,12 @@ def run_steps(opt, sched, step_fn, params_fn, inputs, steps: range, micro: int):
     return losses, norms
 
 
+def schedule(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(2, 8))
+
+
 def parallel(model_name: str, plan_json: str, seed: int = 0):
-    """(pm, its optimizer and scheduler, the example inputs) for ``plan_json`` on this rank."""
+    """(pm, its AdamW, the example inputs) for ``plan_json`` on this rank."""
     from autoshard import Mesh, Plan
     from autoshard.codegen.runtime import parallelize
     from autoshard.verify import build
@@ -50,8 +54,7 @@ def parallel(model_name: str, plan_json: str, seed: int = 0):
     model, inputs = build(model_name, None, None, seed)
     pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan,
                      example_inputs=inputs)
-    opt = pm.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
-    return pm, opt, torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(2, 8)), inputs
+    return pm, pm.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD), inputs
 
 
 def pm_step(pm):
@@ -70,13 +73,12 @@ def single_device(model_name: str, steps: int, micro: int):
         loss.backward()
         return loss.detach()
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(2, 8))
-    out = run_steps(opt, sched, step, ref.parameters, inputs, range(steps), micro)
+    out = run_steps(opt, schedule(opt), step, ref.parameters, inputs, range(steps), micro)
     return out, {n.removeprefix("model."): p.detach() for n, p in ref.named_parameters()}
 
 
 def train_loop(model_name: str, plan_json: str, steps: int = 8, micro: int = 2):
     """The loop under the plan and on one device: ((losses, norms), full weights) of each."""
-    pm, opt, sched, inputs = parallel(model_name, plan_json)
-    got = run_steps(opt, sched, pm_step(pm), pm.parameters, inputs, range(steps), micro)
+    pm, opt, inputs = parallel(model_name, plan_json)
+    got = run_steps(opt, schedule(opt), pm_step(pm), pm.parameters, inputs, range(steps), micro)
     return got, pm.full_state_dict(), *single_device(model_name, steps, micro)

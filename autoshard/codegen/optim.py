@@ -188,6 +188,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise AutoshardError(f"state for the {len(mine)} parameters this optimizer steps",
                                  got=f"state for {len(saved)}", fix=fix)
         self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != LAYOUT_KEY})
+        # (torch's load_state_dict builds new groups and state: share them again)
+        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.pm.zero_grad(set_to_none=set_to_none)
@@ -203,6 +205,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        held = self.pm.held_grads()
+        if held:
+            raise AutoshardError(
+                "gradients synced before the optimizer steps",
+                got=f"{len(held)} held unsynced by pm.no_sync(): {_names(held)}",
+                fix="run the last micro-batch's pm.step(...) outside `with pm.no_sync():`")
         self._recut_masters()
         # The casts between 16-bit parameters and their fp32 masters, grouped into one
         # multi-tensor copy each way where the two sit on the same device (one kernel launch per

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
@@ -269,6 +270,34 @@ class ParallelModule(torch.nn.Module):
         if self.runtime.buckets is not None:
             self.runtime.buckets.shards.clear()
         self._publish_grads()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's ``no_sync``: the backward passes run inside hold each bucketed gradient on this
+        rank instead of syncing it; the first backward after it syncs the sum, once per bucket
+        (docs/cost-model.md prices the step's sync once). Gradients the plan syncs inside the
+        program (tensor parallel reductions) are synced as the step runs. Step the optimizer
+        after a backward outside it: ``pm.optimizer`` refuses to step while gradients are held.
+        On a pipeline the schedule's microbatches already accumulate without a sync: use more
+        microbatches instead."""
+        if self.pipeline is not None:
+            raise AutoshardError("no_sync() on a plan without a pipeline",
+                                 got=f"a plan pipelined over {self.plan.pipeline.axis}",
+                                 fix="plan more microbatches: the schedule accumulates them and "
+                                     "syncs once per step")
+        buckets = self.runtime.buckets
+        if buckets is None:              # nothing is synced apart from the program
+            yield
+            return
+        before, buckets.defer = buckets.defer, True
+        try:
+            yield
+        finally:
+            buckets.defer = before
+
+    def held_grads(self) -> list[str]:
+        """Parameters (placeholder names) whose gradients ``no_sync`` holds unsynced."""
+        return sorted(self.runtime.buckets._held) if self.runtime.buckets is not None else []
 
     # -- parameters as torch's own utilities take them -----------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True,
