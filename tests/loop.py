@@ -46,12 +46,13 @@ def schedule(opt):
 
 
 def parallel(model_name: str, plan_json: str, seed: int = 0):
-    """(pm, its AdamW, the example inputs) for ``plan_json`` on this rank."""
+    """(pm, its AdamW, the example inputs) for ``plan_json`` on this rank, the model's weights
+    drawn from ``seed`` (the inputs, which fix the data's vocabulary, from seed 0)."""
     from autoshard import Mesh, Plan
     from autoshard.codegen.runtime import parallelize
     from autoshard.verify import build
     plan = Plan.loads(plan_json)
-    model, inputs = build(model_name, None, None, seed)
+    model, inputs = build(model_name, None, None, seed)[0], build(model_name, None, None, 0)[1]
     pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan,
                      example_inputs=inputs)
     return pm, pm.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD), inputs
