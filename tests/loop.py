@@ -4,20 +4,24 @@ ParallelModule and beside it on the single-device model. Used by tests/test_trai
 module level, so the world's ranks unpickle it by reference."""
 from __future__ import annotations
 
-import math
+import importlib.util
+from pathlib import Path
 
 import torch
 
+
+def _example():
+    """examples/train.py, the recipe: its schedule is the one tested here."""
+    spec = importlib.util.spec_from_file_location(
+        "autoshard_train_example", Path(__file__).parents[1] / "examples" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+warmup_cosine = _example().warmup_cosine
+
 LR, WD, CLIP = 1e-3, 0.1, 0.5
-
-
-def warmup_cosine(warmup: int, total: int):
-    """The LambdaLR factor of torchtitan's and nanoGPT's schedules: linear warmup, cosine decay."""
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
-    return factor
 
 
 def micro_batch(inputs: tuple, step: int, micro: int) -> tuple:

@@ -373,3 +373,28 @@ def test_no_sync_defers_the_gradient_sync_to_the_last_micro_step(world2):
         assert out["syncs"][0] == 0 and out["syncs"][1] >= out["buckets"] > 1, out
         assert out["err"] <= 1e-5, out
         assert "no_sync" in out["refused"], out
+
+
+# -- a model on the meta device, planned and built with the real batch ---------------------------
+
+def _meta_with_real_batch(plan_json: str) -> float:
+    from autoshard.codegen.runtime import parallelize
+    from autoshard.loss import as_loss_module
+    plan = Plan.loads(plan_json)
+    real, inputs = build("gpt2-tiny", None, None, 0)
+    pm = parallelize(build("gpt2-tiny", None, None, 0)[0].to("meta"),
+                     Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan, example_inputs=inputs,
+                     init="empty")
+    pm.load_full_state_dict(real.state_dict())
+    got = pm.step(*pm.shard_inputs(*inputs))
+    want = as_loss_module(real)(*inputs)
+    return abs(float(got) - float(want)) / abs(float(want))
+
+
+def test_meta_model_with_a_real_batch(world2):
+    """Why: "a model built on the meta device planned or parallelized with the real batch fails
+    with 'a model that torch.export can capture ... make forward traceable'"."""
+    from autoshard.solver.planner import plan
+    real, inputs = build("gpt2-tiny", None, None, 0)
+    p = plan(real.to("meta"), inputs, Mesh((2,), cluster=CLUSTER))
+    assert max(world2.run(_meta_with_real_batch, p.dumps())) <= 1e-6

@@ -67,6 +67,7 @@ class ParallelModule(torch.nn.Module):
         self._names: list[str] = []          # placeholder order, params/buffers/constants
         self.params = torch.nn.ParameterDict()
         self._views: dict[str, torch.nn.Parameter] = {}      # fqn -> DTensor view (named_parameters)
+        self._published: dict[str, torch.Tensor | None] = {}  # fqn -> the gradient its view wraps
         self._buffers_local: dict[str, torch.Tensor] = {}
         self.fqns: list[str] = []
         strategies = plan.strategies()
@@ -203,6 +204,7 @@ class ParallelModule(torch.nn.Module):
                                  fix="call pm.step(*pm.shard_inputs(*batch)), which runs the "
                                      "schedule, forward and backward")
         self._check_local(local_args)
+        self._reconcile_grads()
         self.runtime.ledger.clear()
         flat = []
         for ph in self.traced.placeholders:
@@ -219,6 +221,7 @@ class ParallelModule(torch.nn.Module):
         one schedule over the microbatches (codegen/pipeline.py), the step's loss on every rank."""
         if self.pipeline is not None:
             self._check_local(local_args)
+            self._reconcile_grads()
             self.runtime.ledger.clear()
             loss = self.pipeline.step(*local_args)
         else:
@@ -249,11 +252,13 @@ class ParallelModule(torch.nn.Module):
         return self._gather(t, self._specs[ph.name], ph.info.shape)
 
     def optimizer(self, optimizer_cls: type, **kwargs: Any) -> "ShardedOptimizer":
-        """A torch.optim-compatible optimizer (``optimizer_cls(**kwargs)`` inside) that keeps
-        fp32 masters for 16-bit parameters, shards its state as the plan says (ZeRO-1/2, on the
-        host for offload) and gathers the updated parameters (codegen/optim.py). Required when
-        the plan places gradients or optimizer state apart from the parameters. Steps with the
-        class's fused kernel unless ``fused`` or ``foreach`` is given."""
+        """A ``torch.optim.Optimizer`` (``optimizer_cls(**kwargs)`` inside, whose groups and
+        state it shares, so torch's schedulers drive it) that keeps fp32 masters for 16-bit
+        parameters, shards its state as the plan says (ZeRO-1/2, on the host for offload) and
+        gathers the updated parameters (codegen/optim.py). Required when the plan places
+        gradients or optimizer state apart from the parameters. Steps with the class's fused
+        kernel unless ``fused`` or ``foreach`` is given. A class whose update is not
+        elementwise is refused on sharded layouts unless ``elementwise=True`` says it is."""
         from autoshard.codegen.optim import ShardedOptimizer
         return ShardedOptimizer(self, optimizer_cls, **kwargs)
 
@@ -353,6 +358,23 @@ class ParallelModule(torch.nn.Module):
                 view.grad = dtensor_in_place(g, self.groups.device_mesh,
                                              _grad_placements(spec, spec_grad, self.groups),
                                              tuple(view.shape))
+            self._published[fqn] = g
+
+    def _reconcile_grads(self) -> None:
+        """A gradient cleared through its view (``zero_grad`` of a torch optimizer over
+        ``pm.parameters()``) is cleared where it is held too, before backward accumulates into
+        it."""
+        shards = self.runtime.buckets.shards if self.runtime.buckets is not None else {}
+        for fqn, view in self._views.items():
+            held = self._published.get(fqn)
+            if view.grad is not None or held is None:
+                continue
+            p, ph = self.local_parameters()[fqn], self._param_ph[fqn]
+            if p.grad is held:
+                p.grad = None
+            elif shards.get(ph) is held:
+                del shards[ph]
+            self._published[fqn] = None
 
     def local_grads(self) -> dict[str, torch.Tensor]:
         """Each parameter's gradient in its stored layout on this rank: ``.grad``, plus, where a
@@ -410,35 +432,36 @@ class ParallelModule(torch.nn.Module):
                 or (ph.kind == "buffer" and ph.name in self._buffers_local
                     and ph.name in self._saved_buffers)]
 
-    def _check_state(self, sd: dict[str, Any], what: str, fix: str) -> None:
-        """Every parameter and buffer of this rank is in ``sd`` with its global shape, before
-        anything is written; else an error naming the offending tensors."""
-        phs = self._state_placeholders()
-        missing = [ph.fqn for ph in phs if ph.fqn not in sd]
+    def _check_names(self, sd: Any, what: str, fix: str) -> None:
+        """Every parameter and buffer of this rank is in ``sd`` (before anything is written)."""
+        missing = [ph.fqn for ph in self._state_placeholders() if ph.fqn not in sd]
         if missing:
             raise AutoshardError(f"{what} with every parameter and buffer of the model",
                                  got=f"{len(missing)} missing: {', '.join(missing[:5])}", fix=fix)
-        for ph in phs:
-            v = sd[ph.fqn]
-            if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(ph.info.shape):
-                got = (f"shape {tuple(v.shape)}" if isinstance(v, torch.Tensor)
-                       else type(v).__name__)
-                raise AutoshardError(f"{ph.fqn} of shape {tuple(ph.info.shape)} in {what}",
-                                     got=got, fix=fix)
+
+    def _incoming(self, sd: Any, name: str, what: str, fix: str) -> torch.Tensor:
+        """``sd[ph.fqn]`` of placeholder ``name``, checked to have its global shape. (Read once,
+        as it is loaded: a lazy mapping reads one tensor at a time.)"""
+        ph = self.traced.placeholder(name)
+        v = sd[ph.fqn]
+        if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(ph.info.shape):
+            got = f"shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+            raise AutoshardError(f"{ph.fqn} of shape {tuple(ph.info.shape)} in {what}",
+                                 got=got, fix=fix)
+        return v
 
     def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load ``model.state_dict()`` (or ``full_state_dict()``): each rank keeps its shard of
         every parameter and buffer. Names and shapes are checked first (``strict``: every one
         of this rank's tensors present, whole)."""
-        self._check_state(sd, "a full state dict", "pass model.state_dict() of the same model")
+        what, fix = "a full state dict", "pass model.state_dict() of the same model"
+        self._check_names(sd, what, fix)
         self.runtime.host.settle()      # no copy of a host parameter still in flight
         with torch.no_grad():
-            for fqn, p in self.local_parameters().items():
-                p.copy_(self._shard(sd[fqn], self._specs[self._param_ph[fqn]]))
             for ph in self._state_placeholders():
-                if ph.kind == "buffer":
-                    self._buffers_local[ph.name].copy_(self._shard(sd[ph.fqn],
-                                                                   self._specs[ph.name]))
+                local = self._local_tensor(ph)
+                local.copy_(self._shard(self._incoming(sd, ph.name, what, fix),
+                                        self._specs[ph.name]))
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """Parameters as DTensors on the torch DeviceMesh, for torch.distributed.checkpoint
@@ -471,16 +494,20 @@ class ParallelModule(torch.nn.Module):
         """Copy ``sd`` (``pm.sharded_state_dict()`` filled by ``dcp.load``, saved under any
         plan) into this rank's parameters and buffers; names and global shapes are checked
         first."""
-        self._check_state(sd, "a sharded state dict",
-                          "fill pm.sharded_state_dict() with torch.distributed.checkpoint.load "
-                          "from a checkpoint of the same model, and pass it")
+        what = "a sharded state dict"
+        fix = ("fill pm.sharded_state_dict() with torch.distributed.checkpoint.load from a "
+               "checkpoint of the same model, and pass it")
+        self._check_names(sd, what, fix)
+        phs = self._state_placeholders()
+        values = [self._incoming(sd, ph.name, what, fix) for ph in phs]
         self.runtime.host.settle()
         with torch.no_grad():
-            for fqn, p in self.local_parameters().items():
-                p.copy_(sd[fqn].to_local())
-            for ph in self._state_placeholders():
-                if ph.kind == "buffer":
-                    self._buffers_local[ph.name].copy_(sd[ph.fqn].to_local())
+            for ph, v in zip(phs, values):
+                self._local_tensor(ph).copy_(v.to_local())
+
+    def _local_tensor(self, ph: Any) -> torch.Tensor:
+        """This rank's tensor of a parameter or buffer placeholder."""
+        return self.params[_key(ph.fqn)] if ph.kind == "param" else self._buffers_local[ph.name]
 
     @property
     def ledger(self) -> Ledger:
