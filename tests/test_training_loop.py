@@ -164,7 +164,9 @@ def test_torch_clipping_returns_one_devices_norm(world2, model):
         assert r["sharded"] > 0
         assert abs(r["total"] - r["want"]) <= TOL * r["want"], r
         assert abs(r["norm"] - r["want"]) <= TOL * r["want"], r
-        assert r["clipped_norm"] <= 1e-5 and r["clipped_value"] <= 1e-5, r
+        # (clip_grad_value_'s gradients are at most 1e-3, the floor of rel_err: the rounding of
+        # gradients of order 1 shows at about 1e-5 of that)
+        assert r["clipped_norm"] <= 1e-5 and r["clipped_value"] <= 1e-4, r
 
 
 def _caught(fn) -> str:
