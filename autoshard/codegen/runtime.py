@@ -195,9 +195,28 @@ class ParallelModule(torch.nn.Module):
                                          got=f"shape {tuple(a.shape)}",
                                          fix="pass pm.shard_inputs(*global_batch) to the module")
 
+    def train(self, mode: bool = True) -> "ParallelModule":
+        """``pm.train()`` / ``pm.eval()``: the program runs the ops the model ran when it was
+        traced, dropout and batch statistics included, so a mode that would change them is
+        refused (naming them) rather than ignored; for a mode without them (no dropout, no
+        batch norm) nothing changes and it is accepted."""
+        if not mode and self.training:
+            ops = _mode_dependent_ops(self.traced.graph)
+            if ops:
+                raise AutoshardError(
+                    "pm.eval() on a program without ops that run differently in eval mode",
+                    got=f"{len(ops)} traced in training mode: {', '.join(ops[:4])}",
+                    fix="evaluate with an inference plan: plan(model.eval(), batch, mesh, "
+                        "training=False), parallelize it and load the weights "
+                        "(pm.full_state_dict() or a DCP checkpoint); or evaluate with the "
+                        "training program as it is")
+        return super().train(mode)
+
     def forward(self, *local_args: Any) -> Any:
         """One forward; the ledger then holds this step's collectives (forward, and backward
-        once it has run), not every step's."""
+        once it has run), not every step's. The loss of a training plan is replicated on every
+        rank; an inference plan's output comes back whole on every rank (gathered as
+        ``gather_output`` does)."""
         if self.pipeline is not None:
             raise AutoshardError("a plan without a pipeline to run forward alone",
                                  got=f"a plan pipelined over {self.plan.pipeline.axis}",
@@ -214,11 +233,19 @@ class ParallelModule(torch.nn.Module):
                 continue
             else:
                 flat.append(self._buffers_local[ph.name])
-        return self.program(*flat, *local_args)
+        out = self.program(*flat, *local_args)
+        if not self.plan.options.training and isinstance(out, torch.Tensor):
+            return self.gather_output(out)
+        return out
 
     def step(self, *local_args: Any) -> torch.Tensor:
         """Forward and backward on this rank; returns the full (replicated) loss. On a pipeline:
         one schedule over the microbatches (codegen/pipeline.py), the step's loss on every rank."""
+        if not self.plan.options.training:
+            raise AutoshardError("pm.step on a training plan (one with a backward)",
+                                 got="an inference plan (training=False)",
+                                 fix="call pm(*pm.shard_inputs(*batch)) for its output, or "
+                                     "plan with training=True to train")
         if self.pipeline is not None:
             self._check_local(local_args)
             self._reconcile_grads()
@@ -519,6 +546,24 @@ def _to_host(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     the link's speed), as is on a CPU run (the host is the device)."""
     t = t.to("cpu")
     return t.pin_memory() if device.type == "cuda" else t
+
+
+def _mode_dependent_ops(graph: Any) -> list[str]:
+    """Nodes that compute otherwise in eval mode: dropout drawing masks (p > 0, train) and batch
+    norm using and updating batch statistics."""
+    aten = torch.ops.aten
+    flags = {aten.dropout.default: (1, 2), aten.feature_dropout.default: (1, 2),
+             aten.alpha_dropout.default: (1, 2), aten.native_dropout.default: (1, 2),
+             aten.batch_norm.default: (None, 5), aten.native_batch_norm.default: (None, 5)}
+    out = []
+    for n in graph.nodes:
+        where = flags.get(n.target)
+        if where is None:
+            continue
+        p, train = where
+        if n.args[train] is True and (p is None or n.args[p] != 0):
+            out.append(f"{n.name} ({n.target})")
+    return out
 
 
 def _key(fqn: str) -> str:
