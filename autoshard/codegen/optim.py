@@ -19,8 +19,11 @@ what the plan says each rank keeps:
   writes the host parameter where they lie; only a shard cut apart from its parameter (a
   replicated one) goes up to be all-gathered, and the gathered parameter comes back down.
 
-``step``, ``zero_grad``, ``state_dict``, ``load_state_dict`` and ``param_groups`` behave as the
-wrapped optimizer's (its state dict holds this rank's shards). ``sharded_state_dict`` and
+It is a ``torch.optim.Optimizer`` sharing the wrapped optimizer's ``param_groups`` and
+``state``, so torch's learning-rate schedulers and step hooks work on it. ``state_dict`` is the
+wrapped optimizer's (this rank's shards) with the layout they were cut by; ``load_state_dict``
+refuses a state of another layout. An optimizer whose update is not elementwise (``ELEMENTWISE``
+lists the torch classes that are) is refused where a parameter or its state is a shard. ``sharded_state_dict`` and
 ``load_sharded_state_dict`` give the state as DTensors of the parameters' global shapes, for
 torch.distributed.checkpoint (DCP): saved under one plan, it loads under any other (README.md,
 "Use"). Keys:
@@ -180,11 +183,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             names = ("name", "global shape", "placements", "device", "local shape",
                      "mesh coordinates")
             for a, b in zip(saved, mine):
-                if a != b:
-                    what = next(n for n, x, y in zip(names, a, b) if x != y)
+                i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                if i is not None:
                     raise AutoshardError(
-                        f"optimizer state laid out as this optimizer keeps {b[0]}: {what} {b[names.index(what)]}",
-                        got=f"state of {a[0]} saved with {what} {a[names.index(what)]}", fix=fix)
+                        f"optimizer state laid out as this optimizer keeps {b[0]}: "
+                        f"{names[i]} {b[i]}", got=f"state of {a[0]} saved with {names[i]} {a[i]}",
+                        fix=fix)
             raise AutoshardError(f"state for the {len(mine)} parameters this optimizer steps",
                                  got=f"state for {len(saved)}", fix=fix)
         self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != LAYOUT_KEY})

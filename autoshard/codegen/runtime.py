@@ -306,8 +306,8 @@ class ParallelModule(torch.nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """DDP's ``no_sync``: the backward passes run inside hold each bucketed gradient on this
-        rank instead of syncing it; the first backward after it syncs the sum, once per bucket
-        (docs/cost-model.md prices the step's sync once). Gradients the plan syncs inside the
+        rank instead of syncing it; the first backward after it syncs the sum, once per bucket.
+        (The plan prices one micro-batch's step: accumulation is not priced.) Gradients the plan syncs inside the
         program (tensor parallel reductions) are synced as the step runs. Step the optimizer
         after a backward outside it: ``pm.optimizer`` refuses to step while gradients are held.
         On a pipeline the schedule's microbatches already accumulate without a sync: use more
@@ -342,7 +342,10 @@ class ParallelModule(torch.nn.Module):
         offload), as the optimizer state's shard. So torch's own ``clip_grad_norm_``,
         ``clip_grad_value_`` and ``get_total_norm`` reduce over the mesh and return what one
         device returns, and clip in place what the optimizer then reads. The gradients are
-        brought up to date by ``pm.step``, ``zero_grad`` and each call of this method."""
+        brought up to date by ``pm.step``, ``zero_grad`` and each call of this method. On a
+        pipeline a rank holds its stage's parameters only: torch's functions then give the
+        stage's norm, not the model's (not yet solved: DTensor reduces over one mesh whose
+        ranks hold the same parameters)."""
         views = [(prefix + fqn, self._view(fqn)) for fqn in self.fqns]
         self._publish_grads()
         yield from views
