@@ -223,15 +223,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         grads = [(e, g) for e in apart if (g := self.grad_shard(e)) is not None]
         for e in apart:
             e.master.grad = None
-        ledger, host = self.pm.runtime.ledger, self.pm.runtime.host
-        host.settle()        # copies over the host link still in flight (codegen/hostlink.py)
-        # Offload: the gradient shard goes down to the host in its own dtype (cast there).
-        for i, (e, g) in enumerate(grads):
-            if e.mode == "offload":
-                ledger.add_host("d2h", g, "optimizer", "optimizer", e.placeholder)
-                grads[i] = (e, host.down(g, e.placeholder + ":grad") if g.is_cuda
-                            else g.to(e.master.device))
-        host.settle()
+        grads = self._grads_to_host(grads)
         local = [(e, g) for e, g in grads
                  if g.device == e.master.device and g.dtype != e.master.dtype]
         if local:
@@ -251,17 +243,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if plain:
             torch._foreach_copy_([e.param for e in plain], [e.master.detach() for e in plain])
         done = {id(e) for e in plain}
-        device = self.pm.runtime.device
+        ledger = self.pm.runtime.ledger
         for e in stepped:
             if id(e) not in done:
                 new = e.master.detach()
                 if e.mode in HOST_MODES:
-                    # Cast on the host; up the link only what the device needs: offload's
-                    # updated shard, or parameter offload's shard to be gathered.
-                    new = new.to(e.param.dtype)
-                    if e.mode == "offload" or e.gather:
-                        ledger.add_host("h2d", new, "optimizer", "optimizer", e.placeholder)
-                        new = host.up(new, e.placeholder, device)
+                    new = self._update_from_host(e, new)
                 else:
                     new = new.to(e.param.device, e.param.dtype)
                 if e.gather:
@@ -273,6 +260,31 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 e.param.copy_(new)
             e.seen = e.param._version
         return loss
+
+    # -- the host side of offload (one boundary: what crosses the host link) ------------------
+    def _grads_to_host(self, grads: list[tuple[_Entry, torch.Tensor]]
+                       ) -> list[tuple[_Entry, torch.Tensor]]:
+        """Offload: each gradient shard goes down to the host in its own dtype (cast there);
+        the others as they are. Copies still in flight are settled before and after."""
+        ledger, host = self.pm.runtime.ledger, self.pm.runtime.host
+        host.settle()        # copies over the host link still in flight (codegen/hostlink.py)
+        out = []
+        for e, g in grads:
+            if e.mode == "offload":
+                ledger.add_host("d2h", g, "optimizer", "optimizer", e.placeholder)
+                g = host.down(g, e.placeholder + ":grad") if g.is_cuda else g.to(e.master.device)
+            out.append((e, g))
+        host.settle()
+        return out
+
+    def _update_from_host(self, e: _Entry, new: torch.Tensor) -> torch.Tensor:
+        """A host-stepped master cast on the host; up the link only what the device needs:
+        offload's updated shard, or parameter offload's shard to be gathered."""
+        new = new.to(e.param.dtype)
+        if e.mode == "offload" or e.gather:
+            self.pm.runtime.ledger.add_host("h2d", new, "optimizer", "optimizer", e.placeholder)
+            new = self.pm.runtime.host.up(new, e.placeholder, self.pm.runtime.device)
+        return new
 
     # -- torch.distributed.checkpoint (module docstring) -------------------------------------
     def sharded_state_dict(self) -> dict[str, Any]:
