@@ -261,7 +261,7 @@ def _programs(size: Size, cfg: Config, plans: dict[str, str], model: BlockStack,
         pm = parallelize(model, mesh, plan=Plan.loads(plans[key]), example_inputs=(x, target))
         args = pm.shard_inputs(x, target)      # sharded once, outside the timed steps
         out[f"autoshard-{key}"] = (lambda pm=pm, args=args: pm.step(*args),
-                                   list(pm.parameters()), pm.ledger)
+                                   list(pm.local_parameters().values()), pm.ledger)
     dt = _dtensor_model(copy.deepcopy(model), cfg.world)
 
     def dt_step() -> torch.Tensor:

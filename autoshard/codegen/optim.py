@@ -19,8 +19,11 @@ what the plan says each rank keeps:
   writes the host parameter where they lie; only a shard cut apart from its parameter (a
   replicated one) goes up to be all-gathered, and the gathered parameter comes back down.
 
-``step``, ``zero_grad``, ``state_dict``, ``load_state_dict`` and ``param_groups`` behave as the
-wrapped optimizer's (its state dict holds this rank's shards). ``sharded_state_dict`` and
+It is a ``torch.optim.Optimizer`` sharing the wrapped optimizer's ``param_groups`` and
+``state``, so torch's learning-rate schedulers and step hooks work on it. ``state_dict`` is the
+wrapped optimizer's (this rank's shards) with the layout they were cut by; ``load_state_dict``
+refuses a state of another layout. An optimizer whose update is not elementwise (``ELEMENTWISE``
+lists the torch classes that are) is refused where a parameter or its state is a shard. ``sharded_state_dict`` and
 ``load_sharded_state_dict`` give the state as DTensors of the parameters' global shapes, for
 torch.distributed.checkpoint (DCP): saved under one plan, it loads under any other (README.md,
 "Use"). Keys:
@@ -109,71 +112,93 @@ def watch(params: list[torch.Tensor]) -> None:
         _NEEDS_SHARDED[id(p)] = weakref.ref(p)
 
 
-class ShardedOptimizer:
-    """``optimizer_cls(**kwargs)`` over this rank's share of the optimizer state."""
+# Optimizers whose update of an element reads only that element's gradient and state: stepping a
+# shard equals the shard of the whole step. Others (Adafactor's factored moments, LAMB/LARS trust
+# ratios, Shampoo, Muon, LBFGS's line search) read statistics of a whole parameter.
+ELEMENTWISE: tuple[type, ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+    torch.optim.Adadelta, torch.optim.Adamax, torch.optim.ASGD, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop)
+LAYOUT_KEY = "autoshard_layout"
 
-    def __init__(self, pm: Any, optimizer_cls: Callable[..., torch.optim.Optimizer],
-                 **kwargs: Any) -> None:
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """``optimizer_cls(**kwargs)`` over this rank's share of the optimizer state.
+
+    A ``torch.optim.Optimizer``: ``param_groups`` and ``state`` are the wrapped optimizer's own
+    (the fp32 masters, or the parameters themselves where they are their own masters), so every
+    ``torch.optim.lr_scheduler`` sets its learning rates and step hooks run as torch defines
+    them."""
+
+    def __init__(self, pm: Any, optimizer_cls: Callable[..., torch.optim.Optimizer], *,
+                 elementwise: bool | None = None, **kwargs: Any) -> None:
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
             raise AutoshardError("a torch.optim.Optimizer class", got=repr(optimizer_cls),
                                  fix="pm.optimizer(torch.optim.AdamW, lr=3e-4)")
         self.pm = pm
-        plan, groups = pm.plan, pm.groups
-        self.entries: list[_Entry] = []
-        for fqn, p in pm.local_parameters().items():
-            if not p.requires_grad:
-                continue
-            ph = pm._param_ph[fqn]
-            st = plan.param_state.get(fqn)
-            spec = plan.params[fqn]
-            shape = tuple(pm.traced.placeholder(ph).info.shape)
-            if st is None or st.optimizer == spec:
-                dim, cut, gather = None, (), ()
-                host = st is not None and st.offload
-                placements = _placements(spec, spec, groups.shape)
-            else:
-                dim, cut = _cut(spec, st.optimizer, groups.shape, groups.coords)
-                gather = reshard(tuple(st.optimizer), tuple(spec), shape,
-                                 p.element_size(), tuple(groups.shape)).forward
-                host = st.offload
-                placements = _placements(spec, st.optimizer, groups.shape)
-            src = pm.master_source.pop(fqn, None)      # bf16-mixed: the fp32 weight
-            local = _slice(p.detach() if src is None else src, dim, cut)
-            if dim is None and not host and p.dtype == torch.float32:
-                master = p                       # an fp32 parameter is its own master
-            else:
-                master = local.to(torch.device("cpu") if host else p.device, torch.float32,
-                                  copy=True)
-                if host and p.is_cuda:      # the link's copies run at its speed from pinned memory
-                    master = master.pin_memory()
-                master = torch.nn.Parameter(master)
-            sharded = st is not None and st.mode in SCATTERS and dim is not None
-            self.entries.append(_Entry(fqn, ph, p, master, dim, cut, gather, sharded, shape,
-                                       tuple(spec), placements, p._version,
-                                       st.mode if st is not None else None))
-        if _fused_by_default(optimizer_cls, kwargs, [e.master for e in self.entries]):
+        self.entries = _entries(pm)
+        if not self.entries:
+            raise AutoshardError("a module with parameters to train (requires_grad=True)",
+                                 got="none on this rank", fix="unfreeze a parameter")
+        _refuse_whole_tensor_math(optimizer_cls, elementwise, self.entries)
+        masters = [e.master for e in self.entries]
+        if _fused_by_default(optimizer_cls, kwargs, masters):
             kwargs = {**kwargs, "fused": True}
-        self.optimizer = optimizer_cls([e.master for e in self.entries], **kwargs)
+        self.optimizer = optimizer_cls(masters, **kwargs)
         _OWNED.add(self.optimizer)
+        _OWNED.add(self)
+        # torch.optim.Optimizer's bookkeeping (hook tables, the step wrapper the schedulers
+        # count calls through), then the wrapped optimizer's groups and state as ours: one
+        # object each, so a scheduler's lr is what the wrapped step reads.
+        super().__init__(masters, dict(self.optimizer.defaults))
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
+        self.defaults = self.optimizer.defaults
         # The optimizer-offloaded masters' fused host step, overlapped (codegen/hostopt.py).
         self.host = hostopt.attach(self)
 
     # -- the torch.optim surface ---------------------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
+    def layout(self) -> list[list]:
+        """What this rank's state is, per parameter: its name, global shape, the state's DTensor
+        placements, where it lives and this rank's mesh coordinates. ``state_dict()`` carries
+        it; ``load_state_dict`` refuses a state saved under another layout."""
+        coords = list(self.pm.groups.coords)
+        return [[e.fqn, list(e.shape), [str(p) for p in e.placements],
+                 e.master.device.type, list(e.master.shape), coords] for e in self.entries]
 
     def state_dict(self) -> dict:
+        """The wrapped optimizer's state dict (this rank's shards) and :meth:`layout`."""
         self.settle()
-        return self.optimizer.state_dict()
+        return {**self.optimizer.state_dict(), LAYOUT_KEY: self.layout()}
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load what :meth:`state_dict` gave under this same plan and rank. A state saved under
+        another layout (another plan, mesh or rank) is refused: its shards are other parts of
+        the tensors. Reshard through ``sharded_state_dict`` and torch.distributed.checkpoint."""
+        fix = ("save opt.sharded_state_dict() with torch.distributed.checkpoint and load it with "
+               "opt.load_sharded_state_dict(...): DCP reshards between layouts")
         self.settle()
-        self.optimizer.load_state_dict(sd)
+        saved = state_dict.get(LAYOUT_KEY) if isinstance(state_dict, dict) else None
+        if saved is None:
+            raise AutoshardError("a state dict from pm.optimizer(...).state_dict(), which "
+                                 "records the layout of its shards",
+                                 got="one without it (a plain torch optimizer's?)", fix=fix)
+        mine = self.layout()
+        if saved != mine:
+            names = ("name", "global shape", "placements", "device", "local shape",
+                     "mesh coordinates")
+            for a, b in zip(saved, mine):
+                i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                if i is not None:
+                    raise AutoshardError(
+                        f"optimizer state laid out as this optimizer keeps {b[0]}: "
+                        f"{names[i]} {b[i]}", got=f"state of {a[0]} saved with {names[i]} {a[i]}",
+                        fix=fix)
+            raise AutoshardError(f"state for the {len(mine)} parameters this optimizer steps",
+                                 got=f"state for {len(saved)}", fix=fix)
+        self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != LAYOUT_KEY})
+        # (torch's load_state_dict builds new groups and state: share them again)
+        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
 
     def settle(self) -> None:
         """Finish a host step still running (``offload_overlap="delayed"``, codegen/hostopt.py)
@@ -196,6 +221,12 @@ class ShardedOptimizer:
             with torch.enable_grad():
                 loss = closure()
         self.settle()         # the delayed host step, before anything reads the masters
+        held = self.pm.held_grads()
+        if held:
+            raise AutoshardError(
+                "gradients synced before the optimizer steps",
+                got=f"{len(held)} held unsynced by pm.no_sync(): {_names(held)}",
+                fix="run the last micro-batch's pm.step(...) outside `with pm.no_sync():`")
         self._recut_masters()
         # The casts between 16-bit parameters and their fp32 masters, grouped into one
         # multi-tensor copy each way where the two sit on the same device (one kernel launch per
@@ -204,18 +235,11 @@ class ShardedOptimizer:
         grads = [(e, g) for e in apart if (g := self.grad_shard(e)) is not None]
         for e in apart:
             e.master.grad = None
-        ledger, host = self.pm.runtime.ledger, self.pm.runtime.host
-        host.settle()        # copies over the host link still in flight (codegen/hostlink.py)
         if self.host is not None:       # stepped on the host while the rest steps here
+            self.pm.runtime.host.settle()
             self.host.start([(e, g) for e, g in grads if self.host.owns(e)], self._write_back)
             grads = [(e, g) for e, g in grads if not self.host.owns(e)]
-        # Offload: the gradient shard goes down to the host in its own dtype (cast there).
-        for i, (e, g) in enumerate(grads):
-            if e.mode == "offload":
-                ledger.add_host("d2h", g, "optimizer", "optimizer", e.placeholder)
-                grads[i] = (e, host.down(g, e.placeholder + ":grad") if g.is_cuda
-                            else g.to(e.master.device))
-        host.settle()
+        grads = self._grads_to_host(grads)
         local = [(e, g) for e, g in grads
                  if g.device == e.master.device and g.dtype != e.master.dtype]
         if local:
@@ -263,6 +287,22 @@ class ShardedOptimizer:
                 new = new.to(e.param.device)
         e.param.copy_(new)
         e.seen = e.param._version
+
+    # -- the host side of offload (one boundary: what crosses the host link) ------------------
+    def _grads_to_host(self, grads: list[tuple[_Entry, torch.Tensor]]
+                       ) -> list[tuple[_Entry, torch.Tensor]]:
+        """Offload: each gradient shard goes down to the host in its own dtype (cast there);
+        the others as they are. Copies still in flight are settled before and after."""
+        ledger, host = self.pm.runtime.ledger, self.pm.runtime.host
+        host.settle()        # copies over the host link still in flight (codegen/hostlink.py)
+        out = []
+        for e, g in grads:
+            if e.mode == "offload":
+                ledger.add_host("d2h", g, "optimizer", "optimizer", e.placeholder)
+                g = host.down(g, e.placeholder + ":grad") if g.is_cuda else g.to(e.master.device)
+            out.append((e, g))
+        host.settle()
+        return out
 
     # -- torch.distributed.checkpoint (module docstring) -------------------------------------
     def sharded_state_dict(self) -> dict[str, Any]:
@@ -459,6 +499,66 @@ class ShardedOptimizer:
             part = _slice(e.param.grad, e.dim, e.cut)
             g = part if g is None else g + part
         return g
+
+
+def _entries(pm: Any) -> list[_Entry]:
+    """What this rank's optimizer steps for each trainable parameter (module docstring). A frozen
+    parameter (``requires_grad=False``) has no entry: no master, no state, no step."""
+    plan, groups = pm.plan, pm.groups
+    out: list[_Entry] = []
+    for fqn, p in pm.local_parameters().items():
+        if not p.requires_grad:
+            continue
+        ph = pm._param_ph[fqn]
+        st = plan.param_state.get(fqn)
+        spec = plan.params[fqn]
+        shape = tuple(pm.traced.placeholder(ph).info.shape)
+        if st is None or st.optimizer == spec:
+            dim, cut, gather = None, (), ()
+            host = st is not None and st.offload
+            placements = _placements(spec, spec, groups.shape)
+        else:
+            dim, cut = _cut(spec, st.optimizer, groups.shape, groups.coords)
+            gather = reshard(tuple(st.optimizer), tuple(spec), shape,
+                             p.element_size(), tuple(groups.shape)).forward
+            host = st.offload
+            placements = _placements(spec, st.optimizer, groups.shape)
+        src = pm.master_source.pop(fqn, None)      # bf16-mixed: the fp32 weight
+        local = _slice(p.detach() if src is None else src, dim, cut)
+        if dim is None and not host and p.dtype == torch.float32:
+            master = p                       # an fp32 parameter is its own master
+        else:
+            master = local.to(torch.device("cpu") if host else p.device, torch.float32,
+                              copy=True)
+            if host and p.is_cuda:      # the link's copies run at its speed from pinned memory
+                master = master.pin_memory()
+            master = torch.nn.Parameter(master)
+        sharded = st is not None and st.mode in SCATTERS and dim is not None
+        out.append(_Entry(fqn, ph, p, master, dim, cut, gather, sharded, shape, tuple(spec),
+                          placements, p._version, st.mode if st is not None else None))
+    return out
+
+
+def _refuse_whole_tensor_math(optimizer_cls: type, elementwise: bool | None,
+                              entries: list[_Entry]) -> None:
+    """An optimizer whose math reads whole parameters, on shards, would compute its statistics
+    per shard (Adafactor's row and column means, a trust ratio's norms): refuse it where any
+    parameter or its state is a shard, naming them. ``elementwise`` overrides the class test
+    (True for a custom optimizer known to be elementwise)."""
+    if elementwise is None:
+        elementwise = issubclass(optimizer_cls, ELEMENTWISE)
+    if elementwise:
+        return
+    cut = [e.fqn for e in entries if e.dim is not None or any(isinstance(p, Shard) for p in e.spec)]
+    if cut:
+        raise AutoshardError(
+            f"an optimizer whose update is elementwise ({', '.join(c.__name__ for c in ELEMENTWISE[:5])}"
+            f", ...) where the plan shards parameters or their optimizer state",
+            got=f"{optimizer_cls.__name__}, whose update reads statistics of a whole parameter "
+                f"(not one of the elementwise optimizers), over the shards of {len(cut)} "
+                f"parameters: {_names(cut)}: it would compute them per shard",
+            fix="plan with these parameters and their state replicated (zero='none', no tensor "
+                "parallelism), or, if the class's update is elementwise, pass elementwise=True")
 
 
 def _fused_by_default(optimizer_cls: type, kwargs: dict, masters: list[torch.Tensor]) -> bool:

@@ -5,15 +5,16 @@
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from autoshard.codegen.collectives import Ledger, apply_steps
 from autoshard.codegen.groups import MeshGroups
-from autoshard.codegen.optim import contiguous_stride, dtensor_in_place, refuse_strided
+from autoshard.codegen.optim import _slice, contiguous_stride, dtensor_in_place, refuse_strided
 from autoshard.codegen.rewrite import RankRuntime, emit
 from autoshard.cost.comm import reshard
 from autoshard.errors import AutoshardError
@@ -65,6 +66,8 @@ class ParallelModule(torch.nn.Module):
         self._specs: dict[str, Spec] = {}
         self._names: list[str] = []          # placeholder order, params/buffers/constants
         self.params = torch.nn.ParameterDict()
+        self._views: dict[str, torch.nn.Parameter] = {}      # fqn -> DTensor view (named_parameters)
+        self._published: dict[str, torch.Tensor | None] = {}  # fqn -> the gradient its view wraps
         self._buffers_local: dict[str, torch.Tensor] = {}
         self.fqns: list[str] = []
         strategies = plan.strategies()
@@ -94,6 +97,13 @@ class ParallelModule(torch.nn.Module):
                 self._buffers_local[ph.name] = local_shard(model, ph.name, const, spec, *here)
         self._param_ph = {ph.fqn: ph.name for ph in traced.params
                           if bound is None or ph.name in bound}
+        # A tied parameter's other names (full_state_dict carries them, as state_dict() does).
+        from autoshard.trace.export import parameter_aliases
+        self._aliases = {a: c for a, c in parameter_aliases(model).items() if a != c}
+        # Buffers a state dict holds (not the non-persistent ones, e.g. rotary frequencies).
+        saved = set(model.state_dict(keep_vars=True))
+        self._saved_buffers = {ph.name for ph in traced.placeholders
+                               if ph.kind == "buffer" and ph.fqn in saved}
         # fqn -> this rank's fp32 shard of a weight the step runs in bf16 (bf16-mixed): the
         # optimizer's master starts from it (codegen/optim.py takes it).
         self.master_source: dict[str, torch.Tensor] = {}
@@ -185,15 +195,35 @@ class ParallelModule(torch.nn.Module):
                                          got=f"shape {tuple(a.shape)}",
                                          fix="pass pm.shard_inputs(*global_batch) to the module")
 
+    def train(self, mode: bool = True) -> "ParallelModule":
+        """``pm.train()`` / ``pm.eval()``: the program runs the ops the model ran when it was
+        traced, dropout and batch statistics included, so a mode that would change them is
+        refused (naming them) rather than ignored; for a mode without them (no dropout, no
+        batch norm) nothing changes and it is accepted."""
+        if not mode and self.training:
+            ops = _mode_dependent_ops(self.traced.graph)
+            if ops:
+                raise AutoshardError(
+                    "pm.eval() on a program without ops that run differently in eval mode",
+                    got=f"{len(ops)} traced in training mode: {', '.join(ops[:4])}",
+                    fix="evaluate with an inference plan: plan(model.eval(), batch, mesh, "
+                        "training=False), parallelize it and load the weights "
+                        "(pm.full_state_dict() or a DCP checkpoint); or evaluate with the "
+                        "training program as it is")
+        return super().train(mode)
+
     def forward(self, *local_args: Any) -> Any:
         """One forward; the ledger then holds this step's collectives (forward, and backward
-        once it has run), not every step's."""
+        once it has run), not every step's. The loss of a training plan is replicated on every
+        rank; an inference plan's output comes back whole on every rank (gathered as
+        ``gather_output`` does)."""
         if self.pipeline is not None:
             raise AutoshardError("a plan without a pipeline to run forward alone",
                                  got=f"a plan pipelined over {self.plan.pipeline.axis}",
                                  fix="call pm.step(*pm.shard_inputs(*batch)), which runs the "
                                      "schedule, forward and backward")
         self._check_local(local_args)
+        self._reconcile_grads()
         self.runtime.ledger.clear()
         flat = []
         for ph in self.traced.placeholders:
@@ -203,18 +233,30 @@ class ParallelModule(torch.nn.Module):
                 continue
             else:
                 flat.append(self._buffers_local[ph.name])
-        return self.program(*flat, *local_args)
+        out = self.program(*flat, *local_args)
+        if not self.plan.options.training and isinstance(out, torch.Tensor):
+            return self.gather_output(out)
+        return out
 
     def step(self, *local_args: Any) -> torch.Tensor:
         """Forward and backward on this rank; returns the full (replicated) loss. On a pipeline:
         one schedule over the microbatches (codegen/pipeline.py), the step's loss on every rank."""
+        if not self.plan.options.training:
+            raise AutoshardError("pm.step on a training plan (one with a backward)",
+                                 got="an inference plan (training=False)",
+                                 fix="call pm(*pm.shard_inputs(*batch)) for its output, or "
+                                     "plan with training=True to train")
         if self.pipeline is not None:
             self._check_local(local_args)
+            self._reconcile_grads()
             self.runtime.ledger.clear()
-            return self.pipeline.step(*local_args)
-        loss = self(*local_args)
-        loss.backward()
-        return loss.detach()
+            loss = self.pipeline.step(*local_args)
+        else:
+            loss = self(*local_args)
+            loss.backward()
+            loss = loss.detach()
+        self._publish_grads()
+        return loss
 
     def gather_output(self, local: torch.Tensor) -> torch.Tensor:
         out = next(n for n in self.plan.nodes if n.name == self._output_node())
@@ -237,18 +279,132 @@ class ParallelModule(torch.nn.Module):
         return self._gather(t, self._specs[ph.name], ph.info.shape)
 
     def optimizer(self, optimizer_cls: type, **kwargs: Any) -> "ShardedOptimizer":
-        """A torch.optim-compatible optimizer (``optimizer_cls(**kwargs)`` inside) that keeps
-        fp32 masters for 16-bit parameters, shards its state as the plan says (ZeRO-1/2, on the
-        host for offload) and gathers the updated parameters (codegen/optim.py). Required when
-        the plan places gradients or optimizer state apart from the parameters. Steps with the
-        class's fused kernel unless ``fused`` or ``foreach`` is given."""
+        """A ``torch.optim.Optimizer`` (``optimizer_cls(**kwargs)`` inside, whose groups and
+        state it shares, so torch's schedulers drive it) that keeps fp32 masters for 16-bit
+        parameters, shards its state as the plan says (ZeRO-1/2, on the host for offload) and
+        gathers the updated parameters (codegen/optim.py). Required when the plan places
+        gradients or optimizer state apart from the parameters. Steps with the class's fused
+        kernel unless ``fused`` or ``foreach`` is given. A class whose update is not
+        elementwise is refused on sharded layouts unless ``elementwise=True`` says it is."""
         from autoshard.codegen.optim import ShardedOptimizer
         return ShardedOptimizer(self, optimizer_cls, **kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none=set_to_none)
+        """As ``torch.nn.Module.zero_grad``, of the local shards, the gradient shards the
+        buckets hold (ZeRO-2, offload) and the DTensor views."""
+        for p in self.params.values():
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_().zero_()
         if self.runtime.buckets is not None:
             self.runtime.buckets.shards.clear()
+        self._publish_grads()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's ``no_sync``: the backward passes run inside hold each bucketed gradient on this
+        rank instead of syncing it; the first backward after it syncs the sum, once per bucket.
+        (The plan prices one micro-batch's step: accumulation is not priced.) Gradients the plan syncs inside the
+        program (tensor parallel reductions) are synced as the step runs. Step the optimizer
+        after a backward outside it: ``pm.optimizer`` refuses to step while gradients are held.
+        On a pipeline the schedule's microbatches already accumulate without a sync: use more
+        microbatches instead."""
+        if self.pipeline is not None:
+            raise AutoshardError("no_sync() on a plan without a pipeline",
+                                 got=f"a plan pipelined over {self.plan.pipeline.axis}",
+                                 fix="plan more microbatches: the schedule accumulates them and "
+                                     "syncs once per step")
+        buckets = self.runtime.buckets
+        if buckets is None:              # nothing is synced apart from the program
+            yield
+            return
+        before, buckets.defer = buckets.defer, True
+        try:
+            yield
+        finally:
+            buckets.defer = before
+
+    def held_grads(self) -> list[str]:
+        """Parameters (placeholder names) whose gradients ``no_sync`` holds unsynced."""
+        return sorted(self.runtime.buckets._held) if self.runtime.buckets is not None else []
+
+    # -- parameters as torch's own utilities take them -----------------------------------------
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """The model's parameters (this rank's stage's, on a pipeline) under their own names, as
+        DTensors of their global shapes with the plan's placements on the mesh, as FSDP2 and
+        torch's tensor parallel modules give them. Each one's data is this rank's shard itself
+        (``local_parameters()``), and its ``.grad`` this rank's gradient as a DTensor laid out
+        as it is held: with the parameter, or, where a bucket reduce-scatters it apart (ZeRO-2,
+        offload), as the optimizer state's shard. So torch's own ``clip_grad_norm_``,
+        ``clip_grad_value_`` and ``get_total_norm`` reduce over the mesh and return what one
+        device returns, and clip in place what the optimizer then reads. The gradients are
+        brought up to date by ``pm.step``, ``zero_grad`` and each call of this method. On a
+        pipeline a rank holds its stage's parameters only: torch's functions then give the
+        stage's norm, not the model's (not yet solved: DTensor reduces over one mesh whose
+        ranks hold the same parameters)."""
+        views = [(prefix + fqn, self._view(fqn)) for fqn in self.fqns]
+        self._publish_grads()
+        yield from views
+
+    def _view(self, fqn: str) -> torch.nn.Parameter:
+        view = self._views.get(fqn)
+        if view is None:
+            p = self.local_parameters()[fqn]
+            spec = self._specs[self._param_ph[fqn]]
+            shape = tuple(self.traced.placeholder(self._param_ph[fqn]).info.shape)
+            data = dtensor_in_place(p.detach(), self.groups.device_mesh,
+                                    _dtensor_placements(spec), shape)
+            view = self._views[fqn] = torch.nn.Parameter(data, requires_grad=p.requires_grad)
+            if fqn in self.plan.param_state:
+                from autoshard.codegen.optim import watch
+                watch([view])
+        return view
+
+    def _publish_grads(self) -> None:
+        """Each DTensor view's ``.grad``: this rank's gradient, the tensor itself (so clipping it
+        in place clips what the optimizer reads). A gradient split between ``.grad`` (reads of
+        the parameter outside its bucket) and a bucket's shard is summed into the shard first,
+        as the optimizer would sum it."""
+        shards = self.runtime.buckets.shards if self.runtime.buckets is not None else {}
+        for fqn, view in self._views.items():
+            p, ph = self.local_parameters()[fqn], self._param_ph[fqn]
+            g, spec = p.grad, self._specs[ph]
+            if ph in shards:
+                st = self.plan.param_state[fqn]
+                dim, cut = _grad_cut(spec, st.grad, self.groups)
+                if g is not None:
+                    shards[ph].add_(_slice(g.to(shards[ph].device), dim, cut))
+                    p.grad = None
+                g, spec_grad = shards[ph], st.grad
+            else:
+                spec_grad = spec
+            if g is None:
+                view.grad = None
+            elif view.grad is None or view.grad._local_tensor is not g:
+                view.grad = dtensor_in_place(g, self.groups.device_mesh,
+                                             _grad_placements(spec, spec_grad, self.groups),
+                                             tuple(view.shape))
+            self._published[fqn] = g
+
+    def _reconcile_grads(self) -> None:
+        """A gradient cleared through its view (``zero_grad`` of a torch optimizer over
+        ``pm.parameters()``) is cleared where it is held too, before backward accumulates into
+        it."""
+        shards = self.runtime.buckets.shards if self.runtime.buckets is not None else {}
+        for fqn, view in self._views.items():
+            held = self._published.get(fqn)
+            if view.grad is not None or held is None:
+                continue
+            p, ph = self.local_parameters()[fqn], self._param_ph[fqn]
+            if p.grad is held:
+                p.grad = None
+            elif shards.get(ph) is held:
+                del shards[ph]
+            self._published[fqn] = None
 
     def local_grads(self) -> dict[str, torch.Tensor]:
         """Each parameter's gradient in its stored layout on this rank: ``.grad``, plus, where a
@@ -276,12 +432,16 @@ class ParallelModule(torch.nn.Module):
                                     for fqn, g in self.local_grads().items()})
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's ``state_dict()``: every parameter and buffer whole, a tied parameter
+        under each of its names (as ``model.state_dict()`` has it). Collective."""
         out = {fqn: self._full(fqn, p) for fqn, p in self.local_parameters().items()}
-        for ph in self.traced.placeholders:
-            if ph.kind == "buffer" and ph.name in self._buffers_local:
+        for ph in self._state_placeholders():
+            if ph.kind == "buffer":
                 out[ph.fqn] = self._gather(self._buffers_local[ph.name], self._specs[ph.name],
                                            ph.info.shape)
-        return self._across_stages(out)
+        out = self._across_stages(out)
+        out.update({alias: out[fqn] for alias, fqn in self._aliases.items() if fqn in out})
+        return out
 
     def _across_stages(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """On a pipeline, every stage's tensors on every rank (each stage holds its own)."""
@@ -295,18 +455,43 @@ class ParallelModule(torch.nn.Module):
             out.update({k: v.to(self.pipeline.device) for k, v in part.items() if k not in out})
         return out
 
-    def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        missing = [f for f in self.fqns if f not in sd]
+    def _state_placeholders(self) -> list[Any]:
+        """The placeholders of this rank's parameters and buffers (its stage's, on a pipeline)."""
+        return [ph for ph in self.traced.placeholders
+                if (ph.kind == "param" and ph.fqn in self._param_ph)
+                or (ph.kind == "buffer" and ph.name in self._buffers_local
+                    and ph.name in self._saved_buffers)]
+
+    def _check_names(self, sd: Any, what: str, fix: str) -> None:
+        """Every parameter and buffer of this rank is in ``sd`` (before anything is written)."""
+        missing = [ph.fqn for ph in self._state_placeholders() if ph.fqn not in sd]
         if missing:
-            raise AutoshardError("a full state dict with every parameter of the model",
-                                 got=f"missing {missing[:5]}", fix="pass model.state_dict()")
+            raise AutoshardError(f"{what} with every parameter and buffer of the model",
+                                 got=f"{len(missing)} missing: {', '.join(missing[:5])}", fix=fix)
+
+    def _incoming(self, sd: Any, name: str, what: str, fix: str) -> torch.Tensor:
+        """``sd[ph.fqn]`` of placeholder ``name``, checked to have its global shape. (Read once,
+        as it is loaded: a lazy mapping reads one tensor at a time.)"""
+        ph = self.traced.placeholder(name)
+        v = sd[ph.fqn]
+        if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(ph.info.shape):
+            got = f"shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+            raise AutoshardError(f"{ph.fqn} of shape {tuple(ph.info.shape)} in {what}",
+                                 got=got, fix=fix)
+        return v
+
+    def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load ``model.state_dict()`` (or ``full_state_dict()``): each rank keeps its shard of
+        every parameter and buffer. Names and shapes are checked first (``strict``: every one
+        of this rank's tensors present, whole)."""
+        what, fix = "a full state dict", "pass model.state_dict() of the same model"
+        self._check_names(sd, what, fix)
         self.runtime.host.settle()      # no copy of a host parameter still in flight
         with torch.no_grad():
-            for fqn, p in self.local_parameters().items():
-                p.copy_(self._shard(sd[fqn], self._specs[self._param_ph[fqn]]))
-            for ph in self.traced.placeholders:
-                if ph.kind == "buffer" and ph.fqn in sd:
-                    self._buffers_local[ph.name] = self._shard(sd[ph.fqn], self._specs[ph.name])
+            for ph in self._state_placeholders():
+                local = self._local_tensor(ph)
+                local.copy_(self._shard(self._incoming(sd, ph.name, what, fix),
+                                        self._specs[ph.name]))
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """Parameters as DTensors on the torch DeviceMesh, for torch.distributed.checkpoint
@@ -326,13 +511,33 @@ class ParallelModule(torch.nn.Module):
             out[fqn] = DTensor.from_local(p.detach(), self.groups.device_mesh, placements,
                                           run_check=False, shape=torch.Size(ph.info.shape),
                                           stride=contiguous_stride(ph.info.shape))
+        for ph in self._state_placeholders():        # buffers (BatchNorm's running statistics)
+            if ph.kind == "buffer":
+                refuse_strided(ph.fqn, self._specs[ph.name])
+                out[ph.fqn] = dtensor_in_place(self._buffers_local[ph.name],
+                                               self.groups.device_mesh,
+                                               _dtensor_placements(self._specs[ph.name]),
+                                               tuple(ph.info.shape))
         return out
 
     def load_sharded_state_dict(self, sd: dict[str, Any]) -> None:
+        """Copy ``sd`` (``pm.sharded_state_dict()`` filled by ``dcp.load``, saved under any
+        plan) into this rank's parameters and buffers; names and global shapes are checked
+        first."""
+        what = "a sharded state dict"
+        fix = ("fill pm.sharded_state_dict() with torch.distributed.checkpoint.load from a "
+               "checkpoint of the same model, and pass it")
+        self._check_names(sd, what, fix)
+        phs = self._state_placeholders()
+        values = [self._incoming(sd, ph.name, what, fix) for ph in phs]
         self.runtime.host.settle()
         with torch.no_grad():
-            for fqn, p in self.local_parameters().items():
-                p.copy_(sd[fqn].to_local())
+            for ph, v in zip(phs, values):
+                self._local_tensor(ph).copy_(v.to_local())
+
+    def _local_tensor(self, ph: Any) -> torch.Tensor:
+        """This rank's tensor of a parameter or buffer placeholder."""
+        return self.params[_key(ph.fqn)] if ph.kind == "param" else self._buffers_local[ph.name]
 
     @property
     def ledger(self) -> Ledger:
@@ -346,14 +551,47 @@ def _to_host(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory() if device.type == "cuda" else t
 
 
+def _mode_dependent_ops(graph: Any) -> list[str]:
+    """Nodes that compute otherwise in eval mode: dropout drawing masks (p > 0, train) and batch
+    norm using and updating batch statistics."""
+    aten = torch.ops.aten
+    flags = {aten.dropout.default: (1, 2), aten.feature_dropout.default: (1, 2),
+             aten.alpha_dropout.default: (1, 2), aten.native_dropout.default: (1, 2),
+             aten.batch_norm.default: (None, 5), aten.native_batch_norm.default: (None, 5)}
+    out = []
+    for n in graph.nodes:
+        where = flags.get(n.target)
+        if where is None:
+            continue
+        p, train = where
+        if n.args[train] is True and (p is None or n.args[p] != 0):
+            out.append(f"{n.name} ({n.target})")
+    return out
+
+
 def _key(fqn: str) -> str:
     return fqn.replace(".", "__")
 
 
 def _dtensor_placements(spec: Spec):
+    """DTensor placements of a parameter kept as ``spec``. A strided shard (a fused projection)
+    is ``Shard`` of its dim here: the same elements per rank, so norms and elementwise ops are
+    exact; its offsets are not, which is why DCP refuses it (optim.refuse_strided)."""
     from torch.distributed.tensor import Replicate as DR, Shard as DS
     from autoshard.ir import Shard
     return [DS(p.dim) if isinstance(p, Shard) else DR() for p in spec]
+
+
+def _grad_cut(spec: Spec, grad: Spec, groups: MeshGroups):
+    from autoshard.codegen.optim import _cut
+    return _cut(spec, grad, groups.shape, groups.coords)
+
+
+def _grad_placements(spec: Spec, grad: Spec, groups: MeshGroups) -> tuple:
+    if grad == spec:
+        return tuple(_dtensor_placements(spec))
+    from autoshard.codegen.optim import _placements
+    return _placements(spec, grad, groups.shape)
 
 
 def parallelize(model: torch.nn.Module, mesh: Any, *, plan: Plan | str | Path | None = None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
+import itertools
 import operator
 import re
 from collections.abc import Mapping
@@ -125,7 +126,7 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any], *, training: bo
     if not isinstance(model, torch.nn.Module):
         raise AutoshardError("model is a torch.nn.Module", got=type(model).__name__,
                              fix="pass the nn.Module itself")
-    example_inputs = _checked_inputs(example_inputs)
+    example_inputs = _meta_like_model(model, _checked_inputs(example_inputs))
     wrapped = as_loss_module(model) if training else model
     try:
         ep = torch.export.export(wrapped, example_inputs, strict=False)
@@ -139,6 +140,17 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any], *, training: bo
                              aliases=parameter_aliases(model))
     except GuardOnDataDependentSymNode as e:    # a shape that depends on values, as of x[mask]
         raise _export_failure(e, model, example_inputs, training) from e
+
+
+def _meta_like_model(model: torch.nn.Module, inputs: tuple) -> tuple:
+    """A model on the meta device traced with a real batch: only the batch's shapes and dtypes
+    matter to the graph, so trace with meta tensors of them (a real tensor beside meta weights
+    would fail in the first op that reads both)."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    if not any(t.device.type == "meta" for t in tensors):
+        return inputs
+    return tuple(torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t
+                 for t in inputs)
 
 
 _DICT_INPUTS_FIX = ("pass a tuple of tensors in the order of forward's parameters, e.g. "

@@ -1,0 +1,89 @@
+"""The training loop people write (AdamW, warmup + cosine LambdaLR, global-norm clipping with
+torch's own clip_grad_norm_, accumulation over micro-batches), run on one rank through a
+ParallelModule and beside it on the single-device model. Used by tests/test_training_loop.py;
+module level, so the world's ranks unpickle it by reference."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+
+def _example():
+    """examples/train.py, the recipe: its schedule is the one tested here."""
+    spec = importlib.util.spec_from_file_location(
+        "autoshard_train_example", Path(__file__).parents[1] / "examples" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+warmup_cosine = _example().warmup_cosine
+
+LR, WD, CLIP = 1e-3, 0.1, 0.5
+
+
+def micro_batch(inputs: tuple, step: int, micro: int) -> tuple:
+    """Inputs shaped like ``inputs``, drawn anew per (step, micro-batch), the same on every rank."""
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return tuple(torch.randn(t.shape, generator=g, dtype=t.dtype) if t.is_floating_point()
+                 else torch.randint(0, int(t.max()) + 1, t.shape, generator=g, dtype=t.dtype)
+                 for t in inputs)
+
+
+def run_steps(opt, sched, step_fn, params_fn, inputs, steps: range, micro: int):
+    """Optimizer steps ``steps`` of ``micro`` micro-batches each: (losses, norms before clip)."""
+    losses, norms = [], []
+    for s in steps:
+        losses.append(sum(float(step_fn(micro_batch(inputs, s, m))) for m in range(micro)))
+        norm = torch.nn.utils.clip_grad_norm_(params_fn(), CLIP)
+        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return losses, norms
+
+
+def schedule(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(2, 8))
+
+
+def parallel(model_name: str, plan_json: str, seed: int = 0):
+    """(pm, its AdamW, the example inputs) for ``plan_json`` on this rank, the model's weights
+    drawn from ``seed`` (the inputs, which fix the data's vocabulary, from seed 0)."""
+    from autoshard import Mesh, Plan
+    from autoshard.codegen.runtime import parallelize
+    from autoshard.verify import build
+    plan = Plan.loads(plan_json)
+    model, inputs = build(model_name, None, None, seed)[0], build(model_name, None, None, 0)[1]
+    pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan,
+                     example_inputs=inputs)
+    return pm, pm.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD), inputs
+
+
+def pm_step(pm):
+    return lambda batch: pm.step(*pm.shard_inputs(*batch))
+
+
+def single_device(model_name: str, steps: int, micro: int):
+    """The same loop on the single-device model: (losses, norms), its parameters by name."""
+    from autoshard.loss import as_loss_module
+    from autoshard.verify import build
+    ref = as_loss_module(build(model_name, None, None, 0)[0])
+    inputs = build(model_name, None, None, 0)[1]
+
+    def step(batch):
+        loss = ref(*batch)
+        loss.backward()
+        return loss.detach()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    out = run_steps(opt, schedule(opt), step, ref.parameters, inputs, range(steps), micro)
+    return out, {n.removeprefix("model."): p.detach() for n, p in ref.named_parameters()}
+
+
+def train_loop(model_name: str, plan_json: str, steps: int = 8, micro: int = 2):
+    """The loop under the plan and on one device: ((losses, norms), full weights) of each."""
+    pm, opt, inputs = parallel(model_name, plan_json)
+    got = run_steps(opt, schedule(opt), pm_step(pm), pm.parameters, inputs, range(steps), micro)
+    return got, pm.full_state_dict(), *single_device(model_name, steps, micro)

@@ -1,0 +1,447 @@
+"""The training loop people write runs on a ParallelModule as on one device (issue 29).
+
+On gloo: 8 optimizer steps of 2 micro-batches each, AdamW with weight decay, LambdaLR warmup +
+cosine and torch's own ``clip_grad_norm_(pm.parameters(), 0.5)``, under data parallelism, tensor
+parallelism with sharded weights, ZeRO-2, ZeRO-3 (FSDP) and optimizer offload, against the same
+loop on one device (tests/loop.py). Then one regression test per failure a new user met
+(torch's schedulers refused the optimizer; clipping took the norm of local shards; pm.eval()
+was ignored and an inference plan returned partial outputs; buffers were left out of
+checkpoints; another plan's optimizer state loaded; a wrongly shaped or missing tensor loaded
+and tied names were dropped; a non-elementwise optimizer stepped shards; a meta-device model
+failed with a real batch), DDP's no_sync, and resume through DCP onto the same and another
+mesh. Not covered, because not built: clipping across pipeline stages, frozen parameters in the
+plan's memory, per-shard dropout masks.
+
+Tolerances: fp32 on gloo sums in other orders than one device; losses and gradient norms agree
+to about 1e-7 relative, weights after 8 AdamW steps to about 1e-6 (1e-4 asserted, as the issue
+asks). A key projection's bias is left out of the weight comparison: its exact gradient is zero
+(softmax is invariant to a constant added to every score of a query), what arrives is rounding
+noise, and Adam scales noise to full-size steps (tests/dist.py says the same).
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from autoshard import Mesh, Plan
+from autoshard.errors import AutoshardError
+from autoshard.solver.baselines import STORED, stored_plan
+from autoshard.trace.export import trace
+from autoshard.verify import build, plan_for, rel_err
+from dist import world_fixture
+from loop import (CLIP, micro_batch, parallel, pm_step, run_steps, schedule, single_device,
+                  train_loop, warmup_cosine)
+
+CLUSTER = str(Path(__file__).parent / "data" / "compute_bound.json")
+TOL = 1e-4
+
+world2 = world_fixture(2, timeout_s=600)
+world4 = world_fixture(4, timeout_s=900)
+
+
+def _plan(model: str, shape: tuple[int, ...], baseline: str | None = None, **kw) -> Plan:
+    mesh = Mesh(shape, cluster=CLUSTER)
+    if baseline in STORED:
+        return stored_plan(trace(*build(model, None, None, 0)), mesh, baseline, **kw)
+    return plan_for(model, mesh, baseline=baseline, **kw)
+
+
+def _rel(got: list[float], want: list[float]) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(got, want))
+
+
+def _weights_err(full: dict, ref: dict) -> float:
+    return max(rel_err(full[n], p) for n, p in ref.items() if not n.endswith("k_proj.bias"))
+
+
+# -- the loop, 8 steps, against one device -----------------------------------------------------
+
+LOOPS = [(m, shape, baseline, kw) for m in ("llama-tiny", "gpt2-tiny") for shape, baseline, kw in (
+    ((4,), "dp", {}),                                          # data parallel
+    ((2, 2), "megatron", {}),                                  # weights sharded over 2x2
+    ((4,), "dp", dict(zero="zero2", bucket_mb=0.05)),          # ZeRO-2
+    ((4,), "fsdp", {}),                                        # ZeRO-3
+    ((4,), "dp", dict(offload="optimizer", bucket_mb=0.05)))]  # optimizer offload
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,shape,baseline,kw", LOOPS,
+                         ids=[f"{m}-{'x'.join(map(str, s))}-{b}-{'-'.join(map(str, k.values()))}"
+                              for m, s, b, k in LOOPS])
+def test_loop_equals_one_device(world4, model, shape, baseline, kw):
+    plan = _plan(model, shape, baseline, **kw)
+    (losses, norms), full, (ref_losses, ref_norms), ref = world4.run(
+        train_loop, model, plan.dumps())[0]
+    assert min(ref_norms) > CLIP          # the clip acts on every step
+    assert _rel(losses, ref_losses) <= TOL, (losses, ref_losses)
+    assert _rel(norms, ref_norms) <= TOL, (norms, ref_norms)
+    assert _weights_err(full, ref) <= TOL
+
+
+# -- the red-team log, one test per failure ----------------------------------------------------
+
+def _schedulers(plan_json: str) -> dict:
+    """Each scheduler on pm.optimizer sets the learning rate the wrapped step reads, as on a
+    plain torch optimizer, and its state dict round-trips."""
+    S = torch.optim.lr_scheduler
+    makers = {
+        "LambdaLR": lambda o: S.LambdaLR(o, warmup_cosine(2, 8)),
+        "StepLR": lambda o: S.StepLR(o, step_size=2, gamma=0.5),
+        "CosineAnnealingLR": lambda o: S.CosineAnnealingLR(o, T_max=8),
+        "OneCycleLR": lambda o: S.OneCycleLR(o, max_lr=1e-2, total_steps=8),
+        "SequentialLR": lambda o: S.SequentialLR(
+            o, [S.LinearLR(o, 0.1, total_iters=2), S.CosineAnnealingLR(o, T_max=6)],
+            milestones=[2])}
+    pm, _, inputs = parallel("mlp-tiny", plan_json)
+    out = {}
+    for name, make in makers.items():
+        opt = pm.optimizer(torch.optim.AdamW, lr=1e-3)
+        posts = []
+        opt.register_step_post_hook(lambda *_: posts.append(1))
+        ref_opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+        sched, ref_sched = make(opt), make(ref_opt)
+        lrs, ref_lrs = [], []
+        for s in range(4):
+            pm.step(*pm.shard_inputs(*micro_batch(inputs, s, 0)))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            ref_opt.step()
+            ref_sched.step()
+            lrs.append(opt.optimizer.param_groups[0]["lr"])      # what the wrapped step reads
+            ref_lrs.append(ref_opt.param_groups[0]["lr"])
+        again = pm.optimizer(torch.optim.AdamW, lr=1e-3)
+        resumed = make(again)
+        again.load_state_dict(opt.state_dict())
+        resumed.load_state_dict(sched.state_dict())
+        sched.step()
+        resumed.step()
+        out[name] = (lrs == ref_lrs, len(posts) == 4,
+                     resumed.get_last_lr() == sched.get_last_lr() == [
+                         again.optimizer.param_groups[0]["lr"]])
+    return out
+
+
+def test_torch_schedulers_step_pm_optimizer(world2):
+    """Why: "LambdaLR(pm.optimizer(...)) raises TypeError: ShardedOptimizer is not an
+    Optimizer"; so did every scheduler. Under ZeRO-2, so the optimizer steps state shards."""
+    plan = _plan("mlp-tiny", (2,), "dp", zero="zero2", bucket_mb=0.05)
+    assert plan.param_state
+    out = world2.run(_schedulers, plan.dumps())[0]
+    assert out == {k: (True, True, True) for k in out} and len(out) == 5, out
+
+
+def _clipping(plan_json: str, model: str) -> dict:
+    """torch's clip_grad_norm_ / get_total_norm / clip_grad_value_ over pm.parameters() against
+    the same on one device, after one step; the clipped gradients too."""
+    from autoshard.loss import as_loss_module
+    pm, _, inputs = parallel(model, plan_json)
+    ref = as_loss_module(build(model, None, None, 0)[0])
+    batch = micro_batch(inputs, 0, 0)
+    pm.step(*pm.shard_inputs(*batch))
+    ref(*batch).backward()
+    clip = torch.nn.utils
+    total = clip.get_total_norm([p.grad for p in pm.parameters()]).full_tensor()
+    norm = clip.clip_grad_norm_(pm.parameters(), CLIP).full_tensor()
+    want = clip.clip_grad_norm_(ref.parameters(), CLIP)
+    named = {n.removeprefix("model."): p for n, p in ref.named_parameters()}
+    clipped = max(rel_err(g, named[n].grad) for n, g in pm.full_grads().items())
+    clip.clip_grad_value_(pm.parameters(), 1e-3)
+    clip.clip_grad_value_(ref.parameters(), 1e-3)
+    return {"total": float(total), "norm": float(norm), "want": float(want),
+            "sharded": sum(any(not p.is_replicate() for p in v.placements)
+                           for v in pm.parameters()),
+            "clipped_norm": clipped,
+            "clipped_value": max(rel_err(g, named[n].grad) for n, g in pm.full_grads().items())}
+
+
+@pytest.mark.parametrize("model", ["llama-tiny", "gpt2-tiny"])
+def test_torch_clipping_returns_one_devices_norm(world2, model):
+    """Why: "clip_grad_norm_(pm.parameters(), 0.5) on llama-tiny over 2x2 with sharded weights
+    returns 0.41 where one device's norm is 1.06". Megatron over 2 ranks shards the weights."""
+    plan = _plan(model, (2,), "megatron")
+    out = world2.run(_clipping, plan.dumps(), model)
+    for r in out:
+        assert r["sharded"] > 0
+        assert abs(r["total"] - r["want"]) <= TOL * r["want"], r
+        assert abs(r["norm"] - r["want"]) <= TOL * r["want"], r
+        # (clip_grad_value_'s gradients are at most 1e-3, the floor of rel_err: the rounding of
+        # gradients of order 1 shows at about 1e-5 of that)
+        assert r["clipped_norm"] <= 1e-5 and r["clipped_value"] <= 1e-4, r
+
+
+def _caught(fn) -> str:
+    try:
+        fn()
+    except AutoshardError as e:
+        return str(e)
+    return "accepted"
+
+
+def _other_layouts(zero_json: str, tp_json: str) -> dict:
+    """Optimizer state saved under one plan offered to another plan's optimizer."""
+    out = {}
+    pms = {k: parallel("gpt2-tiny", j) for k, j in (("zero2", zero_json), ("megatron", tp_json))}
+    for k, (pm, opt, inputs) in pms.items():
+        pm.step(*pm.shard_inputs(*inputs))
+        opt.step()
+    for a, b in (("zero2", "megatron"), ("megatron", "zero2")):
+        sd = pms[a][1].state_dict()
+        out[f"{a}->{b}"] = _caught(lambda: pms[b][1].load_state_dict(sd))
+        out[f"{a}->{a}"] = _caught(lambda: pms[a][1].load_state_dict(sd))
+    inner = pms["zero2"][1].optimizer.state_dict()          # a plain torch state dict
+    out["plain"] = _caught(lambda: pms["zero2"][1].load_state_dict(inner))
+    return out
+
+
+def test_another_plans_optimizer_state_is_refused(world2):
+    """Why: "ZeRO-2 state into a Megatron plan's optimizer killed both ranks with SIGSEGV in
+    fused Adam; the other way loads silently and the next step is off by up to 29%"."""
+    zero = _plan("gpt2-tiny", (2,), "dp", zero="zero2", bucket_mb=0.05)
+    tp = _plan("gpt2-tiny", (2,), "megatron")
+    for out in world2.run(_other_layouts, zero.dumps(), tp.dumps()):
+        assert out["zero2->zero2"] == out["megatron->megatron"] == "accepted", out
+        for k in ("zero2->megatron", "megatron->zero2"):
+            assert "laid out as this optimizer keeps" in out[k] and "sharded_state_dict" in out[k]
+        assert "records the layout" in out["plain"]
+
+
+def _whole_tensor_optimizers(plans: dict) -> dict:
+    out = {}
+    for k, j in plans.items():
+        pm, _, inputs = parallel("mlp-tiny", j)
+        out[k] = _caught(lambda: pm.optimizer(torch.optim.Adafactor, lr=1e-2))
+        if k == "dp":         # replicated: it steps, as on one device
+            opt = pm.optimizer(torch.optim.Adafactor, lr=1e-2)
+            pm.step(*pm.shard_inputs(*inputs))
+            opt.step()
+        out[k + "-declared"] = _caught(
+            lambda: pm.optimizer(torch.optim.Adafactor, lr=1e-2, elementwise=True))
+    return out
+
+
+def test_non_elementwise_optimizer_is_refused_on_shards(world2):
+    """Why: "pm.optimizer(torch.optim.Adafactor) computes its factored statistics per shard:
+    off by 1.9e-2 after 3 steps under TP and ZeRO-2". Replicated it runs."""
+    plans = {"dp": _plan("mlp-tiny", (2,), "dp", zero="none"),
+             "fsdp": _plan("mlp-tiny", (2,), "fsdp"),
+             "zero2": _plan("mlp-tiny", (2,), "dp", zero="zero2", bucket_mb=0.05)}
+    out = world2.run(_whole_tensor_optimizers, {k: p.dumps() for k, p in plans.items()})[0]
+    assert out["dp"] == out["dp-declared"] == "accepted", out
+    for k in ("fsdp", "zero2"):
+        assert "Adafactor" in out[k] and "per shard" in out[k] and "elementwise=True" in out[k]
+        assert out[k + "-declared"] == "accepted"
+
+
+def _state_checks(plan_json: str) -> dict:
+    from autoshard.verify import build
+    pm, _, _ = parallel("hf-gpt2-tiny", plan_json)
+    model = build("hf-gpt2-tiny", None, None, 0)[0]
+    full = pm.full_state_dict()
+    out = {"keys": set(full) == set(model.state_dict())}
+    fresh = build("hf-gpt2-tiny", None, None, 1)[0]
+    fresh.load_state_dict(full, strict=True)
+    out["strict"] = all(torch.equal(v, full[k]) for k, v in fresh.state_dict().items())
+    name = next(k for k, v in full.items() if v.dim() == 1 and v.numel() > 1)
+    out["shape"] = _caught(lambda: pm.load_full_state_dict({**full, name: torch.zeros(1)}))
+    out["missing"] = _caught(lambda: pm.load_full_state_dict(
+        {k: v for k, v in full.items() if k != name}))
+    out["name"] = name
+    out["unchanged"] = all(torch.equal(v, full[k]) for k, v in pm.full_state_dict().items())
+    return out
+
+
+def test_full_state_dict_names_tied_aliases_and_loads_check_shapes(world2):
+    """Why: "load_full_state_dict broadcasts a (1,) tensor into a (32,) weight without a word
+    ... For a tied embedding, full_state_dict() drops the alias key, so a strict
+    load_state_dict of it fails"."""
+    plan = _plan("hf-gpt2-tiny", (2,), "megatron")
+    out = world2.run(_state_checks, plan.dumps())[0]
+    assert out["keys"] and out["strict"] and out["unchanged"], out
+    assert out["name"] in out["shape"] and "(1,)" in out["shape"], out
+    assert out["name"] in out["missing"], out
+
+
+# -- checkpoints: buffers, and resume through DCP -----------------------------------------------
+
+class BNNet(torch.nn.Module):
+    """A model with buffers a checkpoint must carry (BatchNorm's running statistics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.bn = torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16)
+        self.fc2 = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = self.fc2(torch.relu(self.bn(self.fc1(x))))
+        return torch.nn.functional.mse_loss(out, y)
+
+
+BN_INPUTS = (torch.randn(8, 8, generator=torch.Generator().manual_seed(0)), torch.zeros(8, 1))
+
+
+def _bn_plan() -> Plan:
+    from autoshard.solver.planner import plan
+    with warnings.catch_warnings():       # batch_norm has no rule: replicated, said once
+        warnings.filterwarnings("ignore", message=".*batch_norm")
+        return plan(BNNet(), BN_INPUTS, Mesh((2,), cluster=CLUSTER))
+
+
+def _buffers_through_dcp(plan_json: str, path: str) -> bool:
+    import torch.distributed.checkpoint as dcp
+    from autoshard.codegen.runtime import parallelize
+    plan = Plan.loads(plan_json)
+    pms = [parallelize(BNNet(), Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan,
+                       example_inputs=BN_INPUTS) for _ in range(2)]
+    full = pms[0].full_state_dict()
+    full["bn.running_mean"] = torch.arange(16.0)
+    full["bn.running_var"] = torch.arange(16.0) + 1
+    full["bn.num_batches_tracked"] = torch.tensor(7)
+    pms[0].load_full_state_dict(full)
+    dcp.save(pms[0].sharded_state_dict(), checkpoint_id=path)
+    sd = pms[1].sharded_state_dict()
+    dcp.load(sd, checkpoint_id=path)
+    pms[1].load_sharded_state_dict(sd)
+    return all(torch.equal(v, full[k]) for k, v in pms[1].full_state_dict().items())
+
+
+def test_checkpoints_carry_buffers(world2, tmp_path):
+    """Why: "pm.sharded_state_dict() holds parameters only: a DCP resume silently resets
+    BatchNorm's running statistics (and any buffer)"."""
+    p = _bn_plan()
+    assert world2.run(_buffers_through_dcp, p.dumps(), str(tmp_path / "ckpt")) == [True, True]
+
+
+def _resume(model: str, first: str, then: dict, path: str) -> dict:
+    """8 steps under ``first``; 4 steps, a DCP checkpoint of the whole training state (model,
+    optimizer, scheduler, step), and each plan of ``then`` built afresh from another seed,
+    loaded and run for the last 4: the largest difference of any weight from the 8-step run."""
+    import torch.distributed.checkpoint as dcp
+    pm, opt, inputs = parallel(model, first)
+    run_steps(opt, schedule(opt), pm_step(pm), pm.parameters, inputs, range(8), 2)
+    want = pm.full_state_dict()
+    pm, opt, inputs = parallel(model, first)
+    sched = schedule(opt)
+    run_steps(opt, sched, pm_step(pm), pm.parameters, inputs, range(4), 2)
+    dcp.save({"model": pm.sharded_state_dict(), "optim": opt.sharded_state_dict(),
+              "sched": sched.state_dict(), "step": 4}, checkpoint_id=path)
+    out = {}
+    for name, plan_json in then.items():
+        pm, opt, inputs = parallel(model, plan_json, seed=1)
+        sched = schedule(opt)
+        state = {"model": pm.sharded_state_dict(), "optim": opt.sharded_state_dict(),
+                 "sched": sched.state_dict(), "step": 0}
+        dcp.load(state, checkpoint_id=path)
+        pm.load_sharded_state_dict(state["model"])
+        opt.load_sharded_state_dict(state["optim"])
+        sched.load_state_dict(state["sched"])
+        run_steps(opt, sched, pm_step(pm), pm.parameters, inputs, range(state["step"], 8), 2)
+        got = pm.full_state_dict()
+        out[name] = _weights_err(got, want)
+    return out
+
+
+@pytest.mark.slow
+def test_resume_through_dcp_onto_the_same_and_another_mesh(world2, tmp_path):
+    """4 steps, a checkpoint, 4 more from it equal 8 straight: under the same ZeRO-2 plan and
+    under tensor parallelism (another layout of every weight and of the optimizer state)."""
+    zero = _plan("gpt2-tiny", (2,), "dp", zero="zero2", bucket_mb=0.05)
+    tp = _plan("gpt2-tiny", (2,), "megatron")
+    for out in world2.run(_resume, "gpt2-tiny", zero.dumps(),
+                          {"same": zero.dumps(), "other": tp.dumps()}, str(tmp_path / "ckpt")):
+        assert out["same"] <= 1e-6 and out["other"] <= TOL, out
+
+
+# -- accumulation without sync -----------------------------------------------------------------
+
+def _no_sync(plan_json: str) -> dict:
+    from autoshard.loss import as_loss_module
+    pm, opt, inputs = parallel("gpt2-tiny", plan_json)
+    ref = as_loss_module(build("gpt2-tiny", None, None, 0)[0])
+    syncs = []
+    with pm.no_sync():
+        pm.step(*pm.shard_inputs(*micro_batch(inputs, 0, 0)))
+        syncs.append(sum(r.phase == "grad_sync" for r in pm.ledger.records))
+        refused = _caught(opt.step)
+    pm.step(*pm.shard_inputs(*micro_batch(inputs, 0, 1)))
+    syncs.append(sum(r.phase == "grad_sync" for r in pm.ledger.records))
+    for m in range(2):
+        ref(*micro_batch(inputs, 0, m)).backward()
+    named = {n.removeprefix("model."): p.grad for n, p in ref.named_parameters()}
+    err = max(rel_err(g, named[n]) for n, g in pm.full_grads().items())
+    buckets = len({b.name for b in pm.runtime.buckets.buckets})
+    return {"syncs": syncs, "buckets": buckets, "err": err, "refused": refused}
+
+
+def test_no_sync_defers_the_gradient_sync_to_the_last_micro_step(world2):
+    """DDP's ``no_sync``: no gradient sync in the first micro-step, one per bucket in the last,
+    the gradients those of both micro-batches; stepping while they are held is refused."""
+    plan = _plan("gpt2-tiny", (2,), "dp", zero="zero2", bucket_mb=0.05)
+    for out in world2.run(_no_sync, plan.dumps()):
+        assert out["syncs"][0] == 0 and out["syncs"][1] >= out["buckets"] > 1, out
+        assert out["err"] <= 1e-5, out
+        assert "no_sync" in out["refused"], out
+
+
+# -- a model on the meta device, planned and built with the real batch ---------------------------
+
+def _meta_with_real_batch(plan_json: str) -> float:
+    from autoshard.codegen.runtime import parallelize
+    from autoshard.loss import as_loss_module
+    plan = Plan.loads(plan_json)
+    real, inputs = build("gpt2-tiny", None, None, 0)
+    pm = parallelize(build("gpt2-tiny", None, None, 0)[0].to("meta"),
+                     Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan, example_inputs=inputs,
+                     init="empty")
+    pm.load_full_state_dict(real.state_dict())
+    got = pm.step(*pm.shard_inputs(*inputs))
+    want = as_loss_module(real)(*inputs)
+    return abs(float(got) - float(want)) / abs(float(want))
+
+
+def test_meta_model_with_a_real_batch(world2):
+    """Why: "a model built on the meta device planned or parallelized with the real batch fails
+    with 'a model that torch.export can capture ... make forward traceable'"."""
+    from autoshard.solver.planner import plan
+    real, inputs = build("gpt2-tiny", None, None, 0)
+    p = plan(real.to("meta"), inputs, Mesh((2,), cluster=CLUSTER))
+    assert max(world2.run(_meta_with_real_batch, p.dumps())) <= 1e-6
+
+
+# -- modes and inference outputs ----------------------------------------------------------------
+
+def _modes(bn_json: str, infer_json: str) -> dict:
+    from autoshard.codegen.runtime import parallelize
+    from autoshard.loss import as_loss_module
+    bn, infer = Plan.loads(bn_json), Plan.loads(infer_json)
+    pm = parallelize(BNNet(), Mesh(bn.mesh_shape, bn.mesh_axes), plan=bn, example_inputs=BN_INPUTS)
+    out = {"bn_eval": _caught(pm.eval)}
+    real, inputs = build("gpt2-tiny", None, None, 0)
+    pm = parallelize(real, Mesh(infer.mesh_shape, infer.mesh_axes), plan=infer,
+                     example_inputs=inputs)
+    out["plain_eval"] = _caught(pm.eval)
+    with torch.no_grad():
+        got = pm(*pm.shard_inputs(*inputs))
+        want = as_loss_module(real)(*inputs)
+    out["output"] = abs(float(got) - float(want)) / abs(float(want))
+    out["step"] = _caught(lambda: pm.step(*pm.shard_inputs(*inputs)))
+    return out
+
+
+def test_modes_and_inference_outputs(world2):
+    """Why: "pm.eval() is ignored: dropout stays on, BatchNorm uses and overwrites batch
+    statistics ... A training=False plan's pm(...) returns per-rank partial values (2.073 and
+    2.069 where the loss is 4.142) ...; stepping it fails with an internal assertion". An eval()
+    that would change what the program computes is refused, naming the ops; one that changes
+    nothing is accepted; an inference plan's output is whole; stepping it says why not."""
+    from autoshard.solver.planner import plan
+    bn = _bn_plan()
+    model, inputs = build("gpt2-tiny", None, None, 0)
+    infer = plan(model, inputs, Mesh((2,), cluster=CLUSTER), training=False)
+    for out in world2.run(_modes, bn.dumps(), infer.dumps()):
+        assert "batch_norm" in out["bn_eval"] and "training=False" in out["bn_eval"], out
+        assert out["plain_eval"] == "accepted" and out["output"] <= 1e-6, out
+        assert "inference plan" in out["step"], out
