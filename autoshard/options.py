@@ -96,7 +96,7 @@ class PlanOptions:
     recompute: str = "auto"
     zero: str = "auto"
     offload: str = "auto"
-    offload_overlap: str = "backward"
+    offload_overlap: str = "none"
     pipeline: str | None = None
     schedule: str = "auto"
     microbatches: int | str = "auto"
@@ -140,8 +140,8 @@ class PlanOptions:
         if self.offload_overlap not in OFFLOAD_OVERLAP:
             raise AutoshardError(f"PlanOptions.offload_overlap is one of {OFFLOAD_OVERLAP}",
                                  got=repr(self.offload_overlap),
-                                 fix="pass offload_overlap='backward' (the default), 'delayed' "
-                                     "(one update behind, faster) or 'none'")
+                                 fix="pass offload_overlap='none' (the default: the host steps after "
+                                     "backward), 'backward' or 'delayed' (one update behind)")
         if self.offload not in OFFLOAD:
             raise AutoshardError(f"PlanOptions.offload is one of {OFFLOAD}",
                                  got=repr(self.offload),
@@ -189,7 +189,7 @@ class PlanOptions:
         out = dataclasses.asdict(self)
         if out["stage_run"] is None:      # the pipeline planner's own: not in plan files
             del out["stage_run"]
-        if out["offload_overlap"] == "backward":   # the default: plan files stay as they were
+        if out["offload_overlap"] == "none":   # the default: plan files stay as they were
             del out["offload_overlap"]
         return out
 

@@ -4,6 +4,7 @@ ParallelModule and beside it on the single-device model. Used by tests/test_trai
 module level, so the world's ranks unpickle it by reference."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from pathlib import Path
 
@@ -32,11 +33,17 @@ def micro_batch(inputs: tuple, step: int, micro: int) -> tuple:
                  for t in inputs)
 
 
-def run_steps(opt, sched, step_fn, params_fn, inputs, steps: range, micro: int):
-    """Optimizer steps ``steps`` of ``micro`` micro-batches each: (losses, norms before clip)."""
+def run_steps(opt, sched, step_fn, params_fn, inputs, steps: range, micro: int,
+              accumulating=lambda: contextlib.nullcontext()):
+    """Optimizer steps ``steps`` of ``micro`` micro-batches each: (losses, norms before clip).
+    Every micro-batch but the last runs inside ``accumulating()`` (DDP's ``no_sync``)."""
     losses, norms = [], []
     for s in steps:
-        losses.append(sum(float(step_fn(micro_batch(inputs, s, m))) for m in range(micro)))
+        total = 0.0
+        for m in range(micro):
+            with accumulating() if m < micro - 1 else contextlib.nullcontext():
+                total += float(step_fn(micro_batch(inputs, s, m)))
+        losses.append(total)
         norm = torch.nn.utils.clip_grad_norm_(params_fn(), CLIP)
         norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
         opt.step()
@@ -85,5 +92,7 @@ def single_device(model_name: str, steps: int, micro: int):
 def train_loop(model_name: str, plan_json: str, steps: int = 8, micro: int = 2):
     """The loop under the plan and on one device: ((losses, norms), full weights) of each."""
     pm, opt, inputs = parallel(model_name, plan_json)
-    got = run_steps(opt, schedule(opt), pm_step(pm), pm.parameters, inputs, range(steps), micro)
+    sync = pm.no_sync if pm.pipeline is None else contextlib.nullcontext
+    got = run_steps(opt, schedule(opt), pm_step(pm), pm.parameters, inputs, range(steps), micro,
+                    sync)
     return got, pm.full_state_dict(), *single_device(model_name, steps, micro)

@@ -173,6 +173,29 @@ def test_a_second_landing_before_the_step_is_refused():
     host.close()
 
 
+def test_a_gradient_changed_after_its_early_step_is_refused_and_accumulation_holds():
+    """Under "backward" a bucket steps on the gradients backward made: one clipped (scaled in
+    place) before ``opt.step()`` would be silently ignored, so the step refuses it. Inside
+    ``pm.no_sync()`` (``hold``) nothing lands early: accumulation's micro-steps wait for the
+    last one."""
+    mine = _masters()
+    host = _host(torch.optim.AdamW(mine), mine, overlap="backward", bucket_bytes=1e9)
+    grads = _grads(0)
+    _run(host, grads)                        # armed: later gradients land from backward
+    host.hold = lambda: True
+    for i, g in enumerate(grads):
+        host.land(i, g, early=True)
+    assert host.started_early == 0 and not any(b.landed for b in host.buckets)
+    host.hold = lambda: False
+    for i, g in enumerate(grads):
+        host.land(i, g, early=True)
+    assert host.started_early == 1
+    grads[0].mul_(0.5)                       # what clip_grad_norm_ does to a .grad
+    with pytest.raises(AutoshardError, match="changed after backward"):
+        host.start([], lambda key, new: None)
+    host.close()
+
+
 # -- the price (docs/cost-model.md §9.1) --------------------------------------------------------
 def _priced(overlap: str):
     from autoshard import Mesh

@@ -94,6 +94,7 @@ class _Slot:
     offset: int
     numel: int
     landed: bool = False
+    early: Any = None              # "backward": the gradient landed from backward, and its version
 
 
 @dataclass(eq=False)
@@ -151,6 +152,7 @@ class HostOptimizer:
         self.handles: list = []
         self.started_early = 0                     # buckets started from backward, all steps
         self.armed = False                         # "backward": land early (after a step)
+        self.hold: Callable[[], bool] = lambda: False     # True: accumulating, land at the step
         self._todo: list[_Bucket] = []
 
     # -- layout --------------------------------------------------------------------------------
@@ -183,8 +185,8 @@ class HostOptimizer:
         """Copy ``key``'s gradient into its bucket's landing buffer (down the link, without
         waiting, from a GPU). ``early``: from backward; the bucket is stepped once every member
         has landed."""
-        if early and not self.armed:
-            return                                 # (before the first step: at the step)
+        if early and (not self.armed or self.hold()):
+            return         # (before the first step, or inside pm.no_sync(): at the step)
         b, s = self.slot_of[id(key)]
         if s.landed:
             if early:
@@ -192,8 +194,9 @@ class HostOptimizer:
                     "one backward per optimizer step under offload_overlap='backward' (each "
                     "parameter's host step starts as soon as its gradient is complete)",
                     got="a second backward before opt.step()",
-                    fix="plan with PlanOptions(offload_overlap='none') to accumulate gradients "
-                        "over several backward passes")
+                    fix="run every micro-batch but the last inside `with pm.no_sync():` "
+                        "(its gradients then land at the last one), or plan with "
+                        "PlanOptions(offload_overlap='none')")
             return
         if b.grads is None or b.grads.dtype != grad.dtype:
             b.grads = torch.empty(b.numel, dtype=grad.dtype, pin_memory=self.pinned)
@@ -202,6 +205,7 @@ class HostOptimizer:
         b.grads[s.offset:s.offset + s.numel].view(grad.shape).copy_(grad,
                                                                     non_blocking=grad.is_cuda)
         s.landed = True
+        s.early = (grad, grad._version) if early else None
         b.landed += 1
         if grad.is_cuda:
             b.event = torch.cuda.Event()
@@ -238,12 +242,28 @@ class HostOptimizer:
         dtype, on the host (pinned on a GPU run)."""
         if self.overlap == "delayed":
             self.flush(write_back)
+        self._check_unchanged()
         for key, g in grads:
             self.land(key, g)
         self._todo = [b for b in self.buckets if b.landed or b.future is not None]
         for b in self._todo:
             if b.future is None:
                 self._submit(b)
+
+    def _check_unchanged(self) -> None:
+        """A gradient stepped during backward must reach the step as backward left it: one
+        changed since (torch's clip_grad_norm_, a grad scaler's unscale) was stepped unchanged."""
+        for b in self.buckets:
+            for s in b.slots:
+                if s.early is not None and s.early[0]._version != s.early[1]:
+                    raise AutoshardError(
+                        "gradients left as backward made them under "
+                        "offload_overlap='backward' (each bucket's host step starts in backward)",
+                        got="a gradient changed after backward (clip_grad_norm_, unscaling?); "
+                            "this step's host state already used it unchanged",
+                        fix="plan with offload_overlap='none' (the default) to clip or scale "
+                            "gradients between backward and the step, and resume from a "
+                            "checkpoint")
 
     def finish(self, write_back: Callable[[Any, torch.Tensor], None]) -> None:
         """Bucket by bucket in order: wait for its host step, write its parameters back, while
@@ -429,6 +449,7 @@ def attach(opt: Any) -> HostOptimizer | None:
         previous = _HOOKED.get(opt.pm)
         if previous is not None:
             previous.unhook()
+        host.hold = lambda: opt.pm.accumulating
         host.handles = host.hooks((e, e.param) for e in order
                                   if e.dim is None and e.placeholder not in bucketed)
         _HOOKED[opt.pm] = host

@@ -48,6 +48,7 @@ class ParallelModule(torch.nn.Module):
             else torch.device("cpu")
         self.runtime = RankRuntime(groups, device, plan)
         self.pipeline = None
+        self.accumulating = False      # inside no_sync(): a micro-step of accumulation
         stage_programs = None
         bound: set[str] | None = None          # the placeholders this rank's stage reads
         if plan.pipeline is not None:
@@ -318,14 +319,16 @@ class ParallelModule(torch.nn.Module):
                                  fix="plan more microbatches: the schedule accumulates them and "
                                      "syncs once per step")
         buckets = self.runtime.buckets
-        if buckets is None:              # nothing is synced apart from the program
-            yield
-            return
-        before, buckets.defer = buckets.defer, True
+        was, self.accumulating = self.accumulating, True   # read by the host step (hostopt)
+        before = buckets.defer if buckets is not None else False
+        if buckets is not None:          # (none: nothing is synced apart from the program)
+            buckets.defer = True
         try:
             yield
         finally:
-            buckets.defer = before
+            self.accumulating = was
+            if buckets is not None:
+                buckets.defer = before
 
     def held_grads(self) -> list[str]:
         """Parameters (placeholder names) whose gradients ``no_sync`` holds unsynced."""
