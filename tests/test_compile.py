@@ -6,18 +6,18 @@ the same loss, gradients (1e-5, fp32) and run-time bytes.
 """
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
 import torch
 
-from autoshard import Mesh, Plan, PlanOptions
+from autoshard import Mesh, PlanOptions
 from autoshard.cluster import Cluster
 from autoshard.cost.compute import Fused, fusions, op_bytes, op_times
 from autoshard.errors import AutoshardError
 from autoshard.ir import OpInfo, Replicate, Strategy, TensorInfo
 from autoshard.trace.export import op_info, trace
+from dist import world_fixture
 
 aten = torch.ops.aten
 H100 = Mesh((1,), cluster="h100")
@@ -102,3 +102,36 @@ def test_host_dispatch_in_presets_and_profiles():
     assert Cluster.preset("cpu").host_dispatch_s == 0.0       # in its kernel floor (§2.11)
     with pytest.raises(AutoshardError, match="host_dispatch_s"):
         Cluster._from_profile({"base": "h100", "host_dispatch_s": -1.0})
+
+
+# -- tier 2: compiled against eager on gloo ranks (slow: inductor compiles on every rank) -------
+
+CLUSTER = str(Path(__file__).parent / "data" / "compute_bound.json")
+world4 = world_fixture(4, timeout_s=3600)
+
+# Every layer fully recomputed (selective checkpointing runs eagerly, said by a warning), over
+# plain tensor parallelism, 2-D and a 2-stage pipeline, on both tiny models.
+CASES = [("gpt2-tiny", (4,), {}), ("llama-tiny", (4,), {}),
+         ("gpt2-tiny", (2, 2), {}), ("llama-tiny", (2, 2), {}),
+         ("gpt2-tiny", (2, 2), {"pipeline": "pp", "microbatches": 2}),
+         ("llama-tiny", (2, 2), {"pipeline": "pp", "microbatches": 2})]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,shape,pipe", CASES,
+                         ids=[f"{m}-{'x'.join(map(str, s))}{'-pp' if p else ''}"
+                              for m, s, p in CASES])
+def test_compiled_rank_program_equals_eager(world4, model, shape, pipe):
+    from autoshard.verify import VerifySpec, plan_for, summarize, verify_rank
+    axes = ("pp", "tp") if pipe else None
+    mesh = Mesh(shape, axes, cluster=CLUSTER) if axes else Mesh(shape, cluster=CLUSTER)
+    plan = plan_for(model, mesh, recompute="full", **pipe)
+    assert plan.recompute or pipe       # (a pipeline's stages may not checkpoint)
+    spec = VerifySpec(model, plan.mesh_shape, plan.mesh_axes, plan.dumps(),
+                      measure_memory=False, compile=True)
+    reports = world4.run(verify_rank, spec, timeout_s=3600)
+    ok, text = summarize(reports, 1e-5)
+    assert ok, text
+    c = reports[0]["compiled"]
+    assert not c["fallbacks"], c["fallbacks"]
+    assert reports[0]["collectives"] > 0
