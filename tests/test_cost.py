@@ -617,9 +617,10 @@ def test_a_biased_linear_sums_its_bias_gradient_in_backward():
     biased = OpInfo(aten.linear.default, (x, w, bias), {}, (y,))
     fwd = op_time(biased, rep(biased), H100, training=False)
     assert close(fwd, op_time(plain, rep(plain), H100, training=False))
-    # derivatives.yaml: the bias's gradient is the output gradient summed over the rows.
+    # derivatives.yaml: the bias's gradient is the output gradient summed over the rows, one
+    # more kernel (eager: at least the host's dispatch of it, §3.10).
     assert close(op_time(biased, rep(biased), H100, training=True),
-                 3 * fwd + y.nbytes / C.mem_bandwidth)
+                 3 * fwd + max(y.nbytes / C.mem_bandwidth, C.host_dispatch_s))
 
 
 def test_tiny_op_hits_the_host_floor_eager_and_the_kernel_floor_compiled():
