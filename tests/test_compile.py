@@ -104,6 +104,49 @@ def test_host_dispatch_in_presets_and_profiles():
         Cluster._from_profile({"base": "h100", "host_dispatch_s": -1.0})
 
 
+def _bump(x):
+    # Python control flow on a value: no graph can hold it (data-dependent), so the region
+    # holding it cannot be traced.
+    return x + 1 if float(x.sum()) > 0 else x - 1
+
+
+def test_what_cannot_be_traced_runs_eagerly_with_a_warning_naming_it():
+    import torch.fx as fx
+    import warnings
+    from autoshard.codegen.compile import CompileFallback, CompiledRegion
+    from autoshard.codegen.rewrite import RankRuntime
+    g = fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.ops.aten.relu.default, (x,))
+    g.output((g.call_function(_bump, (y,)),))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    region = CompiledRegion(gm, RankRuntime(None, torch.device("cpu")), "program: relu .. bump")
+    a = torch.randn(4, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CompileFallback)
+        out = region(a)
+    said = [str(w.message) for w in caught if w.category is CompileFallback]
+    assert len(said) == 1 and said[0].startswith("compile: region program: relu .. bump runs "
+                                                 "eagerly"), said
+    assert torch.equal(out[0], _bump(torch.relu(a)))
+    assert not region.compiled
+
+
+def test_host_copies_bucketed_syncs_and_checkpoints_split_the_program():
+    import torch.fx as fx
+    from autoshard.codegen.compile import _partition
+    from autoshard.codegen.rewrite import FetchCall
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    a = g.call_function(torch.ops.aten.relu.default, (x,))
+    f = g.call_function(FetchCall(None, "mm", "w"), (w,))
+    m = g.call_function(torch.ops.aten.mm.default, (a, f))
+    g.output((g.call_function(torch.ops.aten.relu.default, (m,)),))
+    parts = _partition(g)
+    assert [parts[n.name] for n in g.nodes if n.op == "call_function"] == \
+        [(1, True), (2, False), (3, True), (3, True)]
+
+
 # -- tier 2: compiled against eager on gloo ranks (slow: inductor compiles on every rank) -------
 
 CLUSTER = str(Path(__file__).parent / "data" / "compute_bound.json")
