@@ -16,6 +16,10 @@ and ``autoshard plan --cluster`` read. What is measured and which field it sets
   larger of the two (``mem_bandwidth``; the roofline's bandwidth, §3.1).
 - **kernel floor**: a chain of tiny ops run forward and backward through autograd, time per
   kernel (``kernel_floor_s``; §2.6: the model pays it once forward and once backward per op).
+- **host dispatch** (CUDA): the same chain as an FX program of ATen ops, as the eager rank
+  program runs, time per op (``host_dispatch_s``; §2.11: each eager op's floor, where the GPU
+  is faster than the host; a compiled program does not pay it). On a CPU it is recorded under
+  ``"measured"`` only: the host is the device, and the kernel floor holds it.
 - **special functions**: the activations and softmaxes of transformer training (GELU in both
   forms, SiLU, softmax, log-softmax, exp, tanh), forward and backward kernels, on an op-sized
   activation: evaluations per second over all of them (``transcendental_rate``, §3.7; CPU only:
@@ -429,7 +433,28 @@ def _kernel_floor(sizes: Sizes, device: torch.device) -> dict:
         y.backward()
 
     per_kernel = _timed(chain, device, sizes) / (2 * n)
-    return {"bare_op_s": bare, "autograd_per_kernel_s": per_kernel, "chain": n}
+    program = _program_chain(n)
+
+    def program_step():
+        program(x, b).backward()
+
+    per_op = _timed(program_step, device, sizes) / (2 * n)
+    return {"bare_op_s": bare, "autograd_per_kernel_s": per_kernel,
+            "program_per_op_s": per_op, "chain": n}
+
+
+def _program_chain(n: int) -> "torch.fx.GraphModule":
+    """``n`` ATen multiplications as an FX GraphModule, as the eager rank program runs its ops
+    (codegen/rewrite.py: generated Python calling ATen overloads): its time per op forward and
+    backward on tiny tensors is the host's dispatch of one op (``host_dispatch_s``), where the
+    device is faster than the host (a GPU; on a CPU the host is the device)."""
+    import torch.fx as fx
+    g = fx.Graph()
+    y, c = g.placeholder("x"), g.placeholder("c")
+    for _ in range(n):
+        y = g.call_function(torch.ops.aten.mul.Tensor, (y, c))
+    g.output(g.call_function(torch.ops.aten.sum.default, (y,)))
+    return fx.GraphModule(torch.nn.Module(), g)
 
 
 def _setup_device(spec: CalibrateSpec) -> torch.device:
@@ -734,6 +759,11 @@ def profile(spec: CalibrateSpec, reports: list[dict], *, wall_s: float = 0.0,
     fields["mem_bandwidth"] = _median(bw)
     fields["kernel_floor_s"] = _median([r["kernel_floor"]["autograd_per_kernel_s"]
                                         for r in reports])
+    if spec.device == "cuda":
+        # The host's dispatch of one op of the eager rank program (docs/cost-model.md §2.11).
+        # On a CPU the host is the device: the kernel floor above already holds it.
+        fields["host_dispatch_s"] = _median([r["kernel_floor"]["program_per_op_s"]
+                                             for r in reports])
     if spec.device == "cpu" and all("specials" in r for r in reports):
         # On a GPU these kernels are bandwidth-bound (§3.7): their rate says nothing of the
         # special-function units, and the preset's figure stays.
@@ -920,7 +950,9 @@ def summary(prof: dict) -> str:
              f"{prof['matmul_efficiency']:.3f} (overall "
              f"{m['matmul_float32']['overall_flops_per_s'] / 1e9:.1f} GFLOP/s){bf16}",
              f"  memory bandwidth {prof['mem_bandwidth'] / 1e9:.2f} GB/s; kernel floor "
-             f"{prof['kernel_floor_s'] * 1e6:.2f} us; attention (training) "
+             f"{prof['kernel_floor_s'] * 1e6:.2f} us"
+             + (f"; host dispatch {prof['host_dispatch_s'] * 1e6:.2f} us per op"
+                if prof.get("host_dispatch_s") else "") + "; attention (training) "
              f"{m['attention']['training_flops_per_s'] / 1e9:.1f} GFLOP/s"
              + (f"; special functions {prof['transcendental_rate'] / 1e9:.2f} G/s"
                 if "transcendental_rate" in prof else "")]

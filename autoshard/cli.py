@@ -38,7 +38,8 @@ def plan_options(args) -> PlanOptions:
                        memory_budget=None if args.memory_gb is None else args.memory_gb * 2**30,
                        time_limit_s=args.time_limit, recompute=args.recompute,
                        bucket_mb=args.bucket_mb, zero=args.zero, offload=args.offload,
-                       precision=args.precision, **pipeline_options(args))
+                       precision=args.precision, compile=args.compile,
+                       **pipeline_options(args))
 
 
 def pipeline_options(args) -> dict:
@@ -164,7 +165,7 @@ def cmd_verify(args) -> int:
           f"({'plan file ' + args.plan if args.plan else args.baseline or 'autoshard plan'})")
     ok, text = verify(args.model, mesh, plan=plan, batch=args.batch, seq=args.seq,
                       baseline=args.baseline, tolerance=args.tolerance, task=args.task,
-                      **pipeline_options(args))
+                      compile=args.compile, **pipeline_options(args))
     print(text)
     return 0 if ok else 1
 
@@ -249,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", default="auto", choices=RECOMPUTE,
                    help="activation checkpointing of repeated layers (default auto: where "
                         "memory requires it or it makes the step faster)")
+    p.add_argument("--compile", action="store_true",
+                   help="plan the rank program compiled by inductor (fused kernels, no host "
+                        "dispatch per op); parallelize then compiles it")
     p.add_argument("--bucket-mb", type=float, default=25.0,
                    help="gradient all-reduce bucket size in MiB (default 25, as DDP)")
     p.add_argument("--zero", default="auto", choices=ZERO,
@@ -297,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest relative error of the loss and of each gradient (default: "
                         "1e-5 for an fp32 model; for a 16-bit one, measured from the single "
                         "device's own error in its dtype)")
+    v.add_argument("--compile", action="store_true",
+                   help="also run the rank program compiled by inductor and compare it with "
+                        "the eager one (loss, gradients, run-time bytes)")
     add_pipeline_flags(v)
     v.set_defaults(fn=cmd_verify)
     d = sub.add_parser("diff", help="what two plans of one model place differently, and the "

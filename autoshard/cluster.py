@@ -34,6 +34,10 @@ class Cluster:
     inter_bandwidth: float       # bytes/s per device across nodes
     matmul_efficiency: float = 0.75   # achievable / peak on large matmuls (docs/cost-model.md §2.6)
     kernel_floor_s: float = 4e-6      # launch-bound floor per op (docs/cost-model.md §2.6)
+    # Host seconds to dispatch one op of the eager rank program, forward or backward (Python,
+    # the dispatcher, autograd; docs/cost-model.md §2.11, §3.10): the floor of every op of an
+    # eager step, where the device is faster. 0: not known, the kernel floor alone.
+    host_dispatch_s: float = 0.0
     # Special-function evaluations (exp, tanh, erf, ...) per second (docs/cost-model.md §2.1,
     # §3.7). H100/H200 SXM5: 3.9e12 (FlashAttention-3, arXiv 2407.08608: "989 TFLOPS of FP16
     # matmul but only 3.9 TFLOPS of special functions"); A100 SXM: 16 per clock per SM (CUDA C++
@@ -70,6 +74,8 @@ class Cluster:
             if f.name == "collective_kinds":
                 self._check_kinds()
                 continue
+            if f.name == "host_dispatch_s" and v == 0 and not isinstance(v, bool):
+                continue                                  # not known (see the field)
             if f.name != "name" and not (isinstance(v, (int, float)) and not isinstance(v, bool)
                                          and 0 < v <= sys.float_info.max):
                 raise AutoshardError(f"Cluster field {f.name!r} must be a positive, finite number",
@@ -239,6 +245,13 @@ GB = 1e9
 # kernel (docs/cost-model.md §2.10). A preset's host_mem_bandwidth is that share of the node's
 # sockets, divided among its GPUs' processes.
 SUSTAINED = 0.75
+
+# One op of an eager training step on the host of a GPU: 16.5 µs, forward and backward alike,
+# the time per op of a chain of tiny ops through autograd measured by `autoshard calibrate
+# --device cuda` on an H100 host (benchmarks/h100-calibrated.json, "kernel_floor"; the bare op
+# without autograd 11.4 µs). The host, not the GPU, sets it: the GPU presets share it
+# (docs/cost-model.md §2.11).
+HOST_DISPATCH_S = 16.5e-6
 PRESETS: dict[str, Cluster] = {
     # H100 SXM: 989 TFLOP/s bf16 dense, 67 TFLOP/s fp32, 80 GB HBM3 at 3.35 TB/s (NVIDIA H100
     # datasheet); NVLink4 NCCL ring busbw ~370 GB/s (nccl-tests #212); IB NDR 400 Gb/s, ~46 GB/s
@@ -247,20 +260,20 @@ PRESETS: dict[str, Cluster] = {
                     memory_bytes=80 * GB, devices_per_node=8, intra_alpha=3e-6,
                     intra_bandwidth=370 * GB, inter_alpha=45e-6 / 2, inter_bandwidth=46 * GB,
                     host_bandwidth=55 * GB, host_memory_bytes=2000 * GB / 8,
-                    host_mem_bandwidth=SUSTAINED * 614 * GB / 8),
+                    host_mem_bandwidth=SUSTAINED * 614 * GB / 8, host_dispatch_s=HOST_DISPATCH_S),
     # H200: 141 GB HBM3e at 4.8 TB/s, same compute and links as H100 (NVIDIA).
     "h200": Cluster(name="h200", flops=989e12, fp32_flops=67e12, mem_bandwidth=4.8e12,
                     memory_bytes=141 * GB, devices_per_node=8, intra_alpha=3e-6,
                     intra_bandwidth=370 * GB, inter_alpha=45e-6 / 2, inter_bandwidth=46 * GB,
                     host_bandwidth=55 * GB, host_memory_bytes=2000 * GB / 8,
-                    host_mem_bandwidth=SUSTAINED * 614 * GB / 8),
+                    host_mem_bandwidth=SUSTAINED * 614 * GB / 8, host_dispatch_s=HOST_DISPATCH_S),
     # A100 SXM: 312 TFLOP/s bf16, 19.5 TFLOP/s fp32, 80 GB at 2.039 TB/s; all-reduce busbw
     # ~200 GB/s (NVIDIA; nccl-tests #149); HDR IB 200 Gb/s per GPU.
     "a100": Cluster(name="a100", flops=312e12, fp32_flops=19.5e12, mem_bandwidth=2.039e12,
                     memory_bytes=80 * GB, devices_per_node=8, intra_alpha=5e-6,
                     intra_bandwidth=200 * GB, inter_alpha=45e-6 / 2, inter_bandwidth=23 * GB,
                     host_bandwidth=25 * GB, host_memory_bytes=2000 * GB / 8,
-                    host_mem_bandwidth=SUSTAINED * 410 * GB / 8),
+                    host_mem_bandwidth=SUSTAINED * 410 * GB / 8, host_dispatch_s=HOST_DISPATCH_S),
     # A laptop/CI CPU with gloo over loopback: rough figures, useful for tests and for ranking
     # plans that will run on this machine.
     "cpu": Cluster(name="cpu", flops=2e11, fp32_flops=1e11, mem_bandwidth=2e10,
@@ -268,6 +281,8 @@ PRESETS: dict[str, Cluster] = {
                    intra_bandwidth=2 * GB, inter_alpha=3e-5, inter_bandwidth=2 * GB,
                    kernel_floor_s=5e-6, host_bandwidth=2e10, host_memory_bytes=16 * GB,
                    host_mem_bandwidth=2e10,
+                   # (host_dispatch_s 0: the host is the device, and its kernel floor, a chain
+                   # of ops through autograd, holds the host's dispatch already; §2.11)
                    # gloo's threads share the cores the compute fills (torch runs as many
                    # compute threads as a process has cores): a gradient sync issued during
                    # backward hides behind none of it (docs/cost-model.md §7; measured in

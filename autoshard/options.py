@@ -85,6 +85,10 @@ class PlanOptions:
       share (solver/pipeline.py), None otherwise: ``(m, k)``, the graph is one of ``m``
       microbatches (it bears 1/m of the once-per-step gradient sync and optimizer step) and
       ``k`` microbatches' activations are alive at once on the fullest stage (cost/price.py).
+    - ``compile``: the rank program runs compiled by inductor (codegen/compile.py) and is priced
+      so: fused kernels, no host dispatch per op; False: eager, each op paying the host's
+      dispatch where it exceeds the device's time (docs/cost-model.md §3.10). Off by default:
+      the compiled program is proven on CPU (gloo), not yet on CUDA.
     """
 
     training: bool = True
@@ -101,6 +105,7 @@ class PlanOptions:
     schedule: str = "auto"
     microbatches: int | str = "auto"
     stage_run: tuple[int, float] | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.training, bool):
@@ -160,6 +165,10 @@ class PlanOptions:
         if m != "auto" and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise AutoshardError("PlanOptions.microbatches is a positive integer or 'auto'",
                                  got=repr(m), fix="e.g. microbatches=8, or 'auto'")
+        if not isinstance(self.compile, bool):
+            raise AutoshardError("PlanOptions.compile is True or False", got=repr(self.compile),
+                                 fix="pass compile=True to run (and price) the rank program "
+                                     "compiled by inductor")
         r = self.stage_run
         if r is not None and not (isinstance(r, (tuple, list)) and len(r) == 2
                                   and _positive(r[0]) and _positive(r[1])):
@@ -191,6 +200,8 @@ class PlanOptions:
             del out["stage_run"]
         if out["offload_overlap"] == "none":   # the default: plan files stay as they were
             del out["offload_overlap"]
+        if not out["compile"]:            # eager: plan files as before the option existed
+            del out["compile"]
         return out
 
     @classmethod

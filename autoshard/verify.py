@@ -46,6 +46,7 @@ class VerifySpec:
     seed: int = 0
     task: str | None = None      # of a Hugging Face config (default: from the config)
     measure_memory: bool = True  # also measure the peak memory of a training step
+    compile: bool = False        # also run the compiled rank program, against the eager one
 
 
 def build(spec_model: str, batch: int | None, seq: int | None, seed: int,
@@ -182,7 +183,9 @@ def _run_rank(spec: VerifySpec) -> dict[str, Any]:
     scale = grad_scale(ref_grads)
 
     plan = Plan.loads(spec.plan_json)
-    pm = parallelize(model, Mesh(spec.mesh_shape, spec.axes), plan=plan, example_inputs=inputs)
+    fresh = copy.deepcopy(model) if spec.compile else None
+    pm = parallelize(model, Mesh(spec.mesh_shape, spec.axes), plan=plan, example_inputs=inputs,
+                     compile=False)
     with keep:
         loss = pm.step(*pm.shard_inputs(*inputs))
     grads = pm.full_grads()
@@ -224,6 +227,8 @@ def _run_rank(spec: VerifySpec) -> dict[str, Any]:
         # The ranks each collective ran over, by its axes (a joint group: their product).
         "group_sizes": {",".join(r.axes): r.group_size for r in pm.ledger},
     }
+    if spec.compile:
+        report["compiled"] = _compiled_against(fresh, inputs, plan, spec, loss, grads, ran)
     # (Per-stage peaks of a pipeline are not measured yet: its stages hold different parts.)
     if spec.measure_memory and plan.pipeline is None:
         # After the comparison (its figures are final above): the same module, gradients dropped.
@@ -234,6 +239,33 @@ def _run_rank(spec: VerifySpec) -> dict[str, Any]:
 
 def _loss_err(loss: torch.Tensor, ref: torch.Tensor) -> float:
     return abs(float(loss) - float(ref)) / max(abs(float(ref)), 1e-30)
+
+
+def _compiled_against(model, inputs, plan: Plan, spec: VerifySpec, loss, grads,
+                      ran: list[tuple]) -> dict[str, Any]:
+    """The same step compiled (codegen/compile.py): its loss, gradients and collectives
+    (optimizer step included) against the eager rank program's; the regions that fell back."""
+    import time
+    import warnings
+    from autoshard.codegen.compile import CompileFallback
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CompileFallback)
+        cpm = parallelize(model, Mesh(spec.mesh_shape, spec.axes), plan=plan,
+                          example_inputs=inputs, compile=True)
+        t0 = time.perf_counter()
+        closs = cpm.step(*cpm.shard_inputs(*inputs))
+        first = time.perf_counter() - t0
+    cgrads = cpm.full_grads()
+    opt, _ = _optimizer_for(cpm, plan.options.state_optimizer)
+    if opt is not None:
+        opt.step()
+        opt.zero_grad()
+    cran = [(r.kind, r.axes, r.nbytes, r.phase, r.node) for r in cpm.ledger]
+    return {"loss_err": abs(float(closs) - float(loss)) / max(abs(float(loss)), 1e-30),
+            "grad_errs": {n: rel_err(cgrads[n], g) for n, g in grads.items()},
+            "ledger_diff": ledger_diff(ran, cran), "first_step_s": first,
+            "fallbacks": [str(w.message) for w in caught
+                          if issubclass(w.category, CompileFallback)]}
 
 
 # ------------------------------------------------------------------------------ memory
@@ -472,9 +504,29 @@ def summarize(reports: list[dict[str, Any]], tolerance: float | None = None
             reasons.append(f"rank {rank}: beyond tolerance {tol:.2g}: " + ", ".join(what)
                            + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""))
     lines += memory_lines(reports)
+    if "compiled" in r and not _compiled_lines(reports, tol, lines):
+        reasons.append("the compiled program differs from the eager one")
     ok = not reasons
     lines.append("PASS" if ok else "FAIL: " + "; ".join(reasons))
     return ok, "\n".join(lines)
+
+
+def _compiled_lines(reports: list[dict[str, Any]], tolerance: float, lines: list[str]) -> bool:
+    ok = True
+    for rank, rep in enumerate(reports):
+        c = rep["compiled"]
+        worst = max(c["grad_errs"].values(), default=0.0)
+        if rank == 0:
+            lines.append(f"compiled vs eager: loss rel err {c['loss_err']:.2e}, gradients "
+                         f"largest {worst:.2e}; first step (compiling) {c['first_step_s']:.1f} s"
+                         f"; {len(c['fallbacks'])} region(s) eager")
+        lines += [f"rank {rank}: {w}" for w in c["fallbacks"][:5]]
+        if c["ledger_diff"]:
+            lines.append(f"rank {rank}: compiled collectives differ from eager:")
+            lines += [f"  {d}" for d in c["ledger_diff"][:20]]
+        if c["ledger_diff"] or c["loss_err"] > tolerance or worst > tolerance:
+            ok = False
+    return ok
 
 
 def _unit(nbytes: float) -> tuple[str, float]:
@@ -519,12 +571,13 @@ def memory_lines(reports: list[dict[str, Any]]) -> list[str]:
 
 def verify(model_name: str, mesh: Mesh, *, plan: Plan | None = None, batch: int | None = None,
            seq: int | None = None, baseline: str | None = None,
-           tolerance: float | None = None, task: str | None = None,
+           tolerance: float | None = None, task: str | None = None, compile: bool = False,
            **plan_kwargs: Any) -> tuple[bool, str]:
     """Run ``plan`` (or a fresh plan, or a hand-written ``baseline``) on ``mesh.size`` gloo ranks
     here; (passed, report). ``tolerance``: default per dtype (:func:`tolerance_for`); ``task``:
     of a Hugging Face config.json model; ``plan_kwargs``: options of a fresh plan
-    (``pipeline``, ``schedule``, ``microbatches``)."""
+    (``pipeline``, ``schedule``, ``microbatches``); ``compile``: also run the rank program
+    compiled, against the eager one (loss, gradients, collectives)."""
     if tolerance is not None and not (isinstance(tolerance, (int, float))
                                       and 0 < tolerance < math.inf):   # nan fails too
         raise AutoshardError("a tolerance that is a positive number", got=repr(tolerance),
@@ -537,7 +590,8 @@ def verify(model_name: str, mesh: Mesh, *, plan: Plan | None = None, batch: int 
     else:
         plan = plan_for(model_name, mesh, batch=batch, seq=seq, baseline=baseline, task=task,
                         **plan_kwargs)
-    spec = VerifySpec(model_name, mesh.shape, mesh.axes, plan.dumps(), batch, seq, task=task)
+    spec = VerifySpec(model_name, mesh.shape, mesh.axes, plan.dumps(), batch, seq, task=task,
+                      compile=compile)
     with World(mesh.size, timeout_s=600) as world:
         reports = world.run(verify_rank, spec)
     for r in reports:

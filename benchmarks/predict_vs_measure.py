@@ -87,8 +87,15 @@ def build(m: Model, device: str = "cpu"):
 
 # ----------------------------------------------------------------------------------- planning
 
-def make_plans(m: Model, cluster: str, time_limit: float) -> dict[str, str]:
-    """name -> plan JSON, every plan priced on the calibrated profile."""
+COMPILED = ("autoshard", "dp", "megatron")   # planned again as compiled (--compile)
+
+
+def make_plans(m: Model, cluster: str, time_limit: float,
+               compiled: bool = False) -> dict[str, str]:
+    """name -> plan JSON, every plan priced on the calibrated profile. With ``compiled``,
+    ``"<name> compiled"`` too for each of :data:`COMPILED`: planned and priced as the compiled
+    rank program (PlanOptions.compile, docs/cost-model.md §3.10), which parallelize then
+    compiles."""
     from autoshard.mesh import Mesh
     from autoshard.solver.alternatives import plan_stored, runners_up
     from autoshard.solver.baselines import baseline_plan, zero3_layouts
@@ -104,6 +111,12 @@ def make_plans(m: Model, cluster: str, time_limit: float) -> dict[str, str]:
                                   time_limit_s=time_limit)}
     for p in runners_up(traced, mesh, best, 2, time_limit_s=time_limit):
         plans[p.solver["alternative"]] = p
+    if compiled:
+        plans["autoshard compiled"] = plan_traced(traced, mesh, model_name="gpt",
+                                                  time_limit_s=time_limit, compile=True)
+        for name in COMPILED[1:]:
+            plans[f"{name} compiled"] = baseline_plan(traced, mesh, name, compile=True,
+                                                      time_limit_s=time_limit)
     return {k: p.dumps() for k, p in plans.items()}, traced
 
 
@@ -258,9 +271,13 @@ def bench_rank(m: Model, plans: dict[str, str], warmup: int, iters: int) -> dict
         progs[name] = (pm, pm.shard_inputs(*inputs),
                        pm.optimizer(torch.optim.AdamW, lr=1e-4, fused=True))
     kinds: dict[str, dict[str, int]] = {}
+    first: dict[str, float] = {}      # the first step: a compiled program compiles in it
     for name, (pm, args, opt) in progs.items():
         for i in range(warmup):
+            t0 = time.perf_counter()
             pm.step(*args)
+            if i == 0:
+                first[name] = time.perf_counter() - t0
             opt.step()
             if i == 0:
                 kinds[name] = {}
@@ -297,7 +314,8 @@ def bench_rank(m: Model, plans: dict[str, str], warmup: int, iters: int) -> dict
             torch.nn.functional.linear(x, w)
         probe.append(2.0 * PROBE[0] * PROBE[1] * PROBE[2] * PROBE[3] / (time.perf_counter() - t0))
     return {"times": times, "optimizer": opt_times, "cpu": cpu, "comm": comm,
-            "collectives": kinds, "probe": probe, "cpu_s": time.process_time() - c_start}
+            "collectives": kinds, "probe": probe, "cpu_s": time.process_time() - c_start,
+            "first_s": first}
 
 
 def measure(m: Model, plans: dict[str, str], warmup: int, iters: int) -> dict:
@@ -334,6 +352,7 @@ def measure(m: Model, plans: dict[str, str], warmup: int, iters: int) -> dict:
                      "comm_median_s": statistics.median(comm),
                      "moving_median_s": statistics.median(moving) if moving else None,
                      "rest_median_s": statistics.median(s - c for s, c in zip(steps, comm)),
+                     "first_step_s": max(r["first_s"][name] for r in reports),
                      "collectives": reports[0]["collectives"][name]}
     return out
 
@@ -418,6 +437,7 @@ def analyse(plans: dict[str, str], measured: dict, prof: dict, families: dict) -
                                    else measured[name]["moving_median_s"] * 1e3),
             "measured_rest_ms": measured[name]["rest_median_s"] * 1e3,
             "params": _layout_summary(plan),
+            "first_step_ms": measured[name]["first_step_s"] * 1e3,
         })
     mape = statistics.mean(abs(r["error_pct"]) for r in rows)
     fastest = min(rows, key=lambda r: r["measured_ms"])
@@ -563,11 +583,33 @@ def render(args, m: Model, prof: dict, result: dict, wall_s: float, plot_rel: st
         f"- order by predicted step: {', '.join(result['rank_pred'])}; by measured step: "
         f"{', '.join(result['rank_meas'])}.",
     ]
+    lines += compiled_lines(result)
     lines += diagnosis_lines(result)
     lines += family_lines(result)
     lines += error_lines(result, prof)
     lines += ["", f"![predicted vs measured]({plot_rel})", "", gpu_paragraph()]
     return "\n".join(lines)
+
+
+def compiled_lines(result: dict) -> list[str]:
+    """Each plan run compiled (``--compile``) beside the same plan eager: predicted and measured
+    steps, and the first step's time, in which every rank compiles its program."""
+    rows = {r["plan"]: r for r in result["rows"]}
+    pairs = [(n, rows[n], rows[f"{n} compiled"]) for n in COMPILED
+             if n in rows and f"{n} compiled" in rows]
+    if not pairs:
+        return []
+    out = ["", "Compiled (inductor; `--compile`) beside eager, same plan names (the compiled "
+           "plan is planned and priced as compiled, docs/cost-model.md §3.10):", "",
+           "| plan | eager predicted ms | eager measured ms | compiled predicted ms | "
+           "compiled measured ms | compiled error % | measured speed-up | first step s "
+           "(compiling) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, e, c in pairs:
+        out.append(f"| {name} | {e['predicted_ms']:.1f} | {e['measured_ms']:.1f} | "
+                   f"{c['predicted_ms']:.1f} | {c['measured_ms']:.1f} | {c['error_pct']:+.1f} | "
+                   f"{e['measured_ms'] / c['measured_ms']:.2f}x | "
+                   f"{c['first_step_ms'] / 1e3:.1f} |")
+    return out
 
 
 def family_lines(result: dict) -> list[str]:
@@ -788,6 +830,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-limit", type=float, default=20.0, help="ILP time limit per plan (s)")
     ap.add_argument("--no-families", dest="families", action="store_false",
                     help="skip timing every op of the autoshard and megatron plans alone")
+    ap.add_argument("--compile", action="store_true",
+                    help="also plan, price and run autoshard's, dp and megatron compiled "
+                         "(inductor), with the compile time (the first step's) beside them")
     ap.add_argument("--out", default=None, help="write the section into this RESULTS.md")
     ap.add_argument("--plot", default=str(ROOT / "benchmarks" / "predict_vs_measure.png"))
     ap.add_argument("--json", default=None, help="also write the raw results here")
@@ -864,7 +909,7 @@ def one_run(args, m: Model) -> tuple[dict, dict[str, str], dict]:
         print(summary(prof), flush=True)
     try:
         print(f"planning {m} on mesh 2 ...", flush=True)
-        plans, traced = make_plans(m, cluster_path, args.time_limit)
+        plans, traced = make_plans(m, cluster_path, args.time_limit, args.compile)
     finally:
         if not args.cluster:
             os.unlink(cluster_path)

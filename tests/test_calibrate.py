@@ -110,7 +110,8 @@ def _fake_report(rate: float, comm: bool = True) -> dict:
            "bandwidth": {"copy_bytes_per_s": 2e10, "add_bytes_per_s": 3e10},
            "elementwise": {}, "specials": {"overall_evals_per_s": rate / 50},
            "attention": {"training_flops_per_s": rate / 2},
-           "kernel_floor": {"autograd_per_kernel_s": 7e-6}, "threads": 1, "comm": {}}
+           "kernel_floor": {"autograd_per_kernel_s": 7e-6, "program_per_op_s": 9e-6},
+           "threads": 1, "comm": {}}
     if comm:
         out["comm"] = {k: [{"bytes": s, "times_s": [t], "enter_s": [0.0], "exit_s": [t]}
                            for s in SIZES
@@ -128,6 +129,7 @@ def test_profile_maps_measurements_onto_cluster_fields() -> None:
     assert math.isclose(c.fp32_flops, 1e11) and math.isclose(c.matmul_efficiency, 0.75)
     assert c.flops == c.fp32_flops                  # no 16-bit matmul measured on a CPU
     assert c.mem_bandwidth == 3e10 and c.kernel_floor_s == 7e-6
+    assert c.host_dispatch_s == 0.0          # the host is the device: in the kernel floor
     assert c.transcendental_rate == 1e11 / 50       # special functions: their measured rate
     assert math.isclose(c.intra_alpha, 5e-5) and math.isclose(c.intra_bandwidth, 1e9)
     assert (c.inter_alpha, c.inter_bandwidth) == (c.intra_alpha, c.intra_bandwidth)
@@ -252,3 +254,14 @@ def test_calibrate_refuses_bad_arguments(capsys, tmp_path) -> None:
     if not torch.cuda.is_available():
         assert main(["calibrate", "--device", "cuda", "-o", str(tmp_path / "c.json")]) == 2
         assert "a CUDA device for --device cuda" in capsys.readouterr().err
+
+
+def test_the_host_dispatch_is_measured_on_a_program_of_aten_ops() -> None:
+    from autoshard.calibrate import SIZES as _S, _kernel_floor, _program_chain
+    g = _program_chain(5)
+    assert [n.target for n in g.graph.nodes if n.op == "call_function"].count(
+        torch.ops.aten.mul.Tensor) == 5
+    x, c = torch.ones(1, requires_grad=True), torch.full((1,), 2.0)
+    assert g(x, c).item() == 32.0
+    out = _kernel_floor(_S[("cpu", True)], torch.device("cpu"))
+    assert out["program_per_op_s"] > 0 and out["chain"] > 0

@@ -711,9 +711,11 @@ def test_checkpointing_per_layer_recomputes_only_what_memory_needs(gpt2_b8) -> N
     """With 1 GiB per device, recomputing every layer fits with room to spare: the planner
     recomputes the first k < 12 layers only (Megatron-LM's --recompute-num-layers), fits the
     budget over the whole step, and is faster than recomputing all of them; identical layers
-    under different policies are decided apart (two groups in the plan's layers)."""
+    under different policies are decided apart (two groups in the plan's layers). Priced
+    compiled: eager, the host's dispatch floors gpt2's per-device ops at batch 1 (cost-model
+    §3.10), the step doubles, and at this budget every layer is recomputed."""
     mesh = Mesh((8,), cluster="h100")
-    kw = dict(zero="none", offload="none", memory_budget=2**30)
+    kw = dict(zero="none", offload="none", memory_budget=2**30, compile=True)
     p = plan_traced(gpt2_b8, mesh, **kw)
     k = len(p.recompute)
     assert 0 < k < 12 and set(p.recompute) == {f"layers.{i}" for i in range(k)}

@@ -39,7 +39,7 @@ class ParallelModule(torch.nn.Module):
     """
 
     def __init__(self, traced: TracedGraph, plan: Plan, groups: MeshGroups,
-                 model: torch.nn.Module) -> None:
+                 model: torch.nn.Module, *, compile: bool = False) -> None:
         super().__init__()
         self.plan, self.groups, self.traced = plan, groups, traced
         for axes in plan.joint_groups():     # before any collective runs on them
@@ -135,6 +135,14 @@ class ParallelModule(torch.nn.Module):
         if stage_programs is not None:
             from autoshard.codegen.pipeline import Pipelined
             self.pipeline = Pipelined(self, stage_programs, device)
+        if compile:       # each stage program, or the whole one, by inductor (codegen/compile.py)
+            from autoshard.codegen.compile import compile_program
+            if self.pipeline is not None:
+                for k, module in zip(self.pipeline.mine, self.pipeline.modules):
+                    module.program = compile_program(module.program, self.runtime,
+                                                     name=f"stage {k}")
+            else:
+                self.program = compile_program(self.program, self.runtime)
 
     def bound_values(self) -> dict[str, torch.Tensor]:
         """This rank's parameters, buffers and constants by placeholder name."""
@@ -599,7 +607,8 @@ def _grad_placements(spec: Spec, grad: Spec, groups: MeshGroups) -> tuple:
 
 def parallelize(model: torch.nn.Module, mesh: Any, *, plan: Plan | str | Path | None = None,
                 example_inputs: Sequence[Any] | None = None, options: PlanOptions | None = None,
-                init: Any = "auto", seed: int = 0, **overrides: Any) -> ParallelModule:
+                init: Any = "auto", seed: int = 0, compile: bool | None = None,
+                **overrides: Any) -> ParallelModule:
     """This rank's :class:`ParallelModule` for ``model`` under ``plan`` (planned here with
     ``options`` and keyword ``overrides`` of its fields if None; a given plan brings its own).
 
@@ -615,6 +624,9 @@ def parallelize(model: torch.nn.Module, mesh: Any, *, plan: Plan | str | Path | 
     recorded, or ``"empty"`` (NaN until ``pm.load_full_state_dict`` / ``pm.load_sharded_state_dict``
     fills it). Random draws are keyed by (``seed``, tensor name, element index), so every shard
     equals its slice of the tensor ``materialize(model, seed=seed)`` gives on one device.
+
+    ``compile``: run each rank's program compiled by inductor (codegen/compile.py), or eagerly
+    (False); None: as the plan's ``options.compile`` says (the program its figures price).
     """
     from torch.distributed.device_mesh import DeviceMesh
     if isinstance(plan, (str, Path)):
@@ -655,7 +667,8 @@ def parallelize(model: torch.nn.Module, mesh: Any, *, plan: Plan | str | Path | 
         plan.check_matches(traced.fingerprint, traced.node_sigs)
         sources.check([ph.fqn for ph in traced.placeholders if ph.kind in ("param", "buffer")])
         with bound(model, sources):
-            pm = ParallelModule(traced, plan, groups, model)
+            pm = ParallelModule(traced, plan, groups, model,
+                                compile=plan.options.compile if compile is None else compile)
     for fqn in pm.fqns:
         full = originals.get(fqn)
         if full is not None and full.device.type != "meta":

@@ -21,7 +21,8 @@ import torch
 
 from autoshard.ir import OpInfo, Strategy, cached_on, local_shape
 from autoshard.mesh import Mesh
-from autoshard.ops.registry import ATTENTION, FACTORY, GATHER, MATMUL, VIEW, record_of
+from autoshard.ops.registry import (ATTENTION, ELEMENTWISE, FACTORY, GATHER, MATMUL, VIEW,
+                                    record_of)
 
 aten = torch.ops.aten
 
@@ -148,6 +149,62 @@ def _specials(op: OpInfo, family: str) -> tuple[float, float]:
     return per[0] * n, per[1] * n
 
 
+@dataclass(frozen=True, slots=True)
+class Fused:
+    """An op's place in a chain of elementwise ops (pointwise, norms, reductions) that inductor
+    fuses into one kernel when the rank program is compiled (docs/cost-model.md §3.10):
+    ``inside``, the positions of its tensor inputs made by another op of the chain (read from
+    registers, not memory); ``kept``, its output is read only inside the chain (never written);
+    the op whose output leaves the chain pays the fused kernel's launch floor."""
+
+    inside: frozenset[int]
+    kept: bool
+
+
+def fusions(graph: "torch.fx.Graph") -> dict[str, Fused]:
+    """The :class:`Fused` place of every elementwise op of ``graph`` that has a neighbour in a
+    chain. A view between two elementwise ops is an index expression of the fused kernel, not a
+    break; any other op (matmul, attention, gather, a factory, the graph's output) is."""
+    import torch.fx as fx
+
+    def family(n: fx.Node) -> str | None:
+        return record_of(n.target).family if n.op == "call_function" else None
+
+    def producer(n: fx.Node) -> fx.Node:         # through views
+        while family(n) == VIEW and n.all_input_nodes:
+            n = n.all_input_nodes[0]
+        return n
+
+    def readers(n: fx.Node) -> list[fx.Node]:    # through views
+        out = []
+        for u in n.users:
+            out.extend(readers(u) if family(u) == VIEW else [u])
+        return out
+
+    def fusable(n: fx.Node) -> bool:
+        return family(n) == ELEMENTWISE and n.target != aten.cross_entropy_loss.default
+
+    out: dict[str, Fused] = {}
+    for n in graph.nodes:
+        if not fusable(n):
+            continue
+        inside = frozenset(i for i, a in enumerate(_tensor_args(n)) if fusable(producer(a)))
+        users = readers(n)
+        kept = bool(users) and all(fusable(u) for u in users)
+        if inside or kept:
+            out[n.name] = Fused(inside, kept)
+    return out
+
+
+def _tensor_args(n: "torch.fx.Node") -> list:
+    """The node's tensor arguments in the order OpInfo lists its inputs (ir.op_info)."""
+    import torch.fx as fx
+    flat: list = []
+    fx.node.map_aggregate((n.args, n.kwargs), lambda a: flat.append(a) if isinstance(
+        a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) else None)
+    return flat
+
+
 @lru_cache(maxsize=1 << 16)
 def local_numel(shape: tuple[int, ...], spec: tuple | None, mesh_shape: tuple[int, ...]) -> int:
     """Elements of one device's shard (``autoshard.ir.local_shape``); cached, as the same few
@@ -164,14 +221,18 @@ def _specs(specs: tuple, n: int) -> tuple:
     return tuple(s for s in specs if s is not None)
 
 
-def op_bytes(op: OpInfo, strategy: Strategy, mesh_shape: tuple[int, ...]) -> tuple[int, int]:
-    """(input bytes, output bytes) one device reads and writes for ``op`` under ``strategy``."""
+def op_bytes(op: OpInfo, strategy: Strategy, mesh_shape: tuple[int, ...],
+             fused: Fused | None = None) -> tuple[int, int]:
+    """(input bytes, output bytes) one device reads and writes for ``op`` under ``strategy``;
+    in a fused chain (``fused``), what the chain's kernel moves for it."""
     prof = op_profile(op)
     ins = _specs(strategy.inputs, len(prof.inputs))
     b_in = 0
     for i, (shape, isz) in enumerate(prof.inputs):
-        if i != prof.table:
+        if i != prof.table and not (fused and i in fused.inside):
             b_in += local_numel(shape, ins[i] if i < len(ins) else None, mesh_shape) * isz
+    if fused is not None and fused.kept:
+        return b_in, 0
     b_out = 0
     for j, (shape, isz) in enumerate(prof.outputs):
         spec = strategy.outputs[j] if j < len(strategy.outputs) else None
@@ -187,15 +248,25 @@ def op_time(op: OpInfo, strategy: Strategy, mesh: Mesh, *, training: bool) -> fl
     return fwd + bwd
 
 
-def op_times(op: OpInfo, strategy: Strategy, mesh: Mesh, *,
-             training: bool) -> tuple[float, float]:
+def op_times(op: OpInfo, strategy: Strategy, mesh: Mesh, *, training: bool,
+             compiled: bool = False, fused: Fused | None = None) -> tuple[float, float]:
     """(forward, backward) seconds one device spends on ``op`` under ``strategy``; backward is
-    0 for inference and for ops without a gradient."""
+    0 for inference and for ops without a gradient.
+
+    Eager (``compiled`` False), each kernel takes at least the host's dispatch of one op
+    (``Cluster.host_dispatch_s``: the host runs ahead of the device only where the device is
+    the slower). Compiled (docs/cost-model.md §3.10), no op pays the host, and an op in a fused
+    chain (``fused``, from :func:`fusions`) moves only the bytes the chain's kernel moves for
+    it, the chain paying one kernel floor."""
     prof = op_profile(op)
     if prof.family == VIEW:
         return 0.0, 0.0
     c = mesh.cluster
-    b_in, b_out = op_bytes(op, strategy, mesh.shape)
+    if not compiled:
+        fused = None
+    floor = max(c.kernel_floor_s, c.host_dispatch_s) if not compiled else \
+        0.0 if fused is not None and fused.kept else c.kernel_floor_s
+    b_in, b_out = op_bytes(op, strategy, mesh.shape, fused)
     nbytes = b_in + b_out
     scale = strategy.compute_scale
     flops = prof.flops * scale
@@ -214,23 +285,23 @@ def op_times(op: OpInfo, strategy: Strategy, mesh: Mesh, *,
         passes = (VOCAB_PARALLEL_PASSES[isz <= 2] if strategy.kernel == "vocab_parallel"
                   else CROSS_ENTROPY_PASSES)
         nbytes = max(nbytes, passes[0] * logits)
-    fwd = max(flops / rate + special, nbytes / c.mem_bandwidth, c.kernel_floor_s)
+    fwd = max(flops / rate + special, nbytes / c.mem_bandwidth, floor)
     if not training or not prof.has_backward:
         return fwd, 0.0
     if prof.family == MATMUL:
         bwd = fwd * MATMUL_BACKWARD_FACTOR          # two kernels priced like the forward
         if prof.bias >= 0:                          # + the bias gradient: a sum over the rows
-            bwd += max(b_out / c.mem_bandwidth, c.kernel_floor_s)
+            bwd += max(b_out / c.mem_bandwidth, floor)
         return fwd, bwd
     special_bwd = prof.specials_backward * scale / c.transcendental_rate
     if prof.family == ATTENTION:
         return fwd, max(flops * ATTENTION_BACKWARD_FACTOR / rate + special_bwd,
-                        ELEMENTWISE_BACKWARD_BYTES * nbytes / c.mem_bandwidth, c.kernel_floor_s)
+                        ELEMENTWISE_BACKWARD_BYTES * nbytes / c.mem_bandwidth, floor)
     if prof.family == GATHER:
         # embedding_dense_backward: zero the table's gradient, then scatter-add the rows.
         shape, isz = prof.inputs[prof.table]
         spec = _specs(strategy.inputs, len(prof.inputs))
         table = local_numel(shape, spec[prof.table] if spec else None, mesh.shape) * isz
-        return fwd, max(flops / rate, (table + nbytes) / c.mem_bandwidth, c.kernel_floor_s)
+        return fwd, max(flops / rate, (table + nbytes) / c.mem_bandwidth, floor)
     moved = passes[1] * logits if passes else ELEMENTWISE_BACKWARD_BYTES * nbytes
-    return fwd, max(flops / rate + special_bwd, moved / c.mem_bandwidth, c.kernel_floor_s)
+    return fwd, max(flops / rate + special_bwd, moved / c.mem_bandwidth, floor)

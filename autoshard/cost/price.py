@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from autoshard.cost.comm import Groups, Reshard, Step, reshard, reshard_time, steps_time
-from autoshard.cost.compute import local_numel, op_profile, op_times
+from autoshard.cost.compute import fusions, local_numel, op_profile, op_times
 from autoshard.cost.memory import saved_activation_bytes, saved_rule
 from autoshard.cost.overlap import is_grad_sync, sync_share_seconds
 from autoshard.cost.reshards import grad_values, no_backward
@@ -114,6 +114,8 @@ class Pricer:
         self._kept: dict[ValueRef, bool] = {}
         self._ckpt_inputs: dict[ValueRef, None] | None = None
         self._reshard_memo: dict[tuple, float] = {}
+        # Compiled, elementwise chains run as one kernel each (docs/cost-model.md §3.10).
+        self.fused = fusions(traced.graph) if options.compile else {}
 
     # -- per node ---------------------------------------------------------------------------
     def info(self, name: str) -> OpInfo:
@@ -257,7 +259,8 @@ class Pricer:
         """(forward, backward) seconds of an op once (a parameter: its optimizer step, 0)."""
         if self._nodes[name].op == "placeholder":
             return self.optimizer_seconds(name, strategy), 0.0
-        return op_times(self.info(name), strategy, self.mesh, training=self.training)
+        return op_times(self.info(name), strategy, self.mesh, training=self.training,
+                        compiled=self.options.compile, fused=self.fused.get(name))
 
     # -- model state ------------------------------------------------------------------------
     def param_modes(self, name: str, spec) -> list[str | None]:

@@ -1,0 +1,297 @@
+"""On one GPU: the rank program compiled (inductor) against eager, and against its kernels.
+
+Two parts, one command (docs/cost-model.md §2.11 and §3.10 for what the cost model prices):
+
+1. **Megatron TP 8, rank 0, of a Llama-3-8B layer** (the layer with embedding, final norm,
+   128256-way head and loss; batch 1 × 2048, bf16): rank 0's program run alone on this GPU,
+   the other seven ranks stood in for by torch's fake process group (its collectives return at
+   once and move nothing: what is timed is the rank's own work and its host's dispatch).
+   Forward + backward, eager and ``compile=True``: wall time per step (median) against the sum
+   of its CUDA kernels' time (torch.profiler, self device time). Target: compiled wall time
+   within 1.15x of its kernels' (eager measured 3.6x in benchmarks/RESULTS.md "On one GPU"),
+   and no slower than a plain PyTorch Llama layer of rank 0's local shapes (heads, KV heads,
+   FFN and vocabulary divided by 8) under ``torch.compile``.
+2. **Llama-3-8B cut to 2 layers on one GPU**, bf16-mixed, AdamW through ``pm.optimizer``:
+   steps interleaved eager / compiled (``parallelize(..., compile=True)``), median; target
+   compiled at least 1.15x faster; losses of the same steps equal (bf16 rounding: 2e-2
+   relative); each beside its plan's predicted step (the compiled plan planned with
+   ``compile=True``, on the h100 preset).
+
+    python benchmarks/gpu_compile.py --out benchmarks/RESULTS.md
+
+Needs a CUDA device; on a machine without one it says so and writes nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _results import command, cuda_device, machine, revision, today, write_section  # noqa: E402
+
+SECTION = "gpu_compile"
+WALL_TARGET = 1.15       # compiled wall time / its kernels' time, TP 8 rank 0
+SPEEDUP_TARGET = 1.15    # eager / compiled step, 2 layers on one GPU
+LOSS_RTOL = 2e-2         # bf16: losses of the same steps agree to rounding
+
+
+def _timed(fn, steps: int, warmup: int = 3) -> float:
+    out = []
+    for i in range(warmup + steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def _kernel_seconds(fn, steps: int = 3) -> float:
+    """The CUDA kernels' own time per call of ``fn`` (profiler, self device time)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us * 1e-6 / steps
+
+
+def tp8_rank0(device, steps: int) -> dict:
+    """Part 1: rank 0 of Megatron TP 8 on a fake world of 8, eager and compiled."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import autoshard
+    from autoshard.solver.baselines import baseline_plan
+    from autoshard.trace.export import trace
+    from gpu import llama_layer
+    dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cuda", (8,), mesh_dim_names=("tp",))
+        model, inputs = llama_layer(1, 2048)
+        model = model.to(torch.bfloat16)
+        plan = baseline_plan(trace(model, inputs), autoshard.Mesh((8,), ("tp",), cluster="h100"),
+                             "megatron")
+        out = {}
+        for compiled in (False, True):
+            pm = autoshard.parallelize(model, mesh, plan=plan, compile=compiled)
+            x = pm.shard_inputs(*(t.to(device) if t.device.type != "meta" else
+                                  torch.zeros(t.shape, dtype=t.dtype, device=device)
+                                  for t in inputs))
+
+            def step():
+                pm.step(*x)
+                pm.zero_grad()
+                pm.ledger.clear()
+
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            first = time.perf_counter() - t0
+            out["compiled" if compiled else "eager"] = {
+                "wall_s": _timed(step, steps), "kernels_s": _kernel_seconds(step),
+                "first_step_s": first}
+            del pm
+        out["plain_compiled"] = plain_layer(device, steps)
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+class LocalLayer(torch.nn.Module):
+    """A plain PyTorch Llama-3-8B decoder layer with embedding, final norm, head and loss, at
+    the local shapes of one rank of Megatron TP 8: 4 query heads and 1 KV head of 128, FFN
+    1792, 16032 vocabulary rows (no collectives: the rank's own work only)."""
+
+    def __init__(self, hidden=4096, heads=4, kv=1, head_dim=128, ffn=1792, vocab=16032,
+                 seq=2048, theta=500000.0) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.heads, self.kv, self.hd = heads, kv, head_dim
+        self.emb = nn.Embedding(vocab, hidden)
+        self.n1, self.n2, self.nf = (nn.RMSNorm(hidden, eps=1e-5) for _ in range(3))
+        self.q = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k = nn.Linear(hidden, kv * head_dim, bias=False)
+        self.v = nn.Linear(hidden, kv * head_dim, bias=False)
+        self.o = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.gate = nn.Linear(hidden, ffn, bias=False)
+        self.up = nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+        angles = torch.outer(torch.arange(seq).float(), freqs)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def _rope(self, x):
+        a, b = x[..., 0::2], x[..., 1::2]
+        cos, sin = self.cos[: x.shape[-2]].to(x.dtype), self.sin[: x.shape[-2]].to(x.dtype)
+        return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+
+    def forward(self, ids, targets):
+        b, s = ids.shape
+        h = self.emb(ids)
+        x = self.n1(h)
+        q = self._rope(self.q(x).view(b, s, self.heads, self.hd).transpose(1, 2))
+        k = self._rope(self.k(x).view(b, s, self.kv, self.hd).transpose(1, 2))
+        v = self.v(x).view(b, s, self.kv, self.hd).transpose(1, 2)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                             enable_gqa=True)
+        h = h + self.o(a.transpose(1, 2).reshape(b, s, -1))
+        x = self.n2(h)
+        h = h + self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+        logits = self.head(self.nf(h))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def plain_layer(device, steps: int) -> dict:
+    """:class:`LocalLayer` under torch.compile, timed as the rank program is."""
+    with torch.device(device):
+        model = LocalLayer().to(torch.bfloat16)
+        ids = torch.randint(0, 16032, (1, 2048))
+        targets = torch.randint(0, 16032, (1, 2048))
+    fn = torch.compile(model)
+
+    def step():
+        fn(ids, targets).backward()
+        model.zero_grad()
+
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    return {"wall_s": _timed(step, steps), "kernels_s": _kernel_seconds(step),
+            "first_step_s": first}
+
+
+def two_layers(device, steps: int) -> dict:
+    """Part 2: Llama-3-8B cut to 2 layers, bf16-mixed, eager against compiled."""
+    import torch.distributed as dist
+
+    import autoshard
+    from gpu import llama3_8b_2_layers
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29534")
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    try:
+        torch.manual_seed(0)
+        with device:
+            model, (x, y) = llama3_8b_2_layers(torch.float32)
+        mesh = autoshard.Mesh((1,), ("x",), cluster="h100")
+        runs = {}
+        for compiled in (False, True):
+            plan = autoshard.plan(model, (x, y), mesh, model_name="llama3-8b-2l",
+                                  precision="bf16-mixed", compile=compiled)
+            pm = autoshard.parallelize(model, mesh, plan=plan, example_inputs=(x, y))
+            runs[compiled] = (plan, pm, pm.optimizer(torch.optim.AdamW, lr=1e-4),
+                              pm.shard_inputs(x, y))
+        losses = {False: [], True: []}
+        times = {False: [], True: []}
+        first = {}
+        for i in range(steps + 3):
+            for compiled, (plan, pm, opt, args) in runs.items():
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                loss = pm.step(*args)
+                opt.step()
+                opt.zero_grad()
+                pm.ledger.clear()
+                torch.cuda.synchronize()
+                t = time.perf_counter() - t0
+                if i == 0:
+                    first[compiled] = t
+                if i >= 3:
+                    times[compiled].append(t)
+                losses[compiled].append(float(loss))
+        return {name: {"step_s": statistics.median(times[c]), "first_step_s": first[c],
+                       "predicted_step_s": runs[c][0].predicted["step_time_s"],
+                       "losses": losses[c]}
+                for name, c in (("eager", False), ("compiled", True))}
+    finally:
+        dist.destroy_process_group()
+
+
+def render(tp: dict, two: dict, wall_s: float) -> str:
+    e, c, p = tp["eager"], tp["compiled"], tp["plain_compiled"]
+    ratio = c["wall_s"] / c["kernels_s"]
+    speed = two["eager"]["step_s"] / two["compiled"]["step_s"]
+    worst = max(abs(a - b) / abs(a) for a, b in zip(two["eager"]["losses"],
+                                                     two["compiled"]["losses"]))
+    lines = [
+        "## On one GPU: the rank program compiled against eager",
+        "",
+        f"- command: `{command('benchmarks/gpu_compile.py')}`",
+        f"- machine: {machine()}",
+        f"- date: {today()}; {revision()}; total wall time {wall_s / 60:.1f} min",
+        "",
+        "**Megatron TP 8, rank 0, Llama-3-8B layer** (batch 1 × 2048, bf16; the other ranks a "
+        "fake process group: collectives move nothing), forward + backward, ms:",
+        "",
+        "| program | wall | kernels | wall / kernels | first step s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, r in (("eager rank program", e), ("compiled rank program", c),
+                    ("plain layer, local shapes, torch.compile", p)):
+        lines.append(f"| {name} | {r['wall_s'] * 1e3:.2f} | {r['kernels_s'] * 1e3:.2f} | "
+                     f"{r['wall_s'] / r['kernels_s']:.2f} | {r['first_step_s']:.1f} |")
+    lines += [
+        "",
+        f"- compiled wall / kernels {ratio:.2f} (target <= {WALL_TARGET}: "
+        f"{'met' if ratio <= WALL_TARGET else 'not met'}); compiled rank program "
+        f"{c['wall_s'] / p['wall_s']:.2f}x the plain compiled layer (target <= 1: "
+        f"{'met' if c['wall_s'] <= p['wall_s'] else 'not met'}).",
+        "",
+        "**Llama-3-8B, 2 layers, one GPU, bf16-mixed, AdamW** (steps interleaved, median), ms:",
+        "",
+        "| program | step | predicted (h100) | first step s |",
+        "|---|---:|---:|---:|",
+    ]
+    for name in ("eager", "compiled"):
+        r = two[name]
+        lines.append(f"| {name} | {r['step_s'] * 1e3:.1f} | {r['predicted_step_s'] * 1e3:.1f} | "
+                     f"{r['first_step_s']:.1f} |")
+    lines += ["", f"- speed-up {speed:.2f}x (target >= {SPEEDUP_TARGET}: "
+              f"{'met' if speed >= SPEEDUP_TARGET else 'not met'}); losses of the same steps "
+              f"within {worst:.1e} relative (bf16: <= {LOSS_RTOL})."]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="write the section into this RESULTS.md")
+    ap.add_argument("--json", default=None, help="also write every measurement here")
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args(argv)
+    device = cuda_device("benchmarks/gpu_compile.py")
+    if device is None:
+        return 2
+    t0 = time.perf_counter()
+    tp = tp8_rank0(device, args.steps)
+    print(json.dumps(tp), flush=True)
+    two = two_layers(device, args.steps)
+    print(json.dumps(two), flush=True)
+    body = render(tp, two, time.perf_counter() - t0)
+    print(body)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"tp8_rank0": tp, "two_layers": two}, indent=1))
+    if args.out:
+        write_section(Path(args.out), SECTION, body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,180 @@
+"""The compiled rank program (codegen/compile.py) and its price (docs/cost-model.md §3.10).
+
+Tier 0/1: the host floor and fused chains against their closed forms; the option's round trip.
+Tier 2 (slow: inductor compiles on every rank): compiled and eager rank programs on gloo give
+the same loss, gradients (1e-5, fp32) and run-time bytes.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from autoshard import Mesh, PlanOptions
+from autoshard.cluster import Cluster
+from autoshard.cost.compute import Fused, fusions, op_bytes, op_times
+from autoshard.errors import AutoshardError
+from autoshard.ir import OpInfo, Replicate, Strategy, TensorInfo
+from autoshard.trace.export import op_info, trace
+from dist import world_fixture
+
+aten = torch.ops.aten
+H100 = Mesh((1,), cluster="h100")
+
+
+class Chain(torch.nn.Module):
+    """A matmul, then three elementwise ops (one chain inductor fuses), then a matmul."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(64, 64, bias=False)
+        self.b = torch.nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = torch.relu(h * 2.0 + 1.0)
+        return self.b(h).sum()
+
+
+def _chain_ops():
+    traced = trace(Chain(), (torch.randn(32, 64),))
+    ops = {n.name: n for n in traced.graph.nodes if n.op == "call_function"}
+    return traced, ops
+
+
+def _rep(op: OpInfo) -> Strategy:
+    r = (Replicate(),)
+    return Strategy(tuple(r for _ in op.inputs), tuple(r for _ in op.outputs))
+
+
+def test_a_fused_chain_moves_its_input_and_output_once():
+    traced, ops = _chain_ops()
+    fused = fusions(traced.graph)
+    chain = [n for n in ops if n in fused]
+    assert [ops[n].target for n in chain] == [aten.mul.Tensor, aten.add.Tensor, aten.relu.default]
+    assert [fused[n].kept for n in chain] == [True, True, False]
+    assert [sorted(fused[n].inside) for n in chain] == [[], [0], [0]]
+    # What the chain's kernel moves: the matmul's output read once, the relu's written once.
+    moved = sum(sum(op_bytes(op_info(ops[n]), _rep(op_info(ops[n])), (1,), fused[n]))
+                for n in chain)
+    assert moved == 2 * 32 * 64 * 4
+    eager = sum(sum(op_bytes(op_info(ops[n]), _rep(op_info(ops[n])), (1,))) for n in chain)
+    assert eager == 3 * 2 * 32 * 64 * 4
+    # Compiled, one kernel floor for the chain: the last op's; eager, the host's per op.
+    times = [op_times(op_info(ops[n]), _rep(op_info(ops[n])), H100, training=True,
+                      compiled=True, fused=fused[n]) for n in chain]
+    c = H100.cluster
+    assert all(t < c.kernel_floor_s / 10 for t in times[0] + times[1])   # their arithmetic
+    assert times[2] == (c.kernel_floor_s, c.kernel_floor_s)
+    eager_t = [op_times(op_info(ops[n]), _rep(op_info(ops[n])), H100, training=True)
+               for n in chain]
+    assert eager_t == [(c.host_dispatch_s, c.host_dispatch_s)] * 3
+
+
+def test_large_ops_are_priced_alike_compiled_or_eager():
+    x, w = TensorInfo((8192, 8192), torch.bfloat16), TensorInfo((8192, 8192), torch.bfloat16)
+    mm = OpInfo(aten.mm.default, (x, w), {}, (x,))
+    add = OpInfo(aten.add.Tensor, (x, x), {}, (x,))
+    for op in (mm, add):
+        assert op_times(op, _rep(op), H100, training=True) == \
+            op_times(op, _rep(op), H100, training=True, compiled=True)
+
+
+def test_matmuls_and_views_break_a_chain():
+    traced, ops = _chain_ops()
+    fused = fusions(traced.graph)
+    assert not any(ops[n].target in (aten.mm.default, aten.linear.default, aten.t.default)
+                   for n in fused)
+
+
+def test_compile_option_round_trips_and_is_absent_when_off():
+    assert "compile" not in PlanOptions().to_json()
+    on = PlanOptions(compile=True)
+    assert on.to_json()["compile"] is True
+    assert PlanOptions.from_json(on.to_json()) == on
+    with pytest.raises(AutoshardError, match="compile"):
+        PlanOptions(compile="yes")
+
+
+def test_host_dispatch_in_presets_and_profiles():
+    assert Cluster.preset("h100").host_dispatch_s == 16.5e-6
+    assert Cluster.preset("cpu").host_dispatch_s == 0.0       # in its kernel floor (§2.11)
+    with pytest.raises(AutoshardError, match="host_dispatch_s"):
+        Cluster._from_profile({"base": "h100", "host_dispatch_s": -1.0})
+
+
+def _bump(x):
+    # Python control flow on a value: no graph can hold it (data-dependent), so the region
+    # holding it cannot be traced.
+    return x + 1 if float(x.sum()) > 0 else x - 1
+
+
+def test_what_cannot_be_traced_runs_eagerly_with_a_warning_naming_it():
+    import torch.fx as fx
+    import warnings
+    from autoshard.codegen.compile import CompileFallback, CompiledRegion
+    from autoshard.codegen.rewrite import RankRuntime
+    g = fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.ops.aten.relu.default, (x,))
+    g.output((g.call_function(_bump, (y,)),))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    region = CompiledRegion(gm, RankRuntime(None, torch.device("cpu")), "program: relu .. bump")
+    a = torch.randn(4, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CompileFallback)
+        out = region(a)
+    said = [str(w.message) for w in caught if w.category is CompileFallback]
+    assert len(said) == 1 and said[0].startswith("compile: region program: relu .. bump runs "
+                                                 "eagerly"), said
+    assert torch.equal(out[0], _bump(torch.relu(a)))
+    assert not region.compiled
+
+
+def test_host_copies_bucketed_syncs_and_checkpoints_split_the_program():
+    import torch.fx as fx
+    from autoshard.codegen.compile import _partition
+    from autoshard.codegen.rewrite import FetchCall
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    a = g.call_function(torch.ops.aten.relu.default, (x,))
+    f = g.call_function(FetchCall(None, "mm", "w"), (w,))
+    m = g.call_function(torch.ops.aten.mm.default, (a, f))
+    g.output((g.call_function(torch.ops.aten.relu.default, (m,)),))
+    parts = _partition(g)
+    assert [parts[n.name] for n in g.nodes if n.op == "call_function"] == \
+        [(1, True), (2, False), (3, True), (3, True)]
+
+
+# -- tier 2: compiled against eager on gloo ranks (slow: inductor compiles on every rank) -------
+
+CLUSTER = str(Path(__file__).parent / "data" / "compute_bound.json")
+world4 = world_fixture(4, timeout_s=3600)
+
+# Every layer fully recomputed (selective checkpointing runs eagerly, said by a warning), over
+# plain tensor parallelism, 2-D and a 2-stage pipeline, on both tiny models.
+CASES = [("gpt2-tiny", (4,), {}), ("llama-tiny", (4,), {}),
+         ("gpt2-tiny", (2, 2), {}), ("llama-tiny", (2, 2), {}),
+         ("gpt2-tiny", (2, 2), {"pipeline": "pp", "microbatches": 2}),
+         ("llama-tiny", (2, 2), {"pipeline": "pp", "microbatches": 2})]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,shape,pipe", CASES,
+                         ids=[f"{m}-{'x'.join(map(str, s))}{'-pp' if p else ''}"
+                              for m, s, p in CASES])
+def test_compiled_rank_program_equals_eager(world4, model, shape, pipe):
+    from autoshard.verify import VerifySpec, plan_for, summarize, verify_rank
+    axes = ("pp", "tp") if pipe else None
+    mesh = Mesh(shape, axes, cluster=CLUSTER) if axes else Mesh(shape, cluster=CLUSTER)
+    plan = plan_for(model, mesh, recompute="full", **pipe)
+    assert plan.recompute or pipe       # (a pipeline's stages may not checkpoint)
+    spec = VerifySpec(model, plan.mesh_shape, plan.mesh_axes, plan.dumps(),
+                      measure_memory=False, compile=True)
+    reports = world4.run(verify_rank, spec, timeout_s=3600)
+    ok, text = summarize(reports, 1e-5)
+    assert ok, text
+    c = reports[0]["compiled"]
+    assert not c["fallbacks"], c["fallbacks"]
+    assert reports[0]["collectives"] > 0
