@@ -11,11 +11,11 @@ from autoshard import progress
 from autoshard.cost.liveness import step_memory
 from autoshard.cost.price import Pricer
 from autoshard.cost.comm import Groups, Step, joint_groups, step_seconds
-from autoshard.cost.overlap import (bucket_collectives, exposed_seconds, first_grad_syncs,
-                                    gradient_buckets, sync_share_by_axis)
+from autoshard.cost.overlap import bucket_collectives, exposed_seconds, sync_share_by_axis
+from autoshard.cost.program import step_program
 from autoshard.cost.compute import local_numel
 from autoshard.cost.state import SCATTERS, StateBytes, state_spec
-from autoshard.cost.reshards import direct_reads, reshard_edges
+from autoshard.cost.reshards import direct_reads
 from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Strategy, work_fraction
 from autoshard.mesh import AxisMerge, Merges, Mesh
@@ -795,9 +795,9 @@ def forward_memory(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strate
     memory = sum(pricer.memory(n, st) for n, st in strategies.items())
     memory += pricer.saved_copies(strategies)
     if "selective" in recompute.values():
-        params = {p.name for p in traced.params}
-        for e in reshard_edges(traced.graph, strategies, mesh.shape, pricer.shapes, params,
-                               training=traced.training, joint=joint):
+        program = step_program(traced, strategies, mesh.shape, bucket_bytes=options.bucket_bytes,
+                               recompute=recompute, joint=joint, shapes=pricer.shapes)
+        for e in program.edges:
             memory += pricer.stored_reshard_bytes(e.value, e.src, e.dst, e.consumers[0][0])
     return memory
 
@@ -831,11 +831,12 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
             state += pricer.state_bytes(n.name, strategies[n.name])
             optimizer_s += pricer.optimizer_seconds(n.name, strategies[n.name])
     memory += pricer.saved_copies(strategies)
-    edges = list(reshard_edges(graph, strategies, mesh.shape, pricer.shapes, set(params),
-                               training=traced.training, joint=joint))
+    # What the rank runs in the step (cost/program.py): the ledger below lists its reshards,
+    # buckets and host copies, and the liveness walk reads the same program.
+    program = step_program(traced, strategies, mesh.shape, bucket_bytes=options.bucket_bytes,
+                           recompute=recompute, joint=joint, shapes=pricer.shapes)
+    edges, buckets, first = list(program.edges), list(program.buckets), program.first_syncs()
     modes = {n: strategies[n].kernel for n in params}
-    buckets = gradient_buckets(edges, nodes, options.bucket_bytes, modes, mesh.shape)
-    first = first_grad_syncs(edges)
     collectives: list[CollectiveRecord] = []
     blocking = dict.fromkeys(mesh.axes, 0.0)
     sync = dict.fromkeys(mesh.axes, 0.0)
@@ -898,7 +899,7 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
     comm_s = sum(blocking.values()) + total_sync
     # The peak over the step, from the liveness of values (cost/liveness.py, §4.5), beside
     # ``memory``, the sum of everything forward saves (§4.4) that the ILP bounds.
-    live = step_memory(traced, strategies, pricer)
+    live = step_memory(traced, strategies, pricer, program=program)
     tied: dict[str, list] = {}
     for n in nodes:
         for k, ref in enumerate(pricer.reads(n.name)):
