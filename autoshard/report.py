@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autoshard.cost.memory import device_budget
 from autoshard.cluster import PRESETS
 from autoshard.schedules import SPLIT_BACKWARD, simulate_schedule
 from autoshard.errors import AutoshardError
@@ -101,17 +102,18 @@ def stage_peaks(plan: Plan) -> list[list[tuple[int, float]]]:
     pl = plan.pipeline
     if pl is None:
         return []
-    return [[(k, float(pl.stages[k].predicted["peak_memory_bytes"])) for k in pl.stages_of(r)]
+    return [[(k, float(pl.stages[k].predicted["ilp_memory_bytes"])) for k in pl.stages_of(r)]
             for r in range(pl.ranks)]
 
 
 def budget_bytes(plan: Plan) -> float | None:
-    """The memory budget the plan was made for: its option, else the device memory of its
-    cluster preset; None for a cluster profile the plan names but does not carry."""
+    """The memory budget the plan was made for: its option, else its cluster preset's default
+    (cost/memory.py ``device_budget``); None for a cluster profile the plan names but does not
+    carry."""
     if plan.options.memory_budget is not None:
         return float(plan.options.memory_budget)
     cluster = PRESETS.get(plan.cluster)
-    return float(cluster.memory_bytes) if cluster is not None else None
+    return float(device_budget(cluster, None)) if cluster is not None else None
 
 
 # Ops whose placement decides a layer's layout (and its collectives): the matmul-like ones.
@@ -299,7 +301,7 @@ def memory_figure(plan: Plan) -> Any:
         rows = [[(f"stage {k}", b, cmap(k % 20)) for k, b in stages] for stages in ranks]
         labels = [f"rank {r} of {plan.pipeline.axis}" for r in range(len(ranks))]
         title = (f"peak per rank of {plan.pipeline.axis}: its stages' peaks, microbatches in "
-                 f"flight; largest {_bytes(plan.predicted['peak_memory_bytes'])}")
+                 f"flight; largest {_bytes(plan.predicted['ilp_memory_bytes'])}")
     top = max([sum(b for _, b, _ in row) for row in rows] + [1.0])
     unit, scale = _unit(top)
     fig, ax = plt.subplots(figsize=(9, max(2.2, 0.35 * len(labels) + 1.6)))
@@ -556,7 +558,7 @@ def _state(plan: Plan, fqn: str) -> str:
 def _peak(plan: Plan) -> float:
     mem = plan.predicted.get("memory")
     return float(mem["peak"]) if isinstance(mem, dict) and "peak" in mem \
-        else float(plan.predicted["peak_memory_bytes"])
+        else float(plan.predicted["ilp_memory_bytes"])
 
 
 def write_report(plan: Plan | str | Path, output: str | Path) -> list[str]:
@@ -621,7 +623,7 @@ def summary_json(plan: Plan, *, seconds: float | None = None,
             "optimizer_s": p.get("optimizer_s", 0.0),
             "parts": dict(step_parts(plan))},
         "memory": {"peak_bytes": _peak(plan), "peak_phase": p.get("peak_phase"),
-                   "bound_bytes": p["peak_memory_bytes"], "budget_bytes": budget_bytes(plan),
+                   "bound_bytes": p["ilp_memory_bytes"], "budget_bytes": budget_bytes(plan),
                    **{k: mem[k] for k in (*MEMORY_PARTS, "host") if k in mem}},
         "techniques": techniques(plan),
         "solver": {k: plan.solver[k] for k in ("status", "gap", "variables", "decisions")

@@ -84,7 +84,7 @@ def test_identical_plans_give_an_empty_diff(plans) -> None:
 def test_options_are_named(plans) -> None:
     d = diff_files(plans["auto"], plans["sgd"])
     assert d.settings["options.optimizer"] == ("adam", "sgd")
-    assert d.predicted["peak_memory_bytes"].delta < 0       # no Adam moments
+    assert d.predicted["ilp_memory_bytes"].delta < 0       # no Adam moments
     assert "options.optimizer: adam -> sgd" in render(d)
 
 

@@ -250,9 +250,9 @@ def test_zero_twin_when_memory_asks_for_it() -> None:
     mesh = Mesh((d,))
     dp = plan_traced(traced, mesh, zero="none")
     assert all(spec == R for spec in dp.params.values())
-    p = plan_traced(traced, mesh, memory_budget=dp.predicted["peak_memory_bytes"] - 1,
+    p = plan_traced(traced, mesh, memory_budget=dp.predicted["ilp_memory_bytes"] - 1,
                     zero="none")
-    assert p.predicted["peak_memory_bytes"] < dp.predicted["peak_memory_bytes"]
+    assert p.predicted["ilp_memory_bytes"] < dp.predicted["ilp_memory_bytes"]
     assert any(spec != R for spec in p.params.values()), p.params
     assert p.predicted["step_time_s"] > dp.predicted["step_time_s"]
     # The same op compute; the optimizer step of a sharded weight updates 1/d of it.
@@ -274,7 +274,7 @@ def test_zero_twin_when_memory_asks_for_it() -> None:
                 - param_state_bytes(full[n].numel() // d, torch.float32)
                 - (full[n].numel() * itemsize if n.endswith(".weight") else 0)
                 for n, spec in p.params.items() if spec != R)
-    assert dp.predicted["peak_memory_bytes"] - p.predicted["peak_memory_bytes"] == saved
+    assert dp.predicted["ilp_memory_bytes"] - p.predicted["ilp_memory_bytes"] == saved
 
 
 # One budget on the 2-D mesh: the ILP with memory binding takes CBC ~15-30 s a solve there.
@@ -287,9 +287,9 @@ def test_plans_fit_the_budget_they_were_given(baseline_traces, shape, fracs) -> 
     roomy = plan_traced(traced, mesh)
     last = roomy.predicted["step_time_s"]
     for frac in fracs:
-        budget = roomy.predicted["peak_memory_bytes"] * frac
+        budget = roomy.predicted["ilp_memory_bytes"] * frac
         p = plan_traced(traced, mesh, memory_budget=budget, recompute="none")
-        assert p.predicted["peak_memory_bytes"] <= budget
+        assert p.predicted["ilp_memory_bytes"] <= budget
         assert p.predicted["step_time_s"] >= last * (1 - REL)
         assert p.solver["objective"] == pytest.approx(p.predicted["step_time_s"], rel=1e-9)
         last = p.predicted["step_time_s"]
@@ -390,7 +390,7 @@ def test_plan_contents(gpt2_b1, megatron_cpu) -> None:
     assert d["format"] == "autoshard.plan" and d["version"] == 2
     assert set(d["mesh"]) == {"shape", "axes", "cluster"}
     assert d["mesh"] == {"shape": [4], "axes": ["x"], "cluster": "cpu"}
-    assert {"step_time_s", "compute_s", "comm_s", "peak_memory_bytes"} <= set(d["predicted"])
+    assert {"step_time_s", "compute_s", "comm_s", "ilp_memory_bytes"} <= set(d["predicted"])
     assert {"status", "objective", "gap", "variables", "decisions"} <= set(d["solver"])
     for n in d["nodes"]:
         assert {"name", "op", "placements", "inputs"} <= set(n), n
@@ -605,7 +605,7 @@ def test_recompute_where_only_it_fits(gpt2_b8) -> None:
         plan_traced(gpt2_b8, mesh, memory_budget=0.5 * 2**30, recompute="none", **kw)
     p = plan_traced(gpt2_b8, mesh, memory_budget=0.5 * 2**30, **kw)
     assert set(p.recompute) == {f"layers.{i}" for i in range(12)}
-    assert p.predicted["peak_memory_bytes"] <= 0.5 * 2**30
+    assert p.predicted["ilp_memory_bytes"] <= 0.5 * 2**30
     with pytest.raises(AutoshardError) as info:
         plan_traced(gpt2_b8, mesh, memory_budget=0.2 * 2**30, **kw)
     assert "full activation checkpointing of its 12 repeated layers" in str(info.value)
@@ -629,7 +629,7 @@ def test_selective_recompute_sits_between_none_and_full(gpt2_b1) -> None:
     meg = baseline_plan(traced, mesh, "megatron", recompute="none")
     meg_sel = assemble(traced, mesh, meg.strategies(), meg.options, solver=meg.solver,
                        model_name="", timings={}, recompute=dict.fromkeys(layers, "selective"))
-    assert meg_sel.predicted["peak_memory_bytes"] > meg.predicted["peak_memory_bytes"]
+    assert meg_sel.predicted["ilp_memory_bytes"] > meg.predicted["ilp_memory_bytes"]
     assert not [c for c in meg_sel.collectives if c.phase == "recompute"]
     base = baseline_plan(traced, mesh, "dp", recompute="none")
     strategies = base.strategies()
@@ -646,8 +646,8 @@ def test_selective_recompute_sits_between_none_and_full(gpt2_b1) -> None:
     sel, full = plans["selective"], plans["full"]
     assert sel.predicted["compute_s"] - base.predicted["compute_s"] == pytest.approx(forward)
     assert base.predicted["compute_s"] < sel.predicted["compute_s"] < full.predicted["compute_s"]
-    assert full.predicted["peak_memory_bytes"] < sel.predicted["peak_memory_bytes"] \
-        < base.predicted["peak_memory_bytes"]
+    assert full.predicted["ilp_memory_bytes"] < sel.predicted["ilp_memory_bytes"] \
+        < base.predicted["ilp_memory_bytes"]
     assert "activation checkpointing (selective): 12 of 12 layers" in sel.summary()
 
 
@@ -684,7 +684,7 @@ def test_recompute_prices_the_forward_again_and_keeps_one_layer(gpt2_b1) -> None
     b, s, h = 1, 1024, model.config.hidden
     itemsize = next(model.parameters()).element_size()
     assert len(inputs) == 12 and all(pricer.shapes[v] == ((b, s, h), itemsize) for v in inputs)
-    assert full.predicted["peak_memory_bytes"] < base.predicted["peak_memory_bytes"]
+    assert full.predicted["ilp_memory_bytes"] < base.predicted["ilp_memory_bytes"]
 
 
 def test_recompute_ladder_holds_the_step_peak(gpt2_b8) -> None:
@@ -713,7 +713,7 @@ def test_checkpointing_per_layer_recomputes_only_what_memory_needs(gpt2_b8) -> N
     k = len(p.recompute)
     assert 0 < k < 12 and set(p.recompute) == {f"layers.{i}" for i in range(k)}
     assert set(p.recompute.values()) == {"full"}
-    assert max(p.predicted["memory"]["peak"], p.predicted["peak_memory_bytes"]) <= 2**30
+    assert max(p.predicted["memory"]["peak"], p.predicted["ilp_memory_bytes"]) <= 2**30
     every = plan_traced(gpt2_b8, mesh, recompute="full", **kw)
     assert p.predicted["step_time_s"] < every.predicted["step_time_s"]
     groups = {layer.same_as for layer in p.layers if layer.name.startswith("layers.")}

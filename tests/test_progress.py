@@ -117,7 +117,7 @@ def test_json_summary_of_a_pipelined_plan(tmp_path, capsys) -> None:
     assert tech["pipeline"]["axis"] == "pp" and tech["pipeline"]["stages"] == 2
     assert tech["pipeline"]["microbatches"] == p.pipeline.microbatches
     assert tech["params"] == len(p.params)
-    assert summary["memory"]["bound_bytes"] == p.predicted["peak_memory_bytes"]
+    assert summary["memory"]["bound_bytes"] == p.predicted["ilp_memory_bytes"]
     assert summary["solver"]["status"] == "OPTIMAL"
     assert set(summary["timings"]) >= {"trace_s", "build_s", "solve_s", "total_s"}
     assert summary["timings"]["total_s"] > 0

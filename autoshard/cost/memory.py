@@ -15,6 +15,33 @@ from autoshard.ir import OpInfo, Strategy, cached_on, shard_factor
 from autoshard.ops.registry import NOTHING, VIEW, Saves, record_of
 from autoshard.options import OPTIMIZERS
 
+# ----------------------------------------------------------------------------- budgets
+
+# What a device's memory holds besides the step the liveness walk counts (docs/cost-model.md
+# §4.6): the CUDA context and the kernels' libraries (cuBLAS, cuDNN, NCCL), which
+# ``torch.cuda.max_memory_allocated`` does not see, and the caching allocator's slack (blocks
+# split and rounded; the walk matched the allocator's peak within 1-3% on the plans measured).
+DEVICE_RESERVE_BYTES = 2**30
+ALLOCATOR_SLACK = 0.03
+# What one training process holds on the host besides the state the plan offloads: the Python
+# interpreter, torch and the CUDA libraries' host side (docs/cost-model.md §4.6).
+HOST_RESERVE_BYTES = 4 * 2**30
+
+
+def device_budget(cluster, memory_budget: float | None) -> float:
+    """The bytes a plan's step may peak at on one device: ``memory_budget`` where given, else
+    the device's memory less :data:`DEVICE_RESERVE_BYTES` and :data:`ALLOCATOR_SLACK` of it."""
+    if memory_budget is not None:
+        return memory_budget
+    return cluster.memory_bytes * (1 - ALLOCATOR_SLACK) - DEVICE_RESERVE_BYTES
+
+
+def host_budget(cluster) -> float:
+    """The host bytes a device's process may fill with offloaded state and its pinned buffers:
+    the cluster's ``host_memory_bytes`` per device less :data:`HOST_RESERVE_BYTES`."""
+    return cluster.host_memory_bytes - HOST_RESERVE_BYTES
+
+
 # ----------------------------------------------------------------------------- model state
 
 # Mixed-precision Adam keeps an fp32 master copy, momentum and variance: K = 12 bytes per
