@@ -359,35 +359,40 @@ def _fit_live(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan,
     caller."""
     if plan.predicted["memory"]["peak"] <= budget or kw.get("fixed") or kw.get("merge") is not None:
         return plan
-    fit, _ = _tighten(traced, mesh, options, plan, budget, kw)
+    fit, _ = _tighten(traced, mesh, options, plan, budget, kw, kw.get("offload"))
     return fit
 
 
-TIGHTEN = 4      # rounds of the outer loop per set of techniques (docs/cost-model.md §4.6)
+TIGHTEN = 6      # rounds of the outer loop per set of techniques (docs/cost-model.md §4.6)
 
 
 def _tighten(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan, budget: float,
-             kw: dict[str, Any]) -> tuple[Plan | None, list[Plan]]:
+             kw: dict[str, Any], offload: bool | str | None = None
+             ) -> tuple[Plan | None, list[Plan]]:
     """The outer loop that holds the step's peak to ``budget`` (docs/cost-model.md §4.6): the ILP
     bounds the sum of what forward saves and the model state, which lies below the liveness
     peak by what backward's gradients and the optimizer's temporaries add; so solve again with
     the ILP's bound lowered by the peak's excess, with ``plan``'s techniques, until the peak
-    fits, the ILP finds no plan, or :data:`TIGHTEN` rounds are spent. (The plan that fits, or
-    None; every plan solved on the way.)"""
+    fits, the ILP finds no plan, or :data:`TIGHTEN` rounds are spent; ``offload``: the offload
+    level offered (default: as far as ``plan`` went). The peak need not fall
+    as fast as the sum (a 16-bit parameter the ILP moves off the device takes its fp32
+    gradient copy out of the optimizer step too; a layout that saves less may gather more), so
+    each round that leaves the peak above the budget doubles the next one's cut. (The plan that
+    fits, or None; every plan solved on the way.)"""
     solved: list[Plan] = []
     p = plan
-    for _ in range(TIGHTEN):
+    offload = offload_level(plan) if offload is None else offload
+    for k in range(TIGHTEN):
         live = p.predicted["memory"]["peak"]
         if live <= budget:
             return p, solved
-        lower = p.predicted["ilp_memory_bytes"] - (live - budget)
+        lower = p.predicted["ilp_memory_bytes"] - (live - budget) * 2**k
         if lower <= 0:
             break
         try:
             with progress.step(f"re-planning for the step's peak (ILP bound {gib(lower)})"):
                 p = _plan_traced(traced, mesh, options.replace(memory_budget=lower),
-                                 **{**kw, "offload": offload_level(p)},
-                                 recompute=dict(p.recompute))
+                                 **{**kw, "offload": offload}, recompute=dict(p.recompute))
         except AutoshardError:
             break
         p = replace(p, options=options)
@@ -409,10 +414,12 @@ def _fit_budget(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Pla
     kw = {"model_name": model_name, "fixed": None, "trace_s": trace_s, "merge": None}
     fit, tried = _tighten(traced, mesh, options, plan, budget, kw)
     tried.append(plan)
+    techniques = [_technique(plan.recompute, offload_level(plan))]
     for recompute, offload in _remedies(traced, options, plan):
         if fit is not None:
             break
         what = _technique(recompute, offload)
+        techniques.append(what)
         try:
             with progress.step(f"the step peaks above the budget: with {what}"):
                 p = _plan_traced(traced, mesh, options, **kw, recompute=recompute,
@@ -421,18 +428,17 @@ def _fit_budget(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Pla
             if not (isinstance(e, BudgetError) or isinstance(e.__cause__, NoSolution)):
                 raise
             continue
-        fit, more = _tighten(traced, mesh, options, p, budget, kw)
+        fit, more = _tighten(traced, mesh, options, p, budget, kw, offload)
         tried += [p, *more]
     if fit is not None:
         return fit
     least = min(tried, key=lambda p: p.predicted["memory"]["peak"])
-    techniques = sorted({_technique(p.recompute, offload_level(p)) for p in tried})
     raise BudgetError(
         f"a plan whose step peaks within the memory budget of {gib(budget)} per device "
         f"(forward, backward and the optimizer step, cost/liveness.py)",
         got=f"none; the least memory any plan found needs is "
             f"{gib(least.predicted['memory']['peak'])} per device, at its "
-            f"{least.predicted['peak_phase']} peak; techniques tried: {'; '.join(techniques)}",
+            f"{least.predicted['peak_phase']} peak; techniques tried: {'; '.join(dict.fromkeys(techniques))}",
         fix="raise memory_budget, use a larger mesh, or a smaller batch"
             + ("" if options.offload == "auto" else ", or allow offload (offload='auto')")
             + ("" if options.recompute == "auto"
