@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from autoshard import progress
-from autoshard.cost.memory import device_budget
+from autoshard.cost.memory import budget_for, device_budget
 from autoshard.cost.comm import link_time
 from autoshard.cost.compute import local_numel
 from autoshard.cost.overlap import bucket_bytes_by_axis, gradient_buckets
@@ -91,7 +91,8 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
     # stage's budget times p (the stages' exact peaks are checked below).
     # Its activations weigh the microbatches the fullest stage keeps alive, and each run of it
     # bears 1/m of the step's gradient sync and optimizer step (PlanOptions.stage_run).
-    sub_options = options.replace(pipeline=None, memory_budget=budget * p, microbatches="auto",
+    sub_options = options.replace(pipeline=None, memory_budget=budget_for(budget) * p,
+                                  microbatches="auto",
                                   stage_run=(m, fullest_stage(options.schedule, p, m)))
     if options.schedule in SPLIT_BACKWARD and options.recompute == "auto":
         sub_options = sub_options.replace(recompute="none")     # see ``recomputed`` below

@@ -21,7 +21,7 @@ from autoshard.ir import Replicate, Strategy, work_fraction
 from autoshard.mesh import AxisMerge, Merges, Mesh
 from autoshard.options import PlanOptions, resolve_options
 from autoshard.plans import CollectiveRecord, HostTransfer, NodePlan, ParamState, Plan
-from autoshard.cost.memory import device_budget, host_budget
+from autoshard.cost.memory import budget_for, device_budget, host_budget
 from autoshard.solver.build import BuildTimeout, Built, build_problem
 from autoshard.solver.ilp import Infeasible, NoBetter, NoSolution, break_ties, solve
 from autoshard.solver.diagnostics import gib, mesh_use, smaller_mesh, unruled_note
@@ -31,10 +31,11 @@ from autoshard.trace.layers import checkpointable, regroup
 
 
 class BudgetError(AutoshardError):
-    """No plan fits the memory budget. ``least_bytes``: the least memory a plan found needs, its
-    step's peak (cost/liveness.py), or where the ILP found none within the budget, the least sum
-    the ILP bounds (a lower bound on any plan's peak); ``phase``: where that peak is reached
-    ("forward", "backward", "optimizer"; None for the ILP's sum)."""
+    """No plan fits the memory budget. ``least_bytes``: the least ``memory_budget`` a plan found
+    needs (cost/memory.py ``budget_for`` of its step's peak, cost/liveness.py), or where the ILP
+    found none within the budget, of the least sum the ILP bounds (a lower bound on any plan's
+    peak); ``phase``: where that peak is reached ("forward", "backward", "optimizer"; None for
+    the ILP's sum)."""
 
     def __init__(self, expected: str, *, got: str, fix: str, least_bytes: float,
                  phase: str | None) -> None:
@@ -433,17 +434,19 @@ def _fit_budget(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Pla
     if fit is not None:
         return fit
     least = min(tried, key=lambda p: p.predicted["memory"]["peak"])
+    need = budget_for(least.predicted["memory"]["peak"])
     raise BudgetError(
-        f"a plan whose step peaks within the memory budget of {gib(budget)} per device "
-        f"(forward, backward and the optimizer step, cost/liveness.py)",
-        got=f"none; the least memory any plan found needs is "
-            f"{gib(least.predicted['memory']['peak'])} per device, at its "
-            f"{least.predicted['peak_phase']} peak; techniques tried: {'; '.join(dict.fromkeys(techniques))}",
+        f"a plan whose step peaks within the memory budget of {gib(budget_for(budget))} per "
+        f"device (forward, backward and the optimizer step, cost/liveness.py, with the "
+        f"allocator's slack, docs/cost-model.md §4.6)",
+        got=f"none; the least memory any plan found needs is {gib(need)} per device, at "
+            f"its {least.predicted['peak_phase']} peak; techniques tried: "
+            f"{'; '.join(dict.fromkeys(techniques))}",
         fix="raise memory_budget, use a larger mesh, or a smaller batch"
             + ("" if options.offload == "auto" else ", or allow offload (offload='auto')")
             + ("" if options.recompute == "auto"
                else ", or allow activation checkpointing (recompute='auto')"),
-        least_bytes=least.predicted["memory"]["peak"], phase=least.predicted["peak_phase"])
+        least_bytes=need, phase=least.predicted["peak_phase"])
 
 
 def _remedies(traced: TracedGraph, options: PlanOptions, plan: Plan
@@ -623,22 +626,22 @@ def _solve(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_name:
             sol = solve(problem, time_limit_s=limit, cutoff_s=cutoff_s,
                         verdict=deadline is None, highs_first=options.stage_run is not None)
     except Infeasible as e:
-        least = f"{'' if e.exact else 'at least '}{gib(e.least_memory)}"
+        least = f"{'' if e.exact else 'at least '}{gib(budget_for(e.least_memory))}"
         if e.least_host is not None:
             raise AutoshardError(
-                f"a plan within the memory budget of {gib(e.budget)} per device and the host "
-                f"memory of {gib(e.host_budget)} per device (cluster field host_memory_bytes)",
+                f"a plan within the memory budget of {gib(budget_for(e.budget))} per device and "
+                f"the host memory of {gib(e.host_budget)} per device (cluster field host_memory_bytes)",
                 got=f"none fits both: the plans that fit the device keep parameters, gradients "
                     f"or optimizer state on the host, at least {gib(e.least_host)} per device"
                     f"{unruled_note(traced)}",
                 fix="use a larger mesh or a smaller batch, or a cluster profile with more host "
                     "memory per device (host_memory_bytes)") from e
         raise BudgetError(
-            f"a plan within the memory budget of {gib(e.budget)} per device",
+            f"a plan within the memory budget of {gib(budget_for(e.budget))} per device",
             got=f"none fits; the least memory any plan needs is {least} per device"
                 f"{unruled_note(traced)}",
             fix="raise memory_budget, use a larger mesh, or a smaller batch",
-            least_bytes=e.least_memory, phase=None) from e
+            least_bytes=budget_for(e.least_memory), phase=None) from e
     except NoSolution as e:
         raise AutoshardError(
             "a plan found within the solver's time limit",
