@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autoshard.cost.memory import device_budget
+from autoshard.cost.memory import default_budget
 from autoshard.cluster import PRESETS
 from autoshard.schedules import SPLIT_BACKWARD, simulate_schedule
 from autoshard.errors import AutoshardError
@@ -108,12 +108,12 @@ def stage_peaks(plan: Plan) -> list[list[tuple[int, float]]]:
 
 def budget_bytes(plan: Plan) -> float | None:
     """The memory budget the plan was made for: its option, else its cluster preset's default
-    (cost/memory.py ``device_budget``); None for a cluster profile the plan names but does not
+    (cost/memory.py ``default_budget``); None for a cluster profile the plan names but does not
     carry."""
     if plan.options.memory_budget is not None:
         return float(plan.options.memory_budget)
     cluster = PRESETS.get(plan.cluster)
-    return float(device_budget(cluster, None)) if cluster is not None else None
+    return float(default_budget(cluster)) if cluster is not None else None
 
 
 # Ops whose placement decides a layer's layout (and its collectives): the matmul-like ones.

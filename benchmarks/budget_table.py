@@ -110,7 +110,7 @@ def main() -> None:
              "- Each row plans the model (meta device) with the default options and "
              "`memory_budget` set; `step peak`: the peak over forward, backward and the "
              "optimizer step from the step program's liveness (docs/cost-model.md §4.5), the "
-             "figure the planner holds to the budget (§4.6); a refusal gives the least memory a "
+             "figure the planner holds to 93% of the budget (the allocator's slack, §4.6); a refusal gives the least memory a "
              "plan found needs (its step peak and phase, or where the ILP found none, the least "
              "sum it bounds). `fits`: the plan's peak is within the budget with no warning, or "
              "the refusal's least memory is above it. `wall s` is under a shared, loaded "

@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from autoshard.cost.memory import DEVICE_RESERVE_BYTES
 from autoshard import progress
 from autoshard.cli import main
 from autoshard.errors import AutoshardError
@@ -131,5 +132,6 @@ def test_json_summary_without_output(capsys) -> None:
     mem = summary["memory"]
     assert mem["peak_bytes"] == pytest.approx(sum(mem[k] for k in (
         "parameters", "gradients", "optimizer", "activations", "temporaries")))
-    assert mem["budget_bytes"] == 80e9                    # h100's memory: no budget given
+    # h100's memory less the device reserve: no budget given (cost/memory.py default_budget)
+    assert mem["budget_bytes"] == 80e9 - DEVICE_RESERVE_BYTES
     assert summary["predicted"]["parts"]["compute"] == summary["predicted"]["compute_s"]

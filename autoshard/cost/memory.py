@@ -34,9 +34,14 @@ def device_budget(cluster, memory_budget: float | None) -> float:
     """The bytes a plan's step may peak at on one device, as the liveness walk counts them:
     ``memory_budget`` (the allocator's peak a user allows; default the device's memory less
     :data:`DEVICE_RESERVE_BYTES`) less :data:`ALLOCATOR_SLACK` of it."""
-    allowed = cluster.memory_bytes - DEVICE_RESERVE_BYTES if memory_budget is None \
-        else memory_budget
+    allowed = default_budget(cluster) if memory_budget is None else memory_budget
     return allowed * (1 - ALLOCATOR_SLACK)
+
+
+def default_budget(cluster) -> float:
+    """The ``memory_budget`` a plan gets when none is given: the device's memory less
+    :data:`DEVICE_RESERVE_BYTES`."""
+    return cluster.memory_bytes - DEVICE_RESERVE_BYTES
 
 
 def budget_for(peak: float) -> float:
