@@ -38,7 +38,8 @@ are alive:
 
 Interface (one function)::
 
-    step_memory(traced, strategies, pricer, *, update="fused", log=None) -> MemoryBreakdown
+    step_memory(traced, strategies, pricer, *, update="fused", program=None,
+                log=None) -> MemoryBreakdown
 
 ``traced``: the :class:`~autoshard.trace.export.TracedGraph` of a training step; ``strategies``:
 node name -> :class:`~autoshard.ir.Strategy` for every placeholder and op (``Plan.strategies()``,
@@ -46,6 +47,9 @@ or the planner's assignment, as ``solver.planner.assemble`` has it); ``pricer``:
 :class:`~autoshard.cost.price.Pricer` the plan is priced with (its mesh, options, checkpointed
 layers, ``state_bytes``). ``update``: the optimizer's implementation, "fused" (what
 ``pm.optimizer`` runs unless told otherwise), "foreach" or "loop".
+``program``: the assignment's step program (cost/program.py: its events in the order the rank
+runs them, its reshards, buckets and host-kept parameters), which the walk reads instead of
+deriving any of them; built from ``pricer`` when not given.
 ``log``: a list that gets every moment the walk checks, ``(phase, node, bytes)``. For a
 forward-only graph the walk is the forward alone. Linear in the graph's size (an 8B-parameter
 Llama, 2,200 nodes: under a second).
