@@ -481,7 +481,7 @@ def test_infeasible_memory_budget_states_the_least_memory(gpt2_b1) -> None:
     assert least > budget
     with pytest.raises(AutoshardError) as info:
         plan_traced(traced, mesh, memory_budget=budget, recompute="none", offload="none")
-    _assert_user_error(info.value, f"{least / 2**30:.4g} GiB", "memory_budget",
+    _assert_user_error(info.value, f"{budget_for(least) / 2**30:.4g} GiB", "memory_budget",
                        "techniques tried: parameter sharding (ZeRO-3), ZeRO-2",
                        "allow optimizer offload", "allow activation checkpointing")
     # With checkpointing and offload allowed (the defaults): the least memory of that search,
@@ -491,7 +491,7 @@ def test_infeasible_memory_budget_states_the_least_memory(gpt2_b1) -> None:
                                        offload="parameters").problem)
     with pytest.raises(AutoshardError) as info:
         plan_traced(traced, mesh, memory_budget=budget)
-    _assert_user_error(info.value, f"{least / 2**30:.4g} GiB", "memory_budget",
+    _assert_user_error(info.value, f"{budget_for(least) / 2**30:.4g} GiB", "memory_budget",
                        "full activation checkpointing of its 12 repeated layers",
                        "optimizer offload to the host", "parameter offload to the host")
 
@@ -604,16 +604,17 @@ def test_recompute_is_not_chosen_where_memory_is_plentiful(gpt2_b8) -> None:
 
 
 def test_recompute_where_only_it_fits(gpt2_b8) -> None:
-    """GPT-2 124M on 8 H100s under a 0.5 GiB budget, with gradients and optimizer state kept
-    with the parameters: no plan fits without activation checkpointing (the least memory is
-    0.63 GiB), every layer recomputing fits (0.37 GiB)."""
+    """GPT-2 124M on 8 H100s under a 0.65 GiB budget (0.6 GiB for the step's peak, less the
+    allocator's slack), with gradients and optimizer state kept with the parameters: no plan
+    fits without activation checkpointing (the least sum is 0.63 GiB), every layer recomputing
+    fits (its step peaks at 0.58 GiB)."""
     mesh = Mesh((8,), cluster="h100")
     kw = dict(zero="none", offload="none")
     with pytest.raises(AutoshardError):
-        plan_traced(gpt2_b8, mesh, memory_budget=0.5 * 2**30, recompute="none", **kw)
-    p = plan_traced(gpt2_b8, mesh, memory_budget=0.5 * 2**30, **kw)
+        plan_traced(gpt2_b8, mesh, memory_budget=0.65 * 2**30, recompute="none", **kw)
+    p = plan_traced(gpt2_b8, mesh, memory_budget=0.65 * 2**30, **kw)
     assert set(p.recompute) == {f"layers.{i}" for i in range(12)}
-    assert p.predicted["ilp_memory_bytes"] <= 0.5 * 2**30
+    assert p.predicted["memory"]["peak"] <= 0.65 * 2**30
     with pytest.raises(AutoshardError) as info:
         plan_traced(gpt2_b8, mesh, memory_budget=0.2 * 2**30, **kw)
     assert "full activation checkpointing of its 12 repeated layers" in str(info.value)
@@ -711,17 +712,17 @@ def test_recompute_ladder_holds_the_step_peak(gpt2_b8) -> None:
 
 
 def test_checkpointing_per_layer_recomputes_only_what_memory_needs(gpt2_b8) -> None:
-    """With 1 GiB per device, recomputing every layer fits with room to spare: the planner
+    """With 1.1 GiB per device, recomputing every layer fits with room to spare: the planner
     recomputes the first k < 12 layers only (Megatron-LM's --recompute-num-layers), fits the
     budget over the whole step, and is faster than recomputing all of them; identical layers
     under different policies are decided apart (two groups in the plan's layers)."""
     mesh = Mesh((8,), cluster="h100")
-    kw = dict(zero="none", offload="none", memory_budget=2**30)
+    kw = dict(zero="none", offload="none", memory_budget=1.1 * 2**30)
     p = plan_traced(gpt2_b8, mesh, **kw)
     k = len(p.recompute)
     assert 0 < k < 12 and set(p.recompute) == {f"layers.{i}" for i in range(k)}
     assert set(p.recompute.values()) == {"full"}
-    assert max(p.predicted["memory"]["peak"], p.predicted["ilp_memory_bytes"]) <= 2**30
+    assert max(p.predicted["memory"]["peak"], p.predicted["ilp_memory_bytes"]) <= 1.1 * 2**30
     every = plan_traced(gpt2_b8, mesh, recompute="full", **kw)
     assert p.predicted["step_time_s"] < every.predicted["step_time_s"]
     groups = {layer.same_as for layer in p.layers if layer.name.startswith("layers.")}
