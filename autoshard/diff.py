@@ -461,7 +461,7 @@ def _pct(f: Figure) -> str:
 
 
 _FIGURE_ROWS = (("step", "step_time_s", _ms), ("compute", "compute_s", _ms),
-                ("comm", "comm_s", _ms), ("peak memory", "peak_memory_bytes", size_text))
+                ("comm", "comm_s", _ms), ("ILP memory sum", "ilp_memory_bytes", size_text))
 
 
 def _figure_label(key: str) -> str:

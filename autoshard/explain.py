@@ -218,7 +218,7 @@ class Resolved:
 
     @property
     def memory_bytes(self) -> float | None:
-        return None if self.plan is None else self.plan.predicted["peak_memory_bytes"]
+        return None if self.plan is None else self.plan.predicted["ilp_memory_bytes"]
 
     @property
     def live_peak_bytes(self) -> float | None:
@@ -242,7 +242,7 @@ class Row:
     def to_json(self) -> dict[str, Any]:
         r = self.resolved
         return {"strategy": r.strategy, "status": r.status, "step_time_s": r.step_time_s,
-                "peak_memory_bytes": r.memory_bytes, "live_peak_bytes": r.live_peak_bytes,
+                "ilp_memory_bytes": r.memory_bytes, "live_peak_bytes": r.live_peak_bytes,
                 "step_delta_s": self.step_delta_s, "step_delta_bound_s": self.step_delta_bound_s,
                 "memory_delta_bytes": self.memory_delta_bytes,
                 "live_peak_delta_bytes": self.live_peak_delta_bytes,
@@ -284,9 +284,9 @@ class Explanation:
                 "source_node": self.source_node, "chosen": self.chosen,
                 "strategies": self.strategies,
                 "plan_file": {"step_time_s": self.file_step_s,
-                              "peak_memory_bytes": self.file_memory_bytes},
+                              "ilp_memory_bytes": self.file_memory_bytes},
                 "baseline": {"strategy": b.strategy, "status": b.status,
-                             "step_time_s": b.step_time_s, "peak_memory_bytes": b.memory_bytes,
+                             "step_time_s": b.step_time_s, "ilp_memory_bytes": b.memory_bytes,
                              "live_peak_bytes": b.live_peak_bytes},
                 "alternatives": [r.to_json() for r in self.rows],
                 "time_limit_s": self.time_limit_s, "seconds": self.seconds,
@@ -459,7 +459,7 @@ def explain_node(plan: Plan, name: str, *, rebuilt: Rebuilt,
         source=node_source(source_node), source_node=getattr(source_node, "name", ""),
         chosen=texts[chosen] if chosen in texts else strategy_text(node, placeholder=is_ph),
         strategies=len(groups) - (1 if notes else 0), file_step_s=plan.predicted["step_time_s"],
-        file_memory_bytes=plan.predicted["peak_memory_bytes"], baseline=baseline, rows=rows,
+        file_memory_bytes=plan.predicted["ilp_memory_bytes"], baseline=baseline, rows=rows,
         time_limit_s=time_limit_s, seconds=seconds, notes=tuple(notes))
 
 

@@ -101,7 +101,8 @@ class Stage:
     """One pipeline stage: its index along the pipeline axis, the model's layers it runs (the
     first stage also runs what comes before the first layer, the last what comes after the last
     one), and its predicted figures per step: ``compute_s`` and ``comm_s`` of one microbatch,
-    ``peak_memory_bytes`` with the schedule's microbatches in flight."""
+    ``ilp_memory_bytes`` (the sum of its state and what forward saves, not a liveness peak)
+    with the schedule's microbatches in flight."""
 
     index: int
     layers: tuple[str, ...]
@@ -297,7 +298,7 @@ class Plan:
                  f"{(p['step_time_s'] - p['compute_s'] - p.get('host_s', 0.0)) * 1e3:.3f} ms "
                  f"(of {p['comm_s'] * 1e3:.3f} ms comm)"
                  + (f" + host link {p['host_s'] * 1e3:.3f} ms" if p.get("host_s") else "")
-                 + f"; peak memory {_size(p['peak_memory_bytes'])} per device",
+                 + f"; ILP memory sum {_size(p['ilp_memory_bytes'])} per device",
                  *self._comm_by_axis(),
                  f"  solver {s['status']}, {s['variables']} variables, {s.get('decisions', '?')} "
                  f"decisions, gap {s['gap']:.2%}", *self._mesh_search_summary()]
@@ -406,8 +407,8 @@ class Plan:
                     else (st.layers[0] if st.layers else "no layer"))
             lines.append(f"    stage {st.index}: {what} ({len(st.layers)} layers); per microbatch "
                          f"compute {st.predicted['compute_s'] * 1e3:.3f} ms + comm "
-                         f"{st.predicted['comm_s'] * 1e3:.3f} ms; peak "
-                         f"{_size(st.predicted['peak_memory_bytes'])}")
+                         f"{st.predicted['comm_s'] * 1e3:.3f} ms; ILP memory sum "
+                         f"{_size(st.predicted['ilp_memory_bytes'])}")
         return lines
 
     def layers_summary(self) -> list[str]:
@@ -596,7 +597,7 @@ MODE_NAMES = {"zero1": "ZeRO-1 (optimizer state sharded)",
               "offload_params": "parameters, gradients and optimizer state on the host, "
                                 "copied in at each use (parameter offload)"}
 # The figures summary() prints; a plan may carry more.
-PREDICTED = ("step_time_s", "compute_s", "comm_s", "peak_memory_bytes")
+PREDICTED = ("step_time_s", "compute_s", "comm_s", "ilp_memory_bytes")
 # Per mesh axis: communication the step waits for (blocking, and gradient sync that backward
 # compute does not hide), and gradient sync hidden behind backward (docs/cost-model.md §7).
 PER_AXIS = ("exposed_comm_s", "overlapped_comm_s")
@@ -816,7 +817,7 @@ def _read_pipeline(f: _Field, axes: tuple[str, ...], layers: tuple[Layer, ...]
             members.fail("names of the plan's layers")
         stages.append(Stage(i, stage_layers, _read_numbers(x.key("predicted"),
                                                            ("compute_s", "comm_s",
-                                                            "peak_memory_bytes"))))
+                                                            "ilp_memory_bytes"))))
     microbatches = f.key("microbatches")
     m = microbatches.integer(least=1)
     if schedule.value == "DualPipeV" and m < len(stages):
@@ -863,7 +864,15 @@ def _read_host_transfer(f: _Field) -> HostTransfer:
                         f.key("node").text(), f.key("value").text())
 
 
+# Figures a plan file may carry under an earlier name: read under the new one.
+RENAMED = {"peak_memory_bytes": "ilp_memory_bytes"}   # the ILP's memory sum, not a peak
+
+
 def _read_numbers(f: _Field, keys: tuple[str, ...]) -> dict[str, Any]:
+    obj = f.obj()
+    for old, new in RENAMED.items():
+        if old in obj and new not in obj:
+            obj[new] = obj.pop(old)
     for k in keys:
         f.key(k).number()
     for k in ("optimizer_s", "host_s"):     # absent from plans made before they were priced

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from autoshard.cluster import Cluster
+from autoshard.cost.memory import default_budget
 from autoshard.files import check_output, write_output
 from autoshard.schedules import SPLIT_BACKWARD, simulate_schedule
 from autoshard.errors import AutoshardError
@@ -102,16 +103,17 @@ def stage_peaks(plan: Plan) -> list[list[tuple[int, float]]]:
     pl = plan.pipeline
     if pl is None:
         return []
-    return [[(k, float(pl.stages[k].predicted["peak_memory_bytes"])) for k in pl.stages_of(r)]
+    return [[(k, float(pl.stages[k].predicted["ilp_memory_bytes"])) for k in pl.stages_of(r)]
             for r in range(pl.ranks)]
 
 
 def budget_bytes(plan: Plan) -> float | None:
-    """The memory budget the plan was made for: its option, else the device memory of the
-    cluster it records; None for an old file naming a profile without its figures."""
+    """The memory budget the plan was made for: its option, else the default budget of the
+    cluster it records (cost/memory.py ``default_budget``); None for an old file naming a
+    profile without its figures."""
     if plan.options.memory_budget is not None:
         return float(plan.options.memory_budget)
-    return float(plan.cluster.memory_bytes) if isinstance(plan.cluster, Cluster) else None
+    return float(default_budget(plan.cluster)) if isinstance(plan.cluster, Cluster) else None
 
 
 # Ops whose placement decides a layer's layout (and its collectives): the matmul-like ones.
@@ -299,7 +301,7 @@ def memory_figure(plan: Plan) -> Any:
         rows = [[(f"stage {k}", b, cmap(k % 20)) for k, b in stages] for stages in ranks]
         labels = [f"rank {r} of {plan.pipeline.axis}" for r in range(len(ranks))]
         title = (f"peak per rank of {plan.pipeline.axis}: its stages' peaks, microbatches in "
-                 f"flight; largest {_bytes(plan.predicted['peak_memory_bytes'])}")
+                 f"flight; largest {_bytes(plan.predicted['ilp_memory_bytes'])}")
     top = max([sum(b for _, b, _ in row) for row in rows] + [1.0])
     unit, scale = _unit(top)
     fig, ax = plt.subplots(figsize=(9, max(2.2, 0.35 * len(labels) + 1.6)))
@@ -556,7 +558,7 @@ def _state(plan: Plan, fqn: str) -> str:
 def _peak(plan: Plan) -> float:
     mem = plan.predicted.get("memory")
     return float(mem["peak"]) if isinstance(mem, dict) and "peak" in mem \
-        else float(plan.predicted["peak_memory_bytes"])
+        else float(plan.predicted["ilp_memory_bytes"])
 
 
 def write_report(plan: Plan | str | Path, output: str | Path) -> list[str]:
@@ -615,7 +617,7 @@ def summary_json(plan: Plan, *, seconds: float | None = None,
             "optimizer_s": p.get("optimizer_s", 0.0),
             "parts": dict(step_parts(plan))},
         "memory": {"peak_bytes": _peak(plan), "peak_phase": p.get("peak_phase"),
-                   "bound_bytes": p["peak_memory_bytes"], "budget_bytes": budget_bytes(plan),
+                   "bound_bytes": p["ilp_memory_bytes"], "budget_bytes": budget_bytes(plan),
                    **{k: mem[k] for k in (*MEMORY_PARTS, "host") if k in mem}},
         "techniques": techniques(plan),
         "solver": {k: plan.solver[k] for k in ("status", "gap", "variables", "decisions")

@@ -303,7 +303,7 @@ def predicted_memory(pm) -> dict[str, int]:
     buffers = sum(t.numel() * t.element_size() for t in pm._buffers_local.values())
     # The peak over the step from liveness (cost/liveness.py) where the plan has it.
     peak = int(mem["peak"]) if isinstance(mem, dict) and "peak" in mem \
-        else int(plan.predicted["peak_memory_bytes"])
+        else int(plan.predicted["ilp_memory_bytes"])
     return {"peak": peak, "model_state": state, "buffers": buffers,
             "saved": peak - state - buffers}
 

@@ -318,8 +318,8 @@ def step_vs_eager(device, clusters: dict, label: str, build, *, steps: int,
     torch.cuda.empty_cache()
     return {"label": label, "precision": "fp32 model; eager autocast bf16, autoshard bf16-mixed"
             if mixed else "the model's dtype", "steps": steps, "median_s": med,
-            "peak_memory_bytes": peak, "predicted_peak_bytes": plan.predicted["memory"]["peak"],
-            "ilp_peak_bytes": plan.predicted["peak_memory_bytes"],
+            "ilp_memory_bytes": peak, "predicted_peak_bytes": plan.predicted["memory"]["peak"],
+            "ilp_peak_bytes": plan.predicted["ilp_memory_bytes"],
             "predicted_step_s": predicted, "loss_after": {"eager": loss_e, "autoshard": loss_p}}
 
 
@@ -407,14 +407,14 @@ def render(args, prof: dict | None, cal_s: float, ops: dict, steps: list[dict], 
                      f"{m['pm_opt'] * 1e3:.1f} | {e * 1e3:.1f} | {p * 1e3:.1f} | "
                      f"{p / e:.3f} | "
                      + " | ".join(f"{s['predicted_step_s'][c] * 1e3:.1f}" for c in clusters)
-                     + f" | {s['peak_memory_bytes'] / 2**30:.2f} / "
+                     + f" | {s['ilp_memory_bytes'] / 2**30:.2f} / "
                        f"{s['predicted_peak_bytes'] / 2**30:.2f} / "
                        f"{s['ilp_peak_bytes'] / 2**30:.2f} |")
     lines += ["", "Peak memory: measured is the CUDA allocator's `max_memory_allocated` over two "
               "steps of the rank program alone (the eager copy freed); liveness is the plan's "
               "`predicted.memory.peak`, the walk over the whole step (docs/cost-model.md §4.5); "
               "ILP is the per-op estimate the solver holds under the memory budget "
-              "(`predicted.peak_memory_bytes`)."]
+              "(`predicted.ilp_memory_bytes`)."]
     lines += ["", "**The example, as a user runs it**: " + " ".join(train)]
     return "\n".join(lines) + "\n"
 

@@ -54,7 +54,7 @@ def figures(traced, mesh, plan) -> dict:
         "exposed": {a: v * 1e3 for a, v in pred["exposed_comm_s"].items()},
         "hidden": {a: v * 1e3 for a, v in pred["overlapped_comm_s"].items()},
         "layer_bytes": per_layer, "bucket_gib": buckets / 2**30,
-        "memory_gib": pred["peak_memory_bytes"] / 2**30,
+        "memory_gib": pred["ilp_memory_bytes"] / 2**30,
         "params": param_layouts(plan),
     }
 

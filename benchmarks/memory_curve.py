@@ -99,7 +99,7 @@ def attempt(traced, mesh, budget: float | None, time_limit: float, **options) ->
         return {"error": str(e), "least": inf.least_memory if inf else None,
                 "exact": inf.exact if inf else None, "seconds": time.perf_counter() - t0}
     mem = p.predicted["memory"]
-    return {"step": p.predicted["step_time_s"], "peak": p.predicted["peak_memory_bytes"],
+    return {"step": p.predicted["step_time_s"], "peak": p.predicted["ilp_memory_bytes"],
             "host": mem.get("host", 0.0), "uses": uses(p), "status": p.solver["status"],
             "gap": p.solver["gap"], "seconds": time.perf_counter() - t0}
 

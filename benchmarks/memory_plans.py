@@ -71,7 +71,7 @@ def run(case: str) -> list[str]:
     mem = p.get("memory", {})
     warn = "; ".join(plan.get("warnings", []))
     return [f"`{case}`", f"{wall:.1f}", f"{p['step_time_s'] * 1e3:.1f}",
-            f"{p['peak_memory_bytes'] / GIB:.2f}", f"{mem.get('peak', 0) / GIB:.2f}",
+            f"{p['ilp_memory_bytes'] / GIB:.2f}", f"{mem.get('peak', 0) / GIB:.2f}",
             f"{mem.get('host', 0) / GIB:.2f}", techniques(plan), warn or "-"]
 
 

@@ -36,7 +36,7 @@ backward with its gradient syncs, AdamW step, ``zero_grad``) is measured by
 ``torch.distributed._tools.mem_tracker.MemTracker``. Per plan the table gives the measured peak
 (the largest over the ranks), the two predictions of it, each with its error:
 
-- the sum model (docs/cost-model.md §4.4, the plan's ``predicted["peak_memory_bytes"]`` before
+- the sum model (docs/cost-model.md §4.4, the plan's ``predicted["ilp_memory_bytes"]`` before
   liveness): model state plus everything the forward saves, all alive at once;
 - liveness (``autoshard.cost.liveness.step_memory``, §4.5): the largest number of bytes alive at
   any moment of the forward, the backward and the optimizer step. Under optimizer offload

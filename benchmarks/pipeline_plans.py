@@ -89,7 +89,7 @@ def row(label: str, wall: str, plan: dict, psi_tokens: float) -> list[str]:
                   "; ".join(f"{'x'.join(map(str, t['mesh']))}: {t['step_time_s'] * 1e3:.1f} ms"
                             for t in ms["tried"][1:4] if "step_time_s" in t))
     return [label, wall, f"{p['step_time_s'] * 1e3:.1f}", mesh, shape,
-            f"{p['peak_memory_bytes'] / GIB:.2f}", f"{mfu(p['step_time_s'], devices, psi_tokens):.1%}",
+            f"{p['ilp_memory_bytes'] / GIB:.2f}", f"{mfu(p['step_time_s'], devices, psi_tokens):.1%}",
             search or "-"]
 
 

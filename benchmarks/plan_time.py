@@ -87,7 +87,7 @@ def one(case: str, time_limit: float) -> dict:
             "groups": p.solver.get("decisions", p.solver.get("groups")),
             "status": p.solver["status"], "gap": p.solver["gap"],
             "step_ms": p.predicted["step_time_s"] * 1e3,
-            "peak_gib": p.predicted["peak_memory_bytes"] / 2**30}
+            "peak_gib": p.predicted["ilp_memory_bytes"] / 2**30}
 
 
 def loadavg() -> str:

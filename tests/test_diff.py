@@ -84,7 +84,7 @@ def test_identical_plans_give_an_empty_diff(plans) -> None:
 def test_options_are_named(plans) -> None:
     d = diff_files(plans["auto"], plans["sgd"])
     assert d.settings["options.optimizer"] == ("adam", "sgd")
-    assert d.predicted["peak_memory_bytes"].delta < 0       # no Adam moments
+    assert d.predicted["ilp_memory_bytes"].delta < 0       # no Adam moments
     assert "options.optimizer: adam -> sgd" in render(d)
 
 
@@ -103,7 +103,7 @@ def test_cli_text_and_json(plans) -> None:
     code, out, _ = run(["diff", plans["auto"], plans["megatron"]])
     assert code == 0
     assert out.startswith(f"autoshard diff {plans['auto']} -> {plans['megatron']}: model gpt2-tiny")
-    assert "predicted per device (b - a):" in out and "peak memory" in out
+    assert "predicted per device (b - a):" in out and "ILP memory sum" in out
     assert "collectives per mesh axis" in out and "collectives per phase" in out
     code, out, _ = run(["diff", plans["auto"], plans["megatron"], "--json"])
     data = json.loads(out)

@@ -75,7 +75,7 @@ def test_node_deltas_are_independent_resolves_with_the_strategy_pinned(plan, reb
         assert row.step_delta_s == pytest.approx(
             other.predicted["step_time_s"] - base.predicted["step_time_s"], rel=1e-6, abs=1e-12)
         assert row.memory_delta_bytes == pytest.approx(
-            other.predicted["peak_memory_bytes"] - base.predicted["peak_memory_bytes"],
+            other.predicted["ilp_memory_bytes"] - base.predicted["ilp_memory_bytes"],
             rel=1e-6, abs=1e-3)
         assert row.step_delta_s >= -1e-12 * base.predicted["step_time_s"]  # chosen is optimal
         # The re-solve lets the rest adapt: never slower than the swap alone.
@@ -103,7 +103,7 @@ def test_param_deltas_are_independent_resolves_with_the_layout_stored(plan, rebu
         assert row.step_delta_s == pytest.approx(
             other.predicted["step_time_s"] - base.predicted["step_time_s"], rel=1e-6, abs=1e-12)
         assert row.memory_delta_bytes == pytest.approx(
-            other.predicted["peak_memory_bytes"] - base.predicted["peak_memory_bytes"],
+            other.predicted["ilp_memory_bytes"] - base.predicted["ilp_memory_bytes"],
             rel=1e-6, abs=1e-3)
 
 

@@ -87,7 +87,7 @@ def test_optimizer_option_prices_model_state(gpt2_tiny) -> None:
     adam = plan_traced(traced, mesh)
     sgd = plan_traced(traced, mesh, optimizer="sgd")
     n = sum(math.prod(p.info.shape) for p in traced.params)
-    assert adam.predicted["peak_memory_bytes"] - sgd.predicted["peak_memory_bytes"] == \
+    assert adam.predicted["ilp_memory_bytes"] - sgd.predicted["ilp_memory_bytes"] == \
         pytest.approx(2 * 4 * n)
     bw = mesh.cluster.mem_bandwidth
     assert adam.predicted["optimizer_s"] == pytest.approx(28 * n / bw)
@@ -204,6 +204,6 @@ def test_predicted_figures_are_the_prices_summed(gpt2_tiny, shape, cluster) -> N
                                       {q.name for q in traced.params}, training=True))
     assert p.predicted["compute_s"] == pytest.approx(compute, rel=1e-12)
     assert p.predicted["comm_s"] == pytest.approx(comm, rel=1e-12)
-    assert p.predicted["peak_memory_bytes"] == pytest.approx(memory, rel=1e-12)
+    assert p.predicted["ilp_memory_bytes"] == pytest.approx(memory, rel=1e-12)
     assert p.solver["objective"] == pytest.approx(p.predicted["step_time_s"], rel=1e-9)
     assert comm > 0        # the stress preset makes these plans move data

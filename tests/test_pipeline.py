@@ -393,7 +393,7 @@ def test_step_is_the_schedule_over_the_stages(gpt2_pp) -> None:
     # + the slowest stage's optimizer step, the loss all-reduce and the tied weight's sync
     assert pred["step_time_s"] >= pipeline_seconds(stage_s, pl.microbatches)
     assert pred["step_time_s"] <= pipeline_seconds(stage_s, pl.microbatches) * 1.2
-    assert pred["peak_memory_bytes"] == max(st.predicted["peak_memory_bytes"]
+    assert pred["ilp_memory_bytes"] == max(st.predicted["ilp_memory_bytes"]
                                             for st in pl.stages)
 
 
@@ -428,7 +428,7 @@ def test_pipelined_plan_round_trips_through_json(gpt2_pp) -> None:
     d = json.loads(gpt2_pp.dumps())
     assert set(d["pipeline"]) == {"axis", "schedule", "microbatches", "virtual_stages", "stages"}
     assert set(d["pipeline"]["stages"][0]["predicted"]) == {"compute_s", "comm_s",
-                                                           "peak_memory_bytes"}
+                                                           "ilp_memory_bytes"}
     assert "pipeline over pp: 1F1B, 8 microbatches, 4 stages on 4 ranks" in gpt2_pp.summary()
 
 

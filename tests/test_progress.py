@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from autoshard.cost.memory import DEVICE_RESERVE_BYTES
 from autoshard import progress
 from autoshard.cli import main
 from autoshard.errors import AutoshardError
@@ -117,7 +118,7 @@ def test_json_summary_of_a_pipelined_plan(tmp_path, capsys) -> None:
     assert tech["pipeline"]["axis"] == "pp" and tech["pipeline"]["stages"] == 2
     assert tech["pipeline"]["microbatches"] == p.pipeline.microbatches
     assert tech["params"] == len(p.params)
-    assert summary["memory"]["bound_bytes"] == p.predicted["peak_memory_bytes"]
+    assert summary["memory"]["bound_bytes"] == p.predicted["ilp_memory_bytes"]
     assert summary["solver"]["status"] == "OPTIMAL"
     assert set(summary["timings"]) >= {"trace_s", "build_s", "solve_s", "total_s"}
     assert summary["timings"]["total_s"] > 0
@@ -131,5 +132,6 @@ def test_json_summary_without_output(capsys) -> None:
     mem = summary["memory"]
     assert mem["peak_bytes"] == pytest.approx(sum(mem[k] for k in (
         "parameters", "gradients", "optimizer", "activations", "temporaries")))
-    assert mem["budget_bytes"] == 80e9                    # h100's memory: no budget given
+    # h100's memory less the device reserve: no budget given (cost/memory.py default_budget)
+    assert mem["budget_bytes"] == 80e9 - DEVICE_RESERVE_BYTES
     assert summary["predicted"]["parts"]["compute"] == summary["predicted"]["compute_s"]

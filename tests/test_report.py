@@ -115,7 +115,7 @@ def _pipeline(schedule: str, p: int, m: int, seconds: list[float] | None = None)
     v = VIRTUAL_STAGES[schedule]
     seconds = seconds or [0.3] * (p * v)
     return Pipeline("pp", schedule, m, tuple(
-        Stage(i, (f"l.{i}",), {"compute_s": t * 0.9, "comm_s": t * 0.1, "peak_memory_bytes": 0})
+        Stage(i, (f"l.{i}",), {"compute_s": t * 0.9, "comm_s": t * 0.1, "ilp_memory_bytes": 0})
         for i, t in enumerate(seconds)), v)
 
 

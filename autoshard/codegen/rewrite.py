@@ -18,9 +18,9 @@ from autoshard.codegen.buckets import DeferredGradSync, GradBuckets
 from autoshard.codegen.collectives import Ledger, redistribute, reduce_over_axis
 from autoshard.codegen.hostlink import HostBuffers
 from autoshard.codegen.recompute import outline
-from autoshard.cost.overlap import first_grad_syncs
+from autoshard.cost.program import step_program
+from autoshard.cost.reshards import ReshardEdge
 from autoshard.errors import AutoshardError
-from autoshard.cost.reshards import ReshardEdge, reshard_edges
 from autoshard.ir import spec_str
 from autoshard.ops.registry import CollectiveKernel, OpCollective, localize, op_collectives
 from autoshard.plans import Plan
@@ -166,19 +166,15 @@ def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime,
     strategies = plan.strategies()
     shapes = value_shapes(traced.graph)
     params = {p.name for p in traced.params}
-    edges: dict[tuple, ReshardEdge] = {}
-    all_edges = list(reshard_edges(traced.graph, strategies, mesh_shape, shapes, params,
-                                   training=traced.training, joint=plan.joint_groups()))
-    for e in all_edges:
-        for c in e.consumers:
-            edges[(e.value, c)] = e
+    # What the rank runs, in order (cost/program.py): the liveness walk reads the same program.
+    program = step_program(traced, strategies, mesh_shape, bucket_bytes=plan.options.bucket_bytes,
+                           recompute=plan.recompute, joint=plan.joint_groups(), shapes=shapes)
     # The gradient sync each bucket member's bucket runs, as the planner picked it.
     members = set(runtime.buckets.of) if runtime.buckets is not None else set()
-    bucketed = {e for p, e in first_grad_syncs(all_edges).items() if p in members}
+    bucketed = {program.edges[i] for p, i in program.bucketed.items() if p in members}
     # Parameters kept on the host: each use copies them in (a reshard's input, or one copy
     # the ops reading them where they lie share), as planner.host_transfers lists.
-    fetched = {p for p in params
-               if getattr(strategies.get(p), "kernel", None) == "offload_params"}
+    fetched = program.fetched
 
     g = fx.Graph()
     env: dict[str, fx.Node] = {}
@@ -194,7 +190,7 @@ def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime,
 
     def local(ref: tuple[str, int], consumer: tuple[str, int]) -> fx.Node:
         src = env.get(f"{ref[0]}#{ref[1]}", env.get(ref[0]))
-        e = edges.get((ref, consumer))
+        e = program.edge(ref, consumer)
         stage = None if stages is None else stages.get(consumer[0], last_stage)
         if e is None:
             if ref[0] not in fetched:
@@ -217,59 +213,74 @@ def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime,
 
     last_stage = max(stages.values(), default=0) if stages else 0
 
-    # Checkpointed layers: (node before the layer's first op, the layer's last op) in g.
-    layer_of = {n: layer for layer in plan.recompute for n in _layer_nodes(traced, layer)}
-    regions: dict[str, list] = {}
+    for layer in plan.recompute:
+        _layer_nodes(traced, layer)          # (a layer the model lacks: a damaged plan file)
+    nodes = {n.name: n for n in traced.graph.nodes}
+    getitems: dict[str, list[fx.Node]] = {}
     for node in traced.graph.nodes:
-        layer = layer_of.get(node.name)
-        if layer is not None and layer not in regions:
-            regions[layer] = [list(g.nodes)[-1], None]
         if node.op == "placeholder":
             env[node.name] = g.placeholder(node.name)
             env[node.name].meta["autoshard_ref"] = ((node.name, 0), None)
+        elif node.target is operator.getitem:
+            getitems.setdefault(node.args[0].name, []).append(node)
+
+    # Checkpointed layers: (node before the layer's first event, the layer's last op) in g.
+    regions: dict[str, list] = {}
+    for ev in program.events:
+        if ev.region is not None and ev.region not in regions:
+            regions[ev.region] = [list(g.nodes)[-1], None]
+        if ev.kind == "reshard":
+            e = program.edges[ev.edge]
+            local(e.value, next(c for c in e.consumers if c[0] == ev.name))
             continue
-        if node.op == "output":
-            refs = [value_ref(a) for a in torch.utils._pytree.tree_flatten(node.args)[0]
-                    if isinstance(a, fx.Node)]
-            outs = [local(r, (node.name, k)) for k, r in enumerate(refs)]
-            g.output(outs[0] if len(outs) == 1 else tuple(outs))
-            continue
-        if node.target is operator.getitem:
-            src, idx = node.args
-            n = g.call_function(operator.getitem, (env[src.name], idx))
-            n.meta["autoshard_ref"] = ((src.name, idx), None)
-            if stages is not None:
-                n.meta["autoshard_stage"] = stages[src.name]
-            env[f"{src.name}#{idx}"] = n
-            env[node.name] = n
-            continue
-        k = iter(range(10**6))
-        args, kwargs = fx.node.map_aggregate(
-            (node.args, node.kwargs),
-            lambda a: local(value_ref(a), (node.name, next(k))) if isinstance(a, fx.Node) else a)
-        strat = strategies[node.name]
-        if "device" in kwargs:   # traced on meta or another device: run where this rank runs
-            kwargs = {**kwargs, "device": runtime.device}
-        if node.target is torch.ops.aten.to.device:    # (self, device, dtype, ...) positionally
-            args = (args[0], runtime.device, *args[2:])
-        info = op_info(node)
-        fn, args, kwargs = localize(info, strat, mesh_shape, coords, args, kwargs)
-        if isinstance(fn, CollectiveKernel):
-            fn = KernelCall(fn, runtime, node.name, op_collectives(info, strat, mesh_shape))
-        new = g.call_function(fn, tuple(args), dict(kwargs))
-        new.meta["autoshard"] = {"strategy": str(strat)}
-        new.meta["autoshard_ref"] = ((node.name, 0), None)
+        node = nodes[ev.name]
+        new = _emit_op(g, node, local, strategies[node.name], runtime, mesh_shape, coords)
         if stages is not None:
             new.meta["autoshard_stage"] = stages[node.name]
         env[node.name] = new
-        if layer is not None:
-            regions[layer][1] = new
+        if ev.region is not None:
+            regions[ev.region][1] = new
+        for item in getitems.get(node.name, ()):
+            idx = item.args[1]
+            n = g.call_function(operator.getitem, (new, idx))
+            n.meta["autoshard_ref"] = ((node.name, idx), None)
+            if stages is not None:
+                n.meta["autoshard_stage"] = stages[node.name]
+            env[f"{node.name}#{idx}"] = n
+            env[item.name] = n
+    out = next(n for n in traced.graph.nodes if n.op == "output")
+    refs = [value_ref(a) for a in torch.utils._pytree.tree_flatten(out.args)[0]
+            if isinstance(a, fx.Node)]
+    outs = [local(r, (out.name, k)) for k, r in enumerate(refs)]
+    g.output(outs[0] if len(outs) == 1 else tuple(outs))
     for layer, (after, last) in regions.items():
         outline(g, after, last, runtime, layer, plan.recompute[layer])
     gm = fx.GraphModule(torch.nn.Module(), g, class_name="AutoshardRankProgram")
     gm.meta["autoshard_plan"] = {"fingerprint": plan.fingerprint, "mesh": list(mesh_shape),
                                  "axes": list(plan.mesh_axes), "coords": list(coords)}
     return gm
+
+
+def _emit_op(g: fx.Graph, node: fx.Node, local: Any, strat: Any, runtime: RankRuntime,
+             mesh_shape: tuple[int, ...], coords: tuple[int, ...]) -> fx.Node:
+    """One op of the traced graph on this rank: its inputs as ``local`` delivers them (resharded
+    or copied in), its sizes local (the rule's ``localize``)."""
+    k = iter(range(10**6))
+    args, kwargs = fx.node.map_aggregate(
+        (node.args, node.kwargs),
+        lambda a: local(value_ref(a), (node.name, next(k))) if isinstance(a, fx.Node) else a)
+    if "device" in kwargs:   # traced on meta or another device: run where this rank runs
+        kwargs = {**kwargs, "device": runtime.device}
+    if node.target is torch.ops.aten.to.device:    # (self, device, dtype, ...) positionally
+        args = (args[0], runtime.device, *args[2:])
+    info = op_info(node)
+    fn, args, kwargs = localize(info, strat, mesh_shape, coords, args, kwargs)
+    if isinstance(fn, CollectiveKernel):
+        fn = KernelCall(fn, runtime, node.name, op_collectives(info, strat, mesh_shape))
+    new = g.call_function(fn, tuple(args), dict(kwargs))
+    new.meta["autoshard"] = {"strategy": str(strat)}
+    new.meta["autoshard_ref"] = ((node.name, 0), None)
+    return new
 
 
 def _layer_nodes(traced: TracedGraph, layer: str) -> tuple[str, ...]:

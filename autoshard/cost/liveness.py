@@ -38,7 +38,8 @@ are alive:
 
 Interface (one function)::
 
-    step_memory(traced, strategies, pricer, *, update="fused", log=None) -> MemoryBreakdown
+    step_memory(traced, strategies, pricer, *, update="fused", program=None,
+                log=None) -> MemoryBreakdown
 
 ``traced``: the :class:`~autoshard.trace.export.TracedGraph` of a training step; ``strategies``:
 node name -> :class:`~autoshard.ir.Strategy` for every placeholder and op (``Plan.strategies()``,
@@ -46,6 +47,9 @@ or the planner's assignment, as ``solver.planner.assemble`` has it); ``pricer``:
 :class:`~autoshard.cost.price.Pricer` the plan is priced with (its mesh, options, checkpointed
 layers, ``state_bytes``). ``update``: the optimizer's implementation, "fused" (what
 ``pm.optimizer`` runs unless told otherwise), "foreach" or "loop".
+``program``: the assignment's step program (cost/program.py: its events in the order the rank
+runs them, its reshards, buckets and host-kept parameters), which the walk reads instead of
+deriving any of them; built from ``pricer`` when not given.
 ``log``: a list that gets every moment the walk checks, ``(phase, node, bytes)``. For a
 forward-only graph the walk is the forward alone. Linear in the graph's size (an 8B-parameter
 Llama, 2,200 nodes: under a second).
@@ -70,8 +74,6 @@ the collectives' own staging buffers.
 """
 from __future__ import annotations
 
-import dataclasses
-import operator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
@@ -81,8 +83,7 @@ import torch.fx as fx
 from autoshard.cost.comm import Reshard
 from autoshard.cost.compute import local_numel, op_profile
 from autoshard.cost.memory import param_state_bytes, saved_rule
-from autoshard.cost.overlap import Sync, form_buckets, grad_sync, is_grad_sync
-from autoshard.cost.reshards import ReshardEdge, reshard_edges
+from autoshard.cost.program import Event, StepProgram, node_reads, step_program
 from autoshard.errors import AutoshardError
 from autoshard.ir import Strategy, shard_factor
 from autoshard.ops.registry import VIEW, record_of
@@ -197,29 +198,35 @@ class _Memory:
             self.best = (total, self.phase, at, live)
 
 
-@dataclass
-class _Event:
-    kind: str                    # "op" | "reshard"
-    name: str                    # op node name, or the reshard's first consumer
-    edge: int = -1               # index into the walk's edges for a reshard
-    region: str | None = None    # checkpointed layer the event runs in
-
-
 def step_memory(traced: Any, strategies: dict[str, Strategy], pricer: Any, *,
-                update: str = "fused",
+                update: str = "fused", program: StepProgram | None = None,
                 log: list[tuple[str, str, int]] | None = None) -> MemoryBreakdown:
     """Peak bytes one device holds over a training step (forward, backward, optimizer step) of
     ``traced`` under ``strategies``, priced with ``pricer``; see the module docstring.
 
     ``update``: the optimizer's implementation, "fused" (no temporaries; ``pm.optimizer``'s
     default), "foreach" or "loop" (torch's others).
+    ``program``: the step program of this assignment (cost/program.py), if at hand; else built.
     ``log``: a list to append every moment the walk checks, as (phase, node, bytes)."""
+    if program is None:
+        program = program_of(traced, strategies, pricer)
     if update not in UPDATES:
         raise AutoshardError(f"an optimizer update among {UPDATES}", got=repr(update),
                              fix='pass update="fused" (pm.optimizer\'s default)')
-    walk = _Walk(traced, strategies, pricer, update)
+    walk = _Walk(traced, strategies, pricer, update, program)
     walk.mem.log = log
     return walk.run()
+
+
+def program_of(traced: Any, strategies: dict[str, Strategy], pricer: Any) -> StepProgram:
+    """The step program of an assignment priced with ``pricer`` (its mesh, options,
+    checkpointed layers and joint axes)."""
+    recompute = getattr(pricer, "recompute", None) or {}
+    if not isinstance(recompute, dict):
+        recompute = dict.fromkeys(recompute, "full")
+    return step_program(traced, strategies, tuple(pricer.mesh.shape),
+                        bucket_bytes=pricer.options.bucket_bytes, recompute=recompute,
+                        joint=getattr(pricer, "joint", ()), shapes=pricer.shapes)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -241,7 +248,7 @@ def _storage_key(t: Any) -> int | None:
 
 class _Walk:
     def __init__(self, traced: Any, strategies: dict[str, Strategy], pricer: Any,
-                 update: str) -> None:
+                 update: str, program: StepProgram) -> None:
         self.traced, self.strategies, self.pricer = traced, strategies, pricer
         self.update = update
         self.graph: fx.Graph = traced.graph
@@ -252,13 +259,9 @@ class _Walk:
         self.tied_to: dict[str, str] = getattr(pricer, "tied_to", {})
         self.grads: set[str] = pricer.grads if self.training else set()
         self.mem = _Memory()
-        self.edges: list[ReshardEdge] = list(reshard_edges(
-            self.graph, strategies, self.mesh_shape, pricer.shapes, self.params,
-            training=self.training, joint=pricer.joint))
-        self.edge_of: dict[tuple[ValueRef, tuple[str, int]], int] = {}
-        for i, e in enumerate(self.edges):
-            for c in e.consumers:
-                self.edge_of[(e.value, c)] = i
+        self.program = program
+        self.edges = program.edges
+        self.edge_of = program.edge_of
         self.saved_at: set[tuple[str, int]] = {c for cons in pricer.saved_inputs().values()
                                                for c in cons} if self.training else set()
         recompute = getattr(pricer, "recompute", None) or {}
@@ -267,19 +270,20 @@ class _Walk:
             layer: "full" for layer in recompute}
         self.recompute: frozenset[str] = frozenset(self.policies)
         self.stored: dict[str, list[tuple[Any, _Storage]]] = {}
-        self.events = self._events()
+        self.events = program.events
         self.edge_region = {ev.edge: ev.region for ev in self.events if ev.kind == "reshard"}
+        self.op_region = {ev.name: ev.region for ev in self.events if ev.kind == "op"}
         self.region_ops: dict[str, set[str]] = {}
-        self.region_events: dict[str, list[_Event]] = {}
+        self.region_events: dict[str, list[Event]] = {}
         for ev in self.events:
             if ev.region is not None:
                 self.region_events.setdefault(ev.region, []).append(ev)
                 if ev.kind == "op":
                     self.region_ops.setdefault(ev.region, set()).add(ev.name)
-        self.bucket_of, self.buckets = self._buckets() if self.training else ({}, [])
+        self.buckets = program.buckets
+        self.bucket_of = program.bucket_of
         # Parameters kept on the host (offload_params), by every placeholder name they have.
-        self.fetched: set[str] = {n for n in self.params
-                                  if getattr(strategies.get(n), "kernel", None) == "offload_params"}
+        self.fetched = program.fetched
         # Where the copy the direct readers of such a parameter share is made: the checkpointed
         # layer of the first of them (None: outside any).
         self.fetch_region: dict[str, str | None] = {}
@@ -288,71 +292,6 @@ class _Walk:
                 for key in self._event_reads(ev):
                     if key[0] == "fetch" and key[1] not in self.fetch_region:
                         self.fetch_region[key[1]] = ev.region
-
-    # -- the program ----------------------------------------------------------------------
-    def _region(self, name: str) -> str | None:
-        """The checkpointed layer an op runs in (``Pricer.recomputed``), if any."""
-        if not self.recompute or not self.pricer.recomputed(name):
-            return None
-        return self.traced.layer_of_node.get(name)
-
-    def _events(self) -> list[_Event]:
-        """Ops and reshards in the order the rank program runs them (codegen/rewrite.py)."""
-        out: list[_Event] = []
-        emitted: set[int] = set()
-        for node in self.graph.nodes:
-            if node.op == "placeholder" or node.target is operator.getitem:
-                continue
-            region = self._region(node.name) if node.op == "call_function" else None
-            for k, ref in enumerate(self._reads(node)):
-                i = self.edge_of.get((ref, (node.name, k)))
-                if i is not None and i not in emitted:
-                    emitted.add(i)
-                    out.append(_Event("reshard", node.name, i, region))
-            if node.op == "call_function":
-                out.append(_Event("op", node.name, region=region))
-        return out
-
-    def _reads(self, node: fx.Node) -> list[ValueRef]:
-        if node.op == "output":
-            return [value_ref(a) for a in torch.utils._pytree.tree_flatten(node.args)[0]
-                    if isinstance(a, fx.Node)]
-        return value_inputs(node)
-
-    def _buckets(self) -> tuple[dict[str, int], list[Any]]:
-        """The plan's gradient buckets (as cost/overlap.gradient_buckets forms them): which
-        bucket each bucketed parameter's gradient goes to, and the buckets (``nbytes``, the flat
-        buffer; ``kind``, all-reduce, or reduce-scatter for ZeRO-2 and offload parameters)."""
-        first_use: dict[str, int] = {}
-        for i, n in enumerate(n for n in self.graph.nodes if n.name in self.strategies):
-            for ref in value_inputs(n):
-                first_use.setdefault(ref[0], i)
-        syncs: dict[str, Sync] = {}
-        for e in self.edges:
-            if e.from_param and e.value[0] not in syncs and is_grad_sync(e.reshard):
-                ph = self.nodes[e.value[0]]
-                dtype = str(ph.meta["val"].dtype).removeprefix("torch.")
-                # as gradient_buckets syncs it, with the parameter's local bytes
-                sync = dataclasses.replace(grad_sync(e.value[0], e.reshard, dtype),
-                                           nbytes=self._local_bytes(e.value, e.src))
-                if self._scatters(e.value[0], e.src):
-                    sync = dataclasses.replace(sync, axes=tuple(sorted(sync.axes)), joint=(),
-                                               kind="reduce_scatter")
-                syncs[e.value[0]] = sync
-        order = sorted(syncs, key=lambda name: -first_use.get(name, 0))
-        buckets = form_buckets([syncs[n] for n in order], self.pricer.options.bucket_bytes)
-        of = {m: k for k, b in enumerate(buckets) for m in b.members}
-        return of, buckets
-
-    def _scatters(self, param: str, src: Any) -> bool:
-        """Whether the parameter's bucket reduce-scatters its gradient (ZeRO-2, offload: the
-        state mode is the placeholder strategy's kernel, cost/state.py)."""
-        strat = self.strategies.get(param)
-        from autoshard.cost.state import SCATTERS, state_spec
-        if strat is None or strat.kernel not in SCATTERS:
-            return False
-        shape = tuple(self.pricer.shapes[(param, 0)][0])
-        return state_spec(shape, src, self.mesh_shape) is not None
 
     # -- sizes ----------------------------------------------------------------------------
     def _local_bytes(self, ref: ValueRef, spec: Any) -> int:
@@ -492,7 +431,7 @@ class _Walk:
                 "optimizer": total - numel * isz - grads, "host": 0}
 
     # -- forward ----------------------------------------------------------------------------
-    def _forward(self, events: list[_Event], *, recompute: bool) -> list[_Storage]:
+    def _forward(self, events: list[Event], *, recompute: bool) -> list[_Storage]:
         """Run ``events`` forward. Outside recomputation: the whole program, returning the loss's
         storages (held until backward starts). Recomputing a checkpointed layer: its events,
         whose saved tensors are held for their backward."""
@@ -505,7 +444,7 @@ class _Walk:
                 uses[key] = uses.get(key, 0) + 1
         if not recompute:
             out_node = next(n for n in self.graph.nodes if n.op == "output")
-            for k, ref in enumerate(self._reads(out_node)):
+            for k, ref in enumerate(node_reads(out_node)):
                 key = self._delivered(ref, (out_node.name, k))
                 uses[key] = uses.get(key, 0) + 1
         started: set[str] = set()
@@ -586,14 +525,14 @@ class _Walk:
             return []
         out_node = next(n for n in self.graph.nodes if n.op == "output")
         loss = []
-        for k, ref in enumerate(self._reads(out_node)):
+        for k, ref in enumerate(node_reads(out_node)):
             key = self._delivered(ref, (out_node.name, k))
             if key in tensors:
                 loss.append(mem.ref(tensors[key]))
                 self._use(key, uses)
         return loss
 
-    def _event_reads(self, ev: _Event) -> list[Any]:
+    def _event_reads(self, ev: Event) -> list[Any]:
         if ev.kind == "reshard":
             return [self.edges[ev.edge].value]
         node = self.nodes[ev.name]
@@ -605,7 +544,7 @@ class _Walk:
         i = self.edge_of.get((ref, consumer))
         if i is not None:
             return ("edge", i)
-        if ref[0] in self.__dict__.get("fetched", ()):
+        if ref[0] in self.fetched:
             return ("fetch", ref[0])
         return ref
 
@@ -731,7 +670,7 @@ class _Walk:
         self.bucket_held: dict[int, list[_Storage]] = {}
         # The loss's gradient: a scalar (ones_like), for the loss's producer.
         out_node = next(n for n in self.graph.nodes if n.op == "output")
-        for k, ref in enumerate(self._reads(out_node)):
+        for k, ref in enumerate(node_reads(out_node)):
             key = self._delivered(ref, (out_node.name, k))
             self.grad[key] = mem.alloc(4, "temporaries")
         regions_done: set[str] = set()
@@ -777,14 +716,14 @@ class _Walk:
     def _stores_op(self, name: str) -> bool:
         """Whether selective checkpointing keeps the op's outputs from forward to its layer's
         recomputation (codegen/recompute.py: matmuls and attention, ``Pricer.stores``)."""
-        if not self._selective(self._region(name)):
+        if not self._selective(self.op_region.get(name)):
             return False
         stores = getattr(self.pricer, "stores", None)
         if callable(stores):
             return bool(stores(name))
         return record_of(self.nodes[name].target).family in ("matmul", "attention")
 
-    def _stores_reshard(self, ev: _Event) -> bool:
+    def _stores_reshard(self, ev: Event) -> bool:
         """Selective checkpointing keeps every collective's output (a replay moves nothing)."""
         return self._selective(ev.region) and any(
             st.is_collective for st in self.edges[ev.edge].reshard.forward)
@@ -967,7 +906,7 @@ class _Walk:
     def _reshapes(node: fx.Node) -> bool:
         return node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
-    def _reshard_backward(self, ev: _Event) -> None:
+    def _reshard_backward(self, ev: Event) -> None:
         mem = self.mem
         e = self.edges[ev.edge]
         key = ("edge", ev.edge)
@@ -978,8 +917,7 @@ class _Walk:
             mem.unref(g)
             return
         param = self.tied_to.get(e.value[0], e.value[0])
-        if e.from_param and self.bucket_of.get(param) is not None and is_grad_sync(e.reshard) \
-                and self._bucketed_edge(param) == ev.edge:
+        if self.program.bucketed.get(param) == ev.edge and param in self.bucket_of:
             self._arrive(self.bucket_of[param], g, ev.name)
             return
         if not e.reshard.backward:
@@ -990,14 +928,6 @@ class _Walk:
         mem.mark(ev.name, extra=max(0, most - out.nbytes))
         mem.unref(g)
         self._contribute(e.value, out, ev.name)
-
-    def _bucketed_edge(self, param: str) -> int | None:
-        """The reshard whose gradient sync a parameter's bucket runs: its first pure one."""
-        cache = self.__dict__.setdefault("_bucketed", {})
-        if param not in cache:
-            cache[param] = next((i for i, e in enumerate(self.edges)
-                                 if e.value[0] == param and is_grad_sync(e.reshard)), None)
-        return cache[param]
 
     def _arrive(self, b: int, g: _Storage, at: str) -> None:
         """A gradient reaches its bucket (codegen/buckets.py). An all-reduce bucket copies it

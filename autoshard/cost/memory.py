@@ -15,6 +15,47 @@ from autoshard.ir import OpInfo, Strategy, cached_on, shard_factor
 from autoshard.ops.registry import NOTHING, VIEW, Saves, record_of
 from autoshard.options import OPTIMIZERS
 
+# ----------------------------------------------------------------------------- budgets
+
+# What a device's memory holds besides the step the liveness walk counts (docs/cost-model.md
+# §4.6): the CUDA context and the kernels' libraries (cuBLAS, cuDNN, NCCL), which
+# ``torch.cuda.max_memory_allocated`` does not see, left out of the default budget; and the
+# allocator's own excess over the walk (blocks rounded up, tensors the walk does not know of:
+# on one H100 the allocator's peak was 0.1-2.5% above the walk's; on gloo ranks MemTracker's
+# was up to 7% above, benchmarks/RESULTS.md memory_vs_measure), left out of every budget.
+DEVICE_RESERVE_BYTES = 2**30
+ALLOCATOR_SLACK = 0.07
+# What one training process holds on the host besides the state the plan offloads: the Python
+# interpreter, torch and the CUDA libraries' host side (docs/cost-model.md §4.6).
+HOST_RESERVE_BYTES = 4 * 2**30
+
+
+def device_budget(cluster, memory_budget: float | None) -> float:
+    """The bytes a plan's step may peak at on one device, as the liveness walk counts them:
+    ``memory_budget`` (the allocator's peak a user allows; default the device's memory less
+    :data:`DEVICE_RESERVE_BYTES`) less :data:`ALLOCATOR_SLACK` of it."""
+    allowed = default_budget(cluster) if memory_budget is None else memory_budget
+    return allowed * (1 - ALLOCATOR_SLACK)
+
+
+def default_budget(cluster) -> float:
+    """The ``memory_budget`` a plan gets when none is given: the device's memory less
+    :data:`DEVICE_RESERVE_BYTES`."""
+    return cluster.memory_bytes - DEVICE_RESERVE_BYTES
+
+
+def budget_for(peak: float) -> float:
+    """The ``memory_budget`` a step that peaks at ``peak`` bytes (the walk's) needs: the inverse
+    of :func:`device_budget`."""
+    return peak / (1 - ALLOCATOR_SLACK)
+
+
+def host_budget(cluster) -> float:
+    """The host bytes a device's process may fill with offloaded state and its pinned buffers:
+    the cluster's ``host_memory_bytes`` per device less :data:`HOST_RESERVE_BYTES`."""
+    return cluster.host_memory_bytes - HOST_RESERVE_BYTES
+
+
 # ----------------------------------------------------------------------------- model state
 
 # Mixed-precision Adam keeps an fp32 master copy, momentum and variance: K = 12 bytes per

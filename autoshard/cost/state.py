@@ -135,12 +135,15 @@ def state_bytes(shape: tuple[int, ...], dtype: torch.dtype, spec: Spec, mode: st
         return StateBytes(n * isz, ns * isz, ns * k)
     if mode == "offload":
         # The gradient shard waits on the device for the step, which copies it to an fp32 host
-        # buffer beside the host's optimizer state.
-        return StateBytes(n * isz, ns * isz, 0.0, host=ns * (k + 4))
+        # buffer beside the host's optimizer state, through a pinned buffer of its own dtype;
+        # the updated shard goes back up through another (codegen/hostlink.py, kept from step
+        # to step).
+        return StateBytes(n * isz, ns * isz, 0.0, host=ns * (k + 4) + 2 * ns * isz)
     # offload_params: nothing on the device; the host holds the stored parameter, its gradient
-    # shard (landed there from the device), the master and moments, and a 16-bit gradient's
-    # fp32 copy for the step (an fp32 gradient is stepped from where it lies).
-    return StateBytes(host=n * isz + ns * isz + ns * k + (ns * 4 if isz < 4 else 0))
+    # shard (landed there from the device, in a pinned buffer), the master and moments, a 16-bit
+    # gradient's fp32 copy for the step (an fp32 gradient is stepped from where it lies), and
+    # the pinned buffer the updated shard goes back up through.
+    return StateBytes(host=n * isz + 2 * ns * isz + ns * k + (ns * 4 if isz < 4 else 0))
 
 
 def step_elements(shape: tuple[int, ...], spec: Spec, mode: str | None,

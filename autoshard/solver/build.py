@@ -25,6 +25,7 @@ import autoshard.ops  # noqa: F401  (registers every op)
 from autoshard.cost.price import Pricer
 from autoshard.cost.reshards import input_divergence, output_requirement
 from autoshard.cost.comm import reshard
+from autoshard.cost.memory import device_budget, host_budget
 from autoshard.cost.state import HOST_MODES
 from autoshard.ir import Replicate, Shard, Spec, Strategy, TensorInfo, spec_fits
 from autoshard.mesh import AxisMerge, Mesh
@@ -443,8 +444,8 @@ def build_problem(traced: TracedGraph, mesh: Mesh, options: PlanOptions = PlanOp
     offload as a state mode (True), and parameter offload too ("parameters") (cost/state.py);
     the host memory they fill is bounded by the cluster's ``host_memory_bytes``. ``deadline``
     (``time.perf_counter()`` seconds): raise :class:`BuildTimeout` once pricing runs past it."""
-    budget = mesh.cluster.memory_bytes if options.memory_budget is None else options.memory_budget
+    budget = device_budget(mesh.cluster, options.memory_budget)
     pricer = Pricer(traced, mesh, options, merge=merge, recompute=recompute, offload=offload)
-    host = mesh.cluster.host_memory_bytes if any(m in HOST_MODES for m in pricer.modes) else None
+    host = host_budget(mesh.cluster) if any(m in HOST_MODES for m in pricer.modes) else None
     return _Builder(traced, pricer, budget, in_place=in_place, deadline=deadline,
                     host_budget=host).build()

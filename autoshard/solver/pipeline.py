@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from autoshard import progress
+from autoshard.cost.memory import budget_for, device_budget
 from autoshard.cost.comm import link_time
 from autoshard.cost.compute import local_numel
 from autoshard.cost.overlap import bucket_bytes_by_axis, gradient_buckets
@@ -90,12 +91,13 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
     if options.schedule != "auto":
         check_microbatches(options.schedule, p, m)
     sub = sub_mesh(mesh, a)
-    budget = mesh.cluster.memory_bytes if options.memory_budget is None else options.memory_budget
+    budget = device_budget(mesh.cluster, options.memory_budget)
     # The sub-plan holds every layer's state where a stage holds 1/p of it: its bound is the
     # stage's budget times p (the stages' exact peaks are checked below).
     # Its activations weigh the microbatches the fullest stage keeps alive, and each run of it
     # bears 1/m of the step's gradient sync and optimizer step (PlanOptions.stage_run).
-    sub_options = options.replace(pipeline=None, memory_budget=budget * p, microbatches="auto",
+    sub_options = options.replace(pipeline=None, memory_budget=budget_for(budget) * p,
+                                  microbatches="auto",
                                   stage_run=(m, fullest_stage(options.schedule, p, m)))
     if options.schedule in SPLIT_BACKWARD and options.recompute == "auto":
         sub_options = sub_options.replace(recompute="none")     # see ``recomputed`` below
@@ -395,7 +397,7 @@ def _stage_figures(cuts, secs, comm, send, state, acts, opt, sync, fwd, wgt, p, 
         out.append({"compute_s": sum(secs[i:j]), "comm_s": sum(comm[i:j]) + sends,
                     "forward_s": sum(fwd[i:j]), "weight_s": sum(wgt[i:j]),
                     "optimizer_s": sum(opt[i:j]), "sync_s": sum(sync[i:j]),
-                    "peak_memory_bytes": sum(state[i:j])
+                    "ilp_memory_bytes": sum(state[i:j])
                     + in_flight(schedule, s, p, m) * sum(acts[i:j])})
     return out
 
@@ -484,7 +486,7 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
                                                                                   (s + 1, s))]
     collectives.append(CollectiveRecord("all_reduce", (axis,), 4, "pipeline", "loss"))
     stages = tuple(Stage(i, stage_layers[i], {k: figures[i][k] for k in
-                                              ("compute_s", "comm_s", "peak_memory_bytes")})
+                                              ("compute_s", "comm_s", "ilp_memory_bytes")})
                    for i in range(p))
     loss_s = link_time(link, "all_reduce", ranks, 4)
     compute = _schedule_seconds(figures, m, ranks, schedule, comm=False) \
@@ -497,12 +499,12 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
     exposed = {x: sum(_record_seconds(c, sub) * c.count for c in collectives
                       if c.stage == slow and c.axes[0] == x) for x in keep}
     # The sub-plan's liveness figures are of the whole model with one microbatch: not a stage's
-    # peak (each stage's is its own "peak_memory_bytes", the ILP's sum with the microbatches in
+    # peak (each stage's is its own "ilp_memory_bytes", the ILP's sum with the microbatches in
     # flight); the step's liveness per stage is not computed yet.
     inner = {k: v for k, v in spmd.predicted.items() if k not in ("memory", "peak_phase")}
     predicted = {**inner, "step_time_s": total, "compute_s": compute,
                  "comm_s": total - compute,
-                 "peak_memory_bytes": _per_rank(figures, ranks, schedule, "peak_memory_bytes"),
+                 "ilp_memory_bytes": _per_rank(figures, ranks, schedule, "ilp_memory_bytes"),
                  "exposed_comm_s": {**exposed,
                                     axis: max(0.0, total - compute - sum(exposed.values()))},
                  "overlapped_comm_s": {x: 0.0 for x in keep}}

@@ -11,22 +11,36 @@ from autoshard import progress
 from autoshard.cost.liveness import step_memory
 from autoshard.cost.price import Pricer
 from autoshard.cost.comm import Groups, Step, joint_groups, step_seconds
-from autoshard.cost.overlap import (bucket_collectives, exposed_seconds, first_grad_syncs,
-                                    gradient_buckets, sync_share_by_axis)
+from autoshard.cost.overlap import bucket_collectives, exposed_seconds, sync_share_by_axis
+from autoshard.cost.program import step_program
 from autoshard.cost.compute import local_numel
 from autoshard.cost.state import SCATTERS, StateBytes, state_spec
-from autoshard.cost.reshards import direct_reads, reshard_edges
+from autoshard.cost.reshards import direct_reads
 from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Strategy, work_fraction
 from autoshard.mesh import AxisMerge, Merges, Mesh
 from autoshard.options import PlanOptions, resolve_options
 from autoshard.plans import CollectiveRecord, HostTransfer, NodePlan, ParamState, Plan
+from autoshard.cost.memory import budget_for, device_budget, host_budget
 from autoshard.solver.build import BuildTimeout, Built, build_problem
 from autoshard.solver.ilp import Infeasible, NoBetter, NoSolution, break_ties, solve
 from autoshard.solver.diagnostics import gib, mesh_use, smaller_mesh, unruled_note
 from autoshard.trace.batches import Traces, batch_of, sliced
 from autoshard.trace.export import TracedGraph
 from autoshard.trace.layers import checkpointable, regroup
+
+
+class BudgetError(AutoshardError):
+    """No plan fits the memory budget. ``least_bytes``: the least ``memory_budget`` a plan found
+    needs (cost/memory.py ``budget_for`` of its step's peak, cost/liveness.py), or where the ILP
+    found none within the budget, of the least sum the ILP bounds (a lower bound on any plan's
+    peak); ``phase``: where that peak is reached ("forward", "backward", "optimizer"; None for
+    the ILP's sum)."""
+
+    def __init__(self, expected: str, *, got: str, fix: str, least_bytes: float,
+                 phase: str | None) -> None:
+        super().__init__(expected, got=got, fix=fix)
+        self.least_bytes, self.phase = float(least_bytes), phase
 
 
 def check_mesh_fits(traced: TracedGraph, mesh: Mesh) -> None:
@@ -182,31 +196,8 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = N
         return plan
     unruled = unruled_note(traced)
     notes = [*plan.warnings, *([unruled.removeprefix("; ")] if unruled else [])]
-    budget = mesh.cluster.memory_bytes if options.memory_budget is None else options.memory_budget
-    live = plan.predicted["memory"]["peak"]
-    if live > budget:
-        # The ILP bounds what forward saves; the step's peak (backward's gradients, the
-        # optimizer's temporaries) is above the budget: plan once more with the ILP's bound
-        # lowered by the excess, and keep that plan if its own peak fits.
-        # The same techniques (checkpointing, offload allowed), one more solve.
-        lower = plan.predicted["peak_memory_bytes"] - (live - budget)
-        offload = offload_level(plan)
-        try:
-            with progress.step("re-planning for the step's liveness peak"):
-                again = _plan_traced(traced, mesh, options.replace(memory_budget=lower),
-                                     model_name=model_name, fixed=None, trace_s=trace_s,
-                                     merge=None, recompute=dict(plan.recompute), offload=offload)
-        except AutoshardError:
-            again = None
-        if again is not None and again.predicted["memory"]["peak"] <= budget:
-            plan = replace(again, options=options)
-            live = plan.predicted["memory"]["peak"]
-    if live > budget:
-        notes.append(f"the peak over the whole step from the liveness of values "
-                     f"({gib(live)}, in {plan.predicted['peak_phase']}) is above the memory "
-                     f"budget ({gib(budget)}), which the planner holds the sum of what forward "
-                     f"saves to ({gib(plan.predicted['peak_memory_bytes'])}); lower "
-                     f"memory_budget by the difference to leave room")
+    if options.stage_run is None:     # (a pipeline's stages are held to it by their caller)
+        plan = _fit_budget(traced, mesh, options, plan, model_name=model_name, trace_s=trace_s)
     notes += _mesh_use_note(traced, mesh, options, plan, model_name)
     return replace(plan, warnings=tuple(notes)) if notes else plan
 
@@ -274,16 +265,20 @@ def _with_techniques(e: AutoshardError, traced: TracedGraph, options: PlanOption
         fix += ", or allow optimizer offload (offload='auto')"
     if layers and options.recompute == "none":
         fix += ", or allow activation checkpointing (recompute='auto')"
-    return AutoshardError(e.expected, got=f"{e.got}; techniques tried: "
-                          f"{', '.join(t for t in tried if t)}", fix=fix)
+    got = f"{e.got}; techniques tried: {', '.join(t for t in tried if t)}"
+    if isinstance(e, BudgetError):
+        return BudgetError(e.expected, got=got, fix=fix, least_bytes=e.least_bytes,
+                           phase=e.phase)
+    return AutoshardError(e.expected, got=got, fix=fix)
 
 
 def _check_host(plan: Plan, mesh: Mesh) -> None:
     host = plan.predicted.get("memory", {}).get("host", 0.0)
-    if host > mesh.cluster.host_memory_bytes:
+    if host > host_budget(mesh.cluster):
         raise AutoshardError(
             f"state offloaded within the host memory of one device "
-            f"({gib(mesh.cluster.host_memory_bytes)}, cluster field host_memory_bytes)",
+            f"({gib(host_budget(mesh.cluster))}: the cluster field host_memory_bytes less a "
+            f"process's own, cost/memory.py)",
             got=f"the plan offloads {gib(host)} per device",
             fix="use a larger mesh, or a cluster profile with more host memory per device")
 
@@ -303,7 +298,7 @@ def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw:
     if options.recompute in ("selective", "full"):
         return _plan_traced(traced, mesh, options,
                             recompute=dict.fromkeys(layers, options.recompute), **kw)
-    budget = mesh.cluster.memory_bytes if options.memory_budget is None else options.memory_budget
+    budget = device_budget(mesh.cluster, options.memory_budget)
     plans: list[Plan] = []
     try:
         with progress.step("without activation checkpointing"):
@@ -316,7 +311,7 @@ def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw:
         error = e
     # Memory binds when the plan comes near the budget: a layout the budget ruled out may be
     # faster with the memory checkpointing frees (a plan 1% under the budget can be one).
-    if plans and plans[0].predicted["peak_memory_bytes"] < budget * BINDS:
+    if plans and plans[0].predicted["ilp_memory_bytes"] < budget * BINDS:
         return plans[0]
     # A plan that fits by liveness too is final unless checkpointing beats it: search only
     # faster ones (re-planning for the peak below never makes a plan faster).
@@ -335,7 +330,7 @@ def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw:
                 raise
             error = e
             continue
-        if policy == "selective" and plans[-1].predicted["peak_memory_bytes"] < budget * 0.98 \
+        if policy == "selective" and plans[-1].predicted["ilp_memory_bytes"] < budget * 0.98 \
                 and plans[-1].predicted["memory"]["peak"] <= budget:
             break    # memory no longer binds: full recomputation would only add time
     if not plans:
@@ -360,24 +355,131 @@ def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw:
 
 def _fit_live(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan, budget: float,
               kw: dict[str, Any]) -> Plan | None:
-    """``plan`` if its liveness peak fits ``budget``, else the plan solved once more with the
-    ILP's bound lowered by the excess and the same techniques, if that one fits; else None.
-    Pinned or merged sub-problems are left to their caller."""
-    live = plan.predicted["memory"]["peak"]
-    if live <= budget or kw.get("fixed") or kw.get("merge") is not None:
+    """``plan`` if its liveness peak fits ``budget``, else :func:`_tighten`'s plan with the
+    same techniques, if one fits; else None. Pinned or merged sub-problems are left to their
+    caller."""
+    if plan.predicted["memory"]["peak"] <= budget or kw.get("fixed") or kw.get("merge") is not None:
         return plan
-    lower = plan.predicted["peak_memory_bytes"] - (live - budget)
-    if lower <= 0:
-        return None
-    offload = offload_level(plan)
-    try:
-        with progress.step("re-planning for the step's liveness peak"):
-            again = _plan_traced(traced, mesh, options.replace(memory_budget=lower),
-                                 **{**kw, "offload": offload}, recompute=dict(plan.recompute))
-    except AutoshardError:
-        return None
-    return replace(again, options=options) if again.predicted["memory"]["peak"] <= budget \
-        else None
+    fit, _ = _tighten(traced, mesh, options, plan, budget, kw, kw.get("offload"))
+    return fit
+
+
+TIGHTEN = 6      # rounds of the outer loop per set of techniques (docs/cost-model.md §4.6)
+
+
+def _tighten(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan, budget: float,
+             kw: dict[str, Any], offload: bool | str | None = None
+             ) -> tuple[Plan | None, list[Plan]]:
+    """The outer loop that holds the step's peak to ``budget`` (docs/cost-model.md §4.6): the ILP
+    bounds the sum of what forward saves and the model state, which lies below the liveness
+    peak by what backward's gradients and the optimizer's temporaries add; so solve again with
+    the ILP's bound lowered by the peak's excess, with ``plan``'s techniques, until the peak
+    fits, the ILP finds no plan, or :data:`TIGHTEN` rounds are spent; ``offload``: the offload
+    level offered (default: as far as ``plan`` went). The peak need not fall
+    as fast as the sum (a 16-bit parameter the ILP moves off the device takes its fp32
+    gradient copy out of the optimizer step too; a layout that saves less may gather more), so
+    each round that leaves the peak above the budget doubles the next one's cut. (The plan that
+    fits, or None; every plan solved on the way.)"""
+    solved: list[Plan] = []
+    p = plan
+    offload = offload_level(plan) if offload is None else offload
+    for k in range(TIGHTEN):
+        live = p.predicted["memory"]["peak"]
+        if live <= budget:
+            return p, solved
+        lower = p.predicted["ilp_memory_bytes"] - (live - budget) * 2**k
+        if lower <= 0:
+            break
+        try:
+            with progress.step(f"re-planning for the step's peak (ILP bound {gib(lower)})"):
+                p = _plan_traced(traced, mesh, options.replace(memory_budget=lower),
+                                 **{**kw, "offload": offload}, recompute=dict(p.recompute))
+        except AutoshardError:
+            break
+        p = replace(p, options=options)
+        solved.append(p)
+    return (p if p.predicted["memory"]["peak"] <= budget else None), solved
+
+
+def _fit_budget(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan, *,
+                model_name: str, trace_s: float) -> Plan:
+    """``plan``, or a plan whose step peaks within the memory budget, or a refusal: the budget
+    is the step's peak over forward, backward and the optimizer step (cost/liveness.py). The
+    plan's own techniques are tightened first (:func:`_tighten`); then the ones that lower the
+    phase that binds: optimizer offload, then parameter offload, for an optimizer-step peak;
+    full checkpointing for a forward or backward one (then offload too), as far as ``options``
+    allows. None fits: an error naming the least peak found, and its phase."""
+    budget = device_budget(mesh.cluster, options.memory_budget)
+    if plan.predicted["memory"]["peak"] <= budget:
+        return plan
+    kw = {"model_name": model_name, "fixed": None, "trace_s": trace_s, "merge": None}
+    fit, tried = _tighten(traced, mesh, options, plan, budget, kw)
+    tried.append(plan)
+    techniques = [_technique(plan.recompute, offload_level(plan))]
+    for recompute, offload in _remedies(traced, options, plan):
+        if fit is not None:
+            break
+        what = _technique(recompute, offload)
+        techniques.append(what)
+        try:
+            with progress.step(f"the step peaks above the budget: with {what}"):
+                p = _plan_traced(traced, mesh, options, **kw, recompute=recompute,
+                                 offload=offload)
+        except AutoshardError as e:
+            if not (isinstance(e, BudgetError) or isinstance(e.__cause__, NoSolution)):
+                raise
+            continue
+        fit, more = _tighten(traced, mesh, options, p, budget, kw, offload)
+        tried += [p, *more]
+    if fit is not None:
+        return fit
+    least = min(tried, key=lambda p: p.predicted["memory"]["peak"])
+    need = budget_for(least.predicted["memory"]["peak"])
+    raise BudgetError(
+        f"a plan whose step peaks within the memory budget of {gib(budget_for(budget))} per "
+        f"device (forward, backward and the optimizer step, cost/liveness.py, with the "
+        f"allocator's slack, docs/cost-model.md §4.6)",
+        got=f"none; the least memory any plan found needs is {gib(need)} per device, at "
+            f"its {least.predicted['peak_phase']} peak; techniques tried: "
+            f"{'; '.join(dict.fromkeys(techniques))}",
+        fix="raise memory_budget, use a larger mesh, or a smaller batch"
+            + ("" if options.offload == "auto" else ", or allow offload (offload='auto')")
+            + ("" if options.recompute == "auto"
+               else ", or allow activation checkpointing (recompute='auto')"),
+        least_bytes=need, phase=least.predicted["peak_phase"])
+
+
+def _remedies(traced: TracedGraph, options: PlanOptions, plan: Plan
+              ) -> list[tuple[dict[str, str], bool | str]]:
+    """The techniques to try, in order, when ``plan``'s step peaks above the budget: those that
+    lower its binding phase first (an optimizer-step peak falls with offload, which takes the
+    optimizer state off the device; a forward or backward one with checkpointing), as far as
+    ``options`` allows them, each with ``plan``'s others."""
+    recompute, offload = dict(plan.recompute), offload_level(plan)
+    layers = checkpointable(traced.graph, traced.layers) if traced.training else []
+    ckpt = [dict.fromkeys(layers, "full")] if layers and options.recompute == "auto" \
+        and plan.recompute != dict.fromkeys(layers, "full") else []
+    offloads: list[bool | str] = []
+    if options.offload == "auto" and traced.training \
+            and options.state_optimizer not in ("none", "sgd"):
+        offloads = [o for o in (True, "parameters") if o != offload
+                    and (o is True or options.stage_run is None)
+                    and not (o is True and offload == "parameters")]
+    if plan.predicted["peak_phase"] == "optimizer":
+        out = [(recompute, o) for o in offloads] + [(c, offloads[-1] if offloads else offload)
+                                                    for c in ckpt]
+    else:
+        out = [(c, offload) for c in ckpt] + [(ckpt[0] if ckpt else recompute, o)
+                                              for o in offloads]
+    return out
+
+
+def _technique(recompute: dict[str, str], offload: bool | str) -> str:
+    policies = sorted(set(recompute.values()))
+    ckpt = f"{'/'.join(policies)} checkpointing of {len(recompute)} layers" if recompute \
+        else "no checkpointing"
+    return ckpt + {False: "", True: ", optimizer offload",
+                   "parameters": ", parameter offload"}[offload]
 
 
 def _grouped(traced: TracedGraph, recompute: dict[str, str]) -> TracedGraph:
@@ -405,7 +507,7 @@ def _plan_partial(traced: TracedGraph, mesh: Mesh, options: PlanOptions, best: P
     strategies = best.strategies()
 
     def fits(p: Plan) -> bool:      # the ILP's bound and the step's liveness peak alike
-        return max(p.predicted["peak_memory_bytes"], p.predicted["memory"]["peak"]) <= budget
+        return max(p.predicted["ilp_memory_bytes"], p.predicted["memory"]["peak"]) <= budget
 
     candidates = []
     for lo in {"full": ("selective", None), "selective": (None,)}[hi]:
@@ -524,21 +626,22 @@ def _solve(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_name:
             sol = solve(problem, time_limit_s=limit, cutoff_s=cutoff_s,
                         verdict=deadline is None, highs_first=options.stage_run is not None)
     except Infeasible as e:
-        least = f"{'' if e.exact else 'at least '}{gib(e.least_memory)}"
+        least = f"{'' if e.exact else 'at least '}{gib(budget_for(e.least_memory))}"
         if e.least_host is not None:
             raise AutoshardError(
-                f"a plan within the memory budget of {gib(e.budget)} per device and the host "
-                f"memory of {gib(e.host_budget)} per device (cluster field host_memory_bytes)",
+                f"a plan within the memory budget of {gib(budget_for(e.budget))} per device and "
+                f"the host memory of {gib(e.host_budget)} per device (cluster field host_memory_bytes)",
                 got=f"none fits both: the plans that fit the device keep parameters, gradients "
                     f"or optimizer state on the host, at least {gib(e.least_host)} per device"
                     f"{unruled_note(traced)}",
                 fix="use a larger mesh or a smaller batch, or a cluster profile with more host "
                     "memory per device (host_memory_bytes)") from e
-        raise AutoshardError(
-            f"a plan within the memory budget of {gib(e.budget)} per device",
+        raise BudgetError(
+            f"a plan within the memory budget of {gib(budget_for(e.budget))} per device",
             got=f"none fits; the least memory any plan needs is {least} per device"
                 f"{unruled_note(traced)}",
-            fix="raise memory_budget, use a larger mesh, or a smaller batch") from e
+            fix="raise memory_budget, use a larger mesh, or a smaller batch",
+            least_bytes=budget_for(e.least_memory), phase=None) from e
     except NoSolution as e:
         raise AutoshardError(
             "a plan found within the solver's time limit",
@@ -788,16 +891,16 @@ def _with_fixed(built: Built, fixed: dict[str, Strategy]):
 
 def forward_memory(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
                    options: PlanOptions, recompute: dict[str, str], joint: Groups = ()) -> float:
-    """The memory the ILP bounds for a full assignment (``assemble``'s ``peak_memory_bytes``)
+    """The memory the ILP bounds for a full assignment (``assemble``'s ``ilp_memory_bytes``)
     without the rest of the plan: what each node holds and saves, the saved copies of resharded
     values, and under selective checkpointing the collective outputs it stores."""
     pricer = Pricer(traced, mesh, options, recompute=recompute, joint=joint)
     memory = sum(pricer.memory(n, st) for n, st in strategies.items())
     memory += pricer.saved_copies(strategies)
     if "selective" in recompute.values():
-        params = {p.name for p in traced.params}
-        for e in reshard_edges(traced.graph, strategies, mesh.shape, pricer.shapes, params,
-                               training=traced.training, joint=joint):
+        program = step_program(traced, strategies, mesh.shape, bucket_bytes=options.bucket_bytes,
+                               recompute=recompute, joint=joint, shapes=pricer.shapes)
+        for e in program.edges:
             memory += pricer.stored_reshard_bytes(e.value, e.src, e.dst, e.consumers[0][0])
     return memory
 
@@ -832,11 +935,12 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
             optimizer_s += pricer.optimizer_seconds(n.name, strategies[n.name])
             host_step_s += pricer.offload_step_seconds(n.name, strategies[n.name])[1]
     memory += pricer.saved_copies(strategies)
-    edges = list(reshard_edges(graph, strategies, mesh.shape, pricer.shapes, set(params),
-                               training=traced.training, joint=joint))
+    # What the rank runs in the step (cost/program.py): the ledger below lists its reshards,
+    # buckets and host copies, and the liveness walk reads the same program.
+    program = step_program(traced, strategies, mesh.shape, bucket_bytes=options.bucket_bytes,
+                           recompute=recompute, joint=joint, shapes=pricer.shapes)
+    edges, buckets, first = list(program.edges), list(program.buckets), program.first_syncs()
     modes = {n: strategies[n].kernel for n in params}
-    buckets = gradient_buckets(edges, nodes, options.bucket_bytes, modes, mesh.shape)
-    first = first_grad_syncs(edges)
     collectives: list[CollectiveRecord] = []
     blocking = dict.fromkeys(mesh.axes, 0.0)
     sync = dict.fromkeys(mesh.axes, 0.0)
@@ -907,7 +1011,7 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
     comm_s = sum(blocking.values()) + total_sync
     # The peak over the step, from the liveness of values (cost/liveness.py, §4.5), beside
     # ``memory``, the sum of everything forward saves (§4.4) that the ILP bounds.
-    live = step_memory(traced, strategies, pricer)
+    live = step_memory(traced, strategies, pricer, program=program)
     tied: dict[str, list] = {}
     for n in nodes:
         for k, ref in enumerate(pricer.reads(n.name)):
@@ -926,7 +1030,7 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
         collectives=tuple(collectives),
         predicted={"step_time_s": compute_s + sum(exposed.values()) + host_s,
                    "compute_s": compute_s, **({"host_s": host_s} if host_s else {}),
-                   "comm_s": comm_s, "peak_memory_bytes": memory,
+                   "comm_s": comm_s, "ilp_memory_bytes": memory,
                    "optimizer_s": optimizer_s, "peak_phase": live.phase,
                    **({"host_step_s": host_step_s} if host_step_s else {}),
                    "memory": {"peak": live.peak, "parameters": live.parameters,
