@@ -26,6 +26,7 @@ import autoshard.ops.registry as registry
 from autoshard.options import PlanOptions
 from autoshard.solver.planner import _plan_traced
 from autoshard.cost.memory import budget_for
+from autoshard.cluster import PRESETS
 from autoshard import Mesh, PlanOptions, plan
 from autoshard.cost.comm import COLLECTIVE_KINDS, bytes_sent_per_device
 from autoshard.cost.memory import param_state_bytes
@@ -400,7 +401,8 @@ def test_plan_contents(gpt2_b1, megatron_cpu) -> None:
             "layers", "nodes", "params", "inputs", "collectives", "predicted", "solver"} <= set(d)
     assert d["format"] == "autoshard.plan" and d["version"] == 2
     assert set(d["mesh"]) == {"shape", "axes", "cluster"}
-    assert d["mesh"] == {"shape": [4], "axes": ["x"], "cluster": "cpu"}
+    # the cluster's figures, not only its name (docs/plan-format.md)
+    assert d["mesh"] == {"shape": [4], "axes": ["x"], "cluster": PRESETS["cpu"].to_json()}
     assert {"step_time_s", "compute_s", "comm_s", "ilp_memory_bytes"} <= set(d["predicted"])
     assert {"status", "objective", "gap", "variables", "decisions"} <= set(d["solver"])
     for n in d["nodes"]:

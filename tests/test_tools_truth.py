@@ -12,6 +12,7 @@ import torch
 
 from autoshard import Mesh, Plan
 from autoshard.cluster import PRESETS, Cluster
+from autoshard.cost.memory import default_budget
 from autoshard.cost.comm import link_time
 from autoshard.diff import diff_plans
 from autoshard.errors import AutoshardError
@@ -230,7 +231,8 @@ def test_diff_and_report_use_the_plans_figures(profiled) -> None:
     total = sum(row["seconds"].a for row in d.comm_by_axis.values())
     assert seconds > 0 and total == pytest.approx(seconds, rel=1e-12)
     assert total > 2 * sum(row["seconds"].b for row in d.comm_by_axis.values())
-    assert budget_bytes(plan) == 4e9 != budget_bytes(on_preset)
+    assert budget_bytes(plan) == default_budget(plan.cluster) != budget_bytes(on_preset)
+    assert plan.cluster.memory_bytes == 4e9
     assert "cluster stress (profile: memory_bytes 4e+09" in render_html(plan, [])
 
 
