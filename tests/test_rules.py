@@ -326,6 +326,17 @@ simple([aten.topk.default], lambda g: ((g.t(4, 8), 3), {}), lambda g: ((g.t(8, 4
 simple([aten.histc.default], lambda g: ((g.t(4, 8), 4, -2.0, 2.0), {}), lambda g: ((g.t(16),), {}),
        lambda g: ((g.i(4, 16).double(), 4, 0, 3), {}))
 
+# ---- state-space layers (Mamba-2, Jamba) and complex rotary (Llama 4) ----------------------
+simple([aten.softplus.default], lambda g: ((g.t(2, 4, 8),), {}),
+       lambda g: ((g.t(4, 8), 2.0, 1.0), {}))
+simple([aten.repeat_interleave.self_int], lambda g: ((g.t(2, 4, 8), 2, 1), {}),
+       lambda g: ((g.t(2, 4, 8), 3), {"dim": -1, "output_size": 24}),
+       lambda g: ((g.t(8), 2), {}), lambda g: ((g.t(2, 4), 2), {}))
+simple([aten.polar.default], lambda g: ((g.pos(4, 8), g.t(4, 8)), {}),
+       lambda g: ((g.pos(8), g.t(2, 4, 8)), {}))
+simple([aten.log1p.default], lambda g: ((g.pos(2, 4, 8),), {}))
+simple([aten.floor.default], lambda g: ((g.t(2, 4, 8) * 4,), {}))
+
 
 def _perm(g: Gen, n: int, k: int) -> torch.Tensor:
     return torch.randperm(n, generator=g.g)[:k]  # distinct: a repeated index writes in any order
@@ -703,6 +714,24 @@ HF_MODELS = {
     # in float32 transformers routes the experts through its own transformers::grouped_mm_fallback.
     "MixtralForCausalLM": lambda tr: tr.MixtralForCausalLM(tr.MixtralConfig(
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **_LAYER,
+        **_SMALL)).to(torch.bfloat16),
+    # polar (complex rotary), view_as_complex/view_as_real, floor and log1p (the attention
+    # temperature of layers without rotary), the routed experts as one [E, K, N] tensor.
+    "Llama4ForCausalLM": lambda tr: tr.Llama4ForCausalLM(tr.Llama4TextConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=1, no_rope_layers=[1, 0], attention_chunk_size=8, pad_token_id=0,
+        **_SMALL)).to(torch.bfloat16),
+    # softplus, repeat_interleave and the chunked scan (cumsum, tril, exp, products summed)
+    "Mamba2ForCausalLM": lambda tr: tr.Mamba2ForCausalLM(tr.Mamba2Config(
+        num_hidden_layers=1, hidden_size=32, num_heads=8, head_dim=8, n_groups=2, state_size=8,
+        chunk_size=8, vocab_size=64, use_cache=False)),
+    # multi-head latent attention, group-limited routing, a shared expert
+    "DeepseekV3ForCausalLM": lambda tr: tr.DeepseekV3ForCausalLM(tr.DeepseekV3Config(
+        num_hidden_layers=2, first_k_dense_replace=1, hidden_size=32, intermediate_size=64,
+        moe_intermediate_size=16, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+        n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
         **_SMALL)).to(torch.bfloat16),
     # conv2d (patch embedding)
     "ViTForImageClassification": lambda tr: tr.ViTForImageClassification(tr.ViTConfig(
