@@ -34,7 +34,7 @@ import autoshard.ops  # noqa: F401  (registers every rule)
 from autoshard.ir import Replicate, op_info, spec_fits
 from autoshard.ops import registry
 from autoshard.ops.inplace import TWINS as INPLACE_TWINS
-from autoshard.ops.moe import register_library_ops
+from autoshard.ops.moe import ROUTED_EXPERTS, register_library_ops
 from autoshard.ops.registry import (FAMILIES, FOLLOWS, RECORDS, OpRecord, Saves, record_of,
                                     strategies_for)
 from autoshard.ops.simulate import call_on_copies, check_strategy
@@ -325,6 +325,10 @@ simple([aten.sort.stable], lambda g: ((g.t(4, 8),), {"stable": True, "dim": 0}))
 simple([aten.topk.default], lambda g: ((g.t(4, 8), 3), {}), lambda g: ((g.t(8, 4), 2, 0, False), {}))
 simple([aten.histc.default], lambda g: ((g.t(4, 8), 4, -2.0, 2.0), {}), lambda g: ((g.t(16),), {}),
        lambda g: ((g.i(4, 16).double(), 4, 0, 3), {}))
+
+# Hugging Face's gated experts as one op (ops/moe.py): 4 experts, 8 tokens with 2 choices each.
+simple([ROUTED_EXPERTS],
+       lambda g: ((g.t(8, 4), g.i(4, 8, 2), g.t(8, 2), g.t(4, 6, 4), g.t(4, 4, 3), 0, "silu"), {}))
 
 # ---- state-space layers (Mamba-2, Jamba) and complex rotary (Llama 4) ----------------------
 simple([aten.softplus.default], lambda g: ((g.t(2, 4, 8),), {}),
