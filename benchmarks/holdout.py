@@ -334,6 +334,16 @@ def report(rows: list[dict], args, started: str, wall: float) -> str:
         *case_notes(rows)])
 
 
+def saved_rows(path: str) -> list[dict]:
+    """The rows of a --rows file, the last one of each (model, mesh), in first-seen order."""
+    rows: dict[tuple[str, str], dict] = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            rows[(row["model"], row["mesh"])] = row
+    return list(rows.values())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -354,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="rewrite this section of a RESULTS.md")
     ap.add_argument("--section", default=None,
                     help="the section's name in --out (default: the set's, e.g. unseen)")
+    ap.add_argument("--rows", default=None,
+                    help="append each case's figures to this JSON-lines file as it finishes, "
+                         "and report every row in it (a run stopped early keeps its cases; a "
+                         "rerun of a case replaces its row)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)   # internal: one child case
     args = ap.parse_args(argv)
     global CONFIGS, SECTION, TITLE
@@ -374,9 +388,14 @@ def main(argv: list[str] | None = None) -> int:
         for mesh in meshes:
             row = summarise([run_case(name, mesh, args) for _ in range(args.runs)])
             rows.append(row)
+            if args.rows:
+                with open(args.rows, "a") as f:
+                    f.write(json.dumps(row) + "\n")
             print(f"{name} on {mesh}: {row['plan_s']:.1f} s, {row['verdict']}"
                   f"{', unruled: ' + ', '.join(row['unruled']) if row['unruled'] else ''}",
                   flush=True)
+    if args.rows:
+        rows = saved_rows(args.rows)
     text = report(rows, args, started, time.perf_counter() - t0)
     print()
     print(text)

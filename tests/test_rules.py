@@ -35,6 +35,7 @@ from autoshard.ir import Replicate, op_info, spec_fits
 from autoshard.ops import registry
 from autoshard.ops.inplace import TWINS as INPLACE_TWINS
 from autoshard.ops.moe import ROUTED_EXPERTS, register_library_ops
+from autoshard.ops.ssm import SELECTIVE_SCAN
 from autoshard.ops.registry import (FAMILIES, FOLLOWS, RECORDS, OpRecord, Saves, record_of,
                                     strategies_for)
 from autoshard.ops.simulate import call_on_copies, check_strategy
@@ -336,6 +337,10 @@ simple([aten.softplus.default], lambda g: ((g.t(2, 4, 8),), {}),
 simple([aten.repeat_interleave.self_int], lambda g: ((g.t(2, 4, 8), 2, 1), {}),
        lambda g: ((g.t(2, 4, 8), 3), {"dim": -1, "output_size": 24}),
        lambda g: ((g.t(8), 2), {}), lambda g: ((g.t(2, 4), 2), {}))
+# Mamba-1's scan (ops/ssm.py): batch 2, 4 channels, 8 steps, a state of 3.
+simple([SELECTIVE_SCAN],
+       lambda g: ((g.t(2, 4, 8), g.t(2, 4, 8), -g.pos(4, 3), g.t(2, 3, 8), g.t(2, 3, 8), g.t(4),
+                   g.t(2, 4, 8), g.t(4), True), {}))
 simple([aten.polar.default], lambda g: ((g.pos(4, 8), g.t(4, 8)), {}),
        lambda g: ((g.pos(8), g.t(2, 4, 8)), {}))
 simple([aten.log1p.default], lambda g: ((g.pos(2, 4, 8),), {}))

@@ -21,6 +21,7 @@ import torch
 from autoshard import Mesh, Plan
 from autoshard.ir import Replicate, Shard, Strategy
 from autoshard.ops.moe import LOCAL_EXPERTS, ROUTED_EXPERTS
+from autoshard.ops.ssm import SELECTIVE_SCAN
 from autoshard.trace.export import trace
 from autoshard.verify import VerifySpec, build, plan_for, summarize, verify_rank
 from dist import world_fixture
@@ -53,6 +54,11 @@ CONFIGS = {
     "mamba2": dict(model_type="mamba2", architectures=["Mamba2ForCausalLM"], hidden_size=32,
                    num_hidden_layers=2, num_heads=8, head_dim=8, n_groups=2, state_size=8,
                    chunk_size=4, **_TINY),
+    "jamba": dict(model_type="jamba", architectures=["JambaForCausalLM"], hidden_size=32,
+                  intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                  expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2,
+                  attn_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8, **_TINY),
     "gemma3_text": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
                         hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -74,7 +80,31 @@ def configs(tmp_path_factory) -> dict[str, str]:
 
 # ------------------------------------------------------------------------ tier 1: one process
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_selective_scan_op_equals_transformers_loop(configs) -> None:
+    """Jamba's Mamba layer through the selective-scan op and through transformers' own loop:
+    the same loss and gradients; the trace holds one op per layer, not one set per token."""
+    import transformers.models.jamba.modeling_jamba as jamba
+
+    model, inputs = build(configs["jamba"], 2, 16, 0)
+    loss = model(*inputs)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ours, jamba.mamba_selective_scan = jamba.mamba_selective_scan, \
+        jamba.mamba_selective_scan.__wrapped_original__
+    try:
+        ref_loss = model(*inputs)
+        ref_loss.backward()
+    finally:
+        jamba.mamba_selective_scan = ours
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    for g, p in zip(grads, model.parameters()):
+        assert torch.allclose(g, p.grad, rtol=1e-5, atol=1e-6)
+    nodes = list(trace(model, inputs).graph.nodes)
+    assert sum(n.target is SELECTIVE_SCAN for n in nodes) == 1     # one Mamba layer
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "jamba"])
 def test_routed_experts_op_equals_transformers_experts(configs, name) -> None:
     """The model through the routed-experts op and through transformers' grouped path: the
     same loss and gradients (fp32, the same additions in another order: 1e-6)."""
@@ -128,7 +158,7 @@ def _check(world, model: str, plan: Plan) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama4_text", "mamba2", "deepseek_v3", "gemma3_text"])
+@pytest.mark.parametrize("name", ["llama4_text", "mamba2", "deepseek_v3", "jamba", "gemma3_text"])
 def test_tiny_family_on_gloo(world4, configs, name) -> None:
     plan = plan_for(configs[name], Mesh((2, 2), cluster="stress"), batch=4, seq=8)
     _check(world4, configs[name], plan)

@@ -369,6 +369,7 @@ def from_config(config: str | Path | Mapping[str, Any], *, task: str | None = No
                                  fix="correct the field it names (the config.json published "
                                      "with a model builds unchanged)") from e
     route_experts_as_one_op(model)
+    scan_as_one_op(model)
     if task == "causal-lm" and getattr(model, "loss_type", None) is None:
         # A class name without a loss family (GPT2LMHeadModel): HF would warn on every call
         # before falling back to this very loss.
@@ -417,5 +418,44 @@ def _experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_inde
                           experts.down_proj, 0, act)
 
 
+# ------------------------------------------------------- Mamba-1's selective scan as one op
+
+def scan_as_one_op(model: nn.Module) -> bool:
+    """Run the selective scan of ``model``'s Mamba-1 mixers (Mamba, Falcon-Mamba, Jamba)
+    through autoshard's one op (ops/ssm.py ``selective_scan``) instead of transformers' PyTorch
+    loop over the sequence, which a trace unrolls token by token. The op's kernel is that
+    loop; calls the op does not cover (a returned last state, no gate) keep transformers'
+    function. Transformers looks the function up in the mixer's module, so it is replaced
+    there, by a wrapper that computes the same. Returns whether the model has such mixers."""
+    import sys
+
+    modules = {sys.modules[type(m).__module__] for m in model.modules()
+               if type(m).__name__.endswith("MambaMixer")}
+    modules = {m for m in modules if callable(getattr(m, "mamba_selective_scan", None))}
+    for module in modules:
+        if not getattr(module.mamba_selective_scan, "_autoshard_scan", False):
+            module.mamba_selective_scan = _one_op_scan(module.mamba_selective_scan)
+    return bool(modules)
+
+
+def _one_op_scan(original: Callable[..., Any]) -> Callable[..., Any]:
+    from autoshard.ops.ssm import selective_scan
+
+    def scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+             C: torch.Tensor, D: torch.Tensor | None = None, z: torch.Tensor | None = None,
+             delta_bias: torch.Tensor | None = None, delta_softplus: bool = False,
+             return_last_state: bool = False, **kwargs: Any) -> Any:
+        if return_last_state or D is None or z is None or delta_bias is None:
+            return original(hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias,
+                            delta_softplus=delta_softplus,
+                            return_last_state=return_last_state, **kwargs)
+        return selective_scan(hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus)
+
+    scan._autoshard_scan = True     # type: ignore[attr-defined]
+    scan.__wrapped_original__ = original    # type: ignore[attr-defined]
+    return scan
+
+
 __all__ = ["HFLossModel", "TASKS", "from_config", "infer_task", "read_config",
-           "supported_tasks", "route_experts_as_one_op", "hf_gpt2_tiny", "hf_llama_tiny", "hf_bert_tiny"]
+           "supported_tasks", "route_experts_as_one_op", "scan_as_one_op",
+           "hf_gpt2_tiny", "hf_llama_tiny", "hf_bert_tiny"]
