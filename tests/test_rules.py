@@ -191,7 +191,9 @@ simple([aten.squeeze.default], lambda g: ((g.t(1, 4, 8),), {}))
 simple([aten.select.int], lambda g: ((g.t(2, 4, 8), 1, 2), {}))
 simple([aten.unbind.int], lambda g: ((g.t(2, 4, 8), 1), {}))
 simple([aten.slice.Tensor], lambda g: ((g.t(2, 4, 8), 2, 0, 4), {}),
-       lambda g: ((g.t(2, 4, 8), 1, 0, 9223372036854775807), {}))
+       lambda g: ((g.t(2, 4, 8), 1, 0, 9223372036854775807), {}),
+       # strided, as DeepSeek's interleaved rotary slices x[..., ::2]
+       lambda g: ((g.t(2, 4, 8), 2, 0, 8, 2), {}))
 simple([aten.narrow.default], lambda g: ((g.t(2, 4, 8), 2, 2, 4), {}))
 simple([aten.split.Tensor], lambda g: ((g.t(2, 4, 8), 4, 2), {}))
 simple([aten.split_with_sizes.default], lambda g: ((g.t(8, 4), [4, 4]), {}),
