@@ -368,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="append each case's figures to this JSON-lines file as it finishes, "
                          "and report every row in it (a run stopped early keeps its cases; a "
                          "rerun of a case replaces its row)")
+    ap.add_argument("--report", action="store_true",
+                    help="with --rows: write the report of the rows saved there, run nothing")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)   # internal: one child case
     args = ap.parse_args(argv)
     global CONFIGS, SECTION, TITLE
@@ -384,7 +386,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown models {bad}; known: {', '.join(known_models())}")
     meshes = [m.strip() for m in args.meshes.split(",") if m.strip()]
     started, t0, rows = today(), time.perf_counter(), []
-    for name in models:
+    if args.report and not args.rows:
+        ap.error("--report reports the rows of a --rows file")
+    for name in models if not args.report else ():
         for mesh in meshes:
             row = summarise([run_case(name, mesh, args) for _ in range(args.runs)])
             rows.append(row)
