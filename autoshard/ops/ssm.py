@@ -25,9 +25,9 @@ no op of its own, and no loop over the sequence.
 """
 from __future__ import annotations
 
-import torch
-
 from typing import Any
+
+import torch
 
 from autoshard.ir import Shard, Strategy, local_shape
 from autoshard.ops._common import P, R, arg, norm_dim
@@ -117,9 +117,6 @@ def _selective_scan_fake(u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: 
     return torch.empty(u.shape, dtype=dtype, device=u.device)
 
 
-_SCAN_GRADS = (0, 1, 2, 3, 4, 5, 6, 7)
-
-
 def _selective_scan_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
     ctx.save_for_backward(*inputs[:8])
     ctx.dt_softplus = inputs[8]
@@ -158,4 +155,4 @@ def selective_scan_flops(op: OpInfo) -> float:
 
 # Backward needs the inputs, not the states (recomputed).
 register_op(SELECTIVE_SCAN, strategies=selective_scan_strategy, family=ELEMENTWISE,
-            saves=Saves(inputs=_SCAN_GRADS), follows=NO, flops=selective_scan_flops)
+            saves=Saves(inputs=tuple(range(8))), follows=NO, flops=selective_scan_flops)
