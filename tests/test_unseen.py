@@ -198,19 +198,12 @@ def _run(world, model: str, plan: Plan) -> list[dict]:
     return reports
 
 
-def _check(world, model: str, plan: Plan, *, ledger_known_off: bool = False) -> dict:
-    """Loss and gradients within 1e-5 of the single-device model, every collective as planned.
-    ``ledger_known_off``: the numbers are checked, and a ledger that differs from the run is
-    the known gap of the routed-experts op split by expert (see the test)."""
+def _check(world, model: str, plan: Plan) -> dict:
+    """Loss and gradients within 1e-5 of the single-device model, every collective as planned
+    (the expert indices, an integer output of ``topk``, get no backward collective)."""
     reports = _run(world, model, plan)
     ok, text = summarize(reports, TOL)
     report = reports[0]
-    numerics = (report["loss_err"] <= TOL and not report["missing_grads"]
-                and max(report["grad_errs"].values()) <= TOL)
-    assert numerics, text
-    if ledger_known_off and report["bytes"] != report["planned_bytes"]:
-        pytest.xfail("the plan prices a backward reduce-scatter of the routing weights' gradient "
-                     "over the expert axis that the run does not issue: " + text)
     assert ok, text
     assert report["bytes"] == report["planned_bytes"]
     return report
@@ -225,8 +218,7 @@ def _check(world, model: str, plan: Plan, *, ledger_known_off: bool = False) -> 
                             "Redistribute is a view and is being modified inplace)"))])
 def test_tiny_family_on_gloo(world4, configs, name) -> None:
     plan = plan_for(configs[name], Mesh((2, 2), cluster="stress"), batch=4, seq=8)
-    local = any(n.kernel == LOCAL_EXPERTS for n in plan.nodes)
-    _check(world4, configs[name], plan, ledger_known_off=local)
+    _check(world4, configs[name], plan)
 
 
 @pytest.mark.slow
@@ -241,4 +233,4 @@ def test_qwen3_moe_tokens_and_experts_split_on_gloo(world4, configs) -> None:
                     fixed=pins)
     local = [n for n in plan.nodes if n.kernel == LOCAL_EXPERTS]
     assert len(local) == 2
-    _check(world4, configs["qwen3_moe"], plan, ledger_known_off=True)
+    _check(world4, configs["qwen3_moe"], plan)
