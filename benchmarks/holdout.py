@@ -43,10 +43,14 @@ from _results import command, machine, md_cell, revision, today, write_section  
 
 from autoshard.cli import parse_mesh  # noqa: E402
 
-SECTION = "holdout"
 HERE = Path(__file__).resolve().parent
-CONFIGS = HERE / "holdout"
 REPO = HERE.parent
+# --set -> (its configs' folder, the RESULTS.md section it writes, the section's title). "unseen":
+# the architectures of 2024-2026 (local:global attention, MLA and routed experts, complex RoPE,
+# state-space layers) planned after their ops got rules (docs/cost-model.md §12, §13).
+SETS = {"holdout": (HERE / "holdout", "holdout", "Holdout: published Hugging Face architectures"),
+        "unseen": (HERE / "unseen", "unseen", "Unseen architectures")}
+CONFIGS, SECTION, TITLE = SETS["holdout"]
 
 # Keys of a holdout JSON that describe the file rather than the model; the rest is config.json.
 META_KEYS = ("kind", "source")
@@ -60,6 +64,8 @@ KINDS = {
 }
 ADAM_BYTES_PER_PARAM = 16          # docs/cost-model.md §4.1, mixed-precision Adam
 UNRULED = re.compile(r"autoshard: no sharding rule for (\S+); .*?First seen at: (.*)", re.S)
+# The planner's warning when devices repeat work (solver/planner.py, _mesh_use_note).
+REPEATED = re.compile(r"compute per device is ([\d.]+)x the ideal share.*?idle axes: (.*?)(?:\.|$)")
 
 
 # ---------------------------------------------------------------- building a model (child side)
@@ -156,7 +162,20 @@ def plan_figures(plan) -> dict:
             "trace_s": t.get("trace_s"), "solve_s": t.get("solve_s"),
             # getattr: older planners (a revision measured from a worktree) lack these.
             "layers": len(getattr(plan, "layers", ())),
-            "warnings": list(getattr(plan, "warnings", ()))}
+            "kinds": len({layer.same_as for layer in getattr(plan, "layers", ())}),
+            "warnings": list(getattr(plan, "warnings", ())),
+            **repeated_work(getattr(plan, "warnings", ()))}
+
+
+def repeated_work(plan_warnings) -> dict:
+    """Compute per device over the ideal share and the idle axes, as the plan's warning says
+    (no warning: under 2x, no idle axis)."""
+    for w in plan_warnings:
+        m = REPEATED.search(w)
+        if m:
+            axes = ", ".join(a.split(" (")[0] for a in m.group(2).split("), "))
+            return {"repeat_x": float(m.group(1)), "idle_axes": axes}
+    return {"repeat_x": None, "idle_axes": "none"}
 
 
 def replicated_params(plan, model) -> dict:
@@ -193,6 +212,7 @@ def unruled_ops(caught) -> dict[str, str]:
 def run_case(name: str, mesh: str, args) -> dict:
     """One case in a fresh process, killed after ``args.timeout`` seconds."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", name, "--meshes", mesh,
+           "--set", args.set,
            "--batch", str(args.batch), "--time-limit", str(args.time_limit),
            "--dtype", args.dtype] + (["--seq", str(args.seq)] if args.seq else [])
     # The autoshard of this checkout, not whichever one is installed: a copy of the script in
@@ -238,7 +258,8 @@ def table(rows: list[dict]) -> str:
     head = ["model", "kind", "parameters", "mesh", "inputs", "plan s", "trace s", "solve s",
             "step ms", "peak GiB/device", "verdict",
             "fully sharded model state GiB/device (16 B/param / devices)",
-            "params replicated %", "layers found", "ops without rules"]
+            "params replicated %", "layers found (kinds)", "idle axes (work per device / ideal)",
+            "ops without rules"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["model"], r.get("kind", ""), f"{r['params']:,}" if r.get("params") else "",
@@ -246,7 +267,9 @@ def table(rows: list[dict]) -> str:
                  fmt(r.get("trace_s"), ".1f"), fmt(r.get("solve_s"), ".1f"),
                  fmt(r.get("step_ms"), ".1f"), fmt(r.get("peak_gib"), ".2f"), r["verdict"],
                  hand_state_gib(r), fmt(r.get("replicated_pct"), ".0f"),
-                 r.get("layers", ""), len(r.get("unruled", {}))]
+                 f"{r['layers']} ({r['kinds']})" if r.get("kinds") else r.get("layers", ""),
+                 r.get("idle_axes", "") + (f" ({r['repeat_x']:.1f}x)" if r.get("repeat_x") else ""),
+                 len(r.get("unruled", {}))]
         lines.append("| " + " | ".join(md_cell(c) for c in cells) + " |")
     return "\n".join(lines)
 
@@ -284,11 +307,12 @@ def case_notes(rows: list[dict]) -> list[str]:
 def report(rows: list[dict], args, started: str, wall: float) -> str:
     runs = f"median of {args.runs} runs" if args.runs > 1 else "one run"
     return "\n".join([
-        "## Holdout: published Hugging Face architectures", "",
+        f"## {TITLE}", "",
         f"- command: `{command('benchmarks/holdout.py')}`",
         f"- machine: {machine()}",
         f"- date: {started}; {revision()}; total wall time {wall / 60:.1f} min",
-        f"- each model built from its published config (benchmarks/holdout/*.json, `source` "
+        f"- each model built from its published config (benchmarks/{CONFIGS.name}/*.json, "
+        f"`source` "
         f"field) with transformers' Auto classes on the meta device in {args.dtype}, "
         f"use_cache=False, sdpa attention; inputs batch x seq (decoders seq 2048 capped at the "
         f"model's max positions, BERT and T5 512 with 512-token labels, ViT 224x224 images) "
@@ -310,11 +334,23 @@ def report(rows: list[dict], args, started: str, wall: float) -> str:
         *case_notes(rows)])
 
 
+def saved_rows(path: str) -> list[dict]:
+    """The rows of a --rows file, the last one of each (model, mesh), in first-seen order."""
+    rows: dict[tuple[str, str], dict] = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            rows[(row["model"], row["mesh"])] = row
+    return list(rows.values())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default=",".join(known_models()),
-                    help=f"comma-separated subset of {','.join(known_models())}")
+    ap.add_argument("--set", default="holdout", choices=sorted(SETS),
+                    help="which configs: holdout (default) or unseen (benchmarks/<set>/)")
+    ap.add_argument("--models", default=None,
+                    help="comma-separated subset of the set's models (default: all)")
     ap.add_argument("--meshes", default="8,8x8", help="comma-separated mesh shapes (default 8,8x8)")
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="wall-clock seconds per case before it is killed (default 300)")
@@ -326,25 +362,44 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
     ap.add_argument("--runs", type=int, default=1, help="runs per case; median plan time")
     ap.add_argument("--out", default=None, help="rewrite this section of a RESULTS.md")
+    ap.add_argument("--section", default=None,
+                    help="the section's name in --out (default: the set's, e.g. unseen)")
+    ap.add_argument("--rows", default=None,
+                    help="append each case's figures to this JSON-lines file as it finishes, "
+                         "and report every row in it (a run stopped early keeps its cases; a "
+                         "rerun of a case replaces its row)")
+    ap.add_argument("--report", action="store_true",
+                    help="with --rows: write the report of the rows saved there, run nothing")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)   # internal: one child case
     args = ap.parse_args(argv)
+    global CONFIGS, SECTION, TITLE
+    CONFIGS, SECTION, TITLE = SETS[args.set]
+    SECTION = args.section or SECTION
     if args.one:
         print(json.dumps(one(args.one, args.meshes, args.batch, args.seq, args.time_limit,
                              args.dtype)))
         return 0
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    models = [m.strip() for m in (args.models or ",".join(known_models())).split(",")
+              if m.strip()]
     bad = [m for m in models if m not in known_models()]
     if bad:
         ap.error(f"unknown models {bad}; known: {', '.join(known_models())}")
     meshes = [m.strip() for m in args.meshes.split(",") if m.strip()]
     started, t0, rows = today(), time.perf_counter(), []
-    for name in models:
+    if args.report and not args.rows:
+        ap.error("--report reports the rows of a --rows file")
+    for name in models if not args.report else ():
         for mesh in meshes:
             row = summarise([run_case(name, mesh, args) for _ in range(args.runs)])
             rows.append(row)
+            if args.rows:
+                with open(args.rows, "a") as f:
+                    f.write(json.dumps(row) + "\n")
             print(f"{name} on {mesh}: {row['plan_s']:.1f} s, {row['verdict']}"
                   f"{', unruled: ' + ', '.join(row['unruled']) if row['unruled'] else ''}",
                   flush=True)
+    if args.rows:
+        rows = saved_rows(args.rows)
     text = report(rows, args, started, time.perf_counter() - t0)
     print()
     print(text)

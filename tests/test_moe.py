@@ -294,8 +294,8 @@ EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
 
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory) -> str:
-    """A tiny Mixtral config.json. In float32 transformers runs its experts through its own
-    ``transformers::grouped_mm_fallback``, which has ``_grouped_mm``'s record."""
+    """A tiny Mixtral config.json. Built from it, its experts run as autoshard's
+    ``routed_experts`` op (zoo/hf.py), whose expert split is ``local_experts`` too."""
     pytest.importorskip("transformers")
     path = tmp_path_factory.mktemp("mixtral") / "config.json"
     path.write_text(json.dumps(MIXTRAL))

@@ -34,7 +34,8 @@ import autoshard.ops  # noqa: F401  (registers every rule)
 from autoshard.ir import Replicate, op_info, spec_fits
 from autoshard.ops import registry
 from autoshard.ops.inplace import TWINS as INPLACE_TWINS
-from autoshard.ops.moe import register_library_ops
+from autoshard.ops.moe import ROUTED_EXPERTS, register_library_ops
+from autoshard.ops.ssm import SELECTIVE_SCAN
 from autoshard.ops.registry import (FAMILIES, FOLLOWS, RECORDS, OpRecord, Saves, record_of,
                                     strategies_for)
 from autoshard.ops.simulate import call_on_copies, check_strategy
@@ -190,7 +191,9 @@ simple([aten.squeeze.default], lambda g: ((g.t(1, 4, 8),), {}))
 simple([aten.select.int], lambda g: ((g.t(2, 4, 8), 1, 2), {}))
 simple([aten.unbind.int], lambda g: ((g.t(2, 4, 8), 1), {}))
 simple([aten.slice.Tensor], lambda g: ((g.t(2, 4, 8), 2, 0, 4), {}),
-       lambda g: ((g.t(2, 4, 8), 1, 0, 9223372036854775807), {}))
+       lambda g: ((g.t(2, 4, 8), 1, 0, 9223372036854775807), {}),
+       # strided, as DeepSeek's interleaved rotary slices x[..., ::2]
+       lambda g: ((g.t(2, 4, 8), 2, 0, 8, 2), {}))
 simple([aten.narrow.default], lambda g: ((g.t(2, 4, 8), 2, 2, 4), {}))
 simple([aten.split.Tensor], lambda g: ((g.t(2, 4, 8), 4, 2), {}))
 simple([aten.split_with_sizes.default], lambda g: ((g.t(8, 4), [4, 4]), {}),
@@ -325,6 +328,25 @@ simple([aten.sort.stable], lambda g: ((g.t(4, 8),), {"stable": True, "dim": 0}))
 simple([aten.topk.default], lambda g: ((g.t(4, 8), 3), {}), lambda g: ((g.t(8, 4), 2, 0, False), {}))
 simple([aten.histc.default], lambda g: ((g.t(4, 8), 4, -2.0, 2.0), {}), lambda g: ((g.t(16),), {}),
        lambda g: ((g.i(4, 16).double(), 4, 0, 3), {}))
+
+# Hugging Face's gated experts as one op (ops/moe.py): 4 experts, 8 tokens with 2 choices each.
+simple([ROUTED_EXPERTS],
+       lambda g: ((g.t(8, 4), g.i(4, 8, 2), g.t(8, 2), g.t(4, 6, 4), g.t(4, 4, 3), 0, "silu"), {}))
+
+# ---- state-space layers (Mamba-2, Jamba) and complex rotary (Llama 4) ----------------------
+simple([aten.softplus.default], lambda g: ((g.t(2, 4, 8),), {}),
+       lambda g: ((g.t(4, 8), 2.0, 1.0), {}))
+simple([aten.repeat_interleave.self_int], lambda g: ((g.t(2, 4, 8), 2, 1), {}),
+       lambda g: ((g.t(2, 4, 8), 3), {"dim": -1, "output_size": 24}),
+       lambda g: ((g.t(8), 2), {}), lambda g: ((g.t(2, 4), 2), {}))
+# Mamba-1's scan (ops/ssm.py): batch 2, 4 channels, 8 steps, a state of 3.
+simple([SELECTIVE_SCAN],
+       lambda g: ((g.t(2, 4, 8), g.t(2, 4, 8), -g.pos(4, 3), g.t(2, 3, 8), g.t(2, 3, 8), g.t(4),
+                   g.t(2, 4, 8), g.t(4), True), {}))
+simple([aten.polar.default], lambda g: ((g.pos(4, 8), g.t(4, 8)), {}),
+       lambda g: ((g.pos(8), g.t(2, 4, 8)), {}))
+simple([aten.log1p.default], lambda g: ((g.pos(2, 4, 8),), {}))
+simple([aten.floor.default], lambda g: ((g.t(2, 4, 8) * 4,), {}))
 
 
 def _perm(g: Gen, n: int, k: int) -> torch.Tensor:
@@ -703,6 +725,24 @@ HF_MODELS = {
     # in float32 transformers routes the experts through its own transformers::grouped_mm_fallback.
     "MixtralForCausalLM": lambda tr: tr.MixtralForCausalLM(tr.MixtralConfig(
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **_LAYER,
+        **_SMALL)).to(torch.bfloat16),
+    # polar (complex rotary), view_as_complex/view_as_real, floor and log1p (the attention
+    # temperature of layers without rotary), the routed experts as one [E, K, N] tensor.
+    "Llama4ForCausalLM": lambda tr: tr.Llama4ForCausalLM(tr.Llama4TextConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=1, no_rope_layers=[1, 0], attention_chunk_size=8, pad_token_id=0,
+        **_SMALL)).to(torch.bfloat16),
+    # softplus, repeat_interleave and the chunked scan (cumsum, tril, exp, products summed)
+    "Mamba2ForCausalLM": lambda tr: tr.Mamba2ForCausalLM(tr.Mamba2Config(
+        num_hidden_layers=1, hidden_size=32, num_heads=8, head_dim=8, n_groups=2, state_size=8,
+        chunk_size=8, vocab_size=64, use_cache=False)),
+    # multi-head latent attention, group-limited routing, a shared expert
+    "DeepseekV3ForCausalLM": lambda tr: tr.DeepseekV3ForCausalLM(tr.DeepseekV3Config(
+        num_hidden_layers=2, first_k_dense_replace=1, hidden_size=32, intermediate_size=64,
+        moe_intermediate_size=16, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+        n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
         **_SMALL)).to(torch.bfloat16),
     # conv2d (patch embedding)
     "ViTForImageClassification": lambda tr: tr.ViTForImageClassification(tr.ViTConfig(

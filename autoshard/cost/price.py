@@ -34,7 +34,7 @@ from autoshard.cost.comm import Groups, Reshard, Step, reshard, reshard_time, st
 from autoshard.cost.compute import fusions, local_numel, op_profile, op_times
 from autoshard.cost.memory import saved_activation_bytes, saved_rule
 from autoshard.cost.overlap import is_grad_sync, sync_share_seconds
-from autoshard.cost.reshards import grad_values, no_backward
+from autoshard.cost.reshards import carries_grad, grad_values, no_backward
 from autoshard.cost.state import (ADAM_STEP_BYTES, MASTER_CAST_BYTES, SCATTERS, SGD_STEP_BYTES,
                                   StateBytes, modes_for, state_bytes, state_spec, step_elements,
                                   zero_axes, zero_grad_sync)
@@ -118,6 +118,10 @@ class Pricer:
         self.fused = fusions(traced.graph) if options.compile else {}
 
     # -- per node ---------------------------------------------------------------------------
+    def has_grad(self, value: ValueRef) -> bool:
+        """Whether ``value`` carries a gradient in training (cost/reshards.py ``carries_grad``)."""
+        return carries_grad(self._nodes, self.grads, value)
+
     def info(self, name: str) -> OpInfo:
         """The op's view of a call_function node (computed once)."""
         info = self._infos.get(name)
@@ -374,7 +378,7 @@ class Pricer:
         if not n:
             return 0.0
         down = 0
-        if value[0] in self.grads:
+        if self.has_grad(value):
             steps = self.steps(value, src, dst, divergent)
             down = n
             if is_grad_sync(steps):
@@ -520,7 +524,7 @@ class Pricer:
         state mode of the parameter ``value`` is (zero2 and offload reduce-scatter the bucketed
         gradient, cost/state.py)."""
         shape, itemsize = self.shapes[value]
-        grad = value[0] in self.grads
+        grad = self.has_grad(value)
         param = value[0] in self.params
         key = (src, dst, shape, itemsize, divergent if grad else frozenset(), grad, param, mode)
         t = self._reshard_memo.get(key)
@@ -551,7 +555,7 @@ class Pricer:
         if self.merge is not None:
             src, dst, mesh = self.merge.expand_spec(src), self.merge.expand_spec(dst), \
                 self.merge.real
-        grad = value[0] in self.grads
+        grad = self.has_grad(value)
         t = 0.0
         for a, (x, y) in enumerate(zip(src, dst)):
             if x == y or (isinstance(x, Replicate)
@@ -582,7 +586,7 @@ class Pricer:
     def steps(self, value: ValueRef, src: Spec, dst: Spec, divergent: frozenset[int]) -> Reshard:
         """The collectives, forward and backward, on the mesh the program runs on."""
         shape, itemsize = self.shapes[value]
-        grad = value[0] in self.grads
+        grad = self.has_grad(value)
         mesh_shape = self.mesh.shape
         if self.merge is not None:
             src, dst = self.merge.expand_spec(src), self.merge.expand_spec(dst)

@@ -55,6 +55,16 @@ def grad_values(graph: fx.Graph, param_names: set[str]) -> set[str]:
     return needs
 
 
+def carries_grad(graph_nodes: dict[str, fx.Node], grads: set[str], ref: ValueRef) -> bool:
+    """Whether value ``ref`` has a gradient: its node is in ``grads`` and this output is
+    floating-point (``topk``'s indices, beside its values, have none)."""
+    if ref[0] not in grads:
+        return False
+    vals = torch.utils._pytree.tree_flatten(graph_nodes[ref[0]].meta.get("val"))[0]
+    v = vals[ref[1]] if ref[1] < len(vals) else None
+    return not isinstance(v, torch.Tensor) or v.dtype.is_floating_point or v.dtype.is_complex
+
+
 def no_backward(r: Reshard) -> Reshard:
     return Reshard(r.forward, ())
 
@@ -79,6 +89,7 @@ def _requirements(graph: fx.Graph, strategies: dict[str, Strategy], grads: set[s
     order they are first read, requirements in the order their first consumer reads them."""
     wants: dict[ValueRef, dict[tuple[Spec, frozenset[int]], list[tuple[str, int]]]] = {}
     order: list[ValueRef] = []
+    nodes = {n.name: n for n in graph.nodes}
     for node in graph.nodes:
         if node.op == "output":
             if not training:
@@ -93,7 +104,8 @@ def _requirements(graph: fx.Graph, strategies: dict[str, Strategy], grads: set[s
         for k, ref in enumerate(value_inputs(node)):
             if ref not in wants:
                 order.append(ref)
-            key = (strat.inputs[k], input_divergence(strat, k) if ref[0] in grads else frozenset())
+            key = (strat.inputs[k], input_divergence(strat, k)
+                   if carries_grad(nodes, grads, ref) else frozenset())
             wants.setdefault(ref, {}).setdefault(key, []).append((node.name, k))
     seen = set(order)
     order += [r for r in wants if r not in seen]
@@ -129,6 +141,7 @@ def reshard_edges(graph: fx.Graph, strategies: dict[str, Strategy], mesh_shape: 
     (``Plan.joint_axes``, docs/cost-model.md §1.4).
     """
     grads = grad_values(graph, param_names) if training else set()
+    nodes = {n.name: n for n in graph.nodes}
     for ref, dst, div, consumers in _requirements(graph, strategies, grads, len(mesh_shape),
                                                   training):
         src = strategies[ref[0]].outputs[ref[1]]
@@ -136,6 +149,6 @@ def reshard_edges(graph: fx.Graph, strategies: dict[str, Strategy], mesh_shape: 
             continue
         shape, itemsize = shapes[ref]
         r = reshard(src, dst, shape, itemsize, mesh_shape, div, joint)
-        if ref[0] not in grads:
+        if not carries_grad(nodes, grads, ref):
             r = no_backward(r)
         yield ReshardEdge(ref, tuple(consumers), src, dst, div, r, ref[0] in param_names)

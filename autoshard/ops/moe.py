@@ -172,3 +172,117 @@ def register_library_ops() -> None:
         return
     if op not in RECORDS:
         register_op(op, **_GROUPED)
+
+
+# ----------------------------------------------------------- routed experts as one op
+
+ROUTED_EXPERTS_OP = "autoshard::routed_experts"
+# The activations a gated expert applies to its gate half (Hugging Face's ``hidden_act``).
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": torch.nn.functional.silu, "swish": torch.nn.functional.silu,
+    "gelu": torch.nn.functional.gelu, "relu": torch.nn.functional.relu,
+    "gelu_pytorch_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
+
+
+def routed_experts_reference(x: torch.Tensor, top_k_index: torch.Tensor,
+                             top_k_weights: torch.Tensor, gate_up: torch.Tensor,
+                             down: torch.Tensor, first_expert: int,
+                             activation: str) -> torch.Tensor:
+    """What the op computes, in differentiable ops: for every token ``t`` and each of its
+    choices ``j`` whose expert ``e = top_k_index[t, j]`` is one of the ``gate_up.shape[0]``
+    experts held from ``first_expert`` on, ``top_k_weights[t, j] · down_e(act(gate_e x_t) ·
+    up_e x_t)``, summed over the choices (float32 sums, the output in ``x``'s dtype). Tokens
+    are independent of each other; experts not held add nothing."""
+    act = ACTIVATIONS[activation]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(gate_up.shape[0]):
+        tok, slot = torch.where(top_k_index == first_expert + e)
+        if tok.numel() == 0:
+            continue
+        gate, up = torch.nn.functional.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
+        y = torch.nn.functional.linear(act(gate) * up, down[e])
+        out = out.index_add(0, tok, (y * top_k_weights[tok, slot, None]).float())
+    return out.to(x.dtype)
+
+
+@torch.library.custom_op(ROUTED_EXPERTS_OP, mutates_args=())
+def routed_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                   gate_up: torch.Tensor, down: torch.Tensor, first_expert: int,
+                   activation: str) -> torch.Tensor:
+    """Hugging Face's gated experts (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) on
+    tokens ``x [T, H]`` routed by ``top_k_index``/``top_k_weights [T, k]``, as one op: a
+    tracer sees one node whose rule splits tokens, experts or both (see ``experts_strategy``)
+    instead of a sort over every token of the step."""
+    return routed_experts_reference(x, top_k_index, top_k_weights, gate_up, down,
+                                    first_expert, activation)
+
+
+@routed_experts.register_fake
+def _routed_experts_fake(x: torch.Tensor, *args: Any) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _routed_experts_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x, index, weights, gate_up, down, first, activation = inputs
+    ctx.save_for_backward(x, index, weights, gate_up, down)
+    ctx.first, ctx.activation = first, activation
+
+
+def _routed_experts_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    """The reference run again under autograd: the gradients of the tokens, the routing
+    weights and the experts' weights (the expert indices have none)."""
+    x, index, weights, gate_up, down = ctx.saved_tensors
+    leaves = [t.detach().requires_grad_() for t in (x, weights, gate_up, down)]
+    with torch.enable_grad():
+        out = routed_experts_reference(leaves[0], index, leaves[1], leaves[2], leaves[3],
+                                       ctx.first, ctx.activation)
+        grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
+    gx, gw, ggu, gd = (torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads))
+    return gx, None, gw, ggu, gd, None, None
+
+
+routed_experts.register_autograd(_routed_experts_backward, setup_context=_routed_experts_context)
+ROUTED_EXPERTS = torch.ops.autoshard.routed_experts.default
+
+# Tokens split: each rank routes its own tokens through every expert (exact: tokens are
+# independent). Experts split: each rank runs its experts on every token, a Partial output.
+_TOKENS: Option = ((Shard(0), Shard(0), Shard(0), R, R), (Shard(0),))
+_EXPERTS: Option = ((R, R, R, Shard(0), Shard(0)), (P,))
+
+
+def experts_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    """Tokens over an axis (data parallel), experts over an axis (expert parallel, the tokens
+    whole on it and the output a sum over its ranks), or both on different axes. The experts'
+    inner dim is not split: ``gate_up`` holds the gate and up halves one after the other, which
+    one even split would not cut alike."""
+    return expand(op, mesh_shape, [_TOKENS, _EXPERTS],
+                  kernel=lambda combo: LOCAL_EXPERTS if _EXPERTS in combo else None)
+
+
+def experts_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
+                     args: tuple, kwargs: dict) -> tuple:
+    """The op on the rank's tensors; under ``local_experts`` told which expert it holds first."""
+    if strategy.kernel != LOCAL_EXPERTS:
+        return op.target, args, kwargs
+    index, factor = shard_index(strategy.inputs[3], 0, mesh_shape, coords)
+    first = arg(op, 5, "first_expert", 0) + index * op.inputs[3].shape[0] // factor
+    return op.target, args[:5] + (first,) + args[6:], kwargs
+
+
+def experts_flops(op: OpInfo) -> float:
+    """2 FLOPs per multiply-add of the routed pairs: ``T·k`` rows through ``H -> 2I`` and
+    ``I -> H``, i.e. ``6·T·k·H·I``."""
+    x, index, _, gate_up, _ = op.inputs
+    return 2.0 * index.numel * x.shape[-1] * 1.5 * gate_up.shape[1]
+
+
+def experts_saved(op: OpInfo) -> Saves:
+    """The tokens and their routing, and per token what a grouped kernel keeps for backward:
+    each of its ``k`` pairs' gate-up output and activation (``2I + I`` elements)."""
+    x, index, _, gate_up, _ = op.inputs
+    per_row = index.shape[-1] * 3 * (gate_up.shape[1] // 2) * x.dtype.itemsize
+    return Saves(inputs=(0, 1, 2), extra=(("in", 0, "row", per_row),))
+
+
+register_op(ROUTED_EXPERTS, strategies=experts_strategy, family=MATMUL, saves=experts_saved,
+            follows=NO, flops=experts_flops, localize=experts_localize)

@@ -237,7 +237,10 @@ def split_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tu
                    args: tuple, kwargs: dict) -> tuple:
     """The op unchanged, unless its input is sharded on the dim it splits (strided, each piece
     a group): then sizes and offsets shrink to the local ones, the shard factor times smaller."""
-    dim, pieces = split_pieces(op)
+    found = split_pieces(op)
+    if found is None:       # a strided slice: no rule shards the dim it slices
+        return op.target, args, kwargs
+    dim, pieces = found
     f = shard_factor(strategy.inputs[0], dim, mesh_shape)
     if f == 1:
         return op.target, args, kwargs

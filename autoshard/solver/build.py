@@ -320,7 +320,8 @@ class _Builder:
             # Whether the value has a gradient is the producer's property: a template consumer
             # may read a gradient-free input in its own layer (layer 0 reads the batch) and a
             # gradient-carrying one in the others.
-            reqs = [self._requirements(c, k, members, pname in self.pricer.grads) for c, k in cons]
+            reqs = [self._requirements(c, k, members, self.pricer.has_grad((pname, o)))
+                    for c, k in cons]
             # One requirement list for every consumer: a fanout pays each requirement in use once.
             keys = list(dict.fromkeys(r for _, req in reqs for r in req))
             specs = list(dict.fromkeys(src_specs))

@@ -368,6 +368,8 @@ def from_config(config: str | Path | Mapping[str, Any], *, task: str | None = No
                                  f"{type(e).__name__}: {text}",
                                  fix="correct the field it names (the config.json published "
                                      "with a model builds unchanged)") from e
+    route_experts_as_one_op(model)
+    scan_as_one_op(model)
     if task == "causal-lm" and getattr(model, "loss_type", None) is None:
         # A class name without a loss family (GPT2LMHeadModel): HF would warn on every call
         # before falling back to this very loss.
@@ -375,5 +377,85 @@ def from_config(config: str | Path | Mapping[str, Any], *, task: str | None = No
     return HFLossModel(model, task=task)
 
 
+# ------------------------------------------------------------ routed experts as one op
+
+EXPERTS_IMPLEMENTATION = "autoshard"
+
+
+def route_experts_as_one_op(model: nn.Module) -> bool:
+    """Run ``model``'s mixture-of-experts layers (Hugging Face's ``@use_experts_implementation``
+    classes: Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, Jamba...) through autoshard's one op per
+    experts call (ops/moe.py ``routed_experts``) instead of transformers' default grouped
+    path, whose sort over every token of the step keeps the tokens whole on every device
+    (docs/cost-model.md §12). The model computes the same; experts this op does not cover
+    (transposed or biased weights, a custom gate: GPT-OSS) keep transformers' path. Returns
+    whether the model has such layers."""
+    can_set = getattr(model, "_can_set_experts_implementation", None)
+    if can_set is None or not can_set():
+        return False
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, _experts_forward)
+    model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    return True
+
+
+def _experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    """An ``ExpertsInterface`` implementation: the ``routed_experts`` op where the experts are
+    the plain gated kind it computes, transformers' grouped path otherwise."""
+    from transformers.integrations import moe
+
+    from autoshard.ops.moe import ACTIVATIONS, routed_experts
+    act = getattr(experts.config, "hidden_act", None)
+    plain = (experts.has_gate and experts.is_concatenated and not experts.is_transposed
+             and not experts.has_bias and not experts.has_post_expert_norm
+             and not experts._is_expert_parallel and act in ACTIVATIONS
+             and type(experts)._apply_gate is moe._default_apply_gate)
+    if not plain:
+        return moe.grouped_mm_experts_forward(experts, hidden_states, top_k_index,
+                                              top_k_weights)
+    return routed_experts(hidden_states, top_k_index, top_k_weights, experts.gate_up_proj,
+                          experts.down_proj, 0, act)
+
+
+# ------------------------------------------------------- Mamba-1's selective scan as one op
+
+def scan_as_one_op(model: nn.Module) -> bool:
+    """Run the selective scan of ``model``'s Mamba-1 mixers (Mamba, Falcon-Mamba, Jamba)
+    through autoshard's one op (ops/ssm.py ``selective_scan``) instead of transformers' PyTorch
+    loop over the sequence, which a trace unrolls token by token. The op's kernel is that
+    loop; calls the op does not cover (a returned last state, no gate) keep transformers'
+    function. Transformers looks the function up in the mixer's module, so it is replaced
+    there, by a wrapper that computes the same. Returns whether the model has such mixers."""
+    import sys
+
+    modules = {sys.modules[type(m).__module__] for m in model.modules()
+               if type(m).__name__.endswith("MambaMixer")}
+    modules = {m for m in modules if callable(getattr(m, "mamba_selective_scan", None))}
+    for module in modules:
+        if not getattr(module.mamba_selective_scan, "_autoshard_scan", False):
+            module.mamba_selective_scan = _one_op_scan(module.mamba_selective_scan)
+    return bool(modules)
+
+
+def _one_op_scan(original: Callable[..., Any]) -> Callable[..., Any]:
+    from autoshard.ops.ssm import selective_scan
+
+    def scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+             C: torch.Tensor, D: torch.Tensor | None = None, z: torch.Tensor | None = None,
+             delta_bias: torch.Tensor | None = None, delta_softplus: bool = False,
+             return_last_state: bool = False, **kwargs: Any) -> Any:
+        if return_last_state or D is None or z is None or delta_bias is None:
+            return original(hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias,
+                            delta_softplus=delta_softplus,
+                            return_last_state=return_last_state, **kwargs)
+        return selective_scan(hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus)
+
+    scan._autoshard_scan = True     # type: ignore[attr-defined]
+    scan.__wrapped_original__ = original    # type: ignore[attr-defined]
+    return scan
+
+
 __all__ = ["HFLossModel", "TASKS", "from_config", "infer_task", "read_config",
-           "supported_tasks", "hf_gpt2_tiny", "hf_llama_tiny", "hf_bert_tiny"]
+           "supported_tasks", "route_experts_as_one_op", "scan_as_one_op",
+           "hf_gpt2_tiny", "hf_llama_tiny", "hf_bert_tiny"]
