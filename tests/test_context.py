@@ -198,3 +198,12 @@ def test_seq_above_the_context_names_the_config_field() -> None:
     assert model.config.context == 32 and ids.shape == (1, 32)
     with pytest.raises(AutoshardError, match="context"):
         get_model("mlp-tiny", context=32)
+
+
+def test_plan_cli_names_the_context_and_its_flag(capsys) -> None:
+    from autoshard.cli import main
+    assert main(["plan", "llama-tiny", "--mesh", "2", "--batch", "1", "--seq", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "LlamaConfig.context" in err and "--context 32" in err and "Traceback" not in err
+    assert main(["plan", "llama-tiny", "--mesh", "2", "--context", "8", "--seq", "16"]) == 2
+    assert "1..8" in capsys.readouterr().err
