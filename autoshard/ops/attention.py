@@ -70,8 +70,11 @@ def context_parallel_ok(op: OpInfo) -> bool:
 
 
 def _kernel(combo: tuple) -> str | None:
-    return "cp_gather" if any(o[0][0] == Shard(o[0][0].dim, ZIGZAG) and o[0][1] == R
-                              for o in combo if isinstance(o[0][0], Shard)) else None
+    """``cp_gather`` where the queries' sequence is sharded on some axis (``combo``: the 1-D
+    option taken on each axis, ``(input placements, output placements)``)."""
+    queries = (o[0][0] for o in combo)
+    return "cp_gather" if any(isinstance(p, Shard) and p.groups == ZIGZAG
+                              for p in queries) else None
 
 
 def sdpa_flops(op: OpInfo) -> float:
