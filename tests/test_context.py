@@ -169,19 +169,33 @@ def test_context_parallel_plan_gathers_only_k_and_v(tiny) -> None:
     assert big == [], [str(c) for c in big]
 
 
+CP_X_HEADS = "[S(2/zz), S(1)] x [R, S(1)] x [R, S(1)] -> [S(2/zz), S(1)] (cp_gather)"
+
+
+def test_the_planner_takes_context_and_tensor_parallelism_per_axis(tiny) -> None:
+    """One sequence, 2 K/V heads: on 2x2 devices of slow compute the planner splits the heads
+    over one axis (all they allow) and the sequence over the other, unpinned."""
+    plan = plan_traced(tiny, Mesh((2, 2), cluster="stress"), model_name="llama-tiny")
+    attention = {str(s) for k, s in plan.strategies().items() if k.startswith("scaled_dot")}
+    assert attention == {CP_X_HEADS}
+
+
 # ---- numerical: gloo ranks against one device ----------------------------------------------
 
-GLOO = [((4,), (0,)), ((2, 2), (0,)), ((2, 2), (0, 1))]
+GLOO = [((4,), (0,)), ((2, 2), None), ((2, 2), (0, 1))]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape,axes", GLOO, ids=["cp4", "cp2-free", "cp2x2"])
+@pytest.mark.parametrize("shape,axes", GLOO, ids=["cp4", "cp2-tp2-planned", "cp2x2"])
 def test_context_parallel_equals_single_device(world4, tiny, shape, axes) -> None:
     """llama-tiny (causal, 4 heads over 2 K/V heads) with its sequence sharded 4 ways on one
-    axis, 2 ways (the other axis the planner's), and 2x2 ways: loss and every gradient within
-    1e-5 of one device, every collective run as planned, byte for byte."""
+    axis, 2 ways beside 2-way heads (the planner's own plan), and 2x2 ways: loss and every
+    gradient within 1e-5 of one device, every collective run as planned, byte for byte."""
     mesh = Mesh(shape, cluster="stress")
-    plan = plan_traced(tiny, mesh, fixed=cp_pins(tiny, mesh, axes), model_name="llama-tiny")
+    pins = cp_pins(tiny, mesh, axes) if axes else None
+    plan = plan_traced(tiny, mesh, fixed=pins, model_name="llama-tiny")
+    if axes is None:
+        assert CP_X_HEADS in {str(s) for s in plan.strategies().values()}
     reports = world4.run(verify_rank, VerifySpec("llama-tiny", plan.mesh_shape, plan.mesh_axes,
                                                  plan.dumps(), BATCH, SEQ, measure_memory=False))
     ok, text = summarize(reports, TOL)
