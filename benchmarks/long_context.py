@@ -159,7 +159,12 @@ def main() -> None:
             f"`{command('benchmarks/long_context.py')}` on {machine()}, {revision()}, "
             f"{today()}. Predicted figures (h100 preset); the seconds each plan took, tracing "
             f"included, on a CPU shared with other work (wall) and as CPU time (this process "
-            f"and its solver children).\n\n{table(rows)}\n{LLAMA3_128K}.\n")
+            f"and its solver children). \"Without context parallelism\": the same planner with "
+            f"the choice withdrawn (what it planned before the choice existed, priced by this "
+            f"revision's model); \"hand\": Megatron's weight layouts over tp, every attention "
+            f"context parallel over dp, the other activations placed by the ILP. MFU: "
+            f"6·Ψ·tokens + causal attention's 6·L·b·H·s²·d over the step at 64 x 989 TFLOP/s."
+            f"\n\n{table(rows)}\nFor scale: {LLAMA3_128K}.\n")
     print(body)
     if args.out:
         write_section(args.out, SECTION, body)
