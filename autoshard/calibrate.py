@@ -395,12 +395,12 @@ def _specials(sizes: Sizes, device: torch.device, dtype: torch.dtype) -> dict:
 
 def _attention(sizes: Sizes, device: torch.device, dtype: torch.dtype) -> dict:
     """Causal SDPA forward and forward + backward. FLOPs as the model counts them (§3.4:
-    ``4·batch·heads·L²·d``, not halved for the causal mask; backward 2.5× forward, §3.5)."""
+    ``4·batch·heads·L²·d``, halved for the causal mask; backward 2.5× forward, §3.5)."""
     import torch.nn.functional as F
     b, h, s, d = sizes.attention
     q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True)
                for _ in range(3))
-    flops = 4.0 * b * h * s * s * d
+    flops = 4.0 * b * h * s * s * d / 2
 
     def fwd():
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -92,7 +92,7 @@ def cmd_plan(args) -> int:
     with progress.enabled(not args.quiet):
         with progress.step(f"loading {args.model} on the meta device"):
             model, inputs = load_model(args.model, batch=args.batch, seq=args.seq,
-                                       device="meta", task=args.task)
+                                       device="meta", task=args.task, context=args.context)
         if mesh is None:
             from autoshard.solver.meshes import search_mesh
             p = search_mesh(model, inputs, args.gpus, gpus_per_node=args.gpus_per_node,
@@ -219,6 +219,8 @@ def cmd_zoo(args) -> int:
     return 0
 
 
+CONTEXT_HELP = ("a zoo model's longest sequence (its config's context), raised for "
+                "long-context runs: e.g. llama3-8b --context 131072 --seq 131072")
 TASK_HELP = ("for a Hugging Face config: causal-lm | masked-lm | seq2seq | image-classification "
              "(default: from the config's architectures)")
 
@@ -242,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", default="h100", help="h100 | h200 | a100 | cpu | profile.json")
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--context", type=int, default=None, help=CONTEXT_HELP)
     p.add_argument("--inference", action="store_true", help="plan forward only")
     p.add_argument("--optimizer", default="adam", choices=OPTIMIZERS,
                    help="optimizer state each parameter carries (default adam)")

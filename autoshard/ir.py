@@ -34,15 +34,18 @@ class Shard:
             raise ValueError(f"Shard(dim) takes a non-negative tensor dimension; got {self.dim!r}. "
                              "Fix: normalise negative dims with dim % ndim first.")
         g = self.groups
-        if g and (len(g) < 2 or any(not isinstance(x, int) or x < 1 for x in g)
-                  or math.gcd(*g) != 1):
+        if g and g != ZIGZAG and (len(g) < 2 or any(not isinstance(x, int) or x < 1 for x in g)
+                                  or math.gcd(*g) != 1):
             raise ValueError(f"Shard(dim, groups) takes two or more positive relative group "
-                             f"sizes in lowest terms; got {g!r}. Fix: e.g. (1, 1, 1) for three "
-                             f"equal groups, (2, 1, 1) for one twice as wide as the others.")
+                             f"sizes in lowest terms, or ZIGZAG {ZIGZAG}; got {g!r}. Fix: e.g. "
+                             f"(1, 1, 1) for three equal groups, (2, 1, 1) for one twice as wide "
+                             f"as the others.")
 
     def __str__(self) -> str:
         if not self.groups:
             return f"S({self.dim})"
+        if self.groups == ZIGZAG:
+            return f"S({self.dim}/zz)"
         g = self.groups
         return f"S({self.dim}/{len(g)})" if len(set(g)) == 1 else \
             f"S({self.dim}/{'+'.join(map(str, g))})"
@@ -52,9 +55,13 @@ class Shard:
         contiguous)."""
         if not self.groups:
             return [size]
-        unit, rest = divmod(size, sum(self.groups))
+        unit, rest = divmod(size, sum(map(abs, self.groups)))
         assert not rest, f"{self}: {size} elements do not cut into groups {self.groups}"
-        return [w * unit for w in self.groups]
+        return [abs(w) * unit for w in self.groups]
+
+
+# The causal load-balanced layout of a sequence dim (see the module docstring).
+ZIGZAG = (1, -1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,11 +101,13 @@ def parse_placement(text: str) -> Placement:
         return R
     if text == "P":
         return P
-    m = re.fullmatch(r"S\((\d+)(?:/(\d+(?:\+\d+)*))?\)", text)
+    m = re.fullmatch(r"S\((\d+)(?:/(zz|\d+(?:\+\d+)*))?\)", text)
     if m:
         dim, groups = int(m.group(1)), m.group(2)
         if groups is None:
             return Shard(dim)
+        if groups == "zz":
+            return Shard(dim, ZIGZAG)
         g = tuple(int(x) for x in groups.split("+"))
         return Shard(dim, (1,) * g[0] if len(g) == 1 else g)
     raise ValueError(f"a placement is written R, P, S(dim) or, strided, S(dim/groups) or "
@@ -140,7 +149,7 @@ def spec_fits(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> bo
             if p.dim >= len(shape) or strided.setdefault(p.dim, p.groups) != p.groups:
                 return False
     for d, g in strided.items():
-        if g and shape[d] % sum(g):
+        if g and shape[d] % sum(map(abs, g)):
             return False
         f = shard_factor(spec, d, mesh_shape)
         if any(x % f for x in Shard(d, g).group_sizes(shape[d])):
@@ -156,10 +165,12 @@ def dim_groups(spec: Spec, dim: int) -> tuple[int, ...]:
 def to_rank_major(x: torch.Tensor, dim: int, n: int, groups: tuple[int, ...]) -> torch.Tensor:
     """Reorder ``dim`` of ``x``, laid out group by group (each group cut in ``n`` pieces, piece
     by piece), into rank order: piece 0 of every group, then piece 1, ... (what a collective over
-    ``n`` ranks cuts or concatenates). The inverse of :func:`to_group_major`."""
+    ``n`` ranks cuts or concatenates); a group of negative size gives rank ``r`` its piece
+    ``n-1-r``. The inverse of :func:`to_group_major`."""
     if not groups or n == 1:
         return x
-    parts = [g.chunk(n, dim) for g in x.split(Shard(dim, groups).group_sizes(x.shape[dim]), dim)]
+    parts = [g.chunk(n, dim) if w > 0 else g.chunk(n, dim)[::-1]
+             for w, g in zip(groups, x.split(Shard(dim, groups).group_sizes(x.shape[dim]), dim))]
     return torch.cat([p[r] for r in range(n) for p in parts], dim)
 
 
@@ -170,7 +181,8 @@ def to_group_major(x: torch.Tensor, dim: int, n: int, groups: tuple[int, ...]) -
         return x
     sizes = Shard(dim, groups).group_sizes(x.shape[dim] // n)
     pieces = [r.split(sizes, dim) for r in x.chunk(n, dim)]
-    return torch.cat([p[i] for i in range(len(sizes)) for p in pieces], dim)
+    return torch.cat([p[i] for i, w in enumerate(groups)
+                      for p in (pieces if w > 0 else pieces[::-1])], dim)
 
 
 def divergent_axes(in_spec: Spec, out_spec: Spec) -> frozenset[int]:

@@ -129,6 +129,8 @@ def _specials(op: OpInfo, family: str) -> tuple[float, float]:
         if len(ins) < 2 or len(ins[0].shape) < 2 or len(ins[1].shape) < 2:
             return 0.0, 0.0
         scores = float(math.prod(ins[0].shape[:-1]) * ins[1].shape[-2])
+        if op.kwargs.get("is_causal", len(op.args) > 5 and op.args[5]):
+            scores /= 2     # a flash kernel skips the masked half, as its FLOPs (§3.4)
         return scores, scores
     if family in (MATMUL, GATHER, FACTORY, VIEW):
         return 0.0, 0.0

@@ -9,18 +9,30 @@ head counts divisible by the shard factor, rank r holds q heads ``[r*Hq/f, ...)`
 ``spec_fits`` enforces both divisibilities for the combined N-D spec.
 
 A tensor ``attn_mask`` broadcasts against ``[..., L, S]``: it is sharded on a dim it holds at full
-size and replicated where it broadcasts. Sharding the query sequence is not offered: ``is_causal``
-masks by local row, which would be wrong. ``dropout_p > 0`` draws per-rank masks (see
+size and replicated where it broadcasts. ``dropout_p > 0`` draws per-rank masks (see
 pointwise.py on dropout).
+
+Context parallelism (kernel ``"cp_gather"``): the query sequence sharded over a mesh axis in the
+causal load-balanced layout (ir.py ``ZIGZAG``: rank ``r`` of ``n`` holds chunks ``r`` and
+``2n-1-r`` of ``2n``, Llama 3, arXiv 2407.21783 §3.3), K and V whole on that axis. The K/V
+all-gather is the reshard that brings K and V to the op, placed and priced as any other (it may
+run before GQA's head repeat, on the small K/V), and the gradients of K and V go back by its
+adjoint, a reduce-scatter (docs/design.md "Backward collectives"). Each rank attends its two
+query chunks to the keys up to each chunk's end, with a causal mask aligned to the bottom right
+(``causal_lower_right``: query ``i`` of chunk ``j`` sees keys ``<= j·c + i``), so under
+``is_causal`` every rank does ``1/n`` of the causal work. Offered for self-attention without a
+mask tensor or dropout (a mask would have to be sliced to the chunks, dropout drawn per chunk).
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
-from autoshard.ir import Shard
-from autoshard.ops._common import R, Option
+from autoshard.ir import ZIGZAG, Shard, Strategy
+from autoshard.ops._common import R, Option, arg, shard_index
 from autoshard.ops.registry import ATTENTION, NO, OpInfo, Saves, expand, register_op
 
 aten = torch.ops.aten
@@ -43,13 +55,58 @@ def sdpa_strategy(op: OpInfo, mesh_shape: tuple) -> list:
             md = d - (q.ndim - m.ndim)
             mask_pl.append(Shard(md) if md >= 0 and m.shape[md] == q.shape[d] else R)
         opts.append(((Shard(d),) * 3 + tuple(mask_pl), (Shard(d),)))
-    return expand(op, mesh_shape, opts)
+    if context_parallel_ok(op):
+        seq = Shard(q.ndim - 2, ZIGZAG)
+        opts.append(((seq, R, R), (seq,)))
+    return expand(op, mesh_shape, opts, kernel=_kernel)
+
+
+def context_parallel_ok(op: OpInfo) -> bool:
+    """Whether the query sequence may shard (see the module docstring): self-attention, no mask
+    tensor, no dropout."""
+    q, k = op.inputs[:2]
+    return (len(op.inputs) == 3 and q.shape[-2] == k.shape[-2] > 1
+            and not arg(op, 4, "dropout_p", 0.0))
+
+
+def _kernel(combo: tuple) -> str | None:
+    """``cp_gather`` where the queries' sequence is sharded on some axis (``combo``: the 1-D
+    option taken on each axis, ``(input placements, output placements)``)."""
+    queries = (o[0][0] for o in combo)
+    return "cp_gather" if any(isinstance(p, Shard) and p.groups == ZIGZAG
+                              for p in queries) else None
 
 
 def sdpa_flops(op: OpInfo) -> float:
-    """4·b·h·s_q·s_k·d: two matmuls (scores and the weighted sum) of 2·s_q·s_k·d each."""
+    """4·b·h·s_q·s_k·d: two matmuls (scores and the weighted sum) of 2·s_q·s_k·d each; half of
+    that under ``is_causal``, whose masked half of the scores a flash kernel skips
+    (FlashAttention-2, arXiv 2307.08691: "with causal mask, divide the number by 2")."""
     q, k = op.inputs[:2]
-    return 4.0 * math.prod(q.shape[:-2]) * q.shape[-2] * k.shape[-2] * q.shape[-1]
+    full = 4.0 * math.prod(q.shape[:-2]) * q.shape[-2] * k.shape[-2] * q.shape[-1]
+    return full / 2 if arg(op, 5, "is_causal", False) else full
+
+
+def sdpa_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
+                  args: tuple, kwargs: dict) -> tuple:
+    """The op itself, or under ``cp_gather`` the rank's two query chunks attended to the whole
+    keys, each up to its own end under ``is_causal``."""
+    if strategy.kernel != "cp_gather":
+        return op.target, args, kwargs
+    seq_dim = op.inputs[0].ndim - 2
+    rank, n = shard_index(strategy.inputs[0], seq_dim, mesh_shape, coords)
+    causal = bool(arg(op, 5, "is_causal", False))
+    scale, gqa = arg(op, 6, "scale", None), bool(op.kwargs.get("enable_gqa", False))
+    chunk = op.inputs[0].shape[-2] // (2 * n)
+    ends = ((rank + 1) * chunk, (2 * n - rank) * chunk)    # the two chunks' last keys + 1
+
+    def cp_gather(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not causal:
+            return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+        outs = [F.scaled_dot_product_attention(
+            qc, k[..., :end, :], v[..., :end, :], attn_mask=causal_lower_right(chunk, end),
+            scale=scale, enable_gqa=gqa) for qc, end in zip(q.split(chunk, -2), ends)]
+        return torch.cat(outs, -2)
+    return cp_gather, args[:3], {}
 
 
 def sdpa_saves(op: OpInfo) -> Saves:
@@ -58,4 +115,4 @@ def sdpa_saves(op: OpInfo) -> Saves:
 
 
 register_op(SDPA, strategies=sdpa_strategy, family=ATTENTION, saves=sdpa_saves, follows=NO,
-            flops=sdpa_flops)
+            flops=sdpa_flops, localize=sdpa_localize)

@@ -36,7 +36,7 @@ import math
 
 import torch
 
-from autoshard.ir import Shard, Strategy, local_shape
+from autoshard.ir import Shard, Strategy, local_shape, to_rank_major
 from autoshard.ops._common import P, R, Option, arg, shard_index, with_kernel
 from autoshard.ops.registry import (ELEMENTWISE, NO, CollectiveKernel, OpCollective, OpInfo,
                                     Reduce, Saves, all_inputs, expand, per_output_element,
@@ -98,15 +98,19 @@ def class_loss_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     return with_kernel(strategies, lambda s: _loss_kernel(s, reduction))
 
 
-def _target_slices(op: OpInfo, x_spec: tuple, mesh_shape: tuple, coords: tuple) -> tuple:
-    """This rank's rows of the whole target, for a kernel that takes it whole (``mean``)."""
-    t_info = op.inputs[1]
-    target_slices = [slice(None)] * t_info.ndim
-    for xd, td in _dim_pairs(op):
-        i, f = shard_index(x_spec, xd, mesh_shape, coords)
-        n = t_info.shape[td] // f
-        target_slices[td] = slice(i * n, (i + 1) * n)
-    return tuple(target_slices)
+def _target_rows(op: OpInfo, x_spec: tuple, mesh_shape: tuple, coords: tuple):
+    """This rank's rows of the whole target, for a kernel that takes it whole (``mean``): a
+    function of the whole target, cutting each dim as ``x_spec`` cuts the input's (strided
+    shards, such as a sequence in the causal load-balanced layout, included: ir.py)."""
+    pairs = dict(_dim_pairs(op))
+    cuts = [(pairs[p.dim], p.groups, n, c) for p, n, c in zip(x_spec, mesh_shape, coords)
+            if isinstance(p, Shard) and p.dim in pairs]
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        for td, groups, n, c in cuts:
+            t = to_rank_major(t, td, n, groups).chunk(n, td)[c]
+        return t
+    return rows
 
 
 def class_loss_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
@@ -118,7 +122,7 @@ def class_loss_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coord
     x_spec = strategy.inputs[0]
     ignore_index = arg(op, 4, "ignore_index", -100)
     smoothing = (arg(op, 5, "label_smoothing", 0.0),) if op.target == aten.cross_entropy_loss.default else ()
-    target_slices = _target_slices(op, x_spec, mesh_shape, coords)
+    my_rows = _target_rows(op, x_spec, mesh_shape, coords)
     target = op.target
 
     def loss_rows(x: torch.Tensor, full_target: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
@@ -127,7 +131,7 @@ def class_loss_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coord
             count = valid.sum()
         else:
             count = (w[full_target.masked_fill(~valid, 0)] * valid).sum()
-        local = full_target[target_slices]
+        local = my_rows(full_target)
         return target(x, local, w, SUM, ignore_index, *smoothing) / count
 
     w_local = args[2] if len(args) > 2 else kwargs.get("weight")
@@ -167,18 +171,18 @@ def vocab_parallel_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, c
     classes = op.inputs[0].shape[CLASS_DIM]
     index, factor = shard_index(x_spec, CLASS_DIM, mesh_shape, coords)
     start = index * (classes // factor)
-    slices = _target_slices(op, x_spec, mesh_shape, coords) if reduction == MEAN else None
+    my_rows = _target_rows(op, x_spec, mesh_shape, coords) if reduction == MEAN else None
 
     def vocab_parallel_cross_entropy(reduce: Reduce, x: torch.Tensor,
                                      target: torch.Tensor) -> torch.Tensor:
-        if slices is not None:        # mean: the target arrives whole, for the global count
+        if my_rows is not None:       # mean: the target arrives whole, for the global count
             count = (target != ignore_index).sum()
-            target = target[slices]
+            target = my_rows(target)
         rows = VocabParallelCrossEntropy.apply(x, target, reduce, start, ignore_index, smoothing,
                                                classes, index == 0)
         if reduction == NONE:
             return rows
-        return rows.sum() / count if slices is not None else rows.sum()
+        return rows.sum() / count if my_rows is not None else rows.sum()
 
     kernel = CollectiveKernel(vocab_parallel_cross_entropy, _vocab_axes(x_spec, mesh_shape),
                               "vocab_parallel_cross_entropy")

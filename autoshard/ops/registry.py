@@ -214,8 +214,7 @@ def strategies_for(op: OpInfo, mesh_shape: tuple) -> list[Strategy]:
                           stacklevel=2)
         return [replicate_strategy(op, mesh_shape)]
     out = record.strategies(op, mesh_shape) or [replicate_strategy(op, mesh_shape)]
-    if any(t.groups for t in (*op.inputs, *op.outputs)) and record.family in STRIDED_FAMILIES \
-            and record.collectives is None:
+    if any(t.groups for t in (*op.inputs, *op.outputs)) and record.family in STRIDED_FAMILIES:
         out = list(dict.fromkeys(out + strided_variants(op, out, mesh_shape)))
     return out
 
@@ -223,6 +222,11 @@ def strategies_for(op: OpInfo, mesh_shape: tuple) -> list[Strategy]:
 # Families whose kernels compute element by element along a kept dim (or contract it whole),
 # whatever order its elements come in: a strided shard passes through them as a contiguous one.
 STRIDED_FAMILIES = (VIEW, MATMUL, ELEMENTWISE)
+
+# Local kernels that read which elements of a dim a rank holds from the strategy's specs, strided
+# ones included (the losses' row kernels pick the rank's rows of a whole target, ops/loss.py):
+# their strided variants run them unchanged.
+ORDER_FREE_KERNELS = ("loss_rows", "vocab_parallel")
 
 
 def strided_variants(op: OpInfo, strategies: Sequence[Strategy],
@@ -234,11 +238,12 @@ def strided_variants(op: OpInfo, strategies: Sequence[Strategy],
     On a mesh axis where every tensor the strategy shards is marked with the same groups on the
     sharded dim, each of those shards becomes strided with them: the local kernel is the same
     (``kernel``-less strategies only, whose local call does not depend on which elements a rank
-    holds), and element ``i`` of one tensor's dim still meets element ``i`` of the others'."""
+    holds, or one of ``ORDER_FREE_KERNELS``), and element ``i`` of one tensor's dim still meets
+    element ``i`` of the others'."""
     marks = [dict(t.groups) for t in (*op.inputs, *op.outputs)]
     out: list[Strategy] = []
     for st in strategies:
-        if st.kernel is not None:
+        if st.kernel is not None and st.kernel not in ORDER_FREE_KERNELS:
             continue
         specs = [list(sp) if sp is not None else None for sp in (*st.inputs, *st.outputs)]
         changed = False
@@ -258,7 +263,7 @@ def strided_variants(op: OpInfo, strategies: Sequence[Strategy],
         infos = (*op.inputs, *op.outputs)
         if all(sp is None or spec_fits(t.shape, sp, mesh_shape)
                for t, sp in zip(infos, (*ins, *outs))):
-            out.append(Strategy(ins, outs, None, st.compute_scale))
+            out.append(Strategy(ins, outs, st.kernel, st.compute_scale))
     return out
 
 

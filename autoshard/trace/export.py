@@ -30,6 +30,7 @@ from autoshard.ops.moe import register_library_ops
 from autoshard.trace.fused import GROUPS, mark_fused_dims, marked_info
 from autoshard.trace.graph import output_infos, tensor_info, value_ref
 from autoshard.trace.layers import find_layers
+from autoshard.trace.sequence import mark_sequence_dims
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,6 +297,7 @@ def from_exported(ep: ExportedProgram, *, training: bool, strip: str = "",
             constants[node.name] = ep.constants[spec.target]
         placeholders.append(Placeholder(node.name, kind, fqn, tensor_info(node.meta.get("val"))))
     mark_fused_dims(gm, {p.name for p in placeholders if p.kind == "param"})
+    mark_sequence_dims(gm)
     nodes = {n.name: n for n in gm.graph.nodes}
     placeholders = [dataclasses.replace(p, info=marked_info(nodes[p.name]))
                     if p.info is not None and GROUPS in nodes[p.name].meta else p

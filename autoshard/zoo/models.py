@@ -54,10 +54,13 @@ def _require_batch(batch: int) -> None:
 
 
 def _token_inputs(batch: int, seq: int | None, *, vocab: int, max_seq: int, model: str,
-                  device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+                  field: str, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     if seq is None or seq < 1 or seq > max_seq:
-        raise AutoshardError(f"{model} takes a sequence length in 1..{max_seq}",
-                             got=f"seq={seq!r}", fix=f"pass seq <= {max_seq}")
+        raise AutoshardError(f"{model} takes a sequence length in 1..{max_seq}, its config's "
+                             f"context ({field})", got=f"seq={seq!r}",
+                             fix=f"pass seq <= {max_seq}, or raise the context for a "
+                                 f"long-context run: --context {seq} (autoshard plan, verify), "
+                                 f"context={seq} (get_model, load_model)")
     _require_batch(batch)
     input_ids = torch.randint(0, vocab, (batch, seq), device=device)
     labels = torch.randint(0, vocab, (batch, seq), device=device)
@@ -216,6 +219,7 @@ class _TokenLM(nn.Module):
     def example_inputs(self, batch: int, seq: int | None, *,
                        device: torch.device | str = "meta") -> tuple[torch.Tensor, torch.Tensor]:
         return _token_inputs(batch, seq, vocab=self.config.vocab_size, max_seq=self.config.context,
+                             field=f"{type(self.config).__name__}.context",
                              model=self.family, device=device)
 
 
@@ -336,14 +340,6 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + _rotate_half(x) * sin
 
 
-def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    # HF's repeat_kv: expand a new head-group dim then fold it in, so GQA stays a view + copy.
-    if n_rep == 1:
-        return x
-    b, n_kv, s, d = x.shape
-    return x[:, :, None, :, :].expand(b, n_kv, n_rep, s, d).reshape(b, n_kv * n_rep, s, d)
-
-
 class _LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -358,9 +354,12 @@ class _LlamaAttention(nn.Module):
         q = _apply_rope(_split_heads(self.q_proj(x), self.n_heads), cos, sin)
         k = _apply_rope(_split_heads(self.k_proj(x), self.n_kv_heads), cos, sin)
         v = _split_heads(self.v_proj(x), self.n_kv_heads)
-        n_rep = self.n_heads // self.n_kv_heads
-        y = F.scaled_dot_product_attention(q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep),
-                                           is_causal=True)
+        # Grouped-query attention inside the kernel (torch >= 2.5; Hugging Face's SDPA path
+        # does the same where it can) rather than K and V copied per query head: a planner
+        # then moves and keeps the small K/V (context parallelism's all-gather, tensor
+        # parallelism's heads).
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=self.n_kv_heads != self.n_heads)
         return self.o_proj(_merge_heads(y))
 
 

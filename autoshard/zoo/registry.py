@@ -178,16 +178,22 @@ def _lookup(name: str) -> ZooEntry:
 
 
 def get_model(name: str, *, batch: int | None = None, seq: int | None = None,
-              device: str | torch.device = "meta",
-              dtype: torch.dtype | None = None) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+              device: str | torch.device = "meta", dtype: torch.dtype | None = None,
+              context: int | None = None) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """Build zoo model ``name`` on ``device`` and example ``(inputs, labels)`` for it there.
 
     ``forward(*example_inputs)`` returns the scalar loss. Random weights and ids come from the
-    global RNG: seed torch first for reproducible CPU models.
+    global RNG: seed torch first for reproducible CPU models. ``context`` replaces the config's
+    longest sequence (``context``) for long-context runs: a Llama's rotary positions have no
+    parameters, so only the sequences it accepts change (a GPT's or BERT's learned position
+    table grows with it).
     """
     entry = _lookup(name)
     _check_size("batch", batch)
     _check_size("seq", seq)
+    _check_size("context", context)
+    if context is not None:
+        entry = _with_context(name, entry, context)
     if entry.seq is None and seq is not None:
         raise AutoshardError(f"{name} has no sequence dimension", got=f"seq={seq}",
                              fix="leave seq unset for this model")
@@ -197,6 +203,17 @@ def get_model(name: str, *, batch: int | None = None, seq: int | None = None,
     batch = entry.batch if batch is None else batch
     seq = entry.seq if seq is None else seq
     return model, model.example_inputs(batch, seq, device=device)
+
+
+def _with_context(name: str, entry: ZooEntry, context: int) -> ZooEntry:
+    cfg = entry.config
+    if cfg is None or not hasattr(cfg, "context"):
+        raise AutoshardError("a context (--context) for a zoo model whose config has one "
+                             "(GPT, Llama, BERT, GShard MoE)", got=f"context={context} for {name}",
+                             fix="drop --context; a Hugging Face config sets "
+                                 "max_position_embeddings in its config.json")
+    return _entry(entry.description, replace(cfg, context=context), batch=entry.batch,
+                  seq=min(entry.seq, context) if entry.seq else None)
 
 
 def _check_size(what: str, value: object) -> None:
@@ -302,7 +319,7 @@ __all__ = ["ZOO", "ZooEntry", "get_model", "load_config", "load_factory", "load_
 
 
 def load_model(name: str, *, batch: int | None, seq: int | None, device: str,
-               task: str | None = None):
+               task: str | None = None, context: int | None = None):
     """(model, example_inputs) for a zoo name, ``path/to/file.py:factory`` returning them, or a
     Hugging Face config (``path/config.json`` or a directory holding one; ``task`` as
     ``hf.from_config`` takes it, default from the config). A zoo name wins over a directory of
@@ -317,9 +334,13 @@ def load_model(name: str, *, batch: int | None, seq: int | None, device: str,
                                  "example inputs", got=f"batch={batch}, seq={seq} for {name}",
                                  fix="drop --batch/--seq, or set the sizes inside the factory")
         return load_factory(name)
+    if context is not None and name not in ZOO:
+        raise AutoshardError("a context (--context) for a zoo model", got=f"context={context} "
+                             f"for {name}", fix="set the context inside the factory or the "
+                                                "config.json (max_position_embeddings)")
     if hf.is_config_path(name) and name not in ZOO:
         return load_config(name, batch=batch, seq=seq, device=device, task=task)
-    return get_model(name, batch=batch, seq=seq, device=device)
+    return get_model(name, batch=batch, seq=seq, device=device, context=context)
 
 
 def load_config(path: str | Path, *, batch: int | None = None, seq: int | None = None,
