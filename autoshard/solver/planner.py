@@ -24,6 +24,7 @@ from autoshard.plans import CollectiveRecord, HostTransfer, NodePlan, ParamState
 from autoshard.solver.build import BuildTimeout, Built, build_problem
 from autoshard.solver.ilp import Infeasible, NoBetter, NoSolution, break_ties, solve
 from autoshard.solver.diagnostics import gib, mesh_use, smaller_mesh, unruled_note
+from autoshard.solver.starts import obvious_starts
 from autoshard.trace.batches import Traces, batch_of, sliced
 from autoshard.trace.export import TracedGraph
 from autoshard.trace.layers import checkpointable, regroup
@@ -521,7 +522,11 @@ def _solve(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_name:
             limit = options.time_limit_s if cutoff_s is None else options.time_limit_s / 4
             if deadline is not None:
                 limit = max(MIN_SOLVE_S, deadline - time.perf_counter())
-            sol = solve(problem, time_limit_s=limit, cutoff_s=cutoff_s,
+            # Never worse than the obvious plans (solver/starts.py); a pinned problem is a
+            # baseline's own, and a deadline leaves no time for them.
+            starts = () if fixed or deadline is not None else \
+                (lambda: obvious_starts(traced, mesh, built))
+            sol = solve(problem, time_limit_s=limit, cutoff_s=cutoff_s, starts=starts,
                         verdict=deadline is None, highs_first=options.stage_run is not None)
     except Infeasible as e:
         least = f"{'' if e.exact else 'at least '}{gib(e.least_memory)}"
@@ -553,6 +558,8 @@ def _solve(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_name:
               "variables": sol.variables, "decisions": len(built.problem.decisions)}
     if sol.note:
         solver["note"] = sol.note
+    if sol.start:
+        solver["start"] = sol.start
     return assemble(traced, mesh, strategies, options, solver=solver, model_name=model_name,
                     timings={"trace_s": trace_s, "build_s": build_s, "solve_s": sol.seconds},
                     recompute=recompute)
