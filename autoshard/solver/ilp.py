@@ -329,8 +329,15 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0,
         least = least_memory_plan(problem, time_limit_s=time_limit_s)
         raise Infeasible(least.bytes, budget=problem.memory_budget, exact=least.exact)
     if not verdict and hasattr(os, "fork"):
-        return _bounded(_search, problem, time_limit_s, t0, cutoff_s, verdict, highs_first,
-                        starts, limit_s=time_limit_s)
+        try:
+            return _bounded(_search, problem, time_limit_s, t0, cutoff_s, verdict, highs_first,
+                            starts, limit_s=time_limit_s)
+        except NoSolution as e:       # the child was stopped: a start in hand still stands
+            given = () if callable(starts) else tuple(s for s in starts if s.choice)
+            start = _best_start(problem, given, 0.0)
+            if start is None or (cutoff_s is not None and start[2] >= cutoff_s):
+                raise
+            return _from_start(start, e.bound, False, 0, t0, time_limit_s)
     return _search(problem, time_limit_s, t0, cutoff_s, verdict, highs_first, starts)
 
 
@@ -466,33 +473,29 @@ def _solve(problem: Problem, time_limit_s: float, t0: float,
     else:
         status, m = _attempt(problem, DEADLINE_BACKENDS, time_limit_s, cutoff_s)
         runs.append((status, m))
+    warm = start is not None          # the second backend started from it
     if start is None and not callable(starts):
         start = _best_start(problem, tuple(s for s in starts if s.choice), 0.0)
     variables = max(sum(len(xs) for xs in m.x) + m.n_aux for _, m in runs)
     bound = max(_bound(m, cap=bound_cap if k else math.inf) for k, (_, m) in enumerate(runs))
-    best = None
+    best = None          # a proven optimum, else the fastest incumbent
     for status, m in runs:
         if status in found:
             choice = m.choice()
             objective = evaluate(problem, choice)[0]  # exact, not within the solver's tolerances
-            if best is None or objective < best[1] or (
-                    status == pywraplp.Solver.OPTIMAL and objective <= best[1]):
-                best = (choice, objective, status == pywraplp.Solver.OPTIMAL, m.backend)
-    label = start[0] if start else ""
-    if start is not None and (best is None or start[2] < best[1]):
+            optimal = status == pywraplp.Solver.OPTIMAL
+            if best is None or optimal or (not best[2] and objective < best[1]):
+                best = (choice, objective, optimal, m.backend)
+    if start is not None and (best is None or not best[2] and start[2] < best[1]):
         if cutoff_s is not None and start[2] >= cutoff_s:
             raise NoBetter()
-        optimal = bound_cap == -math.inf or bound >= start[2] * (1 - 1e-9)
-        return Solution(start[1], "OPTIMAL" if optimal else "FEASIBLE", start[2],
-                        start[2] if optimal else min(start[2], _finite(bound, 0.0)), variables,
-                        time.perf_counter() - t0, start=label,
-                        note=f"the solver found no plan faster than the start ({label}) within "
-                             f"{time_limit_s:g} s")
+        return _from_start(start, bound, bound_cap == -math.inf, variables, t0, time_limit_s)
     if best is not None:
         choice, objective, optimal, backend = best
         return Solution(choice, "OPTIMAL" if optimal else "FEASIBLE", objective,
                         objective if optimal else min(objective, _finite(bound, objective)),
-                        variables, time.perf_counter() - t0, start=label, backend=backend)
+                        variables, time.perf_counter() - t0,
+                        start=start[0] if warm else "", backend=backend)
     status = runs[-1][0]
     if cutoff_s is not None:
         raise NoBetter()
@@ -523,10 +526,23 @@ def _solve(problem: Problem, time_limit_s: float, t0: float,
                          "of least memory, whose step time was not optimised")
 
 
+def _from_start(start: tuple[str, tuple[int, ...], float], bound: float, proved: bool,
+                variables: int, t0: float, time_limit_s: float) -> Solution:
+    """The Solution of a start the solver found nothing faster than: optimal where that is
+    proved (the solver's bound reaches it, or nothing under it is feasible)."""
+    label, choice, step = start
+    optimal = proved or bound >= step * (1 - 1e-9)
+    return Solution(choice, "OPTIMAL" if optimal else "FEASIBLE", step,
+                    step if optimal else min(step, _finite(bound, 0.0)), variables,
+                    time.perf_counter() - t0, start=label,
+                    note=f"the solver found no plan faster than the start ({label}) within "
+                         f"{time_limit_s:g} s")
+
+
 def _bound(m: _Model, *, cap: float) -> float:
     """The backend's best bound on the step (s); under a cutoff at a start's step ``cap`` it
     bounds only the plans faster than the start, so the whole problem's bound is at most it."""
-    return min(m.s.Objective().BestBound() / US, cap)
+    return min(_finite(m.s.Objective().BestBound() / US, 0.0), cap)
 
 
 def _best_start(problem: Problem, starts: tuple[Start, ...], time_limit_s: float

@@ -38,10 +38,10 @@ def obvious_starts(traced: TracedGraph, mesh: Mesh, built: Built) -> tuple[Start
     starts = [_stored(built, label, stored) for label, stored in layouts.items()]
     if mesh.ndim > 1:
         starts += [_where(built, by_decision, f"mesh without axis {mesh.axes[a]}",
-                          lambda s, a=a: all(isinstance(x[a], Replicate) for x in s))
+                          lambda spec, a=a: isinstance(spec[a], Replicate))
                    for a in range(mesh.ndim) if mesh.shape[a] > 1]
         starts.append(_where(built, by_decision, "merged mesh",
-                             lambda s: all(x == s[0] for x in s)))
+                             lambda spec: all(p == spec[0] for p in spec)))
     return tuple(s for s in starts if s is not None)
 
 
