@@ -21,7 +21,7 @@ import torch
 
 from autoshard.ir import Shard
 from autoshard.ops._common import R, Option
-from autoshard.ops.registry import ATTENTION, NO, OpInfo, Saves, expand, register_op
+from autoshard.ops.registry import ATTENTION, NO, OpInfo, Saves, amend, expand, register_op
 
 aten = torch.ops.aten
 
@@ -59,3 +59,8 @@ def sdpa_saves(op: OpInfo) -> Saves:
 
 register_op(SDPA, strategies=sdpa_strategy, family=ATTENTION, saves=sdpa_saves, follows=NO,
             flops=sdpa_flops)
+# The fused kernels it runs as (what torch's selective checkpointing policy sees).
+amend(SDPA, kernels=tuple(getattr(aten, k).default for k in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention")
+    if hasattr(aten, k)))
