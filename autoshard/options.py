@@ -157,6 +157,11 @@ class PlanOptions:
     def bucket_bytes(self) -> float:
         return self.bucket_mb * 2**20
 
+    def budget_bytes(self, mesh: Any) -> float:
+        """The memory budget per device on ``mesh``: ``memory_budget``, or by default the
+        device memory of its cluster (the one place the default is written)."""
+        return mesh.cluster.memory_bytes if self.memory_budget is None else self.memory_budget
+
     @property
     def state_optimizer(self) -> str:
         """The optimizer whose state parameters carry: none when only the forward runs."""

@@ -443,7 +443,7 @@ def build_problem(traced: TracedGraph, mesh: Mesh, options: PlanOptions = PlanOp
     offload as a state mode (True), and parameter offload too ("parameters") (cost/state.py);
     the host memory they fill is bounded by the cluster's ``host_memory_bytes``. ``deadline``
     (``time.perf_counter()`` seconds): raise :class:`BuildTimeout` once pricing runs past it."""
-    budget = mesh.cluster.memory_bytes if options.memory_budget is None else options.memory_budget
+    budget = options.budget_bytes(mesh)
     pricer = Pricer(traced, mesh, options, merge=merge, recompute=recompute, offload=offload)
     host = mesh.cluster.host_memory_bytes if any(m in HOST_MODES for m in pricer.modes) else None
     return _Builder(traced, pricer, budget, in_place=in_place, deadline=deadline,

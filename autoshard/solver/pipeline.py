@@ -85,7 +85,7 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
     if options.schedule != "auto":
         check_microbatches(options.schedule, p, m)
     sub = sub_mesh(mesh, a)
-    budget = mesh.cluster.memory_bytes if options.memory_budget is None else options.memory_budget
+    budget = options.budget_bytes(mesh)
     # The sub-plan holds every layer's state where a stage holds 1/p of it: its bound is the
     # stage's budget times p (the stages' exact peaks are checked below).
     # Its activations weigh the microbatches the fullest stage keeps alive, and each run of it

@@ -184,7 +184,7 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = N
         return plan
     unruled = unruled_note(traced)
     notes = [*plan.warnings, *([unruled.removeprefix("; ")] if unruled else [])]
-    budget = mesh.cluster.memory_bytes if options.memory_budget is None else options.memory_budget
+    budget = options.budget_bytes(mesh)
     live = plan.predicted["memory"]["peak"]
     if live > budget:
         # The ILP bounds what forward saves; the step's peak (backward's gradients, the
@@ -305,7 +305,7 @@ def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw:
     if options.recompute in ("selective", "full"):
         return _plan_traced(traced, mesh, options,
                             recompute=dict.fromkeys(layers, options.recompute), **kw)
-    budget = mesh.cluster.memory_bytes if options.memory_budget is None else options.memory_budget
+    budget = options.budget_bytes(mesh)
     plans: list[Plan] = []
     try:
         with progress.step("without activation checkpointing"):
