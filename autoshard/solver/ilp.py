@@ -548,7 +548,9 @@ def _bound(m: _Model, *, cap: float) -> float:
 def _best_start(problem: Problem, starts: tuple[Start, ...], time_limit_s: float
                 ) -> tuple[str, tuple[int, ...], float] | None:
     """The fastest of ``starts`` that is a plan of ``problem``: (label, choice, step). A
-    restriction is solved (HiGHS, a share of ``time_limit_s`` each, no verdict)."""
+    restriction is solved as any problem is (CBC, then HiGHS where it proves no optimum), a
+    share of ``time_limit_s`` each: a restricted problem is small (parameters held, or one axis
+    left out), and the starts are what the plan is never worse than."""
     best = None
     share = time_limit_s / max(1, sum(1 for s in starts if not s.choice))
     for st in starts:
@@ -556,8 +558,8 @@ def _best_start(problem: Problem, starts: tuple[Start, ...], time_limit_s: float
         if not choice:
             try:
                 choice = _search(replace(problem, cuts=(*problem.cuts, *st.within)),
-                                 max(share, MIN_START_S), time.perf_counter(), None, False,
-                                 True).choice
+                                 max(share, MIN_START_S), time.perf_counter(), None, True,
+                                 False).choice
             except (Infeasible, NoSolution):
                 continue
         if len(choice) != len(problem.decisions) or not fits(problem, choice):
