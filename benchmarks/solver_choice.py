@@ -119,7 +119,8 @@ def main() -> None:
 
 
 def _table(rows: list[dict], limit: float) -> str:
-    head = (f"Each backend alone on the planner's problem (default options, no checkpointing; "
+    head = ("## Which MIP backend: CBC, HiGHS and CP-SAT on the planner's problems\n\n"
+            f"Each backend alone on the planner's problem (default options, no checkpointing; "
             f"{limit:g} s limit, one thread), then the planner's entry `ilp.solve` (first backend, "
             f"fallback; without the starts, which need the traced graph). Step and bound in ms.\n\n"
             f"Command: `{command('benchmarks/solver_choice.py')}`; machine: {machine()}; revision {revision()}; {today()}.\n\n"

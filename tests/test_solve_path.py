@@ -118,3 +118,17 @@ def test_time_limited_plan_is_no_slower_than_the_baselines_and_the_smaller_mesh(
     ours = plan.predicted["step_time_s"]
     for name, other in others.items():
         assert ours <= other.predicted["step_time_s"] * (1 + 1e-6), (name, ours, other.predicted)
+
+
+def test_starts_cost_nothing_where_the_first_backend_proves_the_optimum(monkeypatch,
+                                                                       gpt2_tiny) -> None:
+    """The obvious plans are built and solved only when the solver stops short of an optimum:
+    a problem CBC settles plans as before, with no start in its record."""
+    from autoshard.solver import planner
+
+    def boom(*a, **k):
+        raise AssertionError("starts built for a problem the first backend settles")
+
+    monkeypatch.setattr(planner, "obvious_starts", boom)
+    plan = plan_traced(gpt2_tiny, Mesh((2, 4), ("dp", "tp"), cluster="h100"))
+    assert plan.solver["status"] == "OPTIMAL" and "start" not in plan.solver
