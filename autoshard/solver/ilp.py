@@ -290,8 +290,7 @@ class _Model:
 
 def solve(problem: Problem, *, time_limit_s: float = 30.0,
           cutoff_s: float | None = None, verdict: bool = True,
-          highs_first: bool = False,
-          starts: Sequence[Start] | Callable[[], Sequence[Start]] = ()) -> Solution:
+          highs_first: bool = False, starts: Starts = ()) -> Solution:
     """The best plan the solver finds in ``time_limit_s``: optimal, or feasible with its gap to
     the best bound. Raises :class:`Infeasible` when no plan fits memory, :class:`NoSolution` when
     the solver found no plan in time and none could be built without it. With ``cutoff_s`` (the
@@ -313,8 +312,9 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0,
     ``starts``: incumbents (``problem.Start``) the solve is never worse than: the best that fits
     is returned where the solver finds nothing faster, and bounds the solver's search once its
     first backend stops short of an optimum (:func:`_solve`). A start given as a restriction is
-    solved only then, so a problem the first backend settles costs nothing more. The Solution
-    names the start (``start``) whenever one was in play.""" 
+    solved only then, and ``starts`` may be a function that makes them, called only then: a
+    problem the first backend settles costs nothing more. The Solution
+    names the start (``start``) whenever one was in play."""
     t0 = time.perf_counter()
     floor = _leanest(problem)[0]
     if floor > problem.memory_budget:
@@ -400,7 +400,7 @@ def _bounded(fn, *args, limit_s: float):
 
 
 def _search(problem: Problem, time_limit_s: float, t0: float, cutoff_s: float | None,
-            verdict: bool, highs_first: bool, starts: "Starts" = ()) -> Solution:
+            verdict: bool, highs_first: bool, starts: Starts = ()) -> Solution:
     relaxed = replace(problem, edges=tuple(e for e in problem.edges if _prices_time(e)),
                       fanouts=tuple(f for f in problem.fanouts if _prices_time(f)))
     if len(relaxed.edges) + len(relaxed.fanouts) < len(problem.edges) + len(problem.fanouts):
@@ -440,7 +440,7 @@ def _attempt(problem: Problem, backends: tuple[str, ...], time_limit_s: float,
 
 def _solve(problem: Problem, time_limit_s: float, t0: float,
            cutoff_s: float | None = None, verdict: bool = True,
-           highs_first: bool = False, starts: "Starts" = ()) -> Solution:
+           highs_first: bool = False, starts: Starts = ()) -> Solution:
     found = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
     runs: list[tuple[int, _Model]] = []
     start: tuple[str, tuple[int, ...], float] | None = None
