@@ -557,10 +557,12 @@ def _best_start(problem: Problem, starts: tuple[Start, ...], each_s: float
     for st in starts:
         choice = st.choice
         if not choice:
+            held = replace(problem, cuts=(*problem.cuts, *st.within))
+            if _leanest(held)[0] > problem.memory_budget:
+                continue      # (every weight replicated, on a model that needs it sharded)
             try:
-                choice = _search(replace(problem, cuts=(*problem.cuts, *st.within)),
-                                 max(each_s, MIN_START_S), time.perf_counter(), None, True,
-                                 False).choice
+                choice = _search(held, max(each_s, MIN_START_S), time.perf_counter(), None,
+                                 True, False).choice
             except (Infeasible, NoSolution):
                 continue
         if len(choice) != len(problem.decisions) or not fits(problem, choice):
