@@ -110,9 +110,10 @@ def test_time_limited_plan_is_no_slower_than_the_baselines_and_the_smaller_mesh(
         others[f"on {small.shape}"] = plan_traced(gpt2_tiny, small)
     calls = _never_solves(monkeypatch)
     # The whole problem's solves return at once; the limit is the starts' restricted solves'
-    # (a share each), wide enough that a loaded machine does not cut them short.
+    # (half of it each, in a child process), wide enough that a loaded machine does not cut
+    # them short.
     plan = plan_traced(gpt2_tiny, mesh, time_limit_s=120.0)
-    assert any(whole for _, whole in calls) and any(not whole for _, whole in calls)
+    assert any(whole for _, whole in calls)
     assert plan.solver["status"] == "FEASIBLE" and plan.solver["start"]
     assert 0.0 <= plan.solver["gap"] <= 1.0
     ours = plan.predicted["step_time_s"]
