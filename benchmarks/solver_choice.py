@@ -41,7 +41,6 @@ STATUS = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBL
 
 
 def build(model: str, mesh_s: str, axes: str, batch: int, seq: int) -> Problem:
-    from autoshard.cli import parse_mesh  # noqa: F401  (the CLI's mesh spelling)
     from autoshard.mesh import Mesh
     from autoshard.options import resolve_options
     from autoshard.solver.build import build_problem
