@@ -310,11 +310,10 @@ def strategy_text(s: Strategy | NodePlan, *, placeholder: bool) -> str:
 
 class _Problem:
     """The ILP the plan was solved on, built again, and re-solves of it with one decision's
-    strategies restricted."""
+    strategies restricted (a cut of the problem, solved through the planner's one entry)."""
 
     def __init__(self, plan: Plan, rebuilt: Rebuilt, time_limit_s: float) -> None:
         from autoshard.solver.build import build_problem
-        from autoshard.solver.planner import storage_preferences
         from autoshard.trace.layers import regroup
 
         _check_resolvable(plan)
@@ -329,58 +328,39 @@ class _Problem:
         t0 = time.perf_counter()
         self.built = build_problem(self.traced, self.mesh, self.options,
                                    recompute=self.recompute, offload=offload)
-        self.prefs = storage_preferences(self.traced, self.built)
         self.build_s = time.perf_counter() - t0
 
     def solve(self, g: int, allowed: tuple[int, ...], strategy: str,
               start: tuple[int, ...] | None = None, start_is: str = "") -> Resolved:
         """The plan with decision ``g`` held to the strategies ``allowed``, solved and assembled
-        as the planner does (solver/planner.py ``_plan_traced``): the same ILP, tie-break and
-        pricing. ``start``: a full choice known to obey the pin (``start_is`` says which);
-        kept when the solver, stopped by its time limit, found nothing better."""
+        as the planner solves and assembles every plan (``ilp.solve``, ``planner.solved_plan``):
+        the same ILP, tie-break and pricing. ``start``: a full choice known to obey the pin
+        (``start_is`` says which), which the solve is never worse than."""
         from autoshard.solver.ilp import Infeasible, NoSolution, solve
-        from autoshard.solver.problem import evaluate, restrict, unrestrict
+        from autoshard.solver.planner import solved_plan
+        from autoshard.solver.problem import Start, fits, restricted
 
-        p, restricted = self.built.problem, {g: allowed}
-        if start is not None and evaluate(p, start)[1] > p.memory_budget:
+        p = restricted(self.built.problem, {g: allowed})
+        if start is not None and not fits(p, start):
             start = None              # not a plan: only the solver can tell what fits
         try:
-            sol = solve(restrict(p, restricted), time_limit_s=self.time_limit_s,
-                        verdict=start is None)
+            sol = solve(p, time_limit_s=self.time_limit_s, verdict=start is None,
+                        starts=(Start(start_is, start),) if start is not None else ())
         except Infeasible as e:
             least = f"{'' if e.exact else 'at least '}{_size(e.least_memory)}"
             return Resolved(strategy, None, f"no plan fits the memory budget of "
                                             f"{_size(e.budget)} (the least memory with it is "
                                             f"{least})")
-        except NoSolution as e:
-            sol, bound = None, e.bound
-        if start is not None and (sol is None or evaluate(p, start)[0] < sol.objective):
-            return self._resolved(g, strategy, start, f"FEASIBLE: {start_is}; the solver found "
-                                  f"no better plan within {self.time_limit_s:g} s",
-                                  sol.bound if sol else bound)
-        if sol is None:
+        except NoSolution:
             return Resolved(strategy, None, f"no plan found within {self.time_limit_s:g} s")
-        status = sol.status + (f", gap {sol.gap:.2%}" if sol.gap > 0 else "")
-        return self._resolved(g, strategy, unrestrict(sol.choice, restricted),
-                              status + (f"; {sol.note}" if sol.note else ""),
-                              None if sol.status == "OPTIMAL" else sol.bound)
-
-    def _resolved(self, g: int, strategy: str, choice: tuple[int, ...], status: str,
-                  bound: float | None) -> Resolved:
-        """The plan of ``choice`` (ties broken as the planner breaks them, ``g`` kept)."""
-        from autoshard.solver.ilp import break_ties
-        from autoshard.solver.planner import assemble
-
-        built = self.built
-        choice = break_ties(replace(built.problem, fixed=((g, choice[g]),)), choice, self.prefs)
-        strategies = {n: built.strategy_of(n, choice) for n in built.template}
-        solver = {"status": "OPTIMAL" if bound is None else "FEASIBLE", "gap": 0.0,
-                  "variables": 0, "decisions": len(built.problem.decisions)}
-        plan = assemble(self.traced, self.mesh, strategies, self.options, solver=solver,
-                        model_name=self.plan.model, timings={}, recompute=self.recompute)
+        status = sol.status + (f", gap {sol.gap:.2%}" if sol.gap > 0 else "") + (
+            f"; {sol.note}" if sol.note else "")
+        plan, choice = solved_plan(self.traced, self.mesh, self.options, self.built, p, sol,
+                                   model_name=self.plan.model, timings={},
+                                   recompute=self.recompute)
         step = plan.predicted["step_time_s"]
-        return Resolved(strategy, plan, status, choice, step if bound is None
-                        else min(bound, step))
+        return Resolved(strategy, plan, status, choice,
+                        step if sol.status == "OPTIMAL" else min(sol.bound, step))
 
 
 def _check_resolvable(plan: Plan) -> None:

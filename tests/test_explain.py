@@ -19,7 +19,7 @@ from autoshard.solver.alternatives import plan_stored
 from autoshard.solver.build import build_problem
 from autoshard.solver.ilp import solve
 from autoshard.solver.planner import plan_traced
-from autoshard.solver.problem import evaluate, restrict, unrestrict
+from autoshard.solver.problem import admits, evaluate, restricted
 from autoshard.zoo import models
 from test_diff import run
 
@@ -108,22 +108,24 @@ def test_param_deltas_are_independent_resolves_with_the_layout_stored(plan, rebu
 
 
 def test_restricting_a_decision_solves_as_the_best_of_its_pins(plan, rebuilt) -> None:
-    """What a follower's pin needs: a decision held to a set of its strategies solves to the
-    best of the problems each pinning one of them, and prices every choice alike."""
+    """What a follower's pin needs: a decision held to a set of its strategies (a cut of the
+    problem) solves to the best of the problems each pinning one of them, and prices every
+    choice as the whole problem does."""
     p = build_problem(rebuilt.traced, rebuilt.mesh, plan.options).problem
     g = max(range(len(p.decisions)), key=lambda d: len(p.decisions[d].cost))
     allowed = {g: (3, 0, 5)}
-    r = restrict(p, allowed)
+    r = restricted(p, allowed)
     rng = random.Random(0)
     for _ in range(20):
         c = tuple(rng.randrange(len(d.cost)) for d in r.decisions)
-        assert evaluate(r, c) == evaluate(p, unrestrict(c, allowed))
+        assert evaluate(r, c) == evaluate(p, c)
+        assert admits(r, c) == (c[g] in allowed[g])
     best = min(solve(dataclasses.replace(p, fixed=((g, i),))).objective for i in allowed[g])
     sol = solve(r)
     assert sol.objective == pytest.approx(best, rel=1e-9)
-    assert unrestrict(sol.choice, allowed)[g] in allowed[g]
+    assert sol.choice[g] in allowed[g]
     with pytest.raises(ValueError):
-        restrict(p, {g: ()})
+        restricted(p, {g: ()})
 
 
 def test_source_line_is_the_models_own(plan, rebuilt) -> None:

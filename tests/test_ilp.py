@@ -199,8 +199,8 @@ def test_a_backend_without_a_proven_optimum_hands_over_to_the_next(monkeypatch) 
     from autoshard.solver import ilp
     real, calls = ilp._attempt, []
 
-    def attempt(problem, backends, limit, cutoff):
-        status, m = real(problem, backends, limit, cutoff)
+    def attempt(problem, backends, limit, cutoff, *hint):
+        status, m = real(problem, backends, limit, cutoff, *hint)
         calls.append((m.backend, limit))
         # CBC stops at its time limit with an incumbent it could not prove
         return (pywraplp.Solver.FEASIBLE if m.backend == "CBC" else status), m

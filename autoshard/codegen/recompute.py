@@ -9,7 +9,7 @@ submodule run under ``torch.utils.checkpoint`` (non-reentrant).
   them (planner.assemble).
 - "selective": torch's selective activation checkpointing
   (``torch.utils.checkpoint.create_selective_checkpoint_contexts``) stores the outputs of the
-  matmuls, attention kernels and collectives (:data:`STORED`) and recomputes everything else from
+  matmuls, attention kernels and collectives (``ops.registry.stored_kernels``) and recomputes everything else from
   them; a collective replayed in recompute returns its stored output and moves nothing, so the
   ledger does not count it (phase "replay" below).
 """
@@ -25,22 +25,15 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts,
                                     set_checkpoint_early_stop)
 
+from autoshard.ops.registry import stored_kernels
+
 aten = torch.ops.aten
-# What selective checkpointing stores (the pricing's ``Pricer.stores``: matmul and attention
-# ops; and every collective), as the ATen ops they dispatch to.
-STORED = frozenset(op for op in (
-    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-    getattr(aten, "_grouped_mm", None) and aten._grouped_mm.default,
-    aten.convolution.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    getattr(aten, "_scaled_dot_product_cudnn_attention", None)
-    and aten._scaled_dot_product_cudnn_attention.default) if op)
 
 
 def _selective(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    if op in STORED or getattr(op, "namespace", "") == "_c10d_functional":
+    # What the pricing's ``Pricer.stores`` keeps (the matmul and attention records' ops and the
+    # kernels they dispatch to, ops/registry.py), and every collective.
+    if op in stored_kernels() or getattr(op, "namespace", "") == "_c10d_functional":
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

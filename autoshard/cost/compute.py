@@ -22,7 +22,7 @@ import torch
 from autoshard.ir import OpInfo, Strategy, cached_on, local_shape
 from autoshard.mesh import Mesh
 from autoshard.ops.registry import (ATTENTION, ELEMENTWISE, FACTORY, GATHER, MATMUL, VIEW,
-                                    record_of)
+                                    OpRecord, record_of)
 
 aten = torch.ops.aten
 
@@ -37,22 +37,6 @@ ATTENTION_BACKWARD_FACTOR = 2.5
 # intermediates; 2x is the round, conservative figure.
 ELEMENTWISE_BACKWARD_BYTES = 2.0
 
-# Special-function evaluations (exp, log, tanh, erf, sqrt, ...) per element of the op's largest
-# tensor, (forward, backward), from the op's formula and its derivative in PyTorch
-# (tools/autograd/derivatives.yaml) (docs/cost-model.md §3.7). A backward that reuses the saved
-# output needs none (exp: grad·result; tanh_backward, sigmoid_backward; rsqrt, sqrt: powers of
-# the result; softmax: grad·y - y·sum; log: a division); one that recomputes the function from
-# the saved input needs it again (gelu_backward, silu_backward; erf's derivative exp(-x²); the
-# erf form of GELU evaluates erf and the density); log_softmax's backward takes exp of the saved
-# output. Ops absent from the table evaluate none (arithmetic, comparisons, copies, reductions,
-# norms: layer_norm and rms_norm take one rsqrt per row, not per element).
-SPECIALS: dict[str, tuple[int, int]] = {
-    "exp": (1, 0), "log": (1, 0), "tanh": (1, 0), "sigmoid": (1, 0), "rsqrt": (1, 0),
-    "sqrt": (1, 0), "erf": (1, 1), "silu": (1, 1), "sin": (1, 1), "cos": (1, 1),
-    "softmax": (1, 0), "_softmax": (1, 0), "log_softmax": (1, 1), "_log_softmax": (1, 1),
-    "cross_entropy_loss": (1, 1),          # log_softmax, then a gather of the target's entry
-}
-GELU_ERF = (1, 2)                          # gelu(approximate="none"); "tanh": one tanh each way
 # Passes over the logits a cross-entropy's kernels make, in units of the logits' local bytes,
 # (forward, backward), by the strategy's kernel (docs/cost-model.md §3.9). PyTorch's composite
 # (log_softmax + nll_loss) keeps its statistics in registers: reads for the row max, for the
@@ -63,11 +47,6 @@ GELU_ERF = (1, 2)                          # gelu(approximate="none"); "tanh": o
 # logits); backward the exp of the saved log-probabilities and one row scale in place (4).
 CROSS_ENTROPY_PASSES = (4.0, 5.0)
 VOCAB_PARALLEL_PASSES = {True: (8.0, 4.0), False: (4.0, 4.0)}   # by 16-bit logits
-# Additive inputs a matmul broadcasts over its rows (a bias), by position: their gradient is a
-# sum of the output gradient over the rows, one more kernel in backward (derivatives.yaml:
-# addmm's ``self``, linear's bias).
-BIAS_INPUT = {aten.linear.default: 2, aten.addmm.default: 0, aten.addmv.default: 0,
-              aten.baddbmm.default: 0, aten.addbmm.default: 0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +84,8 @@ def _make_profile(op: OpInfo) -> OpProfile:
     dtype = floats[0] if floats else (outs[0].dtype if outs else torch.float32)
     has_backward = family != FACTORY and bool(floats) and any(
         t.dtype.is_floating_point or t.dtype.is_complex for t in outs)
-    fwd_sp, bwd_sp = _specials(op, family)
-    bias = BIAS_INPUT.get(op.target, -1) if family == MATMUL else -1
+    fwd_sp, bwd_sp = _specials(op, record)
+    bias = record.bias if family == MATMUL else -1
     if not (0 <= bias < len(ins) and outs and ins[bias].numel < outs[0].numel):
         bias = -1
     return OpProfile(
@@ -117,14 +96,15 @@ def _make_profile(op: OpInfo) -> OpProfile:
         outputs=tuple((t.shape, t.dtype.itemsize) for t in outs),
         table=0 if family == GATHER and ins else -1,
         specials=fwd_sp, specials_backward=bwd_sp, bias=bias,
-        cross_entropy=op.target == aten.cross_entropy_loss.default and bool(ins))
+        cross_entropy=record.logits and bool(ins))
 
 
-def _specials(op: OpInfo, family: str) -> tuple[float, float]:
+def _specials(op: OpInfo, record: OpRecord) -> tuple[float, float]:
     """Whole (forward, backward) special-function evaluations of ``op`` (docs/cost-model.md
-    §3.7): per element of its largest tensor for elementwise ops (``SPECIALS``), and one exp per
-    attention score each way (FlashAttention's softmax, recomputed in backward)."""
-    ins, outs = op.inputs, op.outputs
+    §3.7): per element of its largest tensor for elementwise ops (the record's ``specials``),
+    and one exp per attention score each way (FlashAttention's softmax, recomputed in
+    backward)."""
+    ins, outs, family = op.inputs, op.outputs, record.family
     if family == ATTENTION:
         if len(ins) < 2 or len(ins[0].shape) < 2 or len(ins[1].shape) < 2:
             return 0.0, 0.0
@@ -134,17 +114,7 @@ def _specials(op: OpInfo, family: str) -> tuple[float, float]:
         return scores, scores
     if family in (MATMUL, GATHER, FACTORY, VIEW):
         return 0.0, 0.0
-    name = getattr(op.target, "_opname", "")
-    if name == "gelu":
-        approx = op.kwargs.get("approximate", op.args[1] if len(op.args) > 1 else "none")
-        per = (1, 1) if approx == "tanh" else GELU_ERF
-    elif name == "pow":
-        # An integral exponent is repeated multiplication; any other is exp(e·log(x)).
-        e = op.args[1] if len(op.args) > 1 else None
-        integral = isinstance(e, (int, float)) and float(e).is_integer()
-        per = (0, 0) if integral else (1, 1)
-    else:
-        per = SPECIALS.get(name, (0, 0))
+    per = record.specials_of(op)
     if per == (0, 0):
         return 0.0, 0.0
     n = float(max((t.numel for t in (*ins, *outs)), default=0))

@@ -86,7 +86,7 @@ from autoshard.cost.memory import param_state_bytes, saved_rule
 from autoshard.cost.program import Event, StepProgram, node_reads, step_program
 from autoshard.errors import AutoshardError
 from autoshard.ir import Strategy, shard_factor
-from autoshard.ops.registry import VIEW, record_of
+from autoshard.ops.registry import PASSES, VIEW, WIDENS, record_of
 from autoshard.trace.graph import ValueRef, value_inputs, value_ref
 
 aten = torch.ops.aten
@@ -119,17 +119,6 @@ class MemoryBreakdown:
         return asdict(self)
 
 
-# Ops whose backward passes the output gradient through to an input of the output's size.
-_PASS_THROUGH = {aten.add.Tensor, aten.add_.Tensor, aten.clone.default, aten.contiguous.default,
-                 aten.alias.default, aten.detach.default}
-# Views whose backward makes a new, input-sized gradient (a slice's gradient is zeros with the
-# slice written in; an expand's is summed back down).
-_VIEW_NEW_GRAD = {aten.slice.Tensor, aten.select.int, aten.narrow.default, aten.expand.default,
-                  aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
-                  aten.unbind.int}
-# Composite ops whose backward holds one more input-0-sized tensor while it runs: a
-# cross-entropy's backward makes the log-softmax's gradient, then the logits'.
-_BACKWARD_EXTRA = {aten.cross_entropy_loss.default}
 
 
 class _Storage:
@@ -840,7 +829,8 @@ class _Walk:
                 mem.unref(s)
             return
         refs = value_inputs(node)
-        view = record_of(node.target).family == VIEW
+        record = record_of(node.target)     # how its backward makes gradients (ops/registry.py)
+        view = record.family == VIEW
         alias = self._aliases(node)
         new_grads: list[tuple[Any, _Storage]] = []
         for k, ref in enumerate(refs):
@@ -850,7 +840,7 @@ class _Walk:
             nbytes = self._local_bytes(ref, self.edges[key[1]].dst) if key[0] == "edge" \
                 else self._value_bytes(ref)      # (a parameter's copy in: its stored bytes)
             g0 = out_grads.get(alias.get(k, -1))
-            if g0 is not None and node.target not in _VIEW_NEW_GRAD:
+            if g0 is not None and record.grad != WIDENS:
                 # A view's (or an aliasing op's) gradient is its output's, reshaped: a copy only
                 # where a transposed gradient has to become contiguous.
                 if view and self._reshapes(node) and g0.permuted:
@@ -859,13 +849,13 @@ class _Walk:
                     if view and self._permutes(node):
                         g0.permuted = not g0.permuted
                     new_grads.append((key, mem.ref(g0)))
-            elif node.target in _PASS_THROUGH and len(out_grads) == 1 \
+            elif record.grad == PASSES and len(out_grads) == 1 \
                     and next(iter(out_grads.values())).nbytes == nbytes:
                 new_grads.append((key, mem.ref(next(iter(out_grads.values())))))
             else:
                 new_grads.append((key, mem.alloc(nbytes, "temporaries")))
         extra = 0
-        if node.target in _BACKWARD_EXTRA and refs:
+        if record.logits and refs:     # the log-softmax's gradient, then the logits'
             extra = self._local_bytes(refs[0], self._in_spec(node, 0))
         mem.mark(name, extra=extra)
         for s in [*out_grads.values(), *held]:

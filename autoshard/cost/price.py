@@ -27,7 +27,6 @@ import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 
 from autoshard.cost.comm import Groups, Reshard, Step, reshard, reshard_time, steps_time
@@ -40,7 +39,7 @@ from autoshard.cost.state import (ADAM_STEP_BYTES, MASTER_CAST_BYTES, SCATTERS, 
                                   zero_axes, zero_grad_sync)
 from autoshard.ir import OpInfo, Partial, Replicate, Shard, Spec, Strategy, local_shape
 from autoshard.mesh import AxisMerge, Mesh
-from autoshard.ops.registry import ATTENTION, MATMUL, VIEW, op_collectives, record_of
+from autoshard.ops.registry import STORED_FAMILIES, VIEW, op_collectives, record_of
 from autoshard.options import PlanOptions, state_modes
 from autoshard.trace.export import TracedGraph, op_info
 from autoshard.trace.graph import ValueRef, value_inputs, value_shapes
@@ -150,7 +149,7 @@ class Pricer:
     def stores(self, name: str) -> bool:
         """Whether selective checkpointing keeps the op's outputs: a matmul or attention (their
         outputs are what is costly to recompute: Korthikanti et al. 2022, §5)."""
-        return record_of(self._nodes[name].target).family in (MATMUL, ATTENTION)
+        return record_of(self._nodes[name].target).family in STORED_FAMILIES
 
     def reruns(self, name: str) -> bool:
         """Whether the op's forward runs again in backward."""
@@ -464,7 +463,7 @@ class Pricer:
         """A product's backward keeps one factor only for the other's gradient: PyTorch saves
         ``a`` of ``a * b`` only if ``b`` needs a gradient (RoPE's ``q * cos`` keeps ``cos``,
         not ``q``)."""
-        if node.target is not torch.ops.aten.mul.Tensor or len(refs) != 2:
+        if not record_of(node.target).one_factor or len(refs) != 2:
             return True
         other = refs[1 - k][0]
         return other in self.grads or other in self.params

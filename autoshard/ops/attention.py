@@ -33,7 +33,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from autoshard.ir import ZIGZAG, Shard, Strategy
 from autoshard.ops._common import R, Option, arg, shard_index
-from autoshard.ops.registry import ATTENTION, NO, OpInfo, Saves, expand, register_op
+from autoshard.ops.registry import ATTENTION, NO, OpInfo, Saves, amend, expand, register_op
 
 aten = torch.ops.aten
 
@@ -116,3 +116,8 @@ def sdpa_saves(op: OpInfo) -> Saves:
 
 register_op(SDPA, strategies=sdpa_strategy, family=ATTENTION, saves=sdpa_saves, follows=NO,
             flops=sdpa_flops, localize=sdpa_localize)
+# The fused kernels it runs as (what torch's selective checkpointing policy sees).
+amend(SDPA, kernels=tuple(getattr(aten, k).default for k in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention")
+    if hasattr(aten, k)))

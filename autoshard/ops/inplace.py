@@ -19,7 +19,7 @@ import torch
 from autoshard.ir import OpInfo, Strategy
 from autoshard.ops import misc, moe, pointwise  # noqa: F401  (register the twins first)
 from autoshard.ops._common import plain_localize
-from autoshard.ops.registry import RECORDS, Saves, default_localize, register_op
+from autoshard.ops.registry import PASSES, RECORDS, Saves, amend, default_localize, register_op
 
 aten = torch.ops.aten
 
@@ -70,3 +70,5 @@ def _register(target: Any, twin: Any) -> None:
 
 for _target, _twin in TWINS.items():
     _register(_target, _twin)
+# ``x += y`` (a residual added in place) passes its gradient on as ``x + y`` does.
+amend(aten.add_.Tensor, grad=PASSES)

@@ -39,8 +39,8 @@ import torch
 from autoshard.ir import Shard, Strategy, local_shape, to_rank_major
 from autoshard.ops._common import P, R, Option, arg, shard_index, with_kernel
 from autoshard.ops.registry import (ELEMENTWISE, NO, CollectiveKernel, OpCollective, OpInfo,
-                                    Reduce, Saves, all_inputs, expand, per_output_element,
-                                    register_op)
+                                    Reduce, Saves, all_inputs, amend, expand,
+                                    per_output_element, register_op)
 
 aten = torch.ops.aten
 
@@ -279,6 +279,9 @@ def cross_entropy_saves(op: OpInfo) -> Saves:
 register_op(aten.cross_entropy_loss.default, strategies=class_loss_strategy, family=ELEMENTWISE,
             saves=cross_entropy_saves, follows=NO, flops=per_output_element,
             localize=class_loss_localize, collectives=class_loss_collectives)
+# log_softmax, then a gather of the target's entry (docs/cost-model.md §3.7); priced by passes
+# over its logits (§3.9), its backward holding the log-softmax's gradient, then the logits'.
+amend(aten.cross_entropy_loss.default, specials=(1, 1), logits=True)
 register_op(aten.nll_loss_nd.default, aten.nll_loss.default, strategies=class_loss_strategy,
             family=ELEMENTWISE, saves=all_inputs, follows=NO, flops=per_output_element,
             localize=class_loss_localize)

@@ -19,7 +19,7 @@ import torch
 
 from autoshard.ir import Shard, TensorInfo
 from autoshard.ops._common import P, R, Option, arg
-from autoshard.ops.registry import (ELEMENTWISE, MATMUL, NO, OpInfo, Saves, all_inputs,
+from autoshard.ops.registry import (ELEMENTWISE, MATMUL, NO, OpInfo, Saves, all_inputs, amend,
                                     expand, register_op)
 
 aten = torch.ops.aten
@@ -159,6 +159,10 @@ def matmul_saves(op: OpInfo) -> Saves:
 
 register_op(*(t for t in MATMUL_OPS if t != aten.outer.default), strategies=matmul_strategy,
             family=MATMUL, saves=matmul_saves, follows=NO, flops=matmul_flops)
+# The additive input a matmul broadcasts over its rows (a bias), by position: its gradient is a
+# sum of the output gradient over the rows (derivatives.yaml: addmm's ``self``, linear's bias).
+amend(aten.linear.default, bias=2)
+amend(aten.addmm.default, aten.baddbmm.default, bias=0)
 # An outer product contracts nothing: it is bound by the bytes it writes, like an elementwise op.
 register_op(aten.outer.default, strategies=matmul_strategy, family=ELEMENTWISE, saves=all_inputs,
             follows=NO, flops=matmul_flops)

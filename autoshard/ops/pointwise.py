@@ -21,8 +21,8 @@ import torch
 
 from autoshard.ops._common import P, R, broadcast_map, is_float, mapped_options
 from autoshard.ops.registry import (ELEMENTWISE, INPUT, LARGEST, NO, NOTHING, VIEW, OpInfo, Saves,
-                                    all_but_first, all_inputs, expand, per_output_element,
-                                    register_op)
+                                    PASSES, all_but_first, all_inputs, amend, expand,
+                                    per_output_element, register_op)
 
 aten = torch.ops.aten
 
@@ -131,3 +131,42 @@ _RECORDS = (
 for _targets, _family, _saves, _follows in _RECORDS:
     register_op(*_targets, strategies=pointwise_strategy, family=_family, saves=_saves,
                 follows=_follows, flops=per_output_element)
+
+
+# Special-function evaluations (exp, log, tanh, erf, sqrt, ...) per element of the op's largest
+# tensor, (forward, backward), from the op's formula and its derivative in PyTorch
+# (tools/autograd/derivatives.yaml) (docs/cost-model.md §3.7). A backward that reuses the saved
+# output needs none (exp: grad·result; tanh_backward, sigmoid_backward; rsqrt, sqrt: powers of
+# the result; log: a division); one that recomputes the function from the saved input needs it
+# again (gelu_backward, silu_backward; erf's derivative exp(-x²); the erf form of GELU
+# evaluates erf and the density). Ops not listed evaluate none (arithmetic, comparisons,
+# copies, reductions, norms: layer_norm and rms_norm take one rsqrt per row, not per element).
+for _t, _per in ((aten.exp.default, (1, 0)), (aten.log.default, (1, 0)),
+                 (aten.tanh.default, (1, 0)), (aten.sigmoid.default, (1, 0)),
+                 (aten.rsqrt.default, (1, 0)), (aten.sqrt.default, (1, 0)),
+                 (aten.erf.default, (1, 1)), (aten.silu.default, (1, 1)),
+                 (aten.sin.default, (1, 1)), (aten.cos.default, (1, 1))):
+    amend(_t, specials=_per)
+
+
+def gelu_specials(op: OpInfo) -> tuple[int, int]:
+    """gelu(approximate="none") evaluates erf, and its backward erf and the density; "tanh"
+    one tanh each way."""
+    approx = op.kwargs.get("approximate", op.args[1] if len(op.args) > 1 else "none")
+    return (1, 1) if approx == "tanh" else (1, 2)
+
+
+def pow_specials(op: OpInfo) -> tuple[int, int]:
+    """An integral exponent is repeated multiplication; any other is exp(e·log(x))."""
+    e = op.args[1] if len(op.args) > 1 else None
+    integral = isinstance(e, (int, float)) and float(e).is_integer()
+    return (0, 0) if integral else (1, 1)
+
+
+amend(aten.gelu.default, specials=gelu_specials)
+amend(aten.pow.Tensor_Scalar, aten.pow.Scalar, aten.pow.Tensor_Tensor, specials=pow_specials)
+# ``a * b`` keeps ``a`` only if ``b`` needs a gradient (RoPE's ``q * cos`` keeps ``cos``).
+amend(aten.mul.Tensor, one_factor=True)
+# Backward hands the output's gradient on to an input of the output's size.
+amend(aten.add.Tensor, aten.clone.default, aten.contiguous.default, aten.alias.default,
+      aten.detach.default, grad=PASSES)

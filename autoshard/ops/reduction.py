@@ -20,8 +20,8 @@ import torch
 from autoshard.ir import Shard, Strategy
 from autoshard.ops._common import (P, Option, arg, is_float, norm_dim, norm_dims, plain_localize,
                                    with_kernel)
-from autoshard.ops.registry import (ELEMENTWISE, NO, NOTHING, OpInfo, Saves, all_inputs, expand,
-                                    per_output_element, register_op)
+from autoshard.ops.registry import (ELEMENTWISE, NO, NOTHING, OpInfo, Saves, all_inputs, amend,
+                                    expand, per_output_element, register_op)
 
 aten = torch.ops.aten
 
@@ -148,6 +148,10 @@ register_op(*EXTREMA, strategies=extrema_strategy, saves=all_inputs, localize=re
             **_REDUCTION)
 # Softmax's backward needs only its output.
 register_op(*SOFTMAX, strategies=softmax_strategy, saves=Saves(outputs=(0,)), **_REDUCTION)
+# One exp per element (docs/cost-model.md §3.7); backward: softmax's is grad·y - y·sum, none;
+# log_softmax's takes exp of its saved output.
+amend(aten.softmax.int, aten._softmax.default, specials=(1, 0))
+amend(aten.log_softmax.int, aten._log_softmax.default, specials=(1, 1))
 register_op(aten.cumsum.default, strategies=cumsum_strategy, saves=NOTHING, **_REDUCTION)
 # Linear: backward keeps nothing. ``n`` is the length of the dim kept whole, never a local size.
 register_op(*FFTS, strategies=fft_strategy, family=ELEMENTWISE, saves=NOTHING, follows=NO,

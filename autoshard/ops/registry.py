@@ -22,8 +22,26 @@ An :class:`OpRecord` holds, for one op target:
   :class:`CollectiveKernel`, which whoever runs the op binds to its ranks; the cost model prices
   the declared collectives and the plan's ledger lists them (docs/cost-model.md §3.8).
 
+and the facts that change an op's price beyond its family (optional, default: none), declared
+with :func:`amend` next to the op's registration, so that the cost model and codegen read them
+from the record and hold no table of ops of their own:
+
+- ``specials``: special-function evaluations (exp, log, tanh, erf, ...) per element of its
+  largest tensor, (forward, backward), or a function of the op giving them (docs/cost-model.md
+  §3.7);
+- ``bias``: a matmul's additive input broadcast over its rows, by position (its gradient is a
+  sum over the rows, one more kernel in backward);
+- ``logits``: a cross-entropy priced by passes over its logits (§3.9), whose backward holds one
+  more logits-sized tensor while it runs;
+- ``grad``: how backward makes its inputs' gradients where the family does not say (the
+  liveness walk, cost/liveness.py): :data:`PASSES` hands the output's gradient to each input of
+  its size, :data:`WIDENS` (a view) makes a new input-sized one;
+- ``one_factor``: a product, whose backward keeps one factor only for the other's gradient;
+- ``kernels``: the ATen ops it dispatches to at run time where they differ from itself (what
+  torch's selective checkpointing policy sees, codegen/recompute.py).
+
 Adding an op is one :func:`register_op` call plus one validation sample in tests/test_rules.py;
-every part is a required argument. Ops with no record are replicated, with one warning per op
+every part of the rule is a required argument. Ops with no record are replicated, with one warning per op
 naming it and the model's source line, and priced as elementwise ops that save every input.
 """
 from __future__ import annotations
@@ -31,7 +49,7 @@ from __future__ import annotations
 import itertools
 import operator
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence, Union
 
 import torch
@@ -56,6 +74,11 @@ FAMILIES = (VIEW, MATMUL, ATTENTION, GATHER, FACTORY, ELEMENTWISE)
 # How an op joins the ILP (solver/build.py).
 NO, INPUT, LARGEST = "no", "input", "largest"
 FOLLOWS = (NO, INPUT, LARGEST)
+# How backward makes an op's input gradients, where the family does not say (``grad``).
+PASSES, WIDENS = "passes", "widens"
+# Families whose outputs selective checkpointing stores (their outputs are what is costly to
+# recompute: Korthikanti et al. 2022, §5); the pricing and the rank program read this alike.
+STORED_FAMILIES = (MATMUL, ATTENTION)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,13 +157,25 @@ class OpRecord:
     flops: FlopsFn
     localize: LocalizeFn
     collectives: CollectivesFn | None = None
+    # Facts that change the price (see the module docstring; :func:`amend`).
+    specials: tuple[int, int] | Callable[[OpInfo], tuple[int, int]] = (0, 0)
+    bias: int = -1
+    logits: bool = False
+    grad: str = ""
+    one_factor: bool = False
+    kernels: tuple = ()
 
     def __post_init__(self) -> None:
         assert self.family in FAMILIES, f"family is one of {FAMILIES}; got {self.family!r}"
         assert self.follows in FOLLOWS, f"follows is one of {FOLLOWS}; got {self.follows!r}"
+        assert self.grad in ("", PASSES, WIDENS), f"grad is {PASSES!r} or {WIDENS!r}"
 
     def saved(self, op: OpInfo) -> Saves:
         return self.saves(op) if callable(self.saves) else self.saves
+
+    def specials_of(self, op: OpInfo) -> tuple[int, int]:
+        """Special-function evaluations per element of the op's largest tensor (fwd, bwd)."""
+        return self.specials(op) if callable(self.specials) else self.specials
 
 
 RECORDS: dict[Any, OpRecord] = {}
@@ -152,9 +187,34 @@ def register_op(*targets: Any, strategies: RuleFn, family: str, saves: Union[Sav
     """Register everything about ``targets`` at once (one record each)."""
     record = OpRecord(strategies, family, saves, follows, flops, localize or default_localize,
                       collectives)
+    global _stored
     for t in targets:
         assert t not in RECORDS, f"{t} is registered twice"
         RECORDS[t] = record
+    _stored = None
+
+
+def amend(*targets: Any, **facts: Any) -> None:
+    """Add price facts (fields of :class:`OpRecord` after ``collectives``) to the records of the
+    registered ``targets``."""
+    global _stored
+    for t in targets:
+        assert t in RECORDS, f"{t} is not registered"
+        RECORDS[t] = replace(RECORDS[t], **facts)
+    _stored = None
+
+
+def stored_kernels() -> frozenset:
+    """The ATen ops whose outputs selective checkpointing stores: every op of a
+    :data:`STORED_FAMILIES` record and the kernels it dispatches to."""
+    global _stored
+    if _stored is None:
+        _stored = frozenset(op for t, r in RECORDS.items() if r.family in STORED_FAMILIES
+                            for op in (t, *r.kernels))
+    return _stored
+
+
+_stored: frozenset | None = None        # stored_kernels(), until a record changes
 
 
 def _replicated(op: OpInfo, mesh_shape: tuple) -> list[Strategy]:

@@ -20,7 +20,8 @@ from autoshard.ir import Shard, Strategy, local_shape, shard_factor
 from autoshard.ops._common import (P, Option, arg, is_float, mapped_options, norm_dim,
                                             plain_localize)
 from autoshard.ops.registry import (ELEMENTWISE, INPUT, LARGEST, NO, NOTHING, VIEW, OpInfo,
-                                    all_inputs, expand, per_output_element, register_op)
+                                    WIDENS, all_inputs, amend, expand, per_output_element,
+                                    register_op)
 
 aten = torch.ops.aten
 
@@ -310,6 +311,11 @@ register_op(aten.select.int, aten.unbind.int,
             strategies=dim_map_strategy, follows=NO, localize=plain_localize, **_VIEW)
 register_op(aten.slice.Tensor, aten.narrow.default,
             strategies=dim_map_strategy, follows=NO, localize=split_localize, **_VIEW)
+# A part's or an expansion's gradient is a new input-sized tensor (a slice's is zeros with the
+# slice written in; an expand's is summed back down).
+amend(aten.slice.Tensor, aten.select.int, aten.narrow.default, aten.expand.default,
+      aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int,
+      grad=WIDENS)
 register_op(aten.cat.default, strategies=cat_strategy, family=ELEMENTWISE, saves=NOTHING,
             follows=LARGEST, flops=per_output_element, localize=plain_localize)
 register_op(aten.stack.default, strategies=cat_strategy, family=ELEMENTWISE, saves=NOTHING,

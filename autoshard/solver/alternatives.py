@@ -14,17 +14,16 @@
   resharded on the way into an op: a ZeRO-3-style plan stores every weight sharded and lets the
   ILP all-gather it for the ops that need it whole.
 
-Both build the problem as the planner does (solver/build.py), solve it with the ILP's model
-(solver/ilp.py, ``_Model``) under extra constraints, and assemble the Plan with the planner's
-``assemble``, so their predicted figures are the same prices as any other plan's. 1-D and 2-D
+Both build the problem as the planner does (solver/build.py), add their pins and cuts to it as
+data (solver/problem.py), solve it through the planner's one entry (``ilp.solve``: the same
+backends, fallback and verdicts) and assemble the Plan as the planner does
+(``planner.solved_plan``), so their predicted figures are the same prices as any other plan's. 1-D and 2-D
 meshes only (the planner searches 3-axis meshes over axis merges).
 """
 from __future__ import annotations
 
-import time
+from dataclasses import replace
 from typing import Any, Sequence
-
-from ortools.linear_solver import pywraplp
 
 from autoshard.errors import AutoshardError
 from autoshard.ir import Spec, Strategy
@@ -32,9 +31,9 @@ from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions, resolve_options
 from autoshard.plans import Plan
 from autoshard.solver.build import Built, build_problem
-from autoshard.solver.ilp import US, _Model, break_ties
-from autoshard.solver.planner import assemble, check_mesh_fits, storage_preferences
-from autoshard.solver.problem import evaluate
+from autoshard.solver.ilp import Infeasible, NoSolution, solve
+from autoshard.solver.planner import check_mesh_fits, solved_plan
+from autoshard.solver.problem import Cut
 from autoshard.trace.export import TracedGraph
 
 
@@ -93,47 +92,24 @@ def _solve(traced: TracedGraph, mesh: Mesh, options: PlanOptions, built: Built, 
            model_name: str, label: str) -> Plan | None:
     """The cheapest plan under ``pins`` and a no-good cut per ``exclude`` (None if none is
     feasible within the memory budget and the time limit)."""
-    t0 = time.perf_counter()
-    problem = built.problem
     classes = _param_classes(traced, built)
-    m = _Model(problem)
-    m.s.Add(m.mem <= problem.memory_budget)
-    for g, i in pins:
-        m.s.Add(m.x[g][i] == 1)
-    for layouts in exclude:
-        same = [m.x[g][i] for name, (g, specs) in classes.items() if name in layouts
-                for i, spec in enumerate(specs) if spec == layouts[name]]
-        n = sum(1 for name in classes if name in layouts)
-        if n:
-            m.s.Add(m.s.Sum(same) <= n - 1)
-    m.s.Minimize(m.obj)
-    m.s.SetTimeLimit(int(options.time_limit_s * 1000))
-    status = m.s.Solve()
-    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+    cuts = tuple(c for c in (_no_good(classes, layouts) for layouts in exclude) if c)
+    problem = replace(built.problem, fixed=tuple(sorted(set(pins))), cuts=cuts)
+    try:
+        sol = solve(problem, time_limit_s=options.time_limit_s)
+    except (Infeasible, NoSolution):
         return None
-    raw = m.choice()
-    pinned = {g for g, _ in pins}
-    prefs = {g: order for g, order in storage_preferences(traced, built).items() if g not in pinned}
-    choice = break_ties(problem, raw, prefs)
-    if exclude and _excluded(choice, classes, exclude):
-        choice = raw      # the tie-break walked back onto an excluded plan: keep the solver's
-    objective = evaluate(problem, choice)[0]
-    strategies = {name: built.strategy_of(name, choice) for name in built.template}
-    solver = {"status": "OPTIMAL" if status == pywraplp.Solver.OPTIMAL else "FEASIBLE",
-              "objective": objective, "gap": 0.0, "decisions": len(problem.decisions),
-              "variables": sum(len(xs) for xs in m.x) + m.n_aux,
-              "bound": m.s.Objective().BestBound() / US, "alternative": label}
-    return assemble(traced, mesh, strategies, options, solver=solver, model_name=model_name,
-                    timings={"trace_s": 0.0, "build_s": 0.0, "solve_s": time.perf_counter() - t0})
+    return solved_plan(traced, mesh, options, built, problem, sol, model_name=model_name,
+                       timings={"trace_s": 0.0, "build_s": 0.0, "solve_s": sol.seconds},
+                       alternative=label)[0]
 
 
-def _excluded(choice: tuple[int, ...], classes: dict[str, tuple[int, list[Spec]]],
-              exclude: Sequence[dict[str, Spec]]) -> bool:
-    for layouts in exclude:
-        if all(specs[choice[g]] == layouts[name] for name, (g, specs) in classes.items()
-               if name in layouts):
-            return True
-    return False
+def _no_good(classes: dict[str, tuple[int, list[Spec]]], layouts: dict[str, Spec]) -> Cut | None:
+    """Of the parameters ``layouts`` names, at least one leaves the layout it gives it."""
+    terms = tuple((g, i) for name, (g, specs) in classes.items() if name in layouts
+                  for i, spec in enumerate(specs) if spec == layouts[name])
+    n = sum(1 for name in classes if name in layouts)
+    return Cut(terms, n - 1) if n else None
 
 
 def runners_up(traced: TracedGraph, mesh: Mesh, best: Plan, count: int = 2,

@@ -30,13 +30,21 @@ import os
 import sys
 import time
 from dataclasses import dataclass, replace
+from typing import Callable, Sequence
 
 from ortools.linear_solver import pywraplp
 
-from autoshard.solver.problem import (Edge, Fanout, Problem, Solution, evaluate, host_bytes,
-                                      price, totals)
+from autoshard.solver.problem import (Edge, Fanout, Problem, Solution, Start, admits, evaluate,
+                                      excluded, fits, host_bytes, price, totals)
 
 BACKENDS = ("CBC", "HIGHS", "SCIP")
+# The backend that continues where the first stopped short of an optimum, from the best start.
+SECOND_BACKENDS = ("HIGHS", "CBC", "SCIP")
+# Backends whose OR-Tools wrapper takes a solution hint (MPSolver.SetHint).
+HINTED = ("SCIP", "CP-SAT", "SAT")
+# The least time a start's restricted problem gets.
+MIN_START_S = 0.5
+Starts = Sequence[Start] | Callable[[], Sequence[Start]]
 # Under a deadline (solve(verdict=False)), HiGHS first: on the ILP of a 3-axis mesh over every
 # subset of axes (~10^5 edge variables), CBC's root processing overran a 4 s limit by 3 to 8 times
 # where HiGHS kept to it and proved the optimum.
@@ -105,8 +113,8 @@ def least_memory_plan(problem: Problem, *, time_limit_s: float = 30.0) -> LeastM
     if leanest is None:
         return LeastMemory(float("inf"), True, None)   # two strategies pinned on one decision
     hosted = _host_bound(problem)
-    if not any(e.memory for e in (*problem.edges, *problem.fanouts)) and (
-            not hosted or host_bytes(problem, leanest) <= problem.host_budget):
+    if not any(e.memory for e in (*problem.edges, *problem.fanouts)) and admits(
+            problem, leanest) and (not hosted or host_bytes(problem, leanest) <= problem.host_budget):
         return LeastMemory(bound, True, leanest)
     # With the host bound, HiGHS first: CBC took over 20 s on gpt2-tiny's host-bound MIPs
     # where HiGHS took 0.2 s.
@@ -132,15 +140,19 @@ def least_memory_plan(problem: Problem, *, time_limit_s: float = 30.0) -> LeastM
 
 
 def _leanest(problem: Problem) -> tuple[float, tuple[int, ...] | None]:
-    """Each decision's least-memory strategy (within its pins) and their memory: the least
-    memory of any assignment without memory on edges, a lower bound with it (edges and fanouts
-    only add memory). ``(inf, None)`` when two strategies are pinned on one decision."""
+    """Each decision's least-memory strategy (within its pins and restrictions) and their
+    memory: the least memory of any assignment without memory on edges, a lower bound with it
+    (edges and fanouts only add memory) or with other cuts. ``(inf, None)`` when a decision has
+    no strategy left (two pinned, or every one cut)."""
     pins: dict[int, set[int]] = {}
     for g, i in problem.fixed:
         pins.setdefault(g, set()).add(i)
-    if any(len(v) > 1 for v in pins.values()):
+    out = excluded(problem)
+    offered = [pins.get(g, set(range(len(dec.memory)))) - out.get(g, set())
+               for g, dec in enumerate(problem.decisions)]
+    if any(len(v) > 1 for v in pins.values()) or not all(offered):
         return float("inf"), None
-    leanest = tuple(min(pins.get(g, range(len(dec.memory))), key=lambda i: dec.memory[i])
+    leanest = tuple(min(sorted(offered[g]), key=lambda i: dec.memory[i])
                     for g, dec in enumerate(problem.decisions))
     return sum(dec.multiplicity * dec.memory[i]
                for dec, i in zip(problem.decisions, leanest)), leanest
@@ -207,6 +219,8 @@ class _Model:
             s.Add(s.Sum(xs) == 1)
         for g, i in problem.fixed:
             s.Add(x[g][i] == 1)
+        for c in problem.cuts:
+            s.Add(s.Sum([x[g][i] for g, i in c.terms]) <= c.most)
         obj = [US * dec.cost[i] * dec.multiplicity * v for g, dec in enumerate(problem.decisions)
                for i, v in enumerate(x[g]) if dec.cost[i]]
         mem = [dec.memory[i] * dec.multiplicity * v for g, dec in enumerate(problem.decisions)
@@ -279,7 +293,7 @@ class _Model:
 
 def solve(problem: Problem, *, time_limit_s: float = 30.0,
           cutoff_s: float | None = None, verdict: bool = True,
-          highs_first: bool = False) -> Solution:
+          highs_first: bool = False, starts: Starts = ()) -> Solution:
     """The best plan the solver finds in ``time_limit_s``: optimal, or feasible with its gap to
     the best bound. Raises :class:`Infeasible` when no plan fits memory, :class:`NoSolution` when
     the solver found no plan in time and none could be built without it. With ``cutoff_s`` (the
@@ -296,7 +310,14 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0,
     matter only when the budget binds, and they make the MIP much harder (T5-large on 8x8 finds
     no incumbent in 20 s with them): the problem without them is solved first, and if its plan
     fits with them counted, it is optimal for the whole problem too (dropping them relaxes the
-    memory constraint only)."""
+    memory constraint only).
+
+    ``starts``: incumbents (``problem.Start``) the solve is never worse than: the best that fits
+    is returned where the solver finds nothing faster, and bounds the solver's search once its
+    first backend stops short of an optimum (:func:`_solve`). A start given as a restriction is
+    solved only then, and ``starts`` may be a function that makes them, called only then: a
+    problem the first backend settles costs nothing more. The Solution
+    names the start (``start``) whenever one was in play."""
     t0 = time.perf_counter()
     floor = _leanest(problem)[0]
     if floor > problem.memory_budget:
@@ -311,9 +332,16 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0,
         least = least_memory_plan(problem, time_limit_s=time_limit_s)
         raise Infeasible(least.bytes, budget=problem.memory_budget, exact=least.exact)
     if not verdict and hasattr(os, "fork"):
-        return _bounded(_search, problem, time_limit_s, t0, cutoff_s, verdict, highs_first,
-                        limit_s=time_limit_s)
-    return _search(problem, time_limit_s, t0, cutoff_s, verdict, highs_first)
+        try:
+            return _bounded(_search, problem, time_limit_s, t0, cutoff_s, verdict, highs_first,
+                            starts, limit_s=time_limit_s)
+        except NoSolution as e:       # the child was stopped: a start in hand still stands
+            given = () if callable(starts) else tuple(s for s in starts if s.choice)
+            start = _best_start(problem, given, 0.0)
+            if start is None or (cutoff_s is not None and start[2] >= cutoff_s):
+                raise
+            return _from_start(start, e.bound, False, 0, t0, time_limit_s)
+    return _search(problem, time_limit_s, t0, cutoff_s, verdict, highs_first, starts)
 
 
 # A deadline solve is stopped at this multiple of its time limit (plus a second): the backends
@@ -375,19 +403,19 @@ def _bounded(fn, *args, limit_s: float):
 
 
 def _search(problem: Problem, time_limit_s: float, t0: float, cutoff_s: float | None,
-            verdict: bool, highs_first: bool) -> Solution:
+            verdict: bool, highs_first: bool, starts: Starts = ()) -> Solution:
     relaxed = replace(problem, edges=tuple(e for e in problem.edges if _prices_time(e)),
                       fanouts=tuple(f for f in problem.fanouts if _prices_time(f)))
     if len(relaxed.edges) + len(relaxed.fanouts) < len(problem.edges) + len(problem.fanouts):
         try:        # half the time: the whole problem may still need the other half
-            sol = _solve(relaxed, time_limit_s / 2, t0, cutoff_s, verdict, highs_first)
+            sol = _solve(relaxed, time_limit_s / 2, t0, cutoff_s, verdict, highs_first, ())
         except (Infeasible, NoSolution, NoBetter):
             sol = None            # the whole problem is no easier: solve it for its verdict
         if sol is not None and sol.status == "OPTIMAL" and \
                 evaluate(problem, sol.choice)[1] <= problem.memory_budget:
             return sol      # (the host bound has no edge terms: the relaxed solve kept it)
         time_limit_s = max(time_limit_s / 2, time_limit_s - (time.perf_counter() - t0))
-    return _solve(problem, time_limit_s, t0, cutoff_s, verdict, highs_first)
+    return _solve(problem, time_limit_s, t0, cutoff_s, verdict, highs_first, starts)
 
 
 def _prices_time(item: Edge | Fanout) -> bool:
@@ -395,9 +423,14 @@ def _prices_time(item: Edge | Fanout) -> bool:
 
 
 def _attempt(problem: Problem, backends: tuple[str, ...], time_limit_s: float,
-             cutoff_s: float | None) -> tuple[int, "_Model"]:
-    """One solve of the MIP by the first available of ``backends``: (status, model)."""
+             cutoff_s: float | None, hint: tuple[int, ...] = ()) -> tuple[int, "_Model"]:
+    """One solve of the MIP by the first available of ``backends``: (status, model).
+    ``hint``: a full choice handed to a backend that takes solution hints (not HiGHS, whose
+    OR-Tools wrapper crashes on one; the cutoff is its warm start)."""
     m = _Model(problem, backends)
+    if hint and m.backend in HINTED:
+        m.s.SetHint([v for xs in m.x for v in xs],
+                     [float(i == c) for xs, c in zip(m.x, hint) for i in range(len(xs))])
     m.s.Add(m.mem <= problem.memory_budget)
     if _host_bound(problem):
         m.s.Add(m.host <= problem.host_budget)
@@ -410,35 +443,66 @@ def _attempt(problem: Problem, backends: tuple[str, ...], time_limit_s: float,
 
 def _solve(problem: Problem, time_limit_s: float, t0: float,
            cutoff_s: float | None = None, verdict: bool = True,
-           highs_first: bool = False) -> Solution:
+           highs_first: bool = False, starts: Starts = ()) -> Solution:
     found = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
+    runs: list[tuple[int, _Model]] = []
+    start: tuple[str, tuple[int, ...], float] | None = None
+    bound_cap = math.inf      # the step of a start the second attempt was cut off at
     if verdict and not highs_first:
-        # CBC first, for half the time: it settles most problems in a fraction of it. Where it
-        # proves no optimum, HiGHS gets the other half, and the better incumbent is kept: on
-        # Gemma-7B's 8x8 problem CBC's 20 s incumbent was 22x the optimum HiGHS proved in 3 s.
+        # The first backend for half the time: it settles most problems in a fraction of it.
+        # Where it proves no optimum, the starts are solved and the best is the incumbent a
+        # second backend starts from, for the other half; the better plan is kept (on
+        # Gemma-7B's 8x8 problem CBC's 20 s incumbent was 22x the optimum HiGHS proved in 3 s).
         t1 = time.perf_counter()
         status, m = _attempt(problem, BACKENDS, time_limit_s / 2, cutoff_s)
+        runs.append((status, m))
         # INFEASIBLE well before the limit is a proof (at the limit some backends say it too)
         proved = status == pywraplp.Solver.INFEASIBLE and \
             time.perf_counter() - t1 < 0.9 * time_limit_s / 2
         if status != pywraplp.Solver.OPTIMAL and not proved:
+            # Each start gets the first backend's time: they are what the plan is never worse
+            # than, and a share of what is left is nothing once the first backend overran its
+            # limit (CBC ran 1000 s past a 10 s limit on Gemma-3 12B's 8x8 problem, loaded).
+            start = _best_start(problem, tuple(starts() if callable(starts) else starts),
+                                time_limit_s / 2)
+            hint = start[1] if start else ()
+            cut = cutoff_s
+            if start is not None and (cut is None or start[2] < cut):
+                cut = bound_cap = start[2]
             left = max(time_limit_s / 2, time_limit_s - (time.perf_counter() - t0))
-            status2, m2 = _attempt(problem, DEADLINE_BACKENDS, left, cutoff_s)
-            if status2 == pywraplp.Solver.OPTIMAL or status not in found or (
-                    status2 in found
-                    and evaluate(problem, m2.choice())[0] < evaluate(problem, m.choice())[0]):
-                status, m = status2, m2
+            t2 = time.perf_counter()
+            status2, m2 = _attempt(problem, SECOND_BACKENDS, left, cut, hint)
+            runs.append((status2, m2))
+            if start is not None and status2 == pywraplp.Solver.INFEASIBLE and \
+                    time.perf_counter() - t2 < 0.9 * left:
+                bound_cap = -math.inf     # proved: nothing beats the start
     else:
         status, m = _attempt(problem, DEADLINE_BACKENDS, time_limit_s, cutoff_s)
-    variables = sum(len(xs) for xs in m.x) + m.n_aux
-    bound = m.s.Objective().BestBound() / US
-    if status in found:
-        choice = m.choice()
-        objective = evaluate(problem, choice)[0]     # exact, not within the solver's tolerances
-        optimal = status == pywraplp.Solver.OPTIMAL
+        runs.append((status, m))
+    warm = start is not None          # the second backend started from it
+    if start is None and not callable(starts):
+        start = _best_start(problem, tuple(s for s in starts if s.choice), 0.0)
+    variables = max(sum(len(xs) for xs in m.x) + m.n_aux for _, m in runs)
+    bound = max(_bound(m, cap=bound_cap if k else math.inf) for k, (_, m) in enumerate(runs))
+    best = None          # a proven optimum, else the fastest incumbent
+    for status, m in runs:
+        if status in found:
+            choice = m.choice()
+            objective = evaluate(problem, choice)[0]  # exact, not within the solver's tolerances
+            optimal = status == pywraplp.Solver.OPTIMAL
+            if best is None or optimal or (not best[2] and objective < best[1]):
+                best = (choice, objective, optimal, m.backend)
+    if start is not None and (best is None or not best[2] and start[2] < best[1]):
+        if cutoff_s is not None and start[2] >= cutoff_s:
+            raise NoBetter()
+        return _from_start(start, bound, bound_cap == -math.inf, variables, t0, time_limit_s)
+    if best is not None:
+        choice, objective, optimal, backend = best
         return Solution(choice, "OPTIMAL" if optimal else "FEASIBLE", objective,
-                        objective if optimal else _finite(bound, objective), variables,
-                        time.perf_counter() - t0)
+                        objective if optimal else min(objective, _finite(bound, objective)),
+                        variables, time.perf_counter() - t0,
+                        start=start[0] if warm else "", backend=backend)
+    status = runs[-1][0]
     if cutoff_s is not None:
         raise NoBetter()
     # No incumbent: the budget is infeasible, or the time limit came first (status NOT_SOLVED;
@@ -468,6 +532,54 @@ def _solve(problem: Problem, time_limit_s: float, t0: float,
                          "of least memory, whose step time was not optimised")
 
 
+def _from_start(start: tuple[str, tuple[int, ...], float], bound: float, proved: bool,
+                variables: int, t0: float, time_limit_s: float) -> Solution:
+    """The Solution of a start the solver found nothing faster than: optimal where that is
+    proved (the solver's bound reaches it, or nothing under it is feasible)."""
+    label, choice, step = start
+    optimal = proved or bound >= step * (1 - 1e-9)
+    return Solution(choice, "OPTIMAL" if optimal else "FEASIBLE", step,
+                    step if optimal else min(step, _finite(bound, 0.0)), variables,
+                    time.perf_counter() - t0, start=label,
+                    note=f"the solver found no plan faster than the start ({label}) within "
+                         f"{time_limit_s:g} s")
+
+
+def _bound(m: _Model, *, cap: float) -> float:
+    """The backend's best bound on the step (s); under a cutoff at a start's step ``cap`` it
+    bounds only the plans faster than the start, so the whole problem's bound is at most it."""
+    return min(_finite(m.s.Objective().BestBound() / US, 0.0), cap)
+
+
+def _best_start(problem: Problem, starts: tuple[Start, ...], each_s: float
+                ) -> tuple[str, tuple[int, ...], float] | None:
+    """The fastest of ``starts`` that is a plan of ``problem``: (label, choice, step). A
+    restriction is solved as any problem is (CBC, then HiGHS where it proves no optimum), in
+    ``each_s``: a restricted problem is small (parameters held, or one axis left out)."""
+    best = None
+    for st in starts:
+        choice = st.choice
+        if not choice:
+            held = replace(problem, cuts=(*problem.cuts, *st.within))
+            if _leanest(held)[0] > problem.memory_budget:
+                continue      # (every weight replicated, on a model that needs it sharded)
+            limit, now = max(each_s, MIN_START_S), time.perf_counter()
+            try:      # in a child stopped at WALL_SLACK times the limit where one can fork:
+                # a restriction that leaves every activation free is still a hard MIP (on
+                # Gemma-3 12B's 8x8 problem, loaded, Megatron's layouts ran 200 s on a 10 s limit)
+                choice = (_bounded(_search, held, limit, now, None, True, False, limit_s=limit)
+                          if hasattr(os, "fork") else
+                          _search(held, limit, now, None, True, False)).choice
+            except (Infeasible, NoSolution):
+                continue
+        if len(choice) != len(problem.decisions) or not fits(problem, choice):
+            continue
+        step = evaluate(problem, choice)[0]
+        if best is None or step < best[2]:
+            best = (st.label, tuple(choice), step)
+    return best
+
+
 def _finite(bound: float, default: float) -> float:
     """The solver's best bound where it has a meaningful one (CBC reports +-inf without)."""
     return bound if math.isfinite(bound) and bound >= 0 else default
@@ -476,7 +588,8 @@ def _finite(bound: float, default: float) -> float:
 def break_ties(problem: Problem, choice: tuple[int, ...], order: dict[int, list[int]],
                *, rel_tol: float = 1e-12) -> tuple[int, ...]:
     """Break ties: move each decision of ``order`` (in that order) to the first of its listed
-    strategies that leaves the objective unchanged (within ``rel_tol``) and memory in budget.
+    strategies that leaves the objective unchanged (within ``rel_tol``), memory in budget and
+    the problem's cuts kept.
 
     Equal-cost plans are common under alpha-beta pricing (a replicated weight's gradient
     all-reduce costs exactly its sharded twin's all-gather + reduce-scatter); the ILP picks one
@@ -505,6 +618,16 @@ def break_ties(problem: Problem, choice: tuple[int, ...], order: dict[int, list[
     tol = rel_tol * max(total, 0.0)
     hosted = _host_bound(problem)
     host = host_bytes(problem, choice) if hosted else 0.0
+    cuts_of: dict[int, list[int]] = {}
+    for k, c in enumerate(problem.cuts):
+        for g in {g for g, _ in c.terms}:
+            cuts_of.setdefault(g, []).append(k)
+
+    def kept(g: int) -> bool:
+        """Whether the cuts touching ``g`` still hold."""
+        return all(sum(1 for d, i in problem.cuts[k].terms if choice[d] == i)
+                   <= problem.cuts[k].most for k in cuts_of.get(g, ()))
+
     for g, prefs in order.items():
         if g in fixed:
             continue
@@ -520,7 +643,7 @@ def break_ties(problem: Problem, choice: tuple[int, ...], order: dict[int, list[
             h1 = host + (dec.host[i] - dec.host[now]) * dec.multiplicity if hosted and dec.host \
                 else host
             if c1 + max(0.0, s1 - b1) - total <= tol and m1 <= problem.memory_budget and (
-                    not hosted or h1 <= problem.host_budget):
+                    not hosted or h1 <= problem.host_budget) and kept(g):
                 cost, mem, sync, bwd, host = c1, m1, s1, b1, h1
                 total = cost + max(0.0, sync - bwd)
                 break

@@ -24,7 +24,9 @@ from autoshard.plans import CollectiveRecord, HostTransfer, NodePlan, ParamState
 from autoshard.cost.memory import budget_for, device_budget, host_budget
 from autoshard.solver.build import BuildTimeout, Built, build_problem
 from autoshard.solver.ilp import Infeasible, NoBetter, NoSolution, break_ties, solve
+from autoshard.solver.problem import Problem, Solution
 from autoshard.solver.diagnostics import gib, mesh_use, smaller_mesh, unruled_note
+from autoshard.solver.starts import obvious_starts
 from autoshard.trace.batches import Traces, batch_of, sliced
 from autoshard.trace.export import TracedGraph
 from autoshard.trace.layers import checkpointable, regroup
@@ -623,7 +625,11 @@ def _solve(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_name:
             limit = options.time_limit_s if cutoff_s is None else options.time_limit_s / 4
             if deadline is not None:
                 limit = max(MIN_SOLVE_S, deadline - time.perf_counter())
-            sol = solve(problem, time_limit_s=limit, cutoff_s=cutoff_s,
+            # Never worse than the obvious plans (solver/starts.py); a pinned problem is a
+            # baseline's own, and a deadline leaves no time for them.
+            starts = () if fixed or deadline is not None else \
+                (lambda: obvious_starts(traced, mesh, built))
+            sol = solve(problem, time_limit_s=limit, cutoff_s=cutoff_s, starts=starts,
                         verdict=deadline is None, highs_first=options.stage_run is not None)
     except Infeasible as e:
         least = f"{'' if e.exact else 'at least '}{gib(budget_for(e.least_memory))}"
@@ -650,15 +656,27 @@ def _solve(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_name:
                 + ("; the memory budget is not the cause" if deadline is None else ""),
             fix="raise time_limit_s (--time-limit), or use a mesh with fewer axes") from e
     progress.note(f"{sol.status}: {sol.objective * 1e3:.3f} ms per step")
+    return solved_plan(traced, mesh, options, built, problem, sol, model_name=model_name,
+                       timings={"trace_s": trace_s, "build_s": build_s, "solve_s": sol.seconds},
+                       recompute=recompute)[0]
+
+
+def solved_plan(traced: TracedGraph, mesh: Mesh, options: PlanOptions, built: Built,
+                problem: Problem, sol: Solution, *, model_name: str,
+                timings: dict[str, float], recompute: dict[str, str] | None = None,
+                **record: Any) -> tuple[Plan, tuple[int, ...]]:
+    """The Plan of a solution of ``problem`` (``built``'s, with the caller's pins and cuts),
+    and its choice: ties broken toward the layouts a user expects (:func:`storage_preferences`)
+    within those pins and cuts, assembled and priced as every plan is. ``record``: more fields
+    of the plan's solver record (an alternative's label)."""
     choice = break_ties(problem, sol.choice, storage_preferences(traced, built))
     strategies = {name: built.strategy_of(name, choice) for name in built.template}
     solver = {"status": sol.status, "objective": sol.objective, "gap": sol.gap,
-              "variables": sol.variables, "decisions": len(built.problem.decisions)}
-    if sol.note:
-        solver["note"] = sol.note
+              "variables": sol.variables, "decisions": len(built.problem.decisions),
+              **({"note": sol.note} if sol.note else {}),
+              **({"start": sol.start} if sol.start else {}), **record}
     return assemble(traced, mesh, strategies, options, solver=solver, model_name=model_name,
-                    timings={"trace_s": trace_s, "build_s": build_s, "solve_s": sol.seconds},
-                    recompute=recompute)
+                    timings=timings, recompute=recompute), choice
 
 
 def storage_preferences(traced: TracedGraph, built: Built) -> dict[int, list[int]]:

@@ -8,6 +8,14 @@ its gradient must be all-reduced), and ``cost[o][r]`` prices the reshard. A valu
 decisions is a *fanout*: each distinct requirement its consumers pick is resharded once from the
 producer's output and shared by every consumer that needs it, which is what the program does
 (lowering.reshard_edges), so the objective is the plan's price.
+
+What a caller asks beyond the cheapest plan is data of the problem too, so that every caller
+(the planner, the baselines, ``autoshard explain``, the runner-up search) solves it through the
+one entry, ``ilp.solve``: ``fixed`` pins a decision to a strategy, and a :class:`Cut` bounds how
+many of a set of (decision, strategy) pairs a plan may take: a no-good cut excludes one plan's
+parameter layouts (Balas and Jeroslow, "Canonical cuts on the unit hypercube", SIAM J. Appl.
+Math. 1972), and a cut with ``most=0`` restricts decisions to the other strategies
+(:func:`restricted`).
 """
 from __future__ import annotations
 
@@ -64,6 +72,14 @@ class Fanout:
 
 
 @dataclass(frozen=True, slots=True)
+class Cut:
+    """At most ``most`` of the (decision, strategy) pairs ``terms`` are chosen."""
+
+    terms: tuple[tuple[int, int], ...]
+    most: int
+
+
+@dataclass(frozen=True, slots=True)
 class Problem:
     """The step time of an assignment is the sum of the chosen costs plus the overlap window's
     exposed part, ``max(0, sum of chosen sync - sum of chosen backward)`` (cost/overlap.py).
@@ -77,6 +93,7 @@ class Problem:
     fixed: tuple[tuple[int, int], ...] = ()   # (decision, strategy) forced by the caller
     fanouts: tuple[Fanout, ...] = ()
     host_budget: float | None = None
+    cuts: tuple[Cut, ...] = ()               # constraints the caller adds (see the docstring)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -100,8 +117,21 @@ class Problem:
                                table(f["cost"]), table(f.get("memory", ())),
                                table(f.get("sync", ())))
                         for f in d.get("fanouts", ()))
+        cuts = tuple(Cut(tuple(tuple(t) for t in c["terms"]), c["most"])
+                     for c in d.get("cuts", ()))
         return cls(decisions, edges, d["memory_budget"], tuple(tuple(f) for f in d["fixed"]),
-                   fanouts, d.get("host_budget"))
+                   fanouts, d.get("host_budget"), cuts)
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """An incumbent a solve may start from: a full ``choice``, or (empty choice) the best plan
+    of the problem with the cuts ``within`` added, a restriction whose plan is one of the
+    obvious ones (parameter layouts held as a baseline writes them, a mesh axis replicated)."""
+
+    label: str
+    choice: tuple[int, ...] = ()
+    within: tuple[Cut, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +143,8 @@ class Solution:
     variables: int
     seconds: float
     note: str = ""               # why a FEASIBLE plan is not the solver's own incumbent
+    start: str = ""              # the label of the incumbent the solve started from, if any
+    backend: str = ""            # the MIP backend whose plan this is ("" for a start's)
 
     @property
     def gap(self) -> float:
@@ -158,38 +190,42 @@ def evaluate(problem: Problem, choice: tuple[int, ...]) -> tuple[float, float]:
     return t + max(0.0, sync - backward), mem
 
 
-def restrict(problem: Problem, allowed: dict[int, tuple[int, ...]]) -> Problem:
-    """``problem`` with decision ``g`` offered only the strategies ``allowed[g]``, in that order:
-    strategy ``k`` of ``g`` in the result is strategy ``allowed[g][k]`` of ``problem``
-    (:func:`unrestrict` maps a choice back). ``fixed`` pins one strategy; this pins a set, which
-    is what holding one node to one strategy takes when it follows its decision (several of the
-    decision's strategies give it that one). Edge and fanout tables are indexed by classes,
-    which stay as they are."""
-    def keep(seq: tuple, g: int) -> tuple:
-        return tuple(seq[i] for i in allowed[g]) if g in allowed and seq else seq
-
-    for g, idx in allowed.items():
-        if not idx or len(set(idx)) != len(idx) or not all(
-                0 <= i < len(problem.decisions[g].cost) for i in idx):
-            raise ValueError(f"decision {g}: allowed strategies {idx} are not distinct "
-                             f"indices of its {len(problem.decisions[g].cost)} strategies")
-    fixed = []
-    for g, i in problem.fixed:
-        if g in allowed and i not in allowed[g]:
-            raise ValueError(f"decision {g}: fixed strategy {i} is not among {allowed[g]}")
-        fixed.append((g, allowed[g].index(i)) if g in allowed else (g, i))
-    decisions = tuple(replace(d, cost=keep(d.cost, g), memory=keep(d.memory, g),
-                              backward=keep(d.backward, g), host=keep(d.host, g))
-                      for g, d in enumerate(problem.decisions))
-    edges = tuple(replace(e, out=keep(e.out, e.producer), req=keep(e.req, e.consumer))
-                  for e in problem.edges)
-    fanouts = tuple(replace(f, out=keep(f.out, f.producer),
-                            consumers=tuple((c, keep(req, c)) for c, req in f.consumers))
-                    for f in problem.fanouts)
-    return replace(problem, decisions=decisions, edges=edges, fanouts=fanouts,
-                   fixed=tuple(fixed))
+def admits(problem: Problem, choice: tuple[int, ...] | list[int]) -> bool:
+    """Whether ``choice`` keeps the caller's pins and cuts (memory is :func:`evaluate`'s)."""
+    chosen = set(enumerate(choice))
+    return all(p in chosen for p in problem.fixed) and all(
+        sum(1 for t in c.terms if t in chosen) <= c.most for c in problem.cuts)
 
 
-def unrestrict(choice: tuple[int, ...], allowed: dict[int, tuple[int, ...]]) -> tuple[int, ...]:
-    """A choice of ``restrict(problem, allowed)`` as a choice of ``problem``."""
-    return tuple(allowed[g][i] if g in allowed else i for g, i in enumerate(choice))
+def fits(problem: Problem, choice: tuple[int, ...] | list[int]) -> bool:
+    """Whether ``choice`` is a plan of ``problem``: its pins and cuts kept, within the memory
+    budget and the host budget."""
+    return admits(problem, choice) and evaluate(problem, choice)[1] <= problem.memory_budget \
+        and (problem.host_budget is None or host_bytes(problem, choice) <= problem.host_budget)
+
+
+def restricted(problem: Problem, allowed: dict[int, tuple[int, ...] | set[int]]) -> Problem:
+    """``problem`` with decision ``g`` held to the strategies ``allowed[g]``: one cut of the
+    others (which the solver's presolve removes), so a choice keeps its indices. ``fixed`` pins
+    one strategy; this holds a set, which is what holding one node to one strategy takes when
+    it follows its decision (several of the decision's strategies give it that one)."""
+    cuts = []
+    for g, keep in allowed.items():
+        n = len(problem.decisions[g].cost)
+        if not keep or not all(0 <= i < n for i in keep):
+            raise ValueError(f"decision {g}: allowed strategies {sorted(keep)} are not a "
+                             f"non-empty set of indices of its {n} strategies")
+        out = tuple((g, i) for i in range(n) if i not in keep)
+        if out:
+            cuts.append(Cut(out, 0))
+    return replace(problem, cuts=(*problem.cuts, *cuts))
+
+
+def excluded(problem: Problem) -> dict[int, set[int]]:
+    """The strategies each decision may not take under the ``most=0`` cuts (restrictions)."""
+    out: dict[int, set[int]] = {}
+    for c in problem.cuts:
+        if c.most == 0:
+            for g, i in c.terms:
+                out.setdefault(g, set()).add(i)
+    return out

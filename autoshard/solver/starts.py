@@ -1,0 +1,97 @@
+"""The obvious plans, as restrictions of the planner's own problem: where the solver stops at its
+time limit, the plan it returns is never slower than the best of them (ilp.solve's ``starts``).
+
+Each start is the problem with some decisions held to a subset of their strategies (a cut per
+decision, ``problem.restricted``), solved only when the first backend proves no optimum:
+
+- the hand-written layouts of solver/baselines.py, stored as their authors store them (``dp``:
+  every weight replicated; ``megatron-dp``: Megatron-LM over the last axis, data parallel over
+  the others; ``fsdp``: ZeRO-3; ``fsdp-tp``: torchtitan's 2-D layout). The ILP may still reshard a
+  weight on the way into an op and choose ZeRO's state modes, so each start is at least as fast
+  as the baseline plan of that name;
+- the plan on the smaller mesh: every tensor replicated over one mesh axis, which is the plan of
+  the mesh without that axis, its devices repeating the work (the same step time);
+- the plan on the merged mesh: every tensor placed alike on every axis, which is the plan of
+  the mesh with its axes merged into one, each of its collectives run one axis at a time.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from autoshard.ir import Replicate, Spec, Strategy
+from autoshard.mesh import Mesh
+from autoshard.solver.build import Built
+from autoshard.solver.problem import Start, restricted
+from autoshard.trace.export import TracedGraph
+
+
+def obvious_starts(traced: TracedGraph, mesh: Mesh, built: Built) -> tuple[Start, ...]:
+    """The starts above that the problem can express, baselines first."""
+    from autoshard.solver import baselines as b
+
+    by_decision = _members(built)
+    layouts = {"dp": b.baseline_pins(traced, mesh, "dp"),
+               "megatron-dp": b.baseline_pins(traced, mesh, "megatron-dp"),
+               "fsdp": b.zero3_layouts(traced, mesh)}
+    if mesh.ndim > 1:
+        layouts["fsdp-tp"] = b.fsdp_tp_layouts(traced, mesh)
+    starts = [_stored(built, label, stored) for label, stored in layouts.items()]
+    if mesh.ndim > 1:
+        starts += [_where(built, by_decision, f"mesh without axis {mesh.axes[a]}",
+                          lambda spec, a=a: isinstance(spec[a], Replicate))
+                   for a in range(mesh.ndim) if mesh.shape[a] > 1]
+        starts.append(_where(built, by_decision, "merged mesh",
+                             lambda spec: all(p == spec[0] for p in spec)))
+    return tuple(s for s in starts if s is not None)
+
+
+def _members(built: Built) -> dict[int, list]:
+    out: dict[int, list] = defaultdict(list)
+    for m in built.members.values():
+        out[m.decision].append(m)
+    return out
+
+
+def _stored(built: Built, label: str, stored: dict[str, Strategy]) -> Start | None:
+    """Each graph input named in ``stored`` held to the strategies that store it in its layout
+    (any state mode); a layout the problem does not offer is left free."""
+    allowed: dict[int, set[int]] = {}
+    for name, strat in stored.items():
+        if name in built.tied_to or built.template.get(name, name) != name \
+                or name not in built.members:
+            continue      # a tied weight's second name, a repeated layer's copy: decided once
+        m = built.members[name]
+        want = strat.outputs[0]
+        keep = {i for i, j in enumerate(m.index) if m.strategies[j].outputs[0] == want}
+        if keep:
+            allowed[m.decision] = allowed.get(m.decision, keep) & keep
+    return _start(built, label, allowed)
+
+
+def _where(built: Built, by_decision: dict[int, list], label: str, spec_ok) -> Start | None:
+    """Every decision held to the strategies whose every spec, of every node that follows it,
+    passes ``spec_ok``; None where a decision has none."""
+    allowed: dict[int, set[int]] = {}
+    for g, members in by_decision.items():
+        n = len(built.problem.decisions[g].cost)
+        keep = {i for i in range(n) if all(_specs_ok(m.strategies[m.index[i]], spec_ok)
+                                           for m in members)}
+        if not keep:
+            return None
+        allowed[g] = keep
+    return _start(built, label, allowed)
+
+
+def _specs_ok(s: Strategy, spec_ok) -> bool:
+    specs: list[Spec] = [x for x in (*s.inputs, *s.outputs) if x is not None]
+    return all(spec_ok(x) for x in specs)
+
+
+def _start(built: Built, label: str, allowed: dict[int, set[int]]) -> Start | None:
+    if not allowed or not all(allowed.values()):
+        return None
+    cut = restricted(built.problem, allowed).cuts[len(built.problem.cuts):]
+    return Start(label, within=cut)
+
+
+__all__ = ["obvious_starts"]

@@ -1,0 +1,135 @@
+"""One solve path: pins, restrictions and no-good cuts are problem data, and a solve that stops
+at its time limit returns a plan no slower than the obvious ones it started from."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import pytest
+from ortools.linear_solver import pywraplp
+
+from autoshard import Mesh
+from autoshard.solver import ilp
+from autoshard.solver.baselines import baseline_plan, stored_plan
+from autoshard.solver.diagnostics import smaller_mesh
+from autoshard.solver.planner import plan_traced
+from autoshard.solver.problem import (Cut, Decision, Edge, Problem, Start, admits, evaluate,
+                                      restricted)
+from autoshard.trace.export import trace
+from autoshard.zoo.registry import get_model
+
+REL = 1e-9
+
+
+def chain() -> Problem:
+    """A -> B -> C, two strategies each; switching strategy along an edge costs 10. The optimum
+    is (1, 1, 1) at 5; (0, 0, 0) costs 7."""
+    switch = ((0.0, 10.0), (10.0, 0.0))
+    decisions = (Decision("A", 1, (1.0, 2.0), (0.0, 0.0)),
+                 Decision("B", 1, (1.0, 2.0), (0.0, 0.0)),
+                 Decision("C", 1, (5.0, 1.0), (0.0, 0.0)))
+    edges = tuple(Edge(f"e{k}", 1, k, k + 1, (0, 1), (0, 1), switch) for k in range(2))
+    return Problem(decisions, edges, memory_budget=1e9)
+
+
+def brute_force(problem: Problem) -> tuple[float, tuple[int, ...]]:
+    return min((evaluate(problem, c)[0], c) for c in itertools.product(
+        *(range(len(d.cost)) for d in problem.decisions)) if admits(problem, c))
+
+
+def test_cuts_are_problem_data_every_solve_keeps() -> None:
+    """A no-good cut excludes the optimum: the solve gives the runner-up, as brute force does;
+    a restriction (most=0) holds a decision to its other strategies; both round-trip JSON."""
+    p = chain()
+    best = ilp.solve(p)
+    assert best.choice == (1, 1, 1)
+    no_good = replace(p, cuts=(Cut(tuple(enumerate(best.choice)), 2),))
+    second = ilp.solve(no_good)
+    assert second.choice != best.choice
+    assert second.objective == pytest.approx(brute_force(no_good)[0], rel=REL) == 7.0
+    held = restricted(p, {2: {0}})
+    assert ilp.solve(held).objective == pytest.approx(brute_force(held)[0], rel=REL) == 7.0
+    assert Problem.from_json(no_good.to_json()) == no_good
+    # ties are broken within the cuts: C's strategy 1 is cut, so no move puts it back
+    assert ilp.break_ties(held, (0, 0, 0), {2: [1, 0]}) == (0, 0, 0)
+
+
+def _never_solves(monkeypatch) -> list[tuple[str, bool]]:
+    """Every backend stops at its time limit without a plan on the whole problem (as on
+    Gemma-3 12B's 8x8 problem, status NOT_SOLVED); restricted problems solve as they do."""
+    real, calls = ilp._attempt, []
+
+    def attempt(problem, backends, limit, cutoff, hint=()):
+        whole = not problem.cuts
+        if whole:
+            m = ilp._Model(problem, backends)        # built, never solved: no bound either
+            calls.append((m.backend, whole))
+            return pywraplp.Solver.NOT_SOLVED, m
+        calls.append((backends[0], whole))
+        return real(problem, backends, limit, cutoff, hint)
+
+    monkeypatch.setattr(ilp, "_attempt", attempt)
+    return calls
+
+
+def test_a_start_is_returned_where_the_solver_finds_nothing(monkeypatch) -> None:
+    _never_solves(monkeypatch)
+    p = chain()
+    sol = ilp.solve(p, time_limit_s=2.0, starts=[Start("all zero", (0, 0, 0)),
+                                                 Start("held", within=restricted(p, {2: {1}}).cuts)])
+    # the restriction solves to (1, 1, 1), faster than the full choice (0, 0, 0)
+    assert sol.choice == (1, 1, 1) and sol.start == "held" and sol.status == "FEASIBLE"
+    assert sol.objective == pytest.approx(5.0, rel=REL) and sol.bound <= sol.objective
+    assert "start" in sol.note
+    # without starts the verdict is the solver's own: no plan in the time limit
+    with pytest.raises(ilp.NoSolution):
+        ilp.solve(replace(p, memory_budget=1e9), time_limit_s=2.0, verdict=False)
+
+
+def test_a_start_is_never_kept_over_a_faster_solver_plan() -> None:
+    sol = ilp.solve(chain(), starts=[Start("all zero", (0, 0, 0))])
+    assert sol.choice == (1, 1, 1) and sol.status == "OPTIMAL" and sol.start == ""
+
+
+@pytest.fixture(scope="module")
+def gpt2_tiny():
+    model, inputs = get_model("gpt2-tiny")
+    return trace(model, inputs)
+
+
+def test_time_limited_plan_is_no_slower_than_the_baselines_and_the_smaller_mesh(
+        monkeypatch, gpt2_tiny) -> None:
+    """The solver stops early without a plan of its own: the plan is the best start, no slower
+    than each hand-written plan and than the plan on the mesh without either axis, and the plan
+    file names the start and the gap."""
+    mesh = Mesh((2, 4), ("dp", "tp"), cluster="h100")
+    others = {name: baseline_plan(gpt2_tiny, mesh, name) for name in ("dp", "megatron-dp")}
+    others["fsdp"] = stored_plan(gpt2_tiny, mesh, "fsdp")
+    for a in range(mesh.ndim):
+        small = smaller_mesh(mesh, (a,))
+        others[f"on {small.shape}"] = plan_traced(gpt2_tiny, small)
+    calls = _never_solves(monkeypatch)
+    # The whole problem's solves return at once; the limit is the starts' restricted solves'
+    # (half of it each, in a child process), wide enough that a loaded machine does not cut
+    # them short.
+    plan = plan_traced(gpt2_tiny, mesh, time_limit_s=120.0)
+    assert any(whole for _, whole in calls)
+    assert plan.solver["status"] == "FEASIBLE" and plan.solver["start"]
+    assert 0.0 <= plan.solver["gap"] <= 1.0
+    ours = plan.predicted["step_time_s"]
+    for name, other in others.items():
+        assert ours <= other.predicted["step_time_s"] * (1 + 1e-6), (name, ours, other.predicted)
+
+
+def test_starts_cost_nothing_where_the_first_backend_proves_the_optimum(monkeypatch,
+                                                                       gpt2_tiny) -> None:
+    """The obvious plans are built and solved only when the solver stops short of an optimum:
+    a problem CBC settles plans as before, with no start in its record."""
+    from autoshard.solver import planner
+
+    def boom(*a, **k):
+        raise AssertionError("starts built for a problem the first backend settles")
+
+    monkeypatch.setattr(planner, "obvious_starts", boom)
+    plan = plan_traced(gpt2_tiny, Mesh((2, 4), ("dp", "tp"), cluster="h100"))
+    assert plan.solver["status"] == "OPTIMAL" and "start" not in plan.solver
