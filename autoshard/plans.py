@@ -19,6 +19,7 @@ from autoshard.errors import AutoshardError
 from autoshard.ir import (Layer, Spec, Strategy, parse_spec, replicated, spec_fits, spec_str,
                           work_fraction)
 from autoshard.options import PlanOptions
+from autoshard.plangraph import graph_of
 
 FORMAT = "autoshard.plan"
 VERSION = 2      # 2: the options the plan was made with, and the model's layers
@@ -914,8 +915,6 @@ def _check_layouts(plan: Plan, source: str) -> None:
     a dim the tensor has, split evenly. The nodes are what runs: ``params`` repeats each
     parameter's placeholder spec, and its state mode is the placeholder's kernel; a file where
     the two differ (one edited, not the other) is refused, naming both."""
-    from autoshard.export import graph_of     # the wiring and shapes of the node signatures
-
     if not plan.node_sigs:        # older files: nothing to check the specs against
         return
     g = graph_of(plan)

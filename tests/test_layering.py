@@ -13,7 +13,8 @@ import pytest
 
 LAYERS: list[set[str]] = [
     # bottom: the IR and plain data every package may use
-    {"errors", "ir", "options", "cluster", "mesh", "plans", "loss", "precision",
+    {"errors", "ir", "options", "cluster", "mesh", "plans", "plangraph", "loss", "precision",
+     "files",       # outputs written atomically, never over an input
      "progress",    # progress: lines on stderr the planner reports, off unless the CLI asks
      "schedules"},  # the pipeline schedules' closed forms (plain arithmetic)
     {"ops"},        # per-op records: family, strategies, saved-for-backward, follows, flops, localize

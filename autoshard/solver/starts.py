@@ -27,7 +27,7 @@ from autoshard.trace.export import TracedGraph
 
 def obvious_starts(traced: TracedGraph, mesh: Mesh, built: Built) -> tuple[Start, ...]:
     """The starts above that the problem can express, baselines first."""
-    from autoshard.solver import baselines as b
+    from autoshard.solver import layouts as b
 
     by_decision = _members(built)
     layouts = {"dp": b.baseline_pins(traced, mesh, "dp"),
