@@ -36,13 +36,14 @@ def test_rebatched_graph_is_the_concrete_trace(name):
 
 
 def test_unproven_model_is_traced_concretely_every_time():
-    """Llama's export under a symbolic batch keeps slices a concrete export folds: the
-    generic graph differs, so every batch is a concrete trace (and still the right graph)."""
-    traces = _traces("llama-tiny")
+    """Hugging Face Llama's export under a symbolic batch keeps slices a concrete export folds:
+    the generic graph differs, so every batch is a concrete trace (and still the right graph).
+    (The zoo's Llama, whose attention takes grouped K/V whole, now rebatches.)"""
+    traces = _traces("hf-llama-tiny")
     traces.at(6)
     graph = traces.at(4)
     assert traces.stats["exported"] == 2 and traces.stats["rebatched"] == 0
-    model, inputs = load_model("llama-tiny", batch=4, seq=8, device="meta")
+    model, inputs = load_model("hf-llama-tiny", batch=4, seq=8, device="meta")
     assert graph.fingerprint == trace(model, inputs).fingerprint
 
 

@@ -130,5 +130,8 @@ def test_on_cpu_the_host_state_of_an_offload_plan_is_predicted_in_the_measured_m
     for r in reps:
         p = r["memory"]["predicted"]
         assert p["host"] == host and p["peak"] == int(plan.predicted["memory"]["peak"]) + host
-        assert abs(r["memory"]["error"]) < 0.15, r["memory"]
+        # The host figure counts the pinned buffers a GPU run copies the gradient shard down
+        # and the update up through (cost/state.py); a CPU run allocates neither, so here the
+        # prediction is an upper bound: never under the measurement, within 25% of it.
+        assert 0 <= r["memory"]["error"] < 0.25, r["memory"]
     assert "the same memory on CPU" in text

@@ -87,7 +87,9 @@ def test_optimizer_option_prices_model_state(gpt2_tiny) -> None:
     adam = plan_traced(traced, mesh)
     sgd = plan_traced(traced, mesh, optimizer="sgd")
     n = sum(math.prod(p.info.shape) for p in traced.params)
-    assert adam.predicted["ilp_memory_bytes"] - sgd.predicted["ilp_memory_bytes"] == \
+    # (the model state the step holds: the ILP's sum may differ by equally fast layouts that
+    # a 1-device mesh does not tell apart)
+    assert adam.predicted["memory"]["model_state"] - sgd.predicted["memory"]["model_state"] == \
         pytest.approx(2 * 4 * n)
     bw = mesh.cluster.mem_bandwidth
     assert adam.predicted["optimizer_s"] == pytest.approx(28 * n / bw)

@@ -308,6 +308,8 @@ def strided_variants(op: OpInfo, strategies: Sequence[Strategy],
         specs = [list(sp) if sp is not None else None for sp in (*st.inputs, *st.outputs)]
         changed = False
         for a in range(len(mesh_shape)):
+            if mesh_shape[a] == 1:        # one device holds every group whole: nothing to vary
+                continue
             shards = [(i, sp[a]) for i, sp in enumerate(specs)
                       if sp is not None and isinstance(sp[a], Shard) and not sp[a].groups]
             groups = {marks[i].get(p.dim) for i, p in shards}
