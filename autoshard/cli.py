@@ -9,7 +9,7 @@ from pathlib import Path
 
 from autoshard.errors import AutoshardError
 from autoshard.files import check_output, model_files
-from autoshard.options import (OFFLOAD, OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES, ZERO,
+from autoshard.options import (CONTEXT_PARALLEL, CONTEXT_PARALLEL_TOKENS, OFFLOAD, OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES, ZERO,
                                PlanOptions)
 
 
@@ -38,6 +38,7 @@ def plan_options(args) -> PlanOptions:
                        memory_budget=None if args.memory_gb is None else args.memory_gb * 2**30,
                        time_limit_s=args.time_limit, recompute=args.recompute,
                        bucket_mb=args.bucket_mb, zero=args.zero, offload=args.offload,
+                       context_parallel=args.context_parallel,
                        precision=args.precision, compile=args.compile,
                        **pipeline_options(args))
 
@@ -261,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", default="auto", choices=ZERO,
                    help="gradients and optimizer state sharded apart from the parameters "
                         "(default auto: the planner chooses ZeRO-2 or not per parameter)")
+    p.add_argument("--context-parallel", default="auto", choices=CONTEXT_PARALLEL,
+                   help="split attention's query sequence over a mesh axis (default auto: "
+                        f"offered from {CONTEXT_PARALLEL_TOKENS} tokens)")
     p.add_argument("--offload", default="auto", choices=OFFLOAD,
                    help="optimizer: optimizer state and step on the host; parameters: the "
                         "parameters and gradients too, copied to the device at each use "

@@ -43,6 +43,15 @@ OFFLOAD = ("auto", "none", "optimizer", "parameters")
 # (ZeRO-Offload's delayed parameter update: the host step of step t runs during step t+1's
 # forward and backward, whose parameters are one update behind), or "none" (after backward).
 OFFLOAD_OVERLAP = ("backward", "delayed", "none")
+# Context parallelism, the attention's query sequence split in the zigzag layout
+# (docs/cost-model.md §3.11): "on" offers it wherever attention allows it, "off" never, "auto"
+# where the longest attention reads at least CONTEXT_PARALLEL_TOKENS keys. Below that the
+# sequence's variants grow the ILP (by 75% on Llama-3-8B at 2048 tokens) for a choice that
+# does not pay: attention's share of a layer's work grows with s/h, and at 2048-8192 tokens the
+# heads and the batch split it well (Llama 3 trained with context parallelism only in its
+# long-context stage, arXiv 2407.21783 §3.3).
+CONTEXT_PARALLEL = ("auto", "on", "off")
+CONTEXT_PARALLEL_TOKENS = 16384
 # Pipeline schedules, as torch.distributed.pipelining names its classes (docs/cost-model.md §10):
 # "GPipe" (every microbatch forward, then every backward), "1F1B" (one forward, one backward in
 # steady state: the same bubble, at most p - i microbatches of activations alive on stage i),
@@ -75,6 +84,8 @@ class PlanOptions:
     - ``offload``: optimizer state and step, or the parameters too, on the host (see OFFLOAD).
     - ``offload_overlap``: how the host's optimizer step overlaps the device (see
       OFFLOAD_OVERLAP); "delayed" changes the numbers (one update behind).
+    - ``context_parallel``: whether attention may split its query sequence (see
+      CONTEXT_PARALLEL).
     - ``pipeline``: the mesh axis whose devices hold consecutive pipeline stages (cuts at the
       model's layer boundaries), None for no pipeline, or "auto" (``autoshard.plan`` plans
       without and over each axis, and keeps the fastest) (docs/cost-model.md §10).
@@ -101,6 +112,7 @@ class PlanOptions:
     zero: str = "auto"
     offload: str = "auto"
     offload_overlap: str = "none"
+    context_parallel: str = "auto"
     pipeline: str | None = None
     schedule: str = "auto"
     microbatches: int | str = "auto"
@@ -147,6 +159,11 @@ class PlanOptions:
                                  got=repr(self.offload_overlap),
                                  fix="pass offload_overlap='none' (the default: the host steps after "
                                      "backward), 'backward' or 'delayed' (one update behind)")
+        if self.context_parallel not in CONTEXT_PARALLEL:
+            raise AutoshardError(f"PlanOptions.context_parallel is one of {CONTEXT_PARALLEL}",
+                                 got=repr(self.context_parallel),
+                                 fix="pass context_parallel='auto' (offered from "
+                                     f"{CONTEXT_PARALLEL_TOKENS} tokens), 'on' or 'off'")
         if self.offload not in OFFLOAD:
             raise AutoshardError(f"PlanOptions.offload is one of {OFFLOAD}",
                                  got=repr(self.offload),
@@ -200,6 +217,8 @@ class PlanOptions:
             del out["stage_run"]
         if out["offload_overlap"] == "none":   # the default: plan files stay as they were
             del out["offload_overlap"]
+        if out["context_parallel"] == "auto":  # the same
+            del out["context_parallel"]
         if not out["compile"]:            # eager: plan files as before the option existed
             del out["compile"]
         return out

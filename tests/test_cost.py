@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoshard.cluster import PRESETS, Cluster
+from autoshard.cluster import HOST_DISPATCH_S, PRESETS, Cluster
 from autoshard.cost.comm import (bytes_sent_per_device, collective_time, link_time, reshard,
                                  reshard_time, steps_time)
 from autoshard.cost.compute import op_time, op_times
@@ -611,7 +611,12 @@ def test_attention_pays_one_exp_per_score_each_way():
                  fwd + 2.5 * flops / rate + scores / C.transcendental_rate)
 
 
+HOSTED = Mesh((4,), cluster=Cluster._from_profile({"base": "h100",
+                                                   "host_dispatch_s": HOST_DISPATCH_S}))
+
+
 def test_a_biased_linear_sums_its_bias_gradient_in_backward():
+    H100, C = HOSTED, HOSTED.cluster
     x, w, bias, y = t_((4096, 1024)), t_((4096, 1024)), t_((4096,)), t_((4096, 4096))
     plain = OpInfo(aten.linear.default, (x, w), {}, (y,))
     biased = OpInfo(aten.linear.default, (x, w, bias), {}, (y,))
@@ -624,6 +629,7 @@ def test_a_biased_linear_sums_its_bias_gradient_in_backward():
 
 
 def test_tiny_op_hits_the_host_floor_eager_and_the_kernel_floor_compiled():
+    H100, C = HOSTED, HOSTED.cluster
     x = t_((4,))
     op = OpInfo(aten.add.Tensor, (x, x), {}, (x,))
     # Eager, the host's dispatch of each op (16.5 µs on a GPU host, §2.11) outlasts the kernel.

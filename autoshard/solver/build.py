@@ -27,10 +27,11 @@ from autoshard.cost.reshards import input_divergence, output_requirement
 from autoshard.cost.comm import reshard
 from autoshard.cost.memory import device_budget, host_budget
 from autoshard.cost.state import HOST_MODES
-from autoshard.ir import Replicate, Shard, Spec, Strategy, TensorInfo, spec_fits
+from autoshard.ir import ZIGZAG, Replicate, Shard, Spec, Strategy, TensorInfo, spec_fits
 from autoshard.mesh import AxisMerge, Mesh
+from autoshard.ops.attention import SDPA
 from autoshard.ops.registry import INPUT, LARGEST, record_of, strategies_for
-from autoshard.options import PlanOptions
+from autoshard.options import CONTEXT_PARALLEL_TOKENS, PlanOptions
 from autoshard.solver.problem import Decision, Edge, Fanout, Problem
 from autoshard.trace.export import TracedGraph
 from autoshard.trace.graph import ValueRef, value_inputs
@@ -95,6 +96,7 @@ class _Builder:
         self._as_is: dict[tuple[str, tuple[int, ...]], dict[tuple, list[int]]] = {}
         self.ins = {n.name: value_inputs(n) for n in traced.graph.nodes if n.op != "placeholder"}
         self.layer = traced.layer_of_node
+        self.context_parallel = _context_parallel(traced, pricer)
 
     def templates(self) -> dict[str, str]:
         """Every node -> itself, or the node of an identical earlier layer it copies."""
@@ -117,7 +119,12 @@ class _Builder:
             # One strategy per (layout, state mode): the mode rides in ``kernel`` (cost/state.py).
             return [Strategy((), st.outputs, mode) for st in out
                     for mode in self.pricer.param_modes(n.name, st.outputs[0])]
-        return strategies_for(self.pricer.info(n.name), self.mesh_shape)
+        out = strategies_for(self.pricer.info(n.name), self.mesh_shape)
+        if self.context_parallel:
+            return out
+        return [st for st in out if not any(
+            isinstance(p, Shard) and p.groups == ZIGZAG
+            for spec in (*st.inputs, *st.outputs) if spec is not None for p in spec)]
 
     def build(self) -> Built:
         template = self.templates()
@@ -432,6 +439,16 @@ class _Builder:
 def _spec(m: Member, i: int, out: int) -> Spec:
     """The spec of output ``out`` of a member when its decision runs strategy ``i``."""
     return m.strategies[m.index[i]].outputs[out]
+
+
+def _context_parallel(traced: TracedGraph, pricer: Pricer) -> bool:
+    """Whether the sequence's zigzag layouts are offered (PlanOptions.context_parallel)."""
+    choice = pricer.options.context_parallel
+    if choice != "auto":
+        return choice == "on"
+    keys = [pricer.info(n.name).inputs[1].shape[-2] for n in traced.graph.nodes
+            if n.op == "call_function" and n.target is SDPA]
+    return max(keys, default=0) >= CONTEXT_PARALLEL_TOKENS
 
 
 def build_problem(traced: TracedGraph, mesh: Mesh, options: PlanOptions = PlanOptions(), *,
