@@ -158,7 +158,8 @@ def test_context_parallel_plan_gathers_only_k_and_v(tiny) -> None:
     and the MLP stay on their sequence shards (no other collective of an activation along the
     sequence; the loss may take the small logits whole, as the planner prices it)."""
     mesh = Mesh((4,), cluster="stress")
-    plan = plan_traced(tiny, mesh, fixed=cp_pins(tiny, mesh, (0,)), model_name="llama-tiny")
+    plan = plan_traced(tiny, mesh, fixed=cp_pins(tiny, mesh, (0,)), model_name="llama-tiny",
+                       context_parallel="on")
     kv = BATCH * 2 * SEQ * 8 * 4            # [b, kv heads, s, head_dim] fp32
     at_attention = [c for c in plan.collectives if c.node.startswith("scaled_dot_product")]
     assert sorted((c.phase, c.kind, c.bytes) for c in at_attention) == sorted(
@@ -175,7 +176,8 @@ CP_X_HEADS = "[S(2/zz), S(1)] x [R, S(1)] x [R, S(1)] -> [S(2/zz), S(1)] (cp_gat
 def test_the_planner_takes_context_and_tensor_parallelism_per_axis(tiny) -> None:
     """One sequence, 2 K/V heads: on 2x2 devices of slow compute the planner splits the heads
     over one axis (all they allow) and the sequence over the other, unpinned."""
-    plan = plan_traced(tiny, Mesh((2, 2), cluster="stress"), model_name="llama-tiny")
+    plan = plan_traced(tiny, Mesh((2, 2), cluster="stress"), model_name="llama-tiny",
+                       context_parallel="on")
     attention = {str(s) for k, s in plan.strategies().items() if k.startswith("scaled_dot")}
     assert attention == {CP_X_HEADS}
 
@@ -193,7 +195,7 @@ def test_context_parallel_equals_single_device(world4, tiny, shape, axes) -> Non
     gradient within 1e-5 of one device, every collective run as planned, byte for byte."""
     mesh = Mesh(shape, cluster="stress")
     pins = cp_pins(tiny, mesh, axes) if axes else None
-    plan = plan_traced(tiny, mesh, fixed=pins, model_name="llama-tiny")
+    plan = plan_traced(tiny, mesh, fixed=pins, model_name="llama-tiny", context_parallel="on")
     if axes is None:
         assert CP_X_HEADS in {str(s) for s in plan.strategies().values()}
     reports = world4.run(verify_rank, VerifySpec("llama-tiny", plan.mesh_shape, plan.mesh_axes,
@@ -221,3 +223,17 @@ def test_plan_cli_names_the_context_and_its_flag(capsys) -> None:
     assert "LlamaConfig.context" in err and "--context 32" in err and "Traceback" not in err
     assert main(["plan", "llama-tiny", "--mesh", "2", "--context", "8", "--seq", "16"]) == 2
     assert "1..8" in capsys.readouterr().err
+
+
+def test_context_parallelism_is_offered_from_a_long_sequence_or_when_asked(tiny) -> None:
+    """PlanOptions.context_parallel: "auto" offers the zigzag layouts only from
+    CONTEXT_PARALLEL_TOKENS keys (llama-tiny's 16 are far below), "on" always."""
+    from autoshard.ir import ZIGZAG
+
+    def zigzags(plan) -> int:
+        return sum(isinstance(p, Shard) and p.groups == ZIGZAG
+                   for n in plan.nodes for spec in (*n.inputs, *n.outputs) for p in spec)
+    mesh = Mesh((2, 2), cluster="stress")
+    assert zigzags(plan_traced(tiny, mesh, model_name="llama-tiny")) == 0
+    assert zigzags(plan_traced(tiny, mesh, model_name="llama-tiny", context_parallel="on")) > 0
+
