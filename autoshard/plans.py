@@ -940,13 +940,14 @@ def _check_layouts(plan: Plan, source: str) -> None:
         node, shape = g.nodes[name], g.shapes.get((name, 0))
         st = plan.param_state.get(fqn)
         fits(f"params[{fqn!r}].placements", plan.params[fqn], shape)
-        if node.outputs[0] != plan.params[fqn] or node.kernel != (st.mode if st else None):
+        own = node.outputs[0] if node.outputs else ()
+        if own != plan.params[fqn] or node.kernel != (st.mode if st else None):
             raise AutoshardError(
                 "a parameter's layout in one place: its placeholder node's spec and kernel, "
                 "which run, repeated in params",
                 got=f"{source}: params[{fqn!r}] has {spec_str(plan.params[fqn])!r}"
                     f"{' (' + st.mode + ')' if st else ''}, its node {name} "
-                    f"{spec_str(node.outputs[0])!r}"
+                    f"{spec_str(own) if own else 'with no placement'!r}"
                     f"{' (' + node.kernel + ')' if node.kernel else ''}",
                 fix="edit both alike (the node's spec is the one that runs; its readers' "
                     "inputs reshard from it), or re-create the plan with `autoshard plan`")

@@ -211,7 +211,12 @@ def _check(world, model: str, plan: Plan) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [
-    "llama4_text", "mamba2", "jamba", "gemma3_text",
+    "llama4_text", "mamba2", "jamba",
+    pytest.param("gemma3_text", marks=pytest.mark.xfail(
+        strict=False, reason="transformers builds Gemma-3's masks iterating a set of strings, so "
+                             "the traced graph follows the process's string hash seed "
+                             "(PYTHONHASHSEED): a plan made in one process can fail its "
+                             "fingerprint in another")),
     pytest.param("deepseek_v3", marks=pytest.mark.xfail(
         strict=True, reason="the rank program modifies in place a view that a reshard's "
                             "autograd function returned (RuntimeError: Output 0 of "
