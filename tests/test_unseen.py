@@ -217,10 +217,7 @@ def _check(world, model: str, plan: Plan) -> dict:
                              "the traced graph follows the process's string hash seed "
                              "(PYTHONHASHSEED): a plan made in one process can fail its "
                              "fingerprint in another")),
-    pytest.param("deepseek_v3", marks=pytest.mark.xfail(
-        strict=True, reason="the rank program modifies in place a view that a reshard's "
-                            "autograd function returned (RuntimeError: Output 0 of "
-                            "Redistribute is a view and is being modified inplace)"))])
+    "deepseek_v3"])
 def test_tiny_family_on_gloo(world4, configs, name) -> None:
     plan = plan_for(configs[name], Mesh((2, 2), cluster="stress"), batch=4, seq=8)
     _check(world4, configs[name], plan)

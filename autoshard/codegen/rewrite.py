@@ -31,9 +31,9 @@ from autoshard.trace.graph import value_ref, value_shapes
 class ReshardCall:
     """A graph target that moves one value from its spec to what its consumers need."""
 
-    def __init__(self, edge: ReshardEdge, runtime: "RankRuntime", *, bucketed: bool = False
-                 ) -> None:
-        self.edge, self.rt, self.bucketed = edge, runtime, bucketed
+    def __init__(self, edge: ReshardEdge, runtime: "RankRuntime", *, bucketed: bool = False,
+                 written: bool = False) -> None:
+        self.edge, self.rt, self.bucketed, self.written = edge, runtime, bucketed, written
         self.__name__ = f"reshard_{spec_str(edge.src)}_to_{spec_str(edge.dst)}".replace(
             "[", "").replace("]", "").replace(", ", "_").replace("(", "").replace(")", "")
 
@@ -43,12 +43,32 @@ class ReshardCall:
             # A bucketed gradient sync: the bucket all-reduces it (codegen/buckets.py).
             return DeferredGradSync.apply(x, functools.partial(self.rt.buckets.arrive,
                                                                e.value[0]))
-        return redistribute(x, e.reshard, self.rt.groups, ledger=self.rt.ledger,
-                            node=e.consumers[0][0], phase=self.rt.phase,
-                            grad_phase="grad_sync" if e.from_param else "backward")
+        y = redistribute(x, e.reshard, self.rt.groups, ledger=self.rt.ledger,
+                         node=e.consumers[0][0], phase=self.rt.phase,
+                         grad_phase="grad_sync" if e.from_param else "backward")
+        # An in-place consumer (ops/inplace.py) writes into what it is given; autograd forbids
+        # writing into a view that a custom Function returned (its own backward would be
+        # bypassed), and a reshard whose forward moves nothing, or slices the leading dim,
+        # returns one. That consumer gets its own copy: the write lands in the resharded
+        # value, as it does when the reshard's collectives make a new tensor.
+        if self.written and y._is_view():
+            y = y.clone()
+        return y
 
     def __repr__(self) -> str:
         return self.__name__
+
+
+def writes_into(targets: dict[str, Any], edge: ReshardEdge) -> bool:
+    """Whether a consumer of ``edge`` writes into the input it reads there (an in-place op's
+    first argument, as its schema marks it)."""
+    for node, index in edge.consumers:
+        schema = getattr(targets.get(node), "_schema", None)
+        if schema is not None and index < len(schema.arguments):
+            alias = schema.arguments[index].alias_info
+            if alias is not None and alias.is_write:
+                return True
+    return False
 
 
 HOST = torch.device("cpu")
@@ -166,6 +186,7 @@ def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime,
     strategies = plan.strategies()
     shapes = value_shapes(traced.graph)
     params = {p.name for p in traced.params}
+    targets = {n.name: n.target for n in traced.graph.nodes}
     # What the rank runs, in order (cost/program.py): the liveness walk reads the same program.
     program = step_program(traced, strategies, mesh_shape, bucket_bytes=plan.options.bucket_bytes,
                            recompute=plan.recompute, joint=plan.joint_groups(), shapes=shapes)
@@ -203,7 +224,8 @@ def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime,
         if key not in moved:
             if ref[0] in fetched:
                 src = fetch(ref, src, e.consumers[0][0], stage)
-            moved[key] = g.call_function(ReshardCall(e, runtime, bucketed=e in bucketed), (src,))
+            moved[key] = g.call_function(ReshardCall(e, runtime, bucketed=e in bucketed,
+                                                     written=writes_into(targets, e)), (src,))
             moved[key].meta["autoshard"] = {"reshard": f"{spec_str(e.src)} -> {spec_str(e.dst)}",
                                             "divergent": sorted(e.divergent)}
             moved[key].meta["autoshard_ref"] = (ref, e.dst)

@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from autoshard.cost.comm import Groups, Reshard, reshard
 from autoshard.ir import Replicate, Spec, Strategy, divergent_axes
+from autoshard.ops.registry import FACTORY, record_of
 from autoshard.trace.graph import ValueRef, value_inputs
 
 
@@ -44,7 +45,10 @@ def grad_values(graph: fx.Graph, param_names: set[str]) -> set[str]:
             if node.name in param_names:
                 needs.add(node.name)
         elif node.op == "call_function" and node.target is not operator.getitem:
-            if node.target is torch.ops.aten.detach.default:
+            # A detach, or a factory (``new_empty``, ``zeros_like``: the input gives only its
+            # dtype and shape), cuts the gradient.
+            if (node.target is torch.ops.aten.detach.default
+                    or record_of(node.target).family == FACTORY):
                 continue
             vals = torch.utils._pytree.tree_flatten(node.meta.get("val"))[0]
             # Complex values carry gradients too (an rfft's output).
@@ -63,6 +67,15 @@ def carries_grad(graph_nodes: dict[str, fx.Node], grads: set[str], ref: ValueRef
     vals = torch.utils._pytree.tree_flatten(graph_nodes[ref[0]].meta.get("val"))[0]
     v = vals[ref[1]] if ref[1] < len(vals) else None
     return not isinstance(v, torch.Tensor) or v.dtype.is_floating_point or v.dtype.is_complex
+
+
+def passes_grad(graph_nodes: dict[str, fx.Node], grads: set[str], ref: ValueRef,
+                consumer: str) -> bool:
+    """Whether a gradient reaches ``ref`` through ``consumer``: the value has one and the
+    consumer's output has one too (a factory reading only the input's dtype and shape, or a
+    cast to integers, passes none back), or the consumer is the graph's output."""
+    return carries_grad(graph_nodes, grads, ref) and (
+        consumer in grads or graph_nodes[consumer].op == "output")
 
 
 def no_backward(r: Reshard) -> Reshard:
@@ -105,7 +118,7 @@ def _requirements(graph: fx.Graph, strategies: dict[str, Strategy], grads: set[s
             if ref not in wants:
                 order.append(ref)
             key = (strat.inputs[k], input_divergence(strat, k)
-                   if carries_grad(nodes, grads, ref) else frozenset())
+                   if passes_grad(nodes, grads, ref, node.name) else frozenset())
             wants.setdefault(ref, {}).setdefault(key, []).append((node.name, k))
     seen = set(order)
     order += [r for r in wants if r not in seen]
@@ -149,6 +162,6 @@ def reshard_edges(graph: fx.Graph, strategies: dict[str, Strategy], mesh_shape: 
             continue
         shape, itemsize = shapes[ref]
         r = reshard(src, dst, shape, itemsize, mesh_shape, div, joint)
-        if not carries_grad(nodes, grads, ref):
+        if not any(passes_grad(nodes, grads, ref, c) for c, _ in consumers):
             r = no_backward(r)
         yield ReshardEdge(ref, tuple(consumers), src, dst, div, r, ref[0] in param_names)
