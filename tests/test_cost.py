@@ -1016,3 +1016,36 @@ def test_the_reshard_floor_never_exceeds_the_reshard(merge, cluster) -> None:
         alpha * (1 if merge is None else 2))
     assert pricer.reshard_floor((x, 0), (R,) * mesh.ndim, gathered) == 0.0
     assert pricer.reshard_floor((up, 0), (R,) * mesh.ndim, gathered) > 0.0
+
+
+def test_no_gradient_flows_through_a_factory_or_an_integer_cast() -> None:
+    """``new_zeros`` reads only its input's dtype and shape and a cast to integers has no
+    gradient: a reshard read only there runs no backward collective (none would run, and the
+    plan's bytes must equal the run's)."""
+    from autoshard.cost.reshards import grad_values, passes_grad
+    from autoshard.trace.export import trace
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            buf = h.new_zeros(h.shape)
+            idx = h.to(torch.long)
+            return (h * 2).sum() + buf.sum() + idx.sum()
+
+    traced = trace(M(), (torch.randn(2, 4),))
+    nodes = {n.name: n for n in traced.graph.nodes}
+    grads = grad_values(traced.graph, {p.name for p in traced.params})
+    by_target = {n.target: n.name for n in traced.graph.nodes if n.op == "call_function"}
+    aten = torch.ops.aten
+    h = by_target[aten.linear.default]
+    assert h in grads and by_target[aten.new_zeros.default] not in grads
+    assert not passes_grad(nodes, grads, (h, 0), by_target[aten.new_zeros.default])
+    cast = next(n.name for n in traced.graph.nodes if n.op == "call_function"
+                and n.args and getattr(n.args[0], "name", None) == h
+                and getattr(n.meta.get("val"), "dtype", None) == torch.long)
+    assert not passes_grad(nodes, grads, (h, 0), cast)
+    assert passes_grad(nodes, grads, (h, 0), by_target[aten.mul.Tensor])
