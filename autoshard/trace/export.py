@@ -7,12 +7,14 @@ decisions, and every one of them is differentiable, so the per-rank program trai
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import inspect
 import itertools
 import operator
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -130,7 +132,8 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any], *, training: bo
     example_inputs = _meta_like_model(model, _checked_inputs(example_inputs))
     wrapped = as_loss_module(model) if training else model
     try:
-        ep = torch.export.export(wrapped, example_inputs, strict=False)
+        with _sets_in_fixed_order(model):
+            ep = torch.export.export(wrapped, example_inputs, strict=False)
     except Exception as e:  # export's own errors are long: name the likely cause and its fix
         raise _export_failure(e, model, example_inputs, training) from e
     # Our own loss wrapper holds the model as ``model``: report the model's own names. A tied
@@ -141,6 +144,34 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any], *, training: bo
                              aliases=parameter_aliases(model))
     except GuardOnDataDependentSymNode as e:    # a shape that depends on values, as of x[mask]
         raise _export_failure(e, model, example_inputs, training) from e
+
+
+class _FixedOrderSet(set):
+    """A set that iterates in one order in every process (by ``repr``). Python orders a set of
+    strings by their hashes, which differ between processes (``PYTHONHASHSEED``); a model that
+    iterates one in forward (transformers' Gemma-3 and Llama-4 compute one rotary table per
+    ``set(config.layer_types)``) would trace a different graph in each process, and a plan made
+    in one would fail its fingerprint in another, or in another rank."""
+
+    def __iter__(self):
+        return iter(sorted(super().__iter__(), key=repr))
+
+
+@contextlib.contextmanager
+def _sets_in_fixed_order(model: torch.nn.Module):
+    """While tracing, ``set(...)`` in the model's own source modules (not torch's) builds a
+    :class:`_FixedOrderSet`; set literals and comprehensions are untouched."""
+    names = {type(m).__module__ for m in model.modules()}
+    modules = [sys.modules[n] for n in names
+               if n in sys.modules and not n.startswith("torch.") and n != "builtins"
+               and "set" not in vars(sys.modules[n])]
+    for module in modules:
+        module.set = _FixedOrderSet
+    try:
+        yield
+    finally:
+        for module in modules:
+            vars(module).pop("set", None)
 
 
 def _meta_like_model(model: torch.nn.Module, inputs: tuple) -> tuple:
