@@ -1,6 +1,8 @@
 """Test tiers (docs/design.md, "Testing"): every test that runs on a multi-process gloo world is
 marked ``gloo`` here, from the fixtures it uses, so that no test file has to remember to.
-``slow`` is set by hand on tests that take more than about 10 s on an idle 2-core machine.
+``slow`` is set by hand on tests that are slow by nature, and here on every test listed in
+``tests/slow.txt``: the ones measured over the fast tier's per-test share (``tests/tiers.py``
+writes the list from a ``--durations=0`` run).
 
     python -m pytest -m "not slow and not gloo"     # pure data and one-process tests
     python -m pytest -m "not slow"                  # the fast tier (under 2 minutes)
@@ -8,10 +10,25 @@ marked ``gloo`` here, from the fixtures it uses, so that no test file has to rem
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+
+SLOW_LIST = Path(__file__).with_name("slow.txt")
+
+
+def measured_slow() -> set[str]:
+    """The test ids listed in ``tests/slow.txt`` (comments and blank lines skipped)."""
+    if not SLOW_LIST.exists():
+        return set()
+    lines = (line.split("#")[0].strip() for line in SLOW_LIST.read_text().splitlines())
+    return {line for line in lines if line}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    slow = measured_slow()
     for item in items:
         if any(name.startswith("world") for name in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.gloo)
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
