@@ -103,11 +103,18 @@ SavesFn = Callable[[OpInfo], Saves]
 @dataclass(frozen=True, slots=True)
 class OpCollective:
     """One collective an op runs inside itself: ``kind`` over mesh axis ``axis`` moving
-    ``nbytes`` (S of docs/cost-model.md §1.1, per rank), in the order the kernel runs them."""
+    ``nbytes`` (S of docs/cost-model.md §1.1, per rank), in the order the kernel runs them;
+    ``phase``: the pass that runs it ("forward" or "backward"); ``joint``: the axes of a
+    collective over their joint group (ascending, ``axis`` first; empty for one axis);
+    ``hides``: the share of the op's compute in that pass that runs beside it (ring attention's
+    hops, each behind one step's block compute: docs/cost-model.md §3.11); 0: blocking."""
 
     kind: str
     axis: int
     nbytes: int
+    phase: str = "forward"
+    joint: tuple[int, ...] = ()
+    hides: float = 0.0
 
 
 class CollectiveKernel:
