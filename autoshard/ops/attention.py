@@ -92,6 +92,8 @@ def ring_ok(op: OpInfo) -> bool:
             and q.shape[-1] == k.shape[-1])
 
 
+# The context-parallel kernels by the name PlanOptions.context_parallel gives each alone.
+CP_KERNELS = {"gather": "cp_gather", "ring": "cp_ring"}
 _MIXED = "mixed"   # K/V zigzag on some but not all of the queries' axes: not offered
 
 

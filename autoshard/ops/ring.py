@@ -49,12 +49,14 @@ class Pending(Protocol):
 
 
 class Ring(Protocol):
-    """Point-to-point transport around the ring: ``shift(tensors, backward)`` sends ``tensors``
-    to the next rank and receives tensors of the same shapes and dtypes from the previous one;
-    ``wait()`` on what it returns gives them. ``backward`` says which pass runs it (the
-    ledger's phase)."""
+    """Point-to-point transport around the ring: ``shift(tensors, backward, channel)`` sends
+    ``tensors`` to the next rank and receives tensors of the same shapes and dtypes from the
+    previous one; ``wait()`` on what it returns gives them. ``backward`` says which pass runs it
+    (the ledger's phase); ``channel`` tells apart shifts in flight at once (backward's blocks,
+    0, and their gradients, 1)."""
 
-    def shift(self, tensors: Sequence[torch.Tensor], backward: bool) -> Pending: ...
+    def shift(self, tensors: Sequence[torch.Tensor], backward: bool,
+              channel: int = 0) -> Pending: ...
 
 
 class RingKernel:
@@ -239,7 +241,7 @@ class RingAttention(torch.autograd.Function):
                 dkv = moving.wait()
             dkv[0][..., kr, :] += _unheads(dkb.to(acc), lay.rep)
             dkv[1][..., kr, :] += _unheads(dvb.to(acc), lay.rep)
-            moving = ring.shift(dkv, True) if lay.n > 1 else None
+            moving = ring.shift(dkv, True, 1) if lay.n > 1 else None
             if pending is not None:
                 kv = pending.wait()
         if moving is not None:

@@ -266,7 +266,7 @@ class SimRing:
 
         class Transport:
             @staticmethod
-            def shift(tensors, backward: bool) -> Pending:
+            def shift(tensors, backward: bool, channel: int = 0) -> Pending:
                 k = next(shifts)
                 with sim.cond:
                     sim.box[(coords, k)] = [t.detach().clone() for t in tensors]

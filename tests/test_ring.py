@@ -1,0 +1,221 @@
+"""Ring attention: query, key and value sharded in the zigzag layout over a ring of ranks, K/V
+blocks passed around it (ops/ring.py; ops/attention.py ``cp_ring``; codegen/ring.py;
+docs/cost-model.md §3.11).
+
+- closed form: the hops and their bytes, the balanced causal work per step, the price of a
+  hop hidden behind a step's block compute, against docs/cost-model.md §3.11;
+- rule: every ring strategy against single-device attention, forward and backward (threads);
+- structural: a llama-tiny plan pinned to the ring lists its send/recv hops and gathers no K/V;
+  the ILP picks ring or gather by their prices;
+- numerical: gloo ranks run llama-tiny (causal, grouped-query) with the sequence sharded 2 and
+  4 ways under the ring, loss and every gradient within 1e-5 of one device, run-time bytes
+  equal to the plan, record by record.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from autoshard import Mesh
+from autoshard.cost.comm import collective_time
+from autoshard.cost.compute import op_times
+from autoshard.cost.price import Pricer
+from autoshard.ir import ZIGZAG, Replicate, Shard, op_info
+from autoshard.ops.attention import SDPA, ring_collectives
+from autoshard.ops.registry import strategies_for
+from autoshard.ops.ring import RingLayout, ring_hops
+from autoshard.ops.simulate import check_strategy
+from autoshard.options import PlanOptions
+from autoshard.solver.planner import plan_traced
+from autoshard.trace.export import TracedGraph, trace
+from autoshard.trace.export import op_info as node_info
+from autoshard.verify import VerifySpec, build, summarize, verify_rank
+from dist import world_fixture
+
+ZZ = Shard(2, ZIGZAG)
+TOL = 1e-5
+BATCH, SEQ = 1, 16
+
+world4 = world_fixture(4, timeout_s=600)
+
+
+def _sdpa(shape_q=(1, 4, 16, 8), shape_kv=(1, 4, 16, 8), dtype=torch.float64, **kwargs):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, generator=g, dtype=dtype) for s in (shape_q, shape_kv, shape_kv))
+    return (q, k, v), kwargs, op_info(SDPA, (q, k, v), kwargs, SDPA(q, k, v, **kwargs))
+
+
+def _ring(info, mesh, axes=None):
+    return [s for s in strategies_for(info, mesh) if s.kernel == "cp_ring"
+            and (axes is None or tuple(a for a, p in enumerate(s.inputs[0]) if p == ZZ) == axes)]
+
+
+# ---- closed form ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_the_ring_makes_n_minus_1_hops_forward_and_2n_minus_1_backward(n) -> None:
+    hops = ring_hops(n)
+    assert [h.moves for h in hops if h.phase == "forward"] == [("kv",)] * (n - 1)
+    assert [h.moves for h in hops if h.phase == "backward"] == \
+        [("kv",), ("dkv",)] * (n - 1) + [("dkv",)]
+    assert ring_hops(1) == ()
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_zigzag_steps_skip_masked_blocks_and_do_equal_work(n) -> None:
+    """Each step of each rank is two chunk-pairs of unmasked work (the diagonal step: one whole
+    pair and two causal halves), 2n pairs in all: 1/n of the causal 2n² (§3.11)."""
+    rows = 4                                     # two chunks of 2 rows
+    total = 0
+    for r in range(n):
+        lay = RingLayout(r, n, True, None, 1)
+        for step in range(n):
+            qr, kr, causal = lay.blocks(step, rows)
+            pairs = (qr.stop - qr.start) // 2 * ((kr.stop - kr.start) // 2)   # chunk pairs
+            work = pairs / 2 if causal else pairs      # the diagonal: one pair + two halves
+            assert work == 2, (r, step, qr, kr, causal)
+            total += work
+    assert total == n * 2 * n == (2 * n) ** 2 // 2
+
+
+def test_hops_carry_the_local_kv_and_fp32_gradients() -> None:
+    """bf16 K/V of [1, 2, 16, 8] on 4 ranks: a K/V hop moves the local K and V (2·2·4·8 bf16
+    elements), a gradient hop their fp32 accumulators, twice the bytes."""
+    _, _, info = _sdpa((1, 4, 16, 8), (1, 2, 16, 8), torch.bfloat16, is_causal=True,
+                       enable_gqa=True)
+    (st,) = _ring(info, (4,))
+    assert str(st) == "[S(2/zz)] x [S(2/zz)] x [S(2/zz)] -> [S(2/zz)] (cp_ring)"
+    assert st.compute_scale == 1 / 4
+    local = 2 * 2 * 4 * 8
+    got = [(c.phase, c.nbytes, c.hides) for c in ring_collectives(info, st, (4,))]
+    assert got == [("forward", local * 2, 0.25)] * 3 + \
+        [("backward", local * 2, 0.25), ("backward", local * 4, 0.25)] * 3 + \
+        [("backward", local * 4, 0.25)]
+
+
+def test_a_hop_is_charged_beyond_the_step_it_hides_behind(tiny) -> None:
+    """Pricer.op_charges: each hop costs ``max(0, alpha + S/B - t_step)`` with ``t_step`` the
+    op's forward (or backward) seconds over n (docs/cost-model.md §3.11); the plan's ledger
+    lists every hop, and the step time adds only what shows."""
+    mesh = Mesh((4,), cluster="stress")
+    pricer = Pricer(tiny, mesh, PlanOptions(context_parallel="on"))
+    node = next(n for n in tiny.graph.nodes if n.target is SDPA)
+    (st,) = _ring(node_info(node), (4,))
+    fwd, bwd = op_times(node_info(node), st, mesh, training=True)
+    link = mesh.links[0]
+    charges = pricer.op_charges(node.name, st)
+    assert len(charges) == 3 + 7
+    for phase, step, t in charges:
+        raw = collective_time("send_recv", 4, step.nbytes, link.alpha, link.bandwidth)
+        hide = (fwd if phase == "forward" else bwd) / 4 * mesh.cluster.comm_overlap
+        assert t == pytest.approx(max(0.0, raw - hide))
+    assert pricer.op_comm_seconds(node.name, st) == pytest.approx(sum(t for *_, t in charges))
+
+
+# ---- the rule against single-device attention ---------------------------------------------
+
+CASES = [dict(is_causal=True), dict(), dict(is_causal=True, scale=0.3)]
+
+
+@pytest.mark.parametrize("mesh", [(2,), (4,), (2, 2)])
+@pytest.mark.parametrize("kwargs", CASES, ids=["causal", "full", "causal-scale"])
+def test_ring_strategies_match_single_device(mesh, kwargs) -> None:
+    args, kwargs, info = _sdpa(**kwargs)
+    rings = _ring(info, mesh)
+    assert rings
+    for st in rings:
+        assert not check_strategy(SDPA, args, kwargs, st, mesh), str(st)
+
+
+def test_grouped_query_ring_and_no_mixing_with_the_gather() -> None:
+    args, kwargs, info = _sdpa((1, 4, 16, 8), (1, 2, 16, 8), is_causal=True, enable_gqa=True)
+    rings = _ring(info, (2, 2))
+    assert any(s.inputs[1] == (ZZ, Shard(1)) for s in rings)       # ring x heads
+    for st in rings:
+        assert not check_strategy(SDPA, args, kwargs, st, (2, 2)), str(st)
+    for st in strategies_for(info, (2, 2)):       # K/V zigzag exactly where the queries are
+        q_axes = [p == ZZ for p in st.inputs[0]]
+        k_axes = [p == ZZ for p in st.inputs[1]]
+        assert not any(k_axes) or k_axes == q_axes, str(st)
+
+
+# ---- planning llama-tiny under the ring -----------------------------------------------------
+
+def ring_pins(traced: TracedGraph, mesh: Mesh, axes: tuple[int, ...]) -> dict:
+    """Every attention op pinned to the ring over exactly ``axes`` (the others replicated)."""
+    pins = {}
+    for n in traced.graph.nodes:
+        if n.target is SDPA:
+            pins[n.name] = next(
+                s for s in _ring(node_info(n), mesh.shape, axes)
+                if all(s.inputs[0][a] == Replicate() for a in range(mesh.ndim) if a not in axes))
+    return pins
+
+
+@pytest.fixture(scope="module")
+def tiny() -> TracedGraph:
+    model, inputs = build("llama-tiny", BATCH, SEQ, 0)
+    return trace(model, inputs)
+
+
+def test_ring_plan_passes_kv_blocks_and_gathers_nothing(tiny) -> None:
+    """Four ways over one axis: per layer, 3 forward hops of the local K and V (b·h_kv·s/4·d
+    fp32 each) and 7 backward ones (3 of blocks, 4 of their gradients); no all-gather at the
+    attention."""
+    mesh = Mesh((4,), cluster="stress")
+    plan = plan_traced(tiny, mesh, fixed=ring_pins(tiny, mesh, (0,)), model_name="llama-tiny",
+                       context_parallel="on")
+    kv = 2 * BATCH * 2 * (SEQ // 4) * 8 * 4
+    layers = sum(1 for n in tiny.graph.nodes if n.target is SDPA)
+    at = [c for c in plan.collectives if c.node.startswith("scaled_dot_product")]
+    assert sorted((c.phase, c.kind, c.bytes) for c in at) == sorted(
+        ([("forward", "send_recv", kv)] * 3 + [("backward", "send_recv", kv)] * 7) * layers)
+    assert plan.predicted["step_time_s"] > 0
+
+
+def test_the_ilp_weighs_ring_against_gather(tiny) -> None:
+    """On 2x2 devices of slow compute every hop hides behind its step's block compute
+    (op_comm_seconds 0), so with both variants offered the planner takes the ring over both
+    axes, where the gather alone takes heads x sequence; the plan with both is never slower than
+    with either alone (the ILP weighs them by the same prices)."""
+    mesh = Mesh((2, 2), cluster="stress")
+    plans = {cp: plan_traced(tiny, mesh, model_name="llama-tiny", context_parallel=cp)
+             for cp in ("on", "gather", "ring")}
+    kernels = {cp: {s.kernel for k, s in p.strategies().items() if k.startswith("scaled_dot")}
+               for cp, p in plans.items()}
+    assert kernels == {"on": {"cp_ring"}, "gather": {"cp_gather"}, "ring": {"cp_ring"}}
+    step = {cp: p.predicted["step_time_s"] for cp, p in plans.items()}
+    assert step["on"] <= min(step["gather"], step["ring"]) * (1 + 1e-9)
+    pricer = Pricer(tiny, mesh, PlanOptions(context_parallel="on"))
+    node = next(n for n in tiny.graph.nodes if n.target is SDPA)
+    ring = plans["on"].strategies()[node.name]
+    assert pricer.op_comm_seconds(node.name, ring) == 0.0
+    assert len(pricer.op_charges(node.name, ring)) == 3 * 4 - 2
+
+
+# ---- numerical: gloo ranks against one device ----------------------------------------------
+
+GLOO = [((2, 2), (0,)), ((4,), (0,)), ((2, 2), (0, 1))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape,axes", GLOO, ids=["ring2-x-2", "ring4", "ring2x2"])
+def test_ring_attention_equals_single_device(world4, tiny, shape, axes) -> None:
+    """llama-tiny (causal, 4 heads over 2 K/V heads) with its sequence sharded 2 ways (beside
+    the planner's choice on the other axis), 4 ways on one axis, and 2x2 ways (one ring over
+    both axes): loss and every gradient within 1e-5 of one device, every hop run as planned,
+    byte for byte."""
+    mesh = Mesh(shape, cluster="stress")
+    plan = plan_traced(tiny, mesh, fixed=ring_pins(tiny, mesh, axes), model_name="llama-tiny",
+                       context_parallel="on")
+    assert any(n.kernel == "cp_ring" for n in plan.nodes)
+    reports = world4.run(verify_rank, VerifySpec("llama-tiny", plan.mesh_shape, plan.mesh_axes,
+                                                 plan.dumps(), BATCH, SEQ, measure_memory=False))
+    ok, text = summarize(reports, TOL)
+    assert ok, text
+    assert all(r["bytes"] == r["planned_bytes"] and not r["ledger_diff"] for r in reports)
+    n = math.prod(shape[a] for a in axes)
+    hops = [c for c in plan.collectives if c.kind == "send_recv"]
+    assert len(hops) == (3 * n - 2) * sum(1 for x in tiny.graph.nodes if x.target is SDPA)
