@@ -23,7 +23,8 @@ from autoshard.cost.comm import collective_time
 from autoshard.cost.compute import op_times
 from autoshard.cost.price import Pricer
 from autoshard.ir import ZIGZAG, Replicate, Shard, op_info
-from autoshard.ops.attention import SDPA, ring_collectives
+from autoshard.cost.liveness import step_memory
+from autoshard.ops.attention import SDPA, ring_collectives, sdpa_workspace
 from autoshard.ops.registry import strategies_for
 from autoshard.ops.ring import RingLayout, ring_hops
 from autoshard.ops.simulate import check_strategy
@@ -112,6 +113,38 @@ def test_a_hop_is_charged_beyond_the_step_it_hides_behind(tiny) -> None:
         hide = (fwd if phase == "forward" else bwd) / 4 * mesh.cluster.comm_overlap
         assert t == pytest.approx(max(0.0, raw - hide))
     assert pricer.op_comm_seconds(node.name, st) == pytest.approx(sum(t for *_, t in charges))
+
+
+def test_the_ring_holds_two_block_pairs_and_fp32_accumulators_while_it_runs(tiny) -> None:
+    """ops/attention.py ``sdpa_workspace``: forward, two K/V block pairs (the one computed on,
+    the one arriving) and the fp32 output; backward, the same blocks, two fp32 gradient pairs
+    and the fp32 dQ. The step's liveness walk adds it at the op (its log shows the moment)."""
+    _, _, info = _sdpa((1, 4, 16, 8), (1, 2, 16, 8), torch.bfloat16, is_causal=True,
+                       enable_gqa=True)
+    (st,) = _ring(info, (4,))
+    q, kv = 4 * 4 * 8, 2 * 2 * 4 * 8            # local elements: q, and K plus V
+    assert sdpa_workspace(info, st, (4,)) == (2 * kv * 2 + q * 4, 2 * kv * 2 + 2 * kv * 4 + q * 4)
+    gather = next(s for s in strategies_for(info, (4,)) if s.kernel == "cp_gather")
+    assert sdpa_workspace(info, gather, (4,)) == (0, 0)
+
+    mesh = Mesh((4,), cluster="stress")
+    plan = plan_traced(tiny, mesh, fixed=ring_pins(tiny, mesh, (0,)), model_name="llama-tiny",
+                       context_parallel="on")
+    strategies = plan.strategies()
+    pricer = Pricer(tiny, mesh, PlanOptions(context_parallel="on"))
+
+    class NoWorkspace(Pricer):
+        def workspace(self, name, strategy):
+            return 0, 0
+    logs: dict[str, list] = {"with": [], "without": []}
+    step_memory(tiny, strategies, pricer, log=logs["with"])
+    step_memory(tiny, strategies, NoWorkspace(tiny, mesh, PlanOptions(context_parallel="on")),
+                log=logs["without"])
+    node = next(n.name for n in tiny.graph.nodes if n.target is SDPA)
+    at = {k: [b for ph, n, b in v if n == node] for k, v in logs.items()}
+    fwd, bwd = pricer.workspace(node, strategies[node])
+    assert fwd > 0 and bwd > 0
+    assert [w - wo for w, wo in zip(at["with"], at["without"])] == [fwd, bwd]
 
 
 # ---- the rule against single-device attention ---------------------------------------------

@@ -240,12 +240,7 @@ class Pricer:
         node = self._nodes[name]
         if node.op != "call_function" or record_of(node.target).collectives is None:
             return ()
-        mesh_shape = self.mesh.shape
-        if self.merge is not None:
-            strategy = Strategy(tuple(self.merge.expand_spec(s) for s in strategy.inputs),
-                                tuple(self.merge.expand_spec(s) for s in strategy.outputs),
-                                strategy.kernel, strategy.compute_scale)
-            mesh_shape = self.merge.real.shape
+        strategy, mesh_shape = self._on_real_mesh(strategy)
         colls = op_collectives(self.info(name), strategy, mesh_shape)
         if not colls:
             return ()
@@ -258,6 +253,25 @@ class Pricer:
             hidden = c.hides * (fwd if c.phase == "forward" else bwd) * overlap
             out.append((c.phase, st, max(0.0, step_seconds(st, real) - hidden)))
         return tuple(out)
+
+    def _on_real_mesh(self, strategy: Strategy) -> tuple[Strategy, tuple[int, ...]]:
+        """The strategy as it runs on the mesh the program runs on (an op planned on merged
+        axes runs on the real ones), and that mesh's shape."""
+        if self.merge is None:
+            return strategy, self.mesh.shape
+        return Strategy(tuple(self.merge.expand_spec(s) for s in strategy.inputs),
+                        tuple(self.merge.expand_spec(s) for s in strategy.outputs),
+                        strategy.kernel, strategy.compute_scale), self.merge.real.shape
+
+    def workspace(self, name: str, strategy: Strategy) -> tuple[int, int]:
+        """Bytes the op's kernel holds while it runs beyond its tensors, (forward, backward)
+        (ops/registry.py ``workspace``; ring attention's blocks in flight, §3.11)."""
+        node = self._nodes[name]
+        fn = record_of(node.target).workspace if node.op == "call_function" else None
+        if fn is None:
+            return 0, 0
+        strategy, mesh_shape = self._on_real_mesh(strategy)
+        return fn(self.info(name), strategy, mesh_shape)
 
     def op_comm_seconds(self, name: str, strategy: Strategy) -> float:
         """Exposed seconds of :meth:`op_charges`; the forward ones twice where a fully

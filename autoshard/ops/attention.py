@@ -176,6 +176,21 @@ def sdpa_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tup
     return cp_gather, args[:3], {}
 
 
+def sdpa_workspace(op: OpInfo, strategy: Strategy, mesh_shape: tuple) -> tuple[int, int]:
+    """What ring attention holds beyond its inputs and saves (ops/ring.py), (forward,
+    backward): in forward the block being received beside the one computed on (two K/V block
+    pairs at most) and the fp32 output accumulator; in backward the same two block pairs, two
+    fp32 gradient accumulator pairs (one in flight) and the fp32 dQ. Other kernels: none."""
+    if strategy.kernel != "cp_ring":
+        return 0, 0
+    q, k, v = op.inputs[:3]
+    local = [math.prod(local_shape(t.shape, spec, mesh_shape))
+             for t, spec in zip((q, k, v), strategy.inputs)]
+    acc = accumulator_dtype(q.dtype).itemsize
+    blocks = 2 * (local[1] + local[2]) * k.dtype.itemsize
+    return blocks + local[0] * acc, blocks + 2 * (local[1] + local[2]) * acc + local[0] * acc
+
+
 def sdpa_saves(op: OpInfo) -> Saves:
     """q, k, v (and a mask), the output, and the fp32 logsumexp per query row (FlashAttention)."""
     return Saves(inputs=tuple(range(len(op.inputs))), outputs=(0,), extra=(("in", 0, "row", 4),))
@@ -187,4 +202,4 @@ register_op(SDPA, strategies=sdpa_strategy, family=ATTENTION, saves=sdpa_saves, 
 amend(SDPA, kernels=tuple(getattr(aten, k).default for k in (
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention")
-    if hasattr(aten, k)))
+    if hasattr(aten, k)), workspace=sdpa_workspace)
