@@ -147,6 +147,20 @@ def test_the_ring_holds_two_block_pairs_and_fp32_accumulators_while_it_runs(tiny
     assert [w - wo for w, wo in zip(at["with"], at["without"])] == [fwd, bwd]
 
 
+def test_the_plans_price_is_the_ilps_with_exposed_hops(tiny) -> None:
+    """On H100 figures llama-tiny's blocks take microseconds, less than a hop's latency: the
+    hops show, and the plan's step (its ledger priced hop by hop, exposed part only) is the
+    ILP's objective."""
+    mesh = Mesh((4,), cluster="h100")
+    plan = plan_traced(tiny, mesh, fixed=ring_pins(tiny, mesh, (0,)), model_name="llama-tiny",
+                       context_parallel="on")
+    pricer = Pricer(tiny, mesh, PlanOptions(context_parallel="on"))
+    node = next(n.name for n in tiny.graph.nodes if n.target is SDPA)
+    charges = pricer.op_charges(node, plan.strategies()[node])
+    assert all(t > 0 for *_, t in charges)
+    assert plan.solver["objective"] == pytest.approx(plan.predicted["step_time_s"], rel=1e-9)
+
+
 # ---- the rule against single-device attention ---------------------------------------------
 
 CASES = [dict(is_causal=True), dict(), dict(is_causal=True, scale=0.3)]

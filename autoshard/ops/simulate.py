@@ -9,6 +9,7 @@ follow their tensor's placement, a Partial tensor's gradient being replicated.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from dataclasses import dataclass
@@ -168,13 +169,15 @@ def run_strategy(op_target: Any, args: tuple, kwargs: dict, strategy: Strategy,
         assert len(outs) == len(strategy.outputs), f"{len(outs)} outputs, {len(strategy.outputs)} specs"
         local_outs[coords] = [o.detach() for o in outs]
     if backward:
+        def grads_of(c: Coords) -> list:
+            return _local_backward(local_ins[c], _tensors(all_outs[c]), grad_outputs, strategy,
+                                   mesh_shape, c)
         # A ring kernel's backward passes blocks between ranks too: every rank's at once.
-        ringed = any(isinstance(fn, RingKernel) for fn, _, _ in calls.values())
-        local_grads.update(_threads({c: (lambda c=c: _local_backward(
-            local_ins[c], _tensors(all_outs[c]), grad_outputs, strategy, mesh_shape, c))
-            for c in coords_list}, None) if ringed else {c: _local_backward(
-                local_ins[c], _tensors(all_outs[c]), grad_outputs, strategy, mesh_shape, c)
-                for c in coords_list})
+        if any(isinstance(fn, RingKernel) for fn, _, _ in calls.values()):
+            local_grads.update(_threads({c: functools.partial(grads_of, c)
+                                         for c in coords_list}, None))
+        else:
+            local_grads.update({c: grads_of(c) for c in coords_list})
     outputs = [unshard({c: local_outs[c][j] for c in coords_list}, s, mesh_shape, rtol=rtol,
                        atol=atol, check=check_replicas) for j, s in enumerate(strategy.outputs)]
     grads = None
@@ -203,7 +206,7 @@ def _run_ranks(calls: dict[Coords, tuple]) -> dict[Coords, Any]:
                 fn = fn.bind(ring.of(coords, fn.axes, list(calls)))
             return call_on_copies(fn, a, k)
 
-    return _threads({c: (lambda c=c, call=call: job(c, *call)) for c, call in calls.items()},
+    return _threads({c: functools.partial(job, c, *call) for c, call in calls.items()},
                     sync.barrier)
 
 
