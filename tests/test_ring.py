@@ -266,3 +266,24 @@ def test_ring_attention_equals_single_device(world4, tiny, shape, axes) -> None:
     n = math.prod(shape[a] for a in axes)
     hops = [c for c in plan.collectives if c.kind == "send_recv"]
     assert len(hops) == (3 * n - 2) * sum(1 for x in tiny.graph.nodes if x.target is SDPA)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_ring_attention_in_checkpointed_layers(world4, tiny, recompute) -> None:
+    """Four ways, every layer checkpointed: under "full" the ring's forward hops run again in
+    backward (phase ``recompute``, as the plan lists them); under "selective" the replayed
+    ring moves its blocks again uncounted, as the plan does not list them (docs/cost-model.md
+    §8, §3.11). Loss and gradients within 1e-5 of one device either way."""
+    mesh = Mesh((4,), cluster="stress")
+    plan = plan_traced(tiny, mesh, fixed=ring_pins(tiny, mesh, (0,)), model_name="llama-tiny",
+                       context_parallel="on", recompute=recompute)
+    assert set(plan.recompute.values()) == {recompute}
+    again = [c for c in plan.collectives if c.kind == "send_recv" and c.phase == "recompute"]
+    layers = sum(1 for x in tiny.graph.nodes if x.target is SDPA)
+    assert len(again) == (3 * layers if recompute == "full" else 0)
+    reports = world4.run(verify_rank, VerifySpec("llama-tiny", plan.mesh_shape, plan.mesh_axes,
+                                                 plan.dumps(), BATCH, SEQ, measure_memory=False))
+    ok, text = summarize(reports, TOL)
+    assert ok, text
+    assert all(r["bytes"] == r["planned_bytes"] and not r["ledger_diff"] for r in reports)
