@@ -291,3 +291,23 @@ def test_ring_attention_in_checkpointed_layers(world4, tiny, recompute) -> None:
     ok, text = summarize(reports, TOL)
     assert ok, text
     assert all(r["bytes"] == r["planned_bytes"] and not r["ledger_diff"] for r in reports)
+
+
+def test_a_compiled_program_runs_the_ring_eagerly_between_its_regions() -> None:
+    """codegen/compile.py: the ring's kernel sends point to point, which a traced graph cannot
+    hold; it is a partition of its own, run eagerly, and the ops around it compile."""
+    import torch.fx as fx
+
+    from autoshard.codegen.compile import _partition
+    from autoshard.codegen.ring import RingCall
+    from autoshard.ops.ring import RingKernel
+    g = fx.Graph()
+    x = g.placeholder("x")
+    a = g.call_function(torch.ops.aten.relu.default, (x,))
+    r = g.call_function(RingCall(RingKernel(lambda ring, t: t, (0,), "cp_ring"), None, "n", ()),
+                        (a, a, a))
+    b = g.call_function(torch.ops.aten.relu.default, (r,))
+    g.output(b)
+    parts = _partition(g)
+    assert parts[a.name][1] and parts[b.name][1] and not parts[r.name][1]
+    assert len({parts[a.name][0], parts[r.name][0], parts[b.name][0]}) == 3
