@@ -5,8 +5,8 @@ ledger next to the bytes the plan lists for it (ops/attention.py ``ring_collecti
 The ring of several axes is their ranks in row-major order of their coordinates (the zigzag
 layout over several axes nests as one axis of their product, ir.py); its sends go over the
 default group to the neighbours' global ranks, so it needs no process group of its own. Each
-shift posts its sends and receives at once (``isend``/``irecv``, gloo and NCCL alike) and
-returns without waiting, so the block compute of the step runs while the blocks travel; the
+shift posts its sends and receives at once, one ``batch_isend_irecv`` (gloo and NCCL alike),
+and returns without waiting, so the block compute of the step runs while the blocks travel; the
 kernel waits on them before the next step.
 """
 from __future__ import annotations
@@ -63,13 +63,16 @@ class GroupRing:
               channel: int = 0) -> _Pending:
         tensors = [t.contiguous() for t in tensors]
         bufs = [torch.empty_like(t) for t in tensors]
-        works = []
+        ops = []
         for i, (t, b) in enumerate(zip(tensors, bufs)):
             # A tag per channel and tensor: the gradients' shift may be in flight beside the
             # blocks' (ops/ring.py), and tags keep their messages apart.
             tag = channel * len(tensors) + i
-            works.append(dist.isend(t, self.next, tag=tag))
-            works.append(dist.irecv(b, self.prev, tag=tag))
+            ops += [dist.P2POp(dist.isend, t, self.next, tag=tag),
+                    dist.P2POp(dist.irecv, b, self.prev, tag=tag)]
+        # One batch: NCCL runs a batch's sends and receives as one group, so two ranks sending
+        # to each other first (a ring of two) cannot wait on each other's receive.
+        works = dist.batch_isend_irecv(ops)
         self._count(tensors, backward)
         return _Pending(works, bufs)
 
