@@ -311,3 +311,22 @@ def test_a_compiled_program_runs_the_ring_eagerly_between_its_regions() -> None:
     parts = _partition(g)
     assert parts[a.name][1] and parts[b.name][1] and not parts[r.name][1]
     assert len({parts[a.name][0], parts[r.name][0], parts[b.name][0]}) == 3
+
+
+world2 = world_fixture(2, timeout_s=600)
+
+
+@pytest.mark.slow
+def test_compiled_program_with_the_ring_equals_the_eager_one(world2, tiny) -> None:
+    """``compile=True``: the regions around the ring compile, the ring runs eagerly between
+    them; loss, gradients and the collectives (the hops among them) as the eager program's."""
+    mesh = Mesh((2,), cluster="stress")
+    plan = plan_traced(tiny, mesh, fixed=ring_pins(tiny, mesh, (0,)), model_name="llama-tiny",
+                       context_parallel="on")
+    reports = world2.run(verify_rank, VerifySpec("llama-tiny", plan.mesh_shape, plan.mesh_axes,
+                                                 plan.dumps(), BATCH, SEQ, measure_memory=False,
+                                                 compile=True))
+    ok, text = summarize(reports, TOL)
+    assert ok, text
+    assert all("compiled" in r for r in reports)
+    assert all(r["bytes"] == r["planned_bytes"] and not r["ledger_diff"] for r in reports)
