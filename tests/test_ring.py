@@ -330,3 +330,34 @@ def test_compiled_program_with_the_ring_equals_the_eager_one(world2, tiny) -> No
     assert ok, text
     assert all("compiled" in r for r in reports)
     assert all(r["bytes"] == r["planned_bytes"] and not r["ledger_diff"] for r in reports)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_fp32_block_fallback_matches_the_flash_kernel(causal) -> None:
+    """Where no flash kernel applies (fp32 on CUDA, other devices) the blocks run in plain fp32
+    torch (ops/ring.py ``_math_forward``/``_math_backward``): on the CPU they agree with the
+    flash kernel's output, log-sum-exp and gradients, given a merged output and log-sum-exp
+    (what the ring's backward passes)."""
+    from autoshard.ops import ring
+    g = torch.Generator().manual_seed(1)
+    q, k, v, dout = (torch.randn(1, 2, 6, 4, generator=g, dtype=torch.float64) for _ in range(4))
+    out, lse, _ = ring._flash_forward(q, k, v, causal, 0.4)
+    mout, mlse = ring._math_forward(q, k, v, causal, 0.4)
+    assert torch.allclose(out, mout) and torch.allclose(lse, mlse)
+    lse2 = lse + 0.3                 # as if another block shared the softmax
+    want = ring._flash_backward(dout, q, k, v, out, lse2, causal, 0.4, ())
+    got = ring._math_backward(dout, q, k, v, out, lse2, causal, 0.4)
+    assert all(torch.allclose(a, b) for a, b in zip(want, got))
+
+
+def test_the_ring_on_the_fallback_blocks_matches_single_device(monkeypatch) -> None:
+    """The whole ring (forward and backward, 4 simulated ranks, GQA, causal) on the fp32
+    fallback blocks instead of the CPU flash kernel."""
+    from autoshard.ops import ring
+    monkeypatch.setattr(ring, "_flash_forward", lambda q, k, v, c, s: (
+        *ring._math_forward(q, k, v, c, s), ()))
+    monkeypatch.setattr(ring, "_flash_backward", lambda g, q, k, v, o, l, c, s, e:
+                        ring._math_backward(g, q, k, v, o, l, c, s))
+    args, kwargs, info = _sdpa((1, 4, 16, 8), (1, 2, 16, 8), is_causal=True, enable_gqa=True)
+    for st in _ring(info, (4,)):
+        assert not check_strategy(SDPA, args, kwargs, st, (4,)), str(st)

@@ -153,7 +153,8 @@ def _flash_backward(g, q, k, v, out, lse, causal, scale, extra):
 
 
 def _scores(q, k, causal, scale):
-    s = (q.float() @ k.float().transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)
+    acc = accumulator_dtype(q.dtype)
+    s = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device)
                           .triu(1), float("-inf"))
@@ -161,19 +162,21 @@ def _scores(q, k, causal, scale):
 
 
 def _math_forward(q, k, v, causal, scale):
-    """Where no flash kernel applies (fp32 on CUDA, other devices): the block in fp32."""
+    """Where no flash kernel applies (fp32 on CUDA, other devices): the block in fp32 (or the
+    inputs' wider dtype)."""
     s = _scores(q, k, causal, scale)
     lse = s.logsumexp(-1)
-    return ((s - lse.unsqueeze(-1)).exp() @ v.float()).to(q.dtype), lse
+    return ((s - lse.unsqueeze(-1)).exp() @ v.to(s.dtype)).to(q.dtype), lse
 
 
 def _math_backward(g, q, k, v, out, lse, causal, scale):
     p = (_scores(q, k, causal, scale) - lse.unsqueeze(-1)).exp()
-    g32 = g.float()
+    acc = p.dtype
+    g32 = g.to(acc)
     dv = p.transpose(-1, -2) @ g32
-    dp = g32 @ v.float().transpose(-1, -2)
-    ds = p * (dp - (g32 * out.float()).sum(-1, keepdim=True)) * (scale or q.shape[-1] ** -0.5)
-    return (ds @ k.float()).to(q.dtype), (ds.transpose(-1, -2) @ q.float()).to(q.dtype), \
+    dp = g32 @ v.to(acc).transpose(-1, -2)
+    ds = p * (dp - (g32 * out.to(acc)).sum(-1, keepdim=True)) * (scale or q.shape[-1] ** -0.5)
+    return (ds @ k.to(acc)).to(q.dtype), (ds.transpose(-1, -2) @ q.to(acc)).to(q.dtype), \
         dv.to(q.dtype)
 
 
