@@ -264,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default auto: the planner chooses ZeRO-2 or not per parameter)")
     p.add_argument("--context-parallel", default="auto", choices=CONTEXT_PARALLEL,
                    help="split attention's query sequence over a mesh axis (default auto: "
-                        f"offered from {CONTEXT_PARALLEL_TOKENS} tokens)")
+                        f"offered from {CONTEXT_PARALLEL_TOKENS} tokens; gather or ring: "
+                        "only that variant)")
     p.add_argument("--offload", default="auto", choices=OFFLOAD,
                    help="optimizer: optimizer state and step on the host; parameters: the "
                         "parameters and gradients too, copied to the device at each use "

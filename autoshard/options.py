@@ -45,12 +45,13 @@ OFFLOAD = ("auto", "none", "optimizer", "parameters")
 OFFLOAD_OVERLAP = ("backward", "delayed", "none")
 # Context parallelism, the attention's query sequence split in the zigzag layout
 # (docs/cost-model.md §3.11): "on" offers it wherever attention allows it, "off" never, "auto"
-# where the longest attention reads at least CONTEXT_PARALLEL_TOKENS keys. Below that the
+# where the longest attention reads at least CONTEXT_PARALLEL_TOKENS keys; "gather" and "ring"
+# as "on" with only that variant of attention (K/V all-gathered, or passed around a ring). Below that the
 # sequence's variants grow the ILP (by 75% on Llama-3-8B at 2048 tokens) for a choice that
 # does not pay: attention's share of a layer's work grows with s/h, and at 2048-8192 tokens the
 # heads and the batch split it well (Llama 3 trained with context parallelism only in its
 # long-context stage, arXiv 2407.21783 §3.3).
-CONTEXT_PARALLEL = ("auto", "on", "off")
+CONTEXT_PARALLEL = ("auto", "on", "off", "gather", "ring")
 CONTEXT_PARALLEL_TOKENS = 16384
 # Pipeline schedules, as torch.distributed.pipelining names its classes (docs/cost-model.md §10):
 # "GPipe" (every microbatch forward, then every backward), "1F1B" (one forward, one backward in
@@ -163,7 +164,8 @@ class PlanOptions:
             raise AutoshardError(f"PlanOptions.context_parallel is one of {CONTEXT_PARALLEL}",
                                  got=repr(self.context_parallel),
                                  fix="pass context_parallel='auto' (offered from "
-                                     f"{CONTEXT_PARALLEL_TOKENS} tokens), 'on' or 'off'")
+                                     f"{CONTEXT_PARALLEL_TOKENS} tokens), 'on', 'off', or "
+                                     "'gather' / 'ring' for one variant of attention")
         if self.offload not in OFFLOAD:
             raise AutoshardError(f"PlanOptions.offload is one of {OFFLOAD}",
                                  got=repr(self.offload),

@@ -4,9 +4,12 @@ layout and beside Llama 3's published 128K setup.
 Rows, each priced by the same cost model (docs/cost-model.md; §3.11 for context parallelism):
 
 - ``autoshard``: the planner's plan of Llama-3-8B (context raised to the sequence), batch 1;
+- ``K/V all-gather only``: the planner with ring attention withdrawn
+  (``context_parallel="gather"``);
 - ``hand: TP 8 + CP 8``: Megatron tensor parallelism inside a node (the ``megatron-dp``
   baseline's weight layouts) and every attention context parallel across the nodes (pinned
-  ``[S(2/zz), S(1)] x [R, S(1)] x [R, S(1)]``), the rest of the activations placed by the ILP;
+  ``[S(2/zz), S(1)] x [R, S(1)] x [R, S(1)]``, or under ring attention
+  ``[S(2/zz), S(1)]`` for K and V too), the rest of the activations placed by the ILP;
 - ``without context parallelism``: the planner's plan with the choice withdrawn (no attention
   strategy shards the query sequence, no op is offered the balanced layout), what it planned
   before the choice existed;
@@ -62,16 +65,23 @@ def model_flops(model, batch: int, seq: int) -> float:
     return 6.0 * params * batch * seq + 6.0 * cfg.n_layers * batch * cfg.n_heads * seq**2 * head_dim
 
 
-def hand_pins(traced, mesh: Mesh) -> dict:
+def hand_pins(traced, mesh: Mesh, kernel: str = "cp_gather") -> dict:
     """Megatron's weight layouts over the last axis, every attention context parallel over the
-    first with its heads over the last."""
+    first with its heads over the last: K/V gathered over the first (``cp_gather``) or passed
+    around its ring (``cp_ring``)."""
     pins = baseline_pins(traced, mesh, "megatron-dp")
-    want = ((Shard(2, ZIGZAG), Shard(1)), (Replicate(), Shard(1)), (Replicate(), Shard(1)))
+    zz, heads = Shard(2, ZIGZAG), Shard(1)
+    kv = (zz, heads) if kernel == "cp_ring" else (Replicate(), heads)
+    want = ((zz, heads), kv, kv)
     for n in traced.graph.nodes:
         if n.target is SDPA:
             (pins[n.name],) = [s for s in strategies_for(op_info(n), mesh.shape)
-                               if s.kernel == "cp_gather" and tuple(s.inputs) == want]
+                               if s.kernel == kernel and tuple(s.inputs) == want]
     return pins
+
+
+def hand_ring_pins(traced, mesh: Mesh) -> dict:
+    return hand_pins(traced, mesh, "cp_ring")
 
 
 def row(label: str, plan, flops: float, wall: float, cpu: float) -> dict:
@@ -110,11 +120,12 @@ def without_context_parallelism():
         attention.context_parallel_ok, sequence.context_parallel_ok = saved
 
 
-def plan_one(model, inputs, mesh: Mesh, *, fixed=None, cp: bool = True):
+def plan_one(model, inputs, mesh: Mesh, *, fixed=None, cp: bool = True, variant: str = "auto"):
+    """``variant``: PlanOptions.context_parallel ("gather": the K/V all-gather alone)."""
     wall, cpu = time.perf_counter(), cpu_seconds()
     with contextlib.nullcontext() if cp else without_context_parallelism():
         traced = trace(model, inputs)
-        plan = plan_traced(traced, mesh, model_name="llama3-8b",
+        plan = plan_traced(traced, mesh, model_name="llama3-8b", context_parallel=variant,
                            fixed=fixed(traced, mesh) if fixed else None)
     return plan, time.perf_counter() - wall, cpu_seconds() - cpu
 
@@ -123,13 +134,20 @@ def run(seq: int, short: int, short_batch: int) -> list[dict]:
     mesh = Mesh((8, 8), ("dp", "tp"), cluster="h100")
     rows = []
     for batch, length, hand in ((1, seq, True), (short_batch, short, False)):
+        if length <= 0:
+            continue
         model, inputs = get_model("llama3-8b", batch=batch, seq=length, context=max(length, 8192))
         flops = model_flops(model, batch, length)
         tries = [(f"autoshard, {length} tokens x {batch}", {}),
                  (f"autoshard without context parallelism, {length} x {batch}", {"cp": False})]
         if hand:
-            tries.insert(1, (f"hand: TP 8 in a node + CP 8 across nodes, {length} x {batch}",
-                             {"fixed": hand_pins}))
+            tries[1:1] = [
+                (f"autoshard, K/V all-gather only (no ring), {length} x {batch}",
+                 {"variant": "gather"}),
+                (f"hand: TP 8 in a node + CP 8 across nodes, {length} x {batch}",
+                 {"fixed": hand_pins}),
+                (f"hand: TP 8 in a node + ring CP 8 across nodes, {length} x {batch}",
+                 {"fixed": hand_ring_pins})]
         for label, kw in tries:
             plan, wall, cpu = plan_one(model, inputs, mesh, **kw)
             rows.append(row(label, plan, flops, wall, cpu))
@@ -149,7 +167,7 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=131072)
-    ap.add_argument("--short", type=int, default=8192)
+    ap.add_argument("--short", type=int, default=8192, help="0: no short rows")
     ap.add_argument("--short-batch", type=int, default=8)
     ap.add_argument("--out", default=None, help="write the section into this RESULTS.md")
     args = ap.parse_args()

@@ -14,6 +14,8 @@ today, and the graph is split there (``torch.fx.passes.split_module``):
   bookkeeping that issues the bucket's all-reduce when it fills: codegen/buckets.py);
 - a host copy of an offloaded parameter (codegen/hostlink.py: pinned buffers kept between
   steps);
+- ring attention's kernel (codegen/ring.py): its point-to-point sends to the ring
+  neighbours are not functional collectives a traced graph can hold;
 - a checkpointed layer's call: ``torch.utils.checkpoint`` stays eager around the layer's own
   regions, compiled inside it, so that forward keeps the layer's inputs only and backward runs
   the compiled forward again, its collectives included. Under selective checkpointing the policy
@@ -90,10 +92,12 @@ def _eager(node: fx.Node) -> bool:
     """Whether ``node`` must run outside a traced graph (the module's docstring)."""
     from autoshard.codegen.recompute import Checkpointed
     from autoshard.codegen.rewrite import FetchCall, ReshardCall
+    from autoshard.codegen.ring import RingCall
     if node.op != "call_function":
         return False
     t = node.target
-    return (isinstance(t, ReshardCall) and t.bucketed) or isinstance(t, (FetchCall, Checkpointed))
+    return (isinstance(t, ReshardCall) and t.bucketed) or isinstance(
+        t, (FetchCall, Checkpointed, RingCall))
 
 
 def _partition(graph: fx.Graph) -> dict[str, tuple[int, bool]]:

@@ -18,11 +18,13 @@ from autoshard.codegen.buckets import DeferredGradSync, GradBuckets
 from autoshard.codegen.collectives import Ledger, redistribute, reduce_over_axis
 from autoshard.codegen.hostlink import HostBuffers
 from autoshard.codegen.recompute import outline
+from autoshard.codegen.ring import RingCall
 from autoshard.cost.program import step_program
 from autoshard.cost.reshards import ReshardEdge
 from autoshard.errors import AutoshardError
 from autoshard.ir import spec_str
 from autoshard.ops.registry import CollectiveKernel, OpCollective, localize, op_collectives
+from autoshard.ops.ring import RingKernel
 from autoshard.plans import Plan
 from autoshard.trace.export import TracedGraph, op_info
 from autoshard.trace.graph import value_ref, value_shapes
@@ -299,6 +301,8 @@ def _emit_op(g: fx.Graph, node: fx.Node, local: Any, strat: Any, runtime: RankRu
     fn, args, kwargs = localize(info, strat, mesh_shape, coords, args, kwargs)
     if isinstance(fn, CollectiveKernel):
         fn = KernelCall(fn, runtime, node.name, op_collectives(info, strat, mesh_shape))
+    elif isinstance(fn, RingKernel):
+        fn = RingCall(fn, runtime, node.name, op_collectives(info, strat, mesh_shape))
     new = g.call_function(fn, tuple(args), dict(kwargs))
     new.meta["autoshard"] = {"strategy": str(strat)}
     new.meta["autoshard_ref"] = ((node.name, 0), None)

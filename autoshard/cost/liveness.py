@@ -500,7 +500,7 @@ class _Walk:
                 outs = self._replayed_outputs(region, node)
             else:
                 outs = self._outputs(node, reads)
-            mem.mark(node.name)
+            mem.mark(node.name, extra=self._workspace(node.name)[0])
             if store and not recompute:
                 for key in outs:
                     self._store(region, key)
@@ -857,11 +857,16 @@ class _Walk:
         extra = 0
         if record.logits and refs:     # the log-softmax's gradient, then the logits'
             extra = self._local_bytes(refs[0], self._in_spec(node, 0))
-        mem.mark(name, extra=extra)
+        mem.mark(name, extra=extra + self._workspace(name)[1])
         for s in [*out_grads.values(), *held]:
             mem.unref(s)
         for key, s in new_grads:
             self._contribute(key, s, name)
+
+    def _workspace(self, name: str) -> tuple[int, int]:
+        """What the op's kernel holds while it runs (ops/registry.py ``workspace``)."""
+        fn = getattr(self.pricer, "workspace", None)
+        return fn(name, self.strategies[name]) if callable(fn) else (0, 0)
 
     def _in_spec(self, node: fx.Node, k: int) -> Any:
         strat = self.strategies[node.name]

@@ -13,9 +13,10 @@ requirement) the search may pick, the second over the ones a plan picked. A chan
   producer's layout to a requirement, both directions (§1): blocking seconds, and the seconds of
   a data-parallel gradient sync that runs in buckets behind backward compute (§7), which the
   step pays only where backward compute (:meth:`Pricer.backward`) cannot hide it.
-- :meth:`Pricer.op_steps` / :meth:`Pricer.op_comm_seconds`: the collectives an op runs inside
-  itself (a vocabulary-parallel cross-entropy's all-reduces, §3.8), blocking, priced like a
-  reshard's and listed in the plan's ledger.
+- :meth:`Pricer.op_charges` / :meth:`Pricer.op_comm_seconds`: the collectives an op runs inside
+  itself (a vocabulary-parallel cross-entropy's all-reduces, §3.8, blocking; ring attention's
+  hops, §3.11, each behind one step's block compute), priced like a reshard's and listed in the
+  plan's ledger.
 - :meth:`Pricer.saved_copy_bytes`: the bytes of a value that the ops reading it keep for backward,
   once per layout they read it in (§4.4): the normed input that q, k and v projections all save
   is one tensor, and a ZeRO-3 weight gathered for a linear is one gathered copy.
@@ -29,7 +30,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from autoshard.cost.comm import Groups, Reshard, Step, reshard, reshard_time, steps_time
+from autoshard.cost.comm import (Groups, Reshard, Step, reshard, reshard_time, step_seconds,
+                                 steps_time)
 from autoshard.cost.compute import fusions, local_numel, op_profile, op_times
 from autoshard.cost.memory import saved_activation_bytes, saved_rule
 from autoshard.cost.overlap import is_grad_sync, sync_share_seconds
@@ -228,26 +230,58 @@ class Pricer:
         """The collectives the op runs inside itself under ``strategy`` (ops/registry.py
         ``collectives``), as steps on the mesh the program runs on (an op planned on merged axes
         runs on the real ones)."""
+        return tuple(st for _, st, _ in self.op_charges(name, strategy))
+
+    def op_charges(self, name: str, strategy: Strategy) -> tuple[tuple[str, Step, float], ...]:
+        """``(phase, step, exposed seconds)`` of each collective the op runs inside itself, in
+        its order: a blocking one's seconds whole, an overlapped one's (ring attention's hops)
+        beyond the share of the op's compute it runs beside, ``max(0, t - hides·c·overlap)``
+        with ``c`` the op's forward or backward seconds (docs/cost-model.md §3.8, §3.11)."""
         node = self._nodes[name]
         if node.op != "call_function" or record_of(node.target).collectives is None:
             return ()
-        mesh_shape = self.mesh.shape
-        if self.merge is not None:
-            strategy = Strategy(tuple(self.merge.expand_spec(s) for s in strategy.inputs),
-                                tuple(self.merge.expand_spec(s) for s in strategy.outputs),
-                                strategy.kernel, strategy.compute_scale)
-            mesh_shape = self.merge.real.shape
-        return tuple(Step(c.kind, c.axis, nbytes=c.nbytes)
-                     for c in op_collectives(self.info(name), strategy, mesh_shape))
+        strategy, mesh_shape = self._on_real_mesh(strategy)
+        colls = op_collectives(self.info(name), strategy, mesh_shape)
+        if not colls:
+            return ()
+        real = self.merge.real if self.merge else self.mesh
+        fwd, bwd = self.times(name, strategy) if any(c.hides for c in colls) else (0.0, 0.0)
+        overlap = self.mesh.cluster.comm_overlap
+        out = []
+        for c in colls:
+            st = Step(c.kind, c.axis, nbytes=c.nbytes, joint=c.joint)
+            hidden = c.hides * (fwd if c.phase == "forward" else bwd) * overlap
+            out.append((c.phase, st, max(0.0, step_seconds(st, real) - hidden)))
+        return tuple(out)
+
+    def _on_real_mesh(self, strategy: Strategy) -> tuple[Strategy, tuple[int, ...]]:
+        """The strategy as it runs on the mesh the program runs on (an op planned on merged
+        axes runs on the real ones), and that mesh's shape."""
+        if self.merge is None:
+            return strategy, self.mesh.shape
+        return Strategy(tuple(self.merge.expand_spec(s) for s in strategy.inputs),
+                        tuple(self.merge.expand_spec(s) for s in strategy.outputs),
+                        strategy.kernel, strategy.compute_scale), self.merge.real.shape
+
+    def workspace(self, name: str, strategy: Strategy) -> tuple[int, int]:
+        """Bytes the op's kernel holds while it runs beyond its tensors, (forward, backward)
+        (ops/registry.py ``workspace``; ring attention's blocks in flight, §3.11)."""
+        node = self._nodes[name]
+        fn = record_of(node.target).workspace if node.op == "call_function" else None
+        if fn is None:
+            return 0, 0
+        strategy, mesh_shape = self._on_real_mesh(strategy)
+        return fn(self.info(name), strategy, mesh_shape)
 
     def op_comm_seconds(self, name: str, strategy: Strategy) -> float:
-        """Seconds of :meth:`op_steps`, blocking; twice where a fully checkpointed layer runs
-        the op's forward again (selective stores collective outputs, §8)."""
-        steps = self.op_steps(name, strategy)
-        if not steps:
+        """Exposed seconds of :meth:`op_charges`; the forward ones twice where a fully
+        checkpointed layer runs the op's forward again (selective stores collective outputs,
+        §8)."""
+        charges = self.op_charges(name, strategy)
+        if not charges:
             return 0.0
-        t = steps_time(steps, self.merge.real if self.merge else self.mesh)
-        return t * (2 if self.reshards_again(name) else 1)
+        again = 2 if self.reshards_again(name) else 1
+        return sum(t * (again if phase == "forward" else 1) for phase, _, t in charges)
 
     def backward(self, name: str, strategy: Strategy) -> float:
         """The window gradient syncs hide behind: the backward part of :meth:`compute`, times

@@ -37,6 +37,9 @@ from the record and hold no table of ops of their own:
   liveness walk, cost/liveness.py): :data:`PASSES` hands the output's gradient to each input of
   its size, :data:`WIDENS` (a view) makes a new input-sized one;
 - ``one_factor``: a product, whose backward keeps one factor only for the other's gradient;
+- ``workspace``: the bytes a rank's kernel holds while it runs beyond its inputs, outputs and
+  saved tensors, ``(forward, backward)``, a function of the op, the strategy and the mesh
+  (ring attention's visiting K/V blocks and fp32 accumulators; the liveness walk's peak);
 - ``kernels``: the ATen ops it dispatches to at run time where they differ from itself (what
   torch's selective checkpointing policy sees, codegen/recompute.py).
 
@@ -103,11 +106,18 @@ SavesFn = Callable[[OpInfo], Saves]
 @dataclass(frozen=True, slots=True)
 class OpCollective:
     """One collective an op runs inside itself: ``kind`` over mesh axis ``axis`` moving
-    ``nbytes`` (S of docs/cost-model.md §1.1, per rank), in the order the kernel runs them."""
+    ``nbytes`` (S of docs/cost-model.md §1.1, per rank), in the order the kernel runs them;
+    ``phase``: the pass that runs it ("forward" or "backward"); ``joint``: the axes of a
+    collective over their joint group (ascending, ``axis`` first; empty for one axis);
+    ``hides``: the share of the op's compute in that pass that runs beside it (ring attention's
+    hops, each behind one step's block compute: docs/cost-model.md §3.11); 0: blocking."""
 
     kind: str
     axis: int
     nbytes: int
+    phase: str = "forward"
+    joint: tuple[int, ...] = ()
+    hides: float = 0.0
 
 
 class CollectiveKernel:
@@ -164,6 +174,7 @@ class OpRecord:
     grad: str = ""
     one_factor: bool = False
     kernels: tuple = ()
+    workspace: Callable[[OpInfo, Strategy, tuple], tuple[int, int]] | None = None
 
     def __post_init__(self) -> None:
         assert self.family in FAMILIES, f"family is one of {FAMILIES}; got {self.family!r}"

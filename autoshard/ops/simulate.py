@@ -9,6 +9,7 @@ follow their tensor's placement, a Partial tensor's gradient being replicated.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from autoshard.ir import (OpInfo, Partial, Replicate, Shard, Spec, Strategy, divergent_axes,
                           local_shape, op_info, to_group_major, to_rank_major)
 from autoshard.ops.registry import CollectiveKernel, localize
+from autoshard.ops.ring import RingKernel
 
 Coords = tuple[int, ...]
 
@@ -166,9 +168,16 @@ def run_strategy(op_target: Any, args: tuple, kwargs: dict, strategy: Strategy,
         outs = _tensors(all_outs[coords])
         assert len(outs) == len(strategy.outputs), f"{len(outs)} outputs, {len(strategy.outputs)} specs"
         local_outs[coords] = [o.detach() for o in outs]
-        if backward:
-            local_grads[coords] = _local_backward(local_ins[coords], outs, grad_outputs, strategy,
-                                                  mesh_shape, coords)
+    if backward:
+        def grads_of(c: Coords) -> list:
+            return _local_backward(local_ins[c], _tensors(all_outs[c]), grad_outputs, strategy,
+                                   mesh_shape, c)
+        # A ring kernel's backward passes blocks between ranks too: every rank's at once.
+        if any(isinstance(fn, RingKernel) for fn, _, _ in calls.values()):
+            local_grads.update(_threads({c: functools.partial(grads_of, c)
+                                         for c in coords_list}, None))
+        else:
+            local_grads.update({c: grads_of(c) for c in coords_list})
     outputs = [unshard({c: local_outs[c][j] for c in coords_list}, s, mesh_shape, rtol=rtol,
                        atol=atol, check=check_replicas) for j, s in enumerate(strategy.outputs)]
     grads = None
@@ -180,26 +189,42 @@ def run_strategy(op_target: Any, args: tuple, kwargs: dict, strategy: Strategy,
 
 def _run_ranks(calls: dict[Coords, tuple]) -> dict[Coords, Any]:
     """Every rank's localized call. A :class:`CollectiveKernel` reduces across ranks inside the
-    op, so those ranks run at once, one thread each, their reductions met in lockstep
-    (:class:`LockstepReduce`); other ops run one rank after the other."""
-    if not any(isinstance(fn, CollectiveKernel) for fn, _, _ in calls.values()):
+    op (its reductions met in lockstep, :class:`LockstepReduce`), a :class:`RingKernel` passes
+    blocks around a ring (:class:`SimRing`), so those ranks run at once, one thread each; other
+    ops run one rank after the other."""
+    kinds = (CollectiveKernel, RingKernel)
+    if not any(isinstance(fn, kinds) for fn, _, _ in calls.values()):
         return {c: call_on_copies(fn, a, k) for c, (fn, a, k) in calls.items()}
-    sync = LockstepReduce(list(calls))
-    outs: dict[Coords, Any] = {}
-    errors: list[BaseException] = []
+    sync, ring = LockstepReduce(list(calls)), SimRing()
     grad = torch.is_grad_enabled()              # grad mode is per thread
 
-    def run(coords: Coords, fn: Any, a: tuple, k: dict) -> None:
-        try:
-            with torch.set_grad_enabled(grad):
-                bound = fn.bind(sync.reduce_for(coords, fn.axes)) if isinstance(
-                    fn, CollectiveKernel) else fn
-                outs[coords] = call_on_copies(bound, a, k)
-        except BaseException as e:          # let the other ranks out of their wait
-            errors.append(e)
-            sync.barrier.abort()
+    def job(coords: Coords, fn: Any, a: tuple, k: dict) -> Any:
+        with torch.set_grad_enabled(grad):
+            if isinstance(fn, CollectiveKernel):
+                fn = fn.bind(sync.reduce_for(coords, fn.axes))
+            elif isinstance(fn, RingKernel):
+                fn = fn.bind(ring.of(coords, fn.axes, list(calls)))
+            return call_on_copies(fn, a, k)
 
-    threads = [threading.Thread(target=run, args=(c, *call)) for c, call in calls.items()]
+    return _threads({c: functools.partial(job, c, *call) for c, call in calls.items()},
+                    sync.barrier)
+
+
+def _threads(jobs: dict[Coords, Any], barrier: threading.Barrier | None) -> dict[Coords, Any]:
+    """Run every rank's job in a thread of its own; the first error is raised once all end (a
+    failing rank breaks ``barrier`` to let the others out of their wait)."""
+    outs: dict[Coords, Any] = {}
+    errors: list[BaseException] = []
+
+    def run(coords: Coords, fn: Any) -> None:
+        try:
+            outs[coords] = fn()
+        except BaseException as e:
+            errors.append(e)
+            if barrier is not None:
+                barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(c, fn)) for c, fn in jobs.items()]
     for t in threads:
         t.start()
     for t in threads:
@@ -209,6 +234,49 @@ def _run_ranks(calls: dict[Coords, tuple]) -> dict[Coords, Any]:
                      errors[0])
         raise first
     return outs
+
+
+class SimRing:
+    """Point-to-point shifts among simulated ranks in threads (ops/ring.py ``Ring``): a rank's
+    k-th shift posts its tensors, and its wait takes the previous rank's k-th (every rank of a
+    ring makes the same shifts in the same order). The ring of ``axes`` is the ranks that
+    differ only there, in row-major order of their coordinates over those axes."""
+
+    TIMEOUT_S = 60.0
+
+    def __init__(self) -> None:
+        self.box: dict[tuple, list[torch.Tensor]] = {}
+        self.cond = threading.Condition()
+
+    def of(self, coords: Coords, axes: tuple[int, ...], everyone: list[Coords]):
+        ring = sorted((c for c in everyone
+                       if all(c[a] == coords[a] for a in range(len(coords)) if a not in axes)),
+                      key=lambda c: tuple(c[a] for a in axes))
+        me = ring.index(coords)
+        prev = ring[(me - 1) % len(ring)]
+        shifts = itertools.count()
+        sim = self
+
+        class Pending:
+            def __init__(self, k: int) -> None:
+                self.k = k
+
+            def wait(self) -> list[torch.Tensor]:
+                with sim.cond:
+                    if not sim.cond.wait_for(lambda: (prev, self.k) in sim.box, sim.TIMEOUT_S):
+                        raise TimeoutError(f"rank {coords}: shift {self.k} never came from {prev}")
+                    return [t.clone() for t in sim.box.pop((prev, self.k))]
+
+        class Transport:
+            @staticmethod
+            def shift(tensors, backward: bool, channel: int = 0) -> Pending:
+                k = next(shifts)
+                with sim.cond:
+                    sim.box[(coords, k)] = [t.detach().clone() for t in tensors]
+                    sim.cond.notify_all()
+                return Pending(k)
+
+        return Transport()
 
 
 class LockstepReduce:

@@ -29,7 +29,7 @@ from autoshard.cost.memory import device_budget, host_budget
 from autoshard.cost.state import HOST_MODES
 from autoshard.ir import ZIGZAG, Replicate, Shard, Spec, Strategy, TensorInfo, spec_fits
 from autoshard.mesh import AxisMerge, Mesh
-from autoshard.ops.attention import SDPA
+from autoshard.ops.attention import CP_KERNELS, SDPA
 from autoshard.ops.registry import INPUT, LARGEST, record_of, strategies_for
 from autoshard.options import CONTEXT_PARALLEL_TOKENS, PlanOptions
 from autoshard.solver.problem import Decision, Edge, Fanout, Problem
@@ -121,7 +121,9 @@ class _Builder:
                     for mode in self.pricer.param_modes(n.name, st.outputs[0])]
         out = strategies_for(self.pricer.info(n.name), self.mesh_shape)
         if self.context_parallel:
-            return out
+            only = CP_KERNELS.get(self.pricer.options.context_parallel)
+            return out if only is None else [
+                st for st in out if st.kernel not in CP_KERNELS.values() or st.kernel == only]
         return [st for st in out if not any(
             isinstance(p, Shard) and p.groups == ZIGZAG
             for spec in (*st.inputs, *st.outputs) if spec is not None for p in spec)]
@@ -445,7 +447,7 @@ def _context_parallel(traced: TracedGraph, pricer: Pricer) -> bool:
     """Whether the sequence's zigzag layouts are offered (PlanOptions.context_parallel)."""
     choice = pricer.options.context_parallel
     if choice != "auto":
-        return choice == "on"
+        return choice != "off"
     keys = [pricer.info(n.name).inputs[1].shape[-2] for n in traced.graph.nodes
             if n.op == "call_function" and n.target is SDPA]
     return max(keys, default=0) >= CONTEXT_PARALLEL_TOKENS

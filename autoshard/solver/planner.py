@@ -980,16 +980,18 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
             collectives.append(CollectiveRecord(step.kind, tuple(mesh.axes[a] for a in step.axes),
                                                 step.nbytes, phase, e.consumers[0][0],
                                                 e.value[0]))
-    # Collectives an op runs inside itself (a vocabulary-parallel loss's all-reduces,
-    # docs/cost-model.md §3.8): blocking, in forward, again where its layer is recomputed.
+    # Collectives an op runs inside itself (a vocabulary-parallel loss's all-reduces, ring
+    # attention's hops, docs/cost-model.md §3.8, §3.11): their exposed seconds, the forward ones
+    # again where the op's layer is recomputed.
     for n in nodes:
-        steps = pricer.op_steps(n.name, strategies[n.name])
-        again = ("recompute",) if steps and pricer.reshards_again(n.name) else ()
-        for phase in ("forward", *again):
-            for step in steps:
-                _charge(blocking, step, mesh)
-                collectives.append(CollectiveRecord(step.kind, tuple(mesh.axes[a] for a in step.axes),
-                                                    step.nbytes, phase, n.name, n.name))
+        charges = pricer.op_charges(n.name, strategies[n.name])
+        again = [("recompute", st, t) for ph, st, t in charges if ph == "forward"] \
+            if charges and pricer.reshards_again(n.name) else []
+        for phase, step, t in [*charges, *again]:
+            for a in step.axes:
+                blocking[mesh.axes[a]] += t / len(step.axes)
+            collectives.append(CollectiveRecord(step.kind, tuple(mesh.axes[a] for a in step.axes),
+                                                step.nbytes, phase, n.name, n.name))
     for k, b in enumerate(buckets):
         for axes, nbytes in bucket_collectives(b, mesh.shape):
             collectives.append(CollectiveRecord(b.kind, tuple(mesh.axes[a] for a in axes), nbytes,
