@@ -309,3 +309,35 @@ def test_as_loss_module_on_hugging_face_model() -> None:
     wrapped, (ids, labels) = get_model("hf-bert-tiny", device="cpu")
     loss = as_loss_module(wrapped.model)(input_ids=ids, labels=labels)
     assert torch.equal(loss, wrapped(ids, labels)) and math.isfinite(loss.item())
+
+
+def test_a_zoo_models_graph_is_reused_only_where_nothing_it_depends_on_changed() -> None:
+    """Tracing a zoo model built again by the same recipe returns the graph already made (the
+    test suite and verify rebuild the same tiny models many times); a change of anything the
+    graph depends on (a mode, a frozen parameter, a dtype, the batch, the config) traces
+    anew, and a factory's model (user code) is never reused."""
+    import torch
+
+    from autoshard.trace.export import trace
+    from autoshard.zoo.registry import get_model
+
+    def fresh(**kw):
+        torch.manual_seed(1)
+        return get_model("gpt2-tiny", device="cpu", **kw)
+
+    model, inputs = fresh()
+    first = trace(model, inputs)
+    model, inputs = fresh()
+    assert trace(model, inputs) is first
+    model.eval()
+    assert trace(model, inputs) is not first
+    model, inputs = fresh()
+    next(model.parameters()).requires_grad_(False)
+    assert trace(model, inputs) is not first
+    model, inputs = fresh(batch=3)
+    assert trace(model, inputs) is not first
+    model, inputs = fresh()
+    assert trace(model.double(), inputs) is not first
+    model, inputs = fresh()
+    del model._autoshard_recipe          # as a factory's model: never reused
+    assert trace(model, inputs) is not first

@@ -7,6 +7,7 @@ decisions, and every one of them is differentiable, so the per-rank program trai
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -124,12 +125,54 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any], *, training: bo
     For training the model must return a scalar loss (wrap it with :func:`autoshard.with_loss`,
     or pass a Hugging Face model whose output has ``.loss``).
     """
-    from autoshard.loss import as_loss_module
-
     if not isinstance(model, torch.nn.Module):
         raise AutoshardError("model is a torch.nn.Module", got=type(model).__name__,
                              fix="pass the nn.Module itself")
     example_inputs = _meta_like_model(model, _checked_inputs(example_inputs))
+    key = reusable(model, example_inputs, training)
+    if key is not None and key in _TRACED:
+        _TRACED.move_to_end(key)
+        return _TRACED[key]
+    traced = _trace(model, example_inputs, training)
+    # A constant is a tensor read from this instance (not a parameter or buffer the program
+    # binds at run time): a graph that holds one is this instance's alone.
+    if key is not None and not traced.constants:
+        _TRACED[key] = traced
+        while len(_TRACED) > _TRACED_KEPT:
+            _TRACED.popitem(last=False)
+    return traced
+
+
+# Graphs of zoo-built models, by :func:`reusable`'s key: the tests and ``verify`` build the same
+# tiny models again and again in long-lived processes, and exporting one costs seconds there.
+_TRACED: collections.OrderedDict = collections.OrderedDict()
+_TRACED_KEPT = 8
+
+
+def reusable(model: torch.nn.Module, inputs: tuple, training: bool) -> tuple | None:
+    """The key under which ``model``'s graph may be reused, or None. Only for a model the zoo
+    built (``zoo/registry.py`` ``mark_built``: same recipe, same code), and only where everything
+    the graph can depend on is equal: the module tree as printed, every parameter's and
+    buffer's name, shape, dtype, device and ``requires_grad``, every module's mode, the
+    config, the inputs' shapes and dtypes, and training or not."""
+    recipe = getattr(model, "_autoshard_recipe", None)
+    if recipe is None:
+        return None
+    params = tuple((n, tuple(p.shape), p.dtype, p.device.type, p.requires_grad)
+                   for n, p in model.named_parameters(remove_duplicate=False))
+    buffers = tuple((n, tuple(b.shape), b.dtype, b.device.type)
+                    for n, b in model.named_buffers(remove_duplicate=False))
+    config = getattr(model, "config", None)
+    config = config.to_json_string() if hasattr(config, "to_json_string") else repr(config)
+    ins = tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor)
+                else repr(t) for t in torch.utils._pytree.tree_leaves(inputs))
+    return (recipe, repr(model), params, buffers, tuple(m.training for m in model.modules()),
+            config, ins, training)
+
+
+def _trace(model: torch.nn.Module, example_inputs: tuple, training: bool) -> TracedGraph:
+    from autoshard.loss import as_loss_module
+
     wrapped = as_loss_module(model) if training else model
     try:
         with _sets_in_fixed_order(model):

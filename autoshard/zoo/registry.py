@@ -177,6 +177,13 @@ def _lookup(name: str) -> ZooEntry:
                          fix=f"{hint}known names: {', '.join(sorted(ZOO))}")
 
 
+def mark_built(model: nn.Module, recipe: tuple) -> None:
+    """Record how the zoo built ``model``: two models built by one recipe run the same code, so
+    tracing may reuse one's graph for the other where their structure, tensors, modes and
+    config are equal too (trace/export.py ``reusable``). Factories are user code: unmarked."""
+    model._autoshard_recipe = recipe
+
+
 def get_model(name: str, *, batch: int | None = None, seq: int | None = None,
               device: str | torch.device = "meta", dtype: torch.dtype | None = None,
               context: int | None = None) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
@@ -202,6 +209,7 @@ def get_model(name: str, *, batch: int | None = None, seq: int | None = None,
         model = entry.build(dtype)
     batch = entry.batch if batch is None else batch
     seq = entry.seq if seq is None else seq
+    mark_built(model, ("zoo", name, repr(entry.config)))
     return model, model.example_inputs(batch, seq, device=device)
 
 
@@ -353,4 +361,5 @@ def load_config(path: str | Path, *, batch: int | None = None, seq: int | None =
     _check_size("seq", seq)
     device = torch.device(device)
     model = hf.from_config(path, task=task, dtype=dtype, device=device)
+    mark_built(model, ("config", str(Path(path).resolve()), task))
     return model, model.example_inputs(8 if batch is None else batch, seq, device=device)
