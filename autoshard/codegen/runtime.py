@@ -50,6 +50,7 @@ class ParallelModule(torch.nn.Module):
         self.pipeline = None
         self.accumulating = False      # inside no_sync(): a micro-step of accumulation
         stage_programs = None
+        self._holders: dict[str, set[int]] = {}    # placeholder -> pipeline coordinates holding it
         bound: set[str] | None = None          # the placeholders this rank's stage reads
         if plan.pipeline is not None:
             from autoshard.codegen.pipeline import cut
@@ -60,6 +61,10 @@ class ParallelModule(torch.nn.Module):
             stage_programs = cut(self.program, len(plan.pipeline.stages),
                                  [ph.name for ph in traced.inputs])
             bound = {name for k in self.runtime.stages if k >= 0 for name in stage_programs[k][1]}
+            # Every parameter's pipeline coordinates (its DTensor view's layout, stageviews.py).
+            for k, (_, names, _) in enumerate(stage_programs):
+                for name in names:
+                    self._holders.setdefault(name, set()).add(plan.pipeline.rank_of(k))
         else:
             self.program = emit(traced, plan, self.runtime)
         full = dict(model.named_parameters())      # canonical names, as the trace reports them
@@ -98,6 +103,9 @@ class ParallelModule(torch.nn.Module):
                 self._buffers_local[ph.name] = local_shard(model, ph.name, const, spec, *here)
         self._param_ph = {ph.fqn: ph.name for ph in traced.params
                           if bound is None or ph.name in bound}
+        # Every parameter's layout, other stages' too: on a pipeline pm.parameters() lists them all.
+        self._every_spec = {ph.fqn: strategies[ph.name].outputs[0] for ph in traced.params}
+        self._trains = {ph.fqn: full[ph.fqn].requires_grad for ph in traced.params}
         # A tied parameter's other names (full_state_dict carries them, as state_dict() does).
         from autoshard.trace.export import parameter_aliases
         self._aliases = {a: c for a, c in parameter_aliases(model).items() if a != c}
@@ -354,52 +362,97 @@ class ParallelModule(torch.nn.Module):
         ``clip_grad_value_`` and ``get_total_norm`` reduce over the mesh and return what one
         device returns, and clip in place what the optimizer then reads. The gradients are
         brought up to date by ``pm.step``, ``zero_grad`` and each call of this method. On a
-        pipeline a rank holds its stage's parameters only: torch's functions then give the
-        stage's norm, not the model's (not yet solved: DTensor reduces over one mesh whose
-        ranks hold the same parameters)."""
-        views = [(prefix + fqn, self._view(fqn)) for fqn in self.fqns]
+        pipeline every rank lists every parameter, another stage's with no rows, laid out
+        along the pipeline axis so that the norm reduces over the stages too
+        (codegen/stageviews.py)."""
+        fqns = self.fqns if self.pipeline is None else list(self._every_spec)
+        views = [(prefix + fqn, self._view(fqn)) for fqn in fqns]
         self._publish_grads()
         yield from views
 
     def _view(self, fqn: str) -> torch.nn.Parameter:
         view = self._views.get(fqn)
         if view is None:
-            p = self.local_parameters()[fqn]
-            spec = self._specs[self._param_ph[fqn]]
-            shape = tuple(self.traced.placeholder(self._param_ph[fqn]).info.shape)
-            data = dtensor_in_place(p.detach(), self.groups.device_mesh,
-                                    _dtensor_placements(spec), shape)
-            view = self._views[fqn] = torch.nn.Parameter(data, requires_grad=p.requires_grad)
-            if fqn in self.plan.param_state:
+            p = self.local_parameters().get(fqn)
+            spec = self._every_spec[fqn]
+            shape = tuple(self.traced.placeholder(self._ph_of(fqn)).info.shape)
+            if self.pipeline is None:
+                data = dtensor_in_place(p.detach(), self.groups.device_mesh,
+                                        _dtensor_placements(spec), shape)
+            else:       # another stage's parameter: no rows here (codegen/stageviews.py)
+                from autoshard.codegen.stageviews import absent, as_view
+                local = p.detach() if p is not None else absent(
+                    local_shape(shape, spec, self.plan.mesh_shape), self._dtype_of(fqn),
+                    self.runtime.device)
+                data = as_view(local, self.groups.device_mesh, self._placements(fqn, spec),
+                               shape)
+            requires_grad = p.requires_grad if p is not None else self._trains[fqn]
+            view = self._views[fqn] = torch.nn.Parameter(data, requires_grad=requires_grad)
+            if fqn in self.plan.param_state and p is not None:
                 from autoshard.codegen.optim import watch
                 watch([view])
         return view
+
+    def _ph_of(self, fqn: str) -> str:
+        return next(ph.name for ph in self.traced.params if ph.fqn == fqn)
+
+    def _dtype_of(self, fqn: str) -> torch.dtype:
+        return self.traced.placeholder(self._ph_of(fqn)).info.dtype
+
+    def _placements(self, fqn: str, spec: Spec, grad: Spec | None = None) -> list:
+        """A view's DTensor placements: the plan's, and on a pipeline the pipeline axis's as
+        codegen/stageviews.py lays it out."""
+        out = list(_grad_placements(spec, grad, self.groups) if grad is not None
+                   else _dtensor_placements(spec))
+        if self.pipeline is None:
+            return out
+        from autoshard.codegen.stageviews import pipeline_placements
+        axis = self.plan.mesh_axes.index(self.plan.pipeline.axis)
+        return pipeline_placements(out, axis, self._holders.get(self._ph_of(fqn), set()),
+                                   self.plan.mesh_shape[axis], fqn,
+                                   tuple(self.traced.placeholder(self._ph_of(fqn)).info.shape))
 
     def _publish_grads(self) -> None:
         """Each DTensor view's ``.grad``: this rank's gradient, the tensor itself (so clipping it
         in place clips what the optimizer reads). A gradient split between ``.grad`` (reads of
         the parameter outside its bucket) and a bucket's shard is summed into the shard first,
-        as the optimizer would sum it."""
-        shards = self.runtime.buckets.shards if self.runtime.buckets is not None else {}
+        as the optimizer would sum it. On a pipeline, where every rank lists every parameter,
+        a view has a gradient on every rank or on none (so the collectives of torch's norm
+        match): while this rank holds gradients, another stage's parameter shows one of no
+        rows, and one of its own stages without a gradient (unused) shows zeros."""
+        mine = {fqn: self._held_grad(fqn) for fqn in self._views if fqn in self._param_ph}
+        holding = self.pipeline is not None and any(g is not None for g, _ in mine.values())
         for fqn, view in self._views.items():
-            p, ph = self.local_parameters()[fqn], self._param_ph[fqn]
-            g, spec = p.grad, self._specs[ph]
-            if ph in shards:
-                st = self.plan.param_state[fqn]
-                dim, cut = _grad_cut(spec, st.grad, self.groups)
-                if g is not None:
-                    shards[ph].add_(_slice(g.to(shards[ph].device), dim, cut))
-                    p.grad = None
-                g, spec_grad = shards[ph], st.grad
-            else:
-                spec_grad = spec
+            spec = self._every_spec[fqn]
+            st = self.plan.param_state.get(fqn)
+            g, spec_grad = mine.get(fqn, (None, st.grad if st is not None else spec))
+            if g is None and holding:
+                from autoshard.codegen.stageviews import absent
+                local = local_shape(tuple(view.shape), spec_grad, self.plan.mesh_shape)
+                g = view._local_tensor.new_zeros(local) if fqn in mine else \
+                    absent(local, view.dtype, view._local_tensor.device)
             if g is None:
                 view.grad = None
             elif view.grad is None or view.grad._local_tensor is not g:
-                view.grad = dtensor_in_place(g, self.groups.device_mesh,
-                                             _grad_placements(spec, spec_grad, self.groups),
-                                             tuple(view.shape))
+                placements = self._placements(fqn, spec, spec_grad)
+                view.grad = (dtensor_in_place if self.pipeline is None else _as_view)(
+                    g, self.groups.device_mesh, placements, tuple(view.shape))
             self._published[fqn] = g
+
+    def _held_grad(self, fqn: str) -> tuple[torch.Tensor | None, Spec]:
+        """This rank's gradient of ``fqn`` and its layout: ``.grad``, or a bucket's shard (with
+        ``.grad`` summed into it)."""
+        shards = self.runtime.buckets.shards if self.runtime.buckets is not None else {}
+        p, ph = self.local_parameters()[fqn], self._param_ph[fqn]
+        g, spec = p.grad, self._specs[ph]
+        if ph not in shards:
+            return g, spec
+        st = self.plan.param_state[fqn]
+        dim, cut = _grad_cut(spec, st.grad, self.groups)
+        if g is not None:
+            shards[ph].add_(_slice(g.to(shards[ph].device), dim, cut))
+            p.grad = None
+        return shards[ph], st.grad
 
     def _reconcile_grads(self) -> None:
         """A gradient cleared through its view (``zero_grad`` of a torch optimizer over
@@ -410,11 +463,12 @@ class ParallelModule(torch.nn.Module):
             held = self._published.get(fqn)
             if view.grad is not None or held is None:
                 continue
-            p, ph = self.local_parameters()[fqn], self._param_ph[fqn]
-            if p.grad is held:
-                p.grad = None
-            elif shards.get(ph) is held:
-                del shards[ph]
+            if fqn in self._param_ph:         # (not another stage's)
+                p, ph = self.local_parameters()[fqn], self._param_ph[fqn]
+                if p.grad is held:
+                    p.grad = None
+                elif shards.get(ph) is held:
+                    del shards[ph]
             self._published[fqn] = None
 
     def local_grads(self) -> dict[str, torch.Tensor]:
@@ -591,6 +645,11 @@ def _dtensor_placements(spec: Spec):
     from torch.distributed.tensor import Replicate as DR, Shard as DS
     from autoshard.ir import Shard
     return [DS(p.dim) if isinstance(p, Shard) else DR() for p in spec]
+
+
+def _as_view(*args: Any) -> Any:
+    from autoshard.codegen.stageviews import as_view
+    return as_view(*args)
 
 
 def _grad_cut(spec: Spec, grad: Spec, groups: MeshGroups):
