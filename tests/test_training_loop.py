@@ -463,14 +463,15 @@ def _modes(bn_json: str, infer_json: str) -> dict:
 def test_modes_and_inference_outputs(world2):
     """Why: "pm.eval() is ignored: dropout stays on, BatchNorm uses and overwrites batch
     statistics ... A training=False plan's pm(...) returns per-rank partial values (2.073 and
-    2.069 where the loss is 4.142) ...; stepping it fails with an internal assertion". An eval()
-    that would change what the program computes is refused, naming the ops; one that changes
-    nothing is accepted; an inference plan's output is whole; stepping it says why not."""
+    2.069 where the loss is 4.142) ...; stepping it fails with an internal assertion". eval()
+    is accepted, with batch norm or without (tests/test_modes.py holds the numbers: eval losses
+    and running statistics against model.eval()); an inference plan's output is whole;
+    stepping it says why not."""
     from autoshard.solver.planner import plan
     bn = _bn_plan()
     model, inputs = build("gpt2-tiny", None, None, 0)
     infer = plan(model, inputs, Mesh((2,), cluster=CLUSTER), training=False)
     for out in world2.run(_modes, bn.dumps(), infer.dumps()):
-        assert "batch_norm" in out["bn_eval"] and "training=False" in out["bn_eval"], out
+        assert out["bn_eval"] == "accepted", out
         assert out["plain_eval"] == "accepted" and out["output"] <= 1e-6, out
         assert "inference plan" in out["step"], out

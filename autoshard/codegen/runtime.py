@@ -143,6 +143,9 @@ class ParallelModule(torch.nn.Module):
         if stage_programs is not None:
             from autoshard.codegen.pipeline import Pipelined
             self.pipeline = Pipelined(self, stage_programs, device)
+        self._compile = compile
+        self._emitted = self.program         # as emitted: pm.eval() derives its program from it
+        self._eval_program: Any = None
         if compile:       # each stage program, or the whole one, by inductor (codegen/compile.py)
             from autoshard.codegen.compile import compile_program
             if self.pipeline is not None:
@@ -213,20 +216,31 @@ class ParallelModule(torch.nn.Module):
                                          fix="pass pm.shard_inputs(*global_batch) to the module")
 
     def train(self, mode: bool = True) -> "ParallelModule":
-        """``pm.train()`` / ``pm.eval()``: the program runs the ops the model ran when it was
-        traced, dropout and batch statistics included, so a mode that would change them is
-        refused (naming them) rather than ignored; for a mode without them (no dropout, no
-        batch norm) nothing changes and it is accepted."""
-        if not mode and self.training:
-            ops = _mode_dependent_ops(self.traced.graph)
-            if ops:
+        """``pm.train()`` / ``pm.eval()``, as ``model.train()`` / ``model.eval()``: in eval mode
+        dropout is the identity and batch norm uses its running statistics without updating
+        them. The program was traced in training mode; eval mode runs a copy of it with those
+        ops' flags flipped (codegen/modes.py), same layouts and collectives. A pipeline's
+        schedule always runs forward and backward: eval mode there is refused where it would
+        change what the program computes."""
+        if not mode and self._eval_program is None:
+            from autoshard.codegen.modes import eval_program, mode_dependent
+            ops = mode_dependent(self._emitted.graph)
+            if ops and self.pipeline is not None:
                 raise AutoshardError(
-                    "pm.eval() on a program without ops that run differently in eval mode",
+                    "pm.eval() on a pipelined plan without ops that run otherwise in eval mode",
                     got=f"{len(ops)} traced in training mode: {', '.join(ops[:4])}",
-                    fix="evaluate with an inference plan: plan(model.eval(), batch, mesh, "
-                        "training=False), parallelize it and load the weights "
-                        "(pm.full_state_dict() or a DCP checkpoint); or evaluate with the "
-                        "training program as it is")
+                    fix="evaluate with a plan without a pipeline (plan(model.eval(), batch, mesh, "
+                        "training=False), loading pm.full_state_dict() or a DCP checkpoint)")
+            if ops:
+                counters = {ph.name for ph in self.traced.placeholders if ph.kind == "buffer"
+                            and ph.fqn.endswith("num_batches_tracked")}
+                prog = eval_program(self._emitted, counters)
+                if self._compile:
+                    from autoshard.codegen.compile import compile_program
+                    prog = compile_program(prog, self.runtime, name="eval")
+                self._eval_program = prog
+            else:
+                self._eval_program = self.program       # nothing differs
         return super().train(mode)
 
     def forward(self, *local_args: Any) -> Any:
@@ -250,7 +264,8 @@ class ParallelModule(torch.nn.Module):
                 continue
             else:
                 flat.append(self._buffers_local[ph.name])
-        out = self.program(*flat, *local_args)
+        out = (self.program if self.training or self._eval_program is None
+               else self._eval_program)(*flat, *local_args)
         if not self.plan.options.training and isinstance(out, torch.Tensor):
             return self.gather_output(out)
         return out
@@ -614,24 +629,6 @@ def _to_host(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     the link's speed), as is on a CPU run (the host is the device)."""
     t = t.to("cpu")
     return t.pin_memory() if device.type == "cuda" else t
-
-
-def _mode_dependent_ops(graph: Any) -> list[str]:
-    """Nodes that compute otherwise in eval mode: dropout drawing masks (p > 0, train) and batch
-    norm using and updating batch statistics."""
-    aten = torch.ops.aten
-    flags = {aten.dropout.default: (1, 2), aten.feature_dropout.default: (1, 2),
-             aten.alpha_dropout.default: (1, 2), aten.native_dropout.default: (1, 2),
-             aten.batch_norm.default: (None, 5), aten.native_batch_norm.default: (None, 5)}
-    out = []
-    for n in graph.nodes:
-        where = flags.get(n.target)
-        if where is None:
-            continue
-        p, train = where
-        if n.args[train] is True and (p is None or n.args[p] != 0):
-            out.append(f"{n.name} ({n.target})")
-    return out
 
 
 def _key(fqn: str) -> str:

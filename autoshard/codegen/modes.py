@@ -1,0 +1,84 @@
+"""``pm.eval()``: the rank program as ``model.eval()`` would run it (docs/design.md, "Modes").
+
+A program is traced in training mode: its dropout ops draw masks and its batch norms use and
+update batch statistics. In eval mode ``model.eval()`` makes dropout the identity and batch norm
+use (and leave alone) its running statistics. Those are flags of the traced ops (dropout's
+``train``, batch norm's ``training``, attention's ``dropout_p``), so the eval program is the
+same program with those flags flipped and the update of ``num_batches_tracked`` dropped: every
+node keeps its inputs and outputs, so the plan's layouts and collectives stay valid (a batch
+norm the plan replicated reads the same replicated input; a dropout's output keeps its input's
+layout either way). The backward, where one is run, is autograd's of the rewritten ops.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+# op -> (index of its probability argument or None, index of its training flag)
+TRAIN_FLAGS = {aten.dropout.default: (1, 2), aten.feature_dropout.default: (1, 2),
+               aten.alpha_dropout.default: (1, 2), aten.feature_alpha_dropout.default: (1, 2),
+               aten.native_dropout.default: (1, 2),
+               aten.batch_norm.default: (None, 5), aten.native_batch_norm.default: (None, 5)}
+# attention whose dropout_p is a training-mode argument (models pass 0.0 in eval mode)
+SDPA = {aten.scaled_dot_product_attention.default: 4}
+
+
+def mode_dependent(graph: fx.Graph) -> list[str]:
+    """Nodes that compute otherwise in eval mode: dropout drawing masks (p > 0, train),
+    attention with dropout, batch norm using and updating batch statistics."""
+    out = []
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target in TRAIN_FLAGS:
+            p, train = TRAIN_FLAGS[n.target]
+            if _arg(n, train, "train" if p is not None else "training") is True and (
+                    p is None or _arg(n, p, "p") != 0):
+                out.append(f"{n.name} ({n.target})")
+        elif n.target in SDPA and _arg(n, SDPA[n.target], "dropout_p"):
+            out.append(f"{n.name} ({n.target})")
+    return out
+
+
+def eval_program(gm: fx.GraphModule, counters: set[str]) -> fx.GraphModule:
+    """A copy of ``gm`` run as in eval mode; ``gm`` is left as it is. ``counters``: the
+    placeholders of batch norms' ``num_batches_tracked`` buffers (not counted in eval mode)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, env)
+    graph.output(out)
+    for n in list(graph.nodes):
+        if n.op != "call_function":
+            continue
+        if n.target in TRAIN_FLAGS:
+            _set(n, TRAIN_FLAGS[n.target][1],
+                 "train" if TRAIN_FLAGS[n.target][0] is not None else "training", False)
+        elif n.target in SDPA:
+            _set(n, SDPA[n.target], "dropout_p", 0.0)
+        elif _counts(n, counters):
+            n.replace_all_uses_with(n.args[0])
+            graph.erase_node(n)
+    graph.lint()
+    return fx.GraphModule(gm, graph, class_name="AutoshardEvalProgram")
+
+
+def _counts(n: fx.Node, counters: set[str]) -> bool:
+    """An in-place update (``aten::add_``) of a ``num_batches_tracked`` buffer."""
+    schema = getattr(n.target, "_schema", None)
+    return (schema is not None and schema.name.endswith("_") and bool(n.args)
+            and isinstance(n.args[0], fx.Node) and n.args[0].name in counters)
+
+
+def _arg(n: fx.Node, i: int, name: str):
+    return n.args[i] if len(n.args) > i else n.kwargs.get(name)
+
+
+def _set(n: fx.Node, i: int, name: str, value) -> None:
+    if len(n.args) > i:
+        args = list(n.args)
+        args[i] = value
+        n.args = tuple(args)
+    elif name in n.kwargs:        # (absent: the default, which is eval's)
+        n.kwargs = {**n.kwargs, name: value}
