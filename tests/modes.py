@@ -62,7 +62,9 @@ def bn_model(seed: int = 0) -> tuple[torch.nn.Module, tuple]:
 
 
 def make(kind: str, seed: int = 0) -> tuple[torch.nn.Module, tuple]:
-    return bn_model(seed) if kind == "bn" else dropout_model(kind, seed)
+    if kind in ("bn", "mlp"):
+        return (bn_model if kind == "bn" else drop_mlp)(seed)
+    return dropout_model(kind, seed)
 
 
 def plan_of(kind: str, shape: tuple[int, ...], baseline: str, **kw) -> Plan:
@@ -132,3 +134,50 @@ def train_eval_train(kind: str, plan_json: str) -> dict:
     out["buffer_err"] = max((float((full[k].double() - want[k].double()).abs().max())
                              for k in _buffers(full)), default=0.0)
     return out
+
+
+class DropMLP(torch.nn.Module):
+    """Dropout between two linears and after the second (masks over the batch's rows), and on
+    a gain vector (a parameter: not split by data parallelism)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+        self.gain = torch.nn.Parameter(torch.ones(16))
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = self.drop(self.fc2(self.drop(torch.relu(self.fc1(x))))) * self.drop(self.gain)
+        return torch.nn.functional.mse_loss(out, y)
+
+
+def drop_mlp(seed: int = 0) -> tuple[torch.nn.Module, tuple]:
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(0)
+    return DropMLP(), (torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g))
+
+
+def masks_drawn(kind: str, plan_json: str) -> dict:
+    """On this rank, seeded as every other: which of the program's mask-drawing ops the plan
+    splits, the masks its dropouts draw in one training step (in order), the step's loss."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from autoshard.codegen.masks import ShardMasks, draws_masks
+    from autoshard.codegen.runtime import parallelize
+    plan = Plan.loads(plan_json)
+    model, inputs = make(kind)
+    pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan,
+                     example_inputs=inputs)
+    masks = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.bernoulli_, torch.ops.aten.bernoulli):
+                masks.append(out.detach().flatten().tolist())
+            return out
+    split = [isinstance(n.target, ShardMasks) for n in pm.program.graph.nodes
+             if n.op == "call_function" and draws_masks(n)]
+    torch.manual_seed(1234)                 # ranks seeded alike, as examples/train.py does
+    with Record():
+        loss = pm.step(*pm.shard_inputs(*inputs))
+    return {"split": split, "masks": masks, "loss": float(loss)}

@@ -14,15 +14,13 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from autoshard.codegen.masks import DROPOUTS, SDPA, arg as _arg, unwrapped
+
 aten = torch.ops.aten
 
 # op -> (index of its probability argument or None, index of its training flag)
-TRAIN_FLAGS = {aten.dropout.default: (1, 2), aten.feature_dropout.default: (1, 2),
-               aten.alpha_dropout.default: (1, 2), aten.feature_alpha_dropout.default: (1, 2),
-               aten.native_dropout.default: (1, 2),
+TRAIN_FLAGS = {**DROPOUTS,
                aten.batch_norm.default: (None, 5), aten.native_batch_norm.default: (None, 5)}
-# attention whose dropout_p is a training-mode argument (models pass 0.0 in eval mode)
-SDPA = {aten.scaled_dot_product_attention.default: 4}
 
 
 def mode_dependent(graph: fx.Graph) -> list[str]:
@@ -32,13 +30,14 @@ def mode_dependent(graph: fx.Graph) -> list[str]:
     for n in graph.nodes:
         if n.op != "call_function":
             continue
-        if n.target in TRAIN_FLAGS:
-            p, train = TRAIN_FLAGS[n.target]
+        target = unwrapped(n.target)
+        if target in TRAIN_FLAGS:
+            p, train = TRAIN_FLAGS[target]
             if _arg(n, train, "train" if p is not None else "training") is True and (
                     p is None or _arg(n, p, "p") != 0):
-                out.append(f"{n.name} ({n.target})")
-        elif n.target in SDPA and _arg(n, SDPA[n.target], "dropout_p"):
-            out.append(f"{n.name} ({n.target})")
+                out.append(f"{n.name} ({target})")
+        elif target in SDPA and _arg(n, SDPA[target], "dropout_p"):
+            out.append(f"{n.name} ({target})")
     return out
 
 
@@ -52,6 +51,7 @@ def eval_program(gm: fx.GraphModule, counters: set[str]) -> fx.GraphModule:
     for n in list(graph.nodes):
         if n.op != "call_function":
             continue
+        n.target = unwrapped(n.target)         # (no mask is drawn in eval mode)
         if n.target in TRAIN_FLAGS:
             _set(n, TRAIN_FLAGS[n.target][1],
                  "train" if TRAIN_FLAGS[n.target][0] is not None else "training", False)
@@ -69,10 +69,6 @@ def _counts(n: fx.Node, counters: set[str]) -> bool:
     schema = getattr(n.target, "_schema", None)
     return (schema is not None and schema.name.endswith("_") and bool(n.args)
             and isinstance(n.args[0], fx.Node) and n.args[0].name in counters)
-
-
-def _arg(n: fx.Node, i: int, name: str):
-    return n.args[i] if len(n.args) > i else n.kwargs.get(name)
 
 
 def _set(n: fx.Node, i: int, name: str, value) -> None:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from autoshard.codegen.collectives import Ledger, apply_steps
 from autoshard.codegen.groups import MeshGroups
+from autoshard.codegen.masks import seed_shards
 from autoshard.codegen.optim import _slice, contiguous_stride, dtensor_in_place, refuse_strided
 from autoshard.codegen.rewrite import RankRuntime, emit
 from autoshard.cost.comm import reshard
@@ -58,6 +59,7 @@ class ParallelModule(torch.nn.Module):
             stages = stages_of(traced.graph, traced.layers,
                                tuple(st.layers for st in plan.pipeline.stages))
             self.program = emit(traced, plan, self.runtime, stages)
+            seed_shards(self.program, plan, groups.coords, device)
             stage_programs = cut(self.program, len(plan.pipeline.stages),
                                  [ph.name for ph in traced.inputs])
             bound = {name for k in self.runtime.stages if k >= 0 for name in stage_programs[k][1]}
@@ -67,6 +69,7 @@ class ParallelModule(torch.nn.Module):
                     self._holders.setdefault(name, set()).add(plan.pipeline.rank_of(k))
         else:
             self.program = emit(traced, plan, self.runtime)
+            seed_shards(self.program, plan, groups.coords, device)
         full = dict(model.named_parameters())      # canonical names, as the trace reports them
         full.update(dict(model.named_buffers()))
         self._specs: dict[str, Spec] = {}
