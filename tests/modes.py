@@ -1,9 +1,10 @@
 """Models with dropout and batch norm, and what each rank runs to compare ``pm.eval()`` /
-``pm.train()`` and per-shard dropout masks with one device. Used by tests/test_modes.py; module
-level, so the world's ranks unpickle these by reference."""
+``pm.train()`` with one device and to read the dropout masks each shard draws. Used by
+tests/test_training_loop.py; module level, so the world's ranks unpickle these by reference."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -12,7 +13,7 @@ from autoshard.solver.baselines import STORED, baseline_plan, stored_plan
 from autoshard.trace.export import trace
 
 P = 0.1
-CLUSTER = "tests/data/compute_bound.json"
+CLUSTER = str(Path(__file__).parent / "data" / "compute_bound.json")
 
 
 def dropout_model(name: str, seed: int = 0) -> tuple[torch.nn.Module, tuple]:
@@ -43,7 +44,8 @@ def dropout_model(name: str, seed: int = 0) -> tuple[torch.nn.Module, tuple]:
 
 
 class BNNet(torch.nn.Module):
-    """Batch norm between two linears: eval mode uses the running statistics."""
+    """Batch norm between two linears: buffers a checkpoint must carry (its running
+    statistics), which eval mode uses."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -181,3 +183,16 @@ def masks_drawn(kind: str, plan_json: str) -> dict:
     with Record():
         loss = pm.step(*pm.shard_inputs(*inputs))
     return {"split": split, "masks": masks, "loss": float(loss)}
+
+
+def grads_drawn(kind: str, plan_json: str) -> dict:
+    """The full gradients of one training step with real dropout masks, ranks seeded alike,
+    and how many of the program's ops draw a mask per shard."""
+    from autoshard.codegen.runtime import parallelize
+    plan = Plan.loads(plan_json)
+    model, inputs = make(kind)
+    pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan,
+                     example_inputs=inputs)
+    torch.manual_seed(1234)
+    pm.step(*pm.shard_inputs(*inputs))
+    return pm.full_grads(), len(pm.seeded_masks)

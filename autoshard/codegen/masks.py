@@ -60,9 +60,13 @@ def seed_shards(gm: fx.GraphModule, plan: Any, coords: tuple[int, ...],
     """Wrap, in place, each op of ``gm`` that draws a mask over an input the plan splits in a
     :class:`ShardMasks` for this rank's shard (``coords``: its mesh coordinates). Returns the
     wrapped nodes' names."""
+    from autoshard.codegen.recompute import Checkpointed
     strategies = plan.strategies()
     out = []
     for n in gm.graph.nodes:
+        if isinstance(n.target, Checkpointed):        # a checkpointed layer's own program
+            out += seed_shards(n.target.gm, plan, coords, device)
+            continue
         if n.op != "call_function" or not draws_masks(n):
             continue
         ref = n.meta.get("autoshard_ref")

@@ -23,11 +23,16 @@ TRAIN_FLAGS = {**DROPOUTS,
                aten.batch_norm.default: (None, 5), aten.native_batch_norm.default: (None, 5)}
 
 
-def mode_dependent(graph: fx.Graph) -> list[str]:
+def mode_dependent(gm: fx.GraphModule) -> list[str]:
     """Nodes that compute otherwise in eval mode: dropout drawing masks (p > 0, train),
-    attention with dropout, batch norm using and updating batch statistics."""
+    attention with dropout, batch norm using and updating batch statistics (checkpointed
+    layers' included)."""
+    from autoshard.codegen.recompute import Checkpointed
     out = []
-    for n in graph.nodes:
+    for n in gm.graph.nodes:
+        if isinstance(n.target, Checkpointed):
+            out += mode_dependent(n.target.gm)
+            continue
         if n.op != "call_function":
             continue
         target = unwrapped(n.target)
@@ -44,6 +49,7 @@ def mode_dependent(graph: fx.Graph) -> list[str]:
 def eval_program(gm: fx.GraphModule, counters: set[str]) -> fx.GraphModule:
     """A copy of ``gm`` run as in eval mode; ``gm`` is left as it is. ``counters``: the
     placeholders of batch norms' ``num_batches_tracked`` buffers (not counted in eval mode)."""
+    from autoshard.codegen.recompute import Checkpointed
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     out = graph.graph_copy(gm.graph, env)
@@ -52,7 +58,10 @@ def eval_program(gm: fx.GraphModule, counters: set[str]) -> fx.GraphModule:
         if n.op != "call_function":
             continue
         n.target = unwrapped(n.target)         # (no mask is drawn in eval mode)
-        if n.target in TRAIN_FLAGS:
+        if isinstance(n.target, Checkpointed):     # the layer's program, in eval mode too
+            t = n.target
+            n.target = Checkpointed(eval_program(t.gm, counters), t.rt, t.layer, t.policy)
+        elif n.target in TRAIN_FLAGS:
             _set(n, TRAIN_FLAGS[n.target][1],
                  "train" if TRAIN_FLAGS[n.target][0] is not None else "training", False)
         elif n.target in SDPA:

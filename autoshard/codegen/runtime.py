@@ -59,7 +59,8 @@ class ParallelModule(torch.nn.Module):
             stages = stages_of(traced.graph, traced.layers,
                                tuple(st.layers for st in plan.pipeline.stages))
             self.program = emit(traced, plan, self.runtime, stages)
-            seed_shards(self.program, plan, groups.coords, device)
+            # the ops drawing a mask per shard (codegen/masks.py), by node name
+            self.seeded_masks = seed_shards(self.program, plan, groups.coords, device)
             stage_programs = cut(self.program, len(plan.pipeline.stages),
                                  [ph.name for ph in traced.inputs])
             bound = {name for k in self.runtime.stages if k >= 0 for name in stage_programs[k][1]}
@@ -69,7 +70,7 @@ class ParallelModule(torch.nn.Module):
                     self._holders.setdefault(name, set()).add(plan.pipeline.rank_of(k))
         else:
             self.program = emit(traced, plan, self.runtime)
-            seed_shards(self.program, plan, groups.coords, device)
+            self.seeded_masks = seed_shards(self.program, plan, groups.coords, device)
         full = dict(model.named_parameters())      # canonical names, as the trace reports them
         full.update(dict(model.named_buffers()))
         self._specs: dict[str, Spec] = {}
@@ -227,7 +228,7 @@ class ParallelModule(torch.nn.Module):
         change what the program computes."""
         if not mode and self._eval_program is None:
             from autoshard.codegen.modes import eval_program, mode_dependent
-            ops = mode_dependent(self._emitted.graph)
+            ops = mode_dependent(self._emitted)
             if ops and self.pipeline is not None:
                 raise AutoshardError(
                     "pm.eval() on a pipelined plan without ops that run otherwise in eval mode",
