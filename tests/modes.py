@@ -196,3 +196,22 @@ def grads_drawn(kind: str, plan_json: str) -> dict:
     torch.manual_seed(1234)
     pm.step(*pm.shard_inputs(*inputs))
     return pm.full_grads(), len(pm.seeded_masks)
+
+
+def refusals(kind: str, plan_json: str) -> dict:
+    """What pm.eval() and pm.parameters() say on this plan ("accepted" when they do not
+    refuse)."""
+    from autoshard.codegen.runtime import parallelize
+    from autoshard.errors import AutoshardError
+    plan = Plan.loads(plan_json)
+    model, inputs = make(kind)
+    pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan,
+                     example_inputs=inputs)
+    out = {}
+    for name, fn in (("eval", pm.eval), ("parameters", lambda: list(pm.parameters()))):
+        try:
+            fn()
+            out[name] = "accepted"
+        except AutoshardError as e:
+            out[name] = str(e)
+    return out

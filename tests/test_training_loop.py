@@ -37,7 +37,7 @@ from autoshard.verify import build, plan_for, rel_err
 from dist import world_fixture
 from loop import (CLIP, micro_batch, parallel, pm_step, run_steps, schedule, single_device,
                   train_loop, warmup_cosine)
-from modes import BNNet, grads_drawn, masks_drawn, plan_of, train_eval_train
+from modes import BNNet, grads_drawn, make, masks_drawn, plan_of, refusals, train_eval_train
 
 CLUSTER = str(Path(__file__).parent / "data" / "compute_bound.json")
 TOL = 1e-4
@@ -531,3 +531,26 @@ def test_recomputed_layers_draw_the_forwards_masks(world2):
     b, seeded_plain = world2.run(grads_drawn, "gpt2", plain.dumps())[0]
     assert seeded == seeded_plain > 0            # the layers' own dropouts are seeded too
     assert max(rel_err(a[n], g) for n, g in b.items()) <= 1e-6
+
+
+def test_what_a_pipeline_cannot_do_is_refused(world2, world4):
+    """A pipeline's schedule always runs a backward: pm.eval() with dropout there is refused,
+    naming the ops. A weight tied across some pipeline ranks but not all (GPT-2's embedding and
+    head on the first and last of 4 stages) would be clipped unequally: pm.parameters()
+    refuses it, naming it, where torch's clip_grad_norm_ would go wrong."""
+    from autoshard.solver.planner import plan
+    model, inputs = make("gpt2")
+    two = plan(model, inputs, Mesh((2,), ("pp",), cluster=CLUSTER), pipeline="pp",
+               microbatches=2)
+    for out in world2.run(refusals, "gpt2", two.dumps()):
+        assert "dropout" in out["eval"] and "pipeline" in out["eval"], out
+        assert out["parameters"] == "accepted", out
+    four = _plan("gpt2-tiny-4l", (4,), pipeline="pp", microbatches=4)
+    assert len(four.pipeline.stages) == 4
+    for out in world4.run(_parameters_of, "gpt2-tiny-4l", four.dumps()):
+        assert "tok_emb.weight" in out and "[0, 3]" in out, out
+
+
+def _parameters_of(model: str, plan_json: str) -> str:
+    pm, _, _ = parallel(model, plan_json)
+    return _caught(lambda: list(pm.parameters()))
