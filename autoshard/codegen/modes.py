@@ -85,5 +85,5 @@ def _set(n: fx.Node, i: int, name: str, value) -> None:
         args = list(n.args)
         args[i] = value
         n.args = tuple(args)
-    elif name in n.kwargs:        # (absent: the default, which is eval's)
+    elif name in n.kwargs:        # (absent: attention's default dropout_p, 0)
         n.kwargs = {**n.kwargs, name: value}
