@@ -112,11 +112,15 @@ def latest_checkpoint(ckpt_dir: str | None) -> Path | None:
 def evaluate(pm, args, perm, device, batches: int = 2) -> float:
     """The mean loss over held-out batches (seeds no training step draws), forward only."""
     total = 0.0
-    with torch.no_grad():
-        for i in range(batches):
-            x, y = synthetic_batch(-1 - i, batch=args.batch, seq=args.seq, vocab=args.vocab,
-                                   perm=perm, device=device)
-            total += float(pm(*pm.shard_inputs(x, y)))
+    pm.eval()             # as model.eval(): dropout off, batch norm on its running statistics
+    try:
+        with torch.no_grad():
+            for i in range(batches):
+                x, y = synthetic_batch(-1 - i, batch=args.batch, seq=args.seq, vocab=args.vocab,
+                                       perm=perm, device=device)
+                total += float(pm(*pm.shard_inputs(x, y)))
+    finally:
+        pm.train()
     return total / batches
 
 

@@ -90,14 +90,17 @@ def _region_compiled(ids: dict[str, tuple[int, bool]], k: int) -> bool:
 
 def _eager(node: fx.Node) -> bool:
     """Whether ``node`` must run outside a traced graph (the module's docstring)."""
+    from autoshard.codegen.masks import ShardMasks
     from autoshard.codegen.recompute import Checkpointed
     from autoshard.codegen.rewrite import FetchCall, ReshardCall
     from autoshard.codegen.ring import RingCall
     if node.op != "call_function":
         return False
     t = node.target
-    return (isinstance(t, ReshardCall) and t.bucketed) or isinstance(
-        t, (FetchCall, Checkpointed, RingCall))
+    # (a shard's dropout seeds the generators around its op: codegen/masks.py; the ring's
+    # point-to-point sends are not functional collectives a traced graph holds)
+    return (isinstance(t, ReshardCall) and t.bucketed) or \
+        isinstance(t, (FetchCall, Checkpointed, ShardMasks, RingCall))
 
 
 def _partition(graph: fx.Graph) -> dict[str, tuple[int, bool]]:

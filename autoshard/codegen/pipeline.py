@@ -349,18 +349,27 @@ class Pipelined:
 
     def step(self, *local_inputs: Any) -> torch.Tensor:
         losses: list[torch.Tensor] = []
+        # A tied weight's gradient already summed over its stages (an earlier step accumulated
+        # into): set aside, so that only this step's part is summed below, then added back.
+        params = self.pm.local_parameters()
+        buckets = self.pm.runtime.buckets
+        earlier = {}
+        for fqn, _ in self._tied:
+            ph = self.pm._param_ph[fqn]
+            held = buckets.shards.pop(ph, None) if buckets is not None else None
+            earlier[fqn] = (params[fqn].grad, held)
+            params[fqn].grad = None
         args = local_inputs if 0 in self.mine else ()
         if self.n - 1 in self.mine:
             self.schedule.step(*args, target=torch.zeros(self.m, device=self.device),
                                losses=losses, return_outputs=False)
         else:
             self.schedule.step(*args, return_outputs=False)
-        params = self.pm.local_parameters()
-        buckets = self.pm.runtime.buckets
         for fqn, group in self._tied:
             # The stages' gradients summed: in .grad, or under ZeRO-2 and offload in the
             # bucket's shard the sharded optimizer reads (codegen/optim.py grad_shard).
-            shard = buckets.shards.get(self.pm._param_ph[fqn]) if buckets is not None else None
+            ph = self.pm._param_ph[fqn]
+            shard = buckets.shards.get(ph) if buckets is not None else None
             for grad in (params[fqn].grad, shard):
                 if grad is None:
                     continue
@@ -369,6 +378,12 @@ class Pipelined:
                     "all_reduce", (self.plan.pipeline.axis,), grad.numel() * grad.element_size(),
                     grad.numel() * grad.element_size(), "grad_sync", f"tied:{fqn}",
                     dist.get_world_size(group)))
+            grad, held = earlier[fqn]
+            if grad is not None:
+                params[fqn].grad = grad if params[fqn].grad is None else \
+                    grad.add_(params[fqn].grad)
+            if held is not None:
+                buckets.shards[ph] = held if shard is None else held.add_(shard)
         loss = torch.stack([x.detach() for x in losses]).sum() if losses else \
             torch.zeros((), device=self.device)
         dist.all_reduce(loss, group=self.group)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from autoshard.codegen.collectives import Ledger, apply_steps
 from autoshard.codegen.groups import MeshGroups
+from autoshard.codegen.masks import seed_shards
 from autoshard.codegen.optim import _slice, contiguous_stride, dtensor_in_place, refuse_strided
 from autoshard.codegen.rewrite import RankRuntime, emit
 from autoshard.cost.comm import reshard
@@ -50,6 +51,7 @@ class ParallelModule(torch.nn.Module):
         self.pipeline = None
         self.accumulating = False      # inside no_sync(): a micro-step of accumulation
         stage_programs = None
+        self._holders: dict[str, set[int]] = {}    # placeholder -> pipeline coordinates holding it
         bound: set[str] | None = None          # the placeholders this rank's stage reads
         if plan.pipeline is not None:
             from autoshard.codegen.pipeline import cut
@@ -57,11 +59,18 @@ class ParallelModule(torch.nn.Module):
             stages = stages_of(traced.graph, traced.layers,
                                tuple(st.layers for st in plan.pipeline.stages))
             self.program = emit(traced, plan, self.runtime, stages)
+            # the ops drawing a mask per shard (codegen/masks.py), by node name
+            self.seeded_masks = seed_shards(self.program, plan, groups.coords, device)
             stage_programs = cut(self.program, len(plan.pipeline.stages),
                                  [ph.name for ph in traced.inputs])
             bound = {name for k in self.runtime.stages if k >= 0 for name in stage_programs[k][1]}
+            # Every parameter's pipeline coordinates (its DTensor view's layout, stageviews.py).
+            for k, (_, names, _) in enumerate(stage_programs):
+                for name in names:
+                    self._holders.setdefault(name, set()).add(plan.pipeline.rank_of(k))
         else:
             self.program = emit(traced, plan, self.runtime)
+            self.seeded_masks = seed_shards(self.program, plan, groups.coords, device)
         full = dict(model.named_parameters())      # canonical names, as the trace reports them
         full.update(dict(model.named_buffers()))
         self._specs: dict[str, Spec] = {}
@@ -98,6 +107,9 @@ class ParallelModule(torch.nn.Module):
                 self._buffers_local[ph.name] = local_shard(model, ph.name, const, spec, *here)
         self._param_ph = {ph.fqn: ph.name for ph in traced.params
                           if bound is None or ph.name in bound}
+        # Every parameter's layout, other stages' too: on a pipeline pm.parameters() lists them all.
+        self._every_spec = {ph.fqn: strategies[ph.name].outputs[0] for ph in traced.params}
+        self._trains = {ph.fqn: full[ph.fqn].requires_grad for ph in traced.params}
         # A tied parameter's other names (full_state_dict carries them, as state_dict() does).
         from autoshard.trace.export import parameter_aliases
         self._aliases = {a: c for a, c in parameter_aliases(model).items() if a != c}
@@ -135,6 +147,9 @@ class ParallelModule(torch.nn.Module):
         if stage_programs is not None:
             from autoshard.codegen.pipeline import Pipelined
             self.pipeline = Pipelined(self, stage_programs, device)
+        self._compile = compile
+        self._emitted = self.program         # as emitted: pm.eval() derives its program from it
+        self._eval_program: Any = None
         if compile:       # each stage program, or the whole one, by inductor (codegen/compile.py)
             from autoshard.codegen.compile import compile_program
             if self.pipeline is not None:
@@ -205,20 +220,31 @@ class ParallelModule(torch.nn.Module):
                                          fix="pass pm.shard_inputs(*global_batch) to the module")
 
     def train(self, mode: bool = True) -> "ParallelModule":
-        """``pm.train()`` / ``pm.eval()``: the program runs the ops the model ran when it was
-        traced, dropout and batch statistics included, so a mode that would change them is
-        refused (naming them) rather than ignored; for a mode without them (no dropout, no
-        batch norm) nothing changes and it is accepted."""
-        if not mode and self.training:
-            ops = _mode_dependent_ops(self.traced.graph)
-            if ops:
+        """``pm.train()`` / ``pm.eval()``, as ``model.train()`` / ``model.eval()``: in eval mode
+        dropout is the identity and batch norm uses its running statistics without updating
+        them. The program was traced in training mode; eval mode runs a copy of it with those
+        ops' flags flipped (codegen/modes.py), same layouts and collectives. A pipeline's
+        schedule always runs forward and backward: eval mode there is refused where it would
+        change what the program computes."""
+        if not mode and self._eval_program is None:
+            from autoshard.codegen.modes import eval_program, mode_dependent
+            ops = mode_dependent(self._emitted)
+            if ops and self.pipeline is not None:
                 raise AutoshardError(
-                    "pm.eval() on a program without ops that run differently in eval mode",
+                    "pm.eval() on a pipelined plan without ops that run otherwise in eval mode",
                     got=f"{len(ops)} traced in training mode: {', '.join(ops[:4])}",
-                    fix="evaluate with an inference plan: plan(model.eval(), batch, mesh, "
-                        "training=False), parallelize it and load the weights "
-                        "(pm.full_state_dict() or a DCP checkpoint); or evaluate with the "
-                        "training program as it is")
+                    fix="evaluate with a plan without a pipeline (plan(model.eval(), batch, mesh, "
+                        "training=False), loading pm.full_state_dict() or a DCP checkpoint)")
+            if ops:
+                counters = {ph.name for ph in self.traced.placeholders if ph.kind == "buffer"
+                            and ph.fqn.endswith("num_batches_tracked")}
+                prog = eval_program(self._emitted, counters)
+                if self._compile:
+                    from autoshard.codegen.compile import compile_program
+                    prog = compile_program(prog, self.runtime, name="eval")
+                self._eval_program = prog
+            else:
+                self._eval_program = self.program       # nothing differs
         return super().train(mode)
 
     def forward(self, *local_args: Any) -> Any:
@@ -242,7 +268,8 @@ class ParallelModule(torch.nn.Module):
                 continue
             else:
                 flat.append(self._buffers_local[ph.name])
-        out = self.program(*flat, *local_args)
+        out = (self.program if self.training or self._eval_program is None
+               else self._eval_program)(*flat, *local_args)
         if not self.plan.options.training and isinstance(out, torch.Tensor):
             return self.gather_output(out)
         return out
@@ -354,52 +381,97 @@ class ParallelModule(torch.nn.Module):
         ``clip_grad_value_`` and ``get_total_norm`` reduce over the mesh and return what one
         device returns, and clip in place what the optimizer then reads. The gradients are
         brought up to date by ``pm.step``, ``zero_grad`` and each call of this method. On a
-        pipeline a rank holds its stage's parameters only: torch's functions then give the
-        stage's norm, not the model's (not yet solved: DTensor reduces over one mesh whose
-        ranks hold the same parameters)."""
-        views = [(prefix + fqn, self._view(fqn)) for fqn in self.fqns]
+        pipeline every rank lists every parameter, another stage's with no rows, laid out
+        along the pipeline axis so that the norm reduces over the stages too
+        (codegen/stageviews.py)."""
+        fqns = self.fqns if self.pipeline is None else list(self._every_spec)
+        views = [(prefix + fqn, self._view(fqn)) for fqn in fqns]
         self._publish_grads()
         yield from views
 
     def _view(self, fqn: str) -> torch.nn.Parameter:
         view = self._views.get(fqn)
         if view is None:
-            p = self.local_parameters()[fqn]
-            spec = self._specs[self._param_ph[fqn]]
-            shape = tuple(self.traced.placeholder(self._param_ph[fqn]).info.shape)
-            data = dtensor_in_place(p.detach(), self.groups.device_mesh,
-                                    _dtensor_placements(spec), shape)
-            view = self._views[fqn] = torch.nn.Parameter(data, requires_grad=p.requires_grad)
-            if fqn in self.plan.param_state:
+            p = self.local_parameters().get(fqn)
+            spec = self._every_spec[fqn]
+            shape = tuple(self.traced.placeholder(self._ph_of(fqn)).info.shape)
+            if self.pipeline is None:
+                data = dtensor_in_place(p.detach(), self.groups.device_mesh,
+                                        _dtensor_placements(spec), shape)
+            else:       # another stage's parameter: no rows here (codegen/stageviews.py)
+                from autoshard.codegen.stageviews import absent, as_view
+                local = p.detach() if p is not None else absent(
+                    local_shape(shape, spec, self.plan.mesh_shape), self._dtype_of(fqn),
+                    self.runtime.device)
+                data = as_view(local, self.groups.device_mesh, self._placements(fqn, spec),
+                               shape)
+            requires_grad = p.requires_grad if p is not None else self._trains[fqn]
+            view = self._views[fqn] = torch.nn.Parameter(data, requires_grad=requires_grad)
+            if fqn in self.plan.param_state and p is not None:
                 from autoshard.codegen.optim import watch
                 watch([view])
         return view
+
+    def _ph_of(self, fqn: str) -> str:
+        return next(ph.name for ph in self.traced.params if ph.fqn == fqn)
+
+    def _dtype_of(self, fqn: str) -> torch.dtype:
+        return self.traced.placeholder(self._ph_of(fqn)).info.dtype
+
+    def _placements(self, fqn: str, spec: Spec, grad: Spec | None = None) -> list:
+        """A view's DTensor placements: the plan's, and on a pipeline the pipeline axis's as
+        codegen/stageviews.py lays it out."""
+        out = list(_grad_placements(spec, grad, self.groups) if grad is not None
+                   else _dtensor_placements(spec))
+        if self.pipeline is None:
+            return out
+        from autoshard.codegen.stageviews import pipeline_placements
+        axis = self.plan.mesh_axes.index(self.plan.pipeline.axis)
+        return pipeline_placements(out, axis, self._holders.get(self._ph_of(fqn), set()),
+                                   self.plan.mesh_shape[axis], fqn,
+                                   tuple(self.traced.placeholder(self._ph_of(fqn)).info.shape))
 
     def _publish_grads(self) -> None:
         """Each DTensor view's ``.grad``: this rank's gradient, the tensor itself (so clipping it
         in place clips what the optimizer reads). A gradient split between ``.grad`` (reads of
         the parameter outside its bucket) and a bucket's shard is summed into the shard first,
-        as the optimizer would sum it."""
-        shards = self.runtime.buckets.shards if self.runtime.buckets is not None else {}
+        as the optimizer would sum it. On a pipeline, where every rank lists every parameter,
+        a view has a gradient on every rank or on none (so the collectives of torch's norm
+        match): while this rank holds gradients, another stage's parameter shows one of no
+        rows, and one of its own stages without a gradient (unused) shows zeros."""
+        mine = {fqn: self._held_grad(fqn) for fqn in self._views if fqn in self._param_ph}
+        holding = self.pipeline is not None and any(g is not None for g, _ in mine.values())
         for fqn, view in self._views.items():
-            p, ph = self.local_parameters()[fqn], self._param_ph[fqn]
-            g, spec = p.grad, self._specs[ph]
-            if ph in shards:
-                st = self.plan.param_state[fqn]
-                dim, cut = _grad_cut(spec, st.grad, self.groups)
-                if g is not None:
-                    shards[ph].add_(_slice(g.to(shards[ph].device), dim, cut))
-                    p.grad = None
-                g, spec_grad = shards[ph], st.grad
-            else:
-                spec_grad = spec
+            spec = self._every_spec[fqn]
+            st = self.plan.param_state.get(fqn)
+            g, spec_grad = mine.get(fqn, (None, st.grad if st is not None else spec))
+            if g is None and holding:
+                from autoshard.codegen.stageviews import absent
+                local = local_shape(tuple(view.shape), spec_grad, self.plan.mesh_shape)
+                g = view._local_tensor.new_zeros(local) if fqn in mine else \
+                    absent(local, view.dtype, view._local_tensor.device)
             if g is None:
                 view.grad = None
             elif view.grad is None or view.grad._local_tensor is not g:
-                view.grad = dtensor_in_place(g, self.groups.device_mesh,
-                                             _grad_placements(spec, spec_grad, self.groups),
-                                             tuple(view.shape))
+                placements = self._placements(fqn, spec, spec_grad)
+                view.grad = (dtensor_in_place if self.pipeline is None else _as_view)(
+                    g, self.groups.device_mesh, placements, tuple(view.shape))
             self._published[fqn] = g
+
+    def _held_grad(self, fqn: str) -> tuple[torch.Tensor | None, Spec]:
+        """This rank's gradient of ``fqn`` and its layout: ``.grad``, or a bucket's shard (with
+        ``.grad`` summed into it)."""
+        shards = self.runtime.buckets.shards if self.runtime.buckets is not None else {}
+        p, ph = self.local_parameters()[fqn], self._param_ph[fqn]
+        g, spec = p.grad, self._specs[ph]
+        if ph not in shards:
+            return g, spec
+        st = self.plan.param_state[fqn]
+        dim, cut = _grad_cut(spec, st.grad, self.groups)
+        if g is not None:
+            shards[ph].add_(_slice(g.to(shards[ph].device), dim, cut))
+            p.grad = None
+        return shards[ph], st.grad
 
     def _reconcile_grads(self) -> None:
         """A gradient cleared through its view (``zero_grad`` of a torch optimizer over
@@ -410,11 +482,12 @@ class ParallelModule(torch.nn.Module):
             held = self._published.get(fqn)
             if view.grad is not None or held is None:
                 continue
-            p, ph = self.local_parameters()[fqn], self._param_ph[fqn]
-            if p.grad is held:
-                p.grad = None
-            elif shards.get(ph) is held:
-                del shards[ph]
+            if fqn in self._param_ph:         # (not another stage's)
+                p, ph = self.local_parameters()[fqn], self._param_ph[fqn]
+                if p.grad is held:
+                    p.grad = None
+                elif shards.get(ph) is held:
+                    del shards[ph]
             self._published[fqn] = None
 
     def local_grads(self) -> dict[str, torch.Tensor]:
@@ -562,24 +635,6 @@ def _to_host(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory() if device.type == "cuda" else t
 
 
-def _mode_dependent_ops(graph: Any) -> list[str]:
-    """Nodes that compute otherwise in eval mode: dropout drawing masks (p > 0, train) and batch
-    norm using and updating batch statistics."""
-    aten = torch.ops.aten
-    flags = {aten.dropout.default: (1, 2), aten.feature_dropout.default: (1, 2),
-             aten.alpha_dropout.default: (1, 2), aten.native_dropout.default: (1, 2),
-             aten.batch_norm.default: (None, 5), aten.native_batch_norm.default: (None, 5)}
-    out = []
-    for n in graph.nodes:
-        where = flags.get(n.target)
-        if where is None:
-            continue
-        p, train = where
-        if n.args[train] is True and (p is None or n.args[p] != 0):
-            out.append(f"{n.name} ({n.target})")
-    return out
-
-
 def _key(fqn: str) -> str:
     return fqn.replace(".", "__")
 
@@ -591,6 +646,11 @@ def _dtensor_placements(spec: Spec):
     from torch.distributed.tensor import Replicate as DR, Shard as DS
     from autoshard.ir import Shard
     return [DS(p.dim) if isinstance(p, Shard) else DR() for p in spec]
+
+
+def _as_view(*args: Any) -> Any:
+    from autoshard.codegen.stageviews import as_view
+    return as_view(*args)
 
 
 def _grad_cut(spec: Spec, grad: Spec, groups: MeshGroups):
