@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
@@ -307,8 +309,14 @@ class ParallelModule(torch.nn.Module):
         return tuple(out.meta["val"].shape)
 
     # -- state ---------------------------------------------------------------------------------
-    def local_parameters(self) -> dict[str, torch.nn.Parameter]:
-        return {fqn: self.params[_key(fqn)] for fqn in self.fqns}
+    def local_parameters(self) -> Mapping[str, torch.nn.Parameter]:
+        """This rank's parameter shards by name (read-only: made once, at construction, and
+        read per parameter on every step)."""
+        local = self.__dict__.get("_local_parameters")
+        if local is None:
+            local = self._local_parameters = MappingProxyType(
+                {fqn: self.params[_key(fqn)] for fqn in self.fqns})
+        return local
 
     def _full(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
         ph = self.traced.placeholder(self._param_ph[fqn])
