@@ -33,7 +33,7 @@ from autoshard.cost.comm import Groups, Reshard, Step, reshard, reshard_time, st
 from autoshard.cost.compute import fusions, local_numel, op_profile, op_times
 from autoshard.cost.memory import saved_activation_bytes, saved_rule
 from autoshard.cost.overlap import is_grad_sync, sync_share_seconds
-from autoshard.cost.reshards import carries_grad, grad_values, no_backward
+from autoshard.cost.reshards import carries_grad, frozen, grad_values, no_backward
 from autoshard.cost.state import (ADAM_STEP_BYTES, MASTER_CAST_BYTES, SCATTERS, SGD_STEP_BYTES,
                                   StateBytes, modes_for, state_bytes, state_spec, step_elements,
                                   zero_axes, zero_grad_sync)
@@ -108,6 +108,8 @@ class Pricer:
         self.shapes = value_shapes(traced.graph)
         self.grads = grad_values(traced.graph, self.params) if self.training else set()
         self._nodes = {n.name: n for n in traced.graph.nodes}
+        # Frozen parameters (requires_grad=False): their state is the parameter alone.
+        self.frozen = frozenset(n for n in self.params if frozen(self._nodes[n]))
         self._infos: dict[str, OpInfo] = {}
         self._saved_inputs: dict[ValueRef, list[Consumer]] | None = None
         self._kept: dict[ValueRef, bool] = {}
@@ -269,8 +271,13 @@ class Pricer:
     def param_modes(self, name: str, spec) -> list[str | None]:
         """The state modes (cost/state.py) a parameter stored in ``spec`` may take."""
         ph = self.traced.placeholder(name)
-        return modes_for(ph.info.shape, spec, self.mesh.shape, self.options.state_optimizer,
+        return modes_for(ph.info.shape, spec, self.mesh.shape, self.optimizer_of(name),
                          self.modes)
+
+    def optimizer_of(self, name: str) -> str:
+        """The optimizer whose state parameter ``name`` carries: "none" for a frozen one (no
+        gradient, no state, no step: docs/cost-model.md §4.1), else the options'."""
+        return "none" if name in self.frozen else self.options.state_optimizer
 
     def state_bytes(self, name: str, strategy: Strategy) -> StateBytes:
         """What one device (and its host) holds for a parameter or buffer placeholder: the
@@ -283,7 +290,7 @@ class Pricer:
             numel = math.prod(local_shape(ph.info.shape, spec, self.mesh.shape))
             return StateBytes(buffers=numel * ph.info.dtype.itemsize)
         return state_bytes(ph.info.shape, ph.info.dtype, spec, strategy.kernel, self.mesh.shape,
-                           self.options.state_optimizer)
+                           self.optimizer_of(name))
 
     def optimizer_seconds(self, name: str, strategy: Strategy) -> float:
         """The optimizer step's seconds for one parameter (docs/cost-model.md §9): its shard of
@@ -295,7 +302,7 @@ class Pricer:
         :meth:`offload_step_seconds`. The all-gather of the updated shards is a collective
         (:meth:`optimizer_steps`)."""
         ph = self.traced.placeholder(name)
-        opt = self.options.state_optimizer
+        opt = self.optimizer_of(name)
         if ph.kind != "param" or opt == "none" or name in self.tied_to:
             return 0.0
         spec, mode = strategy.outputs[0], strategy.kernel
@@ -323,7 +330,7 @@ class Pricer:
         lands their gradients at the step, after every microbatch). (0, 0) for any other
         mode."""
         ph = self.traced.placeholder(name)
-        opt = self.options.state_optimizer
+        opt = self.optimizer_of(name)
         mode = strategy.kernel
         if ph.kind != "param" or opt == "none" or name in self.tied_to or mode != "offload":
             return 0.0, 0.0
@@ -345,7 +352,7 @@ class Pricer:
         mode = strategy.kernel
         if ph.kind != "param" or name in self.tied_to or mode not in ("offload",
                                                                        "offload_params") \
-                or self.options.state_optimizer == "none":
+                or self.optimizer_of(name) == "none":
             return []
         spec = strategy.outputs[0]
         isz = ph.info.dtype.itemsize
