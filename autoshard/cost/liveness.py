@@ -30,15 +30,19 @@ are alive:
   as any reshard's); the ops that read it where it lies share one copy, made at the first of
   them and freed after the last, unless one keeps it for backward. Its gradient leaves the
   device as soon as it lands (or, bucketed, once its bucket is done).
-- **optimizer step**: parameters, gradients and optimizer state, the fp32 copies of 16-bit
-  gradients for their masters, plus the update's temporaries: none for the fused kernel
-  ``pm.optimizer`` steps with by default (codegen/optim.py); ``torch.optim.AdamW``'s
-  single-tensor loop keeps two moment-sized temporaries of a parameter and one of the previous,
-  its foreach update one moment-sized copy of every parameter's at once.
+- **optimizer step**: parameters, gradients and optimizer state, plus the moments the step
+  program's optimizer records list (cost/program.py ``OptimizerStep.moments``: the fp32
+  copies of 16-bit gradients for their masters, the update's temporaries by implementation,
+  each ZeRO or offload gather back into the parameter's layout); nothing about the optimizer
+  step is derived here.
+- **gradient accumulation** (``PlanOptions.accumulation_steps`` > 1): the walk is the last
+  micro-step, which starts with every gradient the earlier ones accumulated (the step
+  program's ``held``); a bucketed gradient is added to its held copy and handed to its
+  bucket, any other lands on the ``.grad`` it holds (docs/cost-model.md §7.2).
 
 Interface (one function)::
 
-    step_memory(traced, strategies, pricer, *, update="fused", program=None,
+    step_memory(traced, strategies, pricer, *, update=None, program=None,
                 log=None) -> MemoryBreakdown
 
 ``traced``: the :class:`~autoshard.trace.export.TracedGraph` of a training step; ``strategies``:
@@ -46,7 +50,8 @@ node name -> :class:`~autoshard.ir.Strategy` for every placeholder and op (``Pla
 or the planner's assignment, as ``solver.planner.assemble`` has it); ``pricer``: the
 :class:`~autoshard.cost.price.Pricer` the plan is priced with (its mesh, options, checkpointed
 layers, ``state_bytes``). ``update``: the optimizer's implementation, "fused" (what
-``pm.optimizer`` runs unless told otherwise), "foreach" or "loop".
+``pm.optimizer`` runs unless told otherwise), "foreach" or "loop" (None: the program's, else
+"fused").
 ``program``: the assignment's step program (cost/program.py: its events in the order the rank
 runs them, its reshards, buckets and host-kept parameters), which the walk reads instead of
 deriving any of them; built from ``pricer`` when not given.
@@ -83,7 +88,7 @@ import torch.fx as fx
 from autoshard.cost.comm import Reshard
 from autoshard.cost.compute import local_numel, op_profile
 from autoshard.cost.memory import param_state_bytes, saved_rule
-from autoshard.cost.program import Event, StepProgram, node_reads, step_program
+from autoshard.cost.program import UPDATES, Event, StepProgram, node_reads, program_for
 from autoshard.errors import AutoshardError
 from autoshard.ir import Strategy, shard_factor
 from autoshard.ops.registry import PASSES, VIEW, WIDENS, record_of
@@ -92,7 +97,6 @@ from autoshard.trace.graph import ValueRef, value_inputs, value_ref
 aten = torch.ops.aten
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
-UPDATES = ("fused", "foreach", "loop")      # how the optimizer step runs (step_memory)
 
 
 @dataclass(frozen=True)
@@ -188,34 +192,25 @@ class _Memory:
 
 
 def step_memory(traced: Any, strategies: dict[str, Strategy], pricer: Any, *,
-                update: str = "fused", program: StepProgram | None = None,
+                update: str | None = None, program: StepProgram | None = None,
                 log: list[tuple[str, str, int]] | None = None) -> MemoryBreakdown:
     """Peak bytes one device holds over a training step (forward, backward, optimizer step) of
     ``traced`` under ``strategies``, priced with ``pricer``; see the module docstring.
 
     ``update``: the optimizer's implementation, "fused" (no temporaries; ``pm.optimizer``'s
-    default), "foreach" or "loop" (torch's others).
+    default), "foreach" or "loop" (torch's others); None: the program's.
     ``program``: the step program of this assignment (cost/program.py), if at hand; else built.
     ``log``: a list to append every moment the walk checks, as (phase, node, bytes)."""
-    if program is None:
-        program = program_of(traced, strategies, pricer)
-    if update not in UPDATES:
+    if update is not None and update not in UPDATES:
         raise AutoshardError(f"an optimizer update among {UPDATES}", got=repr(update),
                              fix='pass update="fused" (pm.optimizer\'s default)')
-    walk = _Walk(traced, strategies, pricer, update, program)
+    if program is None or (update is not None and program.optimizer.update != update):
+        program = program_for(traced, strategies, pricer, update or "fused")
+    assert not traced.training or program.optimizer.optimizer == \
+        pricer.options.state_optimizer, "a step program built without its optimizer step"
+    walk = _Walk(traced, strategies, pricer, program)
     walk.mem.log = log
     return walk.run()
-
-
-def program_of(traced: Any, strategies: dict[str, Strategy], pricer: Any) -> StepProgram:
-    """The step program of an assignment priced with ``pricer`` (its mesh, options,
-    checkpointed layers and joint axes)."""
-    recompute = getattr(pricer, "recompute", None) or {}
-    if not isinstance(recompute, dict):
-        recompute = dict.fromkeys(recompute, "full")
-    return step_program(traced, strategies, tuple(pricer.mesh.shape),
-                        bucket_bytes=pricer.options.bucket_bytes, recompute=recompute,
-                        joint=getattr(pricer, "joint", ()), shapes=pricer.shapes)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -237,9 +232,8 @@ def _storage_key(t: Any) -> int | None:
 
 class _Walk:
     def __init__(self, traced: Any, strategies: dict[str, Strategy], pricer: Any,
-                 update: str, program: StepProgram) -> None:
+                 program: StepProgram) -> None:
         self.traced, self.strategies, self.pricer = traced, strategies, pricer
-        self.update = update
         self.graph: fx.Graph = traced.graph
         self.mesh_shape = tuple(pricer.mesh.shape)
         self.training = bool(traced.training)
@@ -380,6 +374,14 @@ class _Walk:
                 self.tensors[(name, 0)] = self.tensors[(first, 0)]
         self.pinned = set(self.tensors)
         self.p_grad: dict[str, _Storage] = {}
+        # Gradient accumulation: what the earlier micro-steps left, alive from the start.
+        self.held_grad: dict[str, _Storage] = {}
+        for name, nbytes in self.program.held.items():
+            held = self.mem.alloc(nbytes, "gradients")
+            if name in self.program.bucketed:
+                self.held_grad[name] = held         # the bucket's held copy (no_sync)
+            else:
+                self.p_grad[name] = held            # .grad
 
         mem.phase = "forward"
         self.held: dict[str, list[_Storage]] = {}        # backward node -> saved storages
@@ -908,6 +910,10 @@ class _Walk:
             return
         param = self.tied_to.get(e.value[0], e.value[0])
         if self.program.bucketed.get(param) == ev.edge and param in self.bucket_of:
+            if param in self.held_grad:       # added in place to the held sum, which goes on
+                mem.mark(ev.name)
+                mem.unref(g)
+                g = self.held_grad.pop(param)
             self._arrive(self.bucket_of[param], g, ev.name)
             return
         if not e.reshard.backward:
@@ -975,51 +981,7 @@ class _Walk:
 
     # -- optimizer step ---------------------------------------------------------------------
     def _optimizer(self) -> None:
-        """Parameters, gradients and optimizer state, plus the update's temporaries."""
-        mem = self.mem
-        mem.mark("optimizer step")
-        if self.pricer.options.state_optimizer not in ("adam", "adamw"):
-            return
-        moments, grads32 = [], 0
-        for name in (p.name for p in self.traced.params):
-            st = self.state.get(name)
-            if not st or not st["optimizer"]:
-                continue
-            ph = self.traced.placeholder(name)
-            # fp32 moments (momentum, variance), and a master copy of a 16-bit parameter or of
-            # a ZeRO-1/2 shard: the optimizer bytes are two or three moment-sized tensors.
-            three = ph.info.dtype.itemsize < 4 or self.strategies[name].kernel is not None
-            m = int(st["optimizer"] / (3 if three else 2))
-            moments.append((name, m))
-            # A 16-bit parameter's gradient is cast to its fp32 master's for the whole step
-            # (codegen/optim.py casts them all before the update): one more moment-sized tensor.
-            if ph.info.dtype.itemsize < 4:
-                grads32 += m
-        if self.update == "foreach":
-            mem.mark("optimizer step", extra=grads32 + sum(m for _, m in moments))
-        elif self.update == "loop":
-            prev = 0
-            for name, m in moments:
-                # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps): two at once,
-                # with the previous parameter's denom not yet released.
-                mem.mark(f"optimizer step ({name})", extra=grads32 + prev + 2 * m)
-                prev = m
-        else:
-            mem.mark("optimizer step", extra=grads32)
-        # ZeRO-1/2 and offload: each updated state shard is all-gathered back into the
-        # parameter's layout (codegen/optim.py), one parameter at a time.
-        # Parameter offload: the shard comes up, is gathered, and the gathered parameter goes
-        # back down to its host copy.
-        for name in (p.name for p in self.traced.params):
-            strat = self.strategies.get(name)
-            if name in self.state and strat is not None and strat.kernel in (
-                    "zero1", "zero2", "offload", "offload_params"):
-                from autoshard.cost.state import state_spec
-                ph = self.traced.placeholder(name)
-                sspec = state_spec(tuple(ph.info.shape), strat.outputs[0], self.mesh_shape)
-                if sspec:
-                    extra = int(self.state[name]["parameters"])
-                    if strat.kernel == "offload_params":
-                        extra = self._value_bytes((name, 0)) + self._local_bytes((name, 0),
-                                                                                  sspec)
-                    mem.mark(f"optimizer step ({name})", extra=extra)
+        """Parameters, gradients and optimizer state, plus each moment of the step program's
+        optimizer step (cost/program.py ``OptimizerStep.moments``)."""
+        for at, extra in self.program.optimizer.moments():
+            self.mem.mark(at, extra=extra)

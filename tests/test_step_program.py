@@ -1,0 +1,179 @@
+"""The optimizer step and gradient accumulation as parts of the step program (cost/program.py):
+the optimizer step's records against their closed forms (docs/cost-model.md §4.6), the liveness
+walk's optimizer phase read from them, and gradient accumulation priced as N micro-steps, one
+gradient sync and one optimizer step, the gradients held across micro-steps (§7.2)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from autoshard import Mesh, Plan
+from autoshard.cost.liveness import step_memory
+from autoshard.cost.price import Pricer
+from autoshard.cost.program import program_for
+from autoshard.cost.state import state_spec
+from autoshard.errors import AutoshardError
+from autoshard.ir import local_shape
+from autoshard.options import PlanOptions
+from autoshard.solver.planner import assemble, plan_traced
+from autoshard.trace.batches import Traces
+from autoshard.trace.export import trace
+from autoshard.zoo.registry import get_model
+
+CLUSTER = str(Path(__file__).parent / "data" / "compute_bound.json")
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return trace(*get_model("gpt2-tiny", batch=8))
+
+
+@pytest.fixture(scope="module")
+def gpt2_bf16():
+    model, inputs = get_model("gpt2-tiny", batch=8)
+    traces = Traces(model, inputs, training=True, precision="bf16-mixed")
+    return traces.at(traces.full)
+
+
+def _local(ph, spec, mesh_shape) -> int:
+    return math.prod(local_shape(tuple(ph.info.shape), spec, mesh_shape))
+
+
+def _inputs(traced) -> int:
+    return sum(math.prod(p.info.shape) * p.info.dtype.itemsize for p in traced.inputs)
+
+
+@pytest.mark.parametrize("zero", ["none", "zero2"])
+def test_optimizer_records_are_the_closed_forms(gpt2_bf16, zero):
+    """Per updated parameter of a bf16-mixed plan under Adam (docs/cost-model.md §4.6): a
+    moment is its state shard's elements x 4 bytes, the gradient's fp32 cast one more, and
+    under ZeRO-2 the gather back makes its local parameter (2 bytes an element)."""
+    traced = gpt2_bf16
+    mesh = Mesh((2,), cluster=CLUSTER)
+    plan = plan_traced(traced, mesh, zero=zero, offload="none", recompute="none")
+    pricer = Pricer(traced, mesh, plan.options)
+    prog = program_for(traced, plan.strategies(), pricer)
+    ups = {u.name: u for u in prog.optimizer.params}
+    assert set(ups) == {ph.name for ph in traced.params}
+    for ph in traced.params:
+        u, spec = ups[ph.name], plan.params[ph.fqn]
+        sspec = state_spec(tuple(ph.info.shape), spec, mesh.shape) if u.mode else None
+        ns = _local(ph, sspec or spec, mesh.shape)
+        assert (u.moment, u.cast, u.host) == (4 * ns, 4 * ns, ())
+        assert u.gather == (_local(ph, spec, mesh.shape) * 2 if sspec else 0)
+        # The optimizer state on the device is three moments (momentum, variance, master).
+        assert pricer.state_bytes(ph.name, plan.strategies()[ph.name]).optimizer == 3 * u.moment
+    # The phase the walk checks: the model state, the step's inputs, and the largest moment.
+    live = step_memory(traced, plan.strategies(), pricer, program=prog)
+    state = live.state
+    extra = max(x for _, x in prog.optimizer.moments())
+    assert extra == sum(u.cast for u in ups.values()) or zero == "zero2"
+    assert live.phases["optimizer"] == state["parameters"] + state["gradients"] \
+        + state["optimizer"] + _inputs(traced) + extra
+
+
+def test_offload_records_carry_the_host_copies(gpt2):
+    """Optimizer offload: no moment on the device, the gradient shard down and the updated
+    shard up (§9), the same copies the plan's host transfers list."""
+    mesh = Mesh((2,), cluster=CLUSTER)
+    plan = plan_traced(gpt2, mesh, offload="optimizer", recompute="none")
+    prog = program_for(gpt2, plan.strategies(), Pricer(gpt2, mesh, plan.options))
+    listed = sorted((t.direction, t.bytes, t.value) for t in plan.host_transfers
+                    if t.phase == "optimizer")
+    ran = sorted((d, n, u.name) for u in prog.optimizer.params for d, n in u.host)
+    assert ran == listed and ran
+    for u in prog.optimizer.params:
+        assert u.moment == 0 and u.mode == "offload"
+        (d1, n1), (d2, n2) = u.host
+        assert (d1, d2) == ("d2h", "h2d") and n1 == n2
+
+
+def test_update_implementations_are_program_records(gpt2):
+    mesh = Mesh((1,), cluster=CLUSTER)
+    plan = plan_traced(gpt2, mesh, recompute="none")
+    pricer = Pricer(gpt2, mesh, plan.options)
+    moments = [u.moment for u in program_for(gpt2, plan.strategies(), pricer).optimizer.params]
+    phase = {u: step_memory(gpt2, plan.strategies(), pricer, update=u).phases["optimizer"]
+             for u in ("fused", "foreach", "loop")}
+    assert phase["foreach"] - phase["fused"] == sum(moments)
+    pairs = [moments[0] * 2] + [p + 2 * m for p, m in zip(moments, moments[1:])]
+    assert phase["loop"] - phase["fused"] == max(pairs)
+    with pytest.raises(AutoshardError, match="fused"):
+        step_memory(gpt2, plan.strategies(), pricer, update="adam")
+
+
+# -- gradient accumulation ---------------------------------------------------------------------
+
+def test_accumulation_steps_is_validated():
+    assert PlanOptions().accumulation_steps == 1
+    assert "accumulation_steps" not in PlanOptions().to_json()
+    assert PlanOptions.from_json(PlanOptions(accumulation_steps=4).to_json()) \
+        == PlanOptions(accumulation_steps=4)
+    for bad in (0, -1, 2.0, True, "4"):
+        with pytest.raises(AutoshardError, match="accumulation_steps"):
+            PlanOptions(accumulation_steps=bad)
+    with pytest.raises(AutoshardError, match="training"):
+        PlanOptions(accumulation_steps=2, training=False)
+    with pytest.raises(AutoshardError, match="microbatches"):
+        PlanOptions(accumulation_steps=2, pipeline="pp")
+
+
+def _assemble(traced, mesh, strategies, options):
+    return assemble(traced, mesh, strategies, options, solver={}, model_name="", timings={})
+
+
+@pytest.mark.parametrize("zero", ["none", "zero2"])
+def test_accumulation_is_priced_as_n_micro_steps_one_sync_one_update(gpt2, zero):
+    """docs/cost-model.md §7.2: T(N) = N·(C + B) + O + G + max(0, S − W) for the same
+    layouts, with C the forward and backward compute, B the blocking collectives, O the
+    optimizer step, G its gathers (ZeRO), S the gradient sync and W one micro-step's backward
+    window; memory: each gradient whole across micro-steps."""
+    n = 4
+    mesh = Mesh((2,), cluster=CLUSTER)
+    one = plan_traced(gpt2, mesh, zero=zero, offload="none", recompute="none")
+    st = one.strategies()
+    acc = _assemble(gpt2, mesh, st, one.options.replace(accumulation_steps=n))
+    p1, pn = one.predicted, acc.predicted
+    opt = p1["optimizer_s"]
+    pricer = Pricer(gpt2, mesh, one.options)
+    window = sum(pricer.backward(k, s) for k, s in st.items())
+    sync = sum(p1["overlapped_comm_s"].values())      # all of it hidden on this cluster
+    assert sync < window
+    # The updated shards' gathers after the step (ZeRO-2) run once; the rest every micro-step.
+    gathers = sum(pricer.optimizer_comm_seconds(k, s) for k, s in st.items()
+                  if k in pricer.params)
+    assert (gathers > 0) == (zero == "zero2")
+    blocking = p1["comm_s"] - sync - gathers
+    assert pn["compute_s"] == pytest.approx(n * (p1["compute_s"] - opt) + opt, rel=1e-12)
+    assert pn["optimizer_s"] == pytest.approx(opt, rel=1e-12)
+    assert pn["comm_s"] == pytest.approx(n * blocking + gathers + sync, rel=1e-12)
+    assert pn["step_time_s"] == pytest.approx(
+        n * (p1["compute_s"] - opt + blocking) + opt + gathers + max(0.0, sync - window),
+        rel=1e-12)
+    # One micro-step's window: the sync no longer hidden once it exceeds it.
+    pricer_n = Pricer(gpt2, mesh, acc.options)
+    assert sum(pricer_n.backward(k, s) for k, s in st.items()) == pytest.approx(window)
+    # Memory: the program holds every trainable gradient whole; the forward phase carries it.
+    prog = program_for(gpt2, st, pricer_n)
+    whole = {ph.name: _local(ph, one.params[ph.fqn], mesh.shape) * 4 for ph in gpt2.params}
+    assert dict(prog.held) == whole
+    assert pn["memory"]["peak"] >= p1["memory"]["peak"]
+    m1 = step_memory(gpt2, st, pricer)
+    mn = step_memory(gpt2, st, pricer_n, program=prog)
+    assert mn.phases["forward"] == m1.phases["forward"] + sum(whole.values())
+    # The ILP's sum: what ZeRO-2 keeps of a gradient after the sync, raised to the whole one.
+    shard = sum(pricer.state_bytes(k, st[k]).gradients for k in whole)
+    assert pn["ilp_memory_bytes"] - p1["ilp_memory_bytes"] == pytest.approx(
+        sum(whole.values()) - shard)
+    assert (shard < sum(whole.values())) == (zero == "zero2")
+
+
+def test_the_planner_plans_with_accumulation(gpt2):
+    mesh = Mesh((2,), cluster=CLUSTER)
+    p = plan_traced(gpt2, mesh, accumulation_steps=2, recompute="none")
+    assert p.options.accumulation_steps == 2
+    assert json.loads(p.dumps())["options"]["accumulation_steps"] == 2
+    assert Plan.loads(p.dumps()).options.accumulation_steps == 2
