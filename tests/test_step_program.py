@@ -177,3 +177,95 @@ def test_the_planner_plans_with_accumulation(gpt2):
     assert p.options.accumulation_steps == 2
     assert json.loads(p.dumps())["options"]["accumulation_steps"] == 2
     assert Plan.loads(p.dumps()).options.accumulation_steps == 2
+
+
+# -- pipeline stages: each stage's peak is the walk of its part of the step program ------------
+
+def _stage_setup(plan, model: str = "gpt2-tiny"):
+    """The traced microbatch, the sub-mesh strategies, the pricer and each stage's layer range
+    of a pipelined plan, rebuilt from the plan alone."""
+    from dataclasses import replace
+
+    from autoshard.solver.pipeline import sub_mesh
+    from autoshard.solver.planner import microbatch
+    from autoshard.trace.layers import stages_of
+    from autoshard.verify import build
+    pl = plan.pipeline
+    mesh = Mesh(plan.mesh_shape, plan.mesh_axes, cluster=plan.cluster)
+    a = mesh.axes.index(pl.axis)
+    model_, inputs = build(model, None, None, 0)
+    traced = trace(model_, microbatch(inputs, pl.microbatches))
+    cut = lambda spec: None if spec is None else spec[:a] + spec[a + 1:]     # noqa: E731
+    strategies = {n: replace(s, inputs=tuple(cut(x) for x in s.inputs),
+                             outputs=tuple(cut(x) for x in s.outputs))
+                  for n, s in plan.strategies().items()}
+    sub = sub_mesh(mesh, a)
+    pricer = Pricer(traced, sub, plan.options.replace(pipeline=None, microbatches="auto"),
+                    recompute=dict(plan.recompute))
+    names = [layer.name for layer in traced.layers]
+    where = stages_of(traced.graph, traced.layers, tuple((n,) for n in names))
+    ranges = [(names.index(st.layers[0]), names.index(st.layers[-1]) + 1) for st in pl.stages]
+    return traced, strategies, sub, pricer, where, ranges
+
+
+@pytest.fixture(scope="module")
+def gpt2_pp():
+    from autoshard.verify import plan_for
+    return plan_for("gpt2-tiny", Mesh((2, 2), ("pp", "dp"), cluster=CLUSTER), pipeline="pp",
+                    microbatches=4, schedule="1F1B")
+
+
+def test_a_stage_peak_is_the_walk_of_its_program(gpt2_pp):
+    from autoshard.cost.liveness import stage_memory
+    from autoshard.cost.program import stage_program
+    from autoshard.schedules import in_flight
+    traced, st, sub, pricer, where, ranges = _stage_setup(gpt2_pp)
+    prog = program_for(traced, st, pricer)
+    pl = gpt2_pp.pipeline
+    for s, (lo, hi) in enumerate(ranges):
+        ops = frozenset(n for n, i in where.items() if lo <= i < hi)
+        sp = stage_program(prog, traced, st, ops, sub.shape,
+                           bucket_bytes=pricer.options.bucket_bytes)
+        k = in_flight(pl.schedule, s, len(ranges), pl.microbatches)
+        walked = stage_memory(traced, st, pricer, sp, in_flight=k)
+        assert pl.stages[s].predicted["peak_bytes"] == walked.peak
+        # Its state is its own parameters' alone; more microbatches in flight, more memory.
+        mine = {ref for n in traced.graph.nodes if n.name in ops and n.op == "call_function"
+                for ref, _ in [(a.name, 0) for a in n.all_input_nodes]} & {
+            p.name for p in traced.params}
+        assert walked.state["parameters"] == sum(
+            pricer.state_bytes(p, st[p]).parameters for p in mine)
+        assert {u.name for u in sp.optimizer.params} == mine - set(pricer.tied_to)
+        if k > 1:
+            assert walked.peak > stage_memory(traced, st, pricer, sp).peak
+
+
+def test_the_whole_program_as_one_stage_is_the_step_walk(gpt2):
+    from autoshard.cost.liveness import stage_memory
+    from autoshard.cost.program import stage_program
+    mesh = Mesh((2,), cluster=CLUSTER)
+    for kw in (dict(zero="zero2"), dict(recompute="full"), dict(offload="parameters")):
+        plan = plan_traced(gpt2, mesh, **kw)
+        st = plan.strategies()
+        pricer = Pricer(gpt2, mesh, plan.options, recompute=plan.recompute)
+        prog = program_for(gpt2, st, pricer)
+        every = frozenset(n.name for n in gpt2.graph.nodes if n.op == "call_function")
+        sp = stage_program(prog, gpt2, st, every, mesh.shape,
+                           bucket_bytes=plan.options.bucket_bytes)
+        assert stage_memory(gpt2, st, pricer, sp) == step_memory(gpt2, st, pricer, program=prog)
+
+
+def test_pipelined_plans_hold_their_stages_walked_peaks_to_the_budget(gpt2_pp):
+    from autoshard.cost.memory import budget_for, device_budget
+    from autoshard.verify import plan_for
+    top = max(st.predicted["peak_bytes"] for st in gpt2_pp.pipeline.stages)
+    for f in (1.5, 1.0, 0.9):
+        budget = budget_for(top * f)
+        try:
+            p = plan_for("gpt2-tiny", Mesh((2, 2), ("pp", "dp"), cluster=CLUSTER),
+                         pipeline="pp", microbatches=4, schedule="1F1B", memory_budget=budget)
+        except AutoshardError as e:
+            assert f < 1, (f, e)
+            continue
+        assert all(st.predicted["peak_bytes"] <= device_budget(p.cluster, budget)
+                   for st in p.pipeline.stages), f

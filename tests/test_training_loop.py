@@ -9,8 +9,8 @@ was ignored and an inference plan returned partial outputs; buffers were left ou
 checkpoints; another plan's optimizer state loaded; a wrongly shaped or missing tensor loaded
 and tied names were dropped; a non-elementwise optimizer stepped shards; a meta-device model
 failed with a real batch), DDP's no_sync, and resume through DCP onto the same and another
-mesh. Not covered, because not built: clipping across pipeline stages, frozen parameters in the
-plan's memory, per-shard dropout masks.
+mesh. Not covered, because not built: clipping across pipeline stages, per-shard dropout masks.
+Frozen parameters in the plan are tests/test_frozen.py's.
 
 Tolerances: fp32 on gloo sums in other orders than one device; losses and gradient norms agree
 to about 1e-7 relative, weights after 8 AdamW steps to about 1e-6 (1e-4 asserted, as the issue

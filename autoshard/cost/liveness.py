@@ -79,6 +79,8 @@ the collectives' own staging buffers.
 """
 from __future__ import annotations
 
+import dataclasses
+import operator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
@@ -213,6 +215,24 @@ def step_memory(traced: Any, strategies: dict[str, Strategy], pricer: Any, *,
     return walk.run()
 
 
+def stage_memory(traced: Any, strategies: dict[str, Strategy], pricer: Any,
+                 program: StepProgram, *, in_flight: int = 1) -> MemoryBreakdown:
+    """One pipeline stage's peak over its step (docs/cost-model.md §10.4): the walk of its
+    program (``program.stage`` set: cost/program.py ``stage_program``) for one microbatch, what
+    other stages make received before its forward and what it makes for them sent after, their
+    gradients back; with the activations the other ``in_flight - 1`` microbatches the schedule
+    keeps in flight (autoshard/schedules.py ``in_flight``) alive through its forward and
+    backward, each what one microbatch's forward leaves for its backward (a first walk's)."""
+    assert program.stage is not None, "a stage's program (stage_program)"
+    walk = _Walk(traced, strategies, pricer, program)
+    one = walk.run()
+    if in_flight <= 1:
+        return one
+    again = _Walk(traced, strategies, pricer, program)
+    again.others = (in_flight - 1) * walk.kept
+    return again.run()
+
+
 # ------------------------------------------------------------------------------------------------
 
 
@@ -265,6 +285,21 @@ class _Walk:
                     self.region_ops.setdefault(ev.region, set()).add(ev.name)
         self.buckets = program.buckets
         self.bucket_of = program.bucket_of
+        # A pipeline stage (cost/program.py stage_program): its ops, and the values it makes
+        # that later stages read (sent after its forward, their gradients received back).
+        self.stage = program.stage
+        self.sent: list[ValueRef] = []
+        if self.stage is not None:
+            seen: set[ValueRef] = set()
+            for n in self.graph.nodes:
+                if n.op == "call_function" and n.name not in self.stage \
+                        and n.target is not operator.getitem:
+                    for ref in value_inputs(n):
+                        if ref[0] in self.stage and ref not in seen:
+                            seen.add(ref)
+                            self.sent.append(ref)
+        self.others = 0        # other microbatches' activations alive meanwhile (stage_memory)
+        self.kept = 0          # activations one microbatch's forward leaves for its backward
         # Parameters kept on the host (offload_params), by every placeholder name they have.
         self.fetched = program.fetched
         # Where the copy the direct readers of such a parameter share is made: the checkpointed
@@ -349,12 +384,13 @@ class _Walk:
         self.state: dict[str, Any] = {}
         host = 0
         self.tensors: dict[Any, _Storage] = {}
-        # Model state, the step's inputs: alive throughout.
+        # Model state, the step's inputs: alive throughout (a stage's: those its ops read).
+        mine = self._stage_placeholders()
         for node in self.graph.nodes:
             if node.op != "placeholder":
                 continue
             ref = (node.name, 0)
-            if node.name in self.tied_to:
+            if node.name in self.tied_to or (mine is not None and node.name not in mine):
                 continue
             ph = self.traced.placeholder(node.name)
             strat = self.strategies.get(node.name)
@@ -386,12 +422,16 @@ class _Walk:
         mem.phase = "forward"
         self.held: dict[str, list[_Storage]] = {}        # backward node -> saved storages
         self.region_held: dict[str, list[_Storage]] = {}
+        others = mem.alloc(self.others, "activations")
+        start = mem.total
         loss = self._forward(self.events, recompute=False)
+        self.kept = mem.total - start
         if self.training:
             mem.phase = "backward"
             for s in loss:
                 mem.unref(s)
             self._backward()
+            mem.unref(others)
             mem.phase = "optimizer"
             self._optimizer()
         total, phase, at, live = mem.best
@@ -402,6 +442,20 @@ class _Walk:
                                phases={p: int(v) for p, v in mem.phases.items()},
                                state={k: int(sum(st[k] for st in self.state.values()))
                                       for k in ("parameters", "gradients", "optimizer", "host")})
+
+    def _stage_placeholders(self) -> set[str] | None:
+        """A stage's placeholders: those its events read (a tied name's first name too); None
+        for the whole step."""
+        if self.stage is None:
+            return None
+        out: set[str] = set()
+        for ev in self.events:
+            for key in self._event_reads(ev):
+                name = self.edges[key[1]].value[0] if key[0] == "edge" else key[1] \
+                    if key[0] == "fetch" else key[0]
+                if self.nodes[name].op == "placeholder":
+                    out |= {name, self.tied_to.get(name, name)}
+        return out
 
     def _state(self, name: str, strategy: Strategy) -> dict[str, float]:
         """One placeholder's parameters, gradients, optimizer and host bytes."""
@@ -434,10 +488,14 @@ class _Walk:
             for key in self._event_reads(ev):
                 uses[key] = uses.get(key, 0) + 1
         if not recompute:
-            out_node = next(n for n in self.graph.nodes if n.op == "output")
-            for k, ref in enumerate(node_reads(out_node)):
-                key = self._delivered(ref, (out_node.name, k))
+            for key in self._loss_keys():
                 uses[key] = uses.get(key, 0) + 1
+            for key in self.sent:          # a stage's values the next ones read: sent on
+                uses[key] = uses.get(key, 0) + 1
+            for key in [k for k in uses if self._received(k)]:
+                # A value another stage made, received before this stage's forward runs.
+                tensors[key] = mem.alloc(self._value_bytes(key), "activations")
+                self._born(key, uses)
         started: set[str] = set()
         for ev in events:
             region = ev.region
@@ -514,14 +572,29 @@ class _Walk:
                 self._use(key, uses)
         if recompute:
             return []
-        out_node = next(n for n in self.graph.nodes if n.op == "output")
+        for key in self.sent:
+            self._use(key, uses)
         loss = []
-        for k, ref in enumerate(node_reads(out_node)):
-            key = self._delivered(ref, (out_node.name, k))
+        for key in self._loss_keys():
             if key in tensors:
                 loss.append(mem.ref(tensors[key]))
                 self._use(key, uses)
         return loss
+
+    def _loss_keys(self) -> list[Any]:
+        """What the graph's output reads (the loss), where this program makes it."""
+        out_node = next(n for n in self.graph.nodes if n.op == "output")
+        return [self._delivered(ref, (out_node.name, k))
+                for k, ref in enumerate(node_reads(out_node)) if self._made_here(ref)]
+
+    def _made_here(self, ref: ValueRef) -> bool:
+        """Whether this program makes ``ref``: always, unless it is a pipeline stage's
+        (``StepProgram.stage``) and another stage's op makes it."""
+        return self.stage is None or ref[0] in self.stage or \
+            self.nodes[ref[0]].op != "call_function"
+
+    def _received(self, key: Any) -> bool:
+        return key[0] not in ("edge", "fetch") and not self._made_here(key)
 
     def _event_reads(self, ev: Event) -> list[Any]:
         if ev.kind == "reshard":
@@ -660,10 +733,12 @@ class _Walk:
         self.bucket_out: dict[int, _Storage] = {}
         self.bucket_held: dict[int, list[_Storage]] = {}
         # The loss's gradient: a scalar (ones_like), for the loss's producer.
-        out_node = next(n for n in self.graph.nodes if n.op == "output")
-        for k, ref in enumerate(node_reads(out_node)):
-            key = self._delivered(ref, (out_node.name, k))
+        for key in self._loss_keys():
             self.grad[key] = mem.alloc(4, "temporaries")
+        # A stage's sent values: their gradients come back from the next stage.
+        for key in self.sent:
+            if self._needs_grad(key):
+                self.grad[key] = mem.alloc(self._value_bytes(key), "temporaries")
         regions_done: set[str] = set()
         region_first: dict[str, int] = {}
         for i, ev in enumerate(self.events):

@@ -132,6 +132,7 @@ class StepProgram:
     optimizer: OptimizerStep = OptimizerStep("none", "fused")
     accumulation: int = 1
     held: Mapping[str, int] = field(default_factory=dict)     # parameter -> bytes
+    stage: frozenset[str] | None = None      # a pipeline stage's ops (stage_program); None: all
 
     def first_syncs(self) -> dict[str, ReshardEdge]:
         """Each bucketed parameter's gradient sync reshard (``first_grad_syncs``' result)."""
@@ -278,3 +279,42 @@ def node_reads(node: fx.Node) -> list[ValueRef]:
         return [value_ref(a) for a in pytree.tree_flatten(node.args)[0]
                 if isinstance(a, fx.Node)]
     return value_inputs(node)
+
+
+def stage_program(program: StepProgram, traced: Any, strategies: Mapping[str, Strategy],
+                  stage: frozenset[str], mesh_shape: tuple[int, ...], *,
+                  bucket_bytes: float) -> StepProgram:
+    """The part of ``program`` one pipeline stage runs (docs/cost-model.md §10.4): the events
+    of its ops ``stage`` (node names; a reshard where any of its consumers is one of them), the
+    gradient buckets of the parameters its ops read (the stage's own, as the pipelined plan
+    forms them), their optimizer records and held gradients. ``stage`` is recorded on the
+    result: the liveness walk receives what other stages make and sends back its gradient."""
+    graph = traced.graph
+    out = next(n.name for n in graph.nodes if n.op == "output")
+
+    def runs_here(e: ReshardEdge) -> bool:      # the loss's reshard runs where the loss is made
+        return any(c in stage or (c == out and e.value[0] in stage) for c, _ in e.consumers)
+    events = tuple(ev for ev in program.events
+                   if (ev.name in stage if ev.kind == "op" else runs_here(program.edges[ev.edge])))
+    params = {p.name for p in traced.params}
+    reads = {ref[0] for n in graph.nodes if n.name in stage for ref in value_inputs(n)} & params
+    edges = [e for e in program.edges if e.value[0] in reads and runs_here(e)]
+    index = {id(e): i for i, e in enumerate(program.edges)}
+    bucketed = {p: index[id(e)] for p, e in first_grad_syncs(edges).items()} \
+        if traced.training else {}
+    nodes = [n for n in graph.nodes if n.name in strategies]
+    modes = {n: strategies[n].kernel for n in params if n in strategies}
+    buckets = tuple(gradient_buckets(edges, nodes, bucket_bytes, modes, tuple(mesh_shape))) \
+        if traced.training else ()
+    fqn = {p.name: p.fqn for p in traced.params}
+    held_fqns = {fqn[p] for p in reads}
+    opt = program.optimizer
+    return StepProgram(
+        events=events, edges=program.edges, buckets=buckets, bucketed=bucketed,
+        fetched=program.fetched & reads, edge_of=program.edge_of,
+        bucket_of={m: k for k, b in enumerate(buckets) for m in b.members},
+        optimizer=OptimizerStep(opt.optimizer, opt.update,
+                                tuple(u for u in opt.params if fqn[u.name] in held_fqns)),
+        accumulation=program.accumulation,
+        held={p: b for p, b in program.held.items() if fqn[p] in held_fqns},
+        stage=frozenset(stage))
