@@ -138,14 +138,14 @@ class _Storage:
 
 
 class _Memory:
-    """Live bytes by category, with the peak of each phase and the split at the overall peak."""
+    """Live bytes by category, with the peak of each phase and the split at it."""
 
     def __init__(self) -> None:
         self.live = dict.fromkeys(CATEGORIES, 0)
         self.total = 0
         self.phase = "forward"
-        self.best: tuple[int, str, str, dict[str, int]] = (-1, "forward", "", {})
-        self.phases: dict[str, int] = {}
+        # Per phase, in the order they run: its peak, where, and the split then.
+        self.best: dict[str, tuple[int, str, dict[str, int]]] = {}
         self.log: list[tuple[str, str, int]] | None = None     # (phase, at, bytes) per moment
 
     def alloc(self, nbytes: int, cat: str, refs: int = 1) -> _Storage:
@@ -185,12 +185,10 @@ class _Memory:
         total = self.total + extra
         if self.log is not None:
             self.log.append((self.phase, at, total))
-        if total > self.phases.get(self.phase, -1):
-            self.phases[self.phase] = total
-        if total > self.best[0]:
+        if total > self.best.get(self.phase, (-1,))[0]:
             live = dict(self.live)
             live[extra_cat] += extra
-            self.best = (total, self.phase, at, live)
+            self.best[self.phase] = (total, at, live)
 
 
 def step_memory(traced: Any, strategies: dict[str, Strategy], pricer: Any, *,
@@ -222,15 +220,11 @@ def stage_memory(traced: Any, strategies: dict[str, Strategy], pricer: Any,
     other stages make received before its forward and what it makes for them sent after, their
     gradients back; with the activations the other ``in_flight - 1`` microbatches the schedule
     keeps in flight (autoshard/schedules.py ``in_flight``) alive through its forward and
-    backward, each what one microbatch's forward leaves for its backward (a first walk's)."""
+    backward, each what one microbatch's forward leaves for its backward (the walk's)."""
     assert program.stage is not None, "a stage's program (stage_program)"
     walk = _Walk(traced, strategies, pricer, program)
-    one = walk.run()
-    if in_flight <= 1:
-        return one
-    again = _Walk(traced, strategies, pricer, program)
-    again.others = (in_flight - 1) * walk.kept
-    return again.run()
+    walk.in_flight = max(1, int(in_flight))
+    return walk.run()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -298,8 +292,7 @@ class _Walk:
                         if ref[0] in self.stage and ref not in seen:
                             seen.add(ref)
                             self.sent.append(ref)
-        self.others = 0        # other microbatches' activations alive meanwhile (stage_memory)
-        self.kept = 0          # activations one microbatch's forward leaves for its backward
+        self.in_flight = 1     # a stage's microbatches whose activations are alive at once
         # Parameters kept on the host (offload_params), by every placeholder name they have.
         self.fetched = program.fetched
         # Where the copy the direct readers of such a parameter share is made: the checkpointed
@@ -422,24 +415,33 @@ class _Walk:
         mem.phase = "forward"
         self.held: dict[str, list[_Storage]] = {}        # backward node -> saved storages
         self.region_held: dict[str, list[_Storage]] = {}
-        others = mem.alloc(self.others, "activations")
         start = mem.total
         loss = self._forward(self.events, recompute=False)
-        self.kept = mem.total - start
+        kept = mem.total - start
         if self.training:
             mem.phase = "backward"
             for s in loss:
                 mem.unref(s)
             self._backward()
-            mem.unref(others)
             mem.phase = "optimizer"
             self._optimizer()
-        total, phase, at, live = mem.best
+        # A pipeline stage's other microbatches in flight (stage_memory): what each one's
+        # forward leaves for its backward is alive through this one's forward and backward.
+        others = (self.in_flight - 1) * kept
+        phases: dict[str, int] = {}
+        best: tuple[int, str, str, dict[str, int]] = (-1, "forward", "", {})
+        for ph, (total, at, live) in mem.best.items():
+            if ph != "optimizer" and others:
+                total, live = total + others, {**live, "activations": live["activations"] + others}
+            phases[ph] = int(total)
+            if total > best[0]:        # the first of equal peaks, as the walk met them
+                best = (total, ph, at, live)
+        total, phase, at, live = best
         return MemoryBreakdown(peak=int(total), phase=phase, at=at,
                                parameters=live["parameters"], gradients=live["gradients"],
                                optimizer=live["optimizer"], activations=live["activations"],
                                temporaries=live["temporaries"], host=host,
-                               phases={p: int(v) for p, v in mem.phases.items()},
+                               phases=phases,
                                state={k: int(sum(st[k] for st in self.state.values()))
                                       for k in ("parameters", "gradients", "optimizer", "host")})
 
