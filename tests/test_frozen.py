@@ -132,10 +132,15 @@ def _fine_tune(plan_json: str, steps: int) -> dict:
 
 
 @pytest.mark.slow
-def test_frozen_backbone_fine_tuning_equals_one_device(world2, traced):
+@pytest.mark.parametrize("kw", [{}, {"zero": "zero2", "bucket_mb": 0.001},
+                                {"offload": "optimizer"}], ids=["plain", "zero2", "offload"])
+def test_frozen_backbone_fine_tuning_equals_one_device(world2, traced, kw):
     """Numerical, on gloo: three fine-tuning steps equal one device's, the frozen weights stay
-    exactly as they were, the trainable ones move, and the collectives run are the ledger's."""
-    out = world2.run(_fine_tune, _plan(traced).dumps(), 3)
+    exactly as they were, the trainable ones move, and the collectives run are the ledger's;
+    with the trainable state plain, sharded (ZeRO-2) or on the host."""
+    plan = plan_traced(traced, Mesh((2,), cluster=CLUSTER), recompute="none",
+                       **{"zero": "none", "offload": "none", **kw})
+    out = world2.run(_fine_tune, plan.dumps(), 3)
     for r in out:
         assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], r["ref"])) <= TOL, r
         assert r["err"] <= TOL, r
