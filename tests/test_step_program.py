@@ -22,6 +22,7 @@ from autoshard.solver.planner import assemble, plan_traced
 from autoshard.trace.batches import Traces
 from autoshard.trace.export import trace
 from autoshard.zoo.registry import get_model
+from dist import world_fixture
 
 CLUSTER = str(Path(__file__).parent / "data" / "compute_bound.json")
 
@@ -269,3 +270,54 @@ def test_pipelined_plans_hold_their_stages_walked_peaks_to_the_budget(gpt2_pp):
             continue
         assert all(st.predicted["peak_bytes"] <= device_budget(p.cluster, budget)
                    for st in p.pipeline.stages), f
+
+
+# -- accumulation at run time: what the plan counts once runs once ------------------------------
+
+world2 = world_fixture(2, timeout_s=600)
+
+
+def _accumulate(plan_json: str) -> tuple[list, list]:
+    """On one rank: one optimizer step of the plan's micro-steps, all but the last under
+    ``pm.no_sync()``; the collectives it ran and those the ledger lists for one micro-step."""
+    import torch
+
+    from autoshard.codegen.runtime import parallelize
+    from autoshard.verify import build
+    plan = Plan.loads(plan_json)
+    model, inputs = build("gpt2-tiny", None, None, 0)
+    pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan,
+                     example_inputs=inputs)
+    opt = pm.optimizer(torch.optim.AdamW, lr=1e-3)
+    local = pm.shard_inputs(*inputs)
+    n = plan.options.accumulation_steps
+    ran = []
+
+    def seen():       # each forward starts the ledger anew: keep what each micro-step ran
+        ran.extend((r.kind, r.axes, r.nbytes, r.phase, r.node) for r in pm.ledger)
+    with pm.no_sync():
+        for _ in range(n - 1):
+            pm.step(*local)
+            seen()
+    pm.step(*local)
+    opt.step()
+    seen()
+    ran.sort()
+    listed = [(c.kind, c.axes, c.bytes, c.phase, c.node) for c in plan.collectives]
+    return ran, listed
+
+
+@pytest.mark.slow
+def test_an_accumulating_step_syncs_and_updates_once(world2):
+    """A plan of N = 3 micro-steps (§7.2): the runtime runs every forward and backward
+    collective of the ledger N times, each gradient bucket and optimizer gather once."""
+    from autoshard.verify import build
+    n = 3
+    plan = plan_traced(trace(*build("gpt2-tiny", None, None, 0)), Mesh((2,), cluster=CLUSTER),
+                       accumulation_steps=n,
+                       zero="zero2", offload="none", recompute="none", bucket_mb=0.05)
+    ran, listed = world2.run(_accumulate, plan.dumps())[0]
+    once = [c for c in listed if c[3] in ("grad_sync", "optimizer")]
+    assert once and any(c[3] == "grad_sync" for c in once)
+    every = [c for c in listed if c[3] not in ("grad_sync", "optimizer")]
+    assert ran == sorted(once + every * n)
