@@ -193,6 +193,15 @@ class PlanOptions:
             raise AutoshardError("PlanOptions.compile is True or False", got=repr(self.compile),
                                  fix="pass compile=True to run (and price) the rank program "
                                      "compiled by inductor")
+        self._check_accumulation()
+        r = self.stage_run
+        if r is not None and not (isinstance(r, (tuple, list)) and len(r) == 2
+                                  and _positive(r[0]) and _positive(r[1])):
+            raise AutoshardError("PlanOptions.stage_run is None or (microbatches, activation "
+                                 "copies), set by the pipeline planner", got=repr(r),
+                                 fix="leave it None")
+
+    def _check_accumulation(self) -> None:
         n = self.accumulation_steps
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise AutoshardError("PlanOptions.accumulation_steps is a positive integer (micro-steps "
@@ -208,12 +217,6 @@ class PlanOptions:
                                  got=f"accumulation_steps={n}, pipeline={self.pipeline!r}",
                                  fix=f"pass microbatches={n} times the microbatches you had, "
                                      "or plan without a pipeline")
-        r = self.stage_run
-        if r is not None and not (isinstance(r, (tuple, list)) and len(r) == 2
-                                  and _positive(r[0]) and _positive(r[1])):
-            raise AutoshardError("PlanOptions.stage_run is None or (microbatches, activation "
-                                 "copies), set by the pipeline planner", got=repr(r),
-                                 fix="leave it None")
 
     @property
     def bucket_bytes(self) -> float:

@@ -490,14 +490,7 @@ class _Walk:
             for key in self._event_reads(ev):
                 uses[key] = uses.get(key, 0) + 1
         if not recompute:
-            for key in self._loss_keys():
-                uses[key] = uses.get(key, 0) + 1
-            for key in self.sent:          # a stage's values the next ones read: sent on
-                uses[key] = uses.get(key, 0) + 1
-            for key in [k for k in uses if self._received(k)]:
-                # A value another stage made, received before this stage's forward runs.
-                tensors[key] = mem.alloc(self._value_bytes(key), "activations")
-                self._born(key, uses)
+            self._ends(uses)
         started: set[str] = set()
         for ev in events:
             region = ev.region
@@ -582,6 +575,16 @@ class _Walk:
                 loss.append(mem.ref(tensors[key]))
                 self._use(key, uses)
         return loss
+
+    def _ends(self, uses: dict[Any, int]) -> None:
+        """The program's ends in forward: the loss and, on a pipeline stage, the values sent
+        on to the next stages are read once more at its end; the values received from earlier
+        stages are there before its first op."""
+        for key in [*self._loss_keys(), *self.sent]:
+            uses[key] = uses.get(key, 0) + 1
+        for key in [k for k in uses if self._received(k)]:
+            self.tensors[key] = self.mem.alloc(self._value_bytes(key), "activations")
+            self._born(key, uses)
 
     def _loss_keys(self) -> list[Any]:
         """What the graph's output reads (the loss), where this program makes it."""
