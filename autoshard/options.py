@@ -97,6 +97,12 @@ class PlanOptions:
       share (solver/pipeline.py), None otherwise: ``(m, k)``, the graph is one of ``m``
       microbatches (it bears 1/m of the once-per-step gradient sync and optimizer step) and
       ``k`` microbatches' activations are alive at once on the fullest stage (cost/price.py).
+    - ``accumulation_steps``: micro-steps per optimizer step (gradient accumulation: each
+      micro-step runs forward and backward on one batch as planned, under ``pm.no_sync()`` but
+      the last; then one gradient sync and one optimizer step). The plan's step figures are
+      the optimizer step's: forward and backward N times, the gradient sync and the optimizer
+      step once, the gradients held across micro-steps (docs/cost-model.md §7.2). 1: none.
+      A pipeline accumulates over its microbatches instead (``microbatches``).
     - ``compile``: the rank program runs compiled by inductor (codegen/compile.py) and is priced
       so: fused kernels, no host dispatch per op; False: eager, each op paying the host's
       dispatch where it exceeds the device's time (docs/cost-model.md §3.10). Off by default:
@@ -119,6 +125,7 @@ class PlanOptions:
     microbatches: int | str = "auto"
     stage_run: tuple[int, float] | None = None
     compile: bool = False
+    accumulation_steps: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.training, bool):
@@ -188,12 +195,30 @@ class PlanOptions:
             raise AutoshardError("PlanOptions.compile is True or False", got=repr(self.compile),
                                  fix="pass compile=True to run (and price) the rank program "
                                      "compiled by inductor")
+        self._check_accumulation()
         r = self.stage_run
         if r is not None and not (isinstance(r, (tuple, list)) and len(r) == 2
                                   and _positive(r[0]) and _positive(r[1])):
             raise AutoshardError("PlanOptions.stage_run is None or (microbatches, activation "
                                  "copies), set by the pipeline planner", got=repr(r),
                                  fix="leave it None")
+
+    def _check_accumulation(self) -> None:
+        n = self.accumulation_steps
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise AutoshardError("PlanOptions.accumulation_steps is a positive integer (micro-steps "
+                                 "per optimizer step)", got=repr(n),
+                                 fix="e.g. accumulation_steps=4, or 1 for none")
+        if n > 1 and not self.training:
+            raise AutoshardError("gradient accumulation (accumulation_steps > 1) in a training "
+                                 "plan", got=f"accumulation_steps={n} with training=False",
+                                 fix="pass accumulation_steps=1 for a forward-only plan")
+        if n > 1 and self.pipeline is not None:
+            raise AutoshardError("accumulation_steps=1 on a pipeline (its schedule accumulates "
+                                 "the microbatches of a step)",
+                                 got=f"accumulation_steps={n}, pipeline={self.pipeline!r}",
+                                 fix=f"pass microbatches={n} times the microbatches you had, "
+                                     "or plan without a pipeline")
 
     @property
     def bucket_bytes(self) -> float:
@@ -223,6 +248,8 @@ class PlanOptions:
             del out["context_parallel"]
         if not out["compile"]:            # eager: plan files as before the option existed
             del out["compile"]
+        if out["accumulation_steps"] == 1:     # the same
+            del out["accumulation_steps"]
         return out
 
     @classmethod

@@ -428,7 +428,7 @@ def test_pipelined_plan_round_trips_through_json(gpt2_pp) -> None:
     d = json.loads(gpt2_pp.dumps())
     assert set(d["pipeline"]) == {"axis", "schedule", "microbatches", "virtual_stages", "stages"}
     assert set(d["pipeline"]["stages"][0]["predicted"]) == {"compute_s", "comm_s",
-                                                           "ilp_memory_bytes"}
+                                                           "ilp_memory_bytes", "peak_bytes"}
     assert "pipeline over pp: 1F1B, 8 microbatches, 4 stages on 4 ranks" in gpt2_pp.summary()
 
 

@@ -11,8 +11,7 @@ checkpoints; another plan's optimizer state loaded; a wrongly shaped or missing 
 and tied names were dropped; a non-elementwise optimizer stepped shards; a meta-device model
 failed with a real batch), DDP's no_sync, and resume through DCP onto the same and another
 mesh; clipping across pipeline stages; pm.eval()/pm.train() as model.eval()/model.train()
-(dropout, batch norm) under DP, TP and ZeRO; a dropout mask per shard. Not covered, because not
-built: frozen parameters in the plan's memory.
+(dropout, batch norm) under DP, TP and ZeRO; a dropout mask per shard. Frozen parameters in the plan are tests/test_frozen.py's.
 
 Tolerances: fp32 on gloo sums in other orders than one device; losses and gradient norms agree
 to about 1e-7 relative, weights after 8 AdamW steps to about 1e-6 (1e-4 asserted, as the issue

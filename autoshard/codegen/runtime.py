@@ -351,7 +351,8 @@ class ParallelModule(torch.nn.Module):
     def no_sync(self) -> Iterator[None]:
         """DDP's ``no_sync``: the backward passes run inside hold each bucketed gradient on this
         rank instead of syncing it; the first backward after it syncs the sum, once per bucket.
-        (The plan prices one micro-batch's step: accumulation is not priced.) Gradients the plan syncs inside the
+        (A plan with ``accumulation_steps=N`` prices N such micro-steps per optimizer step,
+        docs/cost-model.md §7.2; by default one.) Gradients the plan syncs inside the
         program (tensor parallel reductions) are synced as the step runs. Step the optimizer
         after a backward outside it: ``pm.optimizer`` refuses to step while gradients are held.
         On a pipeline the schedule's microbatches already accumulate without a sync: use more

@@ -30,15 +30,19 @@ are alive:
   as any reshard's); the ops that read it where it lies share one copy, made at the first of
   them and freed after the last, unless one keeps it for backward. Its gradient leaves the
   device as soon as it lands (or, bucketed, once its bucket is done).
-- **optimizer step**: parameters, gradients and optimizer state, the fp32 copies of 16-bit
-  gradients for their masters, plus the update's temporaries: none for the fused kernel
-  ``pm.optimizer`` steps with by default (codegen/optim.py); ``torch.optim.AdamW``'s
-  single-tensor loop keeps two moment-sized temporaries of a parameter and one of the previous,
-  its foreach update one moment-sized copy of every parameter's at once.
+- **optimizer step**: parameters, gradients and optimizer state, plus the moments the step
+  program's optimizer records list (cost/program.py ``OptimizerStep.moments``: the fp32
+  copies of 16-bit gradients for their masters, the update's temporaries by implementation,
+  each ZeRO or offload gather back into the parameter's layout); nothing about the optimizer
+  step is derived here.
+- **gradient accumulation** (``PlanOptions.accumulation_steps`` > 1): the walk is the last
+  micro-step, which starts with every gradient the earlier ones accumulated (the step
+  program's ``held``); a bucketed gradient is added to its held copy and handed to its
+  bucket, any other lands on the ``.grad`` it holds (docs/cost-model.md §7.2).
 
 Interface (one function)::
 
-    step_memory(traced, strategies, pricer, *, update="fused", program=None,
+    step_memory(traced, strategies, pricer, *, update=None, program=None,
                 log=None) -> MemoryBreakdown
 
 ``traced``: the :class:`~autoshard.trace.export.TracedGraph` of a training step; ``strategies``:
@@ -46,7 +50,8 @@ node name -> :class:`~autoshard.ir.Strategy` for every placeholder and op (``Pla
 or the planner's assignment, as ``solver.planner.assemble`` has it); ``pricer``: the
 :class:`~autoshard.cost.price.Pricer` the plan is priced with (its mesh, options, checkpointed
 layers, ``state_bytes``). ``update``: the optimizer's implementation, "fused" (what
-``pm.optimizer`` runs unless told otherwise), "foreach" or "loop".
+``pm.optimizer`` runs unless told otherwise), "foreach" or "loop" (None: the program's, else
+"fused").
 ``program``: the assignment's step program (cost/program.py: its events in the order the rank
 runs them, its reshards, buckets and host-kept parameters), which the walk reads instead of
 deriving any of them; built from ``pricer`` when not given.
@@ -74,6 +79,8 @@ the collectives' own staging buffers.
 """
 from __future__ import annotations
 
+import dataclasses
+import operator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
@@ -83,7 +90,7 @@ import torch.fx as fx
 from autoshard.cost.comm import Reshard
 from autoshard.cost.compute import local_numel, op_profile
 from autoshard.cost.memory import param_state_bytes, saved_rule
-from autoshard.cost.program import Event, StepProgram, node_reads, step_program
+from autoshard.cost.program import UPDATES, Event, StepProgram, node_reads, program_for
 from autoshard.errors import AutoshardError
 from autoshard.ir import Strategy, shard_factor
 from autoshard.ops.registry import PASSES, VIEW, WIDENS, record_of
@@ -92,7 +99,6 @@ from autoshard.trace.graph import ValueRef, value_inputs, value_ref
 aten = torch.ops.aten
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
-UPDATES = ("fused", "foreach", "loop")      # how the optimizer step runs (step_memory)
 
 
 @dataclass(frozen=True)
@@ -132,14 +138,14 @@ class _Storage:
 
 
 class _Memory:
-    """Live bytes by category, with the peak of each phase and the split at the overall peak."""
+    """Live bytes by category, with the peak of each phase and the split at it."""
 
     def __init__(self) -> None:
         self.live = dict.fromkeys(CATEGORIES, 0)
         self.total = 0
         self.phase = "forward"
-        self.best: tuple[int, str, str, dict[str, int]] = (-1, "forward", "", {})
-        self.phases: dict[str, int] = {}
+        # Per phase, in the order they run: its peak, where, and the split then.
+        self.best: dict[str, tuple[int, str, dict[str, int]]] = {}
         self.log: list[tuple[str, str, int]] | None = None     # (phase, at, bytes) per moment
 
     def alloc(self, nbytes: int, cat: str, refs: int = 1) -> _Storage:
@@ -179,43 +185,46 @@ class _Memory:
         total = self.total + extra
         if self.log is not None:
             self.log.append((self.phase, at, total))
-        if total > self.phases.get(self.phase, -1):
-            self.phases[self.phase] = total
-        if total > self.best[0]:
+        if total > self.best.get(self.phase, (-1,))[0]:
             live = dict(self.live)
             live[extra_cat] += extra
-            self.best = (total, self.phase, at, live)
+            self.best[self.phase] = (total, at, live)
 
 
 def step_memory(traced: Any, strategies: dict[str, Strategy], pricer: Any, *,
-                update: str = "fused", program: StepProgram | None = None,
+                update: str | None = None, program: StepProgram | None = None,
                 log: list[tuple[str, str, int]] | None = None) -> MemoryBreakdown:
     """Peak bytes one device holds over a training step (forward, backward, optimizer step) of
     ``traced`` under ``strategies``, priced with ``pricer``; see the module docstring.
 
     ``update``: the optimizer's implementation, "fused" (no temporaries; ``pm.optimizer``'s
-    default), "foreach" or "loop" (torch's others).
+    default), "foreach" or "loop" (torch's others); None: the program's.
     ``program``: the step program of this assignment (cost/program.py), if at hand; else built.
     ``log``: a list to append every moment the walk checks, as (phase, node, bytes)."""
-    if program is None:
-        program = program_of(traced, strategies, pricer)
-    if update not in UPDATES:
+    if update is not None and update not in UPDATES:
         raise AutoshardError(f"an optimizer update among {UPDATES}", got=repr(update),
                              fix='pass update="fused" (pm.optimizer\'s default)')
-    walk = _Walk(traced, strategies, pricer, update, program)
+    if program is None or (update is not None and program.optimizer.update != update):
+        program = program_for(traced, strategies, pricer, update or "fused")
+    assert not traced.training or program.optimizer.optimizer == \
+        pricer.options.state_optimizer, "a step program built without its optimizer step"
+    walk = _Walk(traced, strategies, pricer, program)
     walk.mem.log = log
     return walk.run()
 
 
-def program_of(traced: Any, strategies: dict[str, Strategy], pricer: Any) -> StepProgram:
-    """The step program of an assignment priced with ``pricer`` (its mesh, options,
-    checkpointed layers and joint axes)."""
-    recompute = getattr(pricer, "recompute", None) or {}
-    if not isinstance(recompute, dict):
-        recompute = dict.fromkeys(recompute, "full")
-    return step_program(traced, strategies, tuple(pricer.mesh.shape),
-                        bucket_bytes=pricer.options.bucket_bytes, recompute=recompute,
-                        joint=getattr(pricer, "joint", ()), shapes=pricer.shapes)
+def stage_memory(traced: Any, strategies: dict[str, Strategy], pricer: Any,
+                 program: StepProgram, *, in_flight: int = 1) -> MemoryBreakdown:
+    """One pipeline stage's peak over its step (docs/cost-model.md §10.4): the walk of its
+    program (``program.stage`` set: cost/program.py ``stage_program``) for one microbatch, what
+    other stages make received before its forward and what it makes for them sent after, their
+    gradients back; with the activations the other ``in_flight - 1`` microbatches the schedule
+    keeps in flight (autoshard/schedules.py ``in_flight``) alive through its forward and
+    backward, each what one microbatch's forward leaves for its backward (the walk's)."""
+    assert program.stage is not None, "a stage's program (stage_program)"
+    walk = _Walk(traced, strategies, pricer, program)
+    walk.in_flight = max(1, int(in_flight))
+    return walk.run()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -237,9 +246,8 @@ def _storage_key(t: Any) -> int | None:
 
 class _Walk:
     def __init__(self, traced: Any, strategies: dict[str, Strategy], pricer: Any,
-                 update: str, program: StepProgram) -> None:
+                 program: StepProgram) -> None:
         self.traced, self.strategies, self.pricer = traced, strategies, pricer
-        self.update = update
         self.graph: fx.Graph = traced.graph
         self.mesh_shape = tuple(pricer.mesh.shape)
         self.training = bool(traced.training)
@@ -271,6 +279,20 @@ class _Walk:
                     self.region_ops.setdefault(ev.region, set()).add(ev.name)
         self.buckets = program.buckets
         self.bucket_of = program.bucket_of
+        # A pipeline stage (cost/program.py stage_program): its ops, and the values it makes
+        # that later stages read (sent after its forward, their gradients received back).
+        self.stage = program.stage
+        self.sent: list[ValueRef] = []
+        if self.stage is not None:
+            seen: set[ValueRef] = set()
+            for n in self.graph.nodes:
+                if n.op == "call_function" and n.name not in self.stage \
+                        and n.target is not operator.getitem:
+                    for ref in value_inputs(n):
+                        if ref[0] in self.stage and ref not in seen:
+                            seen.add(ref)
+                            self.sent.append(ref)
+        self.in_flight = 1     # a stage's microbatches whose activations are alive at once
         # Parameters kept on the host (offload_params), by every placeholder name they have.
         self.fetched = program.fetched
         # Where the copy the direct readers of such a parameter share is made: the checkpointed
@@ -355,12 +377,13 @@ class _Walk:
         self.state: dict[str, Any] = {}
         host = 0
         self.tensors: dict[Any, _Storage] = {}
-        # Model state, the step's inputs: alive throughout.
+        # Model state, the step's inputs: alive throughout (a stage's: those its ops read).
+        mine = self._stage_placeholders()
         for node in self.graph.nodes:
             if node.op != "placeholder":
                 continue
             ref = (node.name, 0)
-            if node.name in self.tied_to:
+            if node.name in self.tied_to or (mine is not None and node.name not in mine):
                 continue
             ph = self.traced.placeholder(node.name)
             strat = self.strategies.get(node.name)
@@ -380,11 +403,21 @@ class _Walk:
                 self.tensors[(name, 0)] = self.tensors[(first, 0)]
         self.pinned = set(self.tensors)
         self.p_grad: dict[str, _Storage] = {}
+        # Gradient accumulation: what the earlier micro-steps left, alive from the start.
+        self.held_grad: dict[str, _Storage] = {}
+        for name, nbytes in self.program.held.items():
+            held = self.mem.alloc(nbytes, "gradients")
+            if name in self.program.bucketed:
+                self.held_grad[name] = held         # the bucket's held copy (no_sync)
+            else:
+                self.p_grad[name] = held            # .grad
 
         mem.phase = "forward"
         self.held: dict[str, list[_Storage]] = {}        # backward node -> saved storages
         self.region_held: dict[str, list[_Storage]] = {}
+        start = mem.total
         loss = self._forward(self.events, recompute=False)
+        kept = mem.total - start
         if self.training:
             mem.phase = "backward"
             for s in loss:
@@ -392,14 +425,39 @@ class _Walk:
             self._backward()
             mem.phase = "optimizer"
             self._optimizer()
-        total, phase, at, live = mem.best
+        # A pipeline stage's other microbatches in flight (stage_memory): what each one's
+        # forward leaves for its backward is alive through this one's forward and backward.
+        others = (self.in_flight - 1) * kept
+        phases: dict[str, int] = {}
+        best: tuple[int, str, str, dict[str, int]] = (-1, "forward", "", {})
+        for ph, (total, at, live) in mem.best.items():
+            if ph != "optimizer" and others:
+                total, live = total + others, {**live, "activations": live["activations"] + others}
+            phases[ph] = int(total)
+            if total > best[0]:        # the first of equal peaks, as the walk met them
+                best = (total, ph, at, live)
+        total, phase, at, live = best
         return MemoryBreakdown(peak=int(total), phase=phase, at=at,
                                parameters=live["parameters"], gradients=live["gradients"],
                                optimizer=live["optimizer"], activations=live["activations"],
                                temporaries=live["temporaries"], host=host,
-                               phases={p: int(v) for p, v in mem.phases.items()},
+                               phases=phases,
                                state={k: int(sum(st[k] for st in self.state.values()))
                                       for k in ("parameters", "gradients", "optimizer", "host")})
+
+    def _stage_placeholders(self) -> set[str] | None:
+        """A stage's placeholders: those its events read (a tied name's first name too); None
+        for the whole step."""
+        if self.stage is None:
+            return None
+        out: set[str] = set()
+        for ev in self.events:
+            for key in self._event_reads(ev):
+                name = self.edges[key[1]].value[0] if key[0] == "edge" else key[1] \
+                    if key[0] == "fetch" else key[0]
+                if self.nodes[name].op == "placeholder":
+                    out |= {name, self.tied_to.get(name, name)}
+        return out
 
     def _state(self, name: str, strategy: Strategy) -> dict[str, float]:
         """One placeholder's parameters, gradients, optimizer and host bytes."""
@@ -432,10 +490,7 @@ class _Walk:
             for key in self._event_reads(ev):
                 uses[key] = uses.get(key, 0) + 1
         if not recompute:
-            out_node = next(n for n in self.graph.nodes if n.op == "output")
-            for k, ref in enumerate(node_reads(out_node)):
-                key = self._delivered(ref, (out_node.name, k))
-                uses[key] = uses.get(key, 0) + 1
+            self._ends(uses)
         started: set[str] = set()
         for ev in events:
             region = ev.region
@@ -512,14 +567,39 @@ class _Walk:
                 self._use(key, uses)
         if recompute:
             return []
-        out_node = next(n for n in self.graph.nodes if n.op == "output")
+        for key in self.sent:
+            self._use(key, uses)
         loss = []
-        for k, ref in enumerate(node_reads(out_node)):
-            key = self._delivered(ref, (out_node.name, k))
+        for key in self._loss_keys():
             if key in tensors:
                 loss.append(mem.ref(tensors[key]))
                 self._use(key, uses)
         return loss
+
+    def _ends(self, uses: dict[Any, int]) -> None:
+        """The program's ends in forward: the loss and, on a pipeline stage, the values sent
+        on to the next stages are read once more at its end; the values received from earlier
+        stages are there before its first op."""
+        for key in [*self._loss_keys(), *self.sent]:
+            uses[key] = uses.get(key, 0) + 1
+        for key in [k for k in uses if self._received(k)]:
+            self.tensors[key] = self.mem.alloc(self._value_bytes(key), "activations")
+            self._born(key, uses)
+
+    def _loss_keys(self) -> list[Any]:
+        """What the graph's output reads (the loss), where this program makes it."""
+        out_node = next(n for n in self.graph.nodes if n.op == "output")
+        return [self._delivered(ref, (out_node.name, k))
+                for k, ref in enumerate(node_reads(out_node)) if self._made_here(ref)]
+
+    def _made_here(self, ref: ValueRef) -> bool:
+        """Whether this program makes ``ref``: always, unless it is a pipeline stage's
+        (``StepProgram.stage``) and another stage's op makes it."""
+        return self.stage is None or ref[0] in self.stage or \
+            self.nodes[ref[0]].op != "call_function"
+
+    def _received(self, key: Any) -> bool:
+        return key[0] not in ("edge", "fetch") and not self._made_here(key)
 
     def _event_reads(self, ev: Event) -> list[Any]:
         if ev.kind == "reshard":
@@ -658,10 +738,12 @@ class _Walk:
         self.bucket_out: dict[int, _Storage] = {}
         self.bucket_held: dict[int, list[_Storage]] = {}
         # The loss's gradient: a scalar (ones_like), for the loss's producer.
-        out_node = next(n for n in self.graph.nodes if n.op == "output")
-        for k, ref in enumerate(node_reads(out_node)):
-            key = self._delivered(ref, (out_node.name, k))
+        for key in self._loss_keys():
             self.grad[key] = mem.alloc(4, "temporaries")
+        # A stage's sent values: their gradients come back from the next stage.
+        for key in self.sent:
+            if self._needs_grad(key):
+                self.grad[key] = mem.alloc(self._value_bytes(key), "temporaries")
         regions_done: set[str] = set()
         region_first: dict[str, int] = {}
         for i, ev in enumerate(self.events):
@@ -913,6 +995,10 @@ class _Walk:
             return
         param = self.tied_to.get(e.value[0], e.value[0])
         if self.program.bucketed.get(param) == ev.edge and param in self.bucket_of:
+            if param in self.held_grad:       # added in place to the held sum, which goes on
+                mem.mark(ev.name)
+                mem.unref(g)
+                g = self.held_grad.pop(param)
             self._arrive(self.bucket_of[param], g, ev.name)
             return
         if not e.reshard.backward:
@@ -980,51 +1066,7 @@ class _Walk:
 
     # -- optimizer step ---------------------------------------------------------------------
     def _optimizer(self) -> None:
-        """Parameters, gradients and optimizer state, plus the update's temporaries."""
-        mem = self.mem
-        mem.mark("optimizer step")
-        if self.pricer.options.state_optimizer not in ("adam", "adamw"):
-            return
-        moments, grads32 = [], 0
-        for name in (p.name for p in self.traced.params):
-            st = self.state.get(name)
-            if not st or not st["optimizer"]:
-                continue
-            ph = self.traced.placeholder(name)
-            # fp32 moments (momentum, variance), and a master copy of a 16-bit parameter or of
-            # a ZeRO-1/2 shard: the optimizer bytes are two or three moment-sized tensors.
-            three = ph.info.dtype.itemsize < 4 or self.strategies[name].kernel is not None
-            m = int(st["optimizer"] / (3 if three else 2))
-            moments.append((name, m))
-            # A 16-bit parameter's gradient is cast to its fp32 master's for the whole step
-            # (codegen/optim.py casts them all before the update): one more moment-sized tensor.
-            if ph.info.dtype.itemsize < 4:
-                grads32 += m
-        if self.update == "foreach":
-            mem.mark("optimizer step", extra=grads32 + sum(m for _, m in moments))
-        elif self.update == "loop":
-            prev = 0
-            for name, m in moments:
-                # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps): two at once,
-                # with the previous parameter's denom not yet released.
-                mem.mark(f"optimizer step ({name})", extra=grads32 + prev + 2 * m)
-                prev = m
-        else:
-            mem.mark("optimizer step", extra=grads32)
-        # ZeRO-1/2 and offload: each updated state shard is all-gathered back into the
-        # parameter's layout (codegen/optim.py), one parameter at a time.
-        # Parameter offload: the shard comes up, is gathered, and the gathered parameter goes
-        # back down to its host copy.
-        for name in (p.name for p in self.traced.params):
-            strat = self.strategies.get(name)
-            if name in self.state and strat is not None and strat.kernel in (
-                    "zero1", "zero2", "offload", "offload_params"):
-                from autoshard.cost.state import state_spec
-                ph = self.traced.placeholder(name)
-                sspec = state_spec(tuple(ph.info.shape), strat.outputs[0], self.mesh_shape)
-                if sspec:
-                    extra = int(self.state[name]["parameters"])
-                    if strat.kernel == "offload_params":
-                        extra = self._value_bytes((name, 0)) + self._local_bytes((name, 0),
-                                                                                  sspec)
-                    mem.mark(f"optimizer step ({name})", extra=extra)
+        """Parameters, gradients and optimizer state, plus each moment of the step program's
+        optimizer step (cost/program.py ``OptimizerStep.moments``)."""
+        for at, extra in self.program.optimizer.moments():
+            self.mem.mark(at, extra=extra)

@@ -35,10 +35,10 @@ from autoshard.cost.comm import (Groups, Reshard, Step, reshard, reshard_time, s
 from autoshard.cost.compute import fusions, local_numel, op_profile, op_times
 from autoshard.cost.memory import saved_activation_bytes, saved_rule
 from autoshard.cost.overlap import is_grad_sync, sync_share_seconds
-from autoshard.cost.reshards import carries_grad, grad_values, no_backward
+from autoshard.cost.reshards import carries_grad, frozen, grad_values, no_backward
 from autoshard.cost.state import (ADAM_STEP_BYTES, MASTER_CAST_BYTES, SCATTERS, SGD_STEP_BYTES,
-                                  StateBytes, modes_for, state_bytes, state_spec, step_elements,
-                                  zero_axes, zero_grad_sync)
+                                  StateBytes, host_copies, modes_for, state_bytes, state_spec,
+                                  step_elements, zero_axes, zero_grad_sync)
 from autoshard.ir import OpInfo, Partial, Replicate, Shard, Spec, Strategy, local_shape
 from autoshard.mesh import AxisMerge, Mesh
 from autoshard.ops.registry import STORED_FAMILIES, VIEW, op_collectives, record_of
@@ -87,6 +87,11 @@ class Pricer:
         # fullest stage, so its activations weigh k against the stages' memory.
         m, k = options.stage_run or (1, 1.0)
         self.step_share, self.activation_copies = 1.0 / m, float(k)
+        # Gradient accumulation (docs/cost-model.md §7.2): the prices are an optimizer step's,
+        # whose N micro-steps each run forward and backward with their collectives (``runs``
+        # times), then one gradient sync, behind the last micro-step's backward only (the
+        # window, :meth:`backward`, is one micro-step's), and one optimizer step.
+        self.runs = options.accumulation_steps if traced.training else 1
         self.joint: Groups = merge.joint() if merge is not None else joint
         self.training = traced.training
         self.modes = state_modes(options, offload) if self.training else (None,)
@@ -110,6 +115,8 @@ class Pricer:
         self.shapes = value_shapes(traced.graph)
         self.grads = grad_values(traced.graph, self.params) if self.training else set()
         self._nodes = {n.name: n for n in traced.graph.nodes}
+        # Frozen parameters (requires_grad=False): their state is the parameter alone.
+        self.frozen = frozenset(n for n in self.params if frozen(self._nodes[n]))
         self._infos: dict[str, OpInfo] = {}
         self._saved_inputs: dict[ValueRef, list[Consumer]] | None = None
         self._kept: dict[ValueRef, bool] = {}
@@ -136,7 +143,9 @@ class Pricer:
     def compute(self, name: str, strategy: Strategy) -> float:
         """Forward + backward seconds (+ the forward again where it is recomputed)."""
         fwd, bwd = self.times(name, strategy)
-        return fwd * (2 if self.reruns(name) else 1) + bwd
+        if self._nodes[name].op == "placeholder":
+            return fwd                  # its optimizer step, once per step
+        return (fwd * (2 if self.reruns(name) else 1) + bwd) * self.runs
 
     def policy(self, name: str) -> str | None:
         """The checkpointing policy of the layer op ``name`` is in, if any."""
@@ -281,7 +290,7 @@ class Pricer:
         if not charges:
             return 0.0
         again = 2 if self.reshards_again(name) else 1
-        return sum(t * (again if phase == "forward" else 1) for phase, _, t in charges)
+        return sum(t * (again if phase == "forward" else 1) for phase, _, t in charges) * self.runs
 
     def backward(self, name: str, strategy: Strategy) -> float:
         """The window gradient syncs hide behind: the backward part of :meth:`compute`, times
@@ -303,8 +312,13 @@ class Pricer:
     def param_modes(self, name: str, spec) -> list[str | None]:
         """The state modes (cost/state.py) a parameter stored in ``spec`` may take."""
         ph = self.traced.placeholder(name)
-        return modes_for(ph.info.shape, spec, self.mesh.shape, self.options.state_optimizer,
+        return modes_for(ph.info.shape, spec, self.mesh.shape, self.optimizer_of(name),
                          self.modes)
+
+    def optimizer_of(self, name: str) -> str:
+        """The optimizer whose state parameter ``name`` carries: "none" for a frozen one (no
+        gradient, no state, no step: docs/cost-model.md §4.1), else the options'."""
+        return "none" if name in self.frozen else self.options.state_optimizer
 
     def state_bytes(self, name: str, strategy: Strategy) -> StateBytes:
         """What one device (and its host) holds for a parameter or buffer placeholder: the
@@ -317,7 +331,18 @@ class Pricer:
             numel = math.prod(local_shape(ph.info.shape, spec, self.mesh.shape))
             return StateBytes(buffers=numel * ph.info.dtype.itemsize)
         return state_bytes(ph.info.shape, ph.info.dtype, spec, strategy.kernel, self.mesh.shape,
-                           self.options.state_optimizer)
+                           self.optimizer_of(name))
+
+    def accumulated_bytes(self, name: str, strategy: Strategy) -> float:
+        """What gradient accumulation holds for a parameter beyond its state's gradient: its
+        gradient whole, in its stored layout, across micro-steps (codegen/buckets.py under
+        ``no_sync``), where ZeRO-2 or offload keep only a shard after the step's sync
+        (docs/cost-model.md §7.2). 0 without accumulation, for a frozen parameter, and under
+        parameter offload (its gradient goes down to the host)."""
+        if self.runs == 1 or name in self.frozen or name not in self.params:
+            return 0.0
+        st = self.state_bytes(name, strategy)
+        return max(0.0, st.parameters - st.gradients)
 
     def optimizer_seconds(self, name: str, strategy: Strategy) -> float:
         """The optimizer step's seconds for one parameter (docs/cost-model.md §9): its shard of
@@ -329,7 +354,7 @@ class Pricer:
         :meth:`offload_step_seconds`. The all-gather of the updated shards is a collective
         (:meth:`optimizer_steps`)."""
         ph = self.traced.placeholder(name)
-        opt = self.options.state_optimizer
+        opt = self.optimizer_of(name)
         if ph.kind != "param" or opt == "none" or name in self.tied_to:
             return 0.0
         spec, mode = strategy.outputs[0], strategy.kernel
@@ -357,7 +382,7 @@ class Pricer:
         lands their gradients at the step, after every microbatch). (0, 0) for any other
         mode."""
         ph = self.traced.placeholder(name)
-        opt = self.options.state_optimizer
+        opt = self.optimizer_of(name)
         mode = strategy.kernel
         if ph.kind != "param" or opt == "none" or name in self.tied_to or mode != "offload":
             return 0.0, 0.0
@@ -370,26 +395,13 @@ class Pricer:
         return 0.0, t
 
     def host_steps(self, name: str, strategy: Strategy) -> list[tuple[str, int]]:
-        """The host-link copies of one parameter's optimizer step, as (direction, bytes):
-        "d2h" (device to host) or "h2d". Offload: its gradient shard down, the updated shard
-        up. Parameter offload of a parameter whose state is cut apart from it (a replicated
-        one): the updated shard up, its all-gathered parameter down to the host copy; of any
-        other, none (the step writes the host copy where it lies)."""
+        """The host-link copies of one parameter's optimizer step (cost/state.py
+        ``host_copies``; none for a buffer, a tied alias or a frozen parameter)."""
         ph = self.traced.placeholder(name)
-        mode = strategy.kernel
-        if ph.kind != "param" or name in self.tied_to or mode not in ("offload",
-                                                                       "offload_params") \
-                or self.options.state_optimizer == "none":
+        if ph.kind != "param" or name in self.tied_to or self.optimizer_of(name) == "none":
             return []
-        spec = strategy.outputs[0]
-        isz = ph.info.dtype.itemsize
-        ns = step_elements(ph.info.shape, spec, mode, self.mesh.shape) * isz
-        if mode == "offload":
-            return [("d2h", ns), ("h2d", ns)]
-        if state_spec(ph.info.shape, spec, self.mesh.shape) is None:
-            return []
-        n = math.prod(local_shape(ph.info.shape, spec, self.mesh.shape)) * isz
-        return [("h2d", ns), ("d2h", n)]
+        return host_copies(ph.info.shape, ph.info.dtype, strategy.outputs[0], strategy.kernel,
+                           self.mesh.shape)
 
     def fetch_bytes(self, value: ValueRef, src: Spec, mode: str | None) -> int:
         """Bytes one use of a parameter under parameter offload copies to the device: its
@@ -420,7 +432,7 @@ class Pricer:
                 if sspec is not None:
                     down = local_numel(shape, sspec, self.mesh.shape) * itemsize
         return (n * (2 if again else 1) + down) / self.mesh.cluster.host_bandwidth \
-            * self.step_share
+            * self.step_share * self.runs
 
     def optimizer_steps(self, name: str, strategy: Strategy) -> Reshard | None:
         """The all-gather(s) that bring the updated state shards back to the parameter's
@@ -449,7 +461,8 @@ class Pricer:
         it saves for backward apart from its inputs (those are :meth:`saved_copy_bytes`)."""
         node = self._nodes[name]
         if node.op == "placeholder":
-            return float(self.state_bytes(name, strategy).device)
+            return float(self.state_bytes(name, strategy).device
+                         + self.accumulated_bytes(name, strategy))
         if not self.training:
             return 0.0
         info = self.info(name)
@@ -569,7 +582,7 @@ class Pricer:
                 t = (0.0, self.step_share * sync_share_seconds(steps, mesh,
                                                                self.options.bucket_bytes))
             else:
-                t = (reshard_time(steps, mesh), 0.0)
+                t = (reshard_time(steps, mesh) * self.runs, 0.0)
             self._reshard_memo[key] = t
         return t
 
@@ -595,7 +608,7 @@ class Pricer:
                           and (isinstance(y, Partial) or (isinstance(y, Shard) and not grad))):
                 continue
             t += (mesh.shape[a] - 1) * mesh.links[a].least_alpha
-        return t
+        return t * self.runs
 
     def bucketed_sync(self, value: ValueRef, src: Spec, steps: Reshard, mode: str | None
                       ) -> Reshard:
@@ -614,7 +627,7 @@ class Pricer:
     def forward_seconds(self, value: ValueRef, src: Spec, dst: Spec) -> float:
         """The forward collectives of a reshard alone: what recomputing it runs again."""
         steps = self.steps(value, src, dst, frozenset())
-        return steps_time(steps.forward, self.merge.real if self.merge else self.mesh)
+        return steps_time(steps.forward, self.merge.real if self.merge else self.mesh) * self.runs
 
     def steps(self, value: ValueRef, src: Spec, dst: Spec, divergent: frozenset[int]) -> Reshard:
         """The collectives, forward and backward, on the mesh the program runs on."""

@@ -19,9 +19,16 @@ Gradient buckets (``cost/overlap.gradient_buckets``): each parameter's first pur
 (``first_grad_syncs``) is run by its bucket, not where the gradient appears; ``bucketed`` maps a
 parameter to that reshard's index. ``fetched``: parameters kept on the host (state mode
 ``offload_params``), copied to the device at each use.
+
+The optimizer step (``optimizer``, an :class:`OptimizerStep`): one :class:`ParamUpdate` per
+parameter the step updates on this rank (frozen and tied-alias ones have none), with the bytes
+of its temporaries and host copies, and the moments of the optimizer phase that the liveness
+walk checks (``moments``). Gradient accumulation (``accumulation`` micro-steps per optimizer
+step): ``held``, the gradient each parameter holds on the device across micro-steps.
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -31,8 +38,9 @@ import torch.utils._pytree as pytree
 
 from autoshard.cost.comm import Groups
 from autoshard.cost.overlap import Bucket, first_grad_syncs, gradient_buckets
-from autoshard.cost.reshards import ReshardEdge, reshard_edges
-from autoshard.ir import Strategy
+from autoshard.cost.reshards import ReshardEdge, frozen, reshard_edges
+from autoshard.cost.state import HOST_MODES, host_copies, state_spec, step_elements
+from autoshard.ir import Strategy, local_shape
 from autoshard.trace.graph import ValueRef, value_inputs, value_ref, value_shapes
 
 
@@ -48,6 +56,68 @@ class Event:
     region: str | None = None
 
 
+UPDATES = ("fused", "foreach", "loop")      # how the optimizer's update runs (OptimizerStep)
+# Optimizers whose step keeps moment-sized fp32 state (docs/cost-model.md §4.1).
+MOMENT_OPTIMIZERS = ("adam", "adamw")
+
+
+@dataclass(frozen=True, slots=True)
+class ParamUpdate:
+    """One parameter's part of the optimizer step on this rank (docs/cost-model.md §4.6,
+    codegen/optim.py):
+
+    - ``moment``: bytes of one fp32 tensor the size of its state shard (its momentum, its
+      variance, its master where kept apart); 0 where its state lives on the host;
+    - ``cast``: the fp32 copy of a 16-bit gradient for its master, alive through the update
+      (the runtime casts every gradient before the update);
+    - ``gather``: bytes made on the device while its updated shard is brought back into its
+      layout, one parameter at a time (ZeRO-1/2 and offload: the gathered parameter; parameter
+      offload: the shard come up and the gathered parameter going down);
+    - ``host``: its host-link copies, as (direction, bytes) (cost/state.py ``host_copies``)."""
+
+    name: str
+    mode: str | None
+    moment: int
+    cast: int
+    gather: int
+    host: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class OptimizerStep:
+    """The optimizer step of one rank: its optimizer, its update's implementation ("fused":
+    pm.optimizer's default, no temporaries; "foreach": one moment-sized copy of every
+    parameter's at once; "loop": torch's single-tensor loop, two of a parameter's at a time
+    with one of the previous still alive) and one record per updated parameter."""
+
+    optimizer: str
+    update: str
+    params: tuple[ParamUpdate, ...] = ()
+
+    def moments(self) -> list[tuple[str, int]]:
+        """The moments of the optimizer phase the liveness walk checks, as (where, bytes alive
+        beyond the model state): the update with its temporaries, then each parameter's
+        gather. Read by cost/liveness.py (the phase's peak)."""
+        out: list[tuple[str, int]] = [("optimizer step", 0)]
+        if self.optimizer not in MOMENT_OPTIMIZERS:
+            return out
+        stepped = [u for u in self.params if u.moment]
+        casts = sum(u.cast for u in stepped)
+        if self.update == "foreach":
+            out.append(("optimizer step", casts + sum(u.moment for u in stepped)))
+        elif self.update == "loop":
+            prev = 0
+            for u in stepped:
+                # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps): two at once,
+                # with the previous parameter's denom not yet released.
+                out.append((f"optimizer step ({u.name})", casts + prev + 2 * u.moment))
+                prev = u.moment
+        else:
+            out.append(("optimizer step", casts))
+        out += [(f"optimizer step ({u.name})", u.gather) for u in self.params if u.gather]
+        return out
+
+
 @dataclass(frozen=True)
 class StepProgram:
     """One rank's training step for one assignment (see the module docstring)."""
@@ -59,6 +129,10 @@ class StepProgram:
     fetched: frozenset[str]              # parameters kept on the host
     edge_of: Mapping[tuple[ValueRef, tuple[str, int]], int] = field(repr=False)
     bucket_of: Mapping[str, int] = field(repr=False)
+    optimizer: OptimizerStep = OptimizerStep("none", "fused")
+    accumulation: int = 1
+    held: Mapping[str, int] = field(default_factory=dict)     # parameter -> bytes
+    stage: frozenset[str] | None = None      # a pipeline stage's ops (stage_program); None: all
 
     def first_syncs(self) -> dict[str, ReshardEdge]:
         """Each bucketed parameter's gradient sync reshard (``first_grad_syncs``' result)."""
@@ -72,11 +146,14 @@ class StepProgram:
 
 def step_program(traced: Any, strategies: dict[str, Strategy], mesh_shape: tuple[int, ...], *,
                  bucket_bytes: float, recompute: Mapping[str, str] | None = None,
-                 joint: Groups = (), shapes: Mapping | None = None) -> StepProgram:
+                 joint: Groups = (), shapes: Mapping | None = None, optimizer: str = "none",
+                 update: str = "fused", accumulation: int = 1) -> StepProgram:
     """The step program of ``traced`` (a :class:`~autoshard.trace.export.TracedGraph`) under
     ``strategies`` (node name -> strategy, every placeholder and op) on a mesh of
     ``mesh_shape``; ``recompute``: checkpointed layer -> policy; ``joint``: the plan's groups of
-    axes whose collectives run as one; ``shapes``: ``value_shapes`` of the graph, if at hand."""
+    axes whose collectives run as one; ``shapes``: ``value_shapes`` of the graph, if at hand;
+    ``optimizer``: the optimizer whose step ends it ("none": no optimizer records), ``update``
+    its implementation (``UPDATES``); ``accumulation``: micro-steps per optimizer step."""
     graph: fx.Graph = traced.graph
     params = {p.name for p in traced.params}
     shapes = value_shapes(graph) if shapes is None else shapes
@@ -109,12 +186,91 @@ def step_program(traced: Any, strategies: dict[str, Strategy], mesh_shape: tuple
         modes = {n: strategies[n].kernel for n in params if n in strategies}
         buckets = tuple(gradient_buckets(list(edges), nodes, bucket_bytes, modes,
                                          tuple(mesh_shape)))
+    fetched = frozenset(n for n in params
+                        if getattr(strategies.get(n), "kernel", None) == "offload_params")
+    opt = optimizer_step(traced, strategies, tuple(mesh_shape), optimizer, update) \
+        if traced.training else OptimizerStep("none", update)
     return StepProgram(
         events=tuple(events), edges=edges, buckets=buckets, bucketed=bucketed,
-        fetched=frozenset(n for n in params
-                          if getattr(strategies.get(n), "kernel", None) == "offload_params"),
-        edge_of=edge_of,
-        bucket_of={m: k for k, b in enumerate(buckets) for m in b.members})
+        fetched=fetched, edge_of=edge_of,
+        bucket_of={m: k for k, b in enumerate(buckets) for m in b.members},
+        optimizer=opt, accumulation=accumulation,
+        held=held_gradients(traced, strategies, tuple(mesh_shape), fetched, bucketed)
+        if traced.training and accumulation > 1 else {})
+
+
+def _updated(traced: Any) -> list[Any]:
+    """The parameter placeholders the optimizer steps: trainable, each tensor once (a tied
+    weight's later names alias the first)."""
+    seen: set[str] = set()
+    out = []
+    for ph in traced.params:
+        if ph.info is None or ph.fqn in seen:
+            continue
+        seen.add(ph.fqn)
+        if not frozen(traced.graph.find_nodes(op="placeholder", target=ph.name)[0]):
+            out.append(ph)
+    return out
+
+
+def optimizer_step(traced: Any, strategies: Mapping[str, Strategy], mesh_shape: tuple[int, ...],
+                   optimizer: str, update: str = "fused") -> OptimizerStep:
+    """The optimizer step's records (:class:`OptimizerStep`), from each parameter's stored
+    layout and state mode (cost/state.py) as codegen/optim.py runs it."""
+    assert update in UPDATES, update
+    if optimizer == "none":
+        return OptimizerStep(optimizer, update)
+    out = []
+    for ph in _updated(traced):
+        strat = strategies.get(ph.name)
+        if strat is None:
+            continue
+        shape, spec, mode = tuple(ph.info.shape), strat.outputs[0], strat.kernel
+        isz = ph.info.dtype.itemsize
+        moment = 0
+        if optimizer in MOMENT_OPTIMIZERS and mode not in HOST_MODES:
+            moment = step_elements(shape, spec, mode, mesh_shape) * 4
+        gather = 0
+        sspec = state_spec(shape, spec, mesh_shape) if mode is not None else None
+        if sspec is not None and optimizer in MOMENT_OPTIMIZERS:
+            local = math.prod(local_shape(shape, spec, mesh_shape)) * isz
+            gather = local + (math.prod(local_shape(shape, sspec, mesh_shape)) * isz
+                              if mode == "offload_params" else 0)
+        out.append(ParamUpdate(ph.name, mode, moment, moment if isz < 4 else 0, gather,
+                               tuple(host_copies(shape, ph.info.dtype, spec, mode, mesh_shape))))
+    return OptimizerStep(optimizer, update, tuple(out))
+
+
+def held_gradients(traced: Any, strategies: Mapping[str, Strategy], mesh_shape: tuple[int, ...],
+                   fetched: frozenset[str], bucketed: Mapping[str, int]) -> dict[str, int]:
+    """Gradient accumulation: the gradient each trainable parameter keeps on the device across
+    micro-steps, whole in its stored layout (``.grad``, or under ``no_sync`` its bucket's held
+    copy, codegen/buckets.py). A parameter kept on the host whose gradient no bucket syncs
+    sends it down as it lands: none."""
+    out = {}
+    for ph in _updated(traced):
+        strat = strategies.get(ph.name)
+        if strat is None or (ph.name in fetched and ph.name not in bucketed):
+            continue
+        out[ph.name] = math.prod(local_shape(tuple(ph.info.shape), strat.outputs[0],
+                                             mesh_shape)) * ph.info.dtype.itemsize
+    return out
+
+
+def program_for(traced: Any, strategies: dict[str, Strategy], pricer: Any,
+                update: str = "fused") -> StepProgram:
+    """The step program of an assignment priced with ``pricer`` (its mesh, options,
+    checkpointed layers and joint axes): the one the plan's figures, the liveness walk and the
+    pipeline stages read."""
+    recompute = getattr(pricer, "recompute", None) or {}
+    if not isinstance(recompute, dict):
+        recompute = dict.fromkeys(recompute, "full")
+    options = pricer.options
+    return step_program(traced, strategies, tuple(pricer.mesh.shape),
+                        bucket_bytes=options.bucket_bytes, recompute=recompute,
+                        joint=getattr(pricer, "joint", ()), shapes=pricer.shapes,
+                        optimizer=options.state_optimizer, update=update,
+                        accumulation=getattr(options, "accumulation_steps", 1))
 
 
 def node_reads(node: fx.Node) -> list[ValueRef]:
@@ -123,3 +279,42 @@ def node_reads(node: fx.Node) -> list[ValueRef]:
         return [value_ref(a) for a in pytree.tree_flatten(node.args)[0]
                 if isinstance(a, fx.Node)]
     return value_inputs(node)
+
+
+def stage_program(program: StepProgram, traced: Any, strategies: Mapping[str, Strategy],
+                  stage: frozenset[str], mesh_shape: tuple[int, ...], *,
+                  bucket_bytes: float) -> StepProgram:
+    """The part of ``program`` one pipeline stage runs (docs/cost-model.md §10.4): the events
+    of its ops ``stage`` (node names; a reshard where any of its consumers is one of them), the
+    gradient buckets of the parameters its ops read (the stage's own, as the pipelined plan
+    forms them), their optimizer records and held gradients. ``stage`` is recorded on the
+    result: the liveness walk receives what other stages make and sends back its gradient."""
+    graph = traced.graph
+    out = next(n.name for n in graph.nodes if n.op == "output")
+
+    def runs_here(e: ReshardEdge) -> bool:      # the loss's reshard runs where the loss is made
+        return any(c in stage or (c == out and e.value[0] in stage) for c, _ in e.consumers)
+    events = tuple(ev for ev in program.events
+                   if (ev.name in stage if ev.kind == "op" else runs_here(program.edges[ev.edge])))
+    params = {p.name for p in traced.params}
+    reads = {ref[0] for n in graph.nodes if n.name in stage for ref in value_inputs(n)} & params
+    edges = [e for e in program.edges if e.value[0] in reads and runs_here(e)]
+    index = {id(e): i for i, e in enumerate(program.edges)}
+    bucketed = {p: index[id(e)] for p, e in first_grad_syncs(edges).items()} \
+        if traced.training else {}
+    nodes = [n for n in graph.nodes if n.name in strategies]
+    modes = {n: strategies[n].kernel for n in params if n in strategies}
+    buckets = tuple(gradient_buckets(edges, nodes, bucket_bytes, modes, tuple(mesh_shape))) \
+        if traced.training else ()
+    fqn = {p.name: p.fqn for p in traced.params}
+    held_fqns = {fqn[p] for p in reads}
+    opt = program.optimizer
+    return StepProgram(
+        events=events, edges=program.edges, buckets=buckets, bucketed=bucketed,
+        fetched=program.fetched & reads, edge_of=program.edge_of,
+        bucket_of={m: k for k, b in enumerate(buckets) for m in b.members},
+        optimizer=OptimizerStep(opt.optimizer, opt.update,
+                                tuple(u for u in opt.params if fqn[u.name] in held_fqns)),
+        accumulation=program.accumulation,
+        held={p: b for p, b in program.held.items() if fqn[p] in held_fqns},
+        stage=frozenset(stage))

@@ -36,13 +36,23 @@ class ReshardEdge:
     from_param: bool
 
 
+def frozen(node: fx.Node) -> bool:
+    """Whether a parameter placeholder is frozen (``requires_grad=False``): torch.export keeps
+    the parameter's flag on its traced value, so this is the model's own fact, read here only.
+    A frozen parameter has no gradient, hence no gradient sync, no gradient buffer, no
+    optimizer state and no optimizer step (docs/cost-model.md §4.1)."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and not val.requires_grad
+
+
 def grad_values(graph: fx.Graph, param_names: set[str]) -> set[str]:
     """Nodes whose outputs carry a gradient in training: floating-point values computed from a
-    parameter. Only these get backward collectives (an input batch or a mask has no gradient)."""
+    trainable parameter. Only these get backward collectives (an input batch, a mask or a
+    frozen parameter has no gradient)."""
     needs: set[str] = set()
     for node in graph.nodes:
         if node.op == "placeholder":
-            if node.name in param_names:
+            if node.name in param_names and not frozen(node):
                 needs.add(node.name)
         elif node.op == "call_function" and node.target is not operator.getitem:
             # A detach, or a factory (``new_empty``, ``zeros_like``: the input gives only its

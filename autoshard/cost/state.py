@@ -146,6 +146,24 @@ def state_bytes(shape: tuple[int, ...], dtype: torch.dtype, spec: Spec, mode: st
     return StateBytes(host=n * isz + 2 * ns * isz + ns * k + (ns * 4 if isz < 4 else 0))
 
 
+def host_copies(shape: tuple[int, ...], dtype: torch.dtype, spec: Spec, mode: str | None,
+                mesh_shape: tuple[int, ...]) -> list[tuple[str, int]]:
+    """The host-link copies of one parameter's optimizer step, as (direction, bytes): "d2h"
+    (device to host) or "h2d" (docs/cost-model.md §9). Offload: its gradient shard down, the
+    updated shard up. Parameter offload of a parameter whose state is cut apart from it (a
+    replicated one): the updated shard up, its all-gathered parameter down to the host copy;
+    of any other, none (the step writes the host copy where it lies). None for other modes."""
+    if mode not in HOST_MODES:
+        return []
+    isz = dtype.itemsize
+    ns = step_elements(shape, spec, mode, mesh_shape) * isz
+    if mode == "offload":
+        return [("d2h", ns), ("h2d", ns)]
+    if state_spec(shape, spec, mesh_shape) is None:
+        return []
+    return [("h2d", ns), ("d2h", math.prod(local_shape(shape, spec, mesh_shape)) * isz)]
+
+
 def step_elements(shape: tuple[int, ...], spec: Spec, mode: str | None,
                   mesh_shape: tuple[int, ...]) -> int:
     """Elements one rank's optimizer step updates: its shard of the optimizer state."""

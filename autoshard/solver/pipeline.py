@@ -22,11 +22,13 @@ from dataclasses import replace
 from typing import Any
 
 from autoshard import progress
+from autoshard.cost.liveness import MemoryBreakdown, stage_memory
 from autoshard.cost.memory import budget_for, device_budget
 from autoshard.cost.comm import link_time
 from autoshard.cost.compute import local_numel
 from autoshard.cost.overlap import bucket_bytes_by_axis, gradient_buckets
 from autoshard.cost.price import Pricer
+from autoshard.cost.program import StepProgram, program_for, stage_program
 from autoshard.cost.reshards import reshard_edges
 from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Spec
@@ -41,6 +43,9 @@ from autoshard.trace.graph import value_inputs
 from autoshard.trace.layers import stages_of
 
 DUMMY = "_"          # the axis of a one-device sub-mesh (a mesh that is all pipeline)
+# Rounds of the cut search per schedule, each with its memory bound lowered by the walked
+# peak's excess (docs/cost-model.md §10.4), before the schedule is found not to fit.
+ROUNDS = 4
 
 
 def sub_mesh(mesh: Mesh, axis: int) -> Mesh:
@@ -180,20 +185,27 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
                           and not (x == "DualPipeV" and m < 2 * p)
                           and not (x in SPLIT_BACKWARD and recomputed))
     best = None
+    # Each stage's peak is the liveness walk of its part of the step program (§10.4).
+    walker = StageWalk(traced, strategies, pricer, program_for(traced, strategies, pricer),
+                       where, sub, p, m)
     for schedule in schedules:
         v = VIRTUAL_STAGES[schedule]
         # A rank holds v stages: each within 1/v of its memory.
-        cuts = _cuts(secs, comm, send, state, acts, p, m, schedule, budget / v, stages=p * v)
-        tries = [cuts]
+        tries = [walker.fitting(lambda b, schedule=schedule, v=v: _cuts(
+            secs, comm, send, state, acts, p, m, schedule, b / v, stages=p * v),
+            budget, schedule)]
         if schedule in V_PLACED:
-            tries.append(_cuts_v(secs, comm, send, state, acts, p, m, schedule, budget))
+            tries.append(walker.fitting(lambda b, schedule=schedule: _cuts_v(
+                secs, comm, send, state, acts, p, m, schedule, b), budget, schedule))
         # Each cut priced by running the schedule's order with its stages' own seconds
         # (``_schedule_seconds``): the closed forms the cut search balances hold for balanced
         # stages only.
         priced = []
-        for c in (c for c in tries if c is not None):
+        for c, peaks in (t for t in tries if t is not None):
             f = _stage_figures(c, secs, comm, send, state, acts, opt, sync, fwd, wgt, p, m,
                                schedule)
+            for fig, peak in zip(f, peaks):
+                fig["peak_bytes"] = peak.peak
             priced.append((_schedule_seconds(f, m, p, schedule, comm=True)
                            + _per_rank(f, p, schedule, "optimizer_s", "sync_s"), c, f))
         if not priced:
@@ -218,6 +230,54 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
     stage_layers = tuple(tuple(layers[i] for i in range(lo, hi)) for lo, hi in cuts)
     return _assemble(traced, mesh, a, spmd, sub, pricer, stage_layers, cuts, figures, boundary,
                      schedule, m, step, options)
+
+
+class StageWalk:
+    """Each stage's peak for a cut: the liveness walk (cost/liveness.py ``stage_memory``) of
+    its part of the step program (cost/program.py ``stage_program``: its ops, its buckets, its
+    optimizer records), with the schedule's microbatches in flight (``in_flight``)."""
+
+    def __init__(self, traced: TracedGraph, strategies: dict, pricer: Pricer,
+                 program: StepProgram, where: dict[str, int], sub: Mesh, ranks: int,
+                 microbatches: int) -> None:
+        self.traced, self.strategies, self.pricer, self.program = traced, strategies, pricer, \
+            program
+        self.where, self.sub, self.ranks, self.m = where, sub, ranks, microbatches
+        self._memo: dict[tuple, MemoryBreakdown] = {}
+
+    def peak(self, lo: int, hi: int, in_flight_mb: int) -> MemoryBreakdown:
+        """The peak of a stage of layers ``lo`` to ``hi`` (exclusive) holding ``in_flight_mb``
+        microbatches."""
+        key = (lo, hi, in_flight_mb)
+        if key not in self._memo:
+            ops = frozenset(n for n, i in self.where.items() if lo <= i < hi)
+            sp = stage_program(self.program, self.traced, self.strategies, ops, self.sub.shape,
+                               bucket_bytes=self.pricer.options.bucket_bytes)
+            self._memo[key] = stage_memory(self.traced, self.strategies, self.pricer, sp,
+                                           in_flight=in_flight_mb)
+        return self._memo[key]
+
+    def peaks(self, cuts, schedule: str) -> list[MemoryBreakdown]:
+        return [self.peak(lo, hi, in_flight(schedule, s, self.ranks, self.m))
+                for s, (lo, hi) in enumerate(cuts)]
+
+    def fitting(self, search, budget: float, schedule: str):
+        """(cuts, their stages' peaks) from ``search`` (a bound on the sums -> cuts or None)
+        whose every rank's walked peak (its stages' summed: an upper bound where a rank holds
+        two) is within ``budget``; the bound lowered by the excess for at most ``ROUNDS``
+        rounds. None where no cut fits."""
+        bound = budget
+        for _ in range(ROUNDS):
+            cuts = search(bound)
+            if cuts is None:
+                return None
+            peaks = self.peaks(cuts, schedule)
+            worst = max(sum(peaks[s].peak for s in rank_stages(schedule, self.ranks, r))
+                        for r in range(self.ranks))
+            if worst <= budget:
+                return cuts, peaks
+            bound -= worst - budget
+        return None
 
 
 def _needs_rounds(schedule: str) -> bool:
@@ -486,7 +546,8 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
                                                                                   (s + 1, s))]
     collectives.append(CollectiveRecord("all_reduce", (axis,), 4, "pipeline", "loss"))
     stages = tuple(Stage(i, stage_layers[i], {k: figures[i][k] for k in
-                                              ("compute_s", "comm_s", "ilp_memory_bytes")})
+                                              ("compute_s", "comm_s", "ilp_memory_bytes",
+                                               "peak_bytes")})
                    for i in range(p))
     loss_s = link_time(link, "all_reduce", ranks, 4)
     compute = _schedule_seconds(figures, m, ranks, schedule, comm=False) \
@@ -499,8 +560,9 @@ def _assemble(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub: Mesh,
     exposed = {x: sum(_record_seconds(c, sub) * c.count for c in collectives
                       if c.stage == slow and c.axes[0] == x) for x in keep}
     # The sub-plan's liveness figures are of the whole model with one microbatch: not a stage's
-    # peak (each stage's is its own "ilp_memory_bytes", the ILP's sum with the microbatches in
-    # flight); the step's liveness per stage is not computed yet.
+    # peak. Each stage's is its own "peak_bytes", the walk of its program with the schedule's
+    # microbatches in flight (StageWalk), beside "ilp_memory_bytes", the sums the cut search
+    # balances.
     inner = {k: v for k, v in spmd.predicted.items() if k not in ("memory", "peak_phase")}
     predicted = {**inner, "step_time_s": total, "compute_s": compute,
                  "comm_s": total - compute,

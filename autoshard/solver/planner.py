@@ -12,7 +12,7 @@ from autoshard.cost.liveness import step_memory
 from autoshard.cost.price import Pricer
 from autoshard.cost.comm import Groups, Step, joint_groups, step_seconds
 from autoshard.cost.overlap import bucket_collectives, exposed_seconds, sync_share_by_axis
-from autoshard.cost.program import step_program
+from autoshard.cost.program import program_for, step_program
 from autoshard.cost.compute import local_numel
 from autoshard.cost.state import SCATTERS, StateBytes, state_spec
 from autoshard.cost.reshards import direct_reads
@@ -955,8 +955,7 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
     memory += pricer.saved_copies(strategies)
     # What the rank runs in the step (cost/program.py): the ledger below lists its reshards,
     # buckets and host copies, and the liveness walk reads the same program.
-    program = step_program(traced, strategies, mesh.shape, bucket_bytes=options.bucket_bytes,
-                           recompute=recompute, joint=joint, shapes=pricer.shapes)
+    program = program_for(traced, strategies, pricer)
     edges, buckets, first = list(program.edges), list(program.buckets), program.first_syncs()
     modes = {n: strategies[n].kernel for n in params}
     collectives: list[CollectiveRecord] = []
@@ -976,7 +975,7 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
         for phase, step in [*e.reshard.collectives, *again]:
             if phase == "backward" and e.from_param:
                 phase = "grad_sync"
-            _charge(blocking, step, mesh)
+            _charge(blocking, step, mesh, pricer.runs)
             collectives.append(CollectiveRecord(step.kind, tuple(mesh.axes[a] for a in step.axes),
                                                 step.nbytes, phase, e.consumers[0][0],
                                                 e.value[0]))
@@ -989,7 +988,7 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
             if charges and pricer.reshards_again(n.name) else []
         for phase, step, t in [*charges, *again]:
             for a in step.axes:
-                blocking[mesh.axes[a]] += t / len(step.axes)
+                blocking[mesh.axes[a]] += t * pricer.runs / len(step.axes)
             collectives.append(CollectiveRecord(step.kind, tuple(mesh.axes[a] for a in step.axes),
                                                 step.nbytes, phase, n.name, n.name))
     for k, b in enumerate(buckets):
@@ -1013,7 +1012,7 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
     # in and its gradient back, blocking; the optimizer step's copies are in optimizer_s.
     transfers = host_transfers(traced, pricer, strategies, edges, first, buckets)
     host_s = sum(t.bytes for t in transfers if t.phase != "optimizer") \
-        / mesh.cluster.host_bandwidth * pricer.step_share
+        / mesh.cluster.host_bandwidth * pricer.step_share * pricer.runs
     # One overlap window (cost/overlap.py): the buckets run behind backward compute; what does
     # not fit is exposed, shared over the axes by their sync seconds.
     # Offloaded host steps run in the same window (cost/price.py offload_step_seconds; each
@@ -1071,9 +1070,11 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
         timings=timings)
 
 
-def _charge(seconds: dict[str, float], step: Step, mesh: Mesh) -> None:
-    """Add a step's seconds to its axes' figures, shared evenly among the axes of a joint one."""
-    t = step_seconds(step, mesh)
+def _charge(seconds: dict[str, float], step: Step, mesh: Mesh, runs: int = 1) -> None:
+    """Add a step's seconds to its axes' figures, shared evenly among the axes of a joint one;
+    ``runs``: how often the step runs it (each micro-step of gradient accumulation,
+    docs/cost-model.md §7.2)."""
+    t = step_seconds(step, mesh) * runs
     for a in step.axes:
         seconds[mesh.axes[a]] += t / len(step.axes)
 
