@@ -19,14 +19,7 @@ import torch
 import torch.fx as fx
 
 from autoshard.ir import Shard
-
-aten = torch.ops.aten
-# dropout op -> (index of its probability argument, index of its training flag)
-DROPOUTS = {aten.dropout.default: (1, 2), aten.feature_dropout.default: (1, 2),
-            aten.alpha_dropout.default: (1, 2), aten.feature_alpha_dropout.default: (1, 2),
-            aten.native_dropout.default: (1, 2)}
-# attention whose dropout_p is a training-mode argument (models pass 0.0 in eval mode)
-SDPA = {aten.scaled_dot_product_attention.default: 4}
+from autoshard.ops import modes as op_modes
 
 # Seeds of one draw's shards lie this far apart (a prime: distinct for any shard count here).
 _STRIDE = 1_000_003
@@ -93,9 +86,9 @@ def unwrapped(target: Any) -> Any:
 def draws_masks(n: fx.Node) -> bool:
     """A dropout (or attention with dropout) drawing a random mask as the node stands."""
     target = unwrapped(n.target)
-    if target in DROPOUTS:
+    if target in op_modes.DROPOUTS:
         return arg(n, 2, "train") is True and arg(n, 1, "p") != 0
-    return target in SDPA and bool(arg(n, SDPA[target], "dropout_p"))
+    return target in op_modes.SDPA and bool(arg(n, op_modes.SDPA[target], "dropout_p"))
 
 
 def arg(n: fx.Node, i: int, name: str) -> Any:

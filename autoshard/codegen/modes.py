@@ -14,14 +14,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autoshard.codegen.masks import DROPOUTS, SDPA, arg as _arg, unwrapped
-
-aten = torch.ops.aten
-
-# op -> (index of its probability argument or None, index of its training flag)
-TRAIN_FLAGS = {**DROPOUTS,
-               aten.batch_norm.default: (None, 5), aten.native_batch_norm.default: (None, 5)}
-
+from autoshard.codegen.masks import arg as _arg, unwrapped
+from autoshard.ops import modes as op_modes
 
 def mode_dependent(gm: fx.GraphModule) -> list[str]:
     """Nodes that compute otherwise in eval mode: dropout drawing masks (p > 0, train),
@@ -36,12 +30,12 @@ def mode_dependent(gm: fx.GraphModule) -> list[str]:
         if n.op != "call_function":
             continue
         target = unwrapped(n.target)
-        if target in TRAIN_FLAGS:
-            p, train = TRAIN_FLAGS[target]
+        if target in op_modes.TRAIN_FLAGS:
+            p, train = op_modes.TRAIN_FLAGS[target]
             if _arg(n, train, "train" if p is not None else "training") is True and (
                     p is None or _arg(n, p, "p") != 0):
                 out.append(f"{n.name} ({target})")
-        elif target in SDPA and _arg(n, SDPA[target], "dropout_p"):
+        elif target in op_modes.SDPA and _arg(n, op_modes.SDPA[target], "dropout_p"):
             out.append(f"{n.name} ({target})")
     return out
 
@@ -61,11 +55,11 @@ def eval_program(gm: fx.GraphModule, counters: set[str]) -> fx.GraphModule:
         if isinstance(n.target, Checkpointed):     # the layer's program, in eval mode too
             t = n.target
             n.target = Checkpointed(eval_program(t.gm, counters), t.rt, t.layer, t.policy)
-        elif n.target in TRAIN_FLAGS:
-            _set(n, TRAIN_FLAGS[n.target][1],
-                 "train" if TRAIN_FLAGS[n.target][0] is not None else "training", False)
-        elif n.target in SDPA:
-            _set(n, SDPA[n.target], "dropout_p", 0.0)
+        elif n.target in op_modes.TRAIN_FLAGS:
+            _set(n, op_modes.TRAIN_FLAGS[n.target][1],
+                 "train" if op_modes.TRAIN_FLAGS[n.target][0] is not None else "training", False)
+        elif n.target in op_modes.SDPA:
+            _set(n, op_modes.SDPA[n.target], "dropout_p", 0.0)
         elif _counts(n, counters):
             n.replace_all_uses_with(n.args[0])
             graph.erase_node(n)
