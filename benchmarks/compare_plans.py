@@ -292,7 +292,7 @@ def plot(rows: list[dict], columns: tuple[str, ...], path: str | Path, title: st
     autoshard and one per baseline; a plan that failed (out of memory, no solution, n/a) is an
     ``x`` at the panel's foot. ``rows`` are the row dicts ``table`` takes (``plan_row``'s, or
     ``rows_from_markdown``'s)."""
-    from autoshard.report import pyplot
+    from autoshard.tools.report import pyplot
     plt = pyplot()
     models = list(dict.fromkeys(r["model"] for r in rows if "trace_err" not in r))
     if not models:

@@ -22,7 +22,7 @@ from autoshard.plans import Plan
 from autoshard.solver.planner import BudgetError, plan_traced
 from autoshard.trace.export import trace
 from autoshard.trace.graph import value_shapes
-from autoshard.verify import VerifySpec, build, summarize, verify_rank
+from autoshard.tools.verify import VerifySpec, build, summarize, verify_rank
 from autoshard.zoo.registry import get_model
 from dist import world_fixture
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from autoshard import Mesh, Plan
-from autoshard.verify import VerifySpec, build, plan_for, summarize, verify_rank
+from autoshard.tools.verify import VerifySpec, build, plan_for, summarize, verify_rank
 from autoshard.errors import AutoshardError
 from dist import world_fixture
 
@@ -105,7 +105,7 @@ def _accumulate(plan_json: str) -> dict[str, float]:
     """Two backward passes before reading the gradients: a bucket must add to ``.grad``."""
     from autoshard.codegen.runtime import parallelize
     from autoshard.loss import as_loss_module
-    from autoshard.verify import rel_err
+    from autoshard.tools.verify import rel_err
     plan = Plan.loads(plan_json)
     model, inputs = build("gpt2-tiny", None, None, 0)
     ref = as_loss_module(build("gpt2-tiny", None, None, 0)[0])

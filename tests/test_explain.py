@@ -11,7 +11,7 @@ import pytest
 
 from autoshard.cost.comm import collective_time
 from autoshard.errors import AutoshardError
-from autoshard.explain import (explain_file, explain_node, explain_param, rebuild,
+from autoshard.tools.explain import (explain_file, explain_node, explain_param, rebuild,
                                render_explanation, strategy_text, top_collectives)
 from autoshard.ir import Strategy
 from autoshard.plans import Pipeline, Plan, Stage

@@ -31,10 +31,10 @@ import pytest
 import torch
 
 from autoshard import Mesh, Plan
-from autoshard.cli import main
+from autoshard.tools.cli import main
 from autoshard.errors import AutoshardError
-from autoshard.export import FORMATS, export_plan
-from autoshard.verify import VerifySpec, build, plan_for, rel_err, summarize, verify_rank
+from autoshard.tools.export import FORMATS, export_plan
+from autoshard.tools.verify import VerifySpec, build, plan_for, rel_err, summarize, verify_rank
 from dist import world_fixture
 
 CLUSTER = str(Path(__file__).parent / "data" / "compute_bound.json")
@@ -381,7 +381,7 @@ def _plan_linear_boundaries(plan: Plan, axis: str) -> Counter:
     """The plan's collectives over ``axis`` that move the input of a Linear whose weight it
     reads sharded there, or such a Linear's output (read independently of the exporter, from
     the plan's nodes and signatures)."""
-    from autoshard.export import graph_of
+    from autoshard.tools.export import graph_of
     g = graph_of(plan)
     t = plan.mesh_axes.index(axis)
     values = set()

@@ -35,7 +35,7 @@ from autoshard.mesh import AxisLink, AxisMerge
 from autoshard.solver.planner import partitions, plan_merged, plan_traced
 from autoshard.trace.export import trace
 from autoshard.trace.graph import value_shapes
-from autoshard.verify import VerifySpec, build, summarize, verify_rank
+from autoshard.tools.verify import VerifySpec, build, summarize, verify_rank
 
 from dist import world_fixture
 from test_collectives import check_redistribution

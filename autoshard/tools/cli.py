@@ -132,7 +132,7 @@ def _plan_json(p, took: float, output: str | None) -> int:
     summary as one JSON object on stdout."""
     import json
 
-    from autoshard.report import summary_json
+    from autoshard.tools.report import summary_json
     if output:
         p.save(output)
     print(json.dumps(summary_json(p, seconds=took, output=output), indent=1))
@@ -140,7 +140,7 @@ def _plan_json(p, took: float, output: str | None) -> int:
 
 
 def cmd_report(args) -> int:
-    from autoshard.report import write_report
+    from autoshard.tools.report import write_report
     t0 = time.perf_counter()
     output = args.output or str(Path(args.plan).with_suffix(".html"))
     figures = write_report(args.plan, output)
@@ -159,7 +159,7 @@ def cmd_show(args) -> int:
 
 def cmd_verify(args) -> int:
     from autoshard.plans import Plan
-    from autoshard.verify import verify
+    from autoshard.tools.verify import verify
     mesh = make_mesh(args)
     plan = Plan.load(args.plan) if args.plan else None
     print(f"verifying {args.model} on {mesh} with {mesh.size} gloo ranks "
@@ -174,7 +174,7 @@ def cmd_verify(args) -> int:
 def cmd_diff(args) -> int:
     import json
 
-    from autoshard.diff import diff_files, render
+    from autoshard.tools.diff import diff_files, render
     if args.limit < 0:
         raise AutoshardError("--limit is a number of lines >= 0 (0: all)", got=str(args.limit),
                              fix="e.g. --limit 40, or --limit 0 for every line")
@@ -184,7 +184,7 @@ def cmd_diff(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from autoshard.export import export_file
+    from autoshard.tools.export import export_file
     exp = export_file(args.plan, args.output, args.format)
     print(f"wrote {args.output}: {exp.describe()}")
     n = len(exp.not_expressible)
@@ -194,7 +194,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    from autoshard.explain import explain_file
+    from autoshard.tools.explain import explain_file
     print(explain_file(args.plan, node=args.node, param=args.param, top=args.top,
                        alternatives=args.alternatives, time_limit_s=args.time_limit,
                        model=args.model, cluster=args.cluster, task=args.task,
@@ -203,7 +203,7 @@ def cmd_explain(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from autoshard.calibrate import calibrate, summary, write_profile, writes_profile
+    from autoshard.tools.calibrate import calibrate, summary, write_profile, writes_profile
     prof = calibrate(args.device, args.world, quick=args.quick)
     if not writes_profile():
         return 0                       # under torchrun every rank measured; rank 0 writes
