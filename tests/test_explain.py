@@ -14,7 +14,8 @@ from autoshard.errors import AutoshardError
 from autoshard.tools.explain import (explain_file, explain_node, explain_param, rebuild,
                                render_explanation, strategy_text, top_collectives)
 from autoshard.ir import Strategy
-from autoshard.plans import Pipeline, Plan, Stage
+from autoshard.plans import Plan
+from autoshard.plans.records import Pipeline, Stage
 from autoshard.solver.alternatives import plan_stored
 from autoshard.solver.build import build_problem
 from autoshard.solver.ilp import solve

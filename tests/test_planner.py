@@ -32,7 +32,8 @@ from autoshard.cost.comm import COLLECTIVE_KINDS, bytes_sent_per_device
 from autoshard.cost.memory import param_state_bytes
 from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Shard, Strategy
-from autoshard.plans import PHASES, Plan
+from autoshard.plans import Plan
+from autoshard.plans.records import PHASES
 from autoshard.solver.baselines import BASELINES, baseline_plan
 from autoshard.solver.build import build_problem
 from autoshard.solver.ilp import least_memory

@@ -15,7 +15,8 @@ from autoshard.tools.cli import main
 from autoshard.schedules import SCHEDULES, SPLIT_BACKWARD, VIRTUAL_STAGES, schedule_seconds
 from autoshard.ir import spec_str
 from autoshard.mesh import Mesh
-from autoshard.plans import Pipeline, Plan, Stage
+from autoshard.plans import Plan
+from autoshard.plans.records import Pipeline, Stage
 from autoshard.tools.report import (gantt_slots, layer_map, memory_parts, pipeline_bubble,
                               render_html, save_gantt, step_parts, write_report)
 from autoshard.solver.planner import plan as make_plan

@@ -20,7 +20,8 @@ from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Strategy, work_fraction
 from autoshard.mesh import AxisMerge, Merges, Mesh
 from autoshard.options import PlanOptions, resolve_options
-from autoshard.plans import CollectiveRecord, HostTransfer, NodePlan, ParamState, Plan
+from autoshard.plans import Plan
+from autoshard.plans.records import CollectiveRecord, HostTransfer, NodePlan, ParamState
 from autoshard.cost.memory import budget_for, device_budget, host_budget
 from autoshard.solver.build import BuildTimeout, Built, build_problem
 from autoshard.solver.ilp import Infeasible, NoBetter, NoSolution, break_ties, solve

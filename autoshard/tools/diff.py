@@ -18,7 +18,8 @@ from typing import Any, Callable, Hashable, Iterable
 
 from autoshard.errors import AutoshardError
 from autoshard.ir import spec_str
-from autoshard.plans import PHASES, PREDICTED, NodePlan, Plan
+from autoshard.plans import Plan
+from autoshard.plans.records import PHASES, PREDICTED, NodePlan
 
 # node name -> (layer container, block number, position in the layer's node list, the first
 # identical layer: whose node at that position does the same)

@@ -38,7 +38,8 @@ from autoshard.errors import AutoshardError
 from autoshard.ir import Strategy, spec_str
 from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions
-from autoshard.plans import NodePlan, Plan
+from autoshard.plans import Plan
+from autoshard.plans.records import NodePlan
 from autoshard.trace.export import TracedGraph
 
 DEFAULT_ALTERNATIVES = 3

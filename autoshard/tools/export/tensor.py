@@ -8,7 +8,8 @@ from collections import Counter
 
 from autoshard.ir import Replicate, Shard, spec_str
 from autoshard.plangraph import Graph
-from autoshard.plans import NodePlan, Plan
+from autoshard.plans import Plan
+from autoshard.plans.records import NodePlan
 from autoshard.tools.export.graph import Module, Style, param_reads
 from autoshard.tools.export.values import (COL, FULL, PARAM, REP, STREAM, Cls, Inexpressible,
                                            Mapping, ValueClasses)

@@ -10,7 +10,8 @@ from typing import Iterable
 
 from autoshard.ir import Partial, Replicate, Shard, spec_str
 from autoshard.plangraph import Graph, Value
-from autoshard.plans import NodePlan, Plan
+from autoshard.plans import Plan
+from autoshard.plans.records import NodePlan
 from autoshard.tools.export.graph import (CLASS_LOSSES, Expected, Module, Style, VIEWS,
                                           param_reads)
 
