@@ -130,7 +130,7 @@ def make_plans(model: str, shape: tuple[int, ...], time_limit: float, recompute:
 def with_recompute(traced, mesh, plan, policy: str):
     """``plan``'s strategies assembled again with every checkpointable layer checkpointed
     under ``policy`` (``plan_stored`` pins layouts and plans without checkpointing)."""
-    from autoshard.solver.planner import assemble
+    from autoshard.solver.assemble import assemble
     from autoshard.trace.layers import checkpointable
     layers = dict.fromkeys(checkpointable(traced.graph, traced.layers), policy)
     return assemble(traced, mesh, plan.strategies(), plan.options, solver=dict(plan.solver),

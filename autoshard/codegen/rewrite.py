@@ -173,7 +173,7 @@ def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime,
     members = set(runtime.buckets.of) if runtime.buckets is not None else set()
     bucketed = {program.edges[i] for p, i in program.bucketed.items() if p in members}
     # Parameters kept on the host: each use copies them in (a reshard's input, or one copy
-    # the ops reading them where they lie share), as planner.host_transfers lists.
+    # the ops reading them where they lie share), as solver/assemble.py host_transfers lists.
     fetched = program.fetched
 
     g = fx.Graph()

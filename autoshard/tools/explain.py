@@ -324,7 +324,7 @@ class _Problem:
         traced = rebuilt.traced
         layers = regroup(traced.layers, self.recompute)    # as the planner groups them
         self.traced = traced if layers == traced.layers else replace(traced, layers=layers)
-        from autoshard.solver.planner import offload_level
+        from autoshard.solver.solve import offload_level
         offload = offload_level(plan)       # the state modes the plan was solved with
         t0 = time.perf_counter()
         self.built = build_problem(self.traced, self.mesh, self.options,
@@ -334,11 +334,11 @@ class _Problem:
     def solve(self, g: int, allowed: tuple[int, ...], strategy: str,
               start: tuple[int, ...] | None = None, start_is: str = "") -> Resolved:
         """The plan with decision ``g`` held to the strategies ``allowed``, solved and assembled
-        as the planner solves and assembles every plan (``ilp.solve``, ``planner.solved_plan``):
+        as the planner solves and assembles every plan (``ilp.solve``, ``solve.solved_plan``):
         the same ILP, tie-break and pricing. ``start``: a full choice known to obey the pin
         (``start_is`` says which), which the solve is never worse than."""
         from autoshard.solver.ilp import Infeasible, NoSolution, solve
-        from autoshard.solver.planner import solved_plan
+        from autoshard.solver.solve import solved_plan
         from autoshard.solver.problem import Start, fits, restricted
 
         p = restricted(self.built.problem, {g: allowed})
