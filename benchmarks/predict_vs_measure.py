@@ -319,7 +319,7 @@ def bench_rank(m: Model, plans: dict[str, str], warmup: int, iters: int) -> dict
 
 
 def measure(m: Model, plans: dict[str, str], warmup: int, iters: int) -> dict:
-    from autoshard.tools.calibrate import host_cpu_seconds, other_load
+    from autoshard.tools.calibrate.timing import host_cpu_seconds, other_load
     from autoshard.codegen.world import World
     with World(2, timeout_s=1800) as w:
         w.start()

@@ -371,7 +371,9 @@ def test_calibrate_maps_the_host_side_onto_the_host_fields():
     preset's (the host is the device)."""
     from test_calibrate import _fake_report
 
-    from autoshard.tools.calibrate import CalibrateSpec, profile
+    from autoshard.tools.calibrate.fields import profile
+
+    from autoshard.tools.calibrate.timing import CalibrateSpec
     from autoshard.cluster import PRESETS, Cluster
     reports = []
     for rate in (30e9, 40e9, 50e9):
@@ -391,7 +393,8 @@ def test_calibrate_maps_the_host_side_onto_the_host_fields():
 def test_calibrate_measures_the_host_step_here():
     """One rank's host measurement, quick sizes, on this CPU: a positive rate over the state it
     says it stepped."""
-    from autoshard.tools.calibrate import SIZES, _host_side
-    out = _host_side(SIZES[("cpu", True)], torch.device("cpu"))
+    from autoshard.tools.calibrate.kernels import measure_host_side
+    from autoshard.tools.calibrate.timing import SIZES
+    out = measure_host_side(SIZES[("cpu", True)], torch.device("cpu"))
     assert out["state_bytes"] == SIZES[("cpu", True)].host_state_bytes // 12 * 12
     assert out["adam_bytes_per_s"] > 1e7 and "h2d_bytes_per_s" not in out
