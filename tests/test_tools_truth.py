@@ -16,7 +16,9 @@ from autoshard.cost.memory import default_budget
 from autoshard.cost.comm import link_time
 from autoshard.tools.diff import diff_plans
 from autoshard.errors import AutoshardError
-from autoshard.tools.explain import explain_file, explain_node, rebuild
+from autoshard.tools.explain import explain_file
+from autoshard.tools.explain.choices import explain_node
+from autoshard.tools.explain.rebuild import rebuild
 from autoshard.tools.report import budget_bytes, render_html
 from autoshard.tools.verify import (ERR_FLOOR, VerifySpec, grad_scale, plan_for, rel_err, summarize,
                               verify_rank)
