@@ -5,6 +5,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 from pathlib import Path
 
 from autoshard.errors import AutoshardError
@@ -229,6 +230,14 @@ TASK_HELP = ("for a Hugging Face config: causal-lm | masked-lm | seq2seq | image
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="autoshard", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
+    # In the order `autoshard --help` lists them.
+    for add in (_add_plan, _add_report_show_verify, _add_plan_tools, _add_machine):
+        add(sub)
+    return ap
+
+
+def _add_plan(sub: Any) -> None:
+    """``autoshard plan``: a model, a mesh (or --gpus) and every planning option."""
     p = sub.add_parser("plan", help="plan a model on a mesh and write the plan JSON")
     p.add_argument("model", help="zoo name (see `autoshard zoo`), path/to/file.py:factory, or a "
                                  "Hugging Face config.json (or a directory holding one)")
@@ -282,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the plan's summary as JSON (predicted step and its parts, "
                         "memory, techniques, timings, output path) instead of text")
     p.set_defaults(fn=cmd_plan)
+
+
+def _add_report_show_verify(sub: Any) -> None:
+    """The commands that show a plan or run it: report, show, verify."""
     r = sub.add_parser("report", help="write a plan as one HTML page of plots (step time, "
                                       "memory, placements per layer, pipeline schedule)")
     r.add_argument("plan", help="plan file")
@@ -313,6 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the eager one (loss, gradients, run-time bytes)")
     add_pipeline_flags(v)
     v.set_defaults(fn=cmd_verify)
+
+
+def _add_plan_tools(sub: Any) -> None:
+    """The commands that read plan files: diff, export, explain."""
     d = sub.add_parser("diff", help="what two plans of one model place differently, and the "
                                     "predicted change of each part of the step (b - a)")
     d.add_argument("a", help="plan file")
@@ -351,6 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "recorded their cluster's figures (a plan prices on its own)")
     x.add_argument("--json", action="store_true", help="print the explanation as JSON")
     x.set_defaults(fn=cmd_explain)
+
+
+def _add_machine(sub: Any) -> None:
+    """The commands about this machine and the built-in models: calibrate, zoo."""
     c = sub.add_parser("calibrate", help="measure this machine (matmul, memory, kernels, "
                                          "collectives) and write a cluster profile JSON")
     c.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -362,7 +383,6 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_calibrate)
     z = sub.add_parser("zoo", help="list the built-in models")
     z.set_defaults(fn=cmd_zoo)
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
