@@ -20,6 +20,7 @@ from autoshard.solver.diagnostics import mesh_use, smaller_mesh, unruled_note
 from autoshard.trace.batches import Traces, batch_of, sliced
 from autoshard.trace.export import TracedGraph
 from autoshard.solver.budget import fit_budget, plan_memory
+from autoshard.solver.search import Try, run_search
 
 
 def plan(model: torch.nn.Module, example_inputs: Sequence[Any], mesh: Mesh,
@@ -53,17 +54,10 @@ def plan_with(traces: Traces, mesh: Mesh, options: PlanOptions, *, model_name: s
             raise AutoshardError(f"a batch that {p} pipeline stages can cut into {p}, {2 * p} "
                                  f"or {4 * p} microbatches", got=f"batch {traces.full}",
                                  fix="pass microbatches=<a divisor of the batch>")
-        plans, errors = [], []
-        for k in tries:          # fewer microbatches may not fit: more are in flight per stage
-            try:
-                with progress.step(f"{k} microbatches"):
-                    plans.append(plan_with(traces, mesh, options.replace(microbatches=k),
-                                           model_name=model_name))
-            except AutoshardError as e:
-                errors.append(e)
-        if not plans:
-            raise errors[-1]
-        best = min(plans, key=lambda x: x.predicted["step_time_s"])
+        best, _ = run_search(microbatch_tries(tries),
+                             lambda t: plan_with(traces, mesh, t.options(options),
+                                                 model_name=model_name),
+                             error_of_none="last")
         return replace(best, options=options.replace(microbatches=best.pipeline.microbatches))
     batch = traces.full
     if options.pipeline is not None:    # the graph of one microbatch (trace_for)
@@ -79,26 +73,32 @@ def plan_with(traces: Traces, mesh: Mesh, options: PlanOptions, *, model_name: s
     return plan_traced(traces.at(batch), mesh, options, model_name=model_name, trace_s=trace_s)
 
 
+def microbatch_tries(counts: Sequence[int]) -> list[Try]:
+    """The microbatch search's tries, fewest first (fewer may not fit: more are in flight per
+    stage, so the last try's error says most when none fits)."""
+    return [Try(f"{k} microbatches", (("microbatches", k),)) for k in counts]
+
+
+def pipeline_tries(mesh: Mesh) -> list[Try]:
+    """The pipeline search's tries: no pipeline (its microbatch count left to search), then a
+    pipeline over each axis of 2 or more devices."""
+    return [Try("without a pipeline", (("pipeline", None), ("microbatches", "auto")))] + [
+        Try(f"pipeline over {a}", (("pipeline", a),))
+        for a, n in zip(mesh.axes, mesh.shape) if n >= 2]
+
+
 def _plan_pipeline_auto(traces: Traces, mesh: Mesh, options: PlanOptions,
                         model_name: str) -> Plan:
     """Whether and on which axis to pipeline (docs/cost-model.md §10): the plan without a
     pipeline and one pipelined over each axis of 2 or more devices; the fastest kept, every
     try recorded in ``solver["pipeline_search"]`` (its step, or why it has no plan)."""
-    tries: list[tuple[str | None, Plan | None, AutoshardError | None]] = []
-    for axis in (None, *(a for a, n in zip(mesh.axes, mesh.shape) if n >= 2)):
-        try:
-            with progress.step(f"pipeline over {axis}" if axis else "without a pipeline"):
-                opts = options.replace(pipeline=axis, **({} if axis else {"microbatches": "auto"}))
-                tries.append((axis, plan_with(traces, mesh, opts, model_name=model_name), None))
-        except AutoshardError as e:
-            tries.append((axis, None, e))
-    found = [(axis, p) for axis, p, _ in tries if p is not None]
-    if not found:
-        raise next(e for _, _, e in tries if e is not None)
-    _, best = min(found, key=lambda ap: ap[1].predicted["step_time_s"])
-    search = [{"pipeline": axis, "step_time_s": p.predicted["step_time_s"] if p else None,
-               **({"microbatches": p.pipeline.microbatches} if p and p.pipeline else {}),
-               **({"error": e.got} if e else {})} for axis, p, e in tries]
+    best, tried = run_search(pipeline_tries(mesh),
+                             lambda t: plan_with(traces, mesh, t.options(options),
+                                                 model_name=model_name))
+    search = [{"pipeline": dict(t.attempt.changes)["pipeline"], "step_time_s": t.step_time_s,
+               **({"microbatches": t.plan.pipeline.microbatches}
+                  if t.plan and t.plan.pipeline else {}),
+               **({"error": t.error.got} if t.error else {})} for t in tried]
     return replace(best, solver={**best.solver, "pipeline_search": search})
 
 
