@@ -29,7 +29,7 @@ def summary(plan: Plan) -> str:
              f"{(p['step_time_s'] - p['compute_s'] - p.get('host_s', 0.0)) * 1e3:.3f} ms "
              f"(of {p['comm_s'] * 1e3:.3f} ms comm)"
              + (f" + host link {p['host_s'] * 1e3:.3f} ms" if p.get("host_s") else "")
-             + f"; ILP memory sum {_size(p['ilp_memory_bytes'])} per device",
+             + f"; ILP memory sum {size_text(p['ilp_memory_bytes'])} per device",
              *comm_by_axis(plan),
              f"  solver {s['status']}, {s['variables']} variables, {s.get('decisions', '?')} "
              f"decisions, gap {s['gap']:.2%}", *_mesh_search_summary(plan)]
@@ -39,7 +39,7 @@ def summary(plan: Plan) -> str:
     lines.append("  collectives:")
     for (phase, kind, axes), bs in sorted(by.items()):
         lines.append(f"    {phase:9s} {kind:14s} over {','.join(axes):8s} x{len(bs):<5d} "
-                     f"{_size(sum(bs)):>12s}")
+                     f"{size_text(sum(bs)):>12s}")
     shown: dict[str, str] = {}
     for fqn, spec in plan.params.items():
         shown.setdefault(spec_str(spec), fqn)
@@ -76,18 +76,18 @@ def _state_summary(plan: Plan) -> list[str]:
         by_dir = {d: sum(t.bytes for t in plan.host_transfers if t.direction == d)
                   for d in DIRECTIONS}
         host_s = plan.predicted.get("host_s")
-        lines.append(f"  host link per step: {_size(by_dir['h2d'])} host to device, "
-                     f"{_size(by_dir['d2h'])} device to host"
+        lines.append(f"  host link per step: {size_text(by_dir['h2d'])} host to device, "
+                     f"{size_text(by_dir['d2h'])} device to host"
                      + (f"; {host_s * 1e3:.3f} ms of it outside the optimizer step, "
                         f"not overlapped" if host_s else ""))
     mem = plan.predicted.get("memory")
     if isinstance(mem, dict):
-        parts = ", ".join(f"{k} {_size(mem[k])}" for k in
+        parts = ", ".join(f"{k} {size_text(mem[k])}" for k in
                           ("parameters", "gradients", "optimizer", "activations",
                            "temporaries") if mem.get(k))
-        host = f"; host {_size(mem['host'])}" if mem.get("host") else ""
+        host = f"; host {size_text(mem['host'])}" if mem.get("host") else ""
         at = plan.predicted.get("peak_phase")
-        peak = f" {_size(mem['peak'])}" if "peak" in mem else ""
+        peak = f" {size_text(mem['peak'])}" if "peak" in mem else ""
         lines.append(f"  peak over the step (liveness){peak}{f', in {at}' if at else ''}: "
                      f"{parts}{host}")
     if plan.predicted.get("optimizer_s"):
@@ -142,7 +142,7 @@ def _pipeline_summary(plan: Plan) -> list[str]:
         lines.append(f"    stage {st.index}: {what} ({len(st.layers)} layers); per microbatch "
                      f"compute {st.predicted['compute_s'] * 1e3:.3f} ms + comm "
                      f"{st.predicted['comm_s'] * 1e3:.3f} ms; ILP memory sum "
-                     f"{_size(st.predicted['ilp_memory_bytes'])}")
+                     f"{size_text(st.predicted['ilp_memory_bytes'])}")
     return lines
 
 
@@ -173,10 +173,12 @@ def explain(plan: Plan) -> str:
     return "\n".join(f"{n.name:40s} {n.op:45s} {strategies[n.name]}" for n in plan.nodes)
 
 
-def _size(nbytes: float) -> str:
-    """Bytes in the largest binary unit that keeps the figure >= 1: a tiny model's plan must not
-    read "0.00 GiB" (and its snapshot must show a change in memory or traffic)."""
+def size_text(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the figure >= 1, sign kept: a tiny model's
+    plan must not read "0.00 GiB" (and its snapshot must show a change in memory or traffic).
+    The one byte formatting of the plan's text and of the tools (diff, explain)."""
+    sign, n = ("-" if nbytes < 0 else ""), abs(nbytes)
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes:.0f} B"
+        if n >= scale:
+            return f"{sign}{n / scale:.2f} {unit}"
+    return f"{sign}{n:.0f} B"

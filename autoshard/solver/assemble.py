@@ -3,7 +3,7 @@ and its predicted figures, the sums of the prices the ILP's coefficients come fr
 (cost/price.py) over the program the rank will run (cost/program.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from autoshard.cost.liveness import step_memory
@@ -38,16 +38,13 @@ def forward_memory(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strate
     return memory
 
 
-@dataclass
 class _Sums:
     """The per-node sums of a step, in graph order (the order the ILP's objective adds them)."""
 
-    compute_s: float = 0.0
-    memory: float = 0.0
-    backward_s: float = 0.0
-    optimizer_s: float = 0.0
-    host_step_s: float = 0.0
-    state: StateBytes = field(default_factory=StateBytes)
+    def __init__(self) -> None:
+        self.compute_s = self.memory = self.backward_s = self.optimizer_s = 0.0
+        self.host_step_s = 0.0
+        self.state = StateBytes()
 
 
 def _node_sums(pricer: Pricer, nodes: list, strategies: dict[str, Strategy]) -> _Sums:

@@ -11,9 +11,9 @@ from autoshard.errors import AutoshardError
 from autoshard.ir import Strategy, spec_str
 from autoshard.plans import Plan
 from autoshard.plans.records import NodePlan
+from autoshard.plans.summary import size_text
 from autoshard.trace.export import TracedGraph
 from autoshard.tools.explain.rebuild import Rebuilt, Source, check_resolvable, node_source
-from autoshard.tools.explain.render import size_text
 
 DEFAULT_ALTERNATIVES = 3
 DEFAULT_TIME_LIMIT_S = 3.0      # per re-solve: llama3-8b on 8x8 solves in ~1 s when it can

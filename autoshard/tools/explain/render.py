@@ -4,18 +4,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from autoshard.plans import Plan
+from autoshard.plans.summary import size_text
 from autoshard.tools.explain.ledger import TopCollective, ranges
 
 if TYPE_CHECKING:
     from autoshard.tools.explain.choices import Explanation, Row
-
-
-def size_text(nbytes: float) -> str:
-    sign, n = ("-" if nbytes < 0 else ""), abs(nbytes)
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{sign}{n / scale:.2f} {unit}"
-    return f"{sign}{n:.0f} B"
 
 
 def _ms(seconds: float, *, signed: bool = False) -> str:
