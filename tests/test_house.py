@@ -38,7 +38,6 @@ ALLOWED: dict[tuple[str, str, str], str] = {
                                                                 "setup)",
     ("codegen/rewrite.py", "function", "emit"): "not yet cut (the lowering of the step program)",
     ("solver/build.py", "class", "_Builder"): "not yet cut (the problem builder)",
-    ("solver/ilp.py", "function", "_solve"): "not yet cut (the backends' verdicts)",
     ("solver/meshes.py", "function", "search_mesh"): "a search: to become tries to the search "
                                                      "driver",
 }
