@@ -38,8 +38,6 @@ ALLOWED: dict[tuple[str, str, str], str] = {
                                                                 "setup)",
     ("codegen/rewrite.py", "function", "emit"): "not yet cut (the lowering of the step program)",
     ("solver/build.py", "class", "_Builder"): "not yet cut (the problem builder)",
-    ("solver/meshes.py", "function", "search_mesh"): "a search: to become tries to the search "
-                                                     "driver",
 }
 
 
