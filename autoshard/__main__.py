@@ -1,5 +1,5 @@
 import sys
 
-from autoshard.cli import main
+from autoshard.tools.cli import main
 
 sys.exit(main())

@@ -25,7 +25,7 @@ class Graph:
     each node reads, in the order its ``inputs`` specs are listed, and the shape of each value.
     A getitem is the i-th output of the node it reads, as everywhere in autoshard."""
 
-    nodes: dict[str, Any]              # name -> plans.NodePlan
+    nodes: dict[str, Any]              # name -> plans.records.NodePlan
     reads: dict[str, tuple[Value, ...]]
     users: dict[Value, tuple[tuple[str, int], ...]]     # value -> (reader, input index)
     shapes: dict[Value, tuple[int, ...]]

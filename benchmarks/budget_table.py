@@ -64,7 +64,8 @@ def traces_of(case: str):
 def row(case: str, traces, budget_gib: float) -> list[str]:
     from autoshard.mesh import Mesh
     from autoshard.options import resolve_options
-    from autoshard.solver.planner import BudgetError, plan_with
+    from autoshard.solver.planner import plan_with
+    from autoshard.solver.solve import BudgetError
     _, _, shape, axes, _, _, _ = CASES[case]
     budget = int(budget_gib * GIB)
     options = resolve_options(None, {"precision": "bf16-mixed", "memory_budget": budget})

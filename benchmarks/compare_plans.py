@@ -41,7 +41,7 @@ from autoshard.errors import AutoshardError  # noqa: E402
 from autoshard.ir import Shard  # noqa: E402
 from autoshard.mesh import Mesh  # noqa: E402
 from autoshard.options import PlanOptions  # noqa: E402
-from autoshard.solver import alternatives, planner  # noqa: E402
+from autoshard.solver import alternatives, assemble, planner  # noqa: E402
 from autoshard.solver.baselines import (BASELINES, STORED, baseline_plan,  # noqa: E402
                                         fsdp_tp_layouts, stored_plan, zero3_layouts)
 from autoshard.solver.build import build_problem  # noqa: E402
@@ -151,7 +151,7 @@ def stored_baseline(traced, mesh: Mesh, name: str, **kw):
         raise AutoshardError(f"a plan with the {name} layouts, checkpointed, within the memory "
                              f"budget and time limit", got="none found",
                              fix="raise memory_budget or time_limit_s")
-    return planner.assemble(traced, mesh, plan.strategies(), options, solver=dict(plan.solver),
+    return assemble.assemble(traced, mesh, plan.strategies(), options, solver=dict(plan.solver),
                             model_name="", timings={**plan.timings, "build_s": build_s},
                             recompute=layers)
 
@@ -292,7 +292,7 @@ def plot(rows: list[dict], columns: tuple[str, ...], path: str | Path, title: st
     autoshard and one per baseline; a plan that failed (out of memory, no solution, n/a) is an
     ``x`` at the panel's foot. ``rows`` are the row dicts ``table`` takes (``plan_row``'s, or
     ``rows_from_markdown``'s)."""
-    from autoshard.report import pyplot
+    from autoshard.tools.report import pyplot
     plt = pyplot()
     models = list(dict.fromkeys(r["model"] for r in rows if "trace_err" not in r))
     if not models:

@@ -434,7 +434,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     prof, cal_s = None, 0.0
     if not args.skip_calibrate:
-        from autoshard.calibrate import calibrate, summary, write_profile
+        from autoshard.tools.calibrate import calibrate, summary, write_profile
         t0 = time.perf_counter()
         prof = calibrate("cuda", 1)
         cal_s = time.perf_counter() - t0

@@ -58,7 +58,7 @@ def one(budget_gib: float) -> dict:
 
     import autoshard
     from autoshard.cost.memory import HOST_RESERVE_BYTES
-    from autoshard.solver.planner import BudgetError
+    from autoshard.solver.solve import BudgetError
     from autoshard.zoo.models import Llama
     from autoshard.zoo.registry import ZOO
 

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import command, machine, md_cell, revision, today, write_section  # noqa: E402
 
-from autoshard.cli import parse_mesh  # noqa: E402
+from autoshard.tools.cli import parse_mesh  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

@@ -26,7 +26,7 @@ over the median of ``--iters`` timed steps after one warm-up. The cases run one 
 each freeing its memory before the next (the 4 GiB case holds about 5.5 GiB at its peak).
 
 The host's load is part of the result: the section states the load average and the share of
-CPU time other processes used while each case ran (autoshard/calibrate.py ``other_load``);
+CPU time other processes used while each case ran (autoshard/tools/calibrate/timing.py ``other_load``);
 on a shared machine the figures are a lower bound of what the host does alone.
 """
 from __future__ import annotations
@@ -45,7 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _results import command, machine, revision, today, write_section  # noqa: E402
 
-from autoshard.calibrate import host_cpu_seconds, other_load  # noqa: E402
+from autoshard.tools.calibrate import other_load  # noqa: E402
+
+from autoshard.tools.calibrate.timing import host_cpu_seconds
 from autoshard.codegen.hostopt import CHUNK, HostOptimizer  # noqa: E402
 
 SECTION = "host-optimizer"

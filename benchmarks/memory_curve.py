@@ -45,7 +45,7 @@ from autoshard.zoo.registry import get_model  # noqa: E402
 SECTION = "memory_curve"
 GIB = 2**30
 TOL = 1e-6          # relative: a rise of the step below this is float noise
-# The share of the budget above which the planner tries checkpointing (planner.BINDS).
+# The share of the budget above which the planner tries checkpointing (solver/budget.py BINDS).
 BINDS = getattr(planner, "BINDS", 1.0)
 FORCED = ("none", "selective", "full")
 
@@ -165,13 +165,13 @@ def explain(r: dict, lower: dict) -> str:
         text += (f". A faster plan exists at this budget ({faster[0] * 1e3:.1f} ms with "
                  f"recompute='{faster[1]}'); recompute='auto' tries checkpointing only when no "
                  f"plan fits or the plan without it comes within {1 - BINDS:.0%} of the budget "
-                 f"(solver/planner.py, `_plan_recompute`), and this one used "
+                 f"(solver/budget.py, `_plan_recompute`), and this one used "
                  f"{a['peak'] / r['budget']:.1%} of it" if a["uses"]["recompute"] == 0 else
                  f". A faster plan exists at this budget ({faster[0] * 1e3:.1f} ms with "
                  f"recompute='{faster[1]}'), which the planner's own ladder did not reach")
     elif b["uses"]["offload"] and not a["uses"]["offload"]:
         text += (". Offload is tried only when no plan fits without it "
-                 "(solver/planner.py, `_plan_memory`), so a slower plan without it is kept")
+                 "(solver/budget.py, `plan_memory`), so a slower plan without it is kept")
     else:
         text += ". No run at this budget finds a faster plan: the search is time-limited or " \
                 "the lower budget's plan is outside it"

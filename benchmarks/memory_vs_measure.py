@@ -103,7 +103,7 @@ def make_plans(model: str, shape: tuple[int, ...], time_limit: float, recompute:
     from autoshard.solver.baselines import baseline_plan, zero3_layouts
     from autoshard.solver.planner import plan_traced
     from autoshard.trace.export import trace
-    from autoshard.verify import build
+    from autoshard.tools.verify import build
 
     mesh = Mesh(shape, cluster="stress")
     traced = trace(*build(model, None, None, 0))
@@ -130,7 +130,7 @@ def make_plans(model: str, shape: tuple[int, ...], time_limit: float, recompute:
 def with_recompute(traced, mesh, plan, policy: str):
     """``plan``'s strategies assembled again with every checkpointable layer checkpointed
     under ``policy`` (``plan_stored`` pins layouts and plans without checkpointing)."""
-    from autoshard.solver.planner import assemble
+    from autoshard.solver.assemble import assemble
     from autoshard.trace.layers import checkpointable
     layers = dict.fromkeys(checkpointable(traced.graph, traced.layers), policy)
     return assemble(traced, mesh, plan.strategies(), plan.options, solver=dict(plan.solver),
@@ -186,7 +186,7 @@ def measure_without_module_hooks(spec) -> dict:
     from autoshard.codegen.runtime import parallelize
     from autoshard.mesh import Mesh
     from autoshard.plans import Plan
-    from autoshard.verify import build, measure_step_memory
+    from autoshard.tools.verify import build, measure_step_memory
 
     original = mt.MemTracker
 
@@ -206,7 +206,7 @@ def measure_without_module_hooks(spec) -> dict:
 
 
 def run_case(world, model: str, plan) -> dict:
-    from autoshard.verify import VerifySpec, summarize, verify_rank
+    from autoshard.tools.verify import VerifySpec, summarize, verify_rank
     t0 = time.perf_counter()
     spec = VerifySpec(model, plan.mesh_shape, plan.mesh_axes, plan.dumps())
     reports = world.run(verify_rank, spec)
@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="also write the raw results here")
     args = ap.parse_args(argv)
 
-    from autoshard.cli import parse_mesh
+    from autoshard.tools.cli import parse_mesh
     from autoshard.codegen.world import World
 
     t0 = time.perf_counter()

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import command, machine, revision, today, write_section  # noqa: E402
 
 from autoshard.plans import Plan  # noqa: E402
-from autoshard.report import save_gantt  # noqa: E402
+from autoshard.tools.report import save_gantt  # noqa: E402
 
 SECTION = "pipeline_plans"
 ROOT = Path(__file__).resolve().parent
@@ -61,7 +61,7 @@ def run(case: str, psi: dict[str, int], gantt: Path | None) -> list[str]:
                     "", "", "", "", ""]
         plan = json.loads(path.read_text())
         if plan.get("pipeline") is not None and gantt is not None:
-            # The library's chart (autoshard/report.py), as `autoshard report` draws it.
+            # The library's chart (autoshard/tools/report.py), as `autoshard report` draws it.
             save_gantt(Plan.load(path).pipeline, gantt)
     return row(f"`{case}`", f"{wall:.1f}", plan, psi[args[0]] * batch * seq)
 

@@ -319,7 +319,7 @@ def bench_rank(m: Model, plans: dict[str, str], warmup: int, iters: int) -> dict
 
 
 def measure(m: Model, plans: dict[str, str], warmup: int, iters: int) -> dict:
-    from autoshard.calibrate import host_cpu_seconds, other_load
+    from autoshard.tools.calibrate.timing import host_cpu_seconds, other_load
     from autoshard.codegen.world import World
     with World(2, timeout_s=1800) as w:
         w.start()
@@ -892,7 +892,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def one_run(args, m: Model) -> tuple[dict, dict[str, str], dict]:
     """Calibrate (unless ``--cluster``), plan, measure, analyse."""
-    from autoshard.calibrate import calibrate, summary, write_profile
+    from autoshard.tools.calibrate import calibrate, summary, write_profile
     if args.cluster:
         prof = json.loads(Path(args.cluster).read_text())
         cluster_path = args.cluster

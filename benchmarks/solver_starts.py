@@ -5,7 +5,7 @@ config, on 8x8 h100, batch 8 x 2048), builds the planner's problem (default opti
 checkpointing) and solves each start of ``solver/starts.py`` (a restriction of that problem:
 the baselines' stored layouts, the mesh without each axis, the merged mesh) as ``ilp.solve``
 does; then assembles the plan of the best one as the planner assembles any plan
-(``planner.solved_plan``) and prints its predicted step. That plan is what a time-limited
+(``solve.solved_plan``) and prints its predicted step. That plan is what a time-limited
 ``autoshard plan`` returns at the least: the planner's own solve only replaces it with a faster
 one. ``--compare-mesh 8`` also plans the same model on that mesh (``autoshard.plan``'s path)
 for the step the start must not exceed.
@@ -27,7 +27,8 @@ from autoshard.mesh import Mesh  # noqa: E402
 from autoshard.options import resolve_options  # noqa: E402
 from autoshard.solver import ilp  # noqa: E402
 from autoshard.solver.build import build_problem  # noqa: E402
-from autoshard.solver.planner import plan_traced, solved_plan, trace_for  # noqa: E402
+from autoshard.solver.planner import plan_traced, trace_for  # noqa: E402
+from autoshard.solver.solve import solved_plan
 from autoshard.solver.problem import Solution, evaluate, fits  # noqa: E402
 from autoshard.solver.starts import obvious_starts  # noqa: E402
 from autoshard.zoo.hf import from_config  # noqa: E402

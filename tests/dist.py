@@ -15,7 +15,7 @@ def adamw_steps(model_name: str, plan_json: str, steps: int):
     from autoshard import Mesh, Plan
     from autoshard.codegen.runtime import parallelize
     from autoshard.loss import as_loss_module
-    from autoshard.verify import build, rel_err
+    from autoshard.tools.verify import build, rel_err
     plan = Plan.loads(plan_json)
     model, inputs = build(model_name, None, None, 0)
     ref = as_loss_module(build(model_name, None, None, 0)[0])

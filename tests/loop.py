@@ -61,7 +61,7 @@ def parallel(model_name: str, plan_json: str, seed: int = 0):
     drawn from ``seed`` (the inputs, which fix the data's vocabulary, from seed 0)."""
     from autoshard import Mesh, Plan
     from autoshard.codegen.runtime import parallelize
-    from autoshard.verify import build
+    from autoshard.tools.verify import build
     plan = Plan.loads(plan_json)
     model, inputs = build(model_name, None, None, seed)[0], build(model_name, None, None, 0)[1]
     pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan,
@@ -76,7 +76,7 @@ def pm_step(pm):
 def single_device(model_name: str, steps: int, micro: int):
     """The same loop on the single-device model: (losses, norms), its parameters by name."""
     from autoshard.loss import as_loss_module
-    from autoshard.verify import build
+    from autoshard.tools.verify import build
     ref = as_loss_module(build(model_name, None, None, 0)[0])
     inputs = build(model_name, None, None, 0)[1]
 

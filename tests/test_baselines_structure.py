@@ -18,7 +18,7 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-from autoshard.cli import main  # noqa: E402
+from autoshard.tools.cli import main  # noqa: E402
 from autoshard.ir import Replicate, Shard  # noqa: E402
 from autoshard.mesh import Mesh  # noqa: E402
 from autoshard.solver.baselines import (baseline_pins, baseline_plan, megatron_roles,  # noqa: E402

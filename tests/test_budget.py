@@ -19,10 +19,11 @@ from autoshard.cost.program import step_program
 from autoshard.cost.reshards import reshard_edges
 from autoshard.cost.overlap import first_grad_syncs
 from autoshard.plans import Plan
-from autoshard.solver.planner import BudgetError, plan_traced
+from autoshard.solver.planner import plan_traced
+from autoshard.solver.solve import BudgetError
 from autoshard.trace.export import trace
 from autoshard.trace.graph import value_shapes
-from autoshard.verify import VerifySpec, build, summarize, verify_rank
+from autoshard.tools.verify import VerifySpec, build, summarize, verify_rank
 from autoshard.zoo.registry import get_model
 from dist import world_fixture
 

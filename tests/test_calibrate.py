@@ -10,9 +10,11 @@ import math
 import pytest
 import torch
 
-from autoshard.calibrate import (MIN_ALPHA, alpha_beta_terms, fit_alpha_beta, predicted_time,
-                                 profile)
-from autoshard.cli import main
+from autoshard.tools.calibrate.fields import profile
+
+from autoshard.tools.calibrate.fit import (MIN_ALPHA, alpha_beta_terms, fit_alpha_beta,
+                                           predicted_time)
+from autoshard.tools.cli import main
 from autoshard.cluster import PRESETS, Cluster
 from autoshard.cost.comm import COLLECTIVE_KINDS, collective_time
 from autoshard.errors import AutoshardError
@@ -122,7 +124,7 @@ def _fake_report(rate: float, comm: bool = True) -> dict:
 
 
 def test_profile_maps_measurements_onto_cluster_fields() -> None:
-    from autoshard.calibrate import CalibrateSpec
+    from autoshard.tools.calibrate.timing import CalibrateSpec
     prof = profile(CalibrateSpec("cpu", 2), [_fake_report(1e11), _fake_report(1e11)])
     c = Cluster._from_profile(dict(prof))
     # overall rate: 3 matmuls of F flops in F/r + F/r + 2F/r = 4F/r -> 3r/4; peak r
@@ -144,7 +146,7 @@ def test_profile_maps_measurements_onto_cluster_fields() -> None:
 def test_cuda_profile_takes_bf16_peak_and_the_gpus_preset() -> None:
     # The CUDA mapping, fed a GPU's measurements (no GPU needed): bf16 sets flops and the
     # efficiency; fp32_flops is scaled so that fp32_flops * efficiency is the measured fp32 rate.
-    from autoshard.calibrate import CalibrateSpec
+    from autoshard.tools.calibrate.timing import CalibrateSpec
     reports = []
     for _ in range(2):
         r = _fake_report(50e12)                       # fp32: peak 50 T, overall 37.5 T
@@ -167,7 +169,8 @@ def test_overlap_share_is_what_running_both_saves() -> None:
     hidden behind backward), in turns 25 (nothing hidden: clipped to the field's floor), 20
     half, and more than in turns (in each other's way) is nothing too; the slowest rank's times
     count."""
-    from autoshard.calibrate import CalibrateSpec, overlap_share
+    from autoshard.tools.calibrate.links import overlap_share
+    from autoshard.tools.calibrate.timing import CalibrateSpec
 
     def report(both: float, slow: float = 0.0) -> dict:
         r = _fake_report(1e11)
@@ -257,11 +260,12 @@ def test_calibrate_refuses_bad_arguments(capsys, tmp_path) -> None:
 
 
 def test_the_host_dispatch_is_measured_on_a_program_of_aten_ops() -> None:
-    from autoshard.calibrate import SIZES as _S, _kernel_floor, _program_chain
-    g = _program_chain(5)
+    from autoshard.tools.calibrate.kernels import measure_kernel_floor, program_chain
+    from autoshard.tools.calibrate.timing import SIZES as _S
+    g = program_chain(5)
     assert [n.target for n in g.graph.nodes if n.op == "call_function"].count(
         torch.ops.aten.mul.Tensor) == 5
     x, c = torch.ones(1, requires_grad=True), torch.full((1,), 2.0)
     assert g(x, c).item() == 32.0
-    out = _kernel_floor(_S[("cpu", True)], torch.device("cpu"))
+    out = measure_kernel_floor(_S[("cpu", True)], torch.device("cpu"))
     assert out["program_per_op_s"] > 0 and out["chain"] > 0

@@ -1,4 +1,4 @@
-"""The ``autoshard`` command line, called in-process through ``autoshard.cli.main``.
+"""The ``autoshard`` command line, called in-process through ``autoshard.tools.cli.main``.
 
 User mistakes exit with status 2 and one clear line on stderr, never a traceback.
 """
@@ -9,7 +9,7 @@ import io
 
 import pytest
 
-from autoshard.cli import main
+from autoshard.tools.cli import main
 from autoshard.plans import Plan
 from autoshard.zoo.registry import ZOO
 

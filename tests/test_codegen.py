@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from autoshard import Mesh, Plan
-from autoshard.verify import VerifySpec, build, plan_for, summarize, verify_rank
+from autoshard.tools.verify import VerifySpec, build, plan_for, summarize, verify_rank
 from autoshard.errors import AutoshardError
 from dist import world_fixture
 
@@ -105,7 +105,7 @@ def _accumulate(plan_json: str) -> dict[str, float]:
     """Two backward passes before reading the gradients: a bucket must add to ``.grad``."""
     from autoshard.codegen.runtime import parallelize
     from autoshard.loss import as_loss_module
-    from autoshard.verify import rel_err
+    from autoshard.tools.verify import rel_err
     plan = Plan.loads(plan_json)
     model, inputs = build("gpt2-tiny", None, None, 0)
     ref = as_loss_module(build("gpt2-tiny", None, None, 0)[0])
@@ -361,13 +361,13 @@ def test_layers_under_different_policies_equal_single_device(world4):
     other selectively, under Megatron's layout; the layers are decided as two groups."""
     from autoshard.solver.baselines import baseline_pins
     from autoshard.options import PlanOptions
-    from autoshard.solver.planner import _plan_traced
+    from autoshard.solver.merging import plan_once
     from autoshard.trace.export import trace
     model, inputs = build("llama-tiny", None, None, 0)
     traced = trace(model, inputs)
     mesh = mesh_of((4,))
     rc = {"layers.0": "full", "layers.1": "selective"}
-    plan = _plan_traced(traced, mesh, PlanOptions(zero="none", offload="none"),
+    plan = plan_once(traced, mesh, PlanOptions(zero="none", offload="none"),
                         model_name="llama-tiny", fixed=baseline_pins(traced, mesh, "megatron"),
                         trace_s=0.0, merge=None, recompute=rc, offload=False)
     assert plan.recompute == rc

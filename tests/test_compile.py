@@ -173,7 +173,7 @@ CASES = ALL_CASES if os.environ.get("AUTOSHARD_SLOW") else [ALL_CASES[3]]
                          ids=[f"{m}-{'x'.join(map(str, s))}{'-pp' if p else ''}"
                               for m, s, p in CASES])
 def test_compiled_rank_program_equals_eager(world4, model, shape, pipe):
-    from autoshard.verify import VerifySpec, plan_for, summarize, verify_rank
+    from autoshard.tools.verify import VerifySpec, plan_for, summarize, verify_rank
     axes = ("pp", "tp") if pipe else None
     mesh = Mesh(shape, axes, cluster=CLUSTER) if axes else Mesh(shape, cluster=CLUSTER)
     plan = plan_for(model, mesh, recompute="full", **pipe)

@@ -24,7 +24,7 @@ from autoshard.ops.simulate import check_strategy, shard_tensor
 from autoshard.solver.planner import plan_traced
 from autoshard.trace.export import TracedGraph, trace
 from autoshard.trace.export import op_info as node_info
-from autoshard.verify import VerifySpec, build, summarize, verify_rank
+from autoshard.tools.verify import VerifySpec, build, summarize, verify_rank
 from autoshard.zoo.registry import get_model
 from dist import world_fixture
 
@@ -220,7 +220,7 @@ def test_seq_above_the_context_names_the_config_field() -> None:
 
 
 def test_plan_cli_names_the_context_and_its_flag(capsys) -> None:
-    from autoshard.cli import main
+    from autoshard.tools.cli import main
     assert main(["plan", "llama-tiny", "--mesh", "2", "--batch", "1", "--seq", "32"]) == 2
     err = capsys.readouterr().err
     assert "LlamaConfig.context" in err and "--context 32" in err and "Traceback" not in err

@@ -8,12 +8,13 @@ import math
 
 import pytest
 
-from autoshard.cli import main
-from autoshard.diff import _ranges, diff_files, diff_plans, render
+from autoshard.tools.cli import main
+from autoshard.tools.diff import _ranges, diff_files, diff_plans, render
 from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
-from autoshard.plans import PHASES, PREDICTED, Plan
-from autoshard.verify import plan_for
+from autoshard.plans import Plan
+from autoshard.plans.records import PHASES, PREDICTED
+from autoshard.tools.verify import plan_for
 
 
 def run(argv: list[str]) -> tuple[int, str, str]:

@@ -17,8 +17,8 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 import autoshard
-import autoshard.verify
-from autoshard.cli import main
+import autoshard.tools.verify
+from autoshard.tools.cli import main
 from autoshard.cluster import Cluster
 from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
@@ -338,7 +338,7 @@ def no_ranks(monkeypatch) -> None:
     """Fail a test that would spawn gloo ranks: these refusals must come first."""
     def world(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("verify spawned ranks before refusing")
-    monkeypatch.setattr(autoshard.verify, "World", world)
+    monkeypatch.setattr(autoshard.tools.verify, "World", world)
 
 
 def test_verify_refuses_a_plan_for_another_batch_before_spawning(tmp_path: Path, capsys,

@@ -11,10 +11,14 @@ import pytest
 
 from autoshard.cost.comm import collective_time
 from autoshard.errors import AutoshardError
-from autoshard.explain import (explain_file, explain_node, explain_param, rebuild,
-                               render_explanation, strategy_text, top_collectives)
+from autoshard.tools.explain import explain_file
+from autoshard.tools.explain.choices import explain_node, explain_param, strategy_text
+from autoshard.tools.explain.ledger import top_collectives
+from autoshard.tools.explain.rebuild import rebuild
+from autoshard.tools.explain.render import render_explanation
 from autoshard.ir import Strategy
-from autoshard.plans import Pipeline, Plan, Stage
+from autoshard.plans import Plan
+from autoshard.plans.records import Pipeline, Stage
 from autoshard.solver.alternatives import plan_stored
 from autoshard.solver.build import build_problem
 from autoshard.solver.ilp import solve

@@ -31,10 +31,11 @@ import pytest
 import torch
 
 from autoshard import Mesh, Plan
-from autoshard.cli import main
+from autoshard.tools.cli import main
 from autoshard.errors import AutoshardError
-from autoshard.export import FORMATS, export_plan
-from autoshard.verify import VerifySpec, build, plan_for, rel_err, summarize, verify_rank
+from autoshard.tools.export import FORMATS, export_plan
+from autoshard.tools.export.render import source as render_source
+from autoshard.tools.verify import VerifySpec, build, plan_for, rel_err, summarize, verify_rank
 from dist import world_fixture
 
 CLUSTER = str(Path(__file__).parent / "data" / "compute_bound.json")
@@ -101,7 +102,7 @@ def test_megatron_dp_maps_to_column_row_and_sequence_parallel(plans, tmp_path):
     exp = export_plan(plans["megatron-dp"])
     assert (exp.tensor_axis, exp.data_axes, exp.stream) == ("tp", ("dp",), 0)
     assert exp.data_parallel == "replicate" and exp.input_split == {0: ("dp",), 1: ("dp",)}
-    source = exp.source()
+    source = render_source(exp)
     assert _imports(source) <= {"__future__", "contextlib", "inspect", "torch"}
     mod = _load(source, tmp_path, "megatron_dp")
     assert (mod.MESH_SHAPE, mod.MESH_AXES, mod.TENSOR_AXIS) == ((2, 2), ("dp", "tp"), "tp")
@@ -153,14 +154,14 @@ def test_fsdp_layout_maps_to_sequence_parallel_and_fully_shard(plans, tmp_path):
     assert exp.data_parallel == "fully_shard"
     assert exp.fsdp_groups == ["model.model.layers.0", "model.model.layers.1"]
     assert exp.reshard_after_forward is False     # the plan gathers each weight once
-    mod = _load(exp.source(), tmp_path, "fsdp")
+    mod = _load(render_source(exp), tmp_path, "fsdp")
     tp = mod.tensor_parallel_plan()
     embed, head = tp["model.model.embed_tokens"], tp["model.lm_head"]
     assert type(embed) is RowwiseParallel and embed.output_layouts == (Shard(1),)
     assert type(head) is ColwiseParallel and head.input_layouts == (Shard(1),)
     assert head.output_layouts == (Replicate(),)
     assert mod.FSDP_GROUPS == ("model.model.layers.0", "model.model.layers.1")
-    assert "fully_shard(model, mesh=data, reshard_after_forward=False)" in exp.source()
+    assert "fully_shard(model, mesh=data, reshard_after_forward=False)" in render_source(exp)
 
 
 def test_mixed_activation_layouts_fall_back_to_replicated_activations(tmp_path):
@@ -178,7 +179,7 @@ def test_mixed_activation_layouts_fall_back_to_replicated_activations(tmp_path):
     notes = "\n".join(exp.not_expressible)
     assert "sequence parallelism: the plan runs norm-like modules" in notes
     assert "self_attn.o_proj: its output is gathered over 'dp'" in notes
-    tp = _load(exp.source(), tmp_path, "fsdp_tp").tensor_parallel_plan()
+    tp = _load(render_source(exp), tmp_path, "fsdp_tp").tensor_parallel_plan()
     assert tp["model.model.layers.0.self_attn.o_proj"].output_layouts == (Replicate(),)
 
 
@@ -193,7 +194,7 @@ def test_a_strided_fused_projection_is_not_expressible():
     assert "blocks.0.gate_up: weight read strided (S(0/2)" in notes
     styles = {st.path: st.cls for st in exp.styles}
     assert "blocks.0.qkv" not in styles and styles["blocks.0.out"] == "RowwiseParallel"
-    compile(exp.source(), "parallelize.py", "exec")
+    compile(render_source(exp), "parallelize.py", "exec")
 
 
 def test_plain_data_parallel_plan_has_no_tensor_axis():
@@ -203,8 +204,8 @@ def test_plain_data_parallel_plan_has_no_tensor_axis():
     exp = export_plan(plan)
     assert exp.tensor_axis is None and exp.styles == []
     assert exp.data_axes == ("dp", "tp") and exp.data_parallel == "replicate"
-    assert '_flatten("_".join(DATA_AXES))' in exp.source()
-    compile(exp.source(), "parallelize.py", "exec")
+    assert '_flatten("_".join(DATA_AXES))' in render_source(exp)
+    compile(render_source(exp), "parallelize.py", "exec")
 
 
 # ----------------------------------------------------------------------------- errors and CLI
@@ -362,7 +363,7 @@ def _check_on_gloo(world4, plan: Plan, tmp_path: Path) -> tuple[dict, object]:
     ok, text = summarize(world4.run(verify_rank, spec), TOL)
     assert ok, text                                     # autoshard verify passes this plan
     exp = export_plan(plan)
-    reports = world4.run(_run_exported, spec, exp.source(), str(tmp_path))
+    reports = world4.run(_run_exported, spec, render_source(exp), str(tmp_path))
     for rank, r in enumerate(reports):
         assert not r["missing"], r["missing"]
         assert abs(r["loss"] - r["runtime_loss"]) <= TOL * abs(r["runtime_loss"]), (rank, r)
@@ -381,7 +382,7 @@ def _plan_linear_boundaries(plan: Plan, axis: str) -> Counter:
     """The plan's collectives over ``axis`` that move the input of a Linear whose weight it
     reads sharded there, or such a Linear's output (read independently of the exporter, from
     the plan's nodes and signatures)."""
-    from autoshard.export import graph_of
+    from autoshard.plangraph import graph_of
     g = graph_of(plan)
     t = plan.mesh_axes.index(axis)
     values = set()
@@ -481,7 +482,7 @@ def test_vocabulary_parallel_loss_maps_to_loss_parallel(world4, plans, tmp_path)
     from torch.distributed.tensor import Shard
     exp = export_plan(_vocabulary_parallel_loss(plans["fsdp"]))
     assert exp.loss_parallel
-    source = exp.source()
+    source = render_source(exp)
     assert "return loss_parallel()" in source
     head = _load(source, tmp_path, "loss_parallel").tensor_parallel_plan()["model.lm_head"]
     assert head.output_layouts == (Shard(-1),) and head.use_local_output is False

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from autoshard.cli import main  # noqa: E402
+from autoshard.tools.cli import main  # noqa: E402
 from autoshard.errors import AutoshardError  # noqa: E402
 from autoshard.mesh import Mesh  # noqa: E402
 from autoshard.plans import Plan  # noqa: E402

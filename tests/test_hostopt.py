@@ -203,7 +203,7 @@ def _priced(overlap: str):
     from autoshard.options import PlanOptions
     from autoshard.solver.planner import plan_traced
     from autoshard.trace.export import trace
-    from autoshard.verify import build
+    from autoshard.tools.verify import build
     traced = trace(*build("mlp-tiny", None, None, 0))
     mesh = Mesh((1,), cluster="h100")
     plan = plan_traced(traced, mesh, offload="optimizer", offload_overlap=overlap)
@@ -270,7 +270,7 @@ def _train(plan_json: str) -> dict:
     from autoshard import Mesh, Plan
     from autoshard.codegen.runtime import parallelize
     from autoshard.loss import as_loss_module
-    from autoshard.verify import build, rel_err
+    from autoshard.tools.verify import build, rel_err
     plan = Plan.loads(plan_json)
     model, inputs = build(MODEL, None, None, 0)
     pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan,
@@ -311,7 +311,7 @@ def _plans(mesh_shape: tuple[int, ...]) -> dict[str, str]:
     from autoshard import Mesh
     from autoshard.solver.planner import plan_traced
     from autoshard.trace.export import trace
-    from autoshard.verify import build
+    from autoshard.tools.verify import build
     traced = trace(*build(MODEL, None, None, 0))
     mesh = Mesh(mesh_shape, cluster="stress")
     return {o: plan_traced(traced, mesh, offload="optimizer", offload_overlap=o,
@@ -371,7 +371,9 @@ def test_calibrate_maps_the_host_side_onto_the_host_fields():
     preset's (the host is the device)."""
     from test_calibrate import _fake_report
 
-    from autoshard.calibrate import CalibrateSpec, profile
+    from autoshard.tools.calibrate.fields import profile
+
+    from autoshard.tools.calibrate.timing import CalibrateSpec
     from autoshard.cluster import PRESETS, Cluster
     reports = []
     for rate in (30e9, 40e9, 50e9):
@@ -391,7 +393,8 @@ def test_calibrate_maps_the_host_side_onto_the_host_fields():
 def test_calibrate_measures_the_host_step_here():
     """One rank's host measurement, quick sizes, on this CPU: a positive rate over the state it
     says it stepped."""
-    from autoshard.calibrate import SIZES, _host_side
-    out = _host_side(SIZES[("cpu", True)], torch.device("cpu"))
+    from autoshard.tools.calibrate.kernels import measure_host_side
+    from autoshard.tools.calibrate.timing import SIZES
+    out = measure_host_side(SIZES[("cpu", True)], torch.device("cpu"))
     assert out["state_bytes"] == SIZES[("cpu", True)].host_state_bytes // 12 * 12
     assert out["adam_bytes_per_s"] > 1e7 and "h2d_bytes_per_s" not in out

@@ -23,9 +23,9 @@ LAYERS: list[set[str]] = [
     {"solver"},
     {"codegen"},
     {"zoo"},        # model definitions used by the CLI, verify and tests
-    {"report"},     # a plan as one HTML page of plots (`autoshard report`)
-    # the command line, verify, diff, calibrate, explain and export on top
-    {"cli", "verify", "diff", "calibrate", "explain", "export", "__main__"},
+    # the user's tools on top of everything: the command line, verify, diff, calibrate, explain,
+    # report and export (autoshard/tools/), and `python -m autoshard`
+    {"tools", "__main__"},
 ]
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,7 +22,7 @@ from autoshard.solver.baselines import baseline_plan, zero3_layouts
 from autoshard.solver.planner import plan_traced
 from autoshard.trace.export import trace
 from autoshard.trace.layers import checkpointable
-from autoshard.verify import VerifySpec, build, verify_rank
+from autoshard.tools.verify import VerifySpec, build, verify_rank
 from dist import world_fixture
 
 B, D = 32, 16

@@ -31,7 +31,7 @@ from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Shard
 from autoshard.loss import as_loss_module
 from autoshard.ops.simulate import shard_tensor
-from autoshard.verify import build, plan_for, rel_err
+from autoshard.tools.verify import build, plan_for, rel_err
 from autoshard.zoo import get_model
 from dist import world_fixture
 

@@ -4,7 +4,7 @@ backward, AdamW step) beside the plan's predicted peak, and the figure follows t
 gpt2-tiny on 4 gloo ranks, planned two ways with every parameter pinned: data parallel (the
 ``dp`` baseline, every weight whole on every rank) and ZeRO-3 storage (every weight sharded 4-way,
 ``zero3_layouts`` through ``plan_stored``). Measured with MemTracker on CPU
-(autoshard/verify.py, ``measure_step_memory``).
+(autoshard/tools/verify.py, ``measure_step_memory``).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from autoshard import Mesh
 from autoshard.solver.alternatives import plan_stored
 from autoshard.solver.baselines import baseline_plan, zero3_layouts
 from autoshard.trace.export import trace
-from autoshard.verify import VerifySpec, build, memory_lines, summarize, verify_rank
+from autoshard.tools.verify import VerifySpec, build, memory_lines, summarize, verify_rank
 from dist import world_fixture
 
 MODEL = "gpt2-tiny"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from autoshard.cli import main
+from autoshard.tools.cli import main
 from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
 from autoshard.solver.meshes import (Candidate, candidates, microbatches_for, neighbours,
@@ -83,7 +83,7 @@ def test_a_spent_budget_plans_the_start_and_says_what_it_left():
 @pytest.mark.slow
 def test_chosen_plan_runs_on_gloo(tmp_path):
     """The search's plan is an ordinary plan of its mesh: it verifies (loss, gradients, bytes)."""
-    from autoshard.verify import verify
+    from autoshard.tools.verify import verify
     plan = _search()
     mesh = Mesh(plan.mesh_shape, plan.mesh_axes, cluster="stress")
     ok, report = verify("gpt2-tiny-4l", mesh, plan=plan, batch=8, seq=8)

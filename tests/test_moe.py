@@ -27,7 +27,7 @@ from autoshard.solver.diagnostics import unruled_note
 from autoshard.solver.planner import plan_traced
 from autoshard.trace.export import TracedGraph, trace
 from autoshard.ops.moe import LOCAL_EXPERTS
-from autoshard.verify import VerifySpec, build, plan_for, summarize, verify_rank
+from autoshard.tools.verify import VerifySpec, build, plan_for, summarize, verify_rank
 from autoshard.zoo import ZOO, count_parameters, get_model
 from autoshard.zoo.moe import MoEConfig, count_moe_parameters, top2_gating
 from dist import world_fixture

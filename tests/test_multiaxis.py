@@ -32,10 +32,11 @@ from autoshard.cost.state import zero_grad_sync
 from autoshard.errors import AutoshardError
 from autoshard.ir import Partial, R, S, Spec, spec_str
 from autoshard.mesh import AxisLink, AxisMerge
-from autoshard.solver.planner import partitions, plan_merged, plan_traced
+from autoshard.solver.merging import partitions, plan_merged
+from autoshard.solver.planner import plan_traced
 from autoshard.trace.export import trace
 from autoshard.trace.graph import value_shapes
-from autoshard.verify import VerifySpec, build, summarize, verify_rank
+from autoshard.tools.verify import VerifySpec, build, summarize, verify_rank
 
 from dist import world_fixture
 from test_collectives import check_redistribution
@@ -383,14 +384,14 @@ def test_memory_far_out_of_reach_is_told_from_the_merged_axes_alone(monkeypatch)
     OUT_OF_REACH times the budget, the other groupings (which split the same 8 devices) are not
     tried, and the error says so. Within reach, every grouping is still searched."""
     from autoshard.options import PlanOptions
-    from autoshard.solver import planner
+    from autoshard.solver import merging
     from autoshard.zoo import get_model
     model, inputs = get_model("gpt2-tiny", batch=8, seq=16)
     traced = trace(model, inputs)
     mesh = Mesh((2, 2, 2), cluster="h100")
     tried = []
-    real = planner._plan_merged
-    monkeypatch.setattr(planner, "_plan_merged",
+    real = merging._plan_merged
+    monkeypatch.setattr(merging, "_plan_merged",
                         lambda *a, **k: tried.append(a[3].merges) or real(*a, **k))
     with pytest.raises(AutoshardError, match="merged into one") as e:
         plan_traced(traced, mesh, PlanOptions(memory_budget=1024, recompute="none",

@@ -21,7 +21,7 @@ from autoshard import Mesh, Plan
 from autoshard.codegen.optim import _cut, _placements, _slice
 from autoshard.ir import Replicate, Shard
 from autoshard.ops.simulate import shard_tensor
-from autoshard.verify import build, plan_for
+from autoshard.tools.verify import build, plan_for
 from dist import world_fixture
 
 CLUSTER = str(Path(__file__).parent / "data" / "compute_bound.json")

@@ -10,7 +10,7 @@ import torch
 
 import autoshard
 from autoshard import Mesh, PlanOptions
-from autoshard.cli import build_parser, plan_options
+from autoshard.tools.cli import build_parser, plan_options
 from autoshard.cost.price import Pricer
 from autoshard.cost.reshards import reshard_edges
 from autoshard.errors import AutoshardError

@@ -24,11 +24,11 @@ from autoshard.cost.price import Pricer
 from autoshard.cost.state import ADAM_STEP_BYTES, state_bytes, state_spec
 from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Shard, Strategy
-from autoshard.report import techniques
+from autoshard.tools.report import techniques
 from autoshard.solver.baselines import stored_plan
 from autoshard.solver.planner import plan_traced
 from autoshard.trace.export import trace
-from autoshard.verify import VerifySpec, build, plan_for, summarize, verify_rank
+from autoshard.tools.verify import VerifySpec, build, plan_for, summarize, verify_rank
 from dist import adamw_steps, world_fixture
 
 CLUSTER = str(Path(__file__).parent / "data" / "compute_bound.json")

@@ -15,7 +15,7 @@ from autoshard.schedules import (SCHEDULES, SPLIT_BACKWARD, VIRTUAL_STAGES, bala
                                  schedule_order, schedule_seconds, sends_between,
                                  simulate_schedule, zbv_excess, zero_bubble_idle)
 from autoshard.errors import AutoshardError
-from autoshard.verify import VerifySpec, plan_for, summarize, verify_rank
+from autoshard.tools.verify import VerifySpec, plan_for, summarize, verify_rank
 from autoshard.zoo.registry import get_model
 from dist import world_fixture
 

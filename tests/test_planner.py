@@ -24,7 +24,7 @@ from torch import nn
 
 import autoshard.ops.registry as registry
 from autoshard.options import PlanOptions
-from autoshard.solver.planner import _plan_traced
+from autoshard.solver.merging import plan_once
 from autoshard.cost.memory import budget_for
 from autoshard.cluster import PRESETS
 from autoshard import Mesh, PlanOptions, plan
@@ -32,7 +32,8 @@ from autoshard.cost.comm import COLLECTIVE_KINDS, bytes_sent_per_device
 from autoshard.cost.memory import param_state_bytes
 from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Shard, Strategy
-from autoshard.plans import PHASES, Plan
+from autoshard.plans import Plan
+from autoshard.plans.records import PHASES
 from autoshard.solver.baselines import BASELINES, baseline_plan
 from autoshard.solver.build import build_problem
 from autoshard.solver.ilp import least_memory
@@ -259,7 +260,7 @@ def test_zero_twin_when_memory_asks_for_it() -> None:
     # budget, so plan_traced goes on to other techniques or refuses (tests/test_budget.py).
     options = PlanOptions(memory_budget=budget_for(dp.predicted["ilp_memory_bytes"] - 1),
                           zero="none")
-    p = _plan_traced(traced, mesh, options, model_name="", fixed=None, trace_s=0.0, merge=None,
+    p = plan_once(traced, mesh, options, model_name="", fixed=None, trace_s=0.0, merge=None,
                      recompute={}, offload=False)
     assert p.predicted["ilp_memory_bytes"] < dp.predicted["ilp_memory_bytes"]
     assert any(spec != R for spec in p.params.values()), p.params
@@ -636,7 +637,7 @@ def test_selective_recompute_sits_between_none_and_full(gpt2_b1) -> None:
     more than no checkpointing at all (so the planner would not choose it there)."""
     from autoshard.cost.compute import op_times
     from autoshard.cost.price import Pricer
-    from autoshard.solver.planner import assemble
+    from autoshard.solver.assemble import assemble
     from autoshard.trace.layers import checkpointable
     _, traced = gpt2_b1
     mesh = Mesh((4,), cluster="cpu")
@@ -675,7 +676,7 @@ def test_recompute_prices_the_forward_again_and_keeps_one_layer(gpt2_b1) -> None
     keeps the layer input only)."""
     from autoshard.cost.compute import op_times
     from autoshard.cost.price import Pricer
-    from autoshard.solver.planner import assemble
+    from autoshard.solver.assemble import assemble
     from autoshard.trace.layers import checkpointable
     model, traced = gpt2_b1
     mesh = Mesh((4,), cluster="cpu")

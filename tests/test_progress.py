@@ -10,7 +10,7 @@ import pytest
 
 from autoshard.cost.memory import DEVICE_RESERVE_BYTES
 from autoshard import progress
-from autoshard.cli import main
+from autoshard.tools.cli import main
 from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
 from autoshard.plans import Plan

@@ -1,4 +1,4 @@
-"""``autoshard report``: a plan's figures (autoshard/report.py) computed from the plan, drawn into
+"""``autoshard report``: a plan's figures (autoshard/tools/report.py) computed from the plan, drawn into
 one self-contained HTML page, fast on the main job's plan, and rendered by a real browser."""
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from autoshard.cli import main
+from autoshard.tools.cli import main
 from autoshard.schedules import SCHEDULES, SPLIT_BACKWARD, VIRTUAL_STAGES, schedule_seconds
 from autoshard.ir import spec_str
 from autoshard.mesh import Mesh
-from autoshard.plans import Pipeline, Plan, Stage
-from autoshard.report import (gantt_slots, layer_map, memory_parts, pipeline_bubble,
+from autoshard.plans import Plan
+from autoshard.plans.records import Pipeline, Stage
+from autoshard.tools.report import (gantt_slots, layer_map, memory_parts, pipeline_bubble,
                               render_html, save_gantt, step_parts, write_report)
 from autoshard.solver.planner import plan as make_plan
 from autoshard.zoo.registry import load_model

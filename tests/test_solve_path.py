@@ -125,11 +125,11 @@ def test_starts_cost_nothing_where_the_first_backend_proves_the_optimum(monkeypa
                                                                        gpt2_tiny) -> None:
     """The obvious plans are built and solved only when the solver stops short of an optimum:
     a problem CBC settles plans as before, with no start in its record."""
-    from autoshard.solver import planner
+    from autoshard.solver import solve
 
     def boom(*a, **k):
         raise AssertionError("starts built for a problem the first backend settles")
 
-    monkeypatch.setattr(planner, "obvious_starts", boom)
+    monkeypatch.setattr(solve, "obvious_starts", boom)
     plan = plan_traced(gpt2_tiny, Mesh((2, 4), ("dp", "tp"), cluster="h100"))
     assert plan.solver["status"] == "OPTIMAL" and "start" not in plan.solver

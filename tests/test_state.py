@@ -17,7 +17,7 @@ from autoshard.cost.state import state_bytes, state_spec, zero_grad_sync
 from autoshard.cost.comm import reshard
 from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Shard
-from autoshard.verify import VerifySpec, build, plan_for, summarize, verify_rank
+from autoshard.tools.verify import VerifySpec, build, plan_for, summarize, verify_rank
 from dist import adamw_steps, world_fixture
 
 CLUSTER = str(Path(__file__).parent / "data" / "compute_bound.json")

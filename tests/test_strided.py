@@ -26,7 +26,7 @@ import torch
 
 import autoshard.ops  # noqa: F401  (registers every rule)
 from autoshard import Mesh, Plan
-from autoshard.cli import main
+from autoshard.tools.cli import main
 from autoshard.cost.comm import reshard
 from autoshard.errors import AutoshardError
 from autoshard.ir import (Replicate, Shard, TensorInfo, op_info, parse_placement, spec_fits,
@@ -239,7 +239,7 @@ def test_the_planner_finds_megatrons_fused_layouts(tmp_path, name: str) -> None:
 def test_gpt2_fused_qkv_trains_as_one_device_on_gloo(capsys, mesh: str, baseline: str) -> None:
     """Megatron's layout of HF GPT-2's fused ``c_attn`` (strided) on 4 gloo ranks: loss and
     every gradient equal the single-device model's, the bytes run equal the plan's."""
-    from autoshard.verify import plan_for
+    from autoshard.tools.verify import plan_for
     shape = tuple(int(n) for n in mesh.split("x"))
     plan = plan_for("hf-gpt2-tiny", Mesh(shape), baseline=baseline)
     assert plan.params["model.transformer.h.0.attn.c_attn.weight"][-1] == Shard(1, QKV)
@@ -251,7 +251,7 @@ def test_gpt2_fused_qkv_trains_as_one_device_on_gloo(capsys, mesh: str, baseline
 def test_a_fused_qkv_viewed_into_heads_trains_as_one_device_on_gloo(capsys) -> None:
     """A fused QKV viewed as [b, s, 3, heads, head_dim] and unbound, a gate-up chunked: both
     strided in Megatron's layout on 4 gloo ranks, equal to the single-device model."""
-    from autoshard.verify import plan_for
+    from autoshard.tools.verify import plan_for
     factory = f"{Path(__file__).parent / 'data' / 'fused_qkv_model.py'}:make"
     plan = plan_for(factory, Mesh((4,)), baseline="megatron")
     assert plan.params["blocks.0.qkv.weight"] == (Shard(0, QKV),)
@@ -266,7 +266,7 @@ world4 = world_fixture(4, timeout_s=300)
 
 def _state_rank(plan_json: str) -> dict:
     from autoshard.codegen.runtime import parallelize
-    from autoshard.verify import build
+    from autoshard.tools.verify import build
     plan = Plan.loads(plan_json)
     mesh = Mesh(plan.mesh_shape, plan.mesh_axes)
     real, inputs = build("hf-gpt2-tiny", None, None, 0)
@@ -289,7 +289,7 @@ def _state_rank(plan_json: str) -> dict:
 def test_full_state_dict_returns_the_fused_layout(world4) -> None:
     """Strided parameters cut from the model reassemble to its state dict, and a full state
     dict loads back into them; DCP, which cannot describe them, is refused with a reason."""
-    from autoshard.verify import plan_for
+    from autoshard.tools.verify import plan_for
     plan = plan_for("hf-gpt2-tiny", Mesh((2, 2)), baseline="megatron-dp")
     assert plan.params["model.transformer.h.0.attn.c_attn.weight"] == (Replicate(), Shard(1, QKV))
     for r in world4.run(_state_rank, plan.dumps()):

@@ -14,11 +14,13 @@ from autoshard import Mesh, Plan
 from autoshard.cluster import PRESETS, Cluster
 from autoshard.cost.memory import default_budget
 from autoshard.cost.comm import link_time
-from autoshard.diff import diff_plans
+from autoshard.tools.diff import diff_plans
 from autoshard.errors import AutoshardError
-from autoshard.explain import explain_file, explain_node, rebuild
-from autoshard.report import budget_bytes, render_html
-from autoshard.verify import (ERR_FLOOR, VerifySpec, grad_scale, plan_for, rel_err, summarize,
+from autoshard.tools.explain import explain_file
+from autoshard.tools.explain.choices import explain_node
+from autoshard.tools.explain.rebuild import rebuild
+from autoshard.tools.report import budget_bytes, render_html
+from autoshard.tools.verify import (ERR_FLOOR, VerifySpec, grad_scale, plan_for, rel_err, summarize,
                               verify_rank)
 from dist import world_fixture
 from test_diff import run
@@ -37,7 +39,7 @@ def _bytes_sent(plan_json: str, model: str) -> dict:
     import torch.distributed.distributed_c10d as c10d
 
     from autoshard.codegen.runtime import parallelize
-    from autoshard.verify import build
+    from autoshard.tools.verify import build
     plan = Plan.loads(plan_json)
     model_, inputs = build(model, None, None, 0)
     pm = parallelize(model_, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan,
@@ -98,7 +100,7 @@ def test_a_bf16_config_is_verified_in_bf16_against_fp32(world2) -> None:
 def test_the_users_bf16_plan_file_is_the_one_verified(tmp_path) -> None:
     """verify --plan bf16.json refused the user's own plan as "a plan for another model": it
     traced the model cast to fp32."""
-    from autoshard.verify import check_plan
+    from autoshard.tools.verify import check_plan
     config = str(DATA / "hf_gpt2_bf16" / "config.json")
     code, _, err = run(["plan", config, "--mesh", "2", "--cluster", "stress", "--batch", "4",
                         "--seq", "16", "-o", str(tmp_path / "bf16.json"), "--quiet"])

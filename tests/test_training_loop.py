@@ -32,7 +32,7 @@ from autoshard import Mesh, Plan
 from autoshard.errors import AutoshardError
 from autoshard.solver.baselines import STORED, stored_plan
 from autoshard.trace.export import trace
-from autoshard.verify import build, plan_for, rel_err
+from autoshard.tools.verify import build, plan_for, rel_err
 from dist import world_fixture
 from loop import (CLIP, micro_batch, parallel, pm_step, run_steps, schedule, single_device,
                   train_loop, warmup_cosine)
@@ -268,7 +268,7 @@ def test_non_elementwise_optimizer_is_refused_on_shards(world2):
 
 
 def _state_checks(plan_json: str) -> dict:
-    from autoshard.verify import build
+    from autoshard.tools.verify import build
     pm, _, _ = parallel("hf-gpt2-tiny", plan_json)
     model = build("hf-gpt2-tiny", None, None, 0)[0]
     full = pm.full_state_dict()

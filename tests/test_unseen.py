@@ -23,7 +23,7 @@ from autoshard.ir import Replicate, Shard, Strategy
 from autoshard.ops.moe import LOCAL_EXPERTS, ROUTED_EXPERTS
 from autoshard.ops.ssm import SELECTIVE_SCAN
 from autoshard.trace.export import trace
-from autoshard.verify import VerifySpec, build, plan_for, summarize, verify_rank
+from autoshard.tools.verify import VerifySpec, build, plan_for, summarize, verify_rank
 from dist import world_fixture
 
 pytest.importorskip("transformers")

@@ -6,7 +6,7 @@ sum-exp all-reduced across the axis (one value per row), never the b·s·V logit
 - structural: GPT-2 124M on 8 devices, with its head sharded over the vocabulary, plans the
   vocab-parallel loss and moves no collective of b·s·V/2 elements or more;
 - numerical: gloo ranks run such plans with the single-device model's loss and gradients
-  (1e-5) and the plan's collectives byte for byte (``autoshard.verify``).
+  (1e-5) and the plan's collectives byte for byte (``autoshard.tools.verify``).
 
 The rule itself (every strategy, forward and backward, with label smoothing and ignored targets,
 on meshes up to (2, 2, 2)) is checked by tests/test_rules.py and tests/test_dtypes.py.
@@ -30,7 +30,7 @@ from autoshard.solver.baselines import baseline_pins
 from autoshard.solver.planner import plan_traced
 from autoshard.trace.export import TracedGraph, trace
 from autoshard.trace.export import op_info as node_info
-from autoshard.verify import VerifySpec, build, summarize, verify_rank
+from autoshard.tools.verify import VerifySpec, build, summarize, verify_rank
 from autoshard.zoo.models import GPT
 from autoshard.zoo.registry import ZOO, get_model
 from dist import world_fixture

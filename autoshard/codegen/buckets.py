@@ -34,7 +34,7 @@ from autoshard.codegen.collectives import (ExecutedCollective, Ledger, _reduce_s
 from autoshard.codegen.groups import MeshGroups
 from autoshard.codegen.hostlink import HostBuffers
 from autoshard.errors import AutoshardError
-from autoshard.plans import CollectiveRecord
+from autoshard.plans.records import CollectiveRecord
 
 
 @dataclass

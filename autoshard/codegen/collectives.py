@@ -21,7 +21,7 @@ import torch.distributed._functional_collectives as fc
 from autoshard.codegen.groups import MeshGroups
 from autoshard.cost.comm import Reshard, Step
 from autoshard.ir import to_group_major, to_rank_major
-from autoshard.plans import PHASES
+from autoshard.plans.records import PHASES
 
 # torch 2.13 renamed all_gather_tensor / reduce_scatter_tensor to *_single (the old names warn).
 _all_gather_single = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
@@ -111,7 +111,7 @@ class ExecutedCollective:
 
     @property
     def bytes(self) -> int:
-        """The measured S under the field name autoshard.plans.CollectiveRecord uses."""
+        """The measured S under the field name autoshard.plans.records.CollectiveRecord uses."""
         return self.nbytes
 
     def __str__(self) -> str:
@@ -123,7 +123,7 @@ class ExecutedCollective:
 @dataclass(frozen=True, slots=True)
 class ExecutedTransfer:
     """One copy over the host link as executed (optimizer and parameter offload): ``direction``
-    "d2h" or "h2d", the bytes copied, and where, as autoshard.plans.HostTransfer lists it. On a
+    "d2h" or "h2d", the bytes copied, and where, as autoshard.plans.records.HostTransfer lists it. On a
     CPU run the host is the device and the copy moves nothing, but is counted all the same."""
 
     direction: str

@@ -6,7 +6,7 @@ submodule run under ``torch.utils.checkpoint`` (non-reentrant).
 
 - "full": forward keeps only the region's inputs, and backward runs the region's forward again,
   its collectives included, which the ledger records in phase "recompute", as the plan lists
-  them (planner.assemble).
+  them (solver/assemble.py).
 - "selective": torch's selective activation checkpointing
   (``torch.utils.checkpoint.create_selective_checkpoint_contexts``) stores the outputs of the
   matmuls, attention kernels and collectives (``ops.registry.stored_kernels``) and recomputes everything else from

@@ -177,66 +177,91 @@ class RankRuntime:
         self.buckets = GradBuckets(records, groups, self.ledger, self.host) if records else None
 
 
-def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime,
-         stages: dict[str, int] | None = None) -> fx.GraphModule:
-    """The rank program of ``plan``. With ``stages`` (node -> pipeline stage, a pipelined plan),
-    every emitted node's ``meta["autoshard_stage"]`` says which stage runs it, and a reshard
-    read in two stages is emitted in each (codegen/pipeline.py cuts the program there); every
-    node's ``meta["autoshard_ref"]`` names the traced value it holds."""
-    mesh_shape = plan.mesh_shape
-    coords = runtime.groups.coords
-    strategies = plan.strategies()
-    shapes = value_shapes(traced.graph)
-    params = {p.name for p in traced.params}
-    targets = {n.name: n.target for n in traced.graph.nodes}
-    # What the rank runs, in order (cost/program.py): the liveness walk reads the same program.
-    program = step_program(traced, strategies, mesh_shape, bucket_bytes=plan.options.bucket_bytes,
-                           recompute=plan.recompute, joint=plan.joint_groups(), shapes=shapes)
-    # The gradient sync each bucket member's bucket runs, as the planner picked it.
-    members = set(runtime.buckets.of) if runtime.buckets is not None else set()
-    bucketed = {program.edges[i] for p, i in program.bucketed.items() if p in members}
-    # Parameters kept on the host: each use copies them in (a reshard's input, or one copy
-    # the ops reading them where they lie share), as planner.host_transfers lists.
-    fetched = program.fetched
+class _Emitter:
+    """The rank program as it is emitted: the graph ``g``, each traced value's node (``env``),
+    and the reshards and host fetches emitted so far (``moved``), shared by the consumers that
+    read one value in one layout in one stage."""
 
-    g = fx.Graph()
-    env: dict[str, fx.Node] = {}
-    moved: dict[tuple, fx.Node] = {}   # (value, dst, divergent) -> resharded node, shared
+    def __init__(self, traced: TracedGraph, plan: Plan, runtime: RankRuntime,
+                 stages: dict[str, int] | None) -> None:
+        self.runtime, self.stages = runtime, stages
+        self.strategies = plan.strategies()
+        self.targets = {n.name: n.target for n in traced.graph.nodes}
+        # What the rank runs, in order (cost/program.py): the liveness walk reads the same
+        # program.
+        self.program = step_program(traced, self.strategies, plan.mesh_shape,
+                                    bucket_bytes=plan.options.bucket_bytes,
+                                    recompute=plan.recompute, joint=plan.joint_groups(),
+                                    shapes=value_shapes(traced.graph))
+        # The gradient sync each bucket member's bucket runs, as the planner picked it.
+        members = set(runtime.buckets.of) if runtime.buckets is not None else set()
+        self.bucketed = {self.program.edges[i] for p, i in self.program.bucketed.items()
+                         if p in members}
+        # Parameters kept on the host: each use copies them in (a reshard's input, or one copy
+        # the ops reading them where they lie share), as solver/assemble.py host_transfers
+        # lists.
+        self.fetched = self.program.fetched
+        self.g = fx.Graph()
+        self.env: dict[str, fx.Node] = {}
+        self.moved: dict[tuple, fx.Node] = {}   # (value, dst, divergent, stage) -> node
+        self.last_stage = max(stages.values(), default=0) if stages else 0
 
-    def fetch(ref: tuple[str, int], src: fx.Node, node: str, stage: int | None) -> fx.Node:
-        n = g.call_function(FetchCall(runtime, node, ref[0]), (src,))
+    def fetch(self, ref: tuple[str, int], src: fx.Node, node: str, stage: int | None
+              ) -> fx.Node:
+        n = self.g.call_function(FetchCall(self.runtime, node, ref[0]), (src,))
         n.meta["autoshard"] = {"fetch": ref[0]}
         n.meta["autoshard_ref"] = (ref, None)
         if stage is not None:
             n.meta["autoshard_stage"] = stage
         return n
 
-    def local(ref: tuple[str, int], consumer: tuple[str, int]) -> fx.Node:
-        src = env.get(f"{ref[0]}#{ref[1]}", env.get(ref[0]))
-        e = program.edge(ref, consumer)
-        stage = None if stages is None else stages.get(consumer[0], last_stage)
+    def local(self, ref: tuple[str, int], consumer: tuple[str, int]) -> fx.Node:
+        """The node holding ``ref`` as ``consumer`` reads it: resharded, fetched, or as is."""
+        src = self.env.get(f"{ref[0]}#{ref[1]}", self.env.get(ref[0]))
+        e = self.program.edge(ref, consumer)
+        stage = None if self.stages is None else self.stages.get(consumer[0], self.last_stage)
         if e is None:
-            if ref[0] not in fetched:
+            if ref[0] not in self.fetched:
                 return src
             key = (ref, "fetch", stage)
-            if key not in moved:
-                moved[key] = fetch(ref, src, consumer[0], stage)
-            return moved[key]
+            if key not in self.moved:
+                self.moved[key] = self.fetch(ref, src, consumer[0], stage)
+            return self.moved[key]
         key = (ref, e.dst, e.divergent, stage)
-        if key not in moved:
-            if ref[0] in fetched:
-                src = fetch(ref, src, e.consumers[0][0], stage)
-            moved[key] = g.call_function(ReshardCall(e, runtime, bucketed=e in bucketed,
-                                                     written=writes_into(targets, e)), (src,))
-            moved[key].meta["autoshard"] = {"reshard": f"{spec_str(e.src)} -> {spec_str(e.dst)}",
-                                            "divergent": sorted(e.divergent)}
-            moved[key].meta["autoshard_ref"] = (ref, e.dst)
+        if key not in self.moved:
+            if ref[0] in self.fetched:
+                src = self.fetch(ref, src, e.consumers[0][0], stage)
+            n = self.g.call_function(ReshardCall(e, self.runtime, bucketed=e in self.bucketed,
+                                                 written=writes_into(self.targets, e)), (src,))
+            n.meta["autoshard"] = {"reshard": f"{spec_str(e.src)} -> {spec_str(e.dst)}",
+                                   "divergent": sorted(e.divergent)}
+            n.meta["autoshard_ref"] = (ref, e.dst)
             if stage is not None:
-                moved[key].meta["autoshard_stage"] = stage
-        return moved[key]
+                n.meta["autoshard_stage"] = stage
+            self.moved[key] = n
+        return self.moved[key]
 
-    last_stage = max(stages.values(), default=0) if stages else 0
+    def getitems(self, node: fx.Node, new: fx.Node, items: list[fx.Node]) -> None:
+        """The getitem nodes reading a multi-output op's ``new`` node."""
+        for item in items:
+            idx = item.args[1]
+            n = self.g.call_function(operator.getitem, (new, idx))
+            n.meta["autoshard_ref"] = ((node.name, idx), None)
+            if self.stages is not None:
+                n.meta["autoshard_stage"] = self.stages[node.name]
+            self.env[f"{node.name}#{idx}"] = n
+            self.env[item.name] = n
 
+
+def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime,
+         stages: dict[str, int] | None = None) -> fx.GraphModule:
+    """The rank program of ``plan``. With ``stages`` (node -> pipeline stage, a pipelined plan),
+    every emitted node's ``meta["autoshard_stage"]`` says which stage runs it, and a reshard
+    read in two stages is emitted in each (codegen/pipeline.py cuts the program there); every
+    node's ``meta["autoshard_ref"]`` names the traced value it holds."""
+    mesh_shape, coords = plan.mesh_shape, runtime.groups.coords
+    em = _Emitter(traced, plan, runtime, stages)
+    g, env, program = em.g, em.env, em.program
     for layer in plan.recompute:
         _layer_nodes(traced, layer)          # (a layer the model lacks: a damaged plan file)
     nodes = {n.name: n for n in traced.graph.nodes}
@@ -247,7 +272,6 @@ def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime,
             env[node.name].meta["autoshard_ref"] = ((node.name, 0), None)
         elif node.target is operator.getitem:
             getitems.setdefault(node.args[0].name, []).append(node)
-
     # Checkpointed layers: (node before the layer's first event, the layer's last op) in g.
     regions: dict[str, list] = {}
     for ev in program.events:
@@ -255,27 +279,20 @@ def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime,
             regions[ev.region] = [list(g.nodes)[-1], None]
         if ev.kind == "reshard":
             e = program.edges[ev.edge]
-            local(e.value, next(c for c in e.consumers if c[0] == ev.name))
+            em.local(e.value, next(c for c in e.consumers if c[0] == ev.name))
             continue
         node = nodes[ev.name]
-        new = _emit_op(g, node, local, strategies[node.name], runtime, mesh_shape, coords)
+        new = _emit_op(g, node, em.local, em.strategies[node.name], runtime, mesh_shape, coords)
         if stages is not None:
             new.meta["autoshard_stage"] = stages[node.name]
         env[node.name] = new
         if ev.region is not None:
             regions[ev.region][1] = new
-        for item in getitems.get(node.name, ()):
-            idx = item.args[1]
-            n = g.call_function(operator.getitem, (new, idx))
-            n.meta["autoshard_ref"] = ((node.name, idx), None)
-            if stages is not None:
-                n.meta["autoshard_stage"] = stages[node.name]
-            env[f"{node.name}#{idx}"] = n
-            env[item.name] = n
+        em.getitems(node, new, getitems.get(node.name, []))
     out = next(n for n in traced.graph.nodes if n.op == "output")
     refs = [value_ref(a) for a in torch.utils._pytree.tree_flatten(out.args)[0]
             if isinstance(a, fx.Node)]
-    outs = [local(r, (out.name, k)) for k, r in enumerate(refs)]
+    outs = [em.local(r, (out.name, k)) for k, r in enumerate(refs)]
     g.output(outs[0] if len(outs) == 1 else tuple(outs))
     for layer, (after, last) in regions.items():
         outline(g, after, last, runtime, layer, plan.recompute[layer])

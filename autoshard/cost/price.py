@@ -1,6 +1,6 @@
 """The one pricing function: what a node costs under a strategy, and what a reshard costs.
 
-The ILP's coefficients (solver/build.py) and a Plan's predicted figures (solver/planner.py) are
+The ILP's coefficients (solver/build.py) and a Plan's predicted figures (solver/assemble.py) are
 both sums of these two prices, the first over every (node, strategy) and (value, source layout,
 requirement) the search may pick, the second over the ones a plan picked. A change to a price
 (overlap, recomputation, offload) is made here once.

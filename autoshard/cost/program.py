@@ -3,7 +3,7 @@
 docs/design.md "The step program". Built once from the traced graph and the strategies, and read
 by every consumer, so the order and the rules are written here only:
 
-- ``solver/planner.assemble`` lists the ledger's collectives and host copies from its reshards,
+- ``solver/assemble.assemble`` lists the ledger's collectives and host copies from its reshards,
   buckets and fetched parameters;
 - ``cost/liveness.step_memory`` walks its events forward, backward and through the optimizer
   step for the step's peak;

@@ -17,7 +17,7 @@
 Both build the problem as the planner does (solver/build.py), add their pins and cuts to it as
 data (solver/problem.py), solve it through the planner's one entry (``ilp.solve``: the same
 backends, fallback and verdicts) and assemble the Plan as the planner does
-(``planner.solved_plan``), so their predicted figures are the same prices as any other plan's. 1-D and 2-D
+(``solve.solved_plan``), so their predicted figures are the same prices as any other plan's. 1-D and 2-D
 meshes only (the planner searches 3-axis meshes over axis merges).
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from autoshard.options import PlanOptions, resolve_options
 from autoshard.plans import Plan
 from autoshard.solver.build import Built, build_problem
 from autoshard.solver.ilp import Infeasible, NoSolution, solve
-from autoshard.solver.planner import check_mesh_fits, solved_plan
+from autoshard.solver.solve import check_mesh_fits, solved_plan
 from autoshard.solver.problem import Cut
 from autoshard.trace.export import TracedGraph
 

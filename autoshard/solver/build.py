@@ -13,7 +13,6 @@ Every coefficient is a price from cost/price.py, the function the Plan's figures
 from __future__ import annotations
 
 import itertools
-import math
 import operator
 import time
 from collections.abc import Mapping
@@ -30,8 +29,9 @@ from autoshard.cost.state import HOST_MODES
 from autoshard.ir import ZIGZAG, Replicate, Shard, Spec, Strategy, TensorInfo, spec_fits
 from autoshard.mesh import AxisMerge, Mesh
 from autoshard.ops.attention import CP_KERNELS, SDPA
-from autoshard.ops.registry import INPUT, LARGEST, record_of, strategies_for
+from autoshard.ops.registry import strategies_for
 from autoshard.options import CONTEXT_PARALLEL_TOKENS, PlanOptions
+from autoshard.solver.follow import Followers
 from autoshard.solver.problem import Decision, Edge, Fanout, Problem
 from autoshard.trace.export import TracedGraph
 from autoshard.trace.graph import ValueRef, value_inputs
@@ -91,10 +91,8 @@ class _Builder:
                                                    and n.target is not operator.getitem)]
         self.by_name = {n.name: n for n in traced.graph.nodes}
         self.shapes = pricer.shapes
-        self._follow_memo: dict[tuple, int] = {}
-        self._own: dict[str, tuple[list[float], list[int]]] = {}
-        self._as_is: dict[tuple[str, tuple[int, ...]], dict[tuple, list[int]]] = {}
         self.ins = {n.name: value_inputs(n) for n in traced.graph.nodes if n.op != "placeholder"}
+        self.followers = Followers(pricer, self.ins, traced.layer_of_node, self.by_name)
         self.layer = traced.layer_of_node
         self.context_parallel = _context_parallel(traced, pricer)
 
@@ -137,7 +135,7 @@ class _Builder:
             if template[n.name] != n.name:
                 continue
             strats = self.node_strategies(n)
-            merge = self._merge_plan(n, members)
+            merge = self.followers.merge_plan(n, members)
             tied = self.pricer.tied_to.get(n.name)
             if tied is not None:
                 # A tied weight is stored once: every graph input it is lifted as takes the
@@ -152,7 +150,7 @@ class _Builder:
                 index = []
                 for i in range(size):
                     srcs = {k: _spec(members[ins[k][0]], i, ins[k][1]) for k in positions}
-                    index.append(self._best_follow(n, strats, srcs))
+                    index.append(self.followers.best(n, strats, srcs))
                 members[n.name] = Member(decision, strats, index)
                 self.merged[n.name] = positions
                 decision_nodes[decision].append(n.name)
@@ -197,81 +195,6 @@ class _Builder:
         problem = Problem(tuple(decisions), tuple(edges), float(self.budget),
                           fanouts=tuple(fanouts), host_budget=self.host_budget)
         return Built(problem, members, template, self.pricer.tied_to)
-
-    def _merge_plan(self, n: fx.Node, members: dict[str, Member]
-                    ) -> tuple[int, frozenset[int]] | None:
-        """(decision, input positions read from it) if ``n`` should follow a decision, else None."""
-        if n.op != "call_function":
-            return None
-        ins = self.ins[n.name]
-        here = self.layer.get(n.name)
-        local = {k: members[r[0]].decision for k, r in enumerate(ins)
-                 if self.layer.get(r[0]) == here and r[0] in members
-                 and self.by_name[r[0]].op != "placeholder"}
-        if not local:
-            return None
-        follows = record_of(n.target).follows
-        if follows == INPUT and len(ins) == 1:
-            return local[0], frozenset({0})
-        decisions = set(local.values())
-        if len(local) == len(ins) and len(decisions) == 1:
-            return decisions.pop(), frozenset(local)
-        if follows == LARGEST:
-            sizes = [math.prod(self.shapes[r][0]) for r in ins]
-            big = max(sizes)
-            mains = [k for k, sz in enumerate(sizes) if sz == big]
-            if len(mains) == 1 and mains[0] in local:
-                d = local[mains[0]]
-                return d, frozenset(k for k, dd in local.items() if dd == d)
-        return None
-
-    def _follow_cost(self, name: str, s: Strategy, srcs: dict[int, Spec], base: float) -> float:
-        ins = self.ins[name]
-        t = base
-        for k, spec in srcs.items():
-            t += self.pricer.reshard_seconds(ins[k], spec, s.inputs[k], input_divergence(s, k))
-        return t
-
-    def _best_follow(self, n: fx.Node, strats: list[Strategy], srcs: dict[int, Spec]) -> int:
-        """The follower's cheapest strategy (own cost + reshards in), lowest index on ties.
-        Strategies are tried by own cost, stopping once that alone exceeds the best total."""
-        key = (n.name, tuple(sorted(srcs.items())))
-        if key in self._follow_memo:
-            return self._follow_memo[key]
-        if n.name not in self._own:
-            own = [self.pricer.compute(n.name, s) + self.pricer.op_comm_seconds(n.name, s)
-                   for s in strats]
-            self._own[n.name] = (own, sorted(range(len(strats)), key=lambda j: (own[j], j)))
-        own, order = self._own[n.name]
-        best = (float("inf"), -1)
-        # A strategy reading every source as it is laid out moves (nearly) nothing: priced
-        # first, it bounds the rest, which only a lower own cost (or, tied, index) could beat.
-        for j in self._reading_as_is(n.name, strats, srcs):
-            best = min(best, (self._follow_cost(n.name, strats[j], srcs, own[j]), j))
-        ins = self.ins[n.name]
-        for j in order:
-            if (own[j], j) >= best:
-                break
-            floor = own[j] + sum(self.pricer.reshard_floor(ins[k], spec, strats[j].inputs[k])
-                                 for k, spec in srcs.items())
-            if (floor, j) >= best:
-                continue
-            best = min(best, (self._follow_cost(n.name, strats[j], srcs, own[j]), j))
-        self._follow_memo[key] = best[1]
-        return best[1]
-
-    def _reading_as_is(self, name: str, strats: list[Strategy], srcs: dict[int, Spec]
-                       ) -> list[int]:
-        """The strategies of follower ``name`` whose inputs at ``srcs``' positions are
-        ``srcs``' specs, by input positions then specs (built once per node and positions)."""
-        positions = tuple(sorted(srcs))
-        index = self._as_is.get((name, positions))
-        if index is None:
-            index = {}
-            for j, s in enumerate(strats):
-                index.setdefault(tuple(s.inputs[k] for k in positions), []).append(j)
-            self._as_is[(name, positions)] = index
-        return index.get(tuple(srcs[k] for k in positions), [])
 
     def _internal_reshard(self, name: str, mb: Member, i: int, members: dict[str, Member],
                           seen: set[tuple]) -> float:

@@ -505,8 +505,14 @@ def _solve(problem: Problem, time_limit_s: float, t0: float,
     status = runs[-1][0]
     if cutoff_s is not None:
         raise NoBetter()
-    # No incumbent: the budget is infeasible, or the time limit came first (status NOT_SOLVED;
-    # some backends then say INFEASIBLE too). Only the least memory tells which.
+    return _no_incumbent(problem, time_limit_s, status, bound, variables, t0, verdict)
+
+
+def _no_incumbent(problem: Problem, time_limit_s: float, status: int, bound: float,
+                  variables: int, t0: float, verdict: bool) -> Solution:
+    """Neither backend found a plan. The budget is infeasible, or the time limit came first
+    (status NOT_SOLVED; some backends then say INFEASIBLE too): only the least memory tells
+    which, and where memory is not the cause its plan is the one returned."""
     if not verdict:
         raise NoSolution(time_limit_s, status, _finite(bound, 0.0))
     least = least_memory_plan(problem, time_limit_s=time_limit_s)

@@ -135,25 +135,10 @@ def search_mesh(model: torch.nn.Module, example_inputs: Sequence[Any], gpus: int
                 time_budget_s: float = 100.0, **overrides: Any) -> Plan:
     """The best plan of ``model`` on ``gpus`` devices over the meshes this module searches; the
     plan's mesh is the one chosen. ``gpus_per_node`` defaults to the cluster's."""
-    from autoshard.solver.planner import plan_with
     t0 = time.perf_counter()
     options = resolve_options(options, overrides)
     cluster = Cluster.resolve(cluster)
-    if not isinstance(gpus, int) or gpus < 1:
-        raise AutoshardError("--gpus is a positive number of devices", got=repr(gpus),
-                             fix="e.g. --gpus 64")
-    gpn = cluster.devices_per_node if gpus_per_node is None else gpus_per_node
-    if not isinstance(gpn, int) or gpn < 1:
-        raise AutoshardError("--gpus-per-node is a positive number of devices",
-                             got=repr(gpus_per_node), fix="e.g. --gpus-per-node 8")
-    if gpus > gpn and gpus % gpn:
-        raise AutoshardError(f"a number of devices that fills whole nodes of {gpn}",
-                             got=f"--gpus {gpus}", fix=f"use a multiple of {gpn}, or set "
-                                                      "--gpus-per-node")
-    if options.pipeline not in (None, "auto", "pp"):
-        raise AutoshardError("pipeline unset, 'auto' or 'pp' with a mesh search (its pipeline "
-                             "axis is named pp)", got=repr(options.pipeline),
-                             fix="leave --pipeline out: the search decides")
+    gpn = _devices_per_node(gpus, gpus_per_node, cluster, options)
     if gpn != cluster.devices_per_node:
         cluster = dataclasses.replace(cluster, devices_per_node=gpn)
     traces = Traces(model, example_inputs, training=options.training,
@@ -169,26 +154,7 @@ def search_mesh(model: torch.nn.Module, example_inputs: Sequence[Any], gpus: int
     tried: dict[Candidate, Tried] = {}
 
     def evaluate(c: Candidate, microbatches: int | None) -> Tried:
-        t = Tried(c, microbatches)
-        if microbatches == 0:
-            t.error = f"no microbatch count of {c.pp}, {2 * c.pp} or {4 * c.pp} that dp{c.dp} " \
-                      f"divides into batch {batch}"
-            return t
-        mesh = Mesh(c.shape, c.axes, cluster=cluster)
-        opts = options.replace(pipeline="pp" if c.pp > 1 else None,
-                               microbatches=microbatches or "auto")
-        t1 = time.perf_counter()
-        try:
-            with progress.step(f"mesh {c} ({'x'.join(map(str, c.shape))}"
-                               f"{f', {microbatches} microbatches' if microbatches else ''})"):
-                t.plan = plan_with(traces, mesh, opts, model_name=model_name)
-        except AutoshardError as e:
-            t.error = e.got or str(e)
-        t.seconds = time.perf_counter() - t1
-        return t
-
-    def step(t: Tried) -> float:
-        return t.plan.predicted["step_time_s"] if t.plan is not None else float("inf")
+        return _evaluate(c, microbatches, traces, cluster, options, model_name)
 
     def screen(c: Candidate) -> Tried:
         if c not in tried:
@@ -207,21 +173,21 @@ def search_mesh(model: torch.nn.Module, example_inputs: Sequence[Any], gpus: int
     current = screen(start(cands, params, 16.0, cluster.memory_bytes))
     while affordable():
         near = [screen(c) for c in neighbours(current.candidate, cands) if affordable()]
-        better = min(near, key=step, default=None)
-        if better is None or step(better) >= step(current):
+        better = min(near, key=_step, default=None)
+        if better is None or _step(better) >= _step(current):
             break
         current = better
     # Then the rest, nearest the best first, as long as the budget lasts: every candidate of
     # a model that plans fast, the neighbourhood of the best of one that does not.
     def distance(c: Candidate) -> int:
-        b = min(tried.values(), key=step).candidate
+        b = min(tried.values(), key=_step).candidate
         return abs(c.pp.bit_length() - b.pp.bit_length()) + abs(
             c.tp.bit_length() - b.tp.bit_length())
     for c in sorted((c for c in cands if c not in tried), key=distance):
         if not affordable():
             break
         screen(c)
-    best = min(tried.values(), key=step)
+    best = min(tried.values(), key=_step)
     if best.plan is None:
         raise AutoshardError(f"a mesh of {gpus} devices some plan fits",
                              got="; ".join(f"{t.candidate}: {t.error[:100]}"
@@ -234,17 +200,72 @@ def search_mesh(model: torch.nn.Module, example_inputs: Sequence[Any], gpus: int
                     or not affordable():
                 continue
             again = evaluate(best.candidate, m)
-            if again.plan is not None and step(again) < step(best):
+            if again.plan is not None and _step(again) < _step(best):
                 best.plan, best.microbatches = again.plan, m
     chosen = best.plan
     stopped = f"time budget of {time_budget_s:.0f} s (--search-budget)"
-    records = [t.record(t is best) for t in sorted(tried.values(), key=step)]
+    records = [t.record(t is best) for t in sorted(tried.values(), key=_step)]
+    search = _search_record(gpus, gpn, cands, tried, records, stopped, t0)
+    return replace(chosen, solver={**chosen.solver, "mesh_search": search})
+
+
+def _step(t: Tried) -> float:
+    return t.plan.predicted["step_time_s"] if t.plan is not None else float("inf")
+
+
+def _evaluate(c: Candidate, microbatches: int | None, traces: Traces, cluster: Cluster,
+              options: PlanOptions, model_name: str) -> Tried:
+    """One mesh of the search planned (``microbatches`` 0: none divides the batch)."""
+    from autoshard.solver.planner import plan_with
+    t = Tried(c, microbatches)
+    if microbatches == 0:
+        t.error = f"no microbatch count of {c.pp}, {2 * c.pp} or {4 * c.pp} that dp{c.dp} " \
+                  f"divides into batch {traces.full}"
+        return t
+    mesh = Mesh(c.shape, c.axes, cluster=cluster)
+    opts = options.replace(pipeline="pp" if c.pp > 1 else None,
+                           microbatches=microbatches or "auto")
+    t1 = time.perf_counter()
+    try:
+        with progress.step(f"mesh {c} ({'x'.join(map(str, c.shape))}"
+                           f"{f', {microbatches} microbatches' if microbatches else ''})"):
+            t.plan = plan_with(traces, mesh, opts, model_name=model_name)
+    except AutoshardError as e:
+        t.error = e.got or str(e)
+    t.seconds = time.perf_counter() - t1
+    return t
+
+
+def _devices_per_node(gpus: int, gpus_per_node: int | None, cluster: Cluster,
+                      options: PlanOptions) -> int:
+    """The devices per node of a mesh search, its arguments checked first."""
+    if not isinstance(gpus, int) or gpus < 1:
+        raise AutoshardError("--gpus is a positive number of devices", got=repr(gpus),
+                             fix="e.g. --gpus 64")
+    gpn = cluster.devices_per_node if gpus_per_node is None else gpus_per_node
+    if not isinstance(gpn, int) or gpn < 1:
+        raise AutoshardError("--gpus-per-node is a positive number of devices",
+                             got=repr(gpus_per_node), fix="e.g. --gpus-per-node 8")
+    if gpus > gpn and gpus % gpn:
+        raise AutoshardError(f"a number of devices that fills whole nodes of {gpn}",
+                             got=f"--gpus {gpus}", fix=f"use a multiple of {gpn}, or set "
+                                                      "--gpus-per-node")
+    if options.pipeline not in (None, "auto", "pp"):
+        raise AutoshardError("pipeline unset, 'auto' or 'pp' with a mesh search (its pipeline "
+                             "axis is named pp)", got=repr(options.pipeline),
+                             fix="leave --pipeline out: the search decides")
+    return gpn
+
+
+def _search_record(gpus: int, gpn: int, cands: list, tried: dict, records: list[dict],
+                   stopped: str, t0: float) -> dict[str, Any]:
+    """The plan's ``solver["mesh_search"]``: every mesh tried, fastest first, and the ones the
+    time budget left untried."""
     skipped = [{"mesh": list(c.shape), "axes": list(c.axes), "pp": c.pp, "dp": c.dp,
                 "tp": c.tp, "not_tried": stopped} for c in cands if c not in tried]
-    search = {"gpus": gpus, "gpus_per_node": gpn, "candidates": len(cands),
-              "tried": records, "not_tried": skipped, "search_s": round(
-                  time.perf_counter() - t0, 2)}
-    return replace(chosen, solver={**chosen.solver, "mesh_search": search})
+    return {"gpus": gpus, "gpus_per_node": gpn, "candidates": len(cands),
+            "tried": records, "not_tried": skipped, "search_s": round(
+                time.perf_counter() - t0, 2)}
 
 
 def _layers(traces: Traces, batch: int) -> int:

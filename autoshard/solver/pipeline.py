@@ -34,7 +34,8 @@ from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Spec
 from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions
-from autoshard.plans import CollectiveRecord, NodePlan, Pipeline, Plan, Stage
+from autoshard.plans import Plan
+from autoshard.plans.records import CollectiveRecord, NodePlan, Pipeline, Stage
 from autoshard.schedules import (SCHEDULES, SPLIT_BACKWARD, V_PLACED, VIRTUAL_STAGES,
                                  WARMUP_BYTES, check_microbatches, fullest_stage, in_flight, rank_stages,
                                  sends_between, simulate_schedule, stage_rank, warmup_node)

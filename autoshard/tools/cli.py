@@ -5,6 +5,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 from pathlib import Path
 
 from autoshard.errors import AutoshardError
@@ -132,7 +133,7 @@ def _plan_json(p, took: float, output: str | None) -> int:
     summary as one JSON object on stdout."""
     import json
 
-    from autoshard.report import summary_json
+    from autoshard.tools.report import summary_json
     if output:
         p.save(output)
     print(json.dumps(summary_json(p, seconds=took, output=output), indent=1))
@@ -140,7 +141,7 @@ def _plan_json(p, took: float, output: str | None) -> int:
 
 
 def cmd_report(args) -> int:
-    from autoshard.report import write_report
+    from autoshard.tools.report import write_report
     t0 = time.perf_counter()
     output = args.output or str(Path(args.plan).with_suffix(".html"))
     figures = write_report(args.plan, output)
@@ -159,7 +160,7 @@ def cmd_show(args) -> int:
 
 def cmd_verify(args) -> int:
     from autoshard.plans import Plan
-    from autoshard.verify import verify
+    from autoshard.tools.verify import verify
     mesh = make_mesh(args)
     plan = Plan.load(args.plan) if args.plan else None
     print(f"verifying {args.model} on {mesh} with {mesh.size} gloo ranks "
@@ -174,7 +175,7 @@ def cmd_verify(args) -> int:
 def cmd_diff(args) -> int:
     import json
 
-    from autoshard.diff import diff_files, render
+    from autoshard.tools.diff import diff_files, render
     if args.limit < 0:
         raise AutoshardError("--limit is a number of lines >= 0 (0: all)", got=str(args.limit),
                              fix="e.g. --limit 40, or --limit 0 for every line")
@@ -184,7 +185,7 @@ def cmd_diff(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from autoshard.export import export_file
+    from autoshard.tools.export import export_file
     exp = export_file(args.plan, args.output, args.format)
     print(f"wrote {args.output}: {exp.describe()}")
     n = len(exp.not_expressible)
@@ -194,7 +195,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    from autoshard.explain import explain_file
+    from autoshard.tools.explain import explain_file
     print(explain_file(args.plan, node=args.node, param=args.param, top=args.top,
                        alternatives=args.alternatives, time_limit_s=args.time_limit,
                        model=args.model, cluster=args.cluster, task=args.task,
@@ -203,7 +204,7 @@ def cmd_explain(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from autoshard.calibrate import calibrate, summary, write_profile, writes_profile
+    from autoshard.tools.calibrate import calibrate, summary, write_profile, writes_profile
     prof = calibrate(args.device, args.world, quick=args.quick)
     if not writes_profile():
         return 0                       # under torchrun every rank measured; rank 0 writes
@@ -229,6 +230,14 @@ TASK_HELP = ("for a Hugging Face config: causal-lm | masked-lm | seq2seq | image
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="autoshard", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
+    # In the order `autoshard --help` lists them.
+    for add in (_add_plan, _add_report_show_verify, _add_plan_tools, _add_machine):
+        add(sub)
+    return ap
+
+
+def _add_plan(sub: Any) -> None:
+    """``autoshard plan``: a model, a mesh (or --gpus) and every planning option."""
     p = sub.add_parser("plan", help="plan a model on a mesh and write the plan JSON")
     p.add_argument("model", help="zoo name (see `autoshard zoo`), path/to/file.py:factory, or a "
                                  "Hugging Face config.json (or a directory holding one)")
@@ -283,6 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the plan's summary as JSON (predicted step and its parts, "
                         "memory, techniques, timings, output path) instead of text")
     p.set_defaults(fn=cmd_plan)
+
+
+def _add_report_show_verify(sub: Any) -> None:
+    """The commands that show a plan or run it: report, show, verify."""
     r = sub.add_parser("report", help="write a plan as one HTML page of plots (step time, "
                                       "memory, placements per layer, pipeline schedule)")
     r.add_argument("plan", help="plan file")
@@ -314,6 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the eager one (loss, gradients, run-time bytes)")
     add_pipeline_flags(v)
     v.set_defaults(fn=cmd_verify)
+
+
+def _add_plan_tools(sub: Any) -> None:
+    """The commands that read plan files: diff, export, explain."""
     d = sub.add_parser("diff", help="what two plans of one model place differently, and the "
                                     "predicted change of each part of the step (b - a)")
     d.add_argument("a", help="plan file")
@@ -352,6 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "recorded their cluster's figures (a plan prices on its own)")
     x.add_argument("--json", action="store_true", help="print the explanation as JSON")
     x.set_defaults(fn=cmd_explain)
+
+
+def _add_machine(sub: Any) -> None:
+    """The commands about this machine and the built-in models: calibrate, zoo."""
     c = sub.add_parser("calibrate", help="measure this machine (matmul, memory, kernels, "
                                          "collectives) and write a cluster profile JSON")
     c.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -363,7 +384,6 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_calibrate)
     z = sub.add_parser("zoo", help="list the built-in models")
     z.set_defaults(fn=cmd_zoo)
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,9 @@ from typing import Any, Callable, Hashable, Iterable
 
 from autoshard.errors import AutoshardError
 from autoshard.ir import spec_str
-from autoshard.plans import PHASES, PREDICTED, NodePlan, Plan
+from autoshard.plans import Plan
+from autoshard.plans.records import PHASES, PREDICTED, NodePlan
+from autoshard.plans.summary import size_text
 
 # node name -> (layer container, block number, position in the layer's node list, the first
 # identical layer: whose node at that position does the same)
@@ -439,15 +441,6 @@ def _bytes_list(sizes: list[int]) -> str:
 
 # -------------------------------------------------------------------------------------- text
 
-def size_text(nbytes: float) -> str:
-    """Bytes in the largest binary unit that keeps the figure >= 1 (sign kept)."""
-    sign, n = ("-" if nbytes < 0 else ""), abs(nbytes)
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{sign}{n / scale:.2f} {unit}"
-    return f"{sign}{n:.0f} B"
-
-
 def _signed(value: float, fmt: Callable[[float], str]) -> str:
     return ("+" if value >= 0 else "-") + fmt(abs(value))
 
@@ -550,4 +543,4 @@ def _section(title: str, verb: str, changes: tuple[Change, ...], limit: int, *,
     return lines
 
 
-__all__ = ["Change", "Figure", "PlanDiff", "diff_files", "diff_plans", "render", "size_text"]
+__all__ = ["Change", "Figure", "PlanDiff", "diff_files", "diff_plans", "render"]

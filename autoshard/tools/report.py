@@ -34,7 +34,8 @@ from autoshard.files import check_output, write_output
 from autoshard.schedules import SPLIT_BACKWARD, simulate_schedule
 from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Shard, spec_str
-from autoshard.plans import Pipeline, Plan
+from autoshard.plans import Plan
+from autoshard.plans.records import Pipeline
 
 # ---------------------------------------------------------------------------- the plan's figures
 

@@ -1,0 +1,184 @@
+"""A plan in words: the step and its parts, state modes, the mesh search, the pipeline and the
+layers (``Plan.summary``), and one line per node (``Plan.explain``)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from autoshard.ir import Layer, spec_str
+from autoshard.plans.records import DIRECTIONS, MODE_NAMES, PER_AXIS
+from autoshard.schedules import balanced_bubble
+
+if TYPE_CHECKING:
+    from autoshard.plans import Plan
+
+
+def comm_by_axis(plan: Plan) -> list[str]:
+    exposed, hidden = (plan.predicted.get(k, {}) for k in PER_AXIS)
+    return [f"    comm over {a}: {exposed.get(a, 0.0) * 1e3:.3f} ms exposed, "
+            f"{hidden.get(a, 0.0) * 1e3:.3f} ms hidden behind backward"
+            for a in plan.mesh_axes if exposed.get(a) or hidden.get(a)]
+
+
+def summary(plan: Plan) -> str:
+    p, s = plan.predicted, plan.solver
+    dims = "x".join(map(str, plan.mesh_shape))
+    lines = [f"autoshard plan {plan.model or ''} on mesh {dims} ({','.join(plan.mesh_axes)}), "
+             f"cluster {plan.cluster_text}, {'training' if plan.training else 'inference'}",
+             f"  predicted step {p['step_time_s'] * 1e3:.3f} ms = compute "
+             f"{p['compute_s'] * 1e3:.3f} ms + exposed comm "
+             f"{(p['step_time_s'] - p['compute_s'] - p.get('host_s', 0.0)) * 1e3:.3f} ms "
+             f"(of {p['comm_s'] * 1e3:.3f} ms comm)"
+             + (f" + host link {p['host_s'] * 1e3:.3f} ms" if p.get("host_s") else "")
+             + f"; ILP memory sum {size_text(p['ilp_memory_bytes'])} per device",
+             *comm_by_axis(plan),
+             f"  solver {s['status']}, {s['variables']} variables, {s.get('decisions', '?')} "
+             f"decisions, gap {s['gap']:.2%}", *_mesh_search_summary(plan)]
+    by: dict[tuple[str, str, tuple[str, ...]], list[int]] = {}
+    for c in plan.collectives:        # on a pipeline, every stage's, as often as they run
+        by.setdefault((c.phase, c.kind, c.axes), []).extend([c.bytes] * c.count)
+    lines.append("  collectives:")
+    for (phase, kind, axes), bs in sorted(by.items()):
+        lines.append(f"    {phase:9s} {kind:14s} over {','.join(axes):8s} x{len(bs):<5d} "
+                     f"{size_text(sum(bs)):>12s}")
+    shown: dict[str, str] = {}
+    for fqn, spec in plan.params.items():
+        shown.setdefault(spec_str(spec), fqn)
+    lines.append("  parameter layouts (first parameter of each):")
+    for spec, fqn in shown.items():
+        n = sum(1 for s in plan.params.values() if spec_str(s) == spec)
+        lines.append(f"    {spec:20s} x{n:<4d} e.g. {fqn}")
+    for fqn, reads in plan.tied.items():
+        lines.append(f"  tied weight {fqn}: stored {spec_str(plan.params[fqn])}, read as "
+                     + ", ".join(spec_str(r) for r in reads))
+    lines += _state_summary(plan)
+    lines += _pipeline_summary(plan)
+    for policy in ("selective", "full"):
+        n = sum(1 for p in plan.recompute.values() if p == policy)
+        if n:
+            what = ("their forward in backward" if policy == "full" else
+                    "all but matmul, attention and collective outputs in backward")
+            lines.append(f"  activation checkpointing ({policy}): {n} of {len(plan.layers)} "
+                         f"layers recompute {what}")
+    lines += layers_summary(plan)
+    lines += [f"  warning: {w}" for w in plan.warnings]
+    return "\n".join(lines)
+
+
+def _state_summary(plan: Plan) -> list[str]:
+    """Where gradients and optimizer state live (ZeRO-1/2, offload) and the memory split."""
+    lines = []
+    by: dict[str, int] = {}
+    for st in plan.param_state.values():
+        by[st.mode] = by.get(st.mode, 0) + 1
+    for mode, n in sorted(by.items()):
+        lines.append(f"  {MODE_NAMES.get(mode, mode)}: {n} of {len(plan.params)} parameters")
+    if plan.host_transfers:
+        by_dir = {d: sum(t.bytes for t in plan.host_transfers if t.direction == d)
+                  for d in DIRECTIONS}
+        host_s = plan.predicted.get("host_s")
+        lines.append(f"  host link per step: {size_text(by_dir['h2d'])} host to device, "
+                     f"{size_text(by_dir['d2h'])} device to host"
+                     + (f"; {host_s * 1e3:.3f} ms of it outside the optimizer step, "
+                        f"not overlapped" if host_s else ""))
+    mem = plan.predicted.get("memory")
+    if isinstance(mem, dict):
+        parts = ", ".join(f"{k} {size_text(mem[k])}" for k in
+                          ("parameters", "gradients", "optimizer", "activations",
+                           "temporaries") if mem.get(k))
+        host = f"; host {size_text(mem['host'])}" if mem.get("host") else ""
+        at = plan.predicted.get("peak_phase")
+        peak = f" {size_text(mem['peak'])}" if "peak" in mem else ""
+        lines.append(f"  peak over the step (liveness){peak}{f', in {at}' if at else ''}: "
+                     f"{parts}{host}")
+    if plan.predicted.get("optimizer_s"):
+        lines.append(f"  optimizer step: {plan.predicted['optimizer_s'] * 1e3:.3f} ms "
+                     f"(in compute)")
+    return lines
+
+
+def _mesh_search_summary(plan: Plan) -> list[str]:
+    """The meshes a ``--gpus`` search tried (solver/meshes.py), fastest first."""
+    ms = plan.solver.get("mesh_search")
+    if not ms:
+        return []
+    lines = [f"  mesh search over {ms['gpus']} devices ({ms['gpus_per_node']} per node): "
+             f"{len(ms['tried'])} of {ms['candidates']} meshes planned in "
+             f"{ms['search_s']:.1f} s"]
+    for t in ms["tried"]:
+        mesh = f"{'x'.join(map(str, t['mesh']))} ({','.join(t['axes'])})"
+        what = (f"{t['step_time_s'] * 1e3:.3f} ms" + (
+            f", {t['schedule']}, {t['microbatches']} microbatches" if t.get("microbatches")
+            else "") if "step_time_s" in t else f"no plan: {t.get('error', '')[:90]}")
+        lines.append(f"    {mesh:22s} {what}{'  <- chosen' if t.get('chosen') else ''}")
+    if ms["not_tried"]:
+        lines.append(f"    not planned ({ms['not_tried'][0]['not_tried']}): " + ", ".join(
+            "x".join(map(str, t["mesh"])) + f" ({','.join(t['axes'])})"
+            for t in ms["not_tried"]))
+    return lines
+
+
+def _pipeline_summary(plan: Plan) -> list[str]:
+    pl = plan.pipeline
+    lines = []
+    search = plan.solver.get("pipeline_search")
+    if search:
+        chosen = pl.axis if pl else None
+        parts = [f"{t['pipeline'] or 'none'} " + (
+            f"{t['step_time_s'] * 1e3:.3f} ms" + (f" ({t['microbatches']} microbatches)"
+                                                  if t.get("microbatches") else "")
+            if t["step_time_s"] is not None else f"no plan: {t.get('error', '')[:80]}")
+            + (" <- chosen" if t["pipeline"] == chosen else "") for t in search]
+        lines.append("  pipeline search (pipeline='auto'): " + "; ".join(parts))
+    if pl is None:
+        return lines
+    v, m = pl.virtual_stages, pl.microbatches
+    p = len(pl.stages) // v
+    lines.append(f"  pipeline over {pl.axis}: {pl.schedule}, {m} microbatches, "
+                 f"{len(pl.stages)} stages on {p} ranks "
+                 f"(bubble {balanced_bubble(pl.schedule, p, m):.0%} when balanced)")
+    for st in pl.stages:
+        what = (f"{st.layers[0]} .. {st.layers[-1].rsplit('.', 1)[-1]}" if len(st.layers) > 1
+                else (st.layers[0] if st.layers else "no layer"))
+        lines.append(f"    stage {st.index}: {what} ({len(st.layers)} layers); per microbatch "
+                     f"compute {st.predicted['compute_s'] * 1e3:.3f} ms + comm "
+                     f"{st.predicted['comm_s'] * 1e3:.3f} ms; ILP memory sum "
+                     f"{size_text(st.predicted['ilp_memory_bytes'])}")
+    return lines
+
+
+def layers_summary(plan: Plan) -> list[str]:
+    """The layers found, one line per run of identical layers of a container."""
+    if not plan.layers:
+        return ["  layers: none found (no module path with a numbered block)"]
+    lines = [f"  layers: {len(plan.layers)}"]
+    runs: list[list[Layer]] = []
+    for layer in plan.layers:
+        last = runs[-1][-1] if runs else None
+        if last is not None and layer.same_as == last.same_as and \
+                layer.name.rsplit(".", 1)[0] == last.name.rsplit(".", 1)[0]:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    for run in runs:
+        first, last = run[0], run[-1]
+        names = first.name if len(run) == 1 else f"{first.name} .. {last.name.rsplit('.', 1)[1]}"
+        same = ", identical (decided once)" if len(run) > 1 else ""
+        lines.append(f"    {names:32s} x{len(run):<4d} {len(first.nodes)} nodes each{same}")
+    return lines
+
+
+def explain(plan: Plan) -> str:
+    """One line per node: the strategy it runs."""
+    strategies = plan.strategies()
+    return "\n".join(f"{n.name:40s} {n.op:45s} {strategies[n.name]}" for n in plan.nodes)
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the figure >= 1, sign kept: a tiny model's
+    plan must not read "0.00 GiB" (and its snapshot must show a change in memory or traffic).
+    The one byte formatting of the plan's text and of the tools (diff, explain)."""
+    sign, n = ("-" if nbytes < 0 else ""), abs(nbytes)
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{sign}{n / scale:.2f} {unit}"
+    return f"{sign}{n:.0f} B"

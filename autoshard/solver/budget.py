@@ -1,0 +1,348 @@
+"""Fitting the memory budget: the ladder of techniques (ZeRO, activation checkpointing whole or
+per layer, optimizer and parameter offload), cheapest first, and the outer loop that holds the
+step's liveness peak to the budget (docs/cost-model.md §4.6)."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Sequence
+
+
+from autoshard import progress
+from autoshard.errors import AutoshardError
+from autoshard.mesh import Mesh
+from autoshard.options import PlanOptions
+from autoshard.plans import Plan
+from autoshard.cost.memory import budget_for, device_budget, host_budget
+from autoshard.solver.ilp import Infeasible, NoBetter, NoSolution
+from autoshard.solver.diagnostics import gib
+from autoshard.trace.export import TracedGraph
+from autoshard.trace.layers import checkpointable
+from autoshard.solver.assemble import assemble, forward_memory
+from autoshard.solver.merging import plan_once
+from autoshard.solver.solve import BudgetError, forced_offload, grouped, offload_level
+
+
+def plan_memory(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw: Any) -> Plan:
+    """Plan with the memory techniques ``options`` allows, cheapest first: parameter, gradient
+    and optimizer-state sharding (ZeRO-1/2/3) are always in the search; activation
+    checkpointing as :func:`_plan_recompute` decides; under offload "auto", optimizer offload
+    only when no plan fits without it, and parameter offload (beside it) only when no plan fits
+    with optimizer offload alone, since each costs host-link time. When nothing fits, the error
+    names the least memory found and the techniques that were tried."""
+    forced = forced_offload(options)
+    ladder: list[bool | str] = [forced]
+    if not forced and options.offload == "auto" and traced.training \
+            and options.state_optimizer not in ("none", "sgd"):
+        ladder += [True] + (["parameters"] if options.stage_run is None else [])
+    for k, offload in enumerate(ladder):
+        try:
+            if k:
+                what = "optimizer offload" if offload is True else "parameter offload"
+                with progress.step(f"no plan fits: with {what}"):
+                    plan = _plan_recompute(traced, mesh, options, offload=offload, **kw)
+            else:
+                plan = _plan_recompute(traced, mesh, options, offload=offload, **kw)
+            break
+        except AutoshardError as e:
+            if not isinstance(e.__cause__, Infeasible) or k == len(ladder) - 1:
+                raise _with_techniques(e, traced, options, offload)
+    _check_host(plan, mesh)
+    return plan
+
+
+def _with_techniques(e: AutoshardError, traced: TracedGraph, options: PlanOptions,
+                     offload: bool | str) -> AutoshardError:
+    if not isinstance(e.__cause__, Infeasible):
+        return e
+    tried = ["parameter sharding (ZeRO-3)"]
+    if traced.training and options.state_optimizer not in ("none", "sgd"):
+        tried.append({"auto": "ZeRO-2", "none": "", "zero1": "ZeRO-1",
+                      "zero2": "ZeRO-2"}[options.zero])
+    layers = checkpointable(traced.graph, traced.layers) if traced.training else []
+    if layers and options.recompute != "none":
+        tried.append(f"full activation checkpointing of its {len(layers)} repeated layers")
+    if offload:
+        tried.append("optimizer offload to the host")
+    if offload == "parameters":
+        tried.append("parameter offload to the host")
+    fix = e.fix
+    if not offload and traced.training and options.offload == "none":
+        fix += ", or allow optimizer offload (offload='auto')"
+    if layers and options.recompute == "none":
+        fix += ", or allow activation checkpointing (recompute='auto')"
+    got = f"{e.got}; techniques tried: {', '.join(t for t in tried if t)}"
+    if isinstance(e, BudgetError):
+        return BudgetError(e.expected, got=got, fix=fix, least_bytes=e.least_bytes,
+                           phase=e.phase)
+    return AutoshardError(e.expected, got=got, fix=fix)
+
+
+def _check_host(plan: Plan, mesh: Mesh) -> None:
+    host = plan.predicted.get("memory", {}).get("host", 0.0)
+    if host > host_budget(mesh.cluster):
+        raise AutoshardError(
+            f"state offloaded within the host memory of one device "
+            f"({gib(host_budget(mesh.cluster))}: the cluster field host_memory_bytes less a "
+            f"process's own, cost/memory.py)",
+            got=f"the plan offloads {gib(host)} per device",
+            fix="use a larger mesh, or a cluster profile with more host memory per device")
+
+
+BINDS = 0.9     # a plan above this fraction of the budget may be held back by it
+
+
+def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw: Any) -> Plan:
+    """Plan with activation checkpointing as ``options.recompute`` says: "none", "selective" or
+    "full" on every checkpointable layer. "auto": without it first; recomputing only adds time
+    to the same layouts, so it is tried only when memory binds (no plan fits, or the plan fills
+    the budget): selective and full, each kept if it is the fastest plan that fits (memory it
+    frees can buy faster layouts)."""
+    layers = checkpointable(traced.graph, traced.layers) if traced.training else []
+    if not layers or options.recompute == "none":
+        return plan_once(traced, mesh, options, recompute={}, **kw)
+    if options.recompute in ("selective", "full"):
+        return plan_once(traced, mesh, options,
+                            recompute=dict.fromkeys(layers, options.recompute), **kw)
+    budget = device_budget(mesh.cluster, options.memory_budget)
+    plans: list[Plan] = []
+    try:
+        with progress.step("without activation checkpointing"):
+            plans.append(plan_once(traced, mesh, options, recompute={}, **kw))
+    except AutoshardError as e:
+        # No plan fits, or none was found in time (memory that binds makes the ILP hard):
+        # checkpointing frees memory either way.
+        if not isinstance(e.__cause__, (Infeasible, NoSolution)):
+            raise
+        error = e
+    # Memory binds when the plan comes near the budget: a layout the budget ruled out may be
+    # faster with the memory checkpointing frees (a plan 1% under the budget can be one).
+    if plans and plans[0].predicted["ilp_memory_bytes"] < budget * BINDS:
+        return plans[0]
+    # A plan that fits by liveness too is final unless checkpointing beats it: search only
+    # faster ones (re-planning for the peak below never makes a plan faster).
+    cutoff = plans[0].predicted["step_time_s"] if plans and \
+        plans[0].predicted["memory"]["peak"] <= budget and mesh.ndim < 3 else None
+    for policy in ("selective", "full"):
+        try:
+            with progress.step(f"activation checkpointing ({policy})"):
+                plans.append(plan_once(traced, mesh, options, cutoff_s=cutoff,
+                                          recompute=dict.fromkeys(layers, policy), **kw))
+        except NoBetter:
+            progress.note(f"no plan faster than {cutoff * 1e3:.3f} ms")
+            continue
+        except AutoshardError as e:
+            if not isinstance(e.__cause__, (Infeasible, NoSolution)):
+                raise
+            error = e
+            continue
+        if policy == "selective" and plans[-1].predicted["ilp_memory_bytes"] < budget * 0.98 \
+                and plans[-1].predicted["memory"]["peak"] <= budget:
+            break    # memory no longer binds: full recomputation would only add time
+    if not plans:
+        raise error
+    # Compared by the step's liveness peak too (a selective plan's can be twice the sum the ILP
+    # bounds): each re-planned for it as plan_traced would, and the fastest that fits kept.
+    # Fastest first: re-planning a plan for its peak never makes it faster, so once one fits,
+    # a plan already slower than it needs no re-planning.
+    fitting = None
+    for p in sorted(plans, key=lambda p: p.predicted["step_time_s"]):
+        if fitting is not None and p.predicted["step_time_s"] >= fitting.predicted["step_time_s"]:
+            break
+        fit = _fit_live(traced, mesh, options, p, budget, kw)
+        if fit is not None and (fitting is None or fit.predicted["step_time_s"]
+                                < fitting.predicted["step_time_s"]):
+            fitting = fit
+    if fitting is None:
+        return min(plans, key=lambda p: p.predicted["step_time_s"])
+    partial = _plan_partial(traced, mesh, options, fitting, layers, budget, **kw)
+    return fitting if partial is None else partial
+
+
+def _fit_live(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan, budget: float,
+              kw: dict[str, Any]) -> Plan | None:
+    """``plan`` if its liveness peak fits ``budget``, else :func:`_tighten`'s plan with the
+    same techniques, if one fits; else None. Pinned or merged sub-problems are left to their
+    caller."""
+    if plan.predicted["memory"]["peak"] <= budget or kw.get("fixed") or kw.get("merge") is not None:
+        return plan
+    fit, _ = _tighten(traced, mesh, options, plan, budget, kw, kw.get("offload"))
+    return fit
+
+
+TIGHTEN = 6      # rounds of the outer loop per set of techniques (docs/cost-model.md §4.6)
+
+
+def _tighten(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan, budget: float,
+             kw: dict[str, Any], offload: bool | str | None = None
+             ) -> tuple[Plan | None, list[Plan]]:
+    """The outer loop that holds the step's peak to ``budget`` (docs/cost-model.md §4.6): the ILP
+    bounds the sum of what forward saves and the model state, which lies below the liveness
+    peak by what backward's gradients and the optimizer's temporaries add; so solve again with
+    the ILP's bound lowered by the peak's excess, with ``plan``'s techniques, until the peak
+    fits, the ILP finds no plan, or :data:`TIGHTEN` rounds are spent; ``offload``: the offload
+    level offered (default: as far as ``plan`` went). The peak need not fall
+    as fast as the sum (a 16-bit parameter the ILP moves off the device takes its fp32
+    gradient copy out of the optimizer step too; a layout that saves less may gather more), so
+    each round that leaves the peak above the budget doubles the next one's cut. (The plan that
+    fits, or None; every plan solved on the way.)"""
+    solved: list[Plan] = []
+    p = plan
+    offload = offload_level(plan) if offload is None else offload
+    for k in range(TIGHTEN):
+        live = p.predicted["memory"]["peak"]
+        if live <= budget:
+            return p, solved
+        lower = p.predicted["ilp_memory_bytes"] - (live - budget) * 2**k
+        if lower <= 0:
+            break
+        try:
+            with progress.step(f"re-planning for the step's peak (ILP bound {gib(lower)})"):
+                p = plan_once(traced, mesh, options.replace(memory_budget=lower),
+                                 **{**kw, "offload": offload}, recompute=dict(p.recompute))
+        except AutoshardError:
+            break
+        p = replace(p, options=options)
+        solved.append(p)
+    return (p if p.predicted["memory"]["peak"] <= budget else None), solved
+
+
+def fit_budget(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan, *,
+                model_name: str, trace_s: float) -> Plan:
+    """``plan``, or a plan whose step peaks within the memory budget, or a refusal: the budget
+    is the step's peak over forward, backward and the optimizer step (cost/liveness.py). The
+    plan's own techniques are tightened first (:func:`_tighten`); then the ones that lower the
+    phase that binds: optimizer offload, then parameter offload, for an optimizer-step peak;
+    full checkpointing for a forward or backward one (then offload too), as far as ``options``
+    allows. None fits: an error naming the least peak found, and its phase."""
+    budget = device_budget(mesh.cluster, options.memory_budget)
+    if plan.predicted["memory"]["peak"] <= budget:
+        return plan
+    kw = {"model_name": model_name, "fixed": None, "trace_s": trace_s, "merge": None}
+    fit, tried = _tighten(traced, mesh, options, plan, budget, kw)
+    tried.append(plan)
+    techniques = [_technique(plan.recompute, offload_level(plan))]
+    for recompute, offload in _remedies(traced, options, plan):
+        if fit is not None:
+            break
+        what = _technique(recompute, offload)
+        techniques.append(what)
+        try:
+            with progress.step(f"the step peaks above the budget: with {what}"):
+                p = plan_once(traced, mesh, options, **kw, recompute=recompute,
+                                 offload=offload)
+        except AutoshardError as e:
+            if not (isinstance(e, BudgetError) or isinstance(e.__cause__, NoSolution)):
+                raise
+            continue
+        fit, more = _tighten(traced, mesh, options, p, budget, kw, offload)
+        tried += [p, *more]
+    if fit is not None:
+        return fit
+    least = min(tried, key=lambda p: p.predicted["memory"]["peak"])
+    need = budget_for(least.predicted["memory"]["peak"])
+    raise BudgetError(
+        f"a plan whose step peaks within the memory budget of {gib(budget_for(budget))} per "
+        f"device (forward, backward and the optimizer step, cost/liveness.py, with the "
+        f"allocator's slack, docs/cost-model.md §4.6)",
+        got=f"none; the least memory any plan found needs is {gib(need)} per device, at "
+            f"its {least.predicted['peak_phase']} peak; techniques tried: "
+            f"{'; '.join(dict.fromkeys(techniques))}",
+        fix="raise memory_budget, use a larger mesh, or a smaller batch"
+            + ("" if options.offload == "auto" else ", or allow offload (offload='auto')")
+            + ("" if options.recompute == "auto"
+               else ", or allow activation checkpointing (recompute='auto')"),
+        least_bytes=need, phase=least.predicted["peak_phase"])
+
+
+def _remedies(traced: TracedGraph, options: PlanOptions, plan: Plan
+              ) -> list[tuple[dict[str, str], bool | str]]:
+    """The techniques to try, in order, when ``plan``'s step peaks above the budget: those that
+    lower its binding phase first (an optimizer-step peak falls with offload, which takes the
+    optimizer state off the device; a forward or backward one with checkpointing), as far as
+    ``options`` allows them, each with ``plan``'s others."""
+    recompute, offload = dict(plan.recompute), offload_level(plan)
+    layers = checkpointable(traced.graph, traced.layers) if traced.training else []
+    ckpt = [dict.fromkeys(layers, "full")] if layers and options.recompute == "auto" \
+        and plan.recompute != dict.fromkeys(layers, "full") else []
+    offloads: list[bool | str] = []
+    if options.offload == "auto" and traced.training \
+            and options.state_optimizer not in ("none", "sgd"):
+        offloads = [o for o in (True, "parameters") if o != offload
+                    and (o is True or options.stage_run is None)
+                    and not (o is True and offload == "parameters")]
+    if plan.predicted["peak_phase"] == "optimizer":
+        out = [(recompute, o) for o in offloads] + [(c, offloads[-1] if offloads else offload)
+                                                    for c in ckpt]
+    else:
+        out = [(c, offload) for c in ckpt] + [(ckpt[0] if ckpt else recompute, o)
+                                              for o in offloads]
+    return out
+
+
+def _technique(recompute: dict[str, str], offload: bool | str) -> str:
+    policies = sorted(set(recompute.values()))
+    ckpt = f"{'/'.join(policies)} checkpointing of {len(recompute)} layers" if recompute \
+        else "no checkpointing"
+    return ckpt + {False: "", True: ", optimizer offload",
+                   "parameters": ", parameter offload"}[offload]
+
+
+def _plan_partial(traced: TracedGraph, mesh: Mesh, options: PlanOptions, best: Plan,
+                  layers: Sequence[str], budget: float, **kw: Any) -> Plan | None:
+    """Checkpointing per layer: when the fastest plan applies one policy to every layer, the
+    first k layers with it and the rest with a cheaper one (full over selective or none,
+    selective over none) may fit too, with less recomputation: Megatron-LM's
+    ``--recompute-num-layers`` (block method), the per-layer search of Galvatron and Mist. For
+    each cheaper policy the least such k is found by pricing ``best``'s own layouts (memory never
+    falls as fewer layers recompute; the sum the ILP bounds, as the ladder compares), raised a
+    little until the step's liveness peak fits too. The faster of these, with ``best``'s
+    layouts, if it beats ``best``, else None. (Solving the ILP again at that k might find faster
+    layouts, at the price of one more solve.)"""
+    policies = set(best.recompute.values())
+    if len(policies) != 1 or len(best.recompute) != len(layers) or len(layers) < 2:
+        return None
+    hi = policies.pop()
+    strategies = best.strategies()
+
+    def fits(p: Plan) -> bool:      # the ILP's bound and the step's liveness peak alike
+        return max(p.predicted["ilp_memory_bytes"], p.predicted["memory"]["peak"]) <= budget
+
+    candidates = []
+    for lo in {"full": ("selective", None), "selective": (None,)}[hi]:
+        def mixed(k: int, lo: str | None = lo) -> dict[str, str]:
+            out = {layer: hi for layer in layers[:k]}
+            if lo is not None:
+                out.update({layer: lo for layer in layers[k:]})
+            return out
+
+        # Bisect on k over best's layouts (the memory sum alone, as the ILP bounds it).
+        lo_k, hi_k = 0, len(layers)
+        while lo_k < hi_k:
+            k = (lo_k + hi_k) // 2
+            if forward_memory(grouped(traced, mixed(k)), mesh, strategies, options,
+                              mixed(k), best.joint_groups()) <= budget:
+                hi_k = k
+            else:
+                lo_k = k + 1
+        # The step's liveness peak lies above that sum (backward's gradients, the optimizer's
+        # temporaries): a few more layers recomputed until it fits too.
+        for k in sorted({hi_k, hi_k + max(1, len(layers) // 8), hi_k + len(layers) // 4}):
+            if k >= len(layers):
+                break
+            rc = mixed(k)
+            p = assemble(grouped(traced, rc), mesh, strategies, options,
+                         solver=dict(best.solver), model_name=kw.get("model_name", ""),
+                         timings=dict(best.timings), recompute=rc, joint=best.joint_groups())
+            # Not solved again: the layouts are best's, priced with these policies.
+            p = replace(p, solver={**p.solver, "objective": p.predicted["step_time_s"],
+                                   "note": f"layouts solved with every layer {hi}; "
+                                           f"checkpointing then priced per layer"})
+            if fits(p):
+                candidates.append(p)
+                break
+    if not candidates:
+        return None
+    pick = min(candidates, key=lambda p: p.predicted["step_time_s"])
+    # ``best`` may still be re-planned for its own liveness peak: never faster than it is now.
+    return pick if pick.predicted["step_time_s"] < best.predicted["step_time_s"] else None
+

@@ -1,0 +1,189 @@
+"""One ILP on one mesh: built (solver/build.py), solved (solver/ilp.py) with the obvious plans
+as starts, its ties broken toward the layouts a user expects, and assembled; the errors that say
+why no plan was found."""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+
+from autoshard import progress
+from autoshard.errors import AutoshardError
+from autoshard.ir import Replicate, Strategy
+from autoshard.mesh import AxisMerge, Mesh
+from autoshard.options import PlanOptions
+from autoshard.plans import Plan
+from autoshard.cost.memory import budget_for
+from autoshard.solver.build import BuildTimeout, Built, build_problem
+from autoshard.solver.ilp import Infeasible, NoSolution, break_ties, solve
+from autoshard.solver.problem import Problem, Solution
+from autoshard.solver.diagnostics import gib, unruled_note
+from autoshard.solver.starts import obvious_starts
+from autoshard.trace.export import TracedGraph
+from autoshard.trace.layers import regroup
+from autoshard.solver.assemble import assemble
+
+
+class BudgetError(AutoshardError):
+    """No plan fits the memory budget. ``least_bytes``: the least ``memory_budget`` a plan found
+    needs (cost/memory.py ``budget_for`` of its step's peak, cost/liveness.py), or where the ILP
+    found none within the budget, of the least sum the ILP bounds (a lower bound on any plan's
+    peak); ``phase``: where that peak is reached ("forward", "backward", "optimizer"; None for
+    the ILP's sum)."""
+
+    def __init__(self, expected: str, *, got: str, fix: str, least_bytes: float,
+                 phase: str | None) -> None:
+        super().__init__(expected, got=got, fix=fix)
+        self.least_bytes, self.phase = float(least_bytes), phase
+
+
+def check_mesh_fits(traced: TracedGraph, mesh: Mesh) -> None:
+    """A mesh larger than every dimension of the problem can only replicate: say so."""
+    dims = [d for p in traced.placeholders if p.info is not None for d in p.info.shape]
+    if mesh.size > 1 and not any(d % n == 0 and d >= n for d in dims for n in mesh.shape if n > 1):
+        raise AutoshardError(
+            f"a mesh whose axes divide some tensor dimension of the model (mesh {mesh.shape})",
+            got=f"no parameter or input dimension divisible by any axis; dims seen: "
+                f"{sorted(set(dims))[:12]}",
+            fix="use a smaller mesh, or a larger batch/model")
+
+
+def grouped(traced: TracedGraph, recompute: dict[str, str]) -> TracedGraph:
+    """``traced`` with its identical layers grouped apart by policy where ``recompute`` mixes
+    policies in a group (trace/layers.py ``regroup``)."""
+    layers = regroup(traced.layers, recompute)
+    return traced if layers == traced.layers else replace(traced, layers=layers)
+
+
+def forced_offload(options: PlanOptions) -> bool | str:
+    """The offload level ``options.offload`` forces (see :func:`offload_level`), else False."""
+    return {"optimizer": True, "parameters": "parameters"}.get(options.offload, False)
+
+
+def offload_level(plan: Plan) -> bool | str:
+    """How far offload went in ``plan`` (the ``offload`` argument that plans it again with
+    the same state modes offered): "parameters" where a parameter is kept on the host, True
+    where only optimizer state is, else False."""
+    modes = {st.mode for st in plan.param_state.values()}
+    if "offload_params" in modes or plan.options.offload == "parameters":
+        return "parameters"
+    return "offload" in modes or plan.options.offload == "optimizer"
+
+
+MIN_SOLVE_S = 0.5    # the least time a solve under a deadline gets once its ILP is built
+
+
+def solve_on(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_name: str,
+           fixed: dict[str, Strategy] | None, trace_s: float, merge: AxisMerge | None,
+           recompute: dict[str, str], offload: bool, deadline: float | None = None,
+           cutoff_s: float | None = None) -> Plan:
+    """One ILP on ``mesh`` (every axis its own, whatever its number), solved and assembled.
+    ``deadline`` (``time.perf_counter()`` seconds): building and solving share the time up to it
+    (BuildTimeout if building runs past it), and a solve without an incumbent by then raises
+    at once (the caller has other plans)."""
+    t0 = time.perf_counter()
+    in_place = frozenset(p.name for p in traced.params if p.name in (fixed or {}))
+    with progress.step(f"building the ILP on mesh {'x'.join(map(str, mesh.shape))} "
+                       f"({','.join(mesh.axes)})"):
+        built = build_problem(traced, mesh, options, in_place=in_place, merge=merge,
+                              recompute=recompute, offload=offload, deadline=deadline)
+    problem = built.problem
+    if fixed:
+        problem = _with_fixed(built, fixed)
+    build_s = time.perf_counter() - t0
+    if deadline is not None and deadline - time.perf_counter() < build_s:
+        # Solving took longer than building on every 3-axis problem measured (gpt2-tiny,
+        # llama-tiny: 1.2x to 2.3x): less time than that left cannot give a plan.
+        raise BuildTimeout()
+    try:
+        with progress.step(f"solving ({len(problem.decisions)} decisions)"):
+            # A try that must beat a plan in hand is a gamble: a quarter of the time limit.
+            limit = options.time_limit_s if cutoff_s is None else options.time_limit_s / 4
+            if deadline is not None:
+                limit = max(MIN_SOLVE_S, deadline - time.perf_counter())
+            # Never worse than the obvious plans (solver/starts.py); a pinned problem is a
+            # baseline's own, and a deadline leaves no time for them.
+            starts = () if fixed or deadline is not None else \
+                (lambda: obvious_starts(traced, mesh, built))
+            sol = solve(problem, time_limit_s=limit, cutoff_s=cutoff_s, starts=starts,
+                        verdict=deadline is None, highs_first=options.stage_run is not None)
+    except Infeasible as e:
+        least = f"{'' if e.exact else 'at least '}{gib(budget_for(e.least_memory))}"
+        if e.least_host is not None:
+            raise AutoshardError(
+                f"a plan within the memory budget of {gib(budget_for(e.budget))} per device and "
+                f"the host memory of {gib(e.host_budget)} per device (cluster field host_memory_bytes)",
+                got=f"none fits both: the plans that fit the device keep parameters, gradients "
+                    f"or optimizer state on the host, at least {gib(e.least_host)} per device"
+                    f"{unruled_note(traced)}",
+                fix="use a larger mesh or a smaller batch, or a cluster profile with more host "
+                    "memory per device (host_memory_bytes)") from e
+        raise BudgetError(
+            f"a plan within the memory budget of {gib(budget_for(e.budget))} per device",
+            got=f"none fits; the least memory any plan needs is {least} per device"
+                f"{unruled_note(traced)}",
+            fix="raise memory_budget, use a larger mesh, or a smaller batch",
+            least_bytes=budget_for(e.least_memory), phase=None) from e
+    except NoSolution as e:
+        raise AutoshardError(
+            "a plan found within the solver's time limit",
+            got=f"none after {e.time_limit_s:.3g} s (solver status {e.status}, best bound "
+                f"{e.bound * 1e3:.4g} ms per step)"
+                + ("; the memory budget is not the cause" if deadline is None else ""),
+            fix="raise time_limit_s (--time-limit), or use a mesh with fewer axes") from e
+    progress.note(f"{sol.status}: {sol.objective * 1e3:.3f} ms per step")
+    return solved_plan(traced, mesh, options, built, problem, sol, model_name=model_name,
+                       timings={"trace_s": trace_s, "build_s": build_s, "solve_s": sol.seconds},
+                       recompute=recompute)[0]
+
+
+def solved_plan(traced: TracedGraph, mesh: Mesh, options: PlanOptions, built: Built,
+                problem: Problem, sol: Solution, *, model_name: str,
+                timings: dict[str, float], recompute: dict[str, str] | None = None,
+                **record: Any) -> tuple[Plan, tuple[int, ...]]:
+    """The Plan of a solution of ``problem`` (``built``'s, with the caller's pins and cuts),
+    and its choice: ties broken toward the layouts a user expects (:func:`storage_preferences`)
+    within those pins and cuts, assembled and priced as every plan is. ``record``: more fields
+    of the plan's solver record (an alternative's label)."""
+    choice = break_ties(problem, sol.choice, storage_preferences(traced, built))
+    strategies = {name: built.strategy_of(name, choice) for name in built.template}
+    solver = {"status": sol.status, "objective": sol.objective, "gap": sol.gap,
+              "variables": sol.variables, "decisions": len(built.problem.decisions),
+              **({"note": sol.note} if sol.note else {}),
+              **({"start": sol.start} if sol.start else {}), **record}
+    return assemble(traced, mesh, strategies, options, solver=solver, model_name=model_name,
+                    timings=timings, recompute=recompute), choice
+
+
+def storage_preferences(traced: TracedGraph, built: Built) -> dict[int, list[int]]:
+    """Each parameter's decision with its layouts, fewest sharded mesh axes first: among equally
+    fast plans, weights stay replicated (plain data parallelism, one gradient all-reduce) unless
+    sharding them buys time or is needed to fit memory."""
+    out = {}
+    for p in traced.params:
+        m = built.members.get(p.name)
+        if m is None:
+            continue                         # a repeated layer's copy: its template decides
+        sharded = [sum(not isinstance(x, Replicate) for x in m.strategies[j].outputs[0])
+                   for j in m.index]
+        out[m.decision] = sorted(range(len(sharded)), key=lambda i: (sharded[i], i))
+    return out
+
+
+def _with_fixed(built: Built, fixed: dict[str, Strategy]):
+    pins = []
+    for name, strat in fixed.items():
+        m = built.members[built.template[name]]
+        if name in built.tied_to:
+            continue                 # a tied weight's later name: its first name's pin decides
+        assert m.index == list(range(len(m.index))), f"can only pin a decision's root: {name}"
+        if strat not in m.strategies and strat.kernel is None:
+            # A pinned parameter layout with no state mode: the first mode the options allow.
+            strat = next((s for s in m.strategies if s.outputs == strat.outputs), strat)
+        if strat not in m.strategies:
+            raise AutoshardError(f"a strategy {name} supports", got=str(strat),
+                                 fix=f"choose among {[str(s) for s in m.strategies][:6]}...")
+        pins.append((m.decision, m.strategies.index(strat)))
+    return replace(built.problem, fixed=tuple(sorted(set(pins))))
+
