@@ -10,6 +10,10 @@ import shlex
 import sys
 from pathlib import Path
 
+# Planning times here include tracing: no graph is reused from an earlier plan of the same model
+# in this process (autoshard/trace/export.py).
+os.environ["AUTOSHARD_TRACE_REUSE"] = "0"
+
 HEADER = """# autoshard benchmark results
 
 Each section below is (re)written by the benchmark script named in its markers; the scripts

@@ -311,7 +311,8 @@ def test_as_loss_module_on_hugging_face_model() -> None:
     assert torch.equal(loss, wrapped(ids, labels)) and math.isfinite(loss.item())
 
 
-def test_a_zoo_models_graph_is_reused_only_where_nothing_it_depends_on_changed() -> None:
+def test_a_zoo_models_graph_is_reused_only_where_nothing_it_depends_on_changed(monkeypatch
+                                                                               ) -> None:
     """Tracing a zoo model built again by the same recipe returns the graph already made (the
     test suite and verify rebuild the same tiny models many times); a change of anything the
     graph depends on (a mode, a frozen parameter, a dtype, the batch, the config) traces
@@ -340,4 +341,7 @@ def test_a_zoo_models_graph_is_reused_only_where_nothing_it_depends_on_changed()
     assert trace(model.double(), inputs) is not first
     model, inputs = fresh()
     del model._autoshard_recipe          # as a factory's model: never reused
+    assert trace(model, inputs) is not first
+    monkeypatch.setenv("AUTOSHARD_TRACE_REUSE", "0")     # the benchmarks time tracing too
+    model, inputs = fresh()
     assert trace(model, inputs) is not first

@@ -14,6 +14,7 @@ import hashlib
 import inspect
 import itertools
 import operator
+import os
 import re
 import sys
 from collections.abc import Mapping
@@ -129,7 +130,8 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any], *, training: bo
         raise AutoshardError("model is a torch.nn.Module", got=type(model).__name__,
                              fix="pass the nn.Module itself")
     example_inputs = _meta_like_model(model, _checked_inputs(example_inputs))
-    key = reusable(model, example_inputs, training)
+    key = reusable(model, example_inputs, training) \
+        if os.environ.get("AUTOSHARD_TRACE_REUSE", "1") != "0" else None
     if key is not None and key in _TRACED:
         _TRACED.move_to_end(key)
         return _TRACED[key]
@@ -145,6 +147,8 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any], *, training: bo
 
 # Graphs of zoo-built models, by :func:`reusable`'s key: the tests and ``verify`` build the same
 # tiny models again and again in long-lived processes, and exporting one costs seconds there.
+# ``AUTOSHARD_TRACE_REUSE=0`` traces every time (the benchmarks set it: their planning times
+# include tracing).
 _TRACED: collections.OrderedDict = collections.OrderedDict()
 _TRACED_KEPT = 8
 
