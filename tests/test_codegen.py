@@ -56,7 +56,14 @@ def test_mlp_on_two(world2):
 
 @pytest.mark.slow
 def test_three_axis_mesh_at_world_size_eight(world8):
-    check(world8, "gpt2-tiny", plan_for("gpt2-tiny", mesh_of((2, 2, 2))))
+    """A plan of a 3-axis mesh runs as planned on 8 ranks. Planned under a 2 s time limit: the
+    every-subset ILP's build takes longer and is given up (under the default 20 s it took ~20 s
+    idle, and was given up the same way on a loaded machine), so the plan is the best of the
+    axis merges, stepped one axis at a time: per-axis collectives on all three axes (idle, its
+    predicted step is within 1e-6 of the every-subset plan's)."""
+    plan = plan_for("gpt2-tiny", mesh_of((2, 2, 2)), time_limit_s=2.0)
+    assert not plan.joint_axes and len({c.axes for c in plan.collectives}) >= 3
+    check(world8, "gpt2-tiny", plan)
 
 
 @pytest.mark.parametrize("baseline", ["dp", "megatron", "megatron-dp"])
