@@ -19,7 +19,7 @@ CLUSTER = str(Path(__file__).parent / "data" / "compute_bound.json")
 def dropout_model(name: str, seed: int = 0) -> tuple[torch.nn.Module, tuple]:
     """HF GPT-2 (residual, embedding and attention dropout) or Llama (attention dropout) at the
     zoo's tiny sizes with dropout ``P``, and the zoo model's inputs."""
-    from autoshard.verify import build
+    from autoshard.tools.verify import build
     from autoshard.zoo import hf
     inputs = build(f"hf-{name}-tiny", None, None, 0)[1]
     torch.manual_seed(seed)
@@ -97,7 +97,7 @@ def train_eval_train(kind: str, plan_json: str) -> dict:
     buffers after each phase and the gradients at the end."""
     from autoshard.codegen.runtime import parallelize
     from autoshard.loss import as_loss_module
-    from autoshard.verify import KeepAll, rel_err
+    from autoshard.tools.verify import KeepAll, rel_err
     plan = Plan.loads(plan_json)
     model, inputs = make(kind)
     pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan,

@@ -56,7 +56,14 @@ def test_mlp_on_two(world2):
 
 @pytest.mark.slow
 def test_three_axis_mesh_at_world_size_eight(world8):
-    check(world8, "gpt2-tiny", plan_for("gpt2-tiny", mesh_of((2, 2, 2))))
+    """A plan of a 3-axis mesh runs as planned on 8 ranks. Planned under a 2 s time limit: the
+    every-subset ILP's build takes longer and is given up (under the default 20 s it took ~20 s
+    idle, and was given up the same way on a loaded machine), so the plan is the best of the
+    axis merges, stepped one axis at a time: per-axis collectives on all three axes (idle, its
+    predicted step is within 1e-6 of the every-subset plan's)."""
+    plan = plan_for("gpt2-tiny", mesh_of((2, 2, 2)), time_limit_s=2.0)
+    assert not plan.joint_axes and len({c.axes for c in plan.collectives}) >= 3
+    check(world8, "gpt2-tiny", plan)
 
 
 @pytest.mark.parametrize("baseline", ["dp", "megatron", "megatron-dp"])
@@ -236,7 +243,7 @@ def test_checkpoint_of_a_pipeline_loads_without_one_and_back(world4, world2, tmp
             assert torch.equal(full[name], p.detach()), name
 
 
-# -- training: 200 steps equal to one process --------------------------------------------------
+# -- training: 100 steps equal to one process --------------------------------------------------
 
 def _train(plan_json: str, steps: int) -> list[float]:
     from autoshard.codegen.runtime import parallelize
@@ -253,9 +260,13 @@ def _train(plan_json: str, steps: int) -> list[float]:
 
 
 @pytest.mark.slow
-def test_two_hundred_training_steps_track_one_process(world4):
+def test_a_hundred_training_steps_track_one_process(world4):
+    """Every rank's loss tracks one process's, step by step, over 100 AdamW steps. (100 rather
+    than 200: at lr 1e-2 gpt2-tiny's loss falls from 4.1 to 0.18 by step 25 and to 0.0037 by
+    step 100, so the run already covers the fast fall and a long tail where rounding would
+    drift; the second hundred steps showed nothing the first does not.)"""
     from autoshard.loss import as_loss_module
-    steps = 200
+    steps = 100
     plan = plan_for("gpt2-tiny", mesh_of((2, 2)))
     parallel = world4.run(_train, plan.dumps(), steps)
     model, inputs = build("gpt2-tiny", None, None, 0)

@@ -56,8 +56,15 @@ def _search(**kw):
                        model_name="gpt2-tiny-4l", **kw)
 
 
-def test_search_plans_every_candidate_of_a_small_model_and_keeps_the_fastest():
-    plan = _search()
+@pytest.fixture(scope="module")
+def searched():
+    """The search over every candidate, done once: its plan is checked here and run on gloo
+    below."""
+    return _search()
+
+
+def test_search_plans_every_candidate_of_a_small_model_and_keeps_the_fastest(searched):
+    plan = searched
     ms = plan.solver["mesh_search"]
     tried = ms["tried"]
     assert ms["candidates"] == len(tried) and not ms["not_tried"]
@@ -81,10 +88,10 @@ def test_a_spent_budget_plans_the_start_and_says_what_it_left():
 
 
 @pytest.mark.slow
-def test_chosen_plan_runs_on_gloo(tmp_path):
+def test_chosen_plan_runs_on_gloo(searched):
     """The search's plan is an ordinary plan of its mesh: it verifies (loss, gradients, bytes)."""
     from autoshard.tools.verify import verify
-    plan = _search()
+    plan = searched
     mesh = Mesh(plan.mesh_shape, plan.mesh_axes, cluster="stress")
     ok, report = verify("gpt2-tiny-4l", mesh, plan=plan, batch=8, seq=8)
     assert ok, report

@@ -309,12 +309,14 @@ def _expert_specs(plan: Plan) -> list:
 @pytest.mark.slow
 def test_hf_mixtral_spreads_its_experts_where_memory_requires(mixtral) -> None:
     """On H100s the tiny model is best replicated; under a memory budget a third of that
-    plan's, every expert weight is split over the axis."""
+    plan's, every expert weight is split over the axis. (Checkpointing is left out of the
+    tight plan: the test is about the experts' layout, and the checkpointing search's three
+    plans per offload level doubled its time; its plan splits every expert weight too.)"""
     mesh = Mesh((4,), cluster="h100")
     free = plan_for(mixtral, mesh, batch=2, seq=8)
     assert all(spec == (Replicate(),) for spec in _expert_specs(free))
     budget = free.predicted["memory"]["peak"] // 3   # (at half, half of them are enough)
-    tight = plan_for(mixtral, mesh, batch=2, seq=8, memory_budget=budget)
+    tight = plan_for(mixtral, mesh, batch=2, seq=8, memory_budget=budget, recompute="none")
     specs = _expert_specs(tight)
     assert len(specs) == 4 and all(isinstance(spec[0], Shard) for spec in specs), specs
     assert tight.predicted["memory"]["peak"] <= budget

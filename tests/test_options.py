@@ -192,10 +192,13 @@ def test_plan_carries_layers_and_show_prints_them(gpt2_tiny, tmp_path) -> None:
                                             ((2, 2, 2), "stress")])
 def test_predicted_figures_are_the_prices_summed(gpt2_tiny, shape, cluster) -> None:
     """The plan's figures are the pricing function summed over its nodes and the reshards the
-    program runs, and equal the ILP's objective (on a 3-axis mesh, the merged problem's)."""
+    program runs, and equal the ILP's objective (on a 3-axis mesh, the merged problem's). The
+    3-axis plan gets a 2 s time limit: the every-subset ILP's build alone takes longer and is
+    given up, where under the default 20 s it was built and solved for a plan that ties the
+    merged one, which comes first and is kept either way (idle: the same plan, 26 s to 5 s)."""
     _, _, traced = gpt2_tiny
     mesh = Mesh(shape, cluster=cluster)
-    p = plan_traced(traced, mesh)
+    p = plan_traced(traced, mesh, **({"time_limit_s": 2.0} if len(shape) == 3 else {}))
     pricer = Pricer(traced, mesh, p.options)
     strategies = p.strategies()
     compute = sum(pricer.node(n, s).seconds for n, s in strategies.items())

@@ -30,12 +30,14 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def pipelined(tmp_path_factory) -> Path:
-    """gpt2-tiny on 2x2 (pp, tp), pipelined over pp: a plan file."""
+    """gpt2-tiny on 2x2 (pp, tp), pipelined over pp in 2 microbatches: a plan file. (2 is what
+    the microbatch search picks here; pinned, the plan is the same without the search's two
+    other counts planned, and the report is not about the search.)"""
     path = tmp_path_factory.mktemp("report") / "pp.json"
     model, inputs = load_model("gpt2-tiny", batch=None, seq=None, device="meta")
     p = make_plan(model, inputs, Mesh((2, 2), ("pp", "tp"), cluster="h100"), pipeline="pp",
-                  model_name="gpt2-tiny")
-    assert p.pipeline is not None
+                  microbatches=2, model_name="gpt2-tiny")
+    assert p.pipeline is not None and p.pipeline.microbatches == 2
     p.save(path)
     return path
 

@@ -32,7 +32,7 @@ from autoshard.options import PlanOptions
 from autoshard.solver.planner import plan_traced
 from autoshard.trace.export import TracedGraph, trace
 from autoshard.trace.export import op_info as node_info
-from autoshard.verify import VerifySpec, build, summarize, verify_rank
+from autoshard.tools.verify import VerifySpec, build, summarize, verify_rank
 from dist import world_fixture
 
 ZZ = Shard(2, ZIGZAG)

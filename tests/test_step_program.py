@@ -190,7 +190,7 @@ def _stage_setup(plan, model: str = "gpt2-tiny"):
     from autoshard.solver.pipeline import sub_mesh
     from autoshard.solver.planner import microbatch
     from autoshard.trace.layers import stages_of
-    from autoshard.verify import build
+    from autoshard.tools.verify import build
     pl = plan.pipeline
     mesh = Mesh(plan.mesh_shape, plan.mesh_axes, cluster=plan.cluster)
     a = mesh.axes.index(pl.axis)
@@ -211,7 +211,7 @@ def _stage_setup(plan, model: str = "gpt2-tiny"):
 
 @pytest.fixture(scope="module")
 def gpt2_pp():
-    from autoshard.verify import plan_for
+    from autoshard.tools.verify import plan_for
     return plan_for("gpt2-tiny", Mesh((2, 2), ("pp", "dp"), cluster=CLUSTER), pipeline="pp",
                     microbatches=4, schedule="1F1B")
 
@@ -258,7 +258,7 @@ def test_the_whole_program_as_one_stage_is_the_step_walk(gpt2):
 
 def test_pipelined_plans_hold_their_stages_walked_peaks_to_the_budget(gpt2_pp):
     from autoshard.cost.memory import budget_for, device_budget
-    from autoshard.verify import plan_for
+    from autoshard.tools.verify import plan_for
     top = max(st.predicted["peak_bytes"] for st in gpt2_pp.pipeline.stages)
     for f in (1.5, 1.0, 0.9):
         budget = budget_for(top * f)
@@ -283,7 +283,7 @@ def _accumulate(plan_json: str) -> tuple[list, list]:
     import torch
 
     from autoshard.codegen.runtime import parallelize
-    from autoshard.verify import build
+    from autoshard.tools.verify import build
     plan = Plan.loads(plan_json)
     model, inputs = build("gpt2-tiny", None, None, 0)
     pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan,
@@ -311,7 +311,7 @@ def _accumulate(plan_json: str) -> tuple[list, list]:
 def test_an_accumulating_step_syncs_and_updates_once(world2):
     """A plan of N = 3 micro-steps (§7.2): the runtime runs every forward and backward
     collective of the ledger N times, each gradient bucket and optimizer gather once."""
-    from autoshard.verify import build
+    from autoshard.tools.verify import build
     n = 3
     plan = plan_traced(trace(*build("gpt2-tiny", None, None, 0)), Mesh((2,), cluster=CLUSTER),
                        accumulation_steps=n,

@@ -234,21 +234,36 @@ def test_the_planner_finds_megatrons_fused_layouts(tmp_path, name: str) -> None:
 
 # -- numerical (gloo) --------------------------------------------------------------------------
 
+world4 = world_fixture(4, timeout_s=300)
+
+
+def _verify_on(world, model: str, plan: Plan) -> None:
+    """What ``autoshard verify`` runs, on this module's warm world rather than a world spawned
+    per call (the command itself is run by tests/test_hf_config.py and
+    tests/test_baselines_structure.py): loss and every gradient within the default tolerance of
+    the single-device model's, the bytes run equal the plan's, and the report says PASS."""
+    from autoshard.tools.verify import VerifySpec, summarize, verify_rank
+    reports = world.run(verify_rank, VerifySpec(model, plan.mesh_shape, plan.mesh_axes,
+                                                plan.dumps()))
+    ok, text = summarize(reports, None)
+    assert ok and text.rstrip().endswith("PASS"), text
+    assert all(r["bytes"] == r["planned_bytes"] for r in reports)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh, baseline", [("4", "megatron"), ("2x2", "megatron-dp")])
-def test_gpt2_fused_qkv_trains_as_one_device_on_gloo(capsys, mesh: str, baseline: str) -> None:
+def test_gpt2_fused_qkv_trains_as_one_device_on_gloo(world4, mesh: str, baseline: str) -> None:
     """Megatron's layout of HF GPT-2's fused ``c_attn`` (strided) on 4 gloo ranks: loss and
     every gradient equal the single-device model's, the bytes run equal the plan's."""
     from autoshard.tools.verify import plan_for
     shape = tuple(int(n) for n in mesh.split("x"))
     plan = plan_for("hf-gpt2-tiny", Mesh(shape), baseline=baseline)
     assert plan.params["model.transformer.h.0.attn.c_attn.weight"][-1] == Shard(1, QKV)
-    assert main(["verify", "hf-gpt2-tiny", "--mesh", mesh, "--baseline", baseline]) == 0
-    assert capsys.readouterr().out.rstrip().endswith("PASS")
+    _verify_on(world4, "hf-gpt2-tiny", plan)
 
 
 @pytest.mark.slow
-def test_a_fused_qkv_viewed_into_heads_trains_as_one_device_on_gloo(capsys) -> None:
+def test_a_fused_qkv_viewed_into_heads_trains_as_one_device_on_gloo(world4) -> None:
     """A fused QKV viewed as [b, s, 3, heads, head_dim] and unbound, a gate-up chunked: both
     strided in Megatron's layout on 4 gloo ranks, equal to the single-device model."""
     from autoshard.tools.verify import plan_for
@@ -257,11 +272,7 @@ def test_a_fused_qkv_viewed_into_heads_trains_as_one_device_on_gloo(capsys) -> N
     assert plan.params["blocks.0.qkv.weight"] == (Shard(0, QKV),)
     assert plan.params["blocks.0.gate_up.weight"] == (Shard(0, (1, 1)),)
     assert not [c for c in plan.collectives if c.kind == "all_to_all"]
-    assert main(["verify", factory, "--mesh", "4", "--baseline", "megatron"]) == 0
-    assert capsys.readouterr().out.rstrip().endswith("PASS")
-
-
-world4 = world_fixture(4, timeout_s=300)
+    _verify_on(world4, factory, plan)
 
 
 def _state_rank(plan_json: str) -> dict:

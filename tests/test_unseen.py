@@ -180,7 +180,7 @@ def test_moe_leaves_no_axis_idle() -> None:
 _FINGERPRINT = """
 import json, sys
 from autoshard.trace.export import trace
-from autoshard.verify import build
+from autoshard.tools.verify import build
 model, inputs = build(sys.argv[1], 2, 8, 0)
 print(trace(model, inputs).fingerprint)
 """

@@ -249,13 +249,19 @@ def test_gpt2_free_plan_shards_head_and_loss_together() -> None:
                    for c in plan.collectives)
 
 
+@pytest.fixture(scope="module")
+def gpt2_v50257() -> TracedGraph:
+    """GPT-2 as published, batch 8 x 1024, on the meta device: traced once for both clusters."""
+    model, inputs = get_model("gpt2", batch=8, seq=1024)
+    return trace(model, inputs)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cluster", ["cpu", "h100"])
-def test_gpt2_vocab_50257_on_eight_moves_no_logits(cluster) -> None:
+def test_gpt2_vocab_50257_on_eight_moves_no_logits(gpt2_v50257, cluster) -> None:
     """GPT-2 as published (vocabulary 50257, which 8 does not divide, so no plan shards it):
     still no collective of b·s·V/2 elements or more."""
-    model, inputs = get_model("gpt2", batch=8, seq=1024)          # on the meta device
-    traced = trace(model, inputs)
+    traced = gpt2_v50257
     plan = plan_traced(traced, Mesh((8,), cluster=cluster), model_name="gpt2")
     assert _largest_elements(plan, traced) < 8 * 1024 * 50257 // 2
 
