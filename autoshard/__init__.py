@@ -21,6 +21,6 @@ __all__ = ["AutoshardError", "AxisLink", "Cluster", "Mesh", "Partial", "Plan", "
 
 def parallelize(model, mesh, *, plan=None, example_inputs=None, options=None, **overrides):
     """Plan (or load ``plan``) and return this rank's :class:`ParallelModule`."""
-    from autoshard.codegen.runtime import parallelize as _parallelize
+    from autoshard.codegen.parallelize import parallelize as _parallelize
     return _parallelize(model, mesh, plan=plan, example_inputs=example_inputs, options=options,
                         **overrides)

@@ -183,7 +183,7 @@ def measure_without_module_hooks(spec) -> dict:
     tracker hooks nothing (runs on every rank of the world)."""
     import torch.distributed._tools.mem_tracker as mt
 
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     from autoshard.mesh import Mesh
     from autoshard.plans import Plan
     from autoshard.tools.verify import build, measure_step_memory

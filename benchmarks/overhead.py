@@ -252,7 +252,7 @@ def _zero(params) -> None:
 def _programs(size: Size, cfg: Config, plans: dict[str, str], model: BlockStack,
               x: torch.Tensor, target: torch.Tensor) -> dict:
     """name -> (step function, its parameters, its ledger or None)."""
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     from autoshard.mesh import Mesh
     from autoshard.plans import Plan
     mesh = Mesh((cfg.world,), ("tp",), cluster="cpu")

@@ -255,7 +255,7 @@ def time_collectives() -> list[tuple[float, float, str, int]]:
 
 def bench_rank(m: Model, plans: dict[str, str], warmup: int, iters: int) -> dict:
     import torch.distributed as dist
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     from autoshard.mesh import Mesh
     from autoshard.plans import Plan
     c_start = time.process_time()

@@ -13,7 +13,7 @@ def adamw_steps(model_name: str, plan_json: str, steps: int):
     import torch
 
     from autoshard import Mesh, Plan
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     from autoshard.loss import as_loss_module
     from autoshard.tools.verify import build, rel_err
     plan = Plan.loads(plan_json)

@@ -60,7 +60,7 @@ def parallel(model_name: str, plan_json: str, seed: int = 0):
     """(pm, its AdamW, the example inputs) for ``plan_json`` on this rank, the model's weights
     drawn from ``seed`` (the inputs, which fix the data's vocabulary, from seed 0)."""
     from autoshard import Mesh, Plan
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     from autoshard.tools.verify import build
     plan = Plan.loads(plan_json)
     model, inputs = build(model_name, None, None, seed)[0], build(model_name, None, None, 0)[1]

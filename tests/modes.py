@@ -95,7 +95,7 @@ def train_eval_train(kind: str, plan_json: str) -> dict:
     """A training step, two evaluations, a training step, under the plan and on one device
     (training steps under verify's keep-all masks, so dropout's draws agree): the losses, the
     buffers after each phase and the gradients at the end."""
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     from autoshard.loss import as_loss_module
     from autoshard.tools.verify import KeepAll, rel_err
     plan = Plan.loads(plan_json)
@@ -164,7 +164,7 @@ def masks_drawn(kind: str, plan_json: str) -> dict:
     splits, the masks its dropouts draw in one training step (in order), the step's loss."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from autoshard.codegen.masks import ShardMasks, draws_masks
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     plan = Plan.loads(plan_json)
     model, inputs = make(kind)
     pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan,
@@ -188,7 +188,7 @@ def masks_drawn(kind: str, plan_json: str) -> dict:
 def grads_drawn(kind: str, plan_json: str) -> dict:
     """The full gradients of one training step with real dropout masks, ranks seeded alike,
     and how many of the program's ops draw a mask per shard."""
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     plan = Plan.loads(plan_json)
     model, inputs = make(kind)
     pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan,
@@ -201,7 +201,7 @@ def grads_drawn(kind: str, plan_json: str) -> dict:
 def refusals(kind: str, plan_json: str) -> dict:
     """What pm.eval() and pm.parameters() say on this plan ("accepted" when they do not
     refuse)."""
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     from autoshard.errors import AutoshardError
     plan = Plan.loads(plan_json)
     model, inputs = make(kind)

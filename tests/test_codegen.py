@@ -110,7 +110,7 @@ def test_gradient_buckets_run_as_planned(world4):
 
 def _accumulate(plan_json: str) -> dict[str, float]:
     """Two backward passes before reading the gradients: a bucket must add to ``.grad``."""
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     from autoshard.loss import as_loss_module
     from autoshard.tools.verify import rel_err
     plan = Plan.loads(plan_json)
@@ -135,7 +135,7 @@ def test_gradient_buckets_accumulate_over_two_backward_passes(world4):
 
 def _structure(plan_json: str) -> tuple[int, int, str]:
     from autoshard.codegen.rewrite import ReshardCall
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     plan = Plan.loads(plan_json)
     model, inputs = build("gpt2-tiny", None, None, 0)
     pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan, example_inputs=inputs)
@@ -155,7 +155,7 @@ def test_emitted_graph_has_the_plans_collectives(world4):
 # -- state: full state dicts and torch.distributed.checkpoint ---------------------------------
 
 def _state_round_trip(plan_json: str) -> bool:
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     plan = Plan.loads(plan_json)
     model, inputs = build("gpt2-tiny", None, None, 0)
     original = {k: v.clone() for k, v in model.state_dict().items()}
@@ -194,7 +194,7 @@ def test_full_state_dict_round_trip_is_bit_exact(world4):
 
 def _dcp_save(plan_json: str, path: str) -> None:
     import torch.distributed.checkpoint as dcp
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     plan = Plan.loads(plan_json)
     model, inputs = build("gpt2-tiny", None, None, 0)
     pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan, example_inputs=inputs)
@@ -203,7 +203,7 @@ def _dcp_save(plan_json: str, path: str) -> None:
 
 def _dcp_load(plan_json: str, path: str) -> dict:
     import torch.distributed.checkpoint as dcp
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     plan = Plan.loads(plan_json)
     model, inputs = build("gpt2-tiny", None, None, 7)        # other weights, overwritten by load
     pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan, example_inputs=inputs)
@@ -246,7 +246,7 @@ def test_checkpoint_of_a_pipeline_loads_without_one_and_back(world4, world2, tmp
 # -- training: 100 steps equal to one process --------------------------------------------------
 
 def _train(plan_json: str, steps: int) -> list[float]:
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     plan = Plan.loads(plan_json)
     model, inputs = build("gpt2-tiny", None, None, 0)
     pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan, example_inputs=inputs)
@@ -295,7 +295,7 @@ def _catch(fn, *args):
 
 def _parallelize_with(plan_json: str, model_name: str, mesh_shape: tuple[int, ...],
                       batch: int | None = None) -> None:
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     plan = Plan.loads(plan_json)
     model, inputs = build(model_name, batch, None, 0)
     parallelize(model, Mesh(mesh_shape), plan=plan, example_inputs=inputs)
@@ -318,7 +318,7 @@ def test_plan_for_another_mesh_or_model_is_refused(world2):
 
 
 def _bad_inputs(plan_json: str) -> str | None:
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     plan = Plan.loads(plan_json)
     model, inputs = build("gpt2-tiny", None, None, 0)
     pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan, example_inputs=inputs)

@@ -308,7 +308,7 @@ def _run_exported(spec: VerifySpec, source: str, workdir: str) -> dict:
     training step each. Returns the losses, every gradient's error against both, and the
     exported program's collectives."""
     import torch.distributed as dist
-    from autoshard.codegen.runtime import parallelize as autoshard_parallelize
+    from autoshard.codegen.parallelize import parallelize as autoshard_parallelize
     from autoshard.loss import as_loss_module
     from torch.distributed.tensor import DTensor
 

@@ -97,7 +97,7 @@ def _fine_tune(plan_json: str, steps: int) -> dict:
     device; the losses, the largest trainable weight difference, whether the frozen weights are
     bit-identical to where they started, and whether every step ran the plan's collectives (the
     ledger's: no gradient sync of a frozen parameter) and no others."""
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     from autoshard.loss import as_loss_module
     from autoshard.tools.verify import rel_err
     plan = Plan.loads(plan_json)

@@ -268,7 +268,7 @@ def _train(plan_json: str) -> dict:
     ``offload_overlap`` (fused AdamW; "delayed": the forward reads the masters one update
     behind, docs/cost-model.md §9.1)."""
     from autoshard import Mesh, Plan
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     from autoshard.loss import as_loss_module
     from autoshard.tools.verify import build, rel_err
     plan = Plan.loads(plan_json)

@@ -81,7 +81,7 @@ class _Largest(TorchDispatchMode):
 # -- on gloo ranks --------------------------------------------------------------------------
 
 def _meta_rank(name: str, plan_json: str, seed: int) -> dict:
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     plan = Plan.loads(plan_json)
     model = _meta_model(name)
     largest: dict[str, int] = {}
@@ -161,7 +161,7 @@ class _OneAtATime(Mapping):
 
 
 def _full_state_after_meta_build(plan_json: str, path: str) -> dict:
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     plan = Plan.loads(plan_json)
     mesh = Mesh(plan.mesh_shape, plan.mesh_axes)
     real, inputs = build("llama-tiny", None, None, 0)
@@ -197,7 +197,7 @@ def test_full_state_dict_loads_into_a_meta_build_one_tensor_at_a_time(world4, tm
 
 def _dcp_after_meta_build(save_json: str, load_json: str, path: str, seed: int) -> dict:
     import torch.distributed.checkpoint as dcp
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     save, load = Plan.loads(save_json), Plan.loads(load_json)
     pm = parallelize(_meta_model("gpt2-tiny"), Mesh(save.mesh_shape, save.mesh_axes), plan=save,
                      seed=seed)

@@ -102,7 +102,7 @@ def _full(sd: dict) -> dict:
 
 
 def _parallel(model_name: str, plan_json: str, seed: int):
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     plan = Plan.loads(plan_json)
     model, _ = build(model_name, None, None, seed)
     inputs = build(model_name, None, None, 0)[1]

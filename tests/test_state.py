@@ -111,7 +111,7 @@ def test_plain_torch_optimizer_is_refused_under_zero(world4):
 
 
 def _plain_optimizer(plan_json: str) -> str:
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     plan = Plan.loads(plan_json)
     model, inputs = build("mlp-tiny", None, None, 0)
     pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan, example_inputs=inputs)
@@ -190,7 +190,7 @@ def _bf16_steps(model_name: str, plan_json: str, steps: int):
     """``steps`` AdamW steps of a bf16-mixed plan through pm.optimizer, beside the same on one
     device: the model in bf16, fp32 master weights stepped by AdamW and copied back rounded."""
     import copy
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     from autoshard.loss import as_loss_module
     plan = Plan.loads(plan_json)
     model, inputs = build(model_name, None, None, 0)

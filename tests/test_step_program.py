@@ -282,7 +282,7 @@ def _accumulate(plan_json: str) -> tuple[list, list]:
     ``pm.no_sync()``; the collectives it ran and those the ledger lists for one micro-step."""
     import torch
 
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     from autoshard.tools.verify import build
     plan = Plan.loads(plan_json)
     model, inputs = build("gpt2-tiny", None, None, 0)

@@ -276,7 +276,7 @@ def test_a_fused_qkv_viewed_into_heads_trains_as_one_device_on_gloo(world4) -> N
 
 
 def _state_rank(plan_json: str) -> dict:
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     from autoshard.tools.verify import build
     plan = Plan.loads(plan_json)
     mesh = Mesh(plan.mesh_shape, plan.mesh_axes)

@@ -38,7 +38,7 @@ def _bytes_sent(plan_json: str, model: str) -> dict:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     from autoshard.tools.verify import build
     plan = Plan.loads(plan_json)
     model_, inputs = build(model, None, None, 0)

@@ -310,7 +310,7 @@ def _bn_plan() -> Plan:
 
 def _buffers_through_dcp(plan_json: str, path: str) -> bool:
     import torch.distributed.checkpoint as dcp
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     plan = Plan.loads(plan_json)
     pms = [parallelize(BNNet(), Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan,
                        example_inputs=BN_INPUTS) for _ in range(2)]
@@ -407,7 +407,7 @@ def test_no_sync_defers_the_gradient_sync_to_the_last_micro_step(world2):
 # -- a model on the meta device, planned and built with the real batch ---------------------------
 
 def _meta_with_real_batch(plan_json: str) -> float:
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     from autoshard.loss import as_loss_module
     plan = Plan.loads(plan_json)
     real, inputs = build("gpt2-tiny", None, None, 0)
@@ -432,7 +432,7 @@ def test_meta_model_with_a_real_batch(world2):
 # -- modes and inference outputs ----------------------------------------------------------------
 
 def _modes(bn_json: str, infer_json: str) -> dict:
-    from autoshard.codegen.runtime import parallelize
+    from autoshard.codegen.parallelize import parallelize
     from autoshard.loss import as_loss_module
     bn, infer = Plan.loads(bn_json), Plan.loads(infer_json)
     pm = parallelize(BNNet(), Mesh(bn.mesh_shape, bn.mesh_axes), plan=bn, example_inputs=BN_INPUTS)

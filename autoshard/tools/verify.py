@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autoshard.codegen.runtime import parallelize
+from autoshard.codegen.parallelize import parallelize
 from autoshard.codegen.world import World
 from autoshard.errors import AutoshardError
 from autoshard.precision import cast_inputs, running_as
