@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 # Planning times here include tracing: no graph is reused from an earlier plan of the same model
-# in this process (autoshard/trace/export.py).
-os.environ["AUTOSHARD_TRACE_REUSE"] = "0"
+# in this process (autoshard/trace/export.py). (The tests, which import these scripts, say "1".)
+os.environ.setdefault("AUTOSHARD_TRACE_REUSE", "0")
 
 HEADER = """# autoshard benchmark results
 

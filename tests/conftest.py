@@ -10,9 +10,14 @@ writes the list from a ``--durations=0`` run).
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Graphs of zoo models are reused between tests (autoshard/trace/export.py); the benchmark
+# scripts, which some tests import, would otherwise turn that off for the whole session.
+os.environ.setdefault("AUTOSHARD_TRACE_REUSE", "1")
 
 SLOW_LIST = Path(__file__).with_name("slow.txt")
 
