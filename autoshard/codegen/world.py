@@ -59,7 +59,8 @@ __all__ = ["RankCrash", "RankError", "World", "world_fixture"]
 _HOST = "127.0.0.1"
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.device_mesh",
            "torch.distributed._functional_collectives",
-           "torch._dynamo")   # imported lazily by the first functional collective (~1.5 s)
+           "torch._dynamo",   # imported lazily by the first functional collective (~1.5 s)
+           "autoshard.codegen.parallelize")   # what every rank imports (~0.5 s a rank)
 
 
 class RankError(RuntimeError):
