@@ -16,7 +16,7 @@ from autoshard.cost.price import Pricer
 from autoshard.ir import local_shape
 from autoshard.solver.planner import plan_traced
 from autoshard.trace.export import trace
-from autoshard.verify import build
+from autoshard.tools.verify import build
 from dist import world_fixture
 
 CLUSTER = str(Path(__file__).parent / "data" / "compute_bound.json")
@@ -99,7 +99,7 @@ def _fine_tune(plan_json: str, steps: int) -> dict:
     ledger's: no gradient sync of a frozen parameter) and no others."""
     from autoshard.codegen.runtime import parallelize
     from autoshard.loss import as_loss_module
-    from autoshard.verify import rel_err
+    from autoshard.tools.verify import rel_err
     plan = Plan.loads(plan_json)
     model, inputs = frozen_model()
     start = {n: p.detach().clone() for n, p in model.named_parameters()}

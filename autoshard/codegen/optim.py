@@ -1,7 +1,10 @@
 """The optimizer a plan's state placements need: ``pm.optimizer(torch.optim.AdamW, lr=3e-4)``.
 
 docs/cost-model.md §9 and cost/state.py. It wraps any torch.optim optimizer class and runs it on
-what the plan says each rank keeps:
+what the plan says each rank keeps, as the step program's optimizer records say it
+(cost/program.py ``ParamUpdate``, the records the plan's memory figures read; ``records``
+below): which parameters are stepped, which keep an fp32 master apart, the layout their state
+is cut in and whether it lives on the host. Nothing of that is decided here again:
 
 - a parameter whose state follows it (plain data parallelism, tensor parallelism, ZeRO-3): the
   optimizer steps the local shard itself when it is fp32, or an fp32 master copy of it when it
@@ -54,7 +57,7 @@ import torch
 from autoshard.codegen import hostopt
 from autoshard.codegen.collectives import apply_steps
 from autoshard.cost.comm import reshard
-from autoshard.cost.state import HOST_MODES, SCATTERS
+from autoshard.cost.state import SCATTERS
 from autoshard.errors import AutoshardError
 from autoshard.ir import Shard, Spec, spec_str
 from autoshard.ops.simulate import shard_tensor
@@ -75,6 +78,7 @@ class _Entry:
     placements: tuple               # DTensor placements of the master and the state (global)
     seen: int = -1                  # the parameter's version when its fp32 master was cut from it
     mode: str | None = None         # the state mode (cost/state.py)
+    on_host: bool = False           # its state and step on the host (its record's ``on_host``)
 
 
 # Parameters whose gradients only a ShardedOptimizer reads right (held apart by a bucket), so a
@@ -270,7 +274,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _write_back(self, e: _Entry, new: torch.Tensor) -> None:
         """The updated master ``new`` of ``e`` into its parameter."""
         ledger = self.pm.runtime.ledger
-        if e.mode in HOST_MODES:
+        if e.on_host:
             # Cast on the host; up the link only what the device needs: offload's updated
             # shard, or parameter offload's shard to be gathered.
             new = new.to(e.param.dtype)
@@ -501,42 +505,80 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return g
 
 
+def records(pm: Any) -> dict[str, Any]:
+    """The step program's optimizer records of this rank's parameters, by name (cost/program.py
+    ``updates``, the ones the plan's memory figures read): which parameters are stepped, which
+    keep an fp32 master apart, how their state is cut and whether it lives on the host. Built
+    from the plan's decisions (its nodes' layouts and state modes) as the planner built
+    them; the layout does not depend on the optimizer class."""
+    from autoshard.cost.program import updates
+    local = pm.local_parameters()
+    return {u.fqn: u for u in updates(pm.traced, pm.plan.strategies(), pm.plan.mesh_shape,
+                                      pm.plan.options.state_optimizer) if u.fqn in local}
+
+
 def _entries(pm: Any) -> list[_Entry]:
-    """What this rank's optimizer steps for each trainable parameter (module docstring). A frozen
-    parameter (``requires_grad=False``) has no entry: no master, no state, no step."""
+    """What this rank's optimizer steps for each parameter the step program updates (module
+    docstring; a frozen parameter, ``requires_grad=False`` when traced, has no record: no
+    master, no state, no step), laid out as its record says."""
     plan, groups = pm.plan, pm.groups
+    recs = records(pm)
     out: list[_Entry] = []
     for fqn, p in pm.local_parameters().items():
-        if not p.requires_grad:
+        u = recs.get(fqn)
+        if u is None or not p.requires_grad:
+            _refuse_unfrozen(fqn, p, u)
             continue
+        _check_recorded(plan, fqn, u)
         ph = pm._param_ph[fqn]
-        st = plan.param_state.get(fqn)
-        spec = plan.params[fqn]
         shape = tuple(pm.traced.placeholder(ph).info.shape)
-        if st is None or st.optimizer == spec:
+        state = u.state if u.state is not None else u.spec
+        if u.state is None:
             dim, cut, gather = None, (), ()
-            host = st is not None and st.offload
-            placements = _placements(spec, spec, groups.shape)
         else:
-            dim, cut = _cut(spec, st.optimizer, groups.shape, groups.coords)
-            gather = reshard(tuple(st.optimizer), tuple(spec), shape,
-                             p.element_size(), tuple(groups.shape)).forward
-            host = st.offload
-            placements = _placements(spec, st.optimizer, groups.shape)
+            dim, cut = _cut(u.spec, u.state, groups.shape, groups.coords)
+            gather = reshard(tuple(u.state), tuple(u.spec), shape, p.element_size(),
+                             tuple(groups.shape)).forward
         src = pm.master_source.pop(fqn, None)      # bf16-mixed: the fp32 weight
         local = _slice(p.detach() if src is None else src, dim, cut)
-        if dim is None and not host and p.dtype == torch.float32:
+        if not u.master:
             master = p                       # an fp32 parameter is its own master
         else:
-            master = local.to(torch.device("cpu") if host else p.device, torch.float32,
+            master = local.to(torch.device("cpu") if u.on_host else p.device, torch.float32,
                               copy=True)
-            if host and p.is_cuda:      # the link's copies run at its speed from pinned memory
+            if u.on_host and p.is_cuda:  # the link's copies run at its speed from pinned memory
                 master = master.pin_memory()
             master = torch.nn.Parameter(master)
-        sharded = st is not None and st.mode in SCATTERS and dim is not None
-        out.append(_Entry(fqn, ph, p, master, dim, cut, gather, sharded, shape, tuple(spec),
-                          placements, p._version, st.mode if st is not None else None))
+        sharded = u.mode in SCATTERS and dim is not None
+        out.append(_Entry(fqn, ph, p, master, dim, cut, gather, sharded, shape, u.spec,
+                          _placements(u.spec, state, groups.shape), p._version, u.mode,
+                          u.on_host))
     return out
+
+
+def _refuse_unfrozen(fqn: str, p: torch.Tensor, u: Any) -> None:
+    """A parameter trainable now that was frozen when the model was traced (or the other way)
+    would be stepped with no state laid out for it, or laid out for none: refuse it."""
+    if u is None and p.requires_grad:
+        raise AutoshardError(
+            f"{fqn} trainable as it was when the model was parallelized",
+            got="requires_grad=True now, False when traced (no gradient or optimizer state is "
+                "planned for it)",
+            fix="set requires_grad before autoshard.parallelize (and plan), not after")
+
+
+def _check_recorded(plan: Any, fqn: str, u: Any) -> None:
+    """The plan file's ``params`` entry repeats what its nodes decide (docs/plan-format.md):
+    the optimizer placements must be the records' (one edited alone would lay out state the
+    ledger does not gather)."""
+    st = plan.param_state.get(fqn)
+    listed = st.optimizer if st is not None else plan.params[fqn]
+    want = u.state if u.state is not None else u.spec
+    if tuple(listed) != tuple(want):
+        raise AutoshardError(
+            f"{fqn}: optimizer_placements {spec_str(want)}, as its layout and state mode "
+            f"({u.mode or 'plain'}) place them", got=spec_str(listed),
+            fix="re-plan: the plan file was edited or is damaged")
 
 
 def _refuse_whole_tensor_math(optimizer_cls: type, elementwise: bool | None,
