@@ -385,3 +385,19 @@ def test_the_cli_refuses_a_bad_accumulation(flags, says, capsys):
     assert main(["plan", "gpt2-tiny", "--mesh", "2", "--quiet", *flags]) == 2
     err = capsys.readouterr().err
     assert says in err and "autoshard: error" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_verify_runs_the_micro_steps_of_an_accumulating_plan():
+    """``autoshard verify`` of a plan of 3 micro-steps: the ledger (every count) and the host
+    copies hold exactly, the gradients are one micro-step's (the sum over the 3 divided by 3),
+    and the memory line says what it measured."""
+    from autoshard.tools.verify import plan_for, verify
+    mesh = Mesh((2,), cluster=CLUSTER)
+    plan = plan_for("gpt2-tiny", mesh, accumulation_steps=3, zero="zero2", offload="none",
+                    recompute="none", bucket_mb=0.05)
+    assert any(c.count == 3 for c in plan.collectives)
+    ok, report = verify("gpt2-tiny", mesh, plan=plan)
+    assert ok, report
+    assert "the last of 3 micro-steps of forward and backward" in report
+    assert "not measured" not in report

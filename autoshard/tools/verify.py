@@ -341,8 +341,8 @@ def predicted_memory(pm) -> dict[str, int]:
 
 def measure_step_memory(pm, local_inputs: tuple, *, warmup: bool = True) -> dict[str, Any]:
     """Peak bytes this rank holds during one training step of ``pm``: forward, backward (the
-    gradient syncs included; under ``accumulation_steps=N``, N micro-steps, all but the last
-    under ``no_sync``, whose last is the liveness walk's, docs/cost-model.md §7.2), the
+    gradient syncs included; under ``accumulation_steps=N`` the last of N micro-steps, the
+    gradients of the others held, as the liveness walk's, docs/cost-model.md §7.2), the
     optimizer step (the plan's optimizer: AdamW for adam/adamw)
     and ``zero_grad``. Collective: every rank of the world must call it.
 
@@ -399,8 +399,8 @@ def measure_step_memory(pm, local_inputs: tuple, *, warmup: bool = True) -> dict
             "source": ("torch.cuda.max_memory_allocated" if allocator_peak is not None
                        else "MemTracker"),
             "step": f"{'second (steady-state)' if warmup else 'first'} step: "
-                    + (f"{steps} micro-steps of forward and backward (the first {steps - 1} "
-                       f"under no_sync, their gradients held), " if steps > 1
+                    + (f"the last of {steps} micro-steps of forward and backward, the "
+                       f"gradients of the first {steps - 1} held, " if steps > 1
                        else "forward, backward, ") + f"{opt_name} step",
             "predicted": predicted,
             "error": (predicted["peak"] - measured) / measured if measured else math.inf}
@@ -440,8 +440,17 @@ def _measured_step(pm, local_inputs: tuple, opt, device: torch.device, tracker,
         if opt is not None:
             opt.step()
         opt.zero_grad() if opt is not None else pm.zero_grad(set_to_none=True)
+    if n > 1:
+        # The micro-steps before the last, untracked (the tracker follows one forward of a
+        # module per iteration): the last starts with their gradients held, as the liveness
+        # walk's (docs/cost-model.md §7.2), and those are counted from the start.
+        with pm.no_sync():
+            for _ in range(n - 1):
+                pm.step(*local_inputs)
+    buckets = pm.runtime.buckets
     externals = [pm, *pm._buffers_local.values(),
-                 *(t for t in local_inputs if isinstance(t, torch.Tensor))]
+                 *(t for t in local_inputs if isinstance(t, torch.Tensor)),
+                 *(buckets.held() if buckets is not None else ())]
     if opt is not None:
         externals.append(opt.optimizer)      # the torch optimizer inside pm.optimizer(...)
         # and its fp32 masters where they are not the parameters (mixed precision, ZeRO-1/2)
@@ -451,7 +460,7 @@ def _measured_step(pm, local_inputs: tuple, opt, device: torch.device, tracker,
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     with tracker:
-        _micro_steps(pm, local_inputs, n, [], [])
+        pm.step(*local_inputs)
         # Gradients the runtime hands over itself (a bucket's sync assigns ``.grad`` at the end
         # of backward) pass no gradient hook: label them gradients before the optimizer reads
         # them. Until then the tracker counts them as temporaries.
