@@ -82,7 +82,7 @@ def _state_summary(plan: Plan) -> list[str]:
     for mode, n in sorted(by.items()):
         lines.append(f"  {MODE_NAMES.get(mode, mode)}: {n} of {len(plan.params)} parameters")
     if plan.host_transfers:
-        by_dir = {d: sum(t.bytes for t in plan.host_transfers if t.direction == d)
+        by_dir = {d: sum(t.bytes * t.count for t in plan.host_transfers if t.direction == d)
                   for d in DIRECTIONS}
         host_s = plan.predicted.get("host_s")
         lines.append(f"  host link per step: {size_text(by_dir['h2d'])} host to device, "
