@@ -335,3 +335,83 @@ def test_the_fused_kernel_is_the_default_where_the_class_has_one():
     assert not _fused_by_default(torch.optim.AdamW, {"fused": False}, masters)
     assert not _fused_by_default(torch.optim.RMSprop, {}, masters)       # no fused kernel
     assert not _fused_by_default(torch.optim.AdamW, {}, [])
+
+
+# -- the runtime lays the state out as the step program's records say ----------------------------
+
+def _allocated(cases: list[tuple[str, str]]) -> list[dict]:
+    """Per (model, plan): each stepped parameter's optimizer state as pm.optimizer allocated
+    it after one AdamW step (its fp32 master where apart, and every state tensor shaped like
+    it), beside its record (cost/program.py ``ParamUpdate``)."""
+    from autoshard.codegen.optim import records
+    out = []
+    for model_name, plan_json in cases:
+        pm, local = _parallel(model_name, plan_json, 0)
+        opt = pm.optimizer(torch.optim.AdamW, lr=LR)
+        pm.step(*local)
+        opt.step()
+        recs = records(pm)
+        got = {}
+        for e in opt.entries:
+            tensors = [v for v in opt.state[e.master].values()
+                       if isinstance(v, torch.Tensor) and v.dim() > 0]
+            if e.master is not e.param:
+                tensors.append(e.master)
+            got[e.fqn] = {
+                "bytes": sum(t.numel() * t.element_size() for t in tensors),
+                "elements": sorted({t.numel() for t in tensors}),
+                "dtypes": sorted({str(t.dtype) for t in tensors}),
+                "master": e.master is not e.param, "placements": [str(p) for p in e.placements]}
+        out.append({"got": got, "records": {f: (u.state_bytes("adamw"), u.elements, u.master,
+                                                u.moment, u.name) for f, u in recs.items()},
+                    "frozen": sorted(f for f, p in pm.local_parameters().items()
+                                     if not p.requires_grad)})
+    return out
+
+
+@pytest.mark.slow
+def test_the_optimizer_allocates_the_state_its_records_say(world2):
+    """For plans under data parallelism, ZeRO-1, ZeRO-2, optimizer and parameter offload and
+    bf16-mixed (with and without ZeRO-2): pm.optimizer keeps, per parameter, the bytes of state
+    the step program's optimizer records say (an fp32 master where the record keeps one apart,
+    two AdamW moments, each of the record's state-shard elements), on the host where they say,
+    and the device's share is the moments the liveness walk counts (``moment``) and the cost
+    model's optimizer state (``Pricer.state_bytes``)."""
+    from autoshard.cost.price import Pricer
+    from autoshard.solver.planner import trace_for
+    mesh = Mesh((2,), cluster=CLUSTER)
+    kws = {"dp": ("gpt2-tiny", {"zero": "none", "offload": "none"}),
+           "zero1": ("gpt2-tiny", {"zero": "zero1", "offload": "none"}),
+           "zero2": ("gpt2-tiny", {"zero": "zero2", "offload": "none"}),
+           "offload": ("gpt2-tiny", {"offload": "optimizer"}),
+           "offload-params": ("gpt2-tiny", {"offload": "parameters"}),
+           "bf16-dp": ("mlp-tiny", {"zero": "none", "offload": "none",
+                                    "precision": "bf16-mixed"}),
+           "bf16-zero2": ("mlp-tiny", {"zero": "zero2", "offload": "none",
+                                       "precision": "bf16-mixed"})}
+    plans = {k: plan_for(m, mesh, baseline="dp", **kw) for k, (m, kw) in kws.items()}
+    runs = world2.run(_allocated, [(kws[k][0], p.dumps()) for k, p in plans.items()])[0]
+    modes = set()
+    for (key, plan), run in zip(plans.items(), runs):
+        got, recs = run["got"], run["records"]
+        assert set(got) == set(recs) == set(plan.params), key
+        bf16 = key.startswith("bf16")
+        model, inputs = build(kws[key][0], None, None, 0)
+        traced = trace_for(model, inputs, plan.settled_options())
+        pricer = Pricer(traced, mesh, plan.options)
+        strategies = plan.strategies()
+        for fqn, (where, elements, master, moment, name) in recs.items():
+            g = got[fqn]
+            assert g["bytes"] == where["device"] + where["host"], (key, fqn)
+            assert g["master"] == master and g["elements"] == [elements], (key, fqn)
+            assert g["dtypes"] == ["torch.float32"]
+            assert master == (bf16 or plan.strategies()[name].kernel is not None)
+            mode = strategies[name].kernel
+            modes.add(mode)
+            if mode in ("offload", "offload_params"):
+                assert where["device"] == 0 and moment == 0
+            else:
+                assert where["host"] == 0
+                assert where["device"] == (2 + master) * moment
+                assert where["device"] == pricer.state_bytes(name, strategies[name]).optimizer
+    assert modes == {None, "zero1", "zero2", "offload", "offload_params"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ from autoshard.cost.state import state_spec
 from autoshard.errors import AutoshardError
 from autoshard.ir import local_shape
 from autoshard.options import PlanOptions
-from autoshard.solver.planner import assemble, plan_traced
+from autoshard.solver.assemble import assemble
+from autoshard.solver.planner import plan_traced
 from autoshard.trace.batches import Traces
 from autoshard.trace.export import trace
 from autoshard.zoo.registry import get_model
@@ -277,9 +279,10 @@ def test_pipelined_plans_hold_their_stages_walked_peaks_to_the_budget(gpt2_pp):
 world2 = world_fixture(2, timeout_s=600)
 
 
-def _accumulate(plan_json: str) -> tuple[list, list]:
+def _accumulate(plan_json: str) -> tuple[list, list, list, list]:
     """On one rank: one optimizer step of the plan's micro-steps, all but the last under
-    ``pm.no_sync()``; the collectives it ran and those the ledger lists for one micro-step."""
+    ``pm.no_sync()``; the collectives and host copies it ran, and those the ledger lists, each
+    as often as its ``count`` says."""
     import torch
 
     from autoshard.codegen.parallelize import parallelize
@@ -291,10 +294,11 @@ def _accumulate(plan_json: str) -> tuple[list, list]:
     opt = pm.optimizer(torch.optim.AdamW, lr=1e-3)
     local = pm.shard_inputs(*inputs)
     n = plan.options.accumulation_steps
-    ran = []
+    ran, host = [], []
 
     def seen():       # each forward starts the ledger anew: keep what each micro-step ran
         ran.extend((r.kind, r.axes, r.nbytes, r.phase, r.node) for r in pm.ledger)
+        host.extend((t.direction, t.nbytes, t.phase, t.node, t.value) for t in pm.ledger.host)
     with pm.no_sync():
         for _ in range(n - 1):
             pm.step(*local)
@@ -302,22 +306,98 @@ def _accumulate(plan_json: str) -> tuple[list, list]:
     pm.step(*local)
     opt.step()
     seen()
-    ran.sort()
-    listed = [(c.kind, c.axes, c.bytes, c.phase, c.node) for c in plan.collectives]
-    return ran, listed
+    listed = [(c.kind, c.axes, c.bytes, c.phase, c.node) for c in plan.collectives
+              for _ in range(c.count)]
+    host_listed = [(t.direction, t.bytes, t.phase, t.node, t.value) for t in plan.host_transfers
+                   for _ in range(t.count)]
+    return sorted(ran), sorted(listed), sorted(host), sorted(host_listed)
 
 
 @pytest.mark.slow
-def test_an_accumulating_step_syncs_and_updates_once(world2):
-    """A plan of N = 3 micro-steps (§7.2): the runtime runs every forward and backward
-    collective of the ledger N times, each gradient bucket and optimizer gather once."""
+@pytest.mark.parametrize("state", [{"zero": "zero2", "offload": "none"},
+                                   {"offload": "parameters"}])
+def test_an_accumulating_step_runs_its_ledger_exactly(world2, state):
+    """A plan of N = 3 micro-steps (§7.2): the runtime runs every collective and host copy of
+    the ledger as often as its ``count`` says, the forward and backward ones N times, each
+    gradient bucket and the optimizer's gathers and copies once."""
     from autoshard.tools.verify import build
     n = 3
     plan = plan_traced(trace(*build("gpt2-tiny", None, None, 0)), Mesh((2,), cluster=CLUSTER),
-                       accumulation_steps=n,
-                       zero="zero2", offload="none", recompute="none", bucket_mb=0.05)
-    ran, listed = world2.run(_accumulate, plan.dumps())[0]
-    once = [c for c in listed if c[3] in ("grad_sync", "optimizer")]
-    assert once and any(c[3] == "grad_sync" for c in once)
-    every = [c for c in listed if c[3] not in ("grad_sync", "optimizer")]
-    assert ran == sorted(once + every * n)
+                       accumulation_steps=n, recompute="none", bucket_mb=0.05, **state)
+    ran, listed, host, host_listed = world2.run(_accumulate, plan.dumps())[0]
+    assert any(c.phase == "grad_sync" and c.count == 1 for c in plan.collectives)
+    assert any(c.phase == "forward" and c.count == n for c in plan.collectives)
+    assert ran == listed
+    assert host == host_listed
+    assert bool(host) == (state["offload"] == "parameters")
+
+
+# -- the ledger counts what runs per micro-step --------------------------------------------------
+
+@pytest.mark.parametrize("offload", ["none", "parameters"])
+def test_the_ledger_counts_each_record_as_often_as_the_step_runs_it(gpt2, offload):
+    """docs/plan-format.md: under ``accumulation_steps=N`` every record of forward and backward
+    (collectives and host copies) has ``count`` N, a gradient bucket and the optimizer's once;
+    the same layouts without accumulation list the same records once each."""
+    n = 3
+    mesh = Mesh((2,), cluster=CLUSTER)
+    one = plan_traced(gpt2, mesh, zero="zero2", offload=offload, recompute="none")
+    acc = assemble(gpt2, mesh, one.strategies(), one.options.replace(accumulation_steps=n),
+                   solver=one.solver, model_name="", timings={})
+    per_step = lambda r: r.phase == "optimizer" or getattr(r, "members", ())    # noqa: E731
+    assert [c.count for c in acc.collectives] == [1 if per_step(c) else n
+                                                  for c in acc.collectives]
+    assert [replace(c, count=1) for c in acc.collectives] == list(one.collectives)
+    assert all(c.count == 1 for c in one.collectives)
+    assert [t.count for t in acc.host_transfers] == [
+        1 if t.phase in ("optimizer", "grad_sync") else n for t in acc.host_transfers]
+    assert [replace(t, count=1) for t in acc.host_transfers] == list(one.host_transfers)
+    assert bool(acc.host_transfers) == (offload == "parameters")
+    # The file says so, and reads back the same.
+    data = json.loads(acc.dumps())
+    assert {c.get("count", 1) for c in data["collectives"]} == {1, n}
+    back = Plan.loads(acc.dumps())
+    assert back.collectives == acc.collectives and back.host_transfers == acc.host_transfers
+
+
+# -- the command line --------------------------------------------------------------------------
+
+def test_the_cli_plans_with_accumulation_and_show_says_so(tmp_path, capsys):
+    from autoshard.tools.cli import main
+    path = tmp_path / "acc.json"
+    assert main(["plan", "gpt2-tiny", "--mesh", "2", "--cluster", CLUSTER,
+                 "--accumulation-steps", "3", "--recompute", "none", "--quiet",
+                 "-o", str(path)]) == 0
+    plan = Plan.load(path)
+    assert plan.options.accumulation_steps == 3
+    assert any(c.count == 3 for c in plan.collectives)
+    capsys.readouterr()
+    assert main(["show", str(path)]) == 0
+    assert "gradient accumulation: 3 micro-steps per optimizer step" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--accumulation-steps", "0"], "accumulation_steps is a positive integer"),
+    (["--accumulation-steps", "2", "--inference"], "training plan"),
+    (["--accumulation-steps", "2", "--pipeline", "auto"], "on a pipeline")])
+def test_the_cli_refuses_a_bad_accumulation(flags, says, capsys):
+    from autoshard.tools.cli import main
+    assert main(["plan", "gpt2-tiny", "--mesh", "2", "--quiet", *flags]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "autoshard: error" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_verify_runs_the_micro_steps_of_an_accumulating_plan():
+    """``autoshard verify`` of a plan of 3 micro-steps: the ledger (every count) and the host
+    copies hold exactly, the gradients are one micro-step's (the sum over the 3 divided by 3),
+    and the memory line says what it measured."""
+    from autoshard.tools.verify import plan_for, verify
+    mesh = Mesh((2,), cluster=CLUSTER)
+    plan = plan_for("gpt2-tiny", mesh, accumulation_steps=3, zero="zero2", offload="none",
+                    recompute="none", bucket_mb=0.05)
+    assert any(c.count == 3 for c in plan.collectives)
+    ok, report = verify("gpt2-tiny", mesh, plan=plan)
+    assert ok, report
+    assert "the last of 3 micro-steps of forward and backward" in report
+    assert "not measured" not in report

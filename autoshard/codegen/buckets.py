@@ -98,6 +98,10 @@ class GradBuckets:
         self.defer = False
         self._held: dict[str, torch.Tensor] = {}
 
+    def held(self) -> list[torch.Tensor]:
+        """The gradients held unsynced across micro-steps (``defer``), one per member."""
+        return list(self._held.values())
+
     # -- during backward ------------------------------------------------------------------
     def arrive(self, member: str, grad: torch.Tensor) -> None:
         held = self._held.get(member)

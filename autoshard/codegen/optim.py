@@ -1,7 +1,10 @@
 """The optimizer a plan's state placements need: ``pm.optimizer(torch.optim.AdamW, lr=3e-4)``.
 
 docs/cost-model.md §9 and cost/state.py. It wraps any torch.optim optimizer class and runs it on
-what the plan says each rank keeps:
+what the plan says each rank keeps, as the step program's optimizer records say it
+(cost/program.py ``ParamUpdate``, the records the plan's memory figures read; ``records``
+below): which parameters are stepped, which keep an fp32 master apart, the layout their state
+is cut in and whether it lives on the host. Nothing of that is decided here again:
 
 - a parameter whose state follows it (plain data parallelism, tensor parallelism, ZeRO-3): the
   optimizer steps the local shard itself when it is fp32, or an fp32 master copy of it when it
@@ -44,37 +47,18 @@ torch.distributed.checkpoint (DCP): saved under one plan, it loads under any oth
 from __future__ import annotations
 
 import inspect
-import math
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from autoshard.codegen import hostopt
 from autoshard.codegen.collectives import apply_steps
-from autoshard.cost.comm import reshard
-from autoshard.cost.state import HOST_MODES, SCATTERS
+from autoshard.codegen.optimlayout import (  # noqa: F401 (_cut, _placements: runtime.py)
+    _Entry, _cut, _placements, _slice, entries, records)
 from autoshard.errors import AutoshardError
 from autoshard.ir import Shard, Spec, spec_str
 from autoshard.ops.simulate import shard_tensor
-
-
-@dataclass
-class _Entry:
-    fqn: str
-    placeholder: str
-    param: torch.nn.Parameter
-    master: torch.Tensor            # what the wrapped optimizer steps (may be ``param`` itself)
-    dim: int | None                 # the state dim, when the state is a slice of the local shard
-    cut: tuple[tuple[int, int], ...]   # (number of pieces, this rank's piece) per zero axis
-    gather: tuple                   # the steps bringing the updated slice back (all-gathers)
-    sharded_grad: bool              # zero2/offload: the gradient arrives as a shard
-    shape: tuple[int, ...]          # the parameter's global shape
-    spec: Spec                      # the parameter's spec
-    placements: tuple               # DTensor placements of the master and the state (global)
-    seen: int = -1                  # the parameter's version when its fp32 master was cut from it
-    mode: str | None = None         # the state mode (cost/state.py)
 
 
 # Parameters whose gradients only a ShardedOptimizer reads right (held apart by a bucket), so a
@@ -136,7 +120,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise AutoshardError("a torch.optim.Optimizer class", got=repr(optimizer_cls),
                                  fix="pm.optimizer(torch.optim.AdamW, lr=3e-4)")
         self.pm = pm
-        self.entries = _entries(pm)
+        self.entries = entries(pm)
         if not self.entries:
             raise AutoshardError("a module with parameters to train (requires_grad=True)",
                                  got="none on this rank", fix="unfreeze a parameter")
@@ -270,7 +254,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _write_back(self, e: _Entry, new: torch.Tensor) -> None:
         """The updated master ``new`` of ``e`` into its parameter."""
         ledger = self.pm.runtime.ledger
-        if e.mode in HOST_MODES:
+        if e.on_host:
             # Cast on the host; up the link only what the device needs: offload's updated
             # shard, or parameter offload's shard to be gathered.
             new = new.to(e.param.dtype)
@@ -501,44 +485,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return g
 
 
-def _entries(pm: Any) -> list[_Entry]:
-    """What this rank's optimizer steps for each trainable parameter (module docstring). A frozen
-    parameter (``requires_grad=False``) has no entry: no master, no state, no step."""
-    plan, groups = pm.plan, pm.groups
-    out: list[_Entry] = []
-    for fqn, p in pm.local_parameters().items():
-        if not p.requires_grad:
-            continue
-        ph = pm._param_ph[fqn]
-        st = plan.param_state.get(fqn)
-        spec = plan.params[fqn]
-        shape = tuple(pm.traced.placeholder(ph).info.shape)
-        if st is None or st.optimizer == spec:
-            dim, cut, gather = None, (), ()
-            host = st is not None and st.offload
-            placements = _placements(spec, spec, groups.shape)
-        else:
-            dim, cut = _cut(spec, st.optimizer, groups.shape, groups.coords)
-            gather = reshard(tuple(st.optimizer), tuple(spec), shape,
-                             p.element_size(), tuple(groups.shape)).forward
-            host = st.offload
-            placements = _placements(spec, st.optimizer, groups.shape)
-        src = pm.master_source.pop(fqn, None)      # bf16-mixed: the fp32 weight
-        local = _slice(p.detach() if src is None else src, dim, cut)
-        if dim is None and not host and p.dtype == torch.float32:
-            master = p                       # an fp32 parameter is its own master
-        else:
-            master = local.to(torch.device("cpu") if host else p.device, torch.float32,
-                              copy=True)
-            if host and p.is_cuda:      # the link's copies run at its speed from pinned memory
-                master = master.pin_memory()
-            master = torch.nn.Parameter(master)
-        sharded = st is not None and st.mode in SCATTERS and dim is not None
-        out.append(_Entry(fqn, ph, p, master, dim, cut, gather, sharded, shape, tuple(spec),
-                          placements, p._version, st.mode if st is not None else None))
-    return out
-
-
 def _refuse_whole_tensor_math(optimizer_cls: type, elementwise: bool | None,
                               entries: list[_Entry]) -> None:
     """An optimizer whose math reads whole parameters, on shards, would compute its statistics
@@ -579,30 +525,6 @@ def _fused_by_default(optimizer_cls: type, kwargs: dict, masters: list[torch.Ten
     return all(m.dtype.is_floating_point and m.device.type in devices for m in masters)
 
 
-def _zero_axes(spec: Spec, state: Spec) -> list[int]:
-    """The mesh axes on which the optimizer state is cut apart from the parameter, in order."""
-    return [a for a, (p, q) in enumerate(zip(spec, state)) if p != q]
-
-
-def _cut(spec: Spec, state: Spec, mesh_shape: tuple[int, ...], coords: tuple[int, ...]
-         ) -> tuple[int, tuple[tuple[int, int], ...]]:
-    """The state dim and, per zero axis in order (row-major, the first outermost), the number of
-    pieces and this rank's piece."""
-    axes = _zero_axes(spec, state)
-    dims = {state[a].dim for a in axes if isinstance(state[a], Shard)}
-    if len(dims) != 1 or len(axes) != sum(isinstance(state[a], Shard) for a in axes):
-        raise AutoshardError("optimizer placements that shard one dim over the parameter's "
-                             "replicated axes", got=f"{spec} -> {state}",
-                             fix="re-plan: the plan file was edited or is damaged")
-    return dims.pop(), tuple((mesh_shape[a], coords[a]) for a in axes)
-
-
-def _slice(t: torch.Tensor, dim: int | None, cut: tuple[tuple[int, int], ...]) -> torch.Tensor:
-    for n, r in cut:
-        t = t.chunk(n, dim)[r]
-    return t
-
-
 def refuse_strided(fqn: str, spec: Spec) -> None:
     """torch.distributed.checkpoint describes a rank's part of a tensor as one box; a strided
     shard (ir.py) is one box per group, which DCP refuses as overlapping chunks. Say so."""
@@ -613,36 +535,6 @@ def refuse_strided(fqn: str, spec: Spec) -> None:
                 f"every group)",
             fix="save with pm.full_state_dict() / load_full_state_dict(), or plan with "
                 "pins={...: contiguous spec} for this parameter")
-
-
-def _placements(spec: Spec, state: Spec, mesh_shape: tuple[int, ...]) -> tuple:
-    """DTensor placements saying exactly which part of the global tensor a rank holds of state
-    kept as ``state`` for a parameter stored as ``spec`` (``state == spec``: with the parameter).
-
-    The rank's part is cut along each tensor dim first over the parameter's axes (its local
-    shard, row-major in mesh order as docs/plan-format.md "Specs" and DTensor both cut), then over
-    the zero axes (``_cut``, in mesh order). DTensor cuts a dim over mesh axes in mesh order, the
-    first outermost (torch.distributed.tensor ``Shard``): the two orders agree, and each axis is
-    ``Shard(d)``, unless a zero axis comes before a parameter axis that cuts the same dim (a plan
-    the planner does not make, cost/state.py ``state_spec``, but one ``_cut`` accepts). Such an
-    axis cuts after pieces the later axes already made: it is ``_StridedShard(d, split_factor=``
-    their number ``)``, the layout of FSDP2 over tensor parallelism (torch.distributed.tensor
-    ``_StridedShard``). tests/test_optim_state.py checks every layout against ``_cut``.
-    """
-    from torch.distributed.tensor import Replicate as DReplicate, Shard as DShard
-    from torch.distributed.tensor.placement_types import _StridedShard
-    order: dict[int, list[int]] = {}          # tensor dim -> the axes cutting it, outermost first
-    for a, p in enumerate(spec):
-        if isinstance(p, Shard):
-            order.setdefault(p.dim, []).append(a)
-    for a in _zero_axes(spec, state):
-        order.setdefault(state[a].dim, []).append(a)
-    out: list = [DReplicate()] * len(spec)
-    for d, axes in order.items():
-        for i, a in enumerate(axes):
-            split = math.prod(mesh_shape[b] for b in axes[:i] if b > a)
-            out[a] = DShard(d) if split == 1 else _StridedShard(d, split_factor=split)
-    return tuple(out)
 
 
 def dtensor_in_place(local: torch.Tensor, device_mesh: Any, placements: tuple,

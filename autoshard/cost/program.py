@@ -8,7 +8,9 @@ by every consumer, so the order and the rules are written here only:
 - ``cost/liveness.step_memory`` walks its events forward, backward and through the optimizer
   step for the step's peak;
 - ``codegen/rewrite.emit`` lowers its events, in its order, into the rank program, and runs the
-  gradient syncs its buckets hold through the runtime's buckets.
+  gradient syncs its buckets hold through the runtime's buckets;
+- ``codegen/optim.py`` lays out each parameter's fp32 master and optimizer state as its
+  optimizer record (:class:`ParamUpdate`, ``updates``) says.
 
 Events, in the order the rank program runs them: every op of the traced graph (placeholders and
 ``getitem`` excepted) in graph order, each reshard just before the first op that reads it
@@ -40,7 +42,7 @@ from autoshard.cost.comm import Groups
 from autoshard.cost.overlap import Bucket, first_grad_syncs, gradient_buckets
 from autoshard.cost.reshards import ReshardEdge, frozen, reshard_edges
 from autoshard.cost.state import HOST_MODES, host_copies, state_spec, step_elements
-from autoshard.ir import Strategy, local_shape
+from autoshard.ir import Spec, Strategy, local_shape
 from autoshard.trace.graph import ValueRef, value_inputs, value_ref, value_shapes
 
 
@@ -63,11 +65,26 @@ MOMENT_OPTIMIZERS = ("adam", "adamw")
 
 @dataclass(frozen=True, slots=True)
 class ParamUpdate:
-    """One parameter's part of the optimizer step on this rank (docs/cost-model.md §4.6,
-    codegen/optim.py):
+    """One parameter's part of the optimizer step on this rank (docs/cost-model.md §4.6), the
+    one fact that the cost model and the runtime's optimizer (codegen/optim.py) both read.
 
-    - ``moment``: bytes of one fp32 tensor the size of its state shard (its momentum, its
-      variance, its master where kept apart); 0 where its state lives on the host;
+    Where its state lies:
+
+    - ``name``, ``fqn``: its placeholder and its name in the model; ``mode``: its state mode
+      (cost/state.py); ``spec``: the layout it is stored in;
+    - ``state``: the layout of its optimizer state where that is cut apart from the parameter
+      (ZeRO-1/2, offload: ``state_spec``, over the zero axes), else None (the state follows
+      the parameter);
+    - ``on_host``: its state and its step live on the host (offload, parameter offload);
+    - ``master``: an fp32 master is kept apart from the parameter (a 16-bit parameter, or one
+      whose state is cut apart or on the host); else the parameter is its own master;
+    - ``elements``: the elements of its state shard, what one rank's step updates.
+
+    What the step makes of it, in bytes:
+
+    - ``moment``: one fp32 tensor the size of its state shard (its momentum, its variance, its
+      master where kept apart), for an optimizer with moments; 0 where its state lives on the
+      host;
     - ``cast``: the fp32 copy of a 16-bit gradient for its master, alive through the update
       (the runtime casts every gradient before the update);
     - ``gather``: bytes made on the device while its updated shard is brought back into its
@@ -81,6 +98,20 @@ class ParamUpdate:
     cast: int
     gather: int
     host: tuple[tuple[str, int], ...]
+    fqn: str
+    spec: Spec
+    state: Spec | None
+    on_host: bool
+    master: bool
+    elements: int
+
+    def state_bytes(self, optimizer: str) -> dict[str, int]:
+        """The optimizer state ``optimizer`` keeps for it, by where it lies ("device",
+        "host"): its fp32 master where kept apart, and Adam's two moments (docs/cost-model.md
+        §4.1), each ``4·elements``."""
+        tensors = int(self.master) + (2 if optimizer in MOMENT_OPTIMIZERS else 0)
+        where = "host" if self.on_host else "device"
+        return {"device": 0, "host": 0, where: tensors * 4 * self.elements}
 
 
 @dataclass(frozen=True)
@@ -216,29 +247,43 @@ def _updated(traced: Any) -> list[Any]:
 def optimizer_step(traced: Any, strategies: Mapping[str, Strategy], mesh_shape: tuple[int, ...],
                    optimizer: str, update: str = "fused") -> OptimizerStep:
     """The optimizer step's records (:class:`OptimizerStep`), from each parameter's stored
-    layout and state mode (cost/state.py) as codegen/optim.py runs it."""
+    layout and state mode (cost/state.py): where its state lies whatever the optimizer
+    (codegen/optim.py lays the state out from these), and the bytes ``optimizer``'s step
+    makes ("none": no records)."""
     assert update in UPDATES, update
     if optimizer == "none":
         return OptimizerStep(optimizer, update)
+    return OptimizerStep(optimizer, update, updates(traced, strategies, mesh_shape, optimizer))
+
+
+def updates(traced: Any, strategies: Mapping[str, Strategy], mesh_shape: tuple[int, ...],
+            optimizer: str) -> tuple[ParamUpdate, ...]:
+    """One :class:`ParamUpdate` per parameter the step updates (trainable, each tied tensor
+    once), in placeholder order. Its bytes are ``optimizer``'s (none for "none" and "sgd"
+    but the host copies); where its state lies does not depend on it."""
     out = []
+    moments = optimizer in MOMENT_OPTIMIZERS
     for ph in _updated(traced):
         strat = strategies.get(ph.name)
         if strat is None:
             continue
         shape, spec, mode = tuple(ph.info.shape), strat.outputs[0], strat.kernel
         isz = ph.info.dtype.itemsize
-        moment = 0
-        if optimizer in MOMENT_OPTIMIZERS and mode not in HOST_MODES:
-            moment = step_elements(shape, spec, mode, mesh_shape) * 4
-        gather = 0
         sspec = state_spec(shape, spec, mesh_shape) if mode is not None else None
-        if sspec is not None and optimizer in MOMENT_OPTIMIZERS:
+        on_host = mode in HOST_MODES
+        elements = step_elements(shape, spec, mode, mesh_shape)
+        moment = elements * 4 if moments and not on_host else 0
+        gather = 0
+        if sspec is not None and moments:
             local = math.prod(local_shape(shape, spec, mesh_shape)) * isz
             gather = local + (math.prod(local_shape(shape, sspec, mesh_shape)) * isz
                               if mode == "offload_params" else 0)
-        out.append(ParamUpdate(ph.name, mode, moment, moment if isz < 4 else 0, gather,
-                               tuple(host_copies(shape, ph.info.dtype, spec, mode, mesh_shape))))
-    return OptimizerStep(optimizer, update, tuple(out))
+        out.append(ParamUpdate(
+            ph.name, mode, moment, moment if isz < 4 else 0, gather,
+            tuple(host_copies(shape, ph.info.dtype, spec, mode, mesh_shape)), fqn=ph.fqn,
+            spec=tuple(spec), state=sspec, on_host=on_host,
+            master=sspec is not None or on_host or isz < 4, elements=elements))
+    return tuple(out)
 
 
 def held_gradients(traced: Any, strategies: Mapping[str, Strategy], mesh_shape: tuple[int, ...],

@@ -341,7 +341,8 @@ def _read_host_transfer(f: _Field) -> HostTransfer:
     if direction.text() not in DIRECTIONS:
         direction.fail(f"one of {', '.join(map(json.dumps, DIRECTIONS))}")
     return HostTransfer(direction.value, f.key("bytes").integer(), f.key("phase").text(),
-                        f.key("node").text(), f.key("value").text())
+                        f.key("node").text(), f.key("value").text(),
+                        f.key("count", 1).integer(least=1))
 
 
 # Figures a plan file may carry under an earlier name: read under the new one.

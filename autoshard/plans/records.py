@@ -70,17 +70,22 @@ class HostTransfer:
     "d2h" (device to host) or "h2d"; ``bytes``; ``phase`` as a collective's ("forward",
     "recompute", "backward", "grad_sync", "optimizer"); ``node``: where it runs (the op whose
     use copies a parameter in, a gradient bucket, or "optimizer"); ``value``: the parameter's
-    placeholder."""
+    placeholder; ``count``: how many times a step makes it (each micro-step of gradient
+    accumulation, docs/cost-model.md §7.2)."""
 
     direction: str
     bytes: int
     phase: str
     node: str
     value: str
+    count: int = 1
 
     def to_json(self) -> dict:
-        return {"direction": self.direction, "bytes": self.bytes, "phase": self.phase,
-                "node": self.node, "value": self.value}
+        out = {"direction": self.direction, "bytes": self.bytes, "phase": self.phase,
+               "node": self.node, "value": self.value}
+        if self.count != 1:
+            out["count"] = self.count
+        return out
 
 
 @dataclass(frozen=True, slots=True)

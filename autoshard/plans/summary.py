@@ -19,6 +19,15 @@ def comm_by_axis(plan: Plan) -> list[str]:
             for a in plan.mesh_axes if exposed.get(a) or hidden.get(a)]
 
 
+def _accumulation_summary(plan: Plan) -> list[str]:
+    n = plan.options.accumulation_steps
+    if n == 1:
+        return []
+    return [f"  gradient accumulation: {n} micro-steps per optimizer step (the figures are the "
+            f"optimizer step's; forward and backward collectives run {n} times, the gradient "
+            f"buckets and the optimizer's gathers once)"]
+
+
 def summary(plan: Plan) -> str:
     p, s = plan.predicted, plan.solver
     dims = "x".join(map(str, plan.mesh_shape))
@@ -30,7 +39,7 @@ def summary(plan: Plan) -> str:
              f"(of {p['comm_s'] * 1e3:.3f} ms comm)"
              + (f" + host link {p['host_s'] * 1e3:.3f} ms" if p.get("host_s") else "")
              + f"; ILP memory sum {size_text(p['ilp_memory_bytes'])} per device",
-             *comm_by_axis(plan),
+             *comm_by_axis(plan), *_accumulation_summary(plan),
              f"  solver {s['status']}, {s['variables']} variables, {s.get('decisions', '?')} "
              f"decisions, gap {s['gap']:.2%}", *_mesh_search_summary(plan)]
     by: dict[tuple[str, str, tuple[str, ...]], list[int]] = {}
@@ -73,7 +82,7 @@ def _state_summary(plan: Plan) -> list[str]:
     for mode, n in sorted(by.items()):
         lines.append(f"  {MODE_NAMES.get(mode, mode)}: {n} of {len(plan.params)} parameters")
     if plan.host_transfers:
-        by_dir = {d: sum(t.bytes for t in plan.host_transfers if t.direction == d)
+        by_dir = {d: sum(t.bytes * t.count for t in plan.host_transfers if t.direction == d)
                   for d in DIRECTIONS}
         host_s = plan.predicted.get("host_s")
         lines.append(f"  host link per step: {size_text(by_dir['h2d'])} host to device, "

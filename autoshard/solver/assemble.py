@@ -73,10 +73,12 @@ class _Ledger:
         self.sync = dict.fromkeys(mesh.axes, 0.0)
 
     def blocking_step(self, step: Step, phase: str, node: str, value: str) -> None:
-        # The optimizer's gathers run once per optimizer step, the rest once per micro-step.
-        _charge(self.blocking, step, self.mesh, 1 if phase == "optimizer" else self.runs)
+        # The optimizer's gathers run once per optimizer step, the rest once per micro-step
+        # (docs/cost-model.md §7.2): the record's count says so.
+        runs = 1 if phase == "optimizer" else self.runs
+        _charge(self.blocking, step, self.mesh, runs)
         self.records.append(CollectiveRecord(step.kind, tuple(self.mesh.axes[a] for a in step.axes),
-                                             step.nbytes, phase, node, value))
+                                             step.nbytes, phase, node, value, count=runs))
 
     def reshards(self, pricer: Pricer, edges: list, first: dict, modes: dict,
                  bucket_bytes: int, memory: float) -> float:
@@ -112,7 +114,7 @@ class _Ledger:
                     self.blocking[self.mesh.axes[a]] += t * self.runs / len(step.axes)
                 self.records.append(CollectiveRecord(
                     step.kind, tuple(self.mesh.axes[a] for a in step.axes), step.nbytes, phase,
-                    n.name, n.name))
+                    n.name, n.name, count=self.runs))
 
     def buckets(self, buckets: list) -> None:
         for k, b in enumerate(buckets):
@@ -290,11 +292,12 @@ def host_transfers(traced: TracedGraph, pricer: Pricer, strategies: dict[str, St
             uses.append((name, strategies[name].outputs[0], cons[0][0], False))
         for name, src, node, bucketed in uses:
             n = pricer.fetch_bytes((name, 0), src, "offload_params")
-            out.append(HostTransfer("h2d", n, "forward", node, name))
+            # every micro-step's (docs/cost-model.md §7.2)
+            out.append(HostTransfer("h2d", n, "forward", node, name, pricer.runs))
             if pricer.recomputed(node):
-                out.append(HostTransfer("h2d", n, "recompute", node, name))
+                out.append(HostTransfer("h2d", n, "recompute", node, name, pricer.runs))
             if not bucketed and name in pricer.grads:
-                out.append(HostTransfer("d2h", n, "backward", node, name))
+                out.append(HostTransfer("d2h", n, "backward", node, name, pricer.runs))
         for k, b in enumerate(buckets):
             for m in b.members:
                 if m in fetched:

@@ -41,6 +41,7 @@ def plan_options(args) -> PlanOptions:
                        bucket_mb=args.bucket_mb, zero=args.zero, offload=args.offload,
                        context_parallel=args.context_parallel,
                        precision=args.precision, compile=args.compile,
+                       accumulation_steps=args.accumulation_steps,
                        **pipeline_options(args))
 
 
@@ -268,6 +269,10 @@ def _add_plan(sub: Any) -> None:
                         "dispatch per op); parallelize then compiles it")
     p.add_argument("--bucket-mb", type=float, default=25.0,
                    help="gradient all-reduce bucket size in MiB (default 25, as DDP)")
+    p.add_argument("--accumulation-steps", type=int, default=1, metavar="N",
+                   help="micro-steps per optimizer step (gradient accumulation: N forward and "
+                        "backward passes, one gradient sync and one update, docs/cost-model.md "
+                        "§7.2; default 1)")
     p.add_argument("--zero", default="auto", choices=ZERO,
                    help="gradients and optimizer state sharded apart from the parameters "
                         "(default auto: the planner chooses ZeRO-2 or not per parameter)")

@@ -189,9 +189,16 @@ def _run_rank(spec: VerifySpec) -> dict[str, Any]:
                      compile=False)
     # Only where the model draws masks: a dispatch mode around the rank program would also
     # catch what its kernels build (context parallelism's causal bias, a tensor subclass).
+    # Every micro-step of the plan's optimizer step (docs/cost-model.md §7.2), the same batch
+    # each time: the gradients are then N times one batch's.
+    steps = plan.options.accumulation_steps
+    ran: list[tuple] = []
+    host_ran: list[tuple] = []
     with keep if draws else contextlib.nullcontext():
-        loss = pm.step(*pm.shard_inputs(*inputs))
+        loss = _micro_steps(pm, pm.shard_inputs(*inputs), steps, ran, host_ran)
     grads = pm.full_grads()
+    if steps > 1:
+        grads = {k: g / steps for k, g in grads.items()}
     grad_errs = {n: rel_err(grads[n], g, scale) for n, g in ref_grads.items() if n in grads}
     missing = sorted(set(ref_grads) - set(grads))
     # The optimizer step too: its all-gathers (ZeRO-1/2, offload) are in the plan's ledger.
@@ -199,17 +206,18 @@ def _run_rank(spec: VerifySpec) -> dict[str, Any]:
     if opt is not None:
         opt.step()
         opt.zero_grad()
-    # This rank's: on a pipeline, its stage's collectives, each as often as the step runs it.
+    _seen(pm, ran, host_ran)
+    # This rank's: on a pipeline, its stage's collectives; each as often as the step runs it
+    # (``count``: per microbatch, per micro-step of accumulation).
     mine = [c for c in plan.collectives if c.stage in pm.runtime.stages
             for _ in range(c.count)]
     planned = [(c.kind, c.axes, c.bytes, c.phase, c.node) for c in mine]
-    ran = [(r.kind, r.axes, r.nbytes, r.phase, r.node) for r in pm.ledger]
     # The host link's copies (offload), as the plan lists them. (A pipelined plan lists its
     # stages' together: not compared yet.)
     host_planned = [(t.direction, t.bytes, t.phase, t.node, t.value)
-                    for t in plan.host_transfers] if plan.pipeline is None else []
-    host_ran = [(t.direction, t.nbytes, t.phase, t.node, t.value)
-                for t in pm.ledger.host] if plan.pipeline is None else []
+                    for t in plan.host_transfers for _ in range(t.count)] \
+        if plan.pipeline is None else []
+    host_ran = host_ran if plan.pipeline is None else []
     report = {
         "loss": float(loss), "ref_loss": float(ref_loss),
         "loss_err": _loss_err(loss, ref_loss),
@@ -222,7 +230,7 @@ def _run_rank(spec: VerifySpec) -> dict[str, Any]:
         "own_grad_err": max((rel_err(own[1][n], g, scale) for n, g in ref_grads.items()
                              if n in own[1]), default=0.0) if own else None,
         "ledger_diff": ledger_diff(planned, ran),
-        "collectives": len(ran), "bytes": sum(r.nbytes for r in pm.ledger),
+        "collectives": len(ran), "bytes": sum(r[2] for r in ran),
         "planned_bytes": sum(c.bytes for c in mine),
         "host_ledger_diff": ledger_diff(host_planned, host_ran),
         "host_bytes": sum(t[1] for t in host_ran),
@@ -240,6 +248,25 @@ def _run_rank(spec: VerifySpec) -> dict[str, Any]:
     return report
 
 
+def _micro_steps(pm, local_inputs: tuple, n: int, ran: list, host_ran: list) -> torch.Tensor:
+    """``n`` micro-steps of ``pm`` on ``local_inputs``, all but the last under ``pm.no_sync()``
+    (one optimizer step of a plan with ``accumulation_steps=n``); the ledger records of the
+    first ``n - 1`` appended to ``ran`` and ``host_ran`` (each forward starts the ledger anew:
+    the last one's are the caller's to take, after the optimizer step). The last loss."""
+    if n > 1:
+        with pm.no_sync():
+            for _ in range(n - 1):
+                pm.step(*local_inputs)
+                _seen(pm, ran, host_ran)
+    return pm.step(*local_inputs)
+
+
+def _seen(pm, ran: list, host_ran: list) -> None:
+    """The ledger's records so far, as the plan's are compared with them."""
+    ran.extend((r.kind, r.axes, r.nbytes, r.phase, r.node) for r in pm.ledger)
+    host_ran.extend((t.direction, t.nbytes, t.phase, t.node, t.value) for t in pm.ledger.host)
+
+
 def _loss_err(loss: torch.Tensor, ref: torch.Tensor) -> float:
     return abs(float(loss) - float(ref)) / max(abs(float(ref)), 1e-30)
 
@@ -255,15 +282,16 @@ def _compiled_against(model, inputs, plan: Plan, spec: VerifySpec, loss, grads,
         warnings.simplefilter("always", CompileFallback)
         cpm = parallelize(model, Mesh(spec.mesh_shape, spec.axes), plan=plan,
                           example_inputs=inputs, compile=True)
+        steps, cran, chost = plan.options.accumulation_steps, [], []
         t0 = time.perf_counter()
-        closs = cpm.step(*cpm.shard_inputs(*inputs))
+        closs = _micro_steps(cpm, cpm.shard_inputs(*inputs), steps, cran, chost)
         first = time.perf_counter() - t0
-    cgrads = cpm.full_grads()
+    cgrads = {n: g / steps for n, g in cpm.full_grads().items()}
     opt, _ = _optimizer_for(cpm, plan.options.state_optimizer)
     if opt is not None:
         opt.step()
         opt.zero_grad()
-    cran = [(r.kind, r.axes, r.nbytes, r.phase, r.node) for r in cpm.ledger]
+    _seen(cpm, cran, chost)
     return {"loss_err": abs(float(closs) - float(loss)) / max(abs(float(loss)), 1e-30),
             "grad_errs": {n: rel_err(cgrads[n], g) for n, g in grads.items()},
             "ledger_diff": ledger_diff(ran, cran), "first_step_s": first,
@@ -313,7 +341,9 @@ def predicted_memory(pm) -> dict[str, int]:
 
 def measure_step_memory(pm, local_inputs: tuple, *, warmup: bool = True) -> dict[str, Any]:
     """Peak bytes this rank holds during one training step of ``pm``: forward, backward (the
-    gradient syncs included), the optimizer step (the plan's optimizer: AdamW for adam/adamw)
+    gradient syncs included; under ``accumulation_steps=N`` the last of N micro-steps, the
+    gradients of the others held, as the liveness walk's, docs/cost-model.md §7.2), the
+    optimizer step (the plan's optimizer: AdamW for adam/adamw)
     and ``zero_grad``. Collective: every rank of the world must call it.
 
     With ``warmup`` (the default) a first, untracked step creates the optimizer state and the
@@ -347,6 +377,7 @@ def measure_step_memory(pm, local_inputs: tuple, *, warmup: bool = True) -> dict
         # in the memory the tracker measures, beside the device's peak.
         predicted = {**predicted, "peak": predicted["peak"] + host, "host": host}
     opt, opt_name = _optimizer_for(pm, pm.plan.options.state_optimizer)
+    steps = pm.plan.options.accumulation_steps
     tracker = MemTracker()
     pm.zero_grad(set_to_none=True)
     try:
@@ -367,8 +398,10 @@ def measure_step_memory(pm, local_inputs: tuple, *, warmup: bool = True) -> dict
             "after_forward": _after_forward(tracker, pm, device),
             "source": ("torch.cuda.max_memory_allocated" if allocator_peak is not None
                        else "MemTracker"),
-            "step": f"{'second (steady-state)' if warmup else 'first'} step: forward, "
-                    f"backward, {opt_name} step",
+            "step": f"{'second (steady-state)' if warmup else 'first'} step: "
+                    + (f"the last of {steps} micro-steps of forward and backward, the "
+                       f"gradients of the first {steps - 1} held, " if steps > 1
+                       else "forward, backward, ") + f"{opt_name} step",
             "predicted": predicted,
             "error": (predicted["peak"] - measured) / measured if measured else math.inf}
 
@@ -401,13 +434,23 @@ def _measured_step(pm, local_inputs: tuple, opt, device: torch.device, tracker,
                    warmup: bool) -> int | None:
     """The (warm-up and) measured step of :func:`measure_step_memory`; on CUDA the allocator's
     peak over the measured step."""
+    n = pm.plan.options.accumulation_steps       # micro-steps per optimizer step (§7.2)
     if warmup:
-        pm.step(*local_inputs)
+        _micro_steps(pm, local_inputs, n, [], [])
         if opt is not None:
             opt.step()
         opt.zero_grad() if opt is not None else pm.zero_grad(set_to_none=True)
+    if n > 1:
+        # The micro-steps before the last, untracked (the tracker follows one forward of a
+        # module per iteration): the last starts with their gradients held, as the liveness
+        # walk's (docs/cost-model.md §7.2), and those are counted from the start.
+        with pm.no_sync():
+            for _ in range(n - 1):
+                pm.step(*local_inputs)
+    buckets = pm.runtime.buckets
     externals = [pm, *pm._buffers_local.values(),
-                 *(t for t in local_inputs if isinstance(t, torch.Tensor))]
+                 *(t for t in local_inputs if isinstance(t, torch.Tensor)),
+                 *(buckets.held() if buckets is not None else ())]
     if opt is not None:
         externals.append(opt.optimizer)      # the torch optimizer inside pm.optimizer(...)
         # and its fp32 masters where they are not the parameters (mixed precision, ZeRO-1/2)
