@@ -11,7 +11,7 @@ from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions
 from autoshard.options import resolve_options
-from autoshard.solver.budget import offload_tries, remedy_tries
+from autoshard.solver.budget import offload_tries, recompute_tries, remedy_tries
 from autoshard.solver.merging import grouping_tries
 from autoshard.solver.pipeline import schedule_tries
 from autoshard.solver.planner import microbatch_tries, pipeline_tries
@@ -105,8 +105,13 @@ def _changes(tries):
 
 
 def test_the_memory_searches_as_tries() -> None:
-    """The memory ladder (offload, cheapest first) and the budget's remedies (what lowers the
-    phase that binds first) as their lists of tries."""
+    """The memory ladder (offload, cheapest first), the checkpointing search (none, selective,
+    full) and the budget's remedies (what lowers the phase that binds first) as their lists of
+    tries."""
+    assert _changes(recompute_tries()) == [
+        ("without activation checkpointing", {"recompute": None}),
+        ("activation checkpointing (selective)", {"recompute": "selective"}),
+        ("activation checkpointing (full)", {"recompute": "full"})]
     traced = trace(*get_model("gpt2-tiny", batch=4))
     assert _changes(offload_tries(traced, resolve_options(None, {}))) == [
         ("without offload", {"offload": False}),

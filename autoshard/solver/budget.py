@@ -112,42 +112,42 @@ def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw:
         return plan_once(traced, mesh, options,
                             recompute=dict.fromkeys(layers, options.recompute), **kw)
     budget = device_budget(mesh.cluster, options.memory_budget)
-    plans: list[Plan] = []
-    try:
-        with progress.step("without activation checkpointing"):
-            plans.append(plan_once(traced, mesh, options, recompute={}, **kw))
-    except AutoshardError as e:
-        # No plan fits, or none was found in time (memory that binds makes the ILP hard):
-        # checkpointing frees memory either way.
-        if not isinstance(e.__cause__, (Infeasible, NoSolution)):
-            raise
-        error = e
-    # Memory binds when the plan comes near the budget: a layout the budget ruled out may be
-    # faster with the memory checkpointing frees (a plan 1% under the budget can be one).
-    if plans and plans[0].predicted["ilp_memory_bytes"] < budget * BINDS:
-        return plans[0]
-    # A plan that fits by liveness too is final unless checkpointing beats it: search only
-    # faster ones (re-planning for the peak below never makes a plan faster).
-    cutoff = plans[0].predicted["step_time_s"] if plans and \
-        plans[0].predicted["memory"]["peak"] <= budget and mesh.ndim < 3 else None
-    for policy in ("selective", "full"):
+    first: list[Plan] = []          # the plan without checkpointing, once solved
+
+    def solve(t: Try) -> Plan | None:
+        policy = t.get("recompute")
+        if policy is None:
+            first.append(plan_once(traced, mesh, options, recompute={}, **kw))
+            return first[0]
+        # A plan that fits by liveness too is final unless checkpointing beats it: search only
+        # faster ones (re-planning for the peak below never makes a plan faster).
+        cutoff = first[0].predicted["step_time_s"] if first and \
+            first[0].predicted["memory"]["peak"] <= budget and mesh.ndim < 3 else None
         try:
-            with progress.step(f"activation checkpointing ({policy})"):
-                plans.append(plan_once(traced, mesh, options, cutoff_s=cutoff,
-                                          recompute=dict.fromkeys(layers, policy), **kw))
+            return plan_once(traced, mesh, options, cutoff_s=cutoff,
+                             recompute=dict.fromkeys(layers, policy), **kw)
         except NoBetter:
             progress.note(f"no plan faster than {cutoff * 1e3:.3f} ms")
-            continue
-        except AutoshardError as e:
-            if not isinstance(e.__cause__, (Infeasible, NoSolution)):
-                raise
-            error = e
-            continue
-        if policy == "selective" and plans[-1].predicted["ilp_memory_bytes"] < budget * 0.98 \
-                and plans[-1].predicted["memory"]["peak"] <= budget:
-            break    # memory no longer binds: full recomputation would only add time
-    if not plans:
-        raise error
+            return None
+
+    def unbound(p: Plan) -> bool:
+        """Memory no longer binds: checkpointing (more of it) would only add time. Without
+        it, memory binds near the budget (a layout the budget ruled out may be faster with the
+        memory checkpointing frees; a plan 1% under the budget can be one)."""
+        if not p.recompute:
+            return p.predicted["ilp_memory_bytes"] < budget * BINDS
+        return set(p.recompute.values()) == {"selective"} and \
+            p.predicted["ilp_memory_bytes"] < budget * 0.98 and \
+            p.predicted["memory"]["peak"] <= budget
+
+    # No plan fits, or none was found in time (memory that binds makes the ILP hard):
+    # checkpointing frees memory either way.
+    _, done = run_search(recompute_tries(), solve, until=unbound, error_of_none="last",
+                         recoverable=lambda e: isinstance(e.__cause__, (Infeasible, NoSolution)))
+    plans = [d.result for d in done if d.result is not None]
+    if len(done) == 1 and plans:
+        return plans[0]             # without checkpointing, and memory does not bind
+    assert plans, "a checkpointing search without a plan raises its last error"
     # Compared by the step's liveness peak too (a selective plan's can be twice the sum the ILP
     # bounds): each re-planned for it as plan_traced would, and the fastest that fits kept.
     # Fastest first: re-planning a plan for its peak never makes it faster, so once one fits,
@@ -164,6 +164,14 @@ def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw:
         return min(plans, key=lambda p: p.predicted["step_time_s"])
     partial = _plan_partial(traced, mesh, options, fitting, layers, budget, **kw)
     return fitting if partial is None else partial
+
+
+def recompute_tries() -> list[Try]:
+    """The checkpointing search's tries (recompute "auto"), cheapest first: none, selective,
+    full on every checkpointable layer; it stops once memory no longer binds."""
+    return [Try("without activation checkpointing", (("recompute", None),)),
+            *[Try(f"activation checkpointing ({p})", (("recompute", p),))
+              for p in ("selective", "full")]]
 
 
 def _fit_live(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan, budget: float,

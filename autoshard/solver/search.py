@@ -4,10 +4,12 @@ every try gave, for the search's record in the plan (Alpa's stage construction: 
 a pure search, one driver; Zheng et al. 2022, arXiv 2201.12023, §5).
 
 The planner's searches that run through it (docs/design.md, "Searches as data"): the pipeline
-axis and the microbatch count (solver/planner.py), the memory ladder and the budget's remedies
-(solver/budget.py), the groupings of a 3-axis mesh (solver/merging.py) and the pipeline
-schedules (solver/pipeline.py). A try's ``changes`` are PlanOptions fields (:meth:`Try.options`)
-or the search's own knobs (an offload level, a grouping of axes) that its ``solve`` reads."""
+axis and the microbatch count (solver/planner.py), the memory ladder, the checkpointing search
+and the budget's remedies (solver/budget.py), the groupings of a 3-axis mesh
+(solver/merging.py) and the pipeline schedules (solver/pipeline.py); not the mesh search
+(solver/meshes.py), a local search whose next tries are the best one's neighbours. A try's
+``changes`` are PlanOptions fields (:meth:`Try.options`) or the search's own knobs (an offload
+level, a checkpointing policy, a grouping of axes) that its ``solve`` reads."""
 from __future__ import annotations
 
 from dataclasses import dataclass
