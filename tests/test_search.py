@@ -13,6 +13,7 @@ from autoshard.options import PlanOptions
 from autoshard.options import resolve_options
 from autoshard.solver.budget import offload_tries, recompute_tries, remedy_tries
 from autoshard.solver.merging import grouping_tries
+from autoshard.solver.meshes import Candidate, mesh_tries
 from autoshard.solver.pipeline import schedule_tries
 from autoshard.solver.planner import microbatch_tries, pipeline_tries
 from autoshard.solver.search import Try, run_search
@@ -156,3 +157,31 @@ def test_the_axis_groupings_and_schedules_as_tries() -> None:
     assert len(grouping_tries(Mesh((2, 1, 2), ("a", "b", "c"), cluster="cpu"))) == 8
     assert _changes(schedule_tries(("1F1B", "GPipe"))) == [
         ("1F1B", {"schedule": "1F1B"}), ("GPipe", {"schedule": "GPipe"})]
+
+
+def test_the_mesh_search_rounds_as_tries() -> None:
+    """The mesh search (a local search: each round's meshes are the best one's neighbours, then
+    the rest, then the chosen mesh at the other microbatch counts) gives each round to the
+    driver as its tries."""
+    a, b = Candidate(1, 2, 2), Candidate(2, 1, 2)
+    assert _changes(mesh_tries([a, b])) == [(str(a), {"mesh": a}), (str(b), {"mesh": b})]
+    assert _changes(mesh_tries([b], [2, 8])) == [
+        (f"{b} at 2 microbatches", {"mesh": b, "microbatches": 2, "again": True}),
+        (f"{b} at 8 microbatches", {"mesh": b, "microbatches": 8, "again": True})]
+
+
+@pytest.mark.parametrize("steps, kept", [({2: 3.0, 4: 1.0}, 4), ({2: 2.0, 4: 5.0}, 8)])
+def test_the_chosen_mesh_keeps_another_microbatch_count_only_if_faster(steps, kept) -> None:
+    """The last round: the chosen pipelined mesh (screened at 8 microbatches, step 2.0) planned
+    at 2 and 4; another count replaces it only when strictly faster (ties keep the screened)."""
+    from autoshard.solver.meshes import Tried as MeshTried, _other_counts
+    c = Candidate(2, 1, 1)
+    best = MeshTried(c, 8, plan=_plan(2.0))
+    seen = []
+
+    def solve(t: Try):
+        seen.append(t.get("microbatches"))
+        return MeshTried(c, t.get("microbatches"), plan=_plan(steps[t.get("microbatches")]))
+    _other_counts(best, 8, solve)
+    assert seen == [2, 4] and best.microbatches == kept
+    assert best.plan.predicted["step_time_s"] == min(2.0, *steps.values())

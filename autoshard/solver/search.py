@@ -6,8 +6,8 @@ a pure search, one driver; Zheng et al. 2022, arXiv 2201.12023, §5).
 The planner's searches that run through it (docs/design.md, "Searches as data"): the pipeline
 axis and the microbatch count (solver/planner.py), the memory ladder, the checkpointing search
 and the budget's remedies (solver/budget.py), the groupings of a 3-axis mesh
-(solver/merging.py) and the pipeline schedules (solver/pipeline.py); not the mesh search
-(solver/meshes.py), a local search whose next tries are the best one's neighbours. A try's
+(solver/merging.py), the pipeline schedules (solver/pipeline.py) and, one round at a time,
+the meshes (solver/meshes.py: a local search, each round the best one's neighbours). A try's
 ``changes`` are PlanOptions fields (:meth:`Try.options`) or the search's own knobs (an offload
 level, a checkpointing policy, a grouping of axes) that its ``solve`` reads."""
 from __future__ import annotations
