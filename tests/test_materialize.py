@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard import Mesh, Plan
+from autoshard.codegen import counter_rng, recording, replay
 from autoshard.codegen import materialize as M
 from autoshard.errors import AutoshardError
 from autoshard.ir import Replicate, Shard
@@ -231,9 +232,9 @@ def _splitmix_reference(key: int, i: int) -> int:
 
 
 def test_random_bits_are_splitmix64_with_wrapping_int64():
-    key = M.stream_key(3, "w", 0)
+    key = counter_rng.stream_key(3, "w", 0)
     idx = torch.tensor([0, 1, 2, 12345, 2 ** 40 + 7, 2 ** 62])
-    got = [b & (2 ** 64 - 1) for b in M.random_bits(key, idx).tolist()]
+    got = [b & (2 ** 64 - 1) for b in counter_rng.random_bits(key, idx).tolist()]
     assert got == [_splitmix_reference(key, i) for i in idx.tolist()]
 
 
@@ -247,7 +248,7 @@ def test_uniform_and_normal_draws_have_their_distributions():
     within = ((z - 1.5).abs() < 0.5).double().mean().item()
     assert abs(within - 0.682689) < 0.002                        # one sigma
     p = torch.rand(4096, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
-    assert (M._ndtri(p) - torch.special.ndtri(p)).abs().max() < 1e-12
+    assert (counter_rng._ndtri(p) - torch.special.ndtri(p)).abs().max() < 1e-12
 
 
 def test_draws_of_a_slice_are_the_slice_of_the_draws():
@@ -266,8 +267,8 @@ def test_replayed_elementwise_ops_compute_each_element_alone():
     shard's values do not depend on where its elements sit (torch's vectorised loop and its
     scalar tail may differ in the last bit)."""
     x = torch.rand(4099) * 3
-    step = M._Step("pointwise", None, (10000.0, M._SELF), torch.ops.aten.pow.Scalar)
-    got = M._scalar_loop(torch.ops.aten.pow.Scalar, x, step, inplace=False)
+    step = recording._Step("pointwise", None, (10000.0, recording._SELF), torch.ops.aten.pow.Scalar)
+    got = replay._scalar_loop(torch.ops.aten.pow.Scalar, x, step, inplace=False)
     alone = torch.stack([torch.ops.aten.pow.Scalar(10000.0, v) for v in x])
     assert torch.equal(got, alone)
 

@@ -1,5 +1,6 @@
-"""Searches as data (solver/search.py): the driver keeps the fastest try, records every try, and
-says why when none plans; the planner's searches that run through it, listed as their tries."""
+"""Searches as data (solver/search.py): the driver keeps the cheapest try, records every try, and
+says why when none plans; every search of the planner that runs through it, listed as its
+tries."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -9,8 +10,16 @@ import pytest
 from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions
+from autoshard.options import resolve_options
+from autoshard.solver.budget import offload_tries, recompute_tries, remedy_tries
+from autoshard.solver.merging import grouping_tries
+from autoshard.solver.meshes import Candidate, mesh_tries
+from autoshard.solver.pipeline import schedule_tries
 from autoshard.solver.planner import microbatch_tries, pipeline_tries
 from autoshard.solver.search import Try, run_search
+from autoshard.trace.export import trace
+from autoshard.trace.layers import checkpointable
+from autoshard.zoo.registry import get_model
 
 
 def _plan(step: float):
@@ -47,7 +56,7 @@ def test_none_planned_raises_the_chosen_error(which: str, got: str) -> None:
 def test_bad_searches_are_refused() -> None:
     with pytest.raises(AutoshardError, match="at least one try"):
         run_search([], _run({}))
-    with pytest.raises(AutoshardError, match="error_of_none"):
+    with pytest.raises(AutoshardError, match='"first", "last" or "none"'):
         run_search([Try("a", ())], _run({"a": 1.0}), error_of_none="best")
 
 
@@ -67,3 +76,112 @@ def test_the_searches_that_run_through_the_driver() -> None:
     assert [(t.label, dict(t.changes)) for t in microbatch_tries([2, 4, 8])] == [
         ("2 microbatches", {"microbatches": 2}), ("4 microbatches", {"microbatches": 4}),
         ("8 microbatches", {"microbatches": 8})]
+
+
+def test_a_ladder_stops_at_its_first_rung_that_plans_and_passes_on_other_errors() -> None:
+    """until: the memory ladder keeps its cheapest rung that plans, not the fastest of all;
+    recoverable: an error that is not the try's outcome (a bug, a bad input) ends the search."""
+    best, tried = run_search([Try(n, ()) for n in "abc"], _run({"a": "no fit", "b": 5.0,
+                                                                 "c": 1.0}),
+                             until=lambda p: True)
+    assert best.predicted["step_time_s"] == 5.0 and [t.attempt.label for t in tried] == ["a", "b"]
+    with pytest.raises(AutoshardError, match="bad input"):
+        run_search([Try("a", ()), Try("b", ())], _run({"a": "bad input", "b": 1.0}),
+                   recoverable=lambda e: e.got != "bad input")
+    best, tried = run_search([Try("a", ())], _run({"a": "no fit"}), error_of_none="none")
+    assert best is None and tried[0].error.got == "no fit"
+
+
+def test_candidates_are_compared_on_their_price_before_any_is_assembled() -> None:
+    """A search that compares what it solved (a schedule's step and tie-breaks) assembles only
+    the winner: the price is the search's own; a try with nothing to compare is passed over."""
+    prices = {"a": (2.0, True), "b": (2.0, False), "c": None}
+    best, tried = run_search([Try(n, (), announce=False) for n in "abc"],
+                             lambda t: prices[t.label], price=lambda c: c)
+    assert best == (2.0, False) and tried[2].result is None and tried[2].error is None
+
+
+def _changes(tries):
+    return [(t.label, dict(t.changes)) for t in tries]
+
+
+def test_the_memory_searches_as_tries() -> None:
+    """The memory ladder (offload, cheapest first), the checkpointing search (none, selective,
+    full) and the budget's remedies (what lowers the phase that binds first) as their lists of
+    tries."""
+    assert _changes(recompute_tries()) == [
+        ("without activation checkpointing", {"recompute": None}),
+        ("activation checkpointing (selective)", {"recompute": "selective"}),
+        ("activation checkpointing (full)", {"recompute": "full"})]
+    traced = trace(*get_model("gpt2-tiny", batch=4))
+    assert _changes(offload_tries(traced, resolve_options(None, {}))) == [
+        ("without offload", {"offload": False}),
+        ("no plan fits: with optimizer offload", {"offload": True}),
+        ("no plan fits: with parameter offload", {"offload": "parameters"})]
+    assert _changes(offload_tries(traced, resolve_options(None, {"offload": "optimizer"}))) \
+        == [("as asked", {"offload": True})]
+    assert _changes(offload_tries(traced, resolve_options(None, {"optimizer": "sgd"}))) == [
+        ("without offload", {"offload": False})]
+    layers = checkpointable(traced.graph, traced.layers)
+    full = dict.fromkeys(layers, "full")
+    opts = resolve_options(None, {})
+    n = len(layers)
+
+    def plan_at(phase: str):
+        return SimpleNamespace(recompute={}, param_state={}, options=opts,
+                               predicted={"peak_phase": phase})
+    with_ = "the step peaks above the budget: with "
+    assert _changes(remedy_tries(traced, opts, plan_at("optimizer"))) == [
+        (with_ + "no checkpointing, optimizer offload", {"recompute": {}, "offload": True}),
+        (with_ + "no checkpointing, parameter offload",
+         {"recompute": {}, "offload": "parameters"}),
+        (with_ + f"full checkpointing of {n} layers, parameter offload",
+         {"recompute": full, "offload": "parameters"})]
+    assert _changes(remedy_tries(traced, opts, plan_at("backward"))) == [
+        (with_ + f"full checkpointing of {n} layers", {"recompute": full, "offload": False}),
+        (with_ + f"full checkpointing of {n} layers, optimizer offload",
+         {"recompute": full, "offload": True}),
+        (with_ + f"full checkpointing of {n} layers, parameter offload",
+         {"recompute": full, "offload": "parameters"})]
+
+
+def test_the_axis_groupings_and_schedules_as_tries() -> None:
+    """A 3-axis mesh's groupings, each solved merged and then priced one axis at a time (every
+    axis on its own only when each has 2 or more devices); the pipeline schedules in order."""
+    labels = [t.label for t in grouping_tries(Mesh((2, 2, 2), ("a", "b", "c"), cluster="cpu"))]
+    groupings = ["a,b+c", "a+b,c", "a,b,c", "a,c+b", "a+b+c"]
+    assert labels == [x for g in groupings
+                      for x in (f"axes grouped as {g}", f"axes grouped as {g}, one axis at a time")]
+    assert all(dict(t.changes)["joint"] == (k % 2 == 0)
+               for k, t in enumerate(grouping_tries(Mesh((2, 2, 2), cluster="cpu"))))
+    assert len(grouping_tries(Mesh((2, 1, 2), ("a", "b", "c"), cluster="cpu"))) == 8
+    assert _changes(schedule_tries(("1F1B", "GPipe"))) == [
+        ("1F1B", {"schedule": "1F1B"}), ("GPipe", {"schedule": "GPipe"})]
+
+
+def test_the_mesh_search_rounds_as_tries() -> None:
+    """The mesh search (a local search: each round's meshes are the best one's neighbours, then
+    the rest, then the chosen mesh at the other microbatch counts) gives each round to the
+    driver as its tries."""
+    a, b = Candidate(1, 2, 2), Candidate(2, 1, 2)
+    assert _changes(mesh_tries([a, b])) == [(str(a), {"mesh": a}), (str(b), {"mesh": b})]
+    assert _changes(mesh_tries([b], [2, 8])) == [
+        (f"{b} at 2 microbatches", {"mesh": b, "microbatches": 2, "again": True}),
+        (f"{b} at 8 microbatches", {"mesh": b, "microbatches": 8, "again": True})]
+
+
+@pytest.mark.parametrize("steps, kept", [({2: 3.0, 4: 1.0}, 4), ({2: 2.0, 4: 5.0}, 8)])
+def test_the_chosen_mesh_keeps_another_microbatch_count_only_if_faster(steps, kept) -> None:
+    """The last round: the chosen pipelined mesh (screened at 8 microbatches, step 2.0) planned
+    at 2 and 4; another count replaces it only when strictly faster (ties keep the screened)."""
+    from autoshard.solver.meshes import Tried as MeshTried, _other_counts
+    c = Candidate(2, 1, 1)
+    best = MeshTried(c, 8, plan=_plan(2.0))
+    seen = []
+
+    def solve(t: Try):
+        seen.append(t.get("microbatches"))
+        return MeshTried(c, t.get("microbatches"), plan=_plan(steps[t.get("microbatches")]))
+    _other_counts(best, 8, solve)
+    assert seen == [2, 4] and best.microbatches == kept
+    assert best.plan.predicted["step_time_s"] == min(2.0, *steps.values())

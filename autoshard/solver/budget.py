@@ -19,6 +19,7 @@ from autoshard.trace.export import TracedGraph
 from autoshard.trace.layers import checkpointable
 from autoshard.solver.assemble import assemble, forward_memory
 from autoshard.solver.merging import plan_once
+from autoshard.solver.search import Try, run_search
 from autoshard.solver.solve import BudgetError, forced_offload, grouped, offload_level
 
 
@@ -29,25 +30,32 @@ def plan_memory(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw: Any
     only when no plan fits without it, and parameter offload (beside it) only when no plan fits
     with optimizer offload alone, since each costs host-link time. When nothing fits, the error
     names the least memory found and the techniques that were tried."""
-    forced = forced_offload(options)
-    ladder: list[bool | str] = [forced]
-    if not forced and options.offload == "auto" and traced.training \
-            and options.state_optimizer not in ("none", "sgd"):
-        ladder += [True] + (["parameters"] if options.stage_run is None else [])
-    for k, offload in enumerate(ladder):
-        try:
-            if k:
-                what = "optimizer offload" if offload is True else "parameter offload"
-                with progress.step(f"no plan fits: with {what}"):
-                    plan = _plan_recompute(traced, mesh, options, offload=offload, **kw)
-            else:
-                plan = _plan_recompute(traced, mesh, options, offload=offload, **kw)
-            break
-        except AutoshardError as e:
-            if not isinstance(e.__cause__, Infeasible) or k == len(ladder) - 1:
-                raise _with_techniques(e, traced, options, offload)
+    ladder = offload_tries(traced, options)
+    try:
+        plan, _ = run_search(ladder, lambda t: _plan_recompute(
+            traced, mesh, options, offload=t.get("offload"), **kw),
+            until=lambda p: True, recoverable=lambda e: isinstance(e.__cause__, Infeasible),
+            error_of_none="last")
+    except AutoshardError as e:
+        raise _with_techniques(e, traced, options, ladder[-1].get("offload"))
     _check_host(plan, mesh)
     return plan
+
+
+def offload_tries(traced: TracedGraph, options: PlanOptions) -> list[Try]:
+    """The memory ladder's rungs, cheapest first, the first that plans kept: the offload
+    ``options`` forces (none under "auto"); under "auto", optimizer offload, then parameter
+    offload beside it (not for a pipeline's stages), each costing host-link time."""
+    forced = forced_offload(options)
+    ladder = [Try("as asked" if forced else "without offload", (("offload", forced),),
+                  announce=False)]
+    if not forced and options.offload == "auto" and traced.training \
+            and options.state_optimizer not in ("none", "sgd"):
+        ladder.append(Try("no plan fits: with optimizer offload", (("offload", True),)))
+        if options.stage_run is None:
+            ladder.append(Try("no plan fits: with parameter offload",
+                              (("offload", "parameters"),)))
+    return ladder
 
 
 def _with_techniques(e: AutoshardError, traced: TracedGraph, options: PlanOptions,
@@ -104,42 +112,42 @@ def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw:
         return plan_once(traced, mesh, options,
                             recompute=dict.fromkeys(layers, options.recompute), **kw)
     budget = device_budget(mesh.cluster, options.memory_budget)
-    plans: list[Plan] = []
-    try:
-        with progress.step("without activation checkpointing"):
-            plans.append(plan_once(traced, mesh, options, recompute={}, **kw))
-    except AutoshardError as e:
-        # No plan fits, or none was found in time (memory that binds makes the ILP hard):
-        # checkpointing frees memory either way.
-        if not isinstance(e.__cause__, (Infeasible, NoSolution)):
-            raise
-        error = e
-    # Memory binds when the plan comes near the budget: a layout the budget ruled out may be
-    # faster with the memory checkpointing frees (a plan 1% under the budget can be one).
-    if plans and plans[0].predicted["ilp_memory_bytes"] < budget * BINDS:
-        return plans[0]
-    # A plan that fits by liveness too is final unless checkpointing beats it: search only
-    # faster ones (re-planning for the peak below never makes a plan faster).
-    cutoff = plans[0].predicted["step_time_s"] if plans and \
-        plans[0].predicted["memory"]["peak"] <= budget and mesh.ndim < 3 else None
-    for policy in ("selective", "full"):
+    first: list[Plan] = []          # the plan without checkpointing, once solved
+
+    def solve(t: Try) -> Plan | None:
+        policy = t.get("recompute")
+        if policy is None:
+            first.append(plan_once(traced, mesh, options, recompute={}, **kw))
+            return first[0]
+        # A plan that fits by liveness too is final unless checkpointing beats it: search only
+        # faster ones (re-planning for the peak below never makes a plan faster).
+        cutoff = first[0].predicted["step_time_s"] if first and \
+            first[0].predicted["memory"]["peak"] <= budget and mesh.ndim < 3 else None
         try:
-            with progress.step(f"activation checkpointing ({policy})"):
-                plans.append(plan_once(traced, mesh, options, cutoff_s=cutoff,
-                                          recompute=dict.fromkeys(layers, policy), **kw))
+            return plan_once(traced, mesh, options, cutoff_s=cutoff,
+                             recompute=dict.fromkeys(layers, policy), **kw)
         except NoBetter:
             progress.note(f"no plan faster than {cutoff * 1e3:.3f} ms")
-            continue
-        except AutoshardError as e:
-            if not isinstance(e.__cause__, (Infeasible, NoSolution)):
-                raise
-            error = e
-            continue
-        if policy == "selective" and plans[-1].predicted["ilp_memory_bytes"] < budget * 0.98 \
-                and plans[-1].predicted["memory"]["peak"] <= budget:
-            break    # memory no longer binds: full recomputation would only add time
-    if not plans:
-        raise error
+            return None
+
+    def unbound(p: Plan) -> bool:
+        """Memory no longer binds: checkpointing (more of it) would only add time. Without
+        it, memory binds near the budget (a layout the budget ruled out may be faster with the
+        memory checkpointing frees; a plan 1% under the budget can be one)."""
+        if not p.recompute:
+            return p.predicted["ilp_memory_bytes"] < budget * BINDS
+        return set(p.recompute.values()) == {"selective"} and \
+            p.predicted["ilp_memory_bytes"] < budget * 0.98 and \
+            p.predicted["memory"]["peak"] <= budget
+
+    # No plan fits, or none was found in time (memory that binds makes the ILP hard):
+    # checkpointing frees memory either way.
+    _, done = run_search(recompute_tries(), solve, until=unbound, error_of_none="last",
+                         recoverable=lambda e: isinstance(e.__cause__, (Infeasible, NoSolution)))
+    plans = [d.result for d in done if d.result is not None]
+    if len(done) == 1 and plans:
+        return plans[0]             # without checkpointing, and memory does not bind
+    assert plans, "a checkpointing search without a plan raises its last error"
     # Compared by the step's liveness peak too (a selective plan's can be twice the sum the ILP
     # bounds): each re-planned for it as plan_traced would, and the fastest that fits kept.
     # Fastest first: re-planning a plan for its peak never makes it faster, so once one fits,
@@ -156,6 +164,14 @@ def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw:
         return min(plans, key=lambda p: p.predicted["step_time_s"])
     partial = _plan_partial(traced, mesh, options, fitting, layers, budget, **kw)
     return fitting if partial is None else partial
+
+
+def recompute_tries() -> list[Try]:
+    """The checkpointing search's tries (recompute "auto"), cheapest first: none, selective,
+    full on every checkpointable layer; it stops once memory no longer binds."""
+    return [Try("without activation checkpointing", (("recompute", None),)),
+            *[Try(f"activation checkpointing ({p})", (("recompute", p),))
+              for p in ("selective", "full")]]
 
 
 def _fit_live(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan, budget: float,
@@ -221,21 +237,22 @@ def fit_budget(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan
     fit, tried = _tighten(traced, mesh, options, plan, budget, kw)
     tried.append(plan)
     techniques = [_technique(plan.recompute, offload_level(plan))]
-    for recompute, offload in _remedies(traced, options, plan):
-        if fit is not None:
-            break
-        what = _technique(recompute, offload)
-        techniques.append(what)
-        try:
-            with progress.step(f"the step peaks above the budget: with {what}"):
-                p = plan_once(traced, mesh, options, **kw, recompute=recompute,
-                                 offload=offload)
-        except AutoshardError as e:
-            if not (isinstance(e, BudgetError) or isinstance(e.__cause__, NoSolution)):
-                raise
-            continue
-        fit, more = _tighten(traced, mesh, options, p, budget, kw, offload)
-        tried += [p, *more]
+    remedies = [] if fit is not None else remedy_tries(traced, options, plan)
+    techniques += [t.label.removeprefix(_REMEDY) for t in remedies]
+
+    def solve(t: Try) -> Plan | None:
+        """The remedy's plan, tightened to the budget if it can be (None: it cannot)."""
+        p = plan_once(traced, mesh, options, **kw, recompute=t.get("recompute"),
+                      offload=t.get("offload"))
+        fit, more = _tighten(traced, mesh, options, p, budget, kw, t.get("offload"))
+        tried.extend([p, *more])
+        return fit
+
+    if remedies:
+        # The first remedy that fits is kept: they are ordered by what they cost.
+        fit, _ = run_search(remedies, solve, until=lambda p: True, recoverable=lambda e: (
+            isinstance(e, BudgetError) or isinstance(e.__cause__, NoSolution)),
+            error_of_none="none")
     if fit is not None:
         return fit
     least = min(tried, key=lambda p: p.predicted["memory"]["peak"])
@@ -254,8 +271,7 @@ def fit_budget(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan
         least_bytes=need, phase=least.predicted["peak_phase"])
 
 
-def _remedies(traced: TracedGraph, options: PlanOptions, plan: Plan
-              ) -> list[tuple[dict[str, str], bool | str]]:
+def remedy_tries(traced: TracedGraph, options: PlanOptions, plan: Plan) -> list[Try]:
     """The techniques to try, in order, when ``plan``'s step peaks above the budget: those that
     lower its binding phase first (an optimizer-step peak falls with offload, which takes the
     optimizer state off the device; a forward or backward one with checkpointing), as far as
@@ -276,7 +292,10 @@ def _remedies(traced: TracedGraph, options: PlanOptions, plan: Plan
     else:
         out = [(c, offload) for c in ckpt] + [(ckpt[0] if ckpt else recompute, o)
                                               for o in offloads]
-    return out
+    return [Try(_REMEDY + _technique(r, o), (("recompute", r), ("offload", o))) for r, o in out]
+
+
+_REMEDY = "the step peaks above the budget: with "
 
 
 def _technique(recompute: dict[str, str], offload: bool | str) -> str:

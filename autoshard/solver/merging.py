@@ -18,6 +18,7 @@ from autoshard.solver.build import BuildTimeout
 from autoshard.solver.ilp import Infeasible
 from autoshard.trace.export import TracedGraph
 from autoshard.solver.assemble import assemble
+from autoshard.solver.search import Tried, Try, run_search
 from autoshard.solver.solve import check_mesh_fits, forced_offload, grouped, solve_on
 
 
@@ -85,10 +86,6 @@ OUT_OF_REACH = 1.25
 def _plan_by_merging(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
                      fixed: dict[str, Strategy] | None, model_name: str, trace_s: float,
                      recompute: dict[str, str], offload: bool) -> Plan:
-    tries: list[dict[str, Any]] = []
-    plans: list[Plan] = []
-    errors: list[AutoshardError] = []
-    every = min(mesh.shape) > 1
     # Every axis merged into one is the quickest problem (a 1-D mesh): solved first, it tells
     # when memory is far out of reach for every grouping, which then need not be tried.
     whole = (tuple(range(mesh.ndim)),)
@@ -104,45 +101,66 @@ def _plan_by_merging(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
                                  f"(more than {OUT_OF_REACH:g}x the budget: the other groupings "
                                  f"of its axes, which split the same devices, were not tried)",
                                  fix=e.fix) from far
-    for merges in partitions(mesh.ndim):
-        alone = all(len(g) == 1 for g in merges)
-        if alone and not every:
-            continue
-        try:
-            if merges == whole:
-                if isinstance(probe, AutoshardError):
-                    raise probe
-                plan = probe
-            elif alone:
-                plan = _plan_every_subset(traced, mesh, options, fixed=fixed,
-                                          model_name=model_name, trace_s=trace_s,
-                                          recompute=recompute, offload=offload)
-            else:
-                plan = _plan_merged(traced, mesh, options, AxisMerge(mesh, merges), fixed=fixed,
-                                    model_name=model_name, trace_s=trace_s,
-                                    recompute=recompute, offload=offload)
-        except AutoshardError as e:
-            errors.append(e)
-            tries.append({"merged_axes": [list(g) for g in merges], "error": e.got})
-            continue
-        if plan is None:
-            continue                      # pinned layouts that differ on merged axes
-        for p in [plan, *([_one_axis_at_a_time(traced, mesh, options, plan)]
-                          if plan.joint_axes else [])]:
-            plans.append(p)
-            tries.append({"merged_axes": [list(g) for g in merges], "joint": bool(p.joint_axes),
-                          "step_time_s": p.predicted["step_time_s"],
-                          "status": p.solver["status"], "gap": p.solver["gap"]})
-    if not plans:
-        if errors:
-            raise errors[0]
+    solved: dict[Merges, Plan] = {}
+
+    def solve(t: Try) -> Plan | None:
+        merges = t.get("merged_axes")
+        if not t.get("joint"):      # the grouping's layouts, priced one axis at a time
+            joint = solved.get(merges)
+            return _one_axis_at_a_time(traced, mesh, options, joint) \
+                if joint is not None and joint.joint_axes else None
+        if merges == whole:
+            if isinstance(probe, AutoshardError):
+                raise probe
+            plan = probe
+        elif all(len(g) == 1 for g in merges):
+            plan = _plan_every_subset(traced, mesh, options, fixed=fixed, model_name=model_name,
+                                      trace_s=trace_s, recompute=recompute, offload=offload)
+        else:
+            plan = _plan_merged(traced, mesh, options, AxisMerge(mesh, merges), fixed=fixed,
+                                model_name=model_name, trace_s=trace_s, recompute=recompute,
+                                offload=offload)
+        if plan is not None:
+            solved[merges] = plan
+        return plan                 # None: pinned layouts that differ on merged axes
+
+    best, done = run_search(grouping_tries(mesh), solve)
+    if best is None:
         raise AutoshardError("pinned layouts that keep some mesh axes alike", got=str(fixed),
                              fix="pin equal placements on two mesh axes")
-    best = min(plans, key=lambda p: p.predicted["step_time_s"])
+    tries = [_axis_record(d) for d in done if d.result is not None or d.error is not None]
     alone = next((t for t in tries if len(t["merged_axes"]) == mesh.ndim), None)
     note = _fallback_note(alone, best, options) if alone is not None else ""
     return replace(best, solver={**best.solver, "axis_search": tries},
                    warnings=(*best.warnings, *([note] if note else [])))
+
+
+def grouping_tries(mesh: Mesh) -> list[Try]:
+    """The 3-axis search's tries: every grouping of the axes (:func:`partitions`; every axis on
+    its own only when each has 2 or more devices), each solved with its groups' collectives
+    over their joint process groups, then the same layouts priced one axis at a time."""
+    every = min(mesh.shape) > 1
+    out = []
+    for merges in partitions(mesh.ndim):
+        if all(len(g) == 1 for g in merges) and not every:
+            continue
+        name = "+".join(",".join(mesh.axes[a] for a in g) for g in merges)
+        out += [Try(f"axes grouped as {name}", (("merged_axes", merges), ("joint", True)),
+                    announce=False),
+                Try(f"axes grouped as {name}, one axis at a time",
+                    (("merged_axes", merges), ("joint", False)), announce=False)]
+    return out
+
+
+def _axis_record(d: Tried) -> dict[str, Any]:
+    """A try's entry in ``solver["axis_search"]``."""
+    merged = [list(g) for g in d.attempt.get("merged_axes")]
+    if d.result is None:
+        return {"merged_axes": merged, "error": d.error.got}
+    p = d.result
+    return {"merged_axes": merged, "joint": bool(p.joint_axes),
+            "step_time_s": p.predicted["step_time_s"],
+            "status": p.solver["status"], "gap": p.solver["gap"]}
 
 
 def _one_axis_at_a_time(traced: TracedGraph, mesh: Mesh, options: PlanOptions,

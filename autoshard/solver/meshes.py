@@ -37,6 +37,7 @@ from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions, resolve_options
 from autoshard.plans import Plan
+from autoshard.solver.search import Try, run_search
 from autoshard.trace.batches import Traces
 
 AXES = ("pp", "dp", "tp")
@@ -169,11 +170,19 @@ def search_mesh(model: torch.nn.Module, example_inputs: Sequence[Any], gpus: int
         mean = sum(spent) / len(spent) if spent else 0.0
         return time.perf_counter() - t0 + mean <= time_budget_s
 
+    def solve(t: Try) -> Tried | None:
+        """A mesh screened (or screened again at another microbatch count); None once the
+        time budget is spent."""
+        if not affordable():
+            return None
+        c = t.get("mesh")
+        return evaluate(c, t.get("microbatches")) if t.get("again") else screen(c)
+
     # Local search: to the fastest neighbour while one is faster.
     current = screen(start(cands, params, 16.0, cluster.memory_bytes))
     while affordable():
-        near = [screen(c) for c in neighbours(current.candidate, cands) if affordable()]
-        better = min(near, key=_step, default=None)
+        near = neighbours(current.candidate, cands)
+        better = run_search(mesh_tries(near), solve, price=_step)[0] if near else None
         if better is None or _step(better) >= _step(current):
             break
         current = better
@@ -183,10 +192,9 @@ def search_mesh(model: torch.nn.Module, example_inputs: Sequence[Any], gpus: int
         b = min(tried.values(), key=_step).candidate
         return abs(c.pp.bit_length() - b.pp.bit_length()) + abs(
             c.tp.bit_length() - b.tp.bit_length())
-    for c in sorted((c for c in cands if c not in tried), key=distance):
-        if not affordable():
-            break
-        screen(c)
+    rest = sorted((c for c in cands if c not in tried), key=distance)
+    if rest:
+        run_search(mesh_tries(rest), solve, price=_step)
     best = min(tried.values(), key=_step)
     if best.plan is None:
         raise AutoshardError(f"a mesh of {gpus} devices some plan fits",
@@ -194,19 +202,34 @@ def search_mesh(model: torch.nn.Module, example_inputs: Sequence[Any], gpus: int
                                            for t in tried.values()),
                              fix="add devices, or allow more memory techniques")
     if options.microbatches == "auto" and best.candidate.pp > 1:
-        # The chosen mesh at the other microbatch counts the planner tries (p, 2p, 4p).
-        for m in (best.candidate.pp, 2 * best.candidate.pp, 4 * best.candidate.pp):
-            if m == best.microbatches or batch % m or (batch // m) % best.candidate.dp \
-                    or not affordable():
-                continue
-            again = evaluate(best.candidate, m)
-            if again.plan is not None and _step(again) < _step(best):
-                best.plan, best.microbatches = again.plan, m
+        _other_counts(best, batch, solve)
     chosen = best.plan
     stopped = f"time budget of {time_budget_s:.0f} s (--search-budget)"
     records = [t.record(t is best) for t in sorted(tried.values(), key=_step)]
     search = _search_record(gpus, gpn, cands, tried, records, stopped, t0)
     return replace(chosen, solver={**chosen.solver, "mesh_search": search})
+
+
+def mesh_tries(meshes: Sequence[Candidate], counts: Sequence[int] = ()) -> list[Try]:
+    """The mesh search's tries for a round: each mesh screened (at the microbatch count it is
+    screened at), or, with ``counts``, the chosen mesh planned again at each of them."""
+    if counts:
+        return [Try(f"{c} at {m} microbatches", (("mesh", c), ("microbatches", m),
+                                                  ("again", True)), announce=False)
+                for c in meshes for m in counts]
+    return [Try(str(c), (("mesh", c),), announce=False) for c in meshes]
+
+
+def _other_counts(best: Tried, batch: int, solve) -> None:
+    """The chosen mesh at the other microbatch counts the planner tries (p, 2p, 4p): the
+    fastest kept in ``best`` if it beats the screened count."""
+    pp, dp = best.candidate.pp, best.candidate.dp
+    counts = [m for m in (pp, 2 * pp, 4 * pp)
+              if m != best.microbatches and not batch % m and not (batch // m) % dp]
+    again = run_search(mesh_tries([best.candidate], counts), solve, price=_step)[0] \
+        if counts else None
+    if again is not None and _step(again) < _step(best):
+        best.plan, best.microbatches = again.plan, again.microbatches
 
 
 def _step(t: Tried) -> float:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import replace
-from typing import Any
+from typing import Any, Sequence
 
 from autoshard import progress
 from autoshard.cost.liveness import MemoryBreakdown, stage_memory
@@ -39,6 +39,7 @@ from autoshard.plans.records import CollectiveRecord, NodePlan, Pipeline, Stage
 from autoshard.schedules import (SCHEDULES, SPLIT_BACKWARD, V_PLACED, VIRTUAL_STAGES,
                                  WARMUP_BYTES, check_microbatches, fullest_stage, in_flight, rank_stages,
                                  sends_between, simulate_schedule, stage_rank, warmup_node)
+from autoshard.solver.search import Try, run_search
 from autoshard.trace.export import TracedGraph
 from autoshard.trace.graph import value_inputs
 from autoshard.trace.layers import stages_of
@@ -185,18 +186,19 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
                           and not (_needs_rounds(x) and m % p)
                           and not (x == "DualPipeV" and m < 2 * p)
                           and not (x in SPLIT_BACKWARD and recomputed))
-    best = None
     # Each stage's peak is the liveness walk of its part of the step program (§10.4).
     walker = StageWalk(traced, strategies, pricer, program_for(traced, strategies, pricer),
                        where, sub, p, m)
-    for schedule in schedules:
+
+    def solve(t: Try):
+        schedule = t.get("schedule")
         v = VIRTUAL_STAGES[schedule]
         # A rank holds v stages: each within 1/v of its memory.
-        tries = [walker.fitting(lambda b, schedule=schedule, v=v: _cuts(
+        tries = [walker.fitting(lambda b: _cuts(
             secs, comm, send, state, acts, p, m, schedule, b / v, stages=p * v),
             budget, schedule)]
         if schedule in V_PLACED:
-            tries.append(walker.fitting(lambda b, schedule=schedule: _cuts_v(
+            tries.append(walker.fitting(lambda b: _cuts_v(
                 secs, comm, send, state, acts, p, m, schedule, b), budget, schedule))
         # Each cut priced by running the schedule's order with its stages' own seconds
         # (``_schedule_seconds``): the closed forms the cut search balances hold for balanced
@@ -211,15 +213,17 @@ def plan_pipelined(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, mod
                            + _per_rank(f, p, schedule, "optimizer_s", "sync_s"), c, f))
         if not priced:
             progress.note(f"{schedule}: no cut into {p * v} stages fits")
-            continue
+            return None
         step, cuts, figures = min(priced, key=lambda x: x[0])
         # Equal times: fewer microbatches in flight, then fewer sends, then one backward pass;
         # of the split ones, the V (a send fewer, its activations even across the ranks).
         key = (step, schedule != "1F1B", VIRTUAL_STAGES[schedule] > 1,
                schedule in SPLIT_BACKWARD, schedule not in V_PLACED)
         progress.note(f"{schedule}: {p * v} stages, step {step * 1e3:.3f} ms")
-        if best is None or key < best[0]:
-            best = (key, schedule, cuts, figures, step)
+        return key, schedule, cuts, figures, step
+
+    best, _ = run_search(schedule_tries(schedules), solve, price=lambda c: c[0]) \
+        if schedules else (None, [])
     if best is None:
         raise AutoshardError(f"pipeline stages within the memory budget of {budget / 2**30:.2f} "
                              f"GiB per device",
@@ -279,6 +283,12 @@ class StageWalk:
                 return cuts, peaks
             bound -= worst - budget
         return None
+
+
+def schedule_tries(schedules: Sequence[str]) -> list[Try]:
+    """The schedule search's tries: each schedule's fastest cut into stages that fits,
+    compared on its step (ties: the simpler schedule), and only the winner assembled."""
+    return [Try(s, (("schedule", s),), announce=False) for s in schedules]
 
 
 def _needs_rounds(schedule: str) -> bool:
