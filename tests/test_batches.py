@@ -78,3 +78,17 @@ def test_sliced_keeps_non_batch_inputs():
     x, y, w = torch.zeros(8, 3), torch.zeros(8), torch.zeros(3, 3)
     a, b, c = sliced((x, y, w), 2)
     assert a.shape == (2, 3) and b.shape == (2,) and c.shape == (3, 3)
+
+
+def test_rebatched_graph_keeps_which_parameters_train():
+    """A parameter's traced value carries its requires_grad, which tells a frozen parameter
+    (no gradient, sync or optimizer state) from a trained one: the rebatched graph keeps it
+    (it once left every parameter frozen, and a mesh search planned no gradient sync)."""
+    from autoshard.cost.reshards import frozen
+    model, inputs = load_model("gpt2-tiny-4l", batch=8, seq=8, device="meta")
+    model.tok_emb.weight.requires_grad_(False)
+    traces = Traces(model, inputs, training=True)
+    for batch in (8, 4, 2):
+        traced = traces.at(batch)
+        nodes = {n.name: n for n in traced.graph.nodes}
+        assert {p.fqn for p in traced.params if frozen(nodes[p.name])} == {"tok_emb.weight"}

@@ -8,6 +8,8 @@ rank's entry holds, for torch.distributed.checkpoint.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +64,7 @@ def entries(pm: Any) -> list[_Entry]:
         if u is None or not p.requires_grad:
             _refuse_unfrozen(fqn, p, u)
             continue
+        u = _stage_record(plan, fqn, u)
         _check_recorded(plan, fqn, u)
         ph = pm._param_ph[fqn]
         shape = tuple(pm.traced.placeholder(ph).info.shape)
@@ -98,6 +101,17 @@ def _refuse_unfrozen(fqn: str, p: torch.Tensor, u: Any) -> None:
             got="requires_grad=True now, False when traced (no gradient or optimizer state is "
                 "planned for it)",
             fix="set requires_grad before autoshard.parallelize (and plan), not after")
+
+
+def _stage_record(plan: Any, fqn: str, u: Any) -> Any:
+    """On a pipelined plan the stages are planned apart (solver/pipeline.py), and a weight tied
+    across stages has its state cut as the stage that steps it decides; the records, built over
+    the whole graph, do not see the stages: the plan's state layout is the one that holds."""
+    st = plan.param_state.get(fqn)
+    if plan.pipeline is None or st is None:
+        return u
+    state = tuple(st.optimizer)
+    return dataclasses.replace(u, state=None if state == tuple(u.spec) else state)
 
 
 def _check_recorded(plan: Any, fqn: str, u: Any) -> None:

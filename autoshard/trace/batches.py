@@ -160,6 +160,14 @@ class Traces:
         args = [mode.from_tensor(_example(n.meta["val"], batch))
                 for n in gm.graph.nodes if n.op == "placeholder"]
         FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)
+        # A parameter's value keeps its requires_grad: a frozen one is told apart by it
+        # (cost/reshards.py ``frozen``), and the propagation leaves every input without one.
+        for old, new in zip((n for n in src.graph.nodes if n.op == "placeholder"),
+                            (n for n in gm.graph.nodes if n.op == "placeholder")):
+            val, was = new.meta.get("val"), old.meta.get("val")
+            if isinstance(val, torch.Tensor) and isinstance(was, torch.Tensor) \
+                    and val.requires_grad != was.requires_grad:
+                val.requires_grad_(was.requires_grad)
         for node in list(gm.graph.nodes):
             if node.op == "output":
                 node.meta.pop("val", None)      # a concrete export leaves it unset
