@@ -2,7 +2,7 @@
 are not marked ``slow`` in their file already (tests/conftest.py marks the listed ones).
 
     python -m pytest -m "not slow" --durations=0 -p no:randomly > durations.txt
-    python tests/tiers.py durations.txt --over 2.5
+    python tests/tiers.py durations.txt --over 1.0
 
 Measure on an idle machine: the threshold is seconds of one test (setup, call and teardown
 together) there. Ids already in the list stay in it; remove a line by hand when its test got
@@ -31,7 +31,7 @@ def durations(text: str) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("durations", help="the output of pytest --durations=0")
-    ap.add_argument("--over", type=float, default=2.5, help="seconds (default 2.5)")
+    ap.add_argument("--over", type=float, default=1.0, help="seconds (default 1.0)")
     args = ap.parse_args()
     path = Path(__file__).with_name("slow.txt")
     head = [line for line in path.read_text().splitlines() if line.startswith("#")] \
