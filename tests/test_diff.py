@@ -9,7 +9,8 @@ import math
 import pytest
 
 from autoshard.tools.cli import main
-from autoshard.tools.diff import _ranges, diff_files, diff_plans, render
+from autoshard.plans.summary import ranges
+from autoshard.tools.diff import diff_files, diff_plans, render
 from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
 from autoshard.plans import Plan
@@ -119,6 +120,6 @@ def test_cli_text_and_json(plans) -> None:
     assert code == 2 and "a readable plan file" in stderr
 
 
-def test_ranges() -> None:
-    assert _ranges([7, 0, 1, 2, 3]) == "0-3, 7"
-    assert _ranges([5]) == "5" and _ranges([]) == ""
+def testranges() -> None:
+    assert ranges([7, 0, 1, 2, 3]) == "0-3, 7"
+    assert ranges([5]) == "5" and ranges([]) == ""

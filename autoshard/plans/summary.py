@@ -182,6 +182,17 @@ def explain(plan: Plan) -> str:
     return "\n".join(f"{n.name:40s} {n.op:45s} {strategies[n.name]}" for n in plan.nodes)
 
 
+def ranges(numbers) -> str:
+    """0,1,2,3,7 -> '0-3, 7'."""
+    out: list[list[int]] = []
+    for x in sorted(set(numbers)):
+        if out and x == out[-1][1] + 1:
+            out[-1][1] = x
+        else:
+            out.append([x, x])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
+
+
 def size_text(nbytes: float) -> str:
     """Bytes in the largest binary unit that keeps the figure >= 1, sign kept: a tiny model's
     plan must not read "0.00 GiB" (and its snapshot must show a change in memory or traffic).

@@ -20,7 +20,7 @@ from autoshard.errors import AutoshardError
 from autoshard.ir import spec_str
 from autoshard.plans import Plan
 from autoshard.plans.records import PHASES, PREDICTED, NodePlan
-from autoshard.plans.summary import size_text
+from autoshard.plans.summary import ranges, size_text
 
 # node name -> (layer container, block number, position in the layer's node list, the first
 # identical layer: whose node at that position does the same)
@@ -325,17 +325,6 @@ def _param_short_names(plan: Plan) -> dict[str, str]:
             if n.op == "placeholder" and n.name in sanitized}
 
 
-def _ranges(numbers: Iterable[int]) -> str:
-    """0,1,2,3,7 -> '0-3, 7'."""
-    out: list[list[int]] = []
-    for n in sorted(set(numbers)):
-        if out and n == out[-1][1] + 1:
-            out[-1][1] = n
-        else:
-            out.append([n, n])
-    return ", ".join(str(x) if x == y else f"{x}-{y}" for x, y in out)
-
-
 def _fold(items: Iterable[tuple[Hashable, str | None, int | None, str, str, str, str]]
           ) -> tuple[Change, ...]:
     """Lines from (key, container, number, what, a, b, full name): the items of one key fold
@@ -347,7 +336,7 @@ def _fold(items: Iterable[tuple[Hashable, str | None, int | None, str, str, str,
     for members in groups.values():
         container, _, what, a, b, _ = members[0]
         numbers = [m[1] for m in members if m[1] is not None]
-        layers = f"{container} {_ranges(numbers)}" if container is not None and numbers else ""
+        layers = f"{container} {ranges(numbers)}" if container is not None and numbers else ""
         out.append(Change(layers, what, a, b, tuple(m[5] for m in members)))
     return tuple(out)
 

@@ -8,6 +8,7 @@ from typing import Any
 from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
 from autoshard.plans import Plan
+from autoshard.plans.summary import ranges
 from autoshard.tools.explain.rebuild import Rebuilt, Source, node_source, plan_mesh
 
 
@@ -118,15 +119,3 @@ def _relative(where: dict, name: str, base: int | None) -> Any:
     if w is None:
         return name
     return (w[3], w[1] - (w[1] if base is None else base), w[2])
-
-
-def ranges(numbers) -> str:
-    """0,1,2,3,7 -> '0-3, 7'."""
-    out: list[list[int]] = []
-    for x in sorted(set(numbers)):
-        if out and x == out[-1][1] + 1:
-            out[-1][1] = x
-        else:
-            out.append([x, x])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
-

@@ -5,7 +5,8 @@ from typing import TYPE_CHECKING
 
 from autoshard.plans import Plan
 from autoshard.plans.summary import size_text
-from autoshard.tools.explain.ledger import TopCollective, ranges
+from autoshard.plans.summary import ranges
+from autoshard.tools.explain.ledger import TopCollective
 
 if TYPE_CHECKING:
     from autoshard.tools.explain.choices import Explanation, Row
