@@ -69,6 +69,18 @@ def _kernel_seconds(fn, steps: int = 3) -> float:
     return total_us * 1e-6 / steps
 
 
+def _llama_layer_bf16():
+    """Llama-3-8B cut to one decoder layer in bf16, built under ``deferred_init`` (no memory;
+    ``parallelize`` replays its init on rank 0's shards), with meta example inputs."""
+    from autoshard.codegen.materialize import deferred_init
+    from autoshard.zoo.models import Llama
+    from autoshard.zoo.registry import _lookup
+    cfg = replace(_lookup("llama3-8b").config, n_layers=1, dtype=torch.bfloat16)
+    with deferred_init():
+        model = Llama(cfg)
+    return model, model.example_inputs(1, 2048, device="meta")
+
+
 def tp8_rank0(device, steps: int) -> dict:
     """Part 1: rank 0 of Megatron TP 8 on a fake world of 8, eager and compiled."""
     import torch.distributed as dist
@@ -78,12 +90,10 @@ def tp8_rank0(device, steps: int) -> dict:
     import autoshard
     from autoshard.solver.baselines import baseline_plan
     from autoshard.trace.export import trace
-    from gpu import llama_layer
     dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
     try:
         mesh = init_device_mesh("cuda", (8,), mesh_dim_names=("tp",))
-        model, inputs = llama_layer(1, 2048)
-        model = model.to(torch.bfloat16)
+        model, inputs = _llama_layer_bf16()
         plan = baseline_plan(trace(model, inputs), autoshard.Mesh((8,), ("tp",), cluster="h100"),
                              "megatron")
         out = {}
@@ -178,7 +188,7 @@ def plain_layer(device, steps: int) -> dict:
             "first_step_s": first}
 
 
-def two_layers(device, steps: int) -> dict:
+def two_layers(device, steps: int, cluster="h100") -> dict:
     """Part 2: Llama-3-8B cut to 2 layers, bf16-mixed, eager against compiled."""
     import torch.distributed as dist
 
@@ -191,7 +201,7 @@ def two_layers(device, steps: int) -> dict:
         torch.manual_seed(0)
         with device:
             model, (x, y) = llama3_8b_2_layers(torch.float32)
-        mesh = autoshard.Mesh((1,), ("x",), cluster="h100")
+        mesh = autoshard.Mesh((1,), ("x",), cluster=cluster)
         runs = {}
         for compiled in (False, True):
             plan = autoshard.plan(model, (x, y), mesh, model_name="llama3-8b-2l",
@@ -275,6 +285,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the section into this RESULTS.md")
     ap.add_argument("--json", default=None, help="also write every measurement here")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--cluster", default="h100",
+                    help="plan on this preset or profile (autoshard calibrate --device cuda)")
     args = ap.parse_args(argv)
     device = cuda_device("benchmarks/gpu_compile.py")
     if device is None:
@@ -282,7 +294,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     tp = tp8_rank0(device, args.steps)
     print(json.dumps(tp), flush=True)
-    two = two_layers(device, args.steps)
+    two = two_layers(device, args.steps, args.cluster)
     print(json.dumps(two), flush=True)
     body = render(tp, two, time.perf_counter() - t0)
     print(body)

@@ -58,8 +58,13 @@ LLAMA_ROWS = (
     ("Llama-3-8B / 8 layers, 20 GiB", 8, 2, 2048, 20 * GiB, "optimizer",
      ("none", "backward", "delayed")),
     ("Llama-3-8B / 8 layers, 8 GiB", 8, 2, 2048, 8 * GiB, "parameters", ("backward",)),
-    ("Llama-3-8B / 32 layers, one 80 GB GPU", 32, 1, 2048, None, "optimizer",
+    # The planner's choice on one 80 GB GPU: optimizer offload of as few parameters as fit
+    # (PlanOptions.offload "auto", per parameter), the ZeRO-Offload layout of the issue's table
+    # (every parameter's state on the host) beside it.
+    ("Llama-3-8B / 32 layers, one 80 GB GPU", 32, 1, 2048, 80e9, "auto",
      ("none", "backward", "delayed")),
+    ("Llama-3-8B / 32 layers, one 80 GB GPU, all state offloaded", 32, 1, 2048, None,
+     "optimizer", ("none", "backward")),
 )
 
 
@@ -141,12 +146,13 @@ def eager_losses(device, batch: int, seq: int, steps: int) -> list[float]:
     return out
 
 
-def run_plan(device, mode: str, batch: int, seq: int, steps: int, loss_steps: int) -> dict:
+def run_plan(device, mode: str, batch: int, seq: int, steps: int, loss_steps: int,
+             cluster="h100") -> dict:
     """One plan with ``offload=mode`` on a world of 1: losses from the seeded init, then the
     median step and its two parts, the host bytes of one step and the allocator's peak."""
     import autoshard
     model, (x, y) = gpt2_small(device, batch, seq)
-    mesh = autoshard.Mesh((1,), ("x",), cluster="h100")
+    mesh = autoshard.Mesh((1,), ("x",), cluster=cluster)
     t0 = time.perf_counter()
     plan = autoshard.plan(model, (x, y), mesh, model_name="gpt2-small-shape", offload=mode)
     plan_s = time.perf_counter() - t0
@@ -213,14 +219,16 @@ def llama(layers: int):
         return Llama(cfg)
 
 
-def run_llama(device, row: tuple, overlap: str, steps: int, loss_steps: int) -> dict:
+def run_llama(device, row: tuple, overlap: str, steps: int, loss_steps: int,
+              cluster="h100") -> dict:
     """One row of LLAMA_ROWS under ``overlap``: the plan's prediction, the median iteration and
     its parts, the first losses (one batch, repeated)."""
     import autoshard
     label, layers, batch, seq, budget, offload, _ = row
     model = llama(layers)
+    torch.manual_seed(0)               # one batch for every run of a row: losses comparable
     inputs = model.example_inputs(batch, seq, device=device)
-    mesh = autoshard.Mesh((1,), ("x",), cluster="h100")
+    mesh = autoshard.Mesh((1,), ("x",), cluster=cluster)
     t0 = time.perf_counter()     # (planned on meta inputs, as the model's tensors are)
     plan = autoshard.plan(model, model.example_inputs(batch, seq, device="meta"), mesh, model_name=f"llama3-8b-{layers}l",
                           precision="bf16-mixed", memory_budget=budget, offload=offload,
@@ -370,16 +378,27 @@ def main(argv=None) -> int:
     ap.add_argument("--loss-steps", type=int, default=4)
     ap.add_argument("--llama", choices=("all", "none"), default="all",
                     help="the Llama-3-8B rows of the offload issue's table")
+    ap.add_argument("--rows", default=None,
+                    help="only these rows of the table (0-based, comma-separated)")
+    ap.add_argument("--overlaps", default=None,
+                    help="only these overlaps (comma-separated), where a row lists them")
+    ap.add_argument("--llama-steps", type=int, default=None,
+                    help="timed steps of each Llama row (default --steps)")
+    ap.add_argument("--cluster", default="h100",
+                    help="plan on this preset or profile (autoshard calibrate --device cuda)")
+    ap.add_argument("--small", choices=("yes", "no"), default="yes",
+                    help="the host link, host AdamW and GPT-2 small parts")
     args = ap.parse_args(argv)
     device = cuda_device("benchmarks/gpu_offload.py")
     if device is None:
         return 2
     t_start = time.perf_counter()
-    link = host_link(device)
+    small = args.small == "yes"
+    link = host_link(device) if small else []
     print(json.dumps(link), flush=True)
-    adamw = host_adamw()
+    adamw = host_adamw() if small else {}
     print(json.dumps(adamw), flush=True)
-    eager = eager_losses(device, args.batch, args.seq, args.loss_steps)
+    eager = eager_losses(device, args.batch, args.seq, args.loss_steps) if small else []
     gc.collect()
     torch.cuda.empty_cache()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -387,26 +406,36 @@ def main(argv=None) -> int:
     import torch.distributed as dist
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
     rows, llama_rows = [], []
+
+    def save() -> None:            # after every row: a run cut short keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps(
+                {"link": link, "adamw": adamw, "rows": rows, "eager": eager,
+                 "llama": llama_rows}, indent=1, default=str))
+
+    chosen = [LLAMA_ROWS[int(i)] for i in args.rows.split(",")] if args.rows else LLAMA_ROWS
+    wanted = set(args.overlaps.split(",")) if args.overlaps else None
     try:
-        for mode in MODES:
+        for mode in (MODES if small else ()):
             rows.append(run_plan(device, mode, args.batch, args.seq, args.steps,
-                                 args.loss_steps))
+                                 args.loss_steps, args.cluster))
             print(json.dumps(rows[-1], default=str), flush=True)
-        for row in (LLAMA_ROWS if args.llama == "all" else ()):
+            save()
+        for row in (chosen if args.llama == "all" else ()):
             for overlap in row[-1]:
-                llama_rows.append(run_llama(device, row, overlap, args.steps,
-                                            args.loss_steps))
-                print(json.dumps(llama_rows[-1], default=str), flush=True)
+                if wanted is None or overlap in wanted:
+                    llama_rows.append(run_llama(device, row, overlap,
+                                                args.llama_steps or args.steps,
+                                                args.loss_steps, args.cluster))
+                    print(json.dumps(llama_rows[-1], default=str), flush=True)
+                    save()
     finally:
         dist.destroy_process_group()
-    text = render(args, link, adamw, rows, eager, time.perf_counter() - t_start)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"link": link, "adamw": adamw, "rows": rows,
-                                               "eager": eager, "llama": llama_rows},
-                                              indent=1, default=str))
-    if args.out:
-        write_section(args.out, SECTION, text)
+    if small:
+        text = render(args, link, adamw, rows, eager, time.perf_counter() - t_start)
+        print(text)
+        if args.out:
+            write_section(args.out, SECTION, text)
     if llama_rows:
         text = render_llama(llama_rows)
         print(text)

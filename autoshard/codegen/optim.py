@@ -184,6 +184,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # (torch's load_state_dict builds new groups and state: share them again)
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
 
+    @torch.no_grad()
     def settle(self) -> None:
         """Finish a host step still running (``offload_overlap="delayed"``, codegen/hostopt.py)
         and write its parameters back, so that the state and the parameters agree."""
