@@ -116,7 +116,7 @@ def host_adamw(state_bytes: int = 2**30, reps: int = 5) -> dict:
     step()
     t = statistics.median(step() for _ in range(reps))
     host.close()
-    return {"numel": numel, "fused": True, "threads": torch.get_num_threads(), "s": t,
+    return {"numel": numel, "fused": True, "threads": host.threads, "s": t,
             "GB_s": numel * ADAM_STEP_BYTES / t / 1e9}
 
 
@@ -269,13 +269,51 @@ def run_llama(device, row: tuple, overlap: str, steps: int, loss_steps: int,
     return out
 
 
+def llama_child(run: str, args) -> dict:
+    """One run of the table in a fresh process: the host's pinned buffers of a run at real
+    size (up to ~110 GB for 8B parameters' state) stay in torch's pinned-memory cache after it
+    is freed, and the next run would not fit beside them."""
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run.json"
+        cmd = [sys.executable, __file__, "--one", run, "--cluster", str(args.cluster),
+               "--steps", str(args.llama_steps or args.steps),
+               "--loss-steps", str(args.loss_steps), "--json", str(out)]
+        proc = subprocess.run(cmd)
+        if proc.returncode or not out.exists():
+            row = LLAMA_ROWS[int(run.split(":")[0])]
+            return {"label": row[0], "offload": row[5], "overlap": run.split(":")[1],
+                    "failed": f"exit status {proc.returncode}"}
+        return json.loads(out.read_text())
+
+
+def one_llama(device, args) -> int:
+    """The child of :func:`llama_child`: one run, on a world of 1, written to ``--json``."""
+    import torch.distributed as dist
+    i, overlap = args.one.split(":")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = "29535"
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    try:
+        out = run_llama(device, LLAMA_ROWS[int(i)], overlap, args.steps, args.loss_steps,
+                        args.cluster)
+    finally:
+        dist.destroy_process_group()
+    Path(args.json).write_text(json.dumps(out, default=str))
+    return 0
+
+
 def loss_check(rows: list[dict]) -> dict[int, str]:
     """Per row, the losses against the unoverlapped run of its label: equal ("backward"), or
     the delayed update's recurrence (module docstring)."""
-    plain = {r["label"]: r["losses"] for r in rows if r["overlap"] == "none"}
+    plain = {r["label"]: r["losses"] for r in rows if r["overlap"] == "none" and "losses" in r}
     out = {}
     for i, r in enumerate(rows):
         ref = plain.get(r["label"])
+        if "failed" in r:
+            out[i] = "-"
+            continue
         if ref is None or r["overlap"] == "none":
             out[i] = "-"
             continue
@@ -297,6 +335,10 @@ def render_llama(rows: list[dict]) -> str:
              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     checks = loss_check(rows)
     for i, r in enumerate(rows):
+        if "failed" in r:
+            lines.append(f"| {r['label']} | {r['offload']} | {r['overlap']} | failed: "
+                         f"{r['failed']} | | | | | |")
+            continue
         p, m = r["predicted"], r["median_s"]
         modes = ", ".join(f"{k or 'plain'} {v}" for k, v in sorted(r["modes"].items(),
                                                                      key=lambda kv: str(kv[0])))
@@ -378,10 +420,10 @@ def main(argv=None) -> int:
     ap.add_argument("--loss-steps", type=int, default=4)
     ap.add_argument("--llama", choices=("all", "none"), default="all",
                     help="the Llama-3-8B rows of the offload issue's table")
-    ap.add_argument("--rows", default=None,
-                    help="only these rows of the table (0-based, comma-separated)")
-    ap.add_argument("--overlaps", default=None,
-                    help="only these overlaps (comma-separated), where a row lists them")
+    ap.add_argument("--runs", default=None,
+                    help="only these runs of the table, as ROW:OVERLAP (ROW 0-based), "
+                         "comma-separated; default every row under each of its overlaps")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)   # one run, in a child
     ap.add_argument("--llama-steps", type=int, default=None,
                     help="timed steps of each Llama row (default --steps)")
     ap.add_argument("--cluster", default="h100",
@@ -392,6 +434,8 @@ def main(argv=None) -> int:
     device = cuda_device("benchmarks/gpu_offload.py")
     if device is None:
         return 2
+    if args.one:
+        return one_llama(device, args)
     t_start = time.perf_counter()
     small = args.small == "yes"
     link = host_link(device) if small else []
@@ -413,24 +457,20 @@ def main(argv=None) -> int:
                 {"link": link, "adamw": adamw, "rows": rows, "eager": eager,
                  "llama": llama_rows}, indent=1, default=str))
 
-    chosen = [LLAMA_ROWS[int(i)] for i in args.rows.split(",")] if args.rows else LLAMA_ROWS
-    wanted = set(args.overlaps.split(",")) if args.overlaps else None
+    runs = args.runs.split(",") if args.runs else \
+        [f"{i}:{o}" for i, row in enumerate(LLAMA_ROWS) for o in row[-1]]
     try:
         for mode in (MODES if small else ()):
             rows.append(run_plan(device, mode, args.batch, args.seq, args.steps,
                                  args.loss_steps, args.cluster))
             print(json.dumps(rows[-1], default=str), flush=True)
             save()
-        for row in (chosen if args.llama == "all" else ()):
-            for overlap in row[-1]:
-                if wanted is None or overlap in wanted:
-                    llama_rows.append(run_llama(device, row, overlap,
-                                                args.llama_steps or args.steps,
-                                                args.loss_steps, args.cluster))
-                    print(json.dumps(llama_rows[-1], default=str), flush=True)
-                    save()
     finally:
         dist.destroy_process_group()
+    for run in (runs if args.llama == "all" else ()):
+        llama_rows.append(llama_child(run, args))
+        print(json.dumps(llama_rows[-1], default=str), flush=True)
+        save()
     if small:
         text = render(args, link, adamw, rows, eager, time.perf_counter() - t_start)
         print(text)

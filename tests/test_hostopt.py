@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -404,3 +405,24 @@ def test_calibrate_measures_the_host_step_here():
     out = measure_host_side(SIZES[("cpu", True)], torch.device("cpu"))
     assert out["state_bytes"] == SIZES[("cpu", True)].host_state_bytes // 12 * 12
     assert out["adam_bytes_per_s"] > 1e7 and "h2d_bytes_per_s" not in out
+
+
+def test_the_host_step_runs_on_the_ranks_share_of_the_cores(monkeypatch):
+    """Next to a GPU the step takes this rank's share of the host's cores whatever
+    OMP_NUM_THREADS says (torchrun sets it to 1, and a pass over host memory on one core runs
+    at a fraction of the host's bandwidth); on a CPU run it keeps the rank's compute threads.
+    The host thread itself runs with that count (torch's intra-op count is per thread)."""
+    from autoshard.codegen.hostopt import host_threads
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert host_threads(torch.device("cuda")) == max(1, cores // 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert host_threads(torch.device("cuda")) == cores
+    assert host_threads(torch.device("cpu")) == torch.get_num_threads()
+    p = torch.nn.Parameter(torch.zeros(8))
+    host = HostOptimizer(torch.optim.AdamW([p]), "adam", [0], [p], [torch.float32],
+                         overlap="none", bucket_bytes=2**20, device=torch.device("cpu"))
+    try:
+        assert host._pool.submit(torch.get_num_threads).result() == host.threads
+    finally:
+        host.close()

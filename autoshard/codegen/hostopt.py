@@ -52,6 +52,7 @@ masters (codegen/optim.py), which a warning says, as it is slower than the plan'
 """
 from __future__ import annotations
 
+import os
 import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -67,6 +68,19 @@ from autoshard.options import OFFLOAD_OVERLAP
 # stays in the last-level cache until the kernel reads it.
 CHUNK = 1 << 22
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def host_threads(device: torch.device) -> int:
+    """The host threads one rank's optimizer step runs on: next to a GPU, the rank's share of
+    the cores it may run on (``LOCAL_WORLD_SIZE`` ranks on this host, as torchrun sets it),
+    whatever ``OMP_NUM_THREADS`` says (torchrun sets it to 1, which would leave the step, a
+    pass over the host's memory, on one core); on a CPU run the host is the device, and the
+    rank's compute threads are the step's too."""
+    if device.type != "cuda":
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def host_kind(optimizer: torch.optim.Optimizer) -> tuple[str | None, str]:
@@ -146,7 +160,11 @@ class HostOptimizer:
             run.append((key, m, dt))
         if run:
             self._pack(run, group_of[id(run[0][1])])
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autoshard-hostopt")
+        self.threads = host_threads(device)
+        # (set in the worker itself: torch's intra-op thread count is the calling thread's)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autoshard-hostopt",
+                                        initializer=torch.set_num_threads,
+                                        initargs=(self.threads,))
         self._scratch = torch.empty(0)
         self._inflight: list[_Bucket] = []         # "delayed": the buckets stepping now
         self.handles: list = []
