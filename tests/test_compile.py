@@ -152,6 +152,33 @@ def test_host_copies_bucketed_syncs_and_checkpoints_split_the_program():
         [(1, True), (2, False), (3, True), (3, True)]
 
 
+def test_bucketed_syncs_of_parameters_move_to_the_inputs_and_leave_one_region():
+    """A data-parallel plan syncs every parameter's gradient through a bucket, an eager node
+    per parameter: left where they stand they cut a 2x2 llama's program into 19 compiled
+    regions, each paying the compiled graphs' wrappers (8.1 ms a step against 2.2 ms as one
+    region, host time at tiny shapes on a CPU). Their backward does not depend on where they
+    stand, so they move to the inputs."""
+    import torch.fx as fx
+    from autoshard.codegen.compile import _hoist_syncs, _partition
+    from autoshard.codegen.rewrite import ReshardCall
+    sync = ReshardCall.__new__(ReshardCall)
+    sync.bucketed, sync.__name__ = True, "reshard_sync"
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    a = g.call_function(torch.ops.aten.relu.default, (x,))
+    s = g.call_function(sync, (w,))
+    m = g.call_function(torch.ops.aten.mm.default, (a, s))
+    g.output((g.call_function(torch.ops.aten.relu.default, (m,)),))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    calls = lambda: [n for n in gm.graph.nodes if n.op == "call_function"]   # noqa: E731
+    assert [parts[n.name] for parts in [_partition(gm.graph)] for n in calls()] == \
+        [(1, True), (2, False), (3, True), (3, True)]
+    _hoist_syncs(gm)
+    assert [n.target for n in calls()][0] is sync
+    parts = _partition(gm.graph)
+    assert [parts[n.name] for n in calls()] == [(1, False), (2, True), (2, True), (2, True)]
+
+
 # -- tier 2: compiled against eager on gloo ranks (slow: inductor compiles on every rank) -------
 
 CLUSTER = str(Path(__file__).parent / "data" / "compute_bound.json")
