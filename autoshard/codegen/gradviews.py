@@ -17,7 +17,7 @@ import torch
 
 from autoshard.codegen.collectives import apply_steps
 from autoshard.codegen.groups import MeshGroups
-from autoshard.codegen.optim import dtensor_in_place
+from autoshard.codegen.dtensors import dtensor_in_place, dtensor_placements
 from autoshard.codegen.optimlayout import _cut, _placements, _slice
 from autoshard.cost.comm import reshard
 from autoshard.errors import AutoshardError
@@ -222,15 +222,6 @@ class GradViews:
     def full_grads(self) -> dict[str, torch.Tensor]:
         return self._across_stages({fqn: self._full(fqn, g)
                                     for fqn, g in self.local_grads().items()})
-
-
-def dtensor_placements(spec: Spec):
-    """DTensor placements of a parameter kept as ``spec``. A strided shard (a fused projection)
-    is ``Shard`` of its dim here: the same elements per rank, so norms and elementwise ops are
-    exact; its offsets are not, which is why DCP refuses it (optim.refuse_strided)."""
-    from torch.distributed.tensor import Replicate as DR, Shard as DS
-    from autoshard.ir import Shard
-    return [DS(p.dim) if isinstance(p, Shard) else DR() for p in spec]
 
 
 def _as_view(*args: Any) -> Any:

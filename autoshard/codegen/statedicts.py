@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autoshard.codegen.gradviews import dtensor_placements
-from autoshard.codegen.optim import contiguous_stride, dtensor_in_place, refuse_strided
+from autoshard.codegen.dtensors import (contiguous_stride, dtensor_in_place, dtensor_placements,
+                                       refuse_strided)
 from autoshard.errors import AutoshardError
 
 
