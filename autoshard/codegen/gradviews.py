@@ -16,8 +16,8 @@ from typing import Any, Iterator
 import torch
 
 from autoshard.codegen.collectives import apply_steps
-from autoshard.codegen.groups import MeshGroups
 from autoshard.codegen.dtensors import dtensor_in_place, dtensor_placements
+from autoshard.codegen.groups import MeshGroups
 from autoshard.codegen.optimlayout import _cut, _placements, _slice
 from autoshard.cost.comm import reshard
 from autoshard.errors import AutoshardError
@@ -29,8 +29,10 @@ class GradViews:
 
     Mixed into ``ParallelModule`` (codegen/runtime.py), which sets what is read here: ``plan``,
     ``groups``, ``traced``, ``runtime``, ``pipeline``, ``params``, ``fqns``, ``_specs``,
-    ``_param_ph``, ``_every_spec``, ``_trains``, ``_holders``, ``_views`` (fqn -> its view) and
-    ``_published`` (fqn -> the gradient its view wraps)."""
+    ``_param_ph``, ``_every_spec``, ``_trains``, ``_holders``, ``accumulating``, ``_views``
+    (fqn -> its view), ``_published`` (fqn -> the gradient its view wraps) and
+    ``local_parameters()``; ``full_grads`` gathers through the state dicts' ``_full`` and
+    ``_across_stages`` (codegen/statedicts.py)."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.nn.Module.zero_grad``, of the local shards, the gradient shards the
