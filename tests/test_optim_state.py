@@ -1,4 +1,4 @@
-"""torch.distributed.checkpoint (DCP) of pm.optimizer's state (codegen/optim.py,
+"""torch.distributed.checkpoint (DCP) of pm.optimizer's state (codegen/optimstate.py,
 ``ShardedOptimizer.sharded_state_dict``).
 
 The layout first: for every parameter spec and optimizer-state spec ``_cut`` accepts, the DTensor

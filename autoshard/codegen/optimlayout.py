@@ -180,3 +180,8 @@ def _placements(spec: Spec, state: Spec, mesh_shape: tuple[int, ...]) -> tuple:
             split = math.prod(mesh_shape[b] for b in axes[:i] if b > a)
             out[a] = DShard(d) if split == 1 else _StridedShard(d, split_factor=split)
     return tuple(out)
+
+
+def _names(keys: list[str]) -> str:
+    """Keys for an error message: the first five, and how many in all."""
+    return ", ".join(keys[:5]) + (f", ... ({len(keys)} in all)" if len(keys) > 5 else "")

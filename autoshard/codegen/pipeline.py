@@ -196,11 +196,6 @@ class Pipelined:
     and returns the step's loss on every rank."""
 
     def __init__(self, pm: Any, programs: list, device: torch.device) -> None:
-        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
-                                                  ScheduleDualPipeV, ScheduleGPipe,
-                                                  ScheduleInterleaved1F1B,
-                                                  ScheduleInterleavedZeroBubble,
-                                                  ScheduleZBVZeroBubble)
         plan, groups = pm.plan, pm.groups
         pl = plan.pipeline
         self.pm, self.plan, self.device = pm, plan, device
@@ -210,115 +205,52 @@ class Pipelined:
         self.mine = pl.stages_of(groups.coords[self.axis])
         self.m = pl.microbatches
         self.group = groups.groups[self.axis]
+        stage_cls = _counted_stage(pm.runtime.buckets, pm.ledger, pl.axis,
+                                   pl.schedule in SPLIT_BACKWARD,
+                                   _WeightPasses(plan, self.mine, programs))
+        self.modules, self.pstages = self._stages(programs, stage_cls)
+        self.schedule = self._schedule()
+        self._tied = self._tied_groups(pm)
+
+    def _stages(self, programs: list, stage_cls: type) -> tuple[list, list]:
+        """This rank's stage modules, and the pipeline stages torch's schedule runs them as,
+        given the static shapes of the values crossing in and out of each."""
+        pm, plan, device = self.pm, self.plan, self.device
         values = pm.bound_values()
         traced, shape = pm.traced, plan.mesh_shape
         grads = grad_values(traced.graph, {ph.name for ph in traced.params})
-        ledger, axis_name = pm.ledger, pl.axis
-        buckets = pm.runtime.buckets
-        members: dict[int, list[str]] = {}          # stage -> its buckets' parameters
-        for c in plan.collectives:
-            if c.members:
-                members.setdefault(c.stage, []).extend(c.members)
-        # Per bucketed parameter, this rank's stages whose weight passes are still to finish
-        # before it syncs: every stage of the rank reading it (under a V, a weight tied across
-        # stages 0 and 2p - 1 is one copy on rank 0, in one bucket, its gradient from both).
-        split = pl.schedule in SPLIT_BACKWARD
-        mine_members = {x for k in self.mine for x in members.get(k, ())}
-        waiting = {x: {k for k in self.mine if x in programs[k][1]} for x in mine_members}
-
-        def finished(stage: int) -> list[str]:
-            """The members whose last weight pass on this rank was ``stage``'s."""
-            out = []
-            for x, left in waiting.items():
-                left.discard(stage)
-                if not left:
-                    out.append(x)
-            for x in out:
-                del waiting[x]
-            return out
-
-        class CountedStage(PipelineStage):
-            """PipelineStage whose sends are counted in the byte ledger (phase "pipeline"), and
-            whose gradient buckets sync once, in the last microbatch's backward."""
-
-            def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
-                                   last_backward=False):
-                # Under a split backward a stage's last backward may be whole (DualPipeV runs
-                # some backwards whole): held too, then synced once its rank's other stage
-                # reading the same weight (a V's tied head) is done with it, as after a weight
-                # pass.
-                release = split and last_backward
-                with _held(buckets, not last_backward or release):
-                    out = super().backward_one_chunk(bwd_chunk_id, loss=loss,
-                                                     full_backward=full_backward,
-                                                     last_backward=last_backward)
-                if release and buckets is not None:
-                    buckets.release(finished(self.stage_index))
-                return out
-
-            def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
-                # A split backward's weight pass (the zero-bubble schedules): one autograd run
-                # per parameter group, each ending a backward for the buckets. They are held
-                # over every run, the last microbatch's too, then synced once.
-                with _held(buckets, True):
-                    super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
-                if last_backward and buckets is not None:
-                    buckets.release(finished(self.stage_index))
-
-            # torch's warm-up of the links on the first step (schedules.py WARMUP_BYTES): one
-            # int32 to the next stage and one back to the previous, on other ranks.
-            def _warmup_forward_vote(self, has_backward, received_acc=None):
-                out = super()._warmup_forward_vote(has_backward, received_acc=received_acc)
-                self._count_warmup(self.stage_index + 1, not self.is_last)
-                return out
-
-            def _warmup_backward_result(self, received_result=None):
-                out = super()._warmup_backward_result(received_result=received_result)
-                self._count_warmup(self.stage_index - 1, not self.is_first)
-                return out
-
-            def _count_warmup(self, peer: int, sends: bool) -> None:
-                if sends and not self._is_same_rank(peer):
-                    ledger.add(ExecutedCollective("send_recv", (axis_name,), WARMUP_BYTES,
-                                                  WARMUP_BYTES, "pipeline",
-                                                  warmup_node(self.stage_index, peer), 2))
-
-            def get_fwd_send_ops(self, fwd_chunk_id):
-                ops = super().get_fwd_send_ops(fwd_chunk_id)
-                k = self.stage_index
-                _count(ledger, ops, axis_name, f"stage{k}->stage{k + 1}")
-                return ops
-
-            def get_bwd_send_ops(self, bwd_chunk_id):
-                ops = super().get_bwd_send_ops(bwd_chunk_id)
-                k = self.stage_index
-                _count(ledger, ops, axis_name, f"stage{k}->stage{k - 1}")
-                return ops
 
         def example(name: str, needs_grad: bool) -> torch.Tensor:
             t = local_value(pm.program, name, traced, plan, shape).detach().to(device)
             return t.requires_grad_(needs_grad and _carries_grad(pm.program, name, grads))
 
-        self.modules, self.pstages = [], []
+        modules, pstages = [], []
         for k in self.mine:
             prog, bound, takes = programs[k]
             module = StageModule(prog, [values[name] for name in bound])
             ins = tuple(example(n, k > 0) for n in takes)
             outs = tuple(example(n, True) for n in programs[k + 1][2]) if k < self.n - 1 else \
                 (torch.empty((), device=device, requires_grad=True),)
-            self.modules.append(module)
-            self.pstages.append(CountedStage(module, k, self.n, device, input_args=ins,
-                                             output_args=outs, group=self.group))
-        m = self.m
+            modules.append(module)
+            pstages.append(stage_cls(module, k, self.n, device, input_args=ins,
+                                     output_args=outs, group=self.group))
+        return modules, pstages
+
+    def _schedule(self) -> Any:
+        """torch's schedule of the plan over this rank's stages."""
+        from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV,
+                                                  ScheduleGPipe, ScheduleInterleaved1F1B,
+                                                  ScheduleInterleavedZeroBubble,
+                                                  ScheduleZBVZeroBubble)
+        pl, m = self.plan.pipeline, self.m
         cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B,
                "Interleaved1F1B": ScheduleInterleaved1F1B,
                "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
                "ZBVZeroBubble": ScheduleZBVZeroBubble,
                "DualPipeV": ScheduleDualPipeV}[pl.schedule]
         # the multi-stage schedules take every stage of the rank, the others its one
-        self.schedule = cls(self.pstages if pl.virtual_stages > 1 else self.pstages[0],
-                            n_microbatches=m, loss_fn=lambda out, _: out / m, scale_grads=False)
-        self._tied = self._tied_groups(pm)
+        return cls(self.pstages if pl.virtual_stages > 1 else self.pstages[0],
+                   n_microbatches=m, loss_fn=lambda out, _: out / m, scale_grads=False)
 
     def _tied_groups(self, pm: Any) -> list[tuple[str, Any]]:
         """A process group per weight tied across ranks' stages: the ranks holding those stages
@@ -390,6 +322,97 @@ class Pipelined:
         self.pm.ledger.add(ExecutedCollective("all_reduce", (self.plan.pipeline.axis,), 4, 4,
                                               "pipeline", "loss", self.ranks))
         return loss
+
+
+class _WeightPasses:
+    """Per bucketed parameter, this rank's stages whose weight passes are still to finish
+    before it syncs: every stage of the rank reading it (under a V, a weight tied across stages
+    0 and 2p - 1 is one copy on rank 0, in one bucket, its gradient from both)."""
+
+    def __init__(self, plan: Plan, mine: list[int], programs: list) -> None:
+        members: dict[int, list[str]] = {}          # stage -> its buckets' parameters
+        for c in plan.collectives:
+            if c.members:
+                members.setdefault(c.stage, []).extend(c.members)
+        mine_members = {x for k in mine for x in members.get(k, ())}
+        self.waiting = {x: {k for k in mine if x in programs[k][1]} for x in mine_members}
+
+    def finished(self, stage: int) -> list[str]:
+        """The members whose last weight pass on this rank was ``stage``'s."""
+        out = []
+        for x, left in self.waiting.items():
+            left.discard(stage)
+            if not left:
+                out.append(x)
+        for x in out:
+            del self.waiting[x]
+        return out
+
+
+def _counted_stage(buckets: Any, ledger: Any, axis_name: str, split: bool,
+                   passes: _WeightPasses) -> type:
+    """torch's PipelineStage with the sends counted and the buckets held as below."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class CountedStage(PipelineStage):
+        """PipelineStage whose sends are counted in the byte ledger (phase "pipeline"), and
+        whose gradient buckets sync once, in the last microbatch's backward."""
+
+        def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
+                               last_backward=False):
+            # Under a split backward a stage's last backward may be whole (DualPipeV runs
+            # some backwards whole): held too, then synced once its rank's other stage
+            # reading the same weight (a V's tied head) is done with it, as after a weight
+            # pass.
+            release = split and last_backward
+            with _held(buckets, not last_backward or release):
+                out = super().backward_one_chunk(bwd_chunk_id, loss=loss,
+                                                 full_backward=full_backward,
+                                                 last_backward=last_backward)
+            if release and buckets is not None:
+                buckets.release(passes.finished(self.stage_index))
+            return out
+
+        def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+            # A split backward's weight pass (the zero-bubble schedules): one autograd run
+            # per parameter group, each ending a backward for the buckets. They are held
+            # over every run, the last microbatch's too, then synced once.
+            with _held(buckets, True):
+                super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            if last_backward and buckets is not None:
+                buckets.release(passes.finished(self.stage_index))
+
+        # torch's warm-up of the links on the first step (schedules.py WARMUP_BYTES): one
+        # int32 to the next stage and one back to the previous, on other ranks.
+        def _warmup_forward_vote(self, has_backward, received_acc=None):
+            out = super()._warmup_forward_vote(has_backward, received_acc=received_acc)
+            self._count_warmup(self.stage_index + 1, not self.is_last)
+            return out
+
+        def _warmup_backward_result(self, received_result=None):
+            out = super()._warmup_backward_result(received_result=received_result)
+            self._count_warmup(self.stage_index - 1, not self.is_first)
+            return out
+
+        def _count_warmup(self, peer: int, sends: bool) -> None:
+            if sends and not self._is_same_rank(peer):
+                ledger.add(ExecutedCollective("send_recv", (axis_name,), WARMUP_BYTES,
+                                              WARMUP_BYTES, "pipeline",
+                                              warmup_node(self.stage_index, peer), 2))
+
+        def get_fwd_send_ops(self, fwd_chunk_id):
+            ops = super().get_fwd_send_ops(fwd_chunk_id)
+            k = self.stage_index
+            _count(ledger, ops, axis_name, f"stage{k}->stage{k + 1}")
+            return ops
+
+        def get_bwd_send_ops(self, bwd_chunk_id):
+            ops = super().get_bwd_send_ops(bwd_chunk_id)
+            k = self.stage_index
+            _count(ledger, ops, axis_name, f"stage{k}->stage{k - 1}")
+            return ops
+
+    return CountedStage
 
 
 @contextlib.contextmanager

@@ -57,9 +57,9 @@ def _no_gather() -> AutoshardError:
 def as_view(local: torch.Tensor, mesh: Any, placements: list, shape: tuple[int, ...]
             ) -> DTensor:
     """``local`` itself (no copy) as a :class:`PipelineView` of global ``shape`` (as
-    codegen/optim.py ``dtensor_in_place`` builds a DTensor)."""
+    codegen/dtensors.py ``dtensor_in_place`` builds a DTensor)."""
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-    from autoshard.codegen.optim import contiguous_stride
+    from autoshard.codegen.dtensors import contiguous_stride
     meta = TensorMeta(torch.Size(shape), contiguous_stride(shape), local.dtype)
     return PipelineView(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta),
                         requires_grad=False)
