@@ -148,9 +148,16 @@ def test_combined_start_takes_each_axis_from_its_part() -> None:
     start = Start("both", parts=("A", "B"), keys=(_GRID, _GRID, ((0, 0), (1, 1))))
     assert combined(p, start, {"A": (2, 0, 0)}) is None
     cuts = combined(p, start, {"A": (2, 0, 0), "B": (1, 3, 1)})
+    held = excluded(replace(p, cuts=cuts))
     # d0: axis 0 as A's strategy 2 (1), axis 1 as B's strategy 1 (1) -> (1, 1), strategy 3;
-    # d1: (0, 1) -> strategy 1; d2: A's (0, .) and B's (., 1) are no strategy of it: free
-    assert excluded(replace(p, cuts=cuts)) == {0: {0, 1, 2}, 1: {0, 2, 3}}
+    # d1: (0, 1) -> strategy 1; d2: A's (0, .) and B's (., 1) are no strategy of it, and
+    # each of its two matches one axis: both kept, free
+    assert held == {0: {0, 1, 2}, 1: {0, 2, 3}}
+    # d2 with a third strategy matching neither axis: held to the two that match one
+    p3 = replace(p, decisions=(*p.decisions[:2], Decision("d2", 1, (1.0,) * 3, (0.0,) * 3)))
+    start3 = replace(start, keys=(_GRID, _GRID, ((0, 0), (1, 1), (1, 0))))
+    assert excluded(replace(p3, cuts=combined(p3, start3, {"A": (2, 0, 0), "B": (1, 3, 1)}))) \
+        == {0: {0, 1, 2}, 1: {0, 2, 3}, 2: {2}}
 
 
 def test_combined_start_is_solved_after_its_parts_and_kept_when_fastest(monkeypatch) -> None:
