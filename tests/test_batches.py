@@ -92,3 +92,23 @@ def test_rebatched_graph_keeps_which_parameters_train():
         traced = traces.at(batch)
         nodes = {n.name: n for n in traced.graph.nodes}
         assert {p.fqn for p in traced.params if frozen(nodes[p.name])} == {"tok_emb.weight"}
+
+
+def test_op_info_is_computed_once_per_node_and_again_once_rewritten():
+    """Every Pricer asks for every node's OpInfo: it is kept on the node, and a node whose
+    arguments are rewritten (a new args tuple, as codegen's rewrite makes) gets a new one that
+    describes them."""
+    from autoshard.trace.export import op_info
+    graph = _traces("gpt2-tiny-4l").at(12).graph
+    node = next(n for n in graph.nodes if n.op == "call_function"
+                and n.target is torch.ops.aten.linear.default)
+    first = op_info(node)
+    assert op_info(node) is first
+    x = node.args[0]
+    node.args = (x, *node.args[1:])         # same values, new tuple: computed again, equal
+    again = op_info(node)
+    assert again is not first and again == first
+    node.args = (node.args[1], *node.args[1:])     # the weight read as the activation too
+    changed = op_info(node)
+    assert changed.inputs[0] == changed.inputs[1] != first.inputs[0]
+    node.args = (x, *node.args[1:])

@@ -281,7 +281,10 @@ simple([aten.bincount.default], lambda g: ((g.i(8, 16),), {}))
 simple([aten.outer.default], lambda g: ((g.t(4), g.t(8)), {}))
 simple([aten.triu.default, aten.tril.default], lambda g: ((g.t(2, 8, 8), 1), {}))
 simple([aten.pad.default], lambda g: ((g.i(16, 2, 8), [0, 1], "constant", -100.0), {}),
-       lambda g: ((g.t(2, 4, 8), [1, 1]), {}))
+       lambda g: ((g.t(2, 4, 8), [1, 1]), {}),
+       # Mamba-2's pad_tensor_by_size: every dim listed, only the sequence padded
+       lambda g: ((g.t(2, 6, 4, 8), [0, 0, 0, 0, 0, 2, 0, 0], "constant", 0.0), {}),
+       lambda g: ((g.t(2, 6, 4, 8), [0, 0, 0, 0, 0, 0, 0, 0], "constant", 0.0), {}))
 simple([aten.constant_pad_nd.default], lambda g: ((g.t(2, 4, 8), [1, 1], 0.0), {}))
 
 # ---- shape and dtype of another tensor, overwrites, more binaries ---------------------------

@@ -13,8 +13,8 @@ from autoshard.solver import ilp
 from autoshard.solver.baselines import baseline_plan, stored_plan
 from autoshard.solver.diagnostics import smaller_mesh
 from autoshard.solver.planner import plan_traced
-from autoshard.solver.problem import (Cut, Decision, Edge, Problem, Start, admits, evaluate,
-                                      restricted)
+from autoshard.solver.problem import (Cut, Decision, Edge, Problem, Start, admits, combined,
+                                      evaluate, excluded, restricted)
 from autoshard.trace.export import trace
 from autoshard.zoo.registry import get_model
 
@@ -133,3 +133,63 @@ def test_starts_cost_nothing_where_the_first_backend_proves_the_optimum(monkeypa
     monkeypatch.setattr(solve, "obvious_starts", boom)
     plan = plan_traced(gpt2_tiny, Mesh((2, 4), ("dp", "tp"), cluster="h100"))
     assert plan.solver["status"] == "OPTIMAL" and "start" not in plan.solver
+
+
+# Four strategies per decision, numbered by their placements on two axes: (axis 0, axis 1).
+_GRID = ((0, 0), (0, 1), (1, 0), (1, 1))
+
+
+def test_combined_start_takes_each_axis_from_its_part() -> None:
+    """A combined start holds each decision to the strategies placed on axis ``a`` as the
+    plan of ``parts[a]`` places it; a decision no strategy of which matches both is left free,
+    and nothing is held before every part has a plan."""
+    p = Problem(tuple(Decision(f"d{g}", 1, (1.0,) * 4, (0.0,) * 4) for g in range(2))
+                + (Decision("d2", 1, (1.0, 1.0), (0.0, 0.0)),), (), memory_budget=1e9)
+    start = Start("both", parts=("A", "B"), keys=(_GRID, _GRID, ((0, 0), (1, 1))))
+    assert combined(p, start, {"A": (2, 0, 0)}) is None
+    cuts = combined(p, start, {"A": (2, 0, 0), "B": (1, 3, 1)})
+    held = excluded(replace(p, cuts=cuts))
+    # d0: axis 0 as A's strategy 2 (1), axis 1 as B's strategy 1 (1) -> (1, 1), strategy 3;
+    # d1: (0, 1) -> strategy 1; d2: A's (0, .) and B's (., 1) are no strategy of it, and
+    # each of its two matches one axis: both kept, free
+    assert held == {0: {0, 1, 2}, 1: {0, 2, 3}}
+    # d2 with a third strategy matching neither axis: held to the two that match one
+    p3 = replace(p, decisions=(*p.decisions[:2], Decision("d2", 1, (1.0,) * 3, (0.0,) * 3)))
+    start3 = replace(start, keys=(_GRID, _GRID, ((0, 0), (1, 1), (1, 0))))
+    assert excluded(replace(p3, cuts=combined(p3, start3, {"A": (2, 0, 0), "B": (1, 3, 1)}))) \
+        == {0: {0, 1, 2}, 1: {0, 2, 3}, 2: {2}}
+
+
+def test_combined_start_is_solved_after_its_parts_and_kept_when_fastest(monkeypatch) -> None:
+    """The solver finds nothing: the plans of the two parts are solved first, and the
+    combination of their axes, faster than either, is the plan returned."""
+    _never_solves(monkeypatch)
+    cost = (5.0, 5.0, 5.0, 1.0)               # (1, 1) on both axes is the fastest
+    p = Problem(tuple(Decision(f"d{g}", 1, cost, (0.0,) * 4) for g in range(2)), (),
+                memory_budget=1e9)
+    starts = [Start("A", (2, 2)), Start("B", (1, 1)),
+              Start("both", parts=("A", "B"), keys=(_GRID, _GRID))]
+    sol = ilp.solve(p, time_limit_s=2.0, starts=starts)
+    assert sol.choice == (3, 3) and sol.start == "both"
+    assert sol.objective == pytest.approx(2.0, rel=REL)
+
+
+def test_obvious_starts_combine_the_smaller_meshes_plans(gpt2_tiny) -> None:
+    """On a 2-D mesh the last start combines the data axis of the plan without the model axis
+    with the model axis of the plan without the data axis; its keys number every strategy's
+    placements on each axis, alike where they are alike."""
+    from autoshard.solver.build import build_problem
+    from autoshard.solver.starts import obvious_starts
+    mesh = Mesh((2, 4), ("dp", "tp"), cluster="h100")
+    built = build_problem(gpt2_tiny, mesh)
+    start = obvious_starts(gpt2_tiny, mesh, built)[-1]
+    assert start.parts == ("mesh without axis tp", "mesh without axis dp")
+    assert [len(k) for k in start.keys] == [len(d.cost) for d in built.problem.decisions]
+    for m in built.members.values():
+        for i, j in enumerate(m.index):
+            for i2, j2 in enumerate(m.index):
+                s, s2 = m.strategies[j], m.strategies[j2]
+                for a in range(2):
+                    if start.keys[m.decision][i][a] == start.keys[m.decision][i2][a]:
+                        assert [x[a] for x in (*s.inputs, *s.outputs) if x is not None] == \
+                            [x[a] for x in (*s2.inputs, *s2.outputs) if x is not None]

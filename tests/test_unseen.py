@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from autoshard import Mesh, Plan
-from autoshard.ir import Replicate, Shard, Strategy
+from autoshard.ir import Replicate, Shard, Strategy, spec_str
 from autoshard.ops.moe import LOCAL_EXPERTS, ROUTED_EXPERTS
 from autoshard.ops.ssm import SELECTIVE_SCAN
 from autoshard.trace.export import trace
@@ -256,3 +256,15 @@ def test_qwen3_moe_tokens_and_experts_split_on_gloo(world4, configs) -> None:
     local = [n for n in plan.nodes if n.kernel == LOCAL_EXPERTS]
     assert len(local) == 2
     _check(world4, configs["qwen3_moe"], plan)
+
+
+@pytest.mark.slow
+def test_mamba2_chunk_pad_splits_the_batch_on_gloo(world4, configs) -> None:
+    """Mamba-2 pads its chunked scan's 4-D tensors with every dim listed, the batch's pair
+    (0, 0): the batch shards through the pad (it replicated, leaving a 2.7B model's data axis
+    idle on 8x8), and the plan over a data axis of 4 splits it at every pad, loss and
+    gradients as on one device."""
+    plan = plan_for(configs["mamba2"], Mesh((4,), ("dp",), cluster="stress"), batch=4, seq=8)
+    pads = [n for n in plan.nodes if "pad" in n.op]
+    assert pads and all(spec_str(n.outputs[0]) == "[S(0)]" for n in pads), pads
+    _check(world4, configs["mamba2"], plan)

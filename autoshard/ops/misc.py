@@ -30,10 +30,15 @@ def triangle_strategy(op: OpInfo, mesh_shape: tuple) -> list:
 
 
 def pad_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    """A dim the pads leave alone shards through: the dims before those ``pad`` lists (it pads
+    the last dims, a (before, after) pair each from the last back), and a listed dim whose pair
+    is (0, 0) (Mamba-2's ``pad_tensor_by_size`` lists every dim of its 4-D tensors, the batch
+    with (0, 0), and pads only the sequence, by 0 where it divides into chunks)."""
     x = op.inputs[0]
-    padded = len(arg(op, 1, "pad")) // 2  # pads the last dims
-    opts: list[Option] = [((Shard(d),), (Shard(d),)) for d in range(x.ndim - padded)
-                          if x.shape[d] > 1]
+    pad = list(arg(op, 1, "pad"))
+    pairs = {x.ndim - 1 - k: (pad[2 * k], pad[2 * k + 1]) for k in range(len(pad) // 2)}
+    opts: list[Option] = [((Shard(d),), (Shard(d),)) for d in range(x.ndim)
+                          if x.shape[d] > 1 and pairs.get(d, (0, 0)) == (0, 0)]
     return expand(op, mesh_shape, opts)
 
 

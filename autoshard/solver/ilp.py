@@ -34,7 +34,8 @@ from typing import Callable, Sequence
 
 from ortools.linear_solver import pywraplp
 
-from autoshard.solver.problem import (Edge, Fanout, Problem, Solution, Start, admits, evaluate,
+from autoshard.solver.problem import (Edge, Fanout, Problem, Solution, Start, admits, combined,
+                                      evaluate,
                                       excluded, fits, host_bytes, price, totals)
 
 BACKENDS = ("CBC", "HIGHS", "SCIP")
@@ -563,10 +564,16 @@ def _best_start(problem: Problem, starts: tuple[Start, ...], each_s: float
     restriction is solved as any problem is (CBC, then HiGHS where it proves no optimum), in
     ``each_s``: a restricted problem is small (parameters held, or one axis left out)."""
     best = None
+    solved: dict[str, tuple[int, ...]] = {}     # each start's plan, for the combined ones
     for st in starts:
         choice = st.choice
+        within = st.within
+        if st.parts:
+            within = combined(problem, st, solved)
+            if within is None:
+                continue
         if not choice:
-            held = replace(problem, cuts=(*problem.cuts, *st.within))
+            held = replace(problem, cuts=(*problem.cuts, *within))
             if _leanest(held)[0] > problem.memory_budget:
                 continue      # (every weight replicated, on a model that needs it sharded)
             limit, now = max(each_s, MIN_START_S), time.perf_counter()
@@ -580,6 +587,7 @@ def _best_start(problem: Problem, starts: tuple[Start, ...], each_s: float
                 continue
         if len(choice) != len(problem.decisions) or not fits(problem, choice):
             continue
+        solved[st.label] = tuple(choice)
         step = evaluate(problem, choice)[0]
         if best is None or step < best[2]:
             best = (st.label, tuple(choice), step)

@@ -132,6 +132,33 @@ class Start:
     label: str
     choice: tuple[int, ...] = ()
     within: tuple[Cut, ...] = ()
+    # A start combined from the plans of other starts, solved only after them: ``parts[a]``
+    # labels the start whose placements on mesh axis ``a`` this one takes, and ``keys[g][i][a]``
+    # numbers the placements on axis ``a`` of every spec of decision ``g``'s strategy ``i``.
+    # Each decision is held to the strategies whose key on every axis is that of its part's
+    # choice; where none is (an op whose layouts on one axis constrain the other), to those
+    # matching on the most axes (left free where none matches any), which :func:`combined`
+    # writes as cuts. Left free, a decision makes the restriction a MIP again (Jamba's
+    # Mamba and MoE layers on 8x8: 46 of 120 free, no plan in 30 s).
+    parts: tuple[str, ...] = ()
+    keys: tuple[tuple[tuple[int, ...], ...], ...] = ()
+
+
+def combined(problem: Problem, start: Start, choices: dict[str, tuple[int, ...]]
+             ) -> tuple[Cut, ...] | None:
+    """The cuts of a combined ``start`` (above) given the choices its parts were solved to;
+    None while a part has none."""
+    if any(label not in choices for label in start.parts):
+        return None
+    allowed: dict[int, set[int]] = {}
+    for g, keys in enumerate(start.keys):
+        want = [keys[choices[label][g]][a] for a, label in enumerate(start.parts)]
+        matches = [sum(k[a] == w for a, w in enumerate(want)) for k in keys]
+        most = max(matches)
+        keep = {i for i, m in enumerate(matches) if m == most}
+        if most and len(keep) < len(keys):
+            allowed[g] = keep
+    return restricted(problem, allowed).cuts[len(problem.cuts):]
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,8 +85,40 @@ class TracedGraph:
         return [p for p in self.placeholders if p.kind == "input"]
 
 
+# node.meta key of op_info's memo: (what it was computed from, the OpInfo).
+_INFO_KEY = "_autoshard_op_info"
+
+
 def op_info(node: fx.Node) -> OpInfo:
-    """The rule's view of a call_function node: tensors replaced by their shapes and dtypes."""
+    """The rule's view of a call_function node: tensors replaced by their shapes and dtypes.
+
+    Computed once per node and kept in its meta: every Pricer (one per ILP built, per plan
+    assembled, per memory estimate) asks for every node's, and converting the arguments costs
+    more than the pricing (a quarter of Mamba-2 2.7B's planning). The memo holds the objects
+    it was computed from (the node's arguments, its value and its inputs' values and dim marks)
+    and is used only while each is still the same object, so a rewritten node is computed
+    again."""
+    basis = _info_basis(node)
+    memo = node.meta.get(_INFO_KEY)
+    if memo is not None and len(memo[0]) == len(basis) and \
+            all(a is b for a, b in zip(memo[0], basis)):
+        return memo[1]
+    info = _op_info(node)
+    node.meta[_INFO_KEY] = (basis, info)
+    return info
+
+
+def _info_basis(node: fx.Node) -> tuple:
+    """The objects :func:`_op_info` reads, in a fixed order."""
+    out: list[Any] = [node.target, node.args, node.kwargs, node.meta.get("val"),
+                      node.meta.get(GROUPS), node.meta.get("stack_trace")]
+    for a in node.all_input_nodes:
+        src = a if value_ref(a)[0] == a.name else a.args[0]
+        out += [a, a.meta.get("val"), src, src.meta.get(GROUPS)]
+    return tuple(out)
+
+
+def _op_info(node: fx.Node) -> OpInfo:
     def val(a: fx.Node) -> Any:
         v = a.meta.get("val")
         assert isinstance(v, torch.Tensor), f"non-tensor input {a.format_node()} to {node.format_node()}"
