@@ -641,9 +641,9 @@ def test_zbv_uneven_stages_are_priced_by_their_order() -> None:
     (docs/cost-model.md §10): GPT-3 175B's 96 layers on 16 ranks as 32 stages of 3 run torch's
     ZB-V order in the closed form's time; as a 1-layer and a 5-layer stage on every rank (the
     same load per rank) they run 12% longer than the closed form says. The planner's price of a
-    cut (solver/stage_figures.py ``schedule_seconds``) is that order run with the stages' own
+    cut (solver/stage_figures.py ``cut_step_seconds``) is that order run with the stages' own
     seconds (``simulate_schedule``): the plan's prediction is the run's time in both cases."""
-    from autoshard.solver.stage_figures import schedule_seconds
+    from autoshard.solver.stage_figures import cut_step_seconds
     p, m = 16, 64
     order = _torch_order(p, m, "ZBVZeroBubble")
     for layers, over in (([3] * 32, 1.0), ([1] * 16 + [5] * 16, 1.12)):
@@ -654,7 +654,7 @@ def test_zbv_uneven_stages_are_priced_by_their_order() -> None:
         assert ran / closed == pytest.approx(over, abs=0.005)
         figures = [{"compute_s": 3.0 * x, "comm_s": 0.0, "forward_s": x, "weight_s": x}
                    for x in scale]
-        assert schedule_seconds(figures, m, p, "ZBVZeroBubble", comm=True) == \
+        assert cut_step_seconds(figures, m, p, "ZBVZeroBubble", comm=True) == \
             pytest.approx(ran, rel=1e-12)
         assert simulate_schedule("ZBVZeroBubble", p, m, scale, scale, scale) == \
             pytest.approx(ran, rel=1e-12)

@@ -37,7 +37,7 @@ from autoshard.solver.pipeline_assembly import assemble_pipelined, sub_mesh
 from autoshard.solver.search import Try, run_search
 from autoshard.solver.stage_cuts import StageWalk, cut_stages, cut_v_stages
 from autoshard.solver.stage_figures import (LayerFigures, layer_figures, per_rank,
-                                            schedule_seconds, stage_figures)
+                                            cut_step_seconds, stage_figures)
 from autoshard.trace.export import TracedGraph
 
 
@@ -186,14 +186,14 @@ def _fastest_cut(schedule: str, figs: LayerFigures, walker: StageWalk, budget: f
         tries.append(walker.fitting(lambda b: cut_v_stages(
             *figs.balanced, p, m, schedule, b), budget, schedule))
     # Each cut priced by running the schedule's order with its stages' own seconds
-    # (``schedule_seconds``): the closed forms the cut search balances hold for balanced
+    # (``cut_step_seconds``): the closed forms the cut search balances hold for balanced
     # stages only.
     priced = []
     for c, peaks in (t for t in tries if t is not None):
         f = stage_figures(c, figs, p, m, schedule)
         for fig, peak in zip(f, peaks):
             fig["peak_bytes"] = peak.peak
-        priced.append((schedule_seconds(f, m, p, schedule, comm=True)
+        priced.append((cut_step_seconds(f, m, p, schedule, comm=True)
                        + per_rank(f, p, schedule, "optimizer_s", "sync_s"), c, f))
     if not priced:
         progress.note(f"{schedule}: no cut into {p * v} stages fits")

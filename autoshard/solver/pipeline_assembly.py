@@ -20,7 +20,7 @@ from autoshard.plans import Plan
 from autoshard.plans.records import CollectiveRecord, NodePlan, Pipeline, Stage
 from autoshard.schedules import VIRTUAL_STAGES, WARMUP_BYTES, sends_between, stage_rank, \
     warmup_node
-from autoshard.solver.stage_figures import per_rank, record_seconds, schedule_seconds
+from autoshard.solver.stage_figures import per_rank, record_seconds, cut_step_seconds
 from autoshard.trace.export import TracedGraph
 from autoshard.trace.graph import value_inputs
 from autoshard.trace.layers import stages_of
@@ -176,7 +176,7 @@ def _predicted(spmd: Plan, figures: list[dict], collectives: list[CollectiveReco
     exposes."""
     p = len(figures)
     loss_s = link_time(link, "all_reduce", ranks, 4)
-    compute = schedule_seconds(figures, m, ranks, schedule, comm=False) \
+    compute = cut_step_seconds(figures, m, ranks, schedule, comm=False) \
         + per_rank(figures, ranks, schedule, "optimizer_s")
     total = step + loss_s + tied_s
     keep = [x for x in sub.axes if x != DUMMY]

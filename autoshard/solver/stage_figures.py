@@ -164,7 +164,7 @@ def stage_figures(cuts, figs: LayerFigures, p: int, m: int, schedule: str) -> li
     return out
 
 
-def schedule_seconds(figures: list[dict], m: int, ranks: int, schedule: str, *,
+def cut_step_seconds(figures: list[dict], m: int, ranks: int, schedule: str, *,
                      comm: bool) -> float:
     """The schedule's forward and backward over ``m`` microbatches, of the stages' compute, and
     their communication with ``comm``: its order of actions run with each stage's own F, B and W
