@@ -599,11 +599,11 @@ def test_zero_bubble_in_the_search() -> None:
 
 
 def test_v_cuts_balance_stages_within_each_ranks_memory() -> None:
-    """The V's cut search (solver/pipeline.py ``_cuts_v``) finds the least slowest stage over
+    """The V's cut search (solver/stage_cuts.py ``cut_v_stages``) finds the least slowest stage over
     every cut whose ranks (stages r and 2p - 1 - r together) fit the budget: checked against all
     cuts of small random problems."""
     import itertools
-    from autoshard.solver.pipeline import _cuts_v
+    from autoshard.solver.stage_cuts import cut_v_stages
     from autoshard.schedules import in_flight, rank_stages, sends_between
     zbv = "ZBVZeroBubble"
     rng = random.Random(1)
@@ -628,7 +628,7 @@ def test_v_cuts_balance_stages_within_each_ranks_memory() -> None:
 
         scores = [x for c in itertools.combinations(range(1, L), 2 * p - 1)
                   if (x := score((0, *c, L))) is not None]
-        got = _cuts_v(secs, comm, send, state, acts, p, m, zbv, budget)
+        got = cut_v_stages(secs, comm, send, state, acts, p, m, zbv, budget)
         if not scores:
             assert got is None
             continue
@@ -641,9 +641,9 @@ def test_zbv_uneven_stages_are_priced_by_their_order() -> None:
     (docs/cost-model.md §10): GPT-3 175B's 96 layers on 16 ranks as 32 stages of 3 run torch's
     ZB-V order in the closed form's time; as a 1-layer and a 5-layer stage on every rank (the
     same load per rank) they run 12% longer than the closed form says. The planner's price of a
-    cut (solver/pipeline.py ``_schedule_seconds``) is that order run with the stages' own
+    cut (solver/stage_figures.py ``cut_step_seconds``) is that order run with the stages' own
     seconds (``simulate_schedule``): the plan's prediction is the run's time in both cases."""
-    from autoshard.solver.pipeline import _schedule_seconds
+    from autoshard.solver.stage_figures import cut_step_seconds
     p, m = 16, 64
     order = _torch_order(p, m, "ZBVZeroBubble")
     for layers, over in (([3] * 32, 1.0), ([1] * 16 + [5] * 16, 1.12)):
@@ -654,7 +654,7 @@ def test_zbv_uneven_stages_are_priced_by_their_order() -> None:
         assert ran / closed == pytest.approx(over, abs=0.005)
         figures = [{"compute_s": 3.0 * x, "comm_s": 0.0, "forward_s": x, "weight_s": x}
                    for x in scale]
-        assert _schedule_seconds(figures, m, p, "ZBVZeroBubble", comm=True) == \
+        assert cut_step_seconds(figures, m, p, "ZBVZeroBubble", comm=True) == \
             pytest.approx(ran, rel=1e-12)
         assert simulate_schedule("ZBVZeroBubble", p, m, scale, scale, scale) == \
             pytest.approx(ran, rel=1e-12)
