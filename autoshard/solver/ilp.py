@@ -52,14 +52,14 @@ DEADLINE_BACKENDS = ("HIGHS", "CBC", "SCIP")
 # A pipeline's stages' plan (solve(highs_first=True)) too: a pipeline search solves it once per
 # microbatch count, and on GPT-3 175B's stages (16x8x8, 64 microbatches) CBC took 9.9 s where
 # HiGHS took 2.0 s to the same optimum.
-# A problem with offload offered (a host memory bound, :func:`_host_bound`) whose device memory
-# binds (its optimum without the memory-only items does not fit with them, :func:`_search`)
-# too, CBC second: to the same optima, HiGHS took 0.5 s where CBC took 15 s (Llama-2-70B, dp 8,
-# optimizer offload), 2.5 s and 3.4 s where CBC took 7 s and 9 s (gpt2-tiny, parameter and
-# optimizer offload under a tight budget). Where memory does not bind CBC stays first: its
-# plans are the ones the same layouts without offload get (equally fast optima are the
-# backend's pick).
-BINDING_HOST_BACKENDS = (DEADLINE_BACKENDS, BACKENDS)
+# A problem whose device memory binds (its optimum without the memory-only items does not fit
+# with them, :func:`_search`) too, CBC second: to the same optima, HiGHS took 0.5 s where CBC
+# took 15 s (Llama-2-70B, dp 8, optimizer offload), 3.5 s where CBC took 7 s (gpt2-tiny on 2x4
+# at 80% of its memory), 2.5 s and 3.4 s where CBC took 7 s and 9 s (gpt2-tiny, parameter and
+# optimizer offload under a tight budget). Where memory does not bind CBC stays first: it
+# settles those problems quickly, and plans with and without offload keep the same layouts
+# (equally fast optima are the backend's pick).
+BINDING_BACKENDS = (DEADLINE_BACKENDS, BACKENDS)
 # Costs enter the MIP in microseconds: CBC drops objective coefficients below ~1e-8, and a small
 # op's seconds are that small.
 US = 1e6
@@ -455,7 +455,7 @@ def _attempt(problem: Problem, backends: tuple[str, ...], time_limit_s: float,
 def _solve(problem: Problem, time_limit_s: float, t0: float,
            cutoff_s: float | None = None, verdict: bool = True,
            highs_first: bool = False, starts: Starts = (), binds: bool = False) -> Solution:
-    """``binds``: the device memory budget is known to bind (:data:`BINDING_HOST_BACKENDS`)."""
+    """``binds``: the device memory budget is known to bind (:data:`BINDING_BACKENDS`)."""
     found = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
     runs: list[tuple[int, _Model]] = []
     start: tuple[str, tuple[int, ...], float] | None = None
@@ -465,8 +465,7 @@ def _solve(problem: Problem, time_limit_s: float, t0: float,
         # Where it proves no optimum, the starts are solved and the best is the incumbent a
         # second backend starts from, for the other half; the better plan is kept (on
         # Gemma-7B's 8x8 problem CBC's 20 s incumbent was 22x the optimum HiGHS proved in 3 s).
-        first, second = BINDING_HOST_BACKENDS if binds and _host_bound(problem) else \
-            (BACKENDS, SECOND_BACKENDS)
+        first, second = BINDING_BACKENDS if binds else (BACKENDS, SECOND_BACKENDS)
         t1 = time.perf_counter()
         status, m = _attempt(problem, first, time_limit_s / 2, cutoff_s)
         runs.append((status, m))
