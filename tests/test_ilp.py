@@ -411,16 +411,17 @@ def test_ilp_matches_brute_force(p: Problem) -> None:
     assert math.isfinite(sol.objective)
 
 
-@pytest.mark.parametrize("budget,choice", [(100.0, 0), (5.0, 1)])
-def test_memory_only_items_count_when_the_budget_binds(budget, choice) -> None:
+@pytest.mark.parametrize("budget,choice,backend", [(100.0, 0, "CBC"), (5.0, 1, "HIGHS")])
+def test_memory_only_items_count_when_the_budget_binds(budget, choice, backend) -> None:
     """A memory-only edge (a saved activation, no seconds): strategy 0 is faster but keeps 10
-    bytes through the edge. With room, the plan solved without the edge stands; under a budget
-    of 5 it does not fit once the edge is counted, and the whole problem gives strategy 1."""
+    bytes through the edge. With room, the plan solved without the edge stands (CBC's); under a
+    budget of 5 it does not fit once the edge is counted, and the whole problem, whose memory
+    binds, is solved HiGHS first (ilp.BINDING_BACKENDS) and gives strategy 1."""
     decisions = (Decision("a", 1, (1.0, 2.0), (0.0, 0.0)), Decision("b", 1, (0.0,), (0.0,)))
     saved = Edge("a:saved", 1, 0, 1, (0, 1), (0,), ((0.0,), (0.0,)), ((10.0,), (1.0,)))
     p = Problem(decisions, (saved,), memory_budget=budget)
     sol = solve(p)
-    assert sol.choice[0] == choice
+    assert sol.choice[0] == choice and sol.backend == backend
     assert evaluate(p, sol.choice)[1] <= budget
 
 
