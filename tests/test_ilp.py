@@ -17,7 +17,7 @@ from ortools.linear_solver import pywraplp
 
 from autoshard.solver.ilp import (Infeasible, NoBetter, NoSolution, break_ties, least_memory,
                                   least_memory_plan, solve)
-from autoshard.solver.problem import Edge, Fanout, Decision, Problem, evaluate
+from autoshard.solver.problem import Decision, Edge, Fanout, Problem, Solution, Start, evaluate
 
 # Seconds-sized costs; the MIP's own tolerances are far below this on problems this small.
 REL = 1e-9
@@ -411,17 +411,42 @@ def test_ilp_matches_brute_force(p: Problem) -> None:
     assert math.isfinite(sol.objective)
 
 
-@pytest.mark.parametrize("budget,choice", [(100.0, 0), (5.0, 1)])
-def test_memory_only_items_count_when_the_budget_binds(budget, choice) -> None:
+@pytest.mark.parametrize("budget,choice,backend", [(100.0, 0, "CBC"), (5.0, 1, "HIGHS")])
+def test_memory_only_items_count_when_the_budget_binds(budget, choice, backend) -> None:
     """A memory-only edge (a saved activation, no seconds): strategy 0 is faster but keeps 10
-    bytes through the edge. With room, the plan solved without the edge stands; under a budget
-    of 5 it does not fit once the edge is counted, and the whole problem gives strategy 1."""
+    bytes through the edge. With room, the plan solved without the edge stands (CBC's); under a
+    budget of 5 it does not fit once the edge is counted, and the whole problem, whose memory
+    binds, is solved HiGHS first (ilp.BINDING_BACKENDS) and gives strategy 1."""
     decisions = (Decision("a", 1, (1.0, 2.0), (0.0, 0.0)), Decision("b", 1, (0.0,), (0.0,)))
     saved = Edge("a:saved", 1, 0, 1, (0, 1), (0,), ((0.0,), (0.0,)), ((10.0,), (1.0,)))
     p = Problem(decisions, (saved,), memory_budget=budget)
     sol = solve(p)
-    assert sol.choice[0] == choice
+    assert sol.choice[0] == choice and sol.backend == backend
     assert evaluate(p, sol.choice)[1] <= budget
+
+
+@pytest.mark.parametrize("starts,whole", [((), False), ((Start("given", (0, 0)),), True)])
+def test_an_incumbent_of_the_relaxed_problem_that_fits_is_kept_without_starts(
+        monkeypatch, starts, whole) -> None:
+    """The problem without its memory-only items is solved first; its solver's incumbent,
+    stopped short of an optimum, is a plan of the whole problem where it fits with them
+    counted: without starts to compare it with (pinned layouts) it is returned as it is, and
+    the whole problem is not solved; with starts, the whole problem is solved as before."""
+    from autoshard.solver import ilp
+    decisions = (Decision("a", 1, (1.0, 2.0), (0.0, 0.0)), Decision("b", 1, (0.0,), (0.0,)))
+    saved = Edge("a:saved", 1, 0, 1, (0, 1), (0,), ((0.0,), (0.0,)), ((10.0,), (1.0,)))
+    p = Problem(decisions, (saved,), memory_budget=100.0)
+    incumbent = Solution((0, 0), "FEASIBLE", 1.0, 0.5, 3, 0.1, backend="CBC")
+    calls = []
+
+    def fake(problem, *a, **k):
+        calls.append(len(problem.edges))
+        return incumbent if not problem.edges else Solution((0, 0), "OPTIMAL", 1.0, 1.0, 5, 0.1)
+
+    monkeypatch.setattr(ilp, "_solve", fake)
+    sol = ilp._search(p, 10.0, 0.0, None, True, False, starts)
+    assert calls == ([0, 1] if whole else [0])
+    assert (sol.status == "OPTIMAL") == whole and (sol is incumbent) != whole
 
 
 def test_solves_under_a_deadline_print_nothing(capfd) -> None:

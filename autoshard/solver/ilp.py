@@ -53,6 +53,14 @@ DEADLINE_BACKENDS = ("HIGHS", "CBC", "SCIP")
 # A pipeline's stages' plan (solve(highs_first=True)) too: a pipeline search solves it once per
 # microbatch count, and on GPT-3 175B's stages (16x8x8, 64 microbatches) CBC took 9.9 s where
 # HiGHS took 2.0 s to the same optimum.
+# A problem whose device memory binds (its optimum without the memory-only items does not fit
+# with them, :func:`_search`) too, CBC second: to the same optima, HiGHS took 0.5 s where CBC
+# took 15 s (Llama-2-70B, dp 8, optimizer offload), 3.5 s where CBC took 7 s (gpt2-tiny on 2x4
+# at 80% of its memory), 2.5 s and 3.4 s where CBC took 7 s and 9 s (gpt2-tiny, parameter and
+# optimizer offload under a tight budget). Where memory does not bind CBC stays first: it
+# settles those problems quickly, and plans with and without offload keep the same layouts
+# (equally fast optima are the backend's pick).
+BINDING_BACKENDS = (DEADLINE_BACKENDS, BACKENDS)
 # Costs enter the MIP in microseconds: CBC drops objective coefficients below ~1e-8, and a small
 # op's seconds are that small.
 US = 1e6
@@ -407,16 +415,26 @@ def _search(problem: Problem, time_limit_s: float, t0: float, cutoff_s: float | 
             verdict: bool, highs_first: bool, starts: Starts = ()) -> Solution:
     relaxed = replace(problem, edges=tuple(e for e in problem.edges if _prices_time(e)),
                       fanouts=tuple(f for f in problem.fanouts if _prices_time(f)))
+    binds = False
     if len(relaxed.edges) + len(relaxed.fanouts) < len(problem.edges) + len(problem.fanouts):
         try:        # half the time: the whole problem may still need the other half
             sol = _solve(relaxed, time_limit_s / 2, t0, cutoff_s, verdict, highs_first, ())
         except (Infeasible, NoSolution, NoBetter):
             sol = None            # the whole problem is no easier: solve it for its verdict
-        if sol is not None and sol.status == "OPTIMAL" and \
+        # (The host bound has no edge terms: the relaxed solve kept it.) A plan that fits with
+        # the memory-only items counted is a plan of the whole problem, and the relaxed bound
+        # bounds it too: optimal, it is the whole problem's optimum; the solver's incumbent
+        # (not a plan of least memory, which says why in its note) with no starts to compare
+        # it with (pinned layouts), it is kept: the whole problem, larger, gave no plan at all
+        # in the other half (gshard-moe's experts pinned replicated on 2x4, a plan of least
+        # memory twice as slow after 30 s).
+        if sol is not None and (sol.status == "OPTIMAL" or not (starts or sol.note)) and \
                 evaluate(problem, sol.choice)[1] <= problem.memory_budget:
-            return sol      # (the host bound has no edge terms: the relaxed solve kept it)
+            return sol
+        binds = sol is not None and sol.status == "OPTIMAL"     # its optimum does not fit
         time_limit_s = max(time_limit_s / 2, time_limit_s - (time.perf_counter() - t0))
-    return _solve(problem, time_limit_s, t0, cutoff_s, verdict, highs_first, starts)
+    return _solve(problem, time_limit_s, t0, cutoff_s, verdict, highs_first, starts,
+                  binds=binds)
 
 
 def _prices_time(item: Edge | Fanout) -> bool:
@@ -444,7 +462,8 @@ def _attempt(problem: Problem, backends: tuple[str, ...], time_limit_s: float,
 
 def _solve(problem: Problem, time_limit_s: float, t0: float,
            cutoff_s: float | None = None, verdict: bool = True,
-           highs_first: bool = False, starts: Starts = ()) -> Solution:
+           highs_first: bool = False, starts: Starts = (), binds: bool = False) -> Solution:
+    """``binds``: the device memory budget is known to bind (:data:`BINDING_BACKENDS`)."""
     found = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
     runs: list[tuple[int, _Model]] = []
     start: tuple[str, tuple[int, ...], float] | None = None
@@ -454,8 +473,9 @@ def _solve(problem: Problem, time_limit_s: float, t0: float,
         # Where it proves no optimum, the starts are solved and the best is the incumbent a
         # second backend starts from, for the other half; the better plan is kept (on
         # Gemma-7B's 8x8 problem CBC's 20 s incumbent was 22x the optimum HiGHS proved in 3 s).
+        first, second = BINDING_BACKENDS if binds else (BACKENDS, SECOND_BACKENDS)
         t1 = time.perf_counter()
-        status, m = _attempt(problem, BACKENDS, time_limit_s / 2, cutoff_s)
+        status, m = _attempt(problem, first, time_limit_s / 2, cutoff_s)
         runs.append((status, m))
         # INFEASIBLE well before the limit is a proof (at the limit some backends say it too)
         proved = status == pywraplp.Solver.INFEASIBLE and \
@@ -472,7 +492,7 @@ def _solve(problem: Problem, time_limit_s: float, t0: float,
                 cut = bound_cap = start[2]
             left = max(time_limit_s / 2, time_limit_s - (time.perf_counter() - t0))
             t2 = time.perf_counter()
-            status2, m2 = _attempt(problem, SECOND_BACKENDS, left, cut, hint)
+            status2, m2 = _attempt(problem, second, left, cut, hint)
             runs.append((status2, m2))
             if start is not None and status2 == pywraplp.Solver.INFEASIBLE and \
                     time.perf_counter() - t2 < 0.9 * left:
