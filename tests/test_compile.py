@@ -152,6 +152,22 @@ def test_host_copies_bucketed_syncs_and_checkpoints_split_the_program():
         [(1, True), (2, False), (3, True), (3, True)]
 
 
+def test_a_compiled_backward_hides_no_gradient_sync():
+    """Compiled, the syncs wait at the program's inputs and every gradient reaches its bucket
+    after the compiled backward: no op's backward is a window a sync hides behind (§3.10);
+    eager, each op's backward is, times the cluster's overlap share (§7)."""
+    from autoshard.cost.price import Pricer
+    traced, ops = _chain_ops()
+    mm = next(n for n, node in ops.items() if node.target in (aten.mm.default,
+                                                             aten.linear.default))
+    strategy = _rep(op_info(ops[mm]))
+    eager = Pricer(traced, H100, PlanOptions())
+    compiled = Pricer(traced, H100, PlanOptions(compile=True))
+    assert eager.backward(mm, strategy) == \
+        eager.times(mm, strategy)[1] * H100.cluster.comm_overlap > 0
+    assert compiled.backward(mm, strategy) == 0.0
+
+
 def test_bucketed_syncs_of_parameters_move_to_the_inputs_and_leave_one_region():
     """A data-parallel plan syncs every parameter's gradient through a bucket, an eager node
     per parameter: left where they stand they cut a 2x2 llama's program into 19 compiled

@@ -36,9 +36,14 @@ class ComputePricing:
         """The window gradient syncs hide behind: the backward part of :meth:`compute`, times
         the share of it a collective can overlap on this cluster (``Cluster.comm_overlap``).
         A parameter whose offloaded host step runs in that window (:meth:`offload_step_seconds`)
-        takes its seconds out of it: the ILP's window is ``w >= sync + host - backward``."""
+        takes its seconds out of it: the ILP's window is ``w >= sync + host - backward``.
+        Compiled, there is no window: the program's syncs wait at its inputs (codegen/compile.py
+        ``_hoist_syncs``), so its gradients reach their buckets when the compiled backward has
+        finished, and every sync after it is exposed (docs/cost-model.md §3.10)."""
         if self._nodes[name].op == "placeholder":
             return -self.offload_step_seconds(name, strategy)[1]
+        if self.options.compile:
+            return 0.0
         return self.times(name, strategy)[1] * self.mesh.cluster.comm_overlap
 
     def op_steps(self, name: str, strategy: Strategy) -> tuple[Step, ...]:
