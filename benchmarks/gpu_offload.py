@@ -445,10 +445,6 @@ def main(argv=None) -> int:
     eager = eager_losses(device, args.batch, args.seq, args.loss_steps) if small else []
     gc.collect()
     torch.cuda.empty_cache()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29534")
-    import torch.distributed as dist
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
     rows, llama_rows = [], []
 
     def save() -> None:            # after every row: a run cut short keeps what it measured
@@ -459,14 +455,19 @@ def main(argv=None) -> int:
 
     runs = args.runs.split(",") if args.runs else \
         [f"{i}:{o}" for i, row in enumerate(LLAMA_ROWS) for o in row[-1]]
-    try:
-        for mode in (MODES if small else ()):
-            rows.append(run_plan(device, mode, args.batch, args.seq, args.steps,
-                                 args.loss_steps, args.cluster))
-            print(json.dumps(rows[-1], default=str), flush=True)
-            save()
-    finally:
-        dist.destroy_process_group()
+    if small:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29534")
+        import torch.distributed as dist
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+        try:
+            for mode in MODES:
+                rows.append(run_plan(device, mode, args.batch, args.seq, args.steps,
+                                     args.loss_steps, args.cluster))
+                print(json.dumps(rows[-1], default=str), flush=True)
+                save()
+        finally:
+            dist.destroy_process_group()
     for run in (runs if args.llama == "all" else ()):
         llama_rows.append(llama_child(run, args))
         print(json.dumps(llama_rows[-1], default=str), flush=True)

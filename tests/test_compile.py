@@ -170,10 +170,10 @@ def test_a_compiled_backward_hides_no_gradient_sync():
 
 def test_bucketed_syncs_of_parameters_move_to_the_inputs_and_leave_one_region():
     """A data-parallel plan syncs every parameter's gradient through a bucket, an eager node
-    per parameter: left where they stand they cut a 2x2 llama's program into 19 compiled
-    regions, each paying the compiled graphs' wrappers (8.1 ms a step against 2.2 ms as one
-    region, host time at tiny shapes on a CPU). Their backward does not depend on where they
-    stand, so they move to the inputs."""
+    per parameter: left where they stand they cut the program into a compiled region per
+    parameter, each paying the compiled graphs' wrappers (`autoshard verify MODEL --compile`
+    counts the regions). Their backward does not depend on where they stand, so they move to
+    the inputs."""
     import torch.fx as fx
     from autoshard.codegen.compile import _hoist_syncs, _partition
     from autoshard.codegen.rewrite import ReshardCall
@@ -228,4 +228,8 @@ def test_compiled_rank_program_equals_eager(world4, model, shape, pipe):
     assert ok, text
     c = reports[0]["compiled"]
     assert not c["fallbacks"], c["fallbacks"]
+    # A region inside each checkpointed layer and one around each: the gradient syncs, moved
+    # to the inputs, cut no more (left in place, a region per synced parameter).
+    layers = len(plan.layers)
+    assert 1 <= c["regions"] <= 2 * layers + 2, (c["regions"], layers)   # (+1: a 2nd stage)
     assert reports[0]["collectives"] > 0

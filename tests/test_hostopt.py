@@ -419,10 +419,15 @@ def test_the_host_step_runs_on_the_ranks_share_of_the_cores(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert host_threads(torch.device("cuda")) == cores
     assert host_threads(torch.device("cpu")) == torch.get_num_threads()
+    # A count no thread has by default: the host thread reports it only if set there.
+    wanted = torch.get_num_threads() + 1
+    monkeypatch.setattr(hostopt, "host_threads", lambda device: wanted)
     p = torch.nn.Parameter(torch.zeros(8))
     host = HostOptimizer(torch.optim.AdamW([p]), "adam", [0], [p], [torch.float32],
                          overlap="none", bucket_bytes=2**20, device=torch.device("cpu"))
     try:
-        assert host._pool.submit(torch.get_num_threads).result() == host.threads
+        assert host.threads == wanted
+        assert host._pool.submit(torch.get_num_threads).result() == wanted
     finally:
         host.close()
+        torch.set_num_threads(wanted - 1)

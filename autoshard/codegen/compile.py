@@ -112,6 +112,15 @@ def _is_sync(node: fx.Node) -> bool:
     return isinstance(node.target, ReshardCall) and node.target.bucketed
 
 
+def regions(gm: fx.GraphModule) -> int:
+    """The compiled regions of a rank program, those inside its checkpointed layers included
+    (``autoshard verify --compile`` reports them)."""
+    from autoshard.codegen.recompute import Checkpointed
+    n = sum(isinstance(m, CompiledRegion) for m in gm.modules())
+    return n + sum(regions(node.target.gm) for node in gm.graph.nodes
+                   if node.op == "call_function" and isinstance(node.target, Checkpointed))
+
+
 def _region_compiled(ids: dict[str, tuple[int, bool]], k: int) -> bool:
     return any(part == k and compiled for part, compiled in ids.values())
 

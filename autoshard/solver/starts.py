@@ -12,7 +12,9 @@ decision, ``problem.restricted``), solved only when the first backend proves no 
 - the plan on the smaller mesh: every tensor replicated over one mesh axis, which is the plan of
   the mesh without that axis, its devices repeating the work (the same step time);
 - the plan on the merged mesh: every tensor placed alike on every axis, which is the plan of
-  the mesh with its axes merged into one, each of its collectives run one axis at a time.
+  the mesh with its axes merged into one, each of its collectives run one axis at a time;
+- the smaller meshes' plans combined axis by axis (each axis placed as the plan without the
+  next axis places it), solved after them from their choices (``problem.combined``).
 """
 from __future__ import annotations
 
@@ -63,9 +65,7 @@ def _axes_combined(built: Built, by_decision: dict[int, list], mesh: Mesh) -> St
         numbers: list[dict] = [{} for _ in range(mesh.ndim)]
         row = []
         for i in range(len(built.problem.decisions[g].cost)):
-            specs = [x for m in members for x in (*m.strategies[m.index[i]].inputs,
-                                                  *m.strategies[m.index[i]].outputs)
-                     if x is not None]
+            specs = [x for m in members for x in _specs(m.strategies[m.index[i]])]
             row.append(tuple(numbers[a].setdefault(tuple(x[a] for x in specs), len(numbers[a]))
                              for a in range(mesh.ndim)))
         keys.append(tuple(row))
@@ -109,9 +109,13 @@ def _where(built: Built, by_decision: dict[int, list], label: str, spec_ok) -> S
     return _start(built, label, allowed)
 
 
+def _specs(s: Strategy) -> list[Spec]:
+    """Every spec a strategy places, inputs then outputs."""
+    return [x for x in (*s.inputs, *s.outputs) if x is not None]
+
+
 def _specs_ok(s: Strategy, spec_ok) -> bool:
-    specs: list[Spec] = [x for x in (*s.inputs, *s.outputs) if x is not None]
-    return all(spec_ok(x) for x in specs)
+    return all(spec_ok(x) for x in _specs(s))
 
 
 def _start(built: Built, label: str, allowed: dict[int, set[int]]) -> Start | None:

@@ -277,7 +277,7 @@ def _compiled_against(model, inputs, plan: Plan, spec: VerifySpec, loss, grads,
     (optimizer step included) against the eager rank program's; the regions that fell back."""
     import time
     import warnings
-    from autoshard.codegen.compile import CompileFallback
+    from autoshard.codegen.compile import CompileFallback, regions
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CompileFallback)
         cpm = parallelize(model, Mesh(spec.mesh_shape, spec.axes), plan=plan,
@@ -295,6 +295,8 @@ def _compiled_against(model, inputs, plan: Plan, spec: VerifySpec, loss, grads,
     return {"loss_err": abs(float(closs) - float(loss)) / max(abs(float(loss)), 1e-30),
             "grad_errs": {n: rel_err(cgrads[n], g) for n, g in grads.items()},
             "ledger_diff": ledger_diff(ran, cran), "first_step_s": first,
+            "regions": sum(regions(m.program) for m in cpm.pipeline.modules)
+            if cpm.pipeline is not None else regions(cpm.program),
             "fallbacks": [str(w.message) for w in caught
                           if issubclass(w.category, CompileFallback)]}
 
@@ -565,7 +567,8 @@ def _compiled_lines(reports: list[dict[str, Any]], tolerance: float, lines: list
         if rank == 0:
             lines.append(f"compiled vs eager: loss rel err {c['loss_err']:.2e}, gradients "
                          f"largest {worst:.2e}; first step (compiling) {c['first_step_s']:.1f} s"
-                         f"; {len(c['fallbacks'])} region(s) eager")
+                         f"; {c['regions']} compiled region(s), "
+                         f"{len(c['fallbacks'])} eager")
         lines += [f"rank {rank}: {w}" for w in c["fallbacks"][:5]]
         if c["ledger_diff"]:
             lines.append(f"rank {rank}: compiled collectives differ from eager:")
