@@ -93,11 +93,11 @@ def op_info(node: fx.Node) -> OpInfo:
     """The rule's view of a call_function node: tensors replaced by their shapes and dtypes.
 
     Computed once per node and kept in its meta: every Pricer (one per ILP built, per plan
-    assembled, per memory estimate) asks for every node's, and converting the arguments costs
-    more than the pricing (a quarter of Mamba-2 2.7B's planning). The memo holds the objects
-    it was computed from (the node's arguments, its value and its inputs' values and dim marks)
-    and is used only while each is still the same object, so a rewritten node is computed
-    again."""
+    assembled, per memory estimate) asks for every node's, and converting the arguments cost
+    more than the pricing in a profile of Mamba-2 2.7B's planning on 8x8. The memo holds the
+    objects it was computed from (the node's arguments, its value and its inputs' values and
+    dim marks) and is used only while each is still the same object, so a rewritten node is
+    computed again."""
     basis = _info_basis(node)
     memo = node.meta.get(_INFO_KEY)
     if memo is not None and len(memo[0]) == len(basis) and \
