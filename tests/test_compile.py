@@ -152,10 +152,10 @@ def test_host_copies_bucketed_syncs_and_checkpoints_split_the_program():
         [(1, True), (2, False), (3, True), (3, True)]
 
 
-def test_a_compiled_backward_hides_no_gradient_sync():
-    """Compiled, the syncs wait at the program's inputs and every gradient reaches its bucket
-    after the compiled backward: no op's backward is a window a sync hides behind (§3.10);
-    eager, each op's backward is, times the cluster's overlap share (§7)."""
+def test_a_compiled_backward_keeps_the_eager_window():
+    """Compiled, a program that syncs gradients runs a region per layer, whose syncs overlap the
+    earlier layers' backward: each op's backward is a window a sync hides behind, times the
+    cluster's overlap share, as eager (§3.10, §7)."""
     from autoshard.cost.price import Pricer
     traced, ops = _chain_ops()
     mm = next(n for n, node in ops.items() if node.target in (aten.mm.default,
@@ -165,7 +165,30 @@ def test_a_compiled_backward_hides_no_gradient_sync():
     compiled = Pricer(traced, H100, PlanOptions(compile=True))
     assert eager.backward(mm, strategy) == \
         eager.times(mm, strategy)[1] * H100.cluster.comm_overlap > 0
-    assert compiled.backward(mm, strategy) == 0.0
+    assert compiled.backward(mm, strategy) == \
+        compiled.times(mm, strategy)[1] * H100.cluster.comm_overlap > 0
+
+
+def test_a_program_that_syncs_gradients_is_a_region_per_layer():
+    """With the layer of each op, a compiled run ends where the next layer's first op comes; an
+    op of no layer (a reshard between two layers, the head) stays in the region before it."""
+    import torch.fx as fx
+    from autoshard.codegen.compile import _partition
+    g = fx.Graph()
+    x = g.placeholder("x")
+    a = g.call_function(torch.ops.aten.relu.default, (x,), name="emb")
+    b = g.call_function(torch.ops.aten.relu.default, (a,), name="l0_a")
+    c = g.call_function(torch.ops.aten.relu.default, (b,), name="l0_b")
+    d = g.call_function(torch.ops.aten.relu.default, (c,), name="between")
+    e = g.call_function(torch.ops.aten.relu.default, (d,), name="l1_a")
+    f = g.call_function(torch.ops.aten.relu.default, (e,), name="head")
+    g.output((f,))
+    layers = {"l0_a": "layers.0", "l0_b": "layers.0", "l1_a": "layers.1"}
+    parts = _partition(g, layers)
+    assert [parts[n] for n in ("emb", "l0_a", "l0_b", "between", "l1_a", "head")] == \
+        [(1, True), (2, True), (2, True), (2, True), (3, True), (3, True)]
+    assert len({parts[n.name] for n in g.nodes if n.name in parts}) == 3
+    assert {v for v in _partition(g).values()} == {(1, True)}
 
 
 def test_bucketed_syncs_of_parameters_move_to_the_inputs_and_leave_one_region():

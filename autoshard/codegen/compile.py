@@ -12,7 +12,9 @@ today, and the graph is split there (``torch.fx.passes.split_module``):
 
 - a bucketed gradient sync (its backward hands the gradient to a bucket, host-side
   bookkeeping that issues the bucket's all-reduce when it fills: codegen/buckets.py). A
-  parameter's sync is first moved up to the program's inputs, where it splits nothing;
+  parameter's sync is first moved up to the program's inputs, where it splits nothing, and the
+  program is cut into a region per layer instead, so that each layer's syncs start when its
+  backward is done, overlapping the earlier layers' backward;
 - a host copy of an offloaded parameter (codegen/hostlink.py: pinned buffers kept between
   steps);
 - ring attention's kernel (codegen/ring.py): its point-to-point sends to the ring
@@ -61,17 +63,20 @@ class CompileFallback(UserWarning):
     """A region of the rank program runs eagerly under ``compile=True``."""
 
 
-def compile_program(gm: fx.GraphModule, runtime: Any, *, name: str = "program"
-                    ) -> fx.GraphModule:
+def compile_program(gm: fx.GraphModule, runtime: Any, *, name: str = "program",
+                    layer_of: dict[str, str] | None = None) -> fx.GraphModule:
     """``gm`` with every run of traceable nodes replaced by a :class:`CompiledRegion`; the nodes
     that must stay eager (see the module's docstring) run between them. ``name`` prefixes the
-    regions' names in warnings (a pipeline stage, a checkpointed layer)."""
+    regions' names in warnings (a pipeline stage, a checkpointed layer). ``layer_of``: the
+    layer of each op of the traced graph by name; where the program syncs gradients, a region
+    ends with each layer (:func:`_partition`)."""
     from autoshard.codegen.recompute import Checkpointed
     for node in gm.graph.nodes:
         if node.op == "call_function" and isinstance(node.target, Checkpointed):
             _compile_checkpointed(node.target, runtime)
+    syncs = any(_is_sync(n) for n in gm.graph.nodes)
     _hoist_syncs(gm)
-    ids = _partition(gm.graph)
+    ids = _partition(gm.graph, layer_of if syncs else None)
     if not any(compiled for _, compiled in ids.values()):
         return gm
     from torch.fx.passes.split_module import split_module
@@ -140,11 +145,16 @@ def _eager(node: fx.Node) -> bool:
         isinstance(t, (FetchCall, Checkpointed, ShardMasks, RingCall))
 
 
-def _partition(graph: fx.Graph) -> dict[str, tuple[int, bool]]:
+def _partition(graph: fx.Graph, layer_of: dict[str, str] | None = None
+               ) -> dict[str, tuple[int, bool]]:
     """Node name -> (partition, compiled): runs of traceable ops share a compiled partition;
-    each eager node is a partition of its own, with the ``getitem`` nodes reading its tuple."""
+    each eager node is a partition of its own, with the ``getitem`` nodes reading its tuple.
+    With ``layer_of`` (op name -> layer), a compiled partition also ends where the next layer's
+    first op comes: each layer's gradients then reach their buckets when its region's backward
+    is done, and their syncs overlap the earlier layers' backward, as in the eager program
+    (docs/cost-model.md §3.10); an op of no layer (a reshard between two) stays where it is."""
     out: dict[str, tuple[int, bool]] = {}
-    part, compiled = 0, False
+    part, compiled, layer = 0, False, None
     for node in graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
@@ -157,9 +167,11 @@ def _partition(graph: fx.Graph) -> dict[str, tuple[int, bool]]:
             out[node.name] = (part, False)
             compiled = False
             continue
-        if not compiled:
+        mine = (layer_of or {}).get(node.name)
+        if not compiled or (mine is not None and mine != layer):
             part += 1
             compiled = True
+        layer = mine if mine is not None else layer
         out[node.name] = (part, True)
     return out
 

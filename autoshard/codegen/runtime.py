@@ -185,9 +185,11 @@ class ParallelModule(GradViews, StateDicts, Shards, torch.nn.Module):
         if self.pipeline is not None:
             for k, module in zip(self.pipeline.mine, self.pipeline.modules):
                 module.program = compile_program(module.program, self.runtime,
-                                                 name=f"stage {k}")
+                                                 name=f"stage {k}",
+                                                 layer_of=self.traced.layer_of_node)
         else:
-            self.program = compile_program(self.program, self.runtime)
+            self.program = compile_program(self.program, self.runtime,
+                                           layer_of=self.traced.layer_of_node)
 
     def bound_values(self) -> dict[str, torch.Tensor]:
         """This rank's parameters, buffers and constants by placeholder name."""

@@ -37,13 +37,11 @@ class ComputePricing:
         the share of it a collective can overlap on this cluster (``Cluster.comm_overlap``).
         A parameter whose offloaded host step runs in that window (:meth:`offload_step_seconds`)
         takes its seconds out of it: the ILP's window is ``w >= sync + host - backward``.
-        Compiled, there is no window: the program's syncs wait at its inputs (codegen/compile.py
-        ``_hoist_syncs``), so its gradients reach their buckets when the compiled backward has
-        finished, and every sync after it is exposed (docs/cost-model.md §3.10)."""
+        Compiled alike: a program that syncs gradients is compiled a region per layer
+        (codegen/compile.py ``_partition``), whose syncs overlap the earlier layers' backward
+        (docs/cost-model.md §3.10)."""
         if self._nodes[name].op == "placeholder":
             return -self.offload_step_seconds(name, strategy)[1]
-        if self.options.compile:
-            return 0.0
         return self.times(name, strategy)[1] * self.mesh.cluster.comm_overlap
 
     def op_steps(self, name: str, strategy: Strategy) -> tuple[Step, ...]:
