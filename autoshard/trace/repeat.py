@@ -103,8 +103,8 @@ def layer_kinds(layers: Any) -> tuple[int, ...]:
     """One id per layer, equal for layers of one kind (see the module's doc, 1.)."""
     attrs = [_attributes(x) for x in layers]
     keys = {k for a in attrs for k in a}
-    index = {k for k in keys if all(type(a[k]) is int and a[k] == i
-                                    for i, a in enumerate(attrs) if k in a)}
+    index = {k for k in keys if sum(k in a for a in attrs) > 1 and all(
+        type(a[k]) is int and a[k] == i for i, a in enumerate(attrs) if k in a)}
     plain = _Plain()
     return _kind_ids([_kind(x, {k: plain(v) for k, v in a.items() if k not in index})
                        for x, a in zip(layers, attrs)])
@@ -122,7 +122,7 @@ def _kind(layer: torch.nn.Module, attrs: dict[tuple[str, str], Any]) -> tuple:
     params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad)
                    for n, p in layer.named_parameters(remove_duplicate=False))
     buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in layer.named_buffers())
-    return modules, tuple(sorted(attrs.items(), key=repr)), params, buffers
+    return modules, tuple(sorted(attrs.items(), key=lambda kv: kv[0])), params, buffers
 
 
 class _Plain:
