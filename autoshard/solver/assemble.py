@@ -18,6 +18,7 @@ from autoshard.ir import Strategy
 from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions
 from autoshard.plans import Plan
+from autoshard.plans.prediction import Prediction, PredictedMemory
 from autoshard.plans.records import CollectiveRecord, HostTransfer, NodePlan, ParamState
 from autoshard.trace.export import TracedGraph
 
@@ -177,20 +178,20 @@ def _tied_reads(pricer: Pricer, nodes: list, strategies: dict[str, Strategy]
     return {fqn: tuple(reads) for fqn, reads in tied.items()}
 
 
-def _predicted(sums: _Sums, ov: _Overlap, host_s: float, live: Any) -> dict[str, Any]:
-    """The plan's ``predicted`` figures (docs/plan-format.md)."""
+def _predicted(sums: _Sums, ov: _Overlap, host_s: float, live: Any) -> Prediction:
+    """The plan's predicted figures (plans/prediction.py, docs/plan-format.md)."""
     state = sums.state
-    return {"step_time_s": sums.compute_s + sum(ov.exposed.values()) + host_s,
-            "compute_s": sums.compute_s, **({"host_s": host_s} if host_s else {}),
-            "comm_s": ov.comm_s, "ilp_memory_bytes": sums.memory,
-            "optimizer_s": sums.optimizer_s, "peak_phase": live.phase,
-            **({"host_step_s": sums.host_step_s} if sums.host_step_s else {}),
-            "memory": {"peak": live.peak, "parameters": live.parameters,
-                       "gradients": live.gradients, "optimizer": live.optimizer,
-                       "activations": live.activations, "temporaries": live.temporaries,
-                       "host": state.host,
-                       "model_state": state.parameters + state.gradients + state.optimizer},
-            "exposed_comm_s": ov.exposed, "overlapped_comm_s": ov.overlapped}
+    return Prediction(
+        step_time_s=sums.compute_s + sum(ov.exposed.values()) + host_s,
+        compute_s=sums.compute_s, comm_s=ov.comm_s, ilp_sum_bytes=sums.memory,
+        optimizer_s=sums.optimizer_s, host_s=host_s, host_step_s=sums.host_step_s,
+        peak_phase=live.phase,
+        memory=PredictedMemory(
+            peak=live.peak, parameters=live.parameters, gradients=live.gradients,
+            optimizer=live.optimizer, activations=live.activations,
+            temporaries=live.temporaries, host=state.host,
+            model_state=state.parameters + state.gradients + state.optimizer),
+        exposed_comm_s=ov.exposed, overlapped_comm_s=ov.overlapped)
 
 
 def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],

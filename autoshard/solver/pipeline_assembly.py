@@ -17,6 +17,7 @@ from autoshard.ir import Replicate, Spec
 from autoshard.mesh import AxisLink, Mesh
 from autoshard.options import PlanOptions
 from autoshard.plans import Plan
+from autoshard.plans.prediction import Prediction, StagePrediction
 from autoshard.plans.records import CollectiveRecord, NodePlan, Pipeline, Stage
 from autoshard.schedules import VIRTUAL_STAGES, WARMUP_BYTES, sends_between, stage_rank, \
     warmup_node
@@ -66,10 +67,9 @@ def assemble_pipelined(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub:
     collectives += tied
     collectives += _sends(boundary, cuts, axis, schedule, ranks, m)
     collectives.append(CollectiveRecord("all_reduce", (axis,), 4, "pipeline", "loss"))
-    stages = tuple(Stage(i, stage_layers[i], {k: figures[i][k] for k in
-                                              ("compute_s", "comm_s", "ilp_memory_bytes",
-                                               "peak_bytes")})
-                   for i in range(p))
+    stages = tuple(Stage(i, stage_layers[i], StagePrediction(
+        figures[i]["compute_s"], figures[i]["comm_s"], figures[i]["ilp_memory_bytes"],
+        figures[i]["peak_bytes"])) for i in range(p))
     predicted = _predicted(spmd, figures, collectives, sub, mesh.links[a], axis, schedule, ranks,
                            m, step, tied_s)
     return replace(spmd, mesh_shape=mesh.shape, mesh_axes=mesh.axes, options=options,
@@ -170,7 +170,7 @@ def _sends(boundary, cuts, axis: str, schedule: str, ranks: int, m: int
 
 def _predicted(spmd: Plan, figures: list[dict], collectives: list[CollectiveRecord], sub: Mesh,
                link: AxisLink, axis: str, schedule: str, ranks: int, m: int, step: float,
-               tied_s: float) -> dict:
+               tied_s: float) -> Prediction:
     """The pipelined step's predicted figures: ``step`` (the schedule's), the loss's all-reduce
     and ``tied_s`` (the tied weights'); its compute; per axis, what the slowest stage
     exposes."""
@@ -186,16 +186,16 @@ def _predicted(spmd: Plan, figures: list[dict], collectives: list[CollectiveReco
     exposed = {x: sum(record_seconds(c, sub) * c.count for c in collectives
                       if c.stage == slow and c.axes[0] == x) for x in keep}
     # The sub-plan's liveness figures are of the whole model with one microbatch: not a stage's
-    # peak. Each stage's is its own "peak_bytes", the walk of its program with the schedule's
-    # microbatches in flight (solver/stage_cuts.py StageWalk), beside "ilp_memory_bytes", the
+    # peak. Each stage's is its own ``peak_bytes``, the walk of its program with the schedule's
+    # microbatches in flight (solver/stage_cuts.py StageWalk), beside ``ilp_sum_bytes``, the
     # sums the cut search balances.
-    inner = {k: v for k, v in spmd.predicted.items() if k not in ("memory", "peak_phase")}
-    return {**inner, "step_time_s": total, "compute_s": compute,
-            "comm_s": total - compute,
-            "ilp_memory_bytes": per_rank(figures, ranks, schedule, "ilp_memory_bytes"),
-            "exposed_comm_s": {**exposed,
-                               axis: max(0.0, total - compute - sum(exposed.values()))},
-            "overlapped_comm_s": {x: 0.0 for x in keep}}
+    return replace(spmd.predicted, step_time_s=total, compute_s=compute,
+                   comm_s=total - compute,
+                   ilp_sum_bytes=per_rank(figures, ranks, schedule, "ilp_memory_bytes"),
+                   memory=None, peak_phase=None,
+                   exposed_comm_s={**exposed,
+                                   axis: max(0.0, total - compute - sum(exposed.values()))},
+                   overlapped_comm_s={x: 0.0 for x in keep})
 
 
 def _on_whole_mesh(spmd: Plan, a: int, ndim: int) -> dict:
