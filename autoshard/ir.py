@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Callable, Sequence, Union
 
 import torch
@@ -218,6 +219,27 @@ def _splits_work(option: tuple) -> bool:
         not outs or any(isinstance(p, Partial) for p in outs))
 
 
+class StateMode(StrEnum):
+    """Where a parameter's gradient and optimizer state live when not laid out as the
+    parameter is (cost/state.py, docs/cost-model.md §9): the kernel of its placeholder's
+    strategy, and a plan file's ``kernel`` and ``ParamState.mode``; no mode (None): with the
+    parameter. A ``StrEnum``: each is its string, in JSON, in f-strings and in comparisons, so
+    plan files name them as they always have."""
+
+    ZERO1 = "zero1"                    # optimizer state sharded over the zero axes
+    ZERO2 = "zero2"                    # gradients too
+    OFFLOAD = "offload"                # optimizer state and step on the host
+    OFFLOAD_PARAMS = "offload_params"  # the stored parameter too, copied in at each use
+
+    @classmethod
+    def of(cls, kernel: str | None) -> "StateMode | None":
+        """A placeholder's kernel as a state mode, None where it names none."""
+        return cls(kernel) if kernel in _STATE_MODE_VALUES else None
+
+
+_STATE_MODE_VALUES = frozenset(m.value for m in StateMode)
+
+
 @dataclass(frozen=True, slots=True)
 class Strategy:
     """One way to run an op: the spec each tensor input must arrive in, and the output specs.
@@ -226,7 +248,8 @@ class Strategy:
     for a non-tensor argument). ``outputs`` has one spec per tensor output. ``kernel`` names a
     local variant of the op when the per-rank computation is not the op itself (e.g. a mean over
     a sharded dim, which must be scaled to a partial sum). ``compute_scale`` is the fraction of
-    the op's whole work done on one rank.
+    the op's whole work done on one rank. A parameter's placeholder's kernel is its
+    ``StateMode``.
     """
 
     inputs: tuple

@@ -1,7 +1,8 @@
 """A plan's predicted figures, typed (autoshard/plans/prediction.py): written exactly as plan
 files have always held them (the same keys, in the same order, the same numbers, ints kept
 ints), read back equal, and a malformed ``predicted`` section refused by the plan file reader
-with its error, naming the value."""
+with its error, naming the value. And the state modes (``autoshard.ir.StateMode``), written as
+the strings plan files have always held."""
 from __future__ import annotations
 
 import json
@@ -11,8 +12,10 @@ import pytest
 
 from autoshard import Mesh
 from autoshard.errors import AutoshardError
+from autoshard.ir import StateMode
 from autoshard.plans import Plan
 from autoshard.plans.prediction import PredictedMemory, Prediction, StagePrediction
+from autoshard.plans.records import MODE_NAMES
 from autoshard.solver.planner import plan_traced
 from autoshard.trace.export import trace
 from autoshard.zoo.registry import get_model
@@ -150,3 +153,33 @@ def test_typed_and_frozen(plans) -> None:
     faster = replace(p, step_time_s=p.step_time_s / 2)
     assert faster.to_json()["step_time_s"] == p.step_time_s / 2
     assert faster.to_json()["ilp_memory_bytes"] == p.ilp_sum_bytes
+
+
+# ------------------------------------------------------------------------------ state modes
+
+def test_state_modes_are_their_strings_on_disk_and_in_text() -> None:
+    """A StrEnum: JSON, f-strings and comparisons see the string plan files have always held."""
+    assert [m.value for m in StateMode] == ["zero1", "zero2", "offload", "offload_params"]
+    for m in StateMode:
+        assert json.dumps(m) == f'"{m.value}"' and f"{m}" == m.value and m == m.value
+        assert json.dumps({m: 1}) == f'{{"{m.value}": 1}}'
+    assert StateMode.of("offload_params") is StateMode.OFFLOAD_PARAMS
+    assert StateMode.of("vocab_parallel") is None and StateMode.of(None) is None
+    assert set(MODE_NAMES) == set(StateMode)
+
+
+def test_a_plan_carries_state_modes_as_the_enum(plans) -> None:
+    p = plans["offload"]
+    modes = {st.mode for st in p.param_state.values()}
+    assert modes == {StateMode.OFFLOAD_PARAMS}
+    assert all(type(st.mode) is StateMode for st in p.param_state.values())
+    d = json.loads(p.dumps())
+    kernels = {n["kernel"] for n in d["nodes"] if n["op"] == "placeholder" and "kernel" in n}
+    assert kernels == {"offload_params"}
+    again = Plan.loads(p.dumps())
+    placeholder_kernels = {n.kernel for n in again.nodes if n.op == "placeholder" and n.kernel}
+    assert all(type(k) is StateMode for k in placeholder_kernels)
+    assert all(type(st.mode) is StateMode for st in again.param_state.values())
+    # An op's kernel that names no state mode stays its text.
+    ops = {n.kernel for n in again.nodes if n.op != "placeholder" and n.kernel}
+    assert all(type(k) is str for k in ops)

@@ -25,6 +25,7 @@ from typing import Iterable
 from autoshard.cost.comm import Reshard, link_time
 from autoshard.cost.reshards import ReshardEdge
 from autoshard.cost.state import SCATTERS, state_spec
+from autoshard.ir import StateMode
 from autoshard.mesh import Mesh
 from autoshard.trace.graph import value_inputs
 
@@ -161,7 +162,7 @@ def exposed_seconds(sync_s: float, backward_s: float) -> float:
 
 
 def gradient_buckets(edges: list[ReshardEdge], nodes: list, bucket_bytes: float,
-                     modes: dict[str, str | None] | None = None,
+                     modes: dict[str, StateMode | None] | None = None,
                      mesh_shape: tuple[int, ...] = ()) -> list[Bucket]:
     """The buckets of a plan's gradient syncs, the ones the runtime issues: the
     gradient a parameter gets through a reshard that is a pure gradient sync, summed over that

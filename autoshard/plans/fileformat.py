@@ -9,7 +9,7 @@ from typing import Any, TYPE_CHECKING
 from autoshard.cluster import PRESETS, Cluster
 from autoshard.schedules import SCHEDULES
 from autoshard.errors import AutoshardError
-from autoshard.ir import Layer, Spec, spec_fits, spec_str
+from autoshard.ir import Layer, Spec, StateMode, spec_fits, spec_str
 from autoshard.options import PlanOptions
 from autoshard.plangraph import graph_of
 from autoshard.plans.fields import Field, Malformed
@@ -112,7 +112,8 @@ def _read_nodes(f: Field, ndim: int) -> tuple[NodePlan, ...]:
             name.value, n.key("op").text(),
             tuple(s.spec(ndim) for s in n.key("inputs").entries()),
             tuple(s.spec(ndim) for s in n.key("placements").entries()),
-            None if kernel.value is None else kernel.text())
+            # A placeholder's kernel is its state mode; an op's names its local variant.
+            None if kernel.value is None else StateMode.of(kernel.text()) or kernel.value)
     return tuple(nodes.values())
 
 
@@ -252,8 +253,8 @@ def _read_param_state(f: Field, params: dict[str, Spec], nodes: tuple[NodePlan, 
             off.fail('false, "optimizer" or "parameters"')
         if grad == spec and opt == spec and not what:
             continue
-        mode = {"optimizer": "offload", "parameters": "offload_params"}.get(what) or (
-            "zero2" if grad != spec else "zero1")
+        mode = {"optimizer": StateMode.OFFLOAD, "parameters": StateMode.OFFLOAD_PARAMS}.get(what) \
+            or (StateMode.ZERO2 if grad != spec else StateMode.ZERO1)
         if not what and grad not in (spec, opt):
             pf.key("grad_placements").fail(f"the parameter's placements or its "
                                            f"optimizer_placements {spec_str(opt)}")

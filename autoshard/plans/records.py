@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoshard.ir import Spec, spec_str
+from autoshard.ir import Spec, StateMode, spec_str
 from autoshard.plans.prediction import StagePrediction
 from autoshard.schedules import rank_stages, stage_rank
 
@@ -147,15 +147,15 @@ class ParamState:
     "optimizer" (the optimizer state and step: mode "offload") or "parameters" (the stored
     parameter and its gradient too, copied to the device at each use: "offload_params")."""
 
-    mode: str
+    mode: StateMode
     grad: Spec
     optimizer: Spec
     offload: str = ""
 
 
 # How summary() names each state mode (cost/state.py).
-MODE_NAMES = {"zero1": "ZeRO-1 (optimizer state sharded)",
-              "zero2": "ZeRO-2 (gradients and optimizer state sharded)",
-              "offload": "optimizer state and step on the host (offload)",
-              "offload_params": "parameters, gradients and optimizer state on the host, "
+MODE_NAMES = {StateMode.ZERO1: "ZeRO-1 (optimizer state sharded)",
+              StateMode.ZERO2: "ZeRO-2 (gradients and optimizer state sharded)",
+              StateMode.OFFLOAD: "optimizer state and step on the host (offload)",
+              StateMode.OFFLOAD_PARAMS: "parameters, gradients and optimizer state on the host, "
                                 "copied in at each use (parameter offload)"}

@@ -14,7 +14,7 @@ from autoshard.cost.program import program_for, step_program
 from autoshard.cost.compute import local_numel
 from autoshard.cost.state import SCATTERS, StateBytes, state_spec
 from autoshard.cost.reshards import direct_reads
-from autoshard.ir import Strategy
+from autoshard.ir import StateMode, Strategy
 from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions
 from autoshard.plans import Plan
@@ -269,7 +269,8 @@ def _state_record(pricer: Pricer, name: str, strategy: Strategy) -> ParamState:
     spec, mode = strategy.outputs[0], strategy.kernel
     sspec = state_spec(ph.info.shape, spec, pricer.mesh.shape) or spec
     return ParamState(mode, sspec if mode in SCATTERS else spec, sspec,
-                      {"offload": "optimizer", "offload_params": "parameters"}.get(mode, ""))
+                      {StateMode.OFFLOAD: "optimizer",
+                       StateMode.OFFLOAD_PARAMS: "parameters"}.get(mode, ""))
 
 
 def host_transfers(traced: TracedGraph, pricer: Pricer, strategies: dict[str, Strategy],
@@ -284,7 +285,7 @@ def host_transfers(traced: TracedGraph, pricer: Pricer, strategies: dict[str, St
     (``Pricer.host_steps``)."""
     out: list[HostTransfer] = []
     params = [p.name for p in traced.params]
-    fetched = {n for n in params if strategies[n].kernel == "offload_params"}
+    fetched = {n for n in params if strategies[n].kernel == StateMode.OFFLOAD_PARAMS}
     if fetched:
         uses = [(e.value[0], e.src, e.consumers[0][0], first.get(e.value[0]) is e)
                 for e in edges if e.value[0] in fetched]
@@ -292,7 +293,7 @@ def host_transfers(traced: TracedGraph, pricer: Pricer, strategies: dict[str, St
                                        training=traced.training).items():
             uses.append((name, strategies[name].outputs[0], cons[0][0], False))
         for name, src, node, bucketed in uses:
-            n = pricer.fetch_bytes((name, 0), src, "offload_params")
+            n = pricer.fetch_bytes((name, 0), src, StateMode.OFFLOAD_PARAMS)
             # every micro-step's (docs/cost-model.md §7.2)
             out.append(HostTransfer("h2d", n, "forward", node, name, pricer.runs))
             if pricer.recomputed(node):

@@ -33,7 +33,7 @@ from autoshard.cost.memory import default_budget
 from autoshard.files import check_output, write_output
 from autoshard.schedules import SPLIT_BACKWARD, simulate_schedule
 from autoshard.errors import AutoshardError
-from autoshard.ir import Replicate, Shard, spec_str
+from autoshard.ir import Replicate, Shard, StateMode, spec_str
 from autoshard.plans import Plan
 from autoshard.plans.records import Pipeline
 
@@ -577,7 +577,7 @@ def write_report(plan: Plan | str | Path, output: str | Path) -> list[str]:
 def techniques(plan: Plan) -> dict[str, Any]:
     """What the plan does beyond placing tensors, counted: parameters stored sharded, under
     ZeRO-1/2 or offloaded, layers checkpointed per policy, gradient buckets, the pipeline."""
-    modes = {"zero1": 0, "zero2": 0, "offload": 0, "offload_params": 0}
+    modes = dict.fromkeys(StateMode, 0)
     for st in plan.param_state.values():
         modes[st.mode] = modes.get(st.mode, 0) + 1
     policies = {"selective": 0, "full": 0}

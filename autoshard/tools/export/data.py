@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from autoshard.ir import Shard
+from autoshard.ir import Shard, StateMode
 from autoshard.plangraph import Graph
 from autoshard.tools.export.graph import (Expected, Export, Module, STEP_PHASES, axes_text,
                                           param_reads)
@@ -92,10 +92,10 @@ def other_decisions(exp: Export) -> None:
     """Plan decisions with no counterpart in parallelize_module/fully_shard."""
     plan, notes = exp.plan, exp.not_expressible
     modes = Counter(st.mode for st in plan.param_state.values())
-    names = {"zero1": "ZeRO-1 (optimizer state sharded)",
-             "zero2": "ZeRO-2 (gradients and optimizer state sharded)",
-             "offload": "optimizer state and step on the host (offload)",
-             "offload_params": "parameters, gradients and optimizer state on the host "
+    names = {StateMode.ZERO1: "ZeRO-1 (optimizer state sharded)",
+             StateMode.ZERO2: "ZeRO-2 (gradients and optimizer state sharded)",
+             StateMode.OFFLOAD: "optimizer state and step on the host (offload)",
+             StateMode.OFFLOAD_PARAMS: "parameters, gradients and optimizer state on the host "
                                "(parameter offload; fully_shard's offload_policy="
                                "CPUOffloadPolicy() is its counterpart)"}
     for mode, n in sorted(modes.items()):
