@@ -231,6 +231,9 @@ class StateMode(StrEnum):
     OFFLOAD = "offload"                # optimizer state and step on the host
     OFFLOAD_PARAMS = "offload_params"  # the stored parameter too, copied in at each use
 
+    def __repr__(self) -> str:       # as the string it is, in messages and lists
+        return repr(self.value)
+
     @classmethod
     def of(cls, kernel: str | None) -> "StateMode | None":
         """A placeholder's kernel as a state mode, None where it names none."""
@@ -238,6 +241,30 @@ class StateMode(StrEnum):
 
 
 _STATE_MODE_VALUES = frozenset(m.value for m in StateMode)
+
+
+class CollectiveKind(StrEnum):
+    """The collectives a plan runs (cost/comm.py prices them, codegen/collectives.py runs them,
+    docs/cost-model.md §1): a plan file's ``collectives[].kind`` and a cluster profile's link
+    figures per kind. A ``StrEnum``, as StateMode: each is its string on disk and in text."""
+
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    SEND_RECV = "send_recv"          # point to point: pipeline sends, ring attention's hops
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    @classmethod
+    def of(cls, kind: str) -> "CollectiveKind | None":
+        """``kind`` as a collective kind, None where it names none (a reshard step that moves
+        nothing: a local slice)."""
+        return cls(kind) if kind in _COLLECTIVE_KIND_VALUES else None
+
+
+_COLLECTIVE_KIND_VALUES = frozenset(k.value for k in CollectiveKind)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,9 @@
 """A plan's predicted figures, typed (autoshard/plans/prediction.py): written exactly as plan
 files have always held them (the same keys, in the same order, the same numbers, ints kept
 ints), read back equal, and a malformed ``predicted`` section refused by the plan file reader
-with its error, naming the value. And the state modes (``autoshard.ir.StateMode``), written as
-the strings plan files have always held."""
+with its error, naming the value. And the state modes and collective kinds
+(``autoshard.ir.StateMode``, ``CollectiveKind``), written as the strings plan files have always
+held."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import pytest
 
 from autoshard import Mesh
 from autoshard.errors import AutoshardError
-from autoshard.ir import StateMode
+from autoshard.ir import CollectiveKind, StateMode
 from autoshard.plans import Plan
 from autoshard.plans.prediction import PredictedMemory, Prediction, StagePrediction
 from autoshard.plans.records import MODE_NAMES
@@ -183,3 +184,22 @@ def test_a_plan_carries_state_modes_as_the_enum(plans) -> None:
     # An op's kernel that names no state mode stays its text.
     ops = {n.kernel for n in again.nodes if n.op != "placeholder" and n.kernel}
     assert all(type(k) is str for k in ops)
+
+
+def test_collective_kinds_are_their_strings_on_disk(plans) -> None:
+    assert [k.value for k in CollectiveKind] == ["all_reduce", "all_gather", "reduce_scatter",
+                                                 "all_to_all", "send_recv"]
+    for k in CollectiveKind:
+        assert json.dumps(k) == f'"{k.value}"' and f"{k}" == k.value and repr(k) == repr(k.value)
+    assert CollectiveKind.of("slice") is None
+    assert plans["pipelined"].collectives and plans["offload"].collectives
+    for p in plans.values():
+        assert all(type(c.kind) is CollectiveKind for c in p.collectives)
+        d = json.loads(p.dumps())
+        assert [c["kind"] for c in d["collectives"]] == [c.kind.value for c in p.collectives]
+        again = Plan.loads(p.dumps())
+        assert all(type(c.kind) is CollectiveKind for c in again.collectives)
+    # A kind no plan writes is kept as its text (the ledger describes, steers nothing).
+    d = json.loads(plans["pipelined"].dumps())
+    d["collectives"][0]["kind"] = "broadcast"
+    assert Plan.loads(json.dumps(d)).collectives[0].kind == "broadcast"

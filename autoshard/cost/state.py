@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from autoshard.cost.comm import Reshard, Step
-from autoshard.ir import Replicate, Shard, Spec, StateMode, local_shape
+from autoshard.ir import CollectiveKind, Replicate, Shard, Spec, StateMode, local_shape
 
 MODES = tuple(StateMode)   # None: the state follows the parameter
 # The modes whose bucketed gradient is reduce-scattered over the zero axes (each rank keeps its
@@ -179,8 +179,8 @@ def zero_grad_sync(r: Reshard, axes: tuple[int, ...], mesh_shape: tuple[int, ...
     out: list[Step] = []
     div = 1
     for s in sorted(per_axis(r.backward), key=lambda s: s.axis):
-        if s.kind == "all_reduce" and s.axis in axes:
-            out.append(Step("reduce_scatter", s.axis, nbytes=s.nbytes // div))
+        if s.kind == CollectiveKind.ALL_REDUCE and s.axis in axes:
+            out.append(Step(CollectiveKind.REDUCE_SCATTER, s.axis, nbytes=s.nbytes // div))
             div *= mesh_shape[s.axis]
         else:
             out.append(dataclasses.replace(s, nbytes=s.nbytes // div))
@@ -192,8 +192,8 @@ def per_axis(steps: tuple[Step, ...]) -> tuple[Step, ...]:
     all-reduce per axis of the same bytes: the sum is the same."""
     out: list[Step] = []
     for s in steps:
-        if s.joint and s.kind == "all_reduce":
-            out += [Step("all_reduce", a, nbytes=s.nbytes) for a in s.joint]
+        if s.joint and s.kind == CollectiveKind.ALL_REDUCE:
+            out += [Step(CollectiveKind.ALL_REDUCE, a, nbytes=s.nbytes) for a in s.joint]
         else:
             out.append(s)
     return tuple(out)

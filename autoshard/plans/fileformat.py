@@ -9,7 +9,7 @@ from typing import Any, TYPE_CHECKING
 from autoshard.cluster import PRESETS, Cluster
 from autoshard.schedules import SCHEDULES
 from autoshard.errors import AutoshardError
-from autoshard.ir import Layer, Spec, StateMode, spec_fits, spec_str
+from autoshard.ir import CollectiveKind, Layer, Spec, StateMode, spec_fits, spec_str
 from autoshard.options import PlanOptions
 from autoshard.plangraph import graph_of
 from autoshard.plans.fields import Field, Malformed
@@ -196,7 +196,9 @@ def _read_recompute(f: Field, layers: tuple[Layer, ...]) -> dict[str, str]:
 def _read_collective(f: Field) -> CollectiveRecord:
     # Kinds, phases and axes are not held to today's lists: they describe a step and steer
     # nothing (verify compares them with the collectives that ran).
-    return CollectiveRecord(f.key("kind").text(), tuple(a.text() for a in f.key("axes").entries()),
+    kind = f.key("kind").text()
+    return CollectiveRecord(CollectiveKind.of(kind) or kind,
+                            tuple(a.text() for a in f.key("axes").entries()),
                             f.key("bytes").integer(), f.key("phase").text(), f.key("node").text(),
                             f.key("value", "").text(),
                             tuple(m.text(nonempty=True) for m in f.key("members", []).entries()),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoshard.ir import Spec, StateMode, spec_str
+from autoshard.ir import CollectiveKind, Spec, StateMode, spec_str
 from autoshard.plans.prediction import StagePrediction
 from autoshard.schedules import rank_stages, stage_rank
 
@@ -36,7 +36,7 @@ class NodePlan:
 
 @dataclass(frozen=True, slots=True)
 class CollectiveRecord:
-    kind: str
+    kind: CollectiveKind        # a str where a file names another (it describes, steers nothing)
     axes: tuple[str, ...]
     bytes: int
     phase: str

@@ -14,7 +14,7 @@ from autoshard.cost.program import program_for, step_program
 from autoshard.cost.compute import local_numel
 from autoshard.cost.state import SCATTERS, StateBytes, state_spec
 from autoshard.cost.reshards import direct_reads
-from autoshard.ir import StateMode, Strategy
+from autoshard.ir import CollectiveKind, StateMode, Strategy
 from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions
 from autoshard.plans import Plan
@@ -305,7 +305,7 @@ def host_transfers(traced: TracedGraph, pricer: Pricer, strategies: dict[str, St
                 if m in fetched:
                     shape, isz = pricer.shapes[(m, 0)]
                     spec = strategies[m].outputs[0]
-                    if b.kind == "reduce_scatter":
+                    if b.kind == CollectiveKind.REDUCE_SCATTER:
                         spec = state_spec(shape, spec, pricer.mesh.shape) or spec
                     out.append(HostTransfer("d2h", local_numel(shape, spec, pricer.mesh.shape)
                                             * isz, "grad_sync", f"bucket{k}", m))
