@@ -16,6 +16,8 @@ the same groups; within each group the axes nest row-major as above.
 """
 from __future__ import annotations
 
+import functools
+
 import math
 import re
 from dataclasses import dataclass
@@ -324,10 +326,11 @@ class OpInfo:
     outputs: tuple[TensorInfo, ...]
     source: str = ""
 
-    @property
-    def inputs(self) -> list[TensorInfo]:
+    @functools.cached_property
+    def inputs(self) -> tuple[TensorInfo, ...]:
+        """The tensor arguments in order (flattened once: every rule and pricer reads them)."""
         flat, _ = torch.utils._pytree.tree_flatten((self.args, self.kwargs))
-        return [a for a in flat if isinstance(a, TensorInfo)]
+        return tuple(a for a in flat if isinstance(a, TensorInfo))
 
     @property
     def out(self) -> TensorInfo:

@@ -268,3 +268,14 @@ def test_mamba2_chunk_pad_splits_the_batch_on_gloo(world4, configs) -> None:
     pads = [n for n in plan.nodes if "pad" in n.op]
     assert pads and all(spec_str(n.outputs[0]) == "[S(0)]" for n in pads), pads
     _check(world4, configs["mamba2"], plan)
+
+
+@pytest.mark.slow
+def test_plan_on_copied_layers_trains_as_one_device(world4, tmp_path_factory) -> None:
+    """Qwen3-MoE with 8 layers, 5 of them copies of the ones exported (trace/repeat.py), over
+    (2, 2): loss and gradients as one device's, bytes as planned."""
+    from test_repeat import longer_configs
+    path = longer_configs(tmp_path_factory)["qwen3_moe"]
+    model, inputs = build(path, 4, 8, 0)
+    assert trace(model, inputs).copied_layers == 5
+    _check(world4, path, plan_for(path, Mesh((2, 2), cluster="stress"), batch=4, seq=8))

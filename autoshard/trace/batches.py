@@ -21,6 +21,7 @@ same either way, only slower.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from numbers import Number
 from typing import Any, Sequence
@@ -33,6 +34,7 @@ from autoshard.errors import AutoshardError
 from autoshard.loss import as_loss_module
 from autoshard.precision import cast_inputs, running_as
 from autoshard.trace.export import TracedGraph, from_exported, parameter_aliases, trace
+from autoshard.trace.repeat import Repeat, expand, repeated_layers, shortened, signature_of
 
 
 def batch_of(example_inputs: Sequence[Any]) -> int:
@@ -84,6 +86,7 @@ class Traces:
         self._graphs: dict[int, TracedGraph] = {}
         self._generic: ExportedProgram | None = None
         self._proven: bool | None = None         # None: not tried yet
+        self._repeat: Repeat | None = None       # the generic export's prefix of the layers
         self.stats = {"exported": 0, "rebatched": 0, "seconds": 0.0}
 
     def at(self, batch: int) -> TracedGraph:
@@ -133,8 +136,14 @@ class Traces:
         shapes = tuple({0: dim} if isinstance(x, torch.Tensor) and x.dim() > 0
                        and x.shape[0] == batch else None for x in inputs)
         wrapped = as_loss_module(self.model) if self.training else self.model
+        # Repeated layers as trace() exports them: a prefix, copied out (trace/repeat.py); the
+        # comparison below with ``concrete`` proves the copy at this batch too.
+        repeat = self._repeat = None if concrete.copied_layers == 0 else \
+            repeated_layers(self.model)
+        short = shortened(self.model, repeat.container, repeat.prefix) if repeat else \
+            contextlib.nullcontext()
         try:
-            with running_as(self.model, self.precision):
+            with running_as(self.model, self.precision), short:
                 # The loss wrapper's forward takes *args: one spec, the tuple of them.
                 self._generic = torch.export.export(
                     wrapped, inputs, dynamic_shapes=(shapes,) if self.training else shapes,
@@ -185,8 +194,17 @@ class Traces:
                 gm.graph.erase_node(node)
         gm.recompile()
         strip = "model." if self.training else ""
-        return from_exported(ep, training=self.training, strip=strip,
-                             aliases=parameter_aliases(self.model), gm=gm)
+        specs = None
+        if self._repeat is not None:
+            expanded = expand(gm, signature_of(ep), self._repeat, strip)
+            if expanded is None:
+                raise ValueError("the batch-generic prefix does not copy out")
+            gm, specs = expanded
+        traced = from_exported(ep, training=self.training, strip=strip,
+                               aliases=parameter_aliases(self.model), gm=gm, specs=specs)
+        if self._repeat is not None:
+            traced.copied_layers = self._repeat.count - self._repeat.prefix
+        return traced
 
 
 _GUARDS = (torch.ops.aten._assert_scalar.default,

@@ -34,6 +34,8 @@ from autoshard.ops.moe import register_library_ops
 from autoshard.trace.fused import GROUPS, mark_fused_dims, marked_info
 from autoshard.trace.graph import output_infos, tensor_info, value_ref
 from autoshard.trace.layers import find_layers
+from autoshard.trace.repeat import (Repeat, Specs, expand, repeated_layers, same_graph, shortened,
+                                    signature_of)
 from autoshard.trace.sequence import mark_sequence_dims
 
 
@@ -58,6 +60,8 @@ class TracedGraph:
     layers: tuple[Layer, ...] = ()
     # What a wrapper (autoshard's loss wrapper) adds to module paths: "model." or "".
     module_prefix: str = ""
+    # Layers written as copies of an exported one rather than exported (trace/repeat.py).
+    copied_layers: int = 0
 
     @property
     def graph(self) -> fx.Graph:
@@ -152,11 +156,13 @@ def module_path(node: fx.Node) -> str:
     return list(stack.values())[-1][0]
 
 
-def trace(model: torch.nn.Module, example_inputs: Sequence[Any], *, training: bool = True) -> TracedGraph:
+def trace(model: torch.nn.Module, example_inputs: Sequence[Any], *, training: bool = True,
+          whole: bool = False) -> TracedGraph:
     """Export ``model(*example_inputs)`` to a flat ATen graph.
 
     For training the model must return a scalar loss (wrap it with :func:`autoshard.with_loss`,
-    or pass a Hugging Face model whose output has ``.loss``).
+    or pass a Hugging Face model whose output has ``.loss``). Repeated layers are exported one
+    instance per kind and copied (trace/repeat.py); ``whole``: export every layer.
     """
     if not isinstance(model, torch.nn.Module):
         raise AutoshardError("model is a torch.nn.Module", got=type(model).__name__,
@@ -164,10 +170,11 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any], *, training: bo
     example_inputs = _meta_like_model(model, _checked_inputs(example_inputs))
     key = reusable(model, example_inputs, training) \
         if os.environ.get("AUTOSHARD_TRACE_REUSE", "1") != "0" else None
+    key = key and (key, whole)
     if key is not None and key in _TRACED:
         _TRACED.move_to_end(key)
         return _TRACED[key]
-    traced = _trace(model, example_inputs, training)
+    traced = _trace(model, example_inputs, training, whole)
     # A constant is a tensor read from this instance (not a parameter or buffer the program
     # binds at run time): a graph that holds one is this instance's alone.
     if key is not None and not traced.constants:
@@ -206,23 +213,58 @@ def reusable(model: torch.nn.Module, inputs: tuple, training: bool) -> tuple | N
             config, ins, training)
 
 
-def _trace(model: torch.nn.Module, example_inputs: tuple, training: bool) -> TracedGraph:
+def _trace(model: torch.nn.Module, example_inputs: tuple, training: bool,
+           whole: bool = False) -> TracedGraph:
     from autoshard.loss import as_loss_module
 
     wrapped = as_loss_module(model) if training else model
+    # Our own loss wrapper holds the model as ``model``: report the model's own names. A tied
+    # parameter may be lifted under any of its names; use the one named_parameters() gives.
+    strip = "model." if wrapped is not model else ""
+    whole = whole or os.environ.get("AUTOSHARD_TRACE_WHOLE", "0") == "1"
+    repeat = None if whole else repeated_layers(model)
+    if repeat is not None:
+        traced = _trace_repeated(model, wrapped, example_inputs, training, strip, repeat)
+        if traced is not None:
+            return traced
     try:
         with _sets_in_fixed_order(model):
             ep = torch.export.export(wrapped, example_inputs, strict=False)
     except Exception as e:  # export's own errors are long: name the likely cause and its fix
         raise _export_failure(e, model, example_inputs, training) from e
-    # Our own loss wrapper holds the model as ``model``: report the model's own names. A tied
-    # parameter may be lifted under any of its names; use the one named_parameters() gives.
-    strip = "model." if wrapped is not model else ""
     try:
         return from_exported(ep, training=training, strip=strip,
                              aliases=parameter_aliases(model))
     except GuardOnDataDependentSymNode as e:    # a shape that depends on values, as of x[mask]
         raise _export_failure(e, model, example_inputs, training) from e
+
+
+def _trace_repeated(model: torch.nn.Module, wrapped: torch.nn.Module, example_inputs: tuple,
+                    training: bool, strip: str, repeat: Repeat) -> TracedGraph | None:
+    """The graph exported with only a prefix of the layers and the rest copied, or None where
+    the prefix does not stand for them (trace/repeat.py): then the caller exports them all, and
+    a mistake in the model is reported by that export."""
+    def exported(count: int) -> ExportedProgram:
+        with shortened(model, repeat.container, count), _sets_in_fixed_order(model):
+            return torch.export.export(wrapped, example_inputs, strict=False)
+    try:
+        ep, proof = exported(repeat.prefix), exported(repeat.proof)
+        short, long = sorted((ep, proof), key=lambda e: len(e.graph.nodes))
+        copied = expand(short.graph_module, signature_of(short),
+                        repeat.cut(min(repeat.prefix, repeat.proof),
+                                   max(repeat.prefix, repeat.proof)), strip)
+        if copied is None or not same_graph(copied, (long.graph_module, signature_of(long))):
+            return None
+        expanded = expand(ep.graph_module, signature_of(ep), repeat, strip)
+        if expanded is None:
+            return None
+        traced = from_exported(ep, training=training, strip=strip,
+                               aliases=parameter_aliases(model), gm=expanded[0],
+                               specs=expanded[1])
+        traced.copied_layers = repeat.count - repeat.prefix
+        return traced
+    except Exception:   # noqa: BLE001 - any failure: export the whole model, which explains it
+        return None
 
 
 class _FixedOrderSet(set):
@@ -381,30 +423,32 @@ def parameter_aliases(model: torch.nn.Module) -> dict[str, str]:
 
 def from_exported(ep: ExportedProgram, *, training: bool, strip: str = "",
                   aliases: dict[str, str] | None = None,
-                  gm: fx.GraphModule | None = None) -> TracedGraph:
-    """``ep``'s graph (or ``gm``, a graph of the same signature: trace/batches.py) as a
+                  gm: fx.GraphModule | None = None,
+                  specs: Specs | None = None) -> TracedGraph:
+    """``ep``'s graph (or ``gm``, a graph of the same signature: trace/batches.py; or of the
+    signature ``specs``, placeholder -> (kind, target): trace/repeat.py) as a
     :class:`TracedGraph`."""
     gm = ep.graph_module if gm is None else gm
     inline_subgraphs(gm)
     register_library_ops()      # ops a library defined after autoshard was imported
     kinds = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer",
              InputKind.CONSTANT_TENSOR: "constant", InputKind.USER_INPUT: "input"}
-    specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
+    specs = signature_of(ep) if specs is None else specs
     placeholders: list[Placeholder] = []
     constants: dict[str, torch.Tensor] = {}
     n_in = 0
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
-        spec = specs[node.name]
-        kind = kinds.get(spec.kind, "constant")
+        spec_kind, target = specs[node.name]
+        kind = kinds.get(spec_kind, "constant")
         if kind == "input":
             fqn, n_in = f"input{n_in}", n_in + 1
         else:
-            fqn = spec.target.removeprefix(strip)
+            fqn = target.removeprefix(strip)
             fqn = (aliases or {}).get(fqn, fqn)
         if kind == "constant":
-            constants[node.name] = ep.constants[spec.target]
+            constants[node.name] = ep.constants[target]
         placeholders.append(Placeholder(node.name, kind, fqn, tensor_info(node.meta.get("val"))))
     mark_fused_dims(gm, {p.name for p in placeholders if p.kind == "param"})
     mark_sequence_dims(gm)

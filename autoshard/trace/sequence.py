@@ -33,24 +33,26 @@ from autoshard.trace.graph import ValueRef, output_infos, value_inputs
 Mark = tuple[ValueRef, int]          # (value, dim)
 
 
-def _spread(node: fx.Node, refs: list[ValueRef], mark: Mark, size: int,
-            strategies: list[Strategy]) -> list[Mark]:
-    """The dims ``node`` shards alongside ``mark`` (one of its inputs or outputs), one to one."""
-    info = _info(node)
-    tensors = [(ref, t.shape) for ref, t in zip(refs, info.inputs)] + \
-        [((node.name, j), t.shape) for j, t in enumerate(output_infos(node))]
-    found: list[Mark] = []
-    for st in strategies:
-        if st.kernel is not None:
-            continue
-        specs = [*st.inputs[:len(refs)], *st.outputs]
-        if not any(ref == mark[0] and spec == (Shard(mark[1]),)
-                   for (ref, _), spec in zip(tensors, specs)):
-            continue
-        for (ref, shape), spec in zip(tensors, specs):
-            if spec is not None and isinstance(spec[0], Shard) and shape[spec[0].dim] == size:
-                found.append((ref, spec[0].dim))
-    return found
+def _spread(tensors: list[tuple[ValueRef, tuple[int, ...]]], n_in: int, mark: Mark, size: int,
+            strategies: list[Strategy], memo: dict) -> list[Mark]:
+    """The dims a node shards alongside ``mark`` (one of its inputs or outputs), one to one.
+    ``tensors``: its ``n_in`` inputs then its outputs, each (value, shape); ``memo``: answers by
+    position for these ``strategies`` (identical layers ask the same question)."""
+    hits = tuple(i for i, (ref, _) in enumerate(tensors) if ref == mark[0])
+    key = (id(strategies), hits, mark[1], size)
+    if key not in memo:
+        found: list[tuple[int, int]] = []
+        for st in strategies:
+            if st.kernel is not None:
+                continue
+            specs = [*st.inputs[:n_in], *st.outputs]
+            if not any(specs[i] == (Shard(mark[1]),) for i in hits if i < len(specs)):
+                continue
+            for i, ((_, shape), spec) in enumerate(zip(tensors, specs)):
+                if spec is not None and isinstance(spec[0], Shard) and shape[spec[0].dim] == size:
+                    found.append((i, spec[0].dim))
+        memo[key] = found
+    return [(tensors[i][0], dim) for i, dim in memo[key]]
 
 
 def mark_sequence_dims(gm: fx.GraphModule) -> None:
@@ -77,7 +79,10 @@ def mark_sequence_dims(gm: fx.GraphModule) -> None:
             seq = info.inputs[0].ndim - 2
             for ref in value_inputs(node)[:3] + [(node.name, 0)]:
                 add((ref, seq), info.inputs[0].shape[seq])
-    cache: dict[str, tuple[list[ValueRef], list[Strategy]]] = {}
+    tensors_of: dict[str, tuple[list, int, list[Strategy]]] = {}
+    # Strategies by what the rule sees (repeated layers ask the same question once per layer).
+    by_info: dict[str, list[Strategy]] = {}
+    memo: dict = {}
     while todo:
         mark = todo.pop()
         (name, _), _dim = mark
@@ -86,10 +91,16 @@ def mark_sequence_dims(gm: fx.GraphModule) -> None:
             if node.op != "call_function" or node.target is operator.getitem \
                     or record_of(node.target).family == "attention":
                 continue
-            if node.name not in cache:
-                cache[node.name] = (value_inputs(node), strategies_for(_info(node), (2,)))
-            refs, strategies = cache[node.name]
-            for found in _spread(node, refs, mark, marks[mark], strategies):
+            if node.name not in tensors_of:
+                info, refs = _info(node), value_inputs(node)
+                key = repr((info.target, info.args, info.kwargs, info.outputs))
+                if key not in by_info:
+                    by_info[key] = strategies_for(info, (2,))
+                tensors = [(ref, t.shape) for ref, t in zip(refs, info.inputs)] + \
+                    [((node.name, j), t.shape) for j, t in enumerate(output_infos(node))]
+                tensors_of[node.name] = (tensors, len(refs), by_info[key])
+            tensors, n_in, strategies = tensors_of[node.name]
+            for found in _spread(tensors, n_in, mark, marks[mark], strategies, memo):
                 add(found, marks[mark])
     for ((name, out), dim) in sorted(marks):
         per_out = by_name[name].meta.setdefault(GROUPS, {})
