@@ -96,8 +96,9 @@ def _read_cluster(f: Field) -> Cluster | str:
     on); another name is kept, and a tool that prices the plan asks for its profile."""
     if isinstance(f.value, str):
         return PRESETS.get(f.value, f.value)
+    obj = f.obj()       # outside the try: its own Malformed is not a cluster's error
     try:
-        return Cluster.from_json(f.obj())
+        return Cluster.from_json(obj)
     except AutoshardError as e:
         raise Malformed(f.where, f"the figures of a cluster: {e.expected}", e.got) from e
 
@@ -146,8 +147,9 @@ def _input_position(name: str, f: Field) -> int:
 
 
 def _read_options(f: Field) -> PlanOptions:
+    obj = f.obj()       # outside the try: its own Malformed is not the options' error
     try:
-        return PlanOptions.from_json(f.obj())
+        return PlanOptions.from_json(obj)
     except AutoshardError as e:      # its fix speaks to code that builds options
         raise Malformed(f.where, f"valid: {e.expected}", e.got) from e
     except OverflowError as e:       # PlanOptions' finiteness check on an int beyond any float
