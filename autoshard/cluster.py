@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autoshard.errors import AutoshardError
+from autoshard.ir import CollectiveKind
 
 MEASURED_KEY = "measured"    # a profile's raw measurements, not a figure (docs/cost-model.md §2.1)
 # The collectives a plan's steps use (docs/cost-model.md §1.1; priced in cost/comm.py).
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+COLLECTIVE_KINDS = tuple(CollectiveKind)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +189,8 @@ class Cluster:
         if isinstance(kinds, dict):
             try:
                 data["collective_kinds"] = tuple(sorted(
-                    (k, v["alpha"], v["bandwidth"]) for k, v in kinds.items()))
+                    (CollectiveKind.of(k) or k, v["alpha"], v["bandwidth"])
+                    for k, v in kinds.items()))
             except (TypeError, KeyError) as e:
                 raise AutoshardError("collective_kinds entries of the form "
                                      '{"alpha": ..., "bandwidth": ...}', got=repr(kinds),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoshard.errors import AutoshardError
+from autoshard.ir import StateMode
 from autoshard.schedules import SCHEDULES as PIPELINE_SCHEDULES
 
 OPTIMIZERS = ("adam", "adamw", "sgd", "none")
@@ -257,25 +258,25 @@ class PlanOptions:
         return cls().replace(**data)
 
 
-def state_modes(options: PlanOptions, offload: bool | str) -> tuple[str | None, ...]:
+def state_modes(options: PlanOptions, offload: bool | str) -> tuple[StateMode | None, ...]:
     """The state modes (cost/state.py) parameters may take under ``options``; ``offload``: how
     far the planner is trying offload under ``options.offload`` "auto": False (not at all),
     True (the optimizer's: mode "offload"), or "parameters" (the parameters' too:
     "offload_params" beside "offload"). A forced ``options.offload`` is the one mode offered.
     A pipeline's stages (``stage_run``) are not offered parameter offload."""
     if options.offload == "optimizer":
-        return ("offload",)
+        return (StateMode.OFFLOAD,)
     if options.offload == "parameters":
-        return ("offload_params",)
+        return (StateMode.OFFLOAD_PARAMS,)
     # "auto" offers ZeRO-2, not ZeRO-1: priced alike, ZeRO-1 never beats it (the same gather
     # after the step, an all-reduce where ZeRO-2 reduce-scatters, more memory), and every mode
     # offered grows the ILP.
-    zero = {"auto": (None, "zero2"), "none": (None,), "zero1": ("zero1",),
-            "zero2": ("zero2",)}[options.zero]
+    zero = {"auto": (None, StateMode.ZERO2), "none": (None,), "zero1": (StateMode.ZERO1,),
+            "zero2": (StateMode.ZERO2,)}[options.zero]
     if not offload or options.offload != "auto":
         return zero
     params = offload == "parameters" and options.stage_run is None
-    return zero + ("offload",) + (("offload_params",) if params else ())
+    return zero + (StateMode.OFFLOAD,) + ((StateMode.OFFLOAD_PARAMS,) if params else ())
 
 
 def _positive(v: Any) -> bool:

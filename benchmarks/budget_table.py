@@ -80,11 +80,11 @@ def row(case: str, traces, budget_gib: float) -> list[str]:
         return [case, f"{budget_gib:g}", what, "", "", "", "", "", f"{wall:.0f}", ok]
     wall = time.perf_counter() - t0
     pred = p.predicted
-    peak = pred["memory"]["peak"]
+    peak = pred.memory.peak
     warn = "; ".join(w for w in p.warnings if "budget" in w) or "-"
     ok = "yes" if peak <= budget and warn == "-" else "NO"
-    return [case, f"{budget_gib:g}", "plan", f"{pred['step_time_s'] * 1e3:.0f}",
-            f"{peak / GIB:.2f}", pred["peak_phase"], f"{pred['memory'].get('host', 0) / GIB:.1f}",
+    return [case, f"{budget_gib:g}", "plan", f"{pred.step_time_s * 1e3:.0f}",
+            f"{peak / GIB:.2f}", pred.peak_phase, f"{pred.memory.host / GIB:.1f}",
             techniques(p) + ("" if warn == "-" else f"; warning: {warn}"), f"{wall:.0f}", ok]
 
 

@@ -163,7 +163,7 @@ def plan_row(name: str, traced, shape: tuple[int, ...], cluster: str, time_limit
     t0 = time.perf_counter()
     try:
         p = planner.plan_traced(traced, mesh, time_limit_s=time_limit, model_name=name)
-        row.update(auto=p.predicted["step_time_s"], peak=p.predicted["ilp_memory_bytes"],
+        row.update(auto=p.predicted.step_time_s, peak=p.predicted.ilp_sum_bytes,
                    auto_s=time.perf_counter() - t0, status=p.solver["status"], gap=p.solver["gap"],
                    objective=p.solver.get("objective"), merged=p.solver.get("merged_axes"),
                    techniques=techniques(p), small=small_sharded(traced, p))
@@ -180,8 +180,8 @@ def plan_row(name: str, traced, shape: tuple[int, ...], cluster: str, time_limit
                 bp = baseline_plan(traced, mesh, base, time_limit_s=time_limit, **options)
             else:
                 bp = stored_baseline(traced, mesh, base, time_limit_s=time_limit, **options)
-            row[b] = bp.predicted["step_time_s"]
-            row[b + "_peak"] = bp.predicted["ilp_memory_bytes"]
+            row[b] = bp.predicted.step_time_s
+            row[b + "_peak"] = bp.predicted.ilp_sum_bytes
         except Exception as e:  # noqa: BLE001
             if not isinstance(e, AutoshardError):
                 traceback.print_exc()

@@ -260,7 +260,7 @@ def step_vs_eager(device, clusters: dict, label: str, build, *, steps: int,
     plan = autoshard.plan(model, (x, y), mesh, model_name=label, precision=precision)
     predicted = {name: autoshard.plan(model, (x, y), autoshard.Mesh((1,), ("x",), cluster=c),
                                       model_name=label, precision=precision
-                                      ).predicted["step_time_s"]
+                                      ).predicted.step_time_s
                  for name, c in clusters.items()}
     pm = autoshard.parallelize(model, mesh, plan=plan, example_inputs=(x, y))
     del model
@@ -318,8 +318,8 @@ def step_vs_eager(device, clusters: dict, label: str, build, *, steps: int,
     torch.cuda.empty_cache()
     return {"label": label, "precision": "fp32 model; eager autocast bf16, autoshard bf16-mixed"
             if mixed else "the model's dtype", "steps": steps, "median_s": med,
-            "ilp_memory_bytes": peak, "predicted_peak_bytes": plan.predicted["memory"]["peak"],
-            "ilp_peak_bytes": plan.predicted["ilp_memory_bytes"],
+            "ilp_memory_bytes": peak, "predicted_peak_bytes": plan.predicted.memory.peak,
+            "ilp_peak_bytes": plan.predicted.ilp_sum_bytes,
             "predicted_step_s": predicted, "loss_after": {"eager": loss_e, "autoshard": loss_p}}
 
 

@@ -98,11 +98,11 @@ def one(budget_gib: float) -> dict:
         pred = plan.predicted
         return {"budget_gib": budget_gib, "refused": False, "plan_s": plan_s,
                 "loss": float(loss), "peak_bytes": torch.cuda.max_memory_allocated(device),
-                "predicted_peak_bytes": pred["memory"]["peak"], "phase": pred["peak_phase"],
+                "predicted_peak_bytes": pred.memory.peak, "phase": pred.peak_phase,
                 "host_hwm_bytes": _vm_hwm(),
-                "predicted_host_bytes": pred["memory"].get("host", 0.0) + HOST_RESERVE_BYTES,
+                "predicted_host_bytes": pred.memory.host + HOST_RESERVE_BYTES,
                 "offloads": any(st.offload for st in plan.param_state.values()),
-                "warnings": list(plan.warnings), "step_ms": pred["step_time_s"] * 1e3}
+                "warnings": list(plan.warnings), "step_ms": pred.step_time_s * 1e3}
     finally:
         dist.destroy_process_group()
 

@@ -307,7 +307,7 @@ def two_layers(device, steps: int, cluster="h100") -> dict:
                     times[compiled].append(t)
                 losses[compiled].append(float(loss))
         return {name: {"step_s": statistics.median(times[c]), "first_step_s": first[c],
-                       "predicted_step_s": runs[c][0].predicted["step_time_s"],
+                       "predicted_step_s": runs[c][0].predicted.step_time_s,
                        "losses": losses[c]}
                 for name, c in (("eager", False), ("compiled", True))}
     finally:

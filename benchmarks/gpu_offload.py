@@ -196,12 +196,12 @@ def run_plan(device, mode: str, batch: int, seq: int, steps: int, loss_steps: in
     p = plan.predicted
     out = {"mode": mode, "plan_s": plan_s, "losses": losses, "median_s": med,
            "step_s": med["fb"] + med["opt"],
-           "predicted": {k: p.get(k, 0.0) for k in ("step_time_s", "compute_s", "host_s",
+           "predicted": {k: getattr(p, k) for k in ("step_time_s", "compute_s", "host_s",
                                                     "optimizer_s")},
            "host_bytes": {"measured": measured_host, "planned": planned_host},
            "params_on_host": host_params,
-           "peak_bytes": peak, "predicted_peak_bytes": p["memory"]["peak"],
-           "predicted_host_bytes": p["memory"].get("host", 0.0)}
+           "peak_bytes": peak, "predicted_peak_bytes": p.memory.peak,
+           "predicted_host_bytes": p.memory.host}
     del pm, opt
     gc.collect()
     torch.cuda.empty_cache()
@@ -257,7 +257,7 @@ def run_llama(device, row: tuple, overlap: str, steps: int, loss_steps: int,
     p = plan.predicted
     out = {"label": label, "offload": offload, "overlap": overlap, "plan_s": plan_s,
            "losses": losses, "median_s": {k: statistics.median(v) for k, v in times.items()},
-           "predicted": {k: p.get(k, 0.0) for k in ("step_time_s", "compute_s", "host_s",
+           "predicted": {k: getattr(p, k) for k in ("step_time_s", "compute_s", "host_s",
                                                     "optimizer_s", "host_step_s")},
            "modes": {m: sum(1 for st in plan.param_state.values() if st.mode == m)
                      for m in {st.mode for st in plan.param_state.values()}},

@@ -157,8 +157,8 @@ def failure_text(error: Exception) -> str:
 def plan_figures(plan) -> dict:
     s, t = plan.solver, getattr(plan, "timings", None) or {}
     status = s["status"] + (f" (gap {s['gap']:.1%})" if s.get("gap") else "")
-    return {"verdict": status, "step_ms": plan.predicted["step_time_s"] * 1e3,
-            "peak_gib": plan.predicted["ilp_memory_bytes"] / 2**30,
+    return {"verdict": status, "step_ms": plan.predicted.step_time_s * 1e3,
+            "peak_gib": plan.predicted.ilp_sum_bytes / 2**30,
             "trace_s": t.get("trace_s"), "solve_s": t.get("solve_s"),
             # getattr: older planners (a revision measured from a worktree) lack these.
             "layers": len(getattr(plan, "layers", ())),

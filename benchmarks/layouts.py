@@ -49,12 +49,12 @@ def figures(traced, mesh, plan) -> dict:
         elif c.node in layer0 or c.value in layer0:
             per_layer[c.axes[0]] += c.bytes
     return {
-        "step_ms": pred["step_time_s"] * 1e3, "compute_ms": pred["compute_s"] * 1e3,
-        "ideal_ms": pred["compute_s"] * 1e3 / use.redundancy, "redundancy": use.redundancy,
-        "exposed": {a: v * 1e3 for a, v in pred["exposed_comm_s"].items()},
-        "hidden": {a: v * 1e3 for a, v in pred["overlapped_comm_s"].items()},
+        "step_ms": pred.step_time_s * 1e3, "compute_ms": pred.compute_s * 1e3,
+        "ideal_ms": pred.compute_s * 1e3 / use.redundancy, "redundancy": use.redundancy,
+        "exposed": {a: v * 1e3 for a, v in pred.exposed_comm_s.items()},
+        "hidden": {a: v * 1e3 for a, v in pred.overlapped_comm_s.items()},
         "layer_bytes": per_layer, "bucket_gib": buckets / 2**30,
-        "memory_gib": pred["ilp_memory_bytes"] / 2**30,
+        "memory_gib": pred.ilp_sum_bytes / 2**30,
         "params": param_layouts(plan),
     }
 

@@ -86,11 +86,11 @@ def hand_ring_pins(traced, mesh: Mesh) -> dict:
 
 def row(label: str, plan, flops: float, wall: float, cpu: float) -> dict:
     p = plan.predicted
-    step = p["step_time_s"]
+    step = p.step_time_s
     sdpa = next((str(s) for k, s in plan.strategies().items() if "scaled_dot" in k), "-")
-    return {"label": label, "step_ms": step * 1e3, "compute_ms": p["compute_s"] * 1e3,
-            "exposed_ms": sum(p["exposed_comm_s"].values()) * 1e3,
-            "memory_gib": p["memory"]["peak"] / 2**30,
+    return {"label": label, "step_ms": step * 1e3, "compute_ms": p.compute_s * 1e3,
+            "exposed_ms": sum(p.exposed_comm_s.values()) * 1e3,
+            "memory_gib": p.memory.peak / 2**30,
             "mfu": flops / (step * plan_devices(plan) * H100_BF16), "wall_s": wall, "cpu_s": cpu,
             "attention": sdpa}
 

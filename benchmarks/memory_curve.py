@@ -98,9 +98,9 @@ def attempt(traced, mesh, budget: float | None, time_limit: float, **options) ->
         inf = infeasible_cause(e)
         return {"error": str(e), "least": inf.least_memory if inf else None,
                 "exact": inf.exact if inf else None, "seconds": time.perf_counter() - t0}
-    mem = p.predicted["memory"]
-    return {"step": p.predicted["step_time_s"], "peak": p.predicted["ilp_memory_bytes"],
-            "host": mem.get("host", 0.0), "uses": uses(p), "status": p.solver["status"],
+    mem = p.predicted.memory
+    return {"step": p.predicted.step_time_s, "peak": p.predicted.ilp_sum_bytes,
+            "host": mem.host, "uses": uses(p), "status": p.solver["status"],
             "gap": p.solver["gap"], "seconds": time.perf_counter() - t0}
 
 

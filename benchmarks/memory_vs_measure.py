@@ -36,12 +36,12 @@ backward with its gradient syncs, AdamW step, ``zero_grad``) is measured by
 ``torch.distributed._tools.mem_tracker.MemTracker``. Per plan the table gives the measured peak
 (the largest over the ranks), the two predictions of it, each with its error:
 
-- the sum model (docs/cost-model.md §4.4, the plan's ``predicted["ilp_memory_bytes"]`` before
+- the sum model (docs/cost-model.md §4.4, the plan's ``predicted.ilp_sum_bytes`` before
   liveness): model state plus everything the forward saves, all alive at once;
 - liveness (``autoshard.cost.liveness.step_memory``, §4.5): the largest number of bytes alive at
   any moment of the forward, the backward and the optimizer step. Under optimizer offload
   its peak is the device's and the optimizer state it keeps on the host is apart
-  (``predicted["memory"]["host"]``); on CPU the "host" is the same memory as the "device" and
+  (``predicted.memory.host``); on CPU the "host" is the same memory as the "device" and
   the tracker counts both, so an offload row's liveness figure is the device peak plus the host
   bytes (and its sum model figure the sum plus the host bytes). Those host bytes include an
   fp32 copy of the gradient shard made for the step (cost/state.py), which the step does not

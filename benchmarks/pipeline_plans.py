@@ -114,7 +114,7 @@ def megatron_175b(psi: int) -> list[str]:
         options = PlanOptions(pipeline="pp", schedule="Interleaved1F1B", microbatches=m)
         plans.append(pipelined_baseline_plan(traces.at(batch // m), mesh, "megatron-dp",
                                              options, model_name="gpt3-175b", zero="zero1"))
-    best = min(plans, key=lambda p: p.predicted["step_time_s"])
+    best = min(plans, key=lambda p: p.predicted.step_time_s)
     return row("Megatron-LM's layout for gpt3-175b (priced, not planned): pp16 x dp8 x tp8, "
                "Interleaved1F1B, Megatron weights, ZeRO-1", f"{time.perf_counter() - t0:.1f}",
                best.to_json(), psi * batch * seq)

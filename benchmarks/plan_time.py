@@ -92,8 +92,8 @@ def one(case: str, time_limit: float) -> dict:
             "total_s": t2 - t0, "variables": p.solver["variables"],
             "groups": p.solver.get("decisions", p.solver.get("groups")),
             "status": p.solver["status"], "gap": p.solver["gap"],
-            "step_ms": p.predicted["step_time_s"] * 1e3,
-            "peak_gib": p.predicted["memory"]["peak"] / 2**30}
+            "step_ms": p.predicted.step_time_s * 1e3,
+            "peak_gib": p.predicted.memory.peak / 2**30}
 
 
 def loadavg() -> str:

@@ -25,7 +25,7 @@ alike). A step is what the plans are priced for (docs/cost-model.md §9): ``pm.s
 backward, the gradient synchronisation included), then the optimizer step of
 ``pm.optimizer(torch.optim.AdamW, fused=True)`` (with the gathers of state placed apart) and its
 ``zero_grad``; its time is its slowest rank's. Reported per plan: the predicted step (the
-plan's ``predicted["step_time_s"]``), the median measured step, their error; the mean absolute
+plan's ``predicted.step_time_s``), the median measured step, their error; the mean absolute
 percentage error (MAPE); whether the planner's pick is measured fastest or within 5% of the
 fastest; and a scatter plot.
 
@@ -409,21 +409,21 @@ def analyse(plans: dict[str, str], measured: dict, prof: dict, families: dict) -
     rows = []
     for name, text in plans.items():
         plan = Plan.loads(text)
-        pred = plan.predicted["step_time_s"]
+        pred = plan.predicted.step_time_s
         meas = measured[name]["median_s"]
         priced = blocking_comm(measured[name]["calls"], prof)
         rows.append({
             "plan": name, "predicted_ms": pred * 1e3, "measured_ms": meas * 1e3,
             "error_pct": (pred - meas) / meas * 100,
-            "compute_ms": plan.predicted["compute_s"] * 1e3,
+            "compute_ms": plan.predicted.compute_s * 1e3,
             # the optimizer step, counted in compute (docs/cost-model.md §9), and as run
-            "optimizer_ms": plan.predicted.get("optimizer_s", 0.0) * 1e3,
+            "optimizer_ms": plan.predicted.optimizer_s * 1e3,
             "measured_optimizer_ms": measured[name]["optimizer_median_s"] * 1e3,
-            "comm_ms": plan.predicted["comm_s"] * 1e3,
+            "comm_ms": plan.predicted.comm_s * 1e3,
             # what the model leaves on the step after hiding any comm behind compute
-            "exposed_ms": (pred - plan.predicted["compute_s"]) * 1e3,
+            "exposed_ms": (pred - plan.predicted.compute_s) * 1e3,
             # the step if the bucketed gradient sync the model hides behind backward were paid
-            "no_overlap_ms": (pred + sum(plan.predicted.get("overlapped_comm_s", {}).values()))
+            "no_overlap_ms": (pred + sum((plan.predicted.overlapped_comm_s or {}).values()))
             * 1e3,
             "collectives": measured[name]["collectives"],
             "iqr_ms": (_q(measured[name]["steps_s"], 0.25) * 1e3,

@@ -78,13 +78,13 @@ def main() -> None:
         plan = solved_plan(traced, mesh, options, built, problem, sol, model_name=args.config,
                            timings={})[0]
         print("best start", best[0], "objective", evaluate(problem, best[1])[0] * 1e3,
-              "predicted", plan.predicted["step_time_s"] * 1e3, flush=True)
+              "predicted", plan.predicted.step_time_s * 1e3, flush=True)
     other = None
     if args.compare_mesh:
         small = mesh_of(args.compare_mesh, ",".join(args.axes.split(",")[-len(
             args.compare_mesh.split("x")):]))
         other = plan_traced(traced, small, options)
-        print("on", args.compare_mesh, other.predicted["step_time_s"] * 1e3,
+        print("on", args.compare_mesh, other.predicted.step_time_s * 1e3,
               other.solver["status"], flush=True)
     if args.out:
         write_section(Path(args.out), SECTION, _table(args, rows, plan, other, trace_s))
@@ -105,10 +105,10 @@ def _table(args, rows, plan, other, trace_s: float) -> str:
         out.append(f"| {md_cell(r['start'])} | {step} | {r['seconds']:.1f} |")
     if plan is not None:
         out.append(f"\nThe best start's plan ({plan.solver['start']}): predicted step "
-                   f"{plan.predicted['step_time_s'] * 1e3:.1f} ms.")
+                   f"{plan.predicted.step_time_s * 1e3:.1f} ms.")
     if other is not None:
         out.append(f"The plan on mesh {args.compare_mesh}: predicted step "
-                   f"{other.predicted['step_time_s'] * 1e3:.1f} ms, solver "
+                   f"{other.predicted.step_time_s * 1e3:.1f} ms, solver "
                    f"{other.solver['status']}.")
     return "\n".join(out)
 

@@ -190,7 +190,7 @@ def main(argv=None) -> int:
         # Training FLOPs 6 * parameters * tokens (Kaplan et al. 2020), over the mesh's peak.
         tokens = args.batch * args.seq * args.accum
         peak = mesh.cluster.fp32_flops * mesh.size         # the model is fp32
-        predicted_s = plan.predicted["step_time_s"] * args.accum   # the plan is one micro-batch
+        predicted_s = plan.predicted.step_time_s * args.accum   # the plan is one micro-batch
         t0, last = time.perf_counter(), start
         for step in range(start + 1, args.steps + 1):
             loss = 0.0

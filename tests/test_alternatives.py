@@ -32,9 +32,9 @@ def test_runners_up_differ_in_parameter_layouts_and_cost_no_less(traced) -> None
         assert p.solver["alternative"] == f"runner-up {k}"
         assert _layouts(p) not in seen            # the no-good cuts exclude every earlier plan
         seen.append(_layouts(p))
-        assert p.predicted["step_time_s"] >= best.predicted["step_time_s"] * (1 - 1e-9)
-        assert p.solver["objective"] == pytest.approx(p.predicted["step_time_s"], rel=1e-6)
-    assert ups[1].predicted["step_time_s"] >= ups[0].predicted["step_time_s"] * (1 - 1e-9)
+        assert p.predicted.step_time_s >= best.predicted.step_time_s * (1 - 1e-9)
+        assert p.solver["objective"] == pytest.approx(p.predicted.step_time_s, rel=1e-6)
+    assert ups[1].predicted.step_time_s >= ups[0].predicted.step_time_s * (1 - 1e-9)
     assert runners_up(traced, mesh, best, 0) == []
 
 

@@ -254,7 +254,7 @@ def test_fused_projection_plans_solve(traces, name: str, shape, baseline: str) -
     mesh = Mesh(shape, cluster="cpu")
     plan = baseline_plan(traced, mesh, baseline)
     assert plan.solver["status"] == "OPTIMAL"
-    assert plan.predicted["step_time_s"] > 0 and plan.predicted["comm_s"] > 0
+    assert plan.predicted.step_time_s > 0 and plan.predicted.comm_s > 0
     tp = [a for a in range(len(shape)) if baseline == "megatron" or a == len(shape) - 1]
     for suffix, spec in EXPECTED[name].items():
         want = tuple(spec[0] if a in tp else Replicate() for a in range(len(shape)))
@@ -269,7 +269,7 @@ def test_fused_projection_plans_solve(traces, name: str, shape, baseline: str) -
                                   "falcon"])
 def test_objective_is_the_plans_price(traces, name: str) -> None:
     plan = baseline_plan(traces[name], Mesh((4,), cluster="cpu"), "megatron")
-    assert plan.solver["objective"] == pytest.approx(plan.predicted["step_time_s"], rel=1e-9)
+    assert plan.solver["objective"] == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
 
 
 @pytest.mark.slow

@@ -48,7 +48,7 @@ def test_checkpointed_stored_baseline_recomputes(gpt2_tiny):
     full = compare_plans.stored_baseline(gpt2_tiny, mesh, "fsdp", recompute="full")
     assert not plain.recompute and len(full.recompute) == 2
     assert full.params == plain.params
-    assert full.predicted["ilp_memory_bytes"] < plain.predicted["ilp_memory_bytes"]
+    assert full.predicted.ilp_sum_bytes < plain.predicted.ilp_sum_bytes
 
 
 def test_out_of_memory_is_reported_as_such(gpt2_tiny):

@@ -49,7 +49,7 @@ def gpt2_bf16():
 
 def _sweep(traced, mesh: Mesh, **options) -> list[tuple[int, str]]:
     roomy = plan_traced(traced, mesh, **options)
-    peak = roomy.predicted["memory"]["peak"]
+    peak = roomy.predicted.memory.peak
     seen = []
     for f in FRACTIONS:
         budget = int(peak * f)
@@ -60,13 +60,13 @@ def _sweep(traced, mesh: Mesh, **options) -> list[tuple[int, str]]:
             assert "least memory" in str(e)
             seen.append((budget, f"refused at {e.least_bytes}"))
             continue
-        got = p.predicted["memory"]["peak"]
+        got = p.predicted.memory.peak
         assert got <= budget * (1 - ALLOCATOR_SLACK), (f, got, budget)
         # The figure is the walk's, recomputed from the plan alone.
         pricer = Pricer(traced, mesh, p.options, recompute=p.recompute)
         assert step_memory(traced, p.strategies(), pricer).peak == got
         assert not any("budget" in w for w in p.warnings), p.warnings
-        seen.append((budget, p.predicted["peak_phase"]))
+        seen.append((budget, p.predicted.peak_phase))
     return seen
 
 
@@ -100,8 +100,9 @@ def test_a_plan_file_with_the_old_name_of_the_ilp_sum_loads(gpt2):
     d = json.loads(p.dumps())
     d["predicted"]["peak_memory_bytes"] = d["predicted"].pop("ilp_memory_bytes")
     old = Plan.loads(json.dumps(d))
-    assert old.predicted["ilp_memory_bytes"] == p.predicted["ilp_memory_bytes"]
-    assert "peak_memory_bytes" not in old.predicted
+    assert old.predicted.ilp_sum_bytes == p.predicted.ilp_sum_bytes
+    assert "peak_memory_bytes" not in old.predicted.to_json()
+    assert old.dumps() == p.dumps()         # saved again under the new name
 
 
 def test_the_step_program_runs_each_reshard_before_its_first_reader(gpt2):
@@ -147,7 +148,7 @@ def test_measured_peaks_of_a_budget_sweep_stay_within_it(world2):
     docs/cost-model.md §4.5 measures it)."""
     traced = trace(*build(MEASURED, None, None, 0))
     mesh = Mesh((2,), cluster="stress")
-    peak = plan_traced(traced, mesh).predicted["memory"]["peak"]
+    peak = plan_traced(traced, mesh).predicted.memory.peak
     checked = 0
     for f in (0.85, 0.6):
         budget = int(peak * f)

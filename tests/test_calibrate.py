@@ -212,11 +212,11 @@ def test_comm_overlap_shrinks_the_window_gradient_sync_hides_behind() -> None:
         cluster = dataclasses.replace(PRESETS["h100"], comm_overlap=share)
         plans[share] = baseline_plan(traced, Mesh((8,), ("dp",), cluster=cluster), "dp")
     full, low = plans[1.0].predicted, plans[0.01].predicted
-    assert full["overlapped_comm_s"]["dp"] > 0
+    assert full.overlapped_comm_s["dp"] > 0
     # hidden at most 1% of backward (itself under the compute) where everything hid before
-    assert low["overlapped_comm_s"]["dp"] <= 0.01 * low["compute_s"] + 1e-12
-    assert low["overlapped_comm_s"]["dp"] < 0.5 * full["overlapped_comm_s"]["dp"]
-    assert low["step_time_s"] > full["step_time_s"]
+    assert low.overlapped_comm_s["dp"] <= 0.01 * low.compute_s + 1e-12
+    assert low.overlapped_comm_s["dp"] < 0.5 * full.overlapped_comm_s["dp"]
+    assert low.step_time_s > full.step_time_s
     with pytest.raises(AutoshardError, match="comm_overlap"):
         dataclasses.replace(PRESETS["h100"], comm_overlap=1.5)
 

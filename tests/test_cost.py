@@ -928,16 +928,16 @@ def test_data_parallel_gradient_sync_hides_behind_backward(batch, hidden) -> Non
     # one latency more per bucket (the last one partly filled).
     run = sum(collective_time("all_reduce", 8, c.bytes, link.alpha, link.bandwidth)
               for c in buckets)
-    sync = pred["comm_s"] - blocking
+    sync = pred.comm_s - blocking
     assert buckets and run - 2 * 7 * link.alpha <= sync <= run
     if hidden:
-        assert pred["overlapped_comm_s"]["dp"] == pytest.approx(sync, rel=1e-9)
-        assert pred["exposed_comm_s"]["dp"] == pytest.approx(blocking, rel=1e-9, abs=1e-15)
+        assert pred.overlapped_comm_s["dp"] == pytest.approx(sync, rel=1e-9)
+        assert pred.exposed_comm_s["dp"] == pytest.approx(blocking, rel=1e-9, abs=1e-15)
     else:
-        assert 0 < pred["overlapped_comm_s"]["dp"] < sync
-        assert pred["exposed_comm_s"]["dp"] > blocking
-    assert pred["step_time_s"] == pytest.approx(
-        pred["compute_s"] + pred["exposed_comm_s"]["dp"], rel=1e-12)
+        assert 0 < pred.overlapped_comm_s["dp"] < sync
+        assert pred.exposed_comm_s["dp"] > blocking
+    assert pred.step_time_s == pytest.approx(
+        pred.compute_s + pred.exposed_comm_s["dp"], rel=1e-12)
 
 
 class _Rotate(torch.nn.Module):

@@ -14,7 +14,8 @@ from autoshard.tools.diff import diff_files, diff_plans, render
 from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
 from autoshard.plans import Plan
-from autoshard.plans.records import PHASES, PREDICTED
+from autoshard.plans.prediction import PREDICTED
+from autoshard.plans.records import PHASES
 from autoshard.tools.verify import plan_for
 
 
@@ -59,8 +60,9 @@ def test_step_delta_is_the_difference_of_predicted_figures(plans) -> None:
     a, b = Plan.load(plans["auto"]), Plan.load(plans["megatron"])
     d = diff_plans(a, b)
     for k in PREDICTED:
-        assert d.predicted[k].a == a.predicted[k] and d.predicted[k].b == b.predicted[k]
-        assert d.predicted[k].delta == b.predicted[k] - a.predicted[k]
+        x, y = a.predicted.to_json()[k], b.predicted.to_json()[k]
+        assert d.predicted[k].a == x and d.predicted[k].b == y
+        assert d.predicted[k].delta == y - x
     assert d.predicted["comm_s"].delta > 0          # Megatron all-reduces activations
     for p, side in ((a, "a"), (b, "b")):
         per_phase = {k: getattr(r["bytes"], side) for k, r in d.comm_by_phase.items()}
@@ -68,7 +70,7 @@ def test_step_delta_is_the_difference_of_predicted_figures(plans) -> None:
         assert sum(getattr(r["bytes"], side) for r in d.comm_by_axis.values()) == p.bytes_by()
         # Each collective priced by alpha-beta on the plan's mesh: they sum to the plan's comm.
         seconds = sum(getattr(r["seconds"], side) for r in d.comm_by_axis.values())
-        assert math.isclose(seconds, p.predicted["comm_s"], rel_tol=1e-9, abs_tol=1e-15)
+        assert math.isclose(seconds, p.predicted.comm_s, rel_tol=1e-9, abs_tol=1e-15)
     assert d.collectives and all(c.a != c.b for c in d.collectives)
 
 

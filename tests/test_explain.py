@@ -18,6 +18,7 @@ from autoshard.tools.explain.rebuild import rebuild
 from autoshard.tools.explain.render import render_explanation
 from autoshard.ir import Strategy
 from autoshard.plans import Plan
+from autoshard.plans.prediction import StagePrediction
 from autoshard.plans.records import Pipeline, Stage
 from autoshard.solver.alternatives import plan_stored
 from autoshard.solver.build import build_problem
@@ -70,18 +71,18 @@ def test_node_deltas_are_independent_resolves_with_the_strategy_pinned(plan, reb
         return plan_traced(rebuilt.traced, rebuilt.mesh, plan.options, fixed={NODE: s})
 
     base = pinned(e.chosen)
-    assert e.baseline.step_time_s == pytest.approx(base.predicted["step_time_s"], rel=1e-9)
+    assert e.baseline.step_time_s == pytest.approx(base.predicted.step_time_s, rel=1e-9)
     # The plan was solved to optimality: its own re-solve is the file's step.
-    assert e.baseline.step_time_s == pytest.approx(plan.predicted["step_time_s"], rel=1e-9)
+    assert e.baseline.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
     for row in e.rows:
         other = pinned(row.resolved.strategy)
         assert row.resolved.status == "OPTIMAL"
         assert row.step_delta_s == pytest.approx(
-            other.predicted["step_time_s"] - base.predicted["step_time_s"], rel=1e-6, abs=1e-12)
+            other.predicted.step_time_s - base.predicted.step_time_s, rel=1e-6, abs=1e-12)
         assert row.memory_delta_bytes == pytest.approx(
-            other.predicted["ilp_memory_bytes"] - base.predicted["ilp_memory_bytes"],
+            other.predicted.ilp_sum_bytes - base.predicted.ilp_sum_bytes,
             rel=1e-6, abs=1e-3)
-        assert row.step_delta_s >= -1e-12 * base.predicted["step_time_s"]  # chosen is optimal
+        assert row.step_delta_s >= -1e-12 * base.predicted.step_time_s  # chosen is optimal
         # The re-solve lets the rest adapt: never slower than the swap alone.
         assert row.resolved.step_time_s <= row.resolved.alone_step_s * (1 + 1e-9)
     assert [r.step_delta_s for r in e.rows] == sorted(r.step_delta_s for r in e.rows)
@@ -99,15 +100,15 @@ def test_param_deltas_are_independent_resolves_with_the_layout_stored(plan, rebu
         return plan_stored(rebuilt.traced, rebuilt.mesh, {e.node: s}, plan.options)
 
     base = stored(e.chosen)
-    assert e.baseline.step_time_s == pytest.approx(base.predicted["step_time_s"], rel=1e-9)
+    assert e.baseline.step_time_s == pytest.approx(base.predicted.step_time_s, rel=1e-9)
     for row in e.rows:
         other = stored(row.resolved.strategy)
         assert other.params[PARAM] != plan.params[PARAM] or row.resolved.strategy.endswith(
             ("zero1", "zero2", "offload"))
         assert row.step_delta_s == pytest.approx(
-            other.predicted["step_time_s"] - base.predicted["step_time_s"], rel=1e-6, abs=1e-12)
+            other.predicted.step_time_s - base.predicted.step_time_s, rel=1e-6, abs=1e-12)
         assert row.memory_delta_bytes == pytest.approx(
-            other.predicted["ilp_memory_bytes"] - base.predicted["ilp_memory_bytes"],
+            other.predicted.ilp_sum_bytes - base.predicted.ilp_sum_bytes,
             rel=1e-6, abs=1e-3)
 
 
@@ -172,7 +173,7 @@ def test_top_collectives_sum_to_the_plans_comm(plan, rebuilt) -> None:
     # Apart from gradient buckets (the plan prices each gradient's share of its bucket), that
     # is the plan's comm.
     blocking = sum(t.seconds for t in everything if t.phase != "grad_sync")
-    sync = plan.predicted["comm_s"] - blocking
+    sync = plan.predicted.comm_s - blocking
     assert 0 < sync <= sum(t.seconds for t in everything if t.phase == "grad_sync")
     seconds = [t.seconds for t in everything]
     assert seconds == sorted(seconds, reverse=True)
@@ -236,7 +237,8 @@ def test_a_model_that_cannot_be_rebuilt_is_refused(plan_file, tmp_path) -> None:
 
 def test_plans_it_cannot_re_solve_are_refused(plan, rebuilt, tmp_path) -> None:
     piped = dataclasses.replace(plan, pipeline=Pipeline("dp", "1F1B", 2, (
-        Stage(0, ("layers.0",), {}), Stage(1, ("layers.1",), {}))))
+        Stage(0, ("layers.0",), StagePrediction(0.0, 0.0, 0.0)),
+        Stage(1, ("layers.1",), StagePrediction(0.0, 0.0, 0.0)))))
     with pytest.raises(AutoshardError, match="without a pipeline"):
         explain_node(piped, NODE, rebuilt=rebuilt)
     # A plan priced on a cluster profile: the profile is needed to price it again.

@@ -57,7 +57,7 @@ def test_frozen_state_is_the_parameter_alone(traced):
     for ph in traced.params:
         n = math.prod(local_shape(ph.info.shape, plan.params[ph.fqn], plan.mesh_shape))
         want += n * (16 if trainable(ph.fqn) else 4)
-    assert plan.predicted["memory"]["model_state"] == want
+    assert plan.predicted.memory.model_state == want
     # The ILP's memory sum reads the same state: a frozen placeholder is its weight only.
     pricer = Pricer(traced, Mesh((2,), cluster=CLUSTER), plan.options)
     strategies = plan.strategies()
@@ -88,8 +88,8 @@ def test_no_gradient_sync_for_frozen_parameters(traced):
         for ph in traced.params if trainable(ph.fqn))
     full = trace(*build(MODEL, None, None, 0))
     everything = _plan(full)
-    assert plan.predicted["comm_s"] < everything.predicted["comm_s"]
-    assert plan.predicted["memory"]["model_state"] < everything.predicted["memory"]["model_state"]
+    assert plan.predicted.comm_s < everything.predicted.comm_s
+    assert plan.predicted.memory.model_state < everything.predicted.memory.model_state
 
 
 def _fine_tune(plan_json: str, steps: int) -> dict:

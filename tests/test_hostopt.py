@@ -239,10 +239,10 @@ def test_the_host_step_is_priced_in_the_overlap_window():
                  if n.name in strategies and n.op != "placeholder")
     assert window > 0
     none, over = plans["none"].predicted, plans["backward"].predicted
-    assert over["host_step_s"] == pytest.approx(host)
-    assert none["step_time_s"] - over["step_time_s"] == pytest.approx(min(host, window))
+    assert over.host_step_s == pytest.approx(host)
+    assert none.step_time_s - over.step_time_s == pytest.approx(min(host, window))
     for p in plans.values():
-        assert p.predicted["step_time_s"] == pytest.approx(p.solver["objective"], rel=1e-6)
+        assert p.predicted.step_time_s == pytest.approx(p.solver["objective"], rel=1e-6)
 
 
 def test_the_ilp_offloads_more_when_the_host_step_hides():

@@ -48,7 +48,7 @@ def test_every_rank_reports_a_measured_peak_beside_the_prediction(reports, plans
             assert m["measured"] > 0 and m["source"] == "MemTracker"
             assert m["measured"] == m["tracked_peak"] == sum(m["breakdown"].values())
             # The plan's peak over the step (liveness, docs/cost-model.md §4.5).
-            assert m["predicted"]["peak"] == int(plans[name].predicted["memory"]["peak"])
+            assert m["predicted"]["peak"] == int(plans[name].predicted.memory.peak)
             assert m["error"] == pytest.approx((m["predicted"]["peak"] - m["measured"])
                                                / m["measured"])
             # At the peak the tracker holds every parameter shard of the rank; fp32 AdamW state
@@ -121,7 +121,7 @@ def test_on_cpu_the_host_state_of_an_offload_plan_is_predicted_in_the_measured_m
     from autoshard.solver.planner import plan_traced
     traced = trace(*build(MODEL, None, None, 0))
     plan = plan_traced(traced, Mesh((4,), cluster="stress"), offload="optimizer")
-    host = int(plan.predicted["memory"]["host"])
+    host = int(plan.predicted.memory.host)
     assert host > 0
     reps = world4.run(verify_rank, VerifySpec(MODEL, plan.mesh_shape, plan.mesh_axes,
                                               plan.dumps()))
@@ -129,7 +129,7 @@ def test_on_cpu_the_host_state_of_an_offload_plan_is_predicted_in_the_measured_m
     assert ok, text
     for r in reps:
         p = r["memory"]["predicted"]
-        assert p["host"] == host and p["peak"] == int(plan.predicted["memory"]["peak"]) + host
+        assert p["host"] == host and p["peak"] == int(plan.predicted.memory.peak) + host
         # The host figure counts the pinned buffers a GPU run copies the gradient shard down
         # and the update up through (cost/state.py); a CPU run allocates neither, so here the
         # prediction is an upper bound: never under the measurement, within 25% of it.

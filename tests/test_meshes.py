@@ -69,7 +69,7 @@ def test_search_plans_every_candidate_of_a_small_model_and_keeps_the_fastest(sea
     tried = ms["tried"]
     assert ms["candidates"] == len(tried) and not ms["not_tried"]
     steps = [t["step_time_s"] for t in tried if "step_time_s" in t]
-    assert plan.predicted["step_time_s"] == min(steps)
+    assert plan.predicted.step_time_s == min(steps)
     chosen = [t for t in tried if t.get("chosen")]
     assert len(chosen) == 1 and tuple(chosen[0]["mesh"]) == plan.mesh_shape
     assert tuple(chosen[0]["axes"]) == plan.mesh_axes

@@ -224,9 +224,9 @@ def test_experts_are_sharded_over_an_axis_with_all_to_all(shape, axes) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("shape, axes", MESHES, ids=["8", "2x4"])
 def test_expert_parallelism_is_no_slower_than_the_alternatives(shape, axes) -> None:
-    auto = _plan(shape, axes).predicted["step_time_s"]
-    replicated = _plan(shape, axes, "replicated").predicted["step_time_s"]
-    inner = _plan(shape, axes, "inner").predicted["step_time_s"]
+    auto = _plan(shape, axes).predicted.step_time_s
+    replicated = _plan(shape, axes, "replicated").predicted.step_time_s
+    inner = _plan(shape, axes, "inner").predicted.step_time_s
     assert auto <= min(replicated, inner)
     # Not a tie: splitting the experts saves a measurable part of the step (docs/cost-model.md
     # §12 has the figures).
@@ -315,11 +315,11 @@ def test_hf_mixtral_spreads_its_experts_where_memory_requires(mixtral) -> None:
     mesh = Mesh((4,), cluster="h100")
     free = plan_for(mixtral, mesh, batch=2, seq=8)
     assert all(spec == (Replicate(),) for spec in _expert_specs(free))
-    budget = free.predicted["memory"]["peak"] // 3   # (at half, half of them are enough)
+    budget = free.predicted.memory.peak // 3   # (at half, half of them are enough)
     tight = plan_for(mixtral, mesh, batch=2, seq=8, memory_budget=budget, recompute="none")
     specs = _expert_specs(tight)
     assert len(specs) == 4 and all(isinstance(spec[0], Shard) for spec in specs), specs
-    assert tight.predicted["memory"]["peak"] <= budget
+    assert tight.predicted.memory.peak <= budget
 
 
 @pytest.mark.slow

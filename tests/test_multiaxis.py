@@ -225,7 +225,7 @@ def test_two_axis_reshard_appears_once_with_both_axes(gpt2_traced, gpt2_merged):
                 (c.phase, c.node, c.value, c.kind)]
         assert [d.axes for d in same] == [("x", "y")]
     # The ILP's price is the plan's: the joint group priced once on its slower link.
-    assert plan.solver["objective"] == pytest.approx(plan.predicted["step_time_s"], rel=1e-9)
+    assert plan.solver["objective"] == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
     assert plan.solver["merged_axes"] == [[0, 1], [2]]
 
 
@@ -251,7 +251,7 @@ def test_non_adjacent_merge_prices_as_it_runs(gpt2_traced):
     plan = plan_merged(gpt2_traced, Mesh((2, 2, 2), cluster=CLUSTER), ((0, 2), (1,)))
     assert plan.joint_axes == (("x", "z"),)
     assert {c.axes for c in plan.collectives if len(c.axes) > 1} == {("x", "z")}
-    assert plan.solver["objective"] == pytest.approx(plan.predicted["step_time_s"], rel=1e-9)
+    assert plan.solver["objective"] == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
 
 
 @pytest.fixture(scope="module")
@@ -269,8 +269,8 @@ def test_search_tries_every_grouping_and_every_subset(mlp_traced):
     want = [(p, j) for p in partitions(3) for j in (True, False) if len(p) < 3 or not j]
     assert got == sorted(want)
     assert all("step_time_s" in t and t["status"] == "OPTIMAL" for t in tries), tries
-    assert plan.predicted["step_time_s"] == min(t["step_time_s"] for t in tries)
-    chosen = next(t for t in tries if t["step_time_s"] == plan.predicted["step_time_s"])
+    assert plan.predicted.step_time_s == min(t["step_time_s"] for t in tries)
+    chosen = next(t for t in tries if t["step_time_s"] == plan.predicted.step_time_s)
     assert plan.solver["merged_axes"] == chosen["merged_axes"]
     assert not any("every subset" in w for w in plan.warnings)
 

@@ -89,12 +89,12 @@ def test_optimizer_option_prices_model_state(gpt2_tiny) -> None:
     n = sum(math.prod(p.info.shape) for p in traced.params)
     # (the model state the step holds: the ILP's sum may differ by equally fast layouts that
     # a 1-device mesh does not tell apart)
-    assert adam.predicted["memory"]["model_state"] - sgd.predicted["memory"]["model_state"] == \
+    assert adam.predicted.memory.model_state - sgd.predicted.memory.model_state == \
         pytest.approx(2 * 4 * n)
     bw = mesh.cluster.mem_bandwidth
-    assert adam.predicted["optimizer_s"] == pytest.approx(28 * n / bw)
-    assert sgd.predicted["optimizer_s"] == pytest.approx(12 * n / bw)
-    assert adam.predicted["step_time_s"] - sgd.predicted["step_time_s"] == \
+    assert adam.predicted.optimizer_s == pytest.approx(28 * n / bw)
+    assert sgd.predicted.optimizer_s == pytest.approx(12 * n / bw)
+    assert adam.predicted.step_time_s - sgd.predicted.step_time_s == \
         pytest.approx((28 - 12) * n / bw)
 
 
@@ -106,7 +106,7 @@ def test_a_16_bit_parameter_pays_the_casts_to_and_from_its_master() -> None:
     mesh = Mesh((1,), cluster="cpu")
     mixed = plan_traced(traced, mesh)
     n = sum(math.prod(p.info.shape) for p in traced.params)
-    assert mixed.predicted["optimizer_s"] == pytest.approx((28 + 12) * n / mesh.cluster.mem_bandwidth)
+    assert mixed.predicted.optimizer_s == pytest.approx((28 + 12) * n / mesh.cluster.mem_bandwidth)
 
 
 def test_edited_options_in_a_plan_file_are_refused(gpt2_tiny) -> None:
@@ -207,8 +207,8 @@ def test_predicted_figures_are_the_prices_summed(gpt2_tiny, shape, cluster) -> N
     comm = sum(pricer.reshard_seconds(e.value, e.src, e.dst, e.divergent)
                for e in reshard_edges(traced.graph, strategies, mesh.shape, pricer.shapes,
                                       {q.name for q in traced.params}, training=True))
-    assert p.predicted["compute_s"] == pytest.approx(compute, rel=1e-12)
-    assert p.predicted["comm_s"] == pytest.approx(comm, rel=1e-12)
-    assert p.predicted["ilp_memory_bytes"] == pytest.approx(memory, rel=1e-12)
-    assert p.solver["objective"] == pytest.approx(p.predicted["step_time_s"], rel=1e-9)
+    assert p.predicted.compute_s == pytest.approx(compute, rel=1e-12)
+    assert p.predicted.comm_s == pytest.approx(comm, rel=1e-12)
+    assert p.predicted.ilp_sum_bytes == pytest.approx(memory, rel=1e-12)
+    assert p.solver["objective"] == pytest.approx(p.predicted.step_time_s, rel=1e-9)
     assert comm > 0        # the stress preset makes these plans move data

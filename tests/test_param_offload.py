@@ -147,7 +147,7 @@ def test_streaming_zero3_moves_its_state_to_the_host(zero3_and_streamed):
     assert stream.params == zero3.params
     assert {st.mode for st in stream.param_state.values()} == {"offload_params"}
     assert all(st.offload == "parameters" for st in stream.param_state.values())
-    m3, ms = zero3.predicted["memory"], stream.predicted["memory"]
+    m3, ms = zero3.predicted.memory, stream.predicted.memory
     model, inputs = build("gpt2-tiny", None, None, 0)
     traced = trace(model, inputs)
     host = device = 0.0
@@ -162,10 +162,10 @@ def test_streaming_zero3_moves_its_state_to_the_host(zero3_and_streamed):
         ns = n // 4 if sspec is not None else n
         # fp32: parameter, gradient, master+moments, the pinned buffer the update comes up in
         host += 4 * n + 4 * ns + 12 * ns + 4 * ns
-    assert m3["model_state"] == device and m3["host"] == 0
-    assert ms["model_state"] == 0 and ms["host"] == host
-    assert ms["peak"] < m3["peak"]
-    assert stream.predicted["ilp_memory_bytes"] < zero3.predicted["ilp_memory_bytes"]
+    assert m3.model_state == device and m3.host == 0
+    assert ms.model_state == 0 and ms.host == host
+    assert ms.peak < m3.peak
+    assert stream.predicted.ilp_sum_bytes < zero3.predicted.ilp_sum_bytes
 
 
 def _tied_later(traced) -> list[str]:
@@ -200,10 +200,10 @@ def test_the_plan_lists_every_host_copy(zero3_and_streamed):
     bw = Cluster.load(CLUSTER).host_bandwidth
     host_s = sum(x.bytes for x in t if x.phase != "optimizer") / bw
     p = stream.predicted
-    assert p["host_s"] == pytest.approx(host_s, rel=1e-12)
-    assert p["step_time_s"] == pytest.approx(
-        p["compute_s"] + sum(p["exposed_comm_s"].values()) + p["host_s"], rel=1e-12)
-    assert stream.solver["objective"] == pytest.approx(p["step_time_s"], rel=1e-9)
+    assert p.host_s == pytest.approx(host_s, rel=1e-12)
+    assert p.step_time_s == pytest.approx(
+        p.compute_s + sum(p.exposed_comm_s.values()) + p.host_s, rel=1e-12)
+    assert stream.solver["objective"] == pytest.approx(p.step_time_s, rel=1e-9)
     # ZeRO-3's own plan: no host link at all.
     assert not zero3_and_streamed[0].host_transfers
 
@@ -318,16 +318,16 @@ def test_llama2_70b_streams_parameters_only_when_memory_requires_it(llama70b):
     assert not any(st.mode == "offload_params" for st in full.param_state.values())
     assert any(st.mode == "offload" for st in full.param_state.values())
     assert not any(t.phase != "optimizer" for t in full.host_transfers)
-    assert full.predicted["memory"]["peak"] <= 80e9
+    assert full.predicted.memory.peak <= 80e9
     budget = 30 * 2**30
     with pytest.raises(AutoshardError, match="optimizer offload to the host"):
         plan_traced(llama70b, mesh, recompute="full", memory_budget=budget, offload="optimizer")
     tight = plan_traced(llama70b, mesh, recompute="full", memory_budget=budget)
     streamed = [f for f, st in tight.param_state.items() if st.mode == "offload_params"]
-    assert streamed and tight.predicted["host_s"] > 0
-    assert tight.predicted["memory"]["peak"] <= budget
-    assert tight.predicted["step_time_s"] > full.predicted["step_time_s"]
-    assert tight.predicted["memory"]["host"] <= mesh.cluster.host_memory_bytes
+    assert streamed and tight.predicted.host_s > 0
+    assert tight.predicted.memory.peak <= budget
+    assert tight.predicted.step_time_s > full.predicted.step_time_s
+    assert tight.predicted.memory.host <= mesh.cluster.host_memory_bytes
 
 
 @pytest.mark.slow
@@ -343,7 +343,7 @@ def test_no_plan_when_even_streaming_overfills_the_host():
     fits = plan_traced(traced, Mesh((4,), cluster="cpu"), memory_budget=budget, recompute="full")
     assert set(fits.recompute.values()) == {"full"}
     assert any(st.mode == "offload_params" for st in fits.param_state.values())
-    host = fits.predicted["memory"]["host"]
+    host = fits.predicted.memory.host
     # Room for half of it beside the process's own (cost/memory.py host_budget).
     small = dataclasses.replace(Cluster.preset("cpu"),
                                 host_memory_bytes=host / 2 + HOST_RESERVE_BYTES)

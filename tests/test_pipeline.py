@@ -379,8 +379,8 @@ def test_stages_cover_the_layers_in_order_and_balance(gpt2_pp) -> None:
     # The last stage carries the head and the loss over a 50257-word vocabulary, worth several
     # layers: it gets fewer layers than a middle stage.
     assert len(pl.stages[-1].layers) < len(pl.stages[1].layers)
-    slowest = max(st.predicted["compute_s"] + st.predicted["comm_s"] for st in pl.stages)
-    assert all(st.predicted["compute_s"] + st.predicted["comm_s"] >= 0.5 * slowest
+    slowest = max(st.predicted.compute_s + st.predicted.comm_s for st in pl.stages)
+    assert all(st.predicted.compute_s + st.predicted.comm_s >= 0.5 * slowest
                for st in pl.stages)
     # Every spec is replicated over the pipeline axis; the inner plan decides the rest.
     assert all(spec[0].__class__.__name__ == "Replicate" for n in gpt2_pp.nodes
@@ -389,12 +389,11 @@ def test_stages_cover_the_layers_in_order_and_balance(gpt2_pp) -> None:
 
 def test_step_is_the_schedule_over_the_stages(gpt2_pp) -> None:
     pl, pred = gpt2_pp.pipeline, gpt2_pp.predicted
-    stage_s = [st.predicted["compute_s"] + st.predicted["comm_s"] for st in pl.stages]
+    stage_s = [st.predicted.compute_s + st.predicted.comm_s for st in pl.stages]
     # + the slowest stage's optimizer step, the loss all-reduce and the tied weight's sync
-    assert pred["step_time_s"] >= pipeline_seconds(stage_s, pl.microbatches)
-    assert pred["step_time_s"] <= pipeline_seconds(stage_s, pl.microbatches) * 1.2
-    assert pred["ilp_memory_bytes"] == max(st.predicted["ilp_memory_bytes"]
-                                            for st in pl.stages)
+    assert pred.step_time_s >= pipeline_seconds(stage_s, pl.microbatches)
+    assert pred.step_time_s <= pipeline_seconds(stage_s, pl.microbatches) * 1.2
+    assert pred.ilp_sum_bytes == max(st.predicted.ilp_sum_bytes for st in pl.stages)
 
 
 def test_sends_between_stages_are_in_the_plan(gpt2_pp) -> None:
@@ -487,7 +486,7 @@ def test_auto_microbatches_pick_the_fastest() -> None:
     assert m in (2, 4) and auto.options.microbatches == m
     for k in (2, 4):
         other = plan_for("gpt2-tiny", mesh, pipeline="pp", microbatches=k)
-        assert auto.predicted["step_time_s"] <= other.predicted["step_time_s"] + 1e-12
+        assert auto.predicted.step_time_s <= other.predicted.step_time_s + 1e-12
 
 
 # -- gloo: the pipelined program equals the single-device model -------------------------------
@@ -588,9 +587,9 @@ def test_zero_bubble_in_the_search() -> None:
     zb = plan_for("gpt2-tiny-4l", mesh, schedule="InterleavedZeroBubble", **kw)
     i1 = plan_for("gpt2-tiny-4l", mesh, schedule="Interleaved1F1B", **kw)
     assert [st.layers for st in zb.pipeline.stages] == [st.layers for st in i1.pipeline.stages]
-    assert zb.predicted["step_time_s"] < i1.predicted["step_time_s"]
+    assert zb.predicted.step_time_s < i1.predicted.step_time_s
     auto = plan_for("gpt2-tiny-4l", mesh, **kw)
-    assert auto.predicted["step_time_s"] <= zb.predicted["step_time_s"] + 1e-12
+    assert auto.predicted.step_time_s <= zb.predicted.step_time_s + 1e-12
     assert "InterleavedZeroBubble, 2 microbatches, 4 stages on 2 ranks" in zb.summary()
     with pytest.raises(AutoshardError, match="without activation checkpointing"):
         plan_for("gpt2-tiny-4l", mesh, schedule="InterleavedZeroBubble", recompute="full", **kw)
@@ -678,9 +677,9 @@ def test_zbv_in_the_search() -> None:
     assert any(c.node.startswith("tied:") for c in izb.collectives)
     # the same cuts; rank 1's stages pay no send between them
     assert [st.layers for st in pl.stages] == [st.layers for st in izb.pipeline.stages]
-    assert pl.stages[1].predicted["comm_s"] < izb.pipeline.stages[1].predicted["comm_s"]
+    assert pl.stages[1].predicted.comm_s < izb.pipeline.stages[1].predicted.comm_s
     auto = plan_for("gpt2-tiny-4l", mesh, **kw)
-    assert auto.predicted["step_time_s"] <= zbv.predicted["step_time_s"] + 1e-12
+    assert auto.predicted.step_time_s <= zbv.predicted.step_time_s + 1e-12
     odd = plan_for("gpt2-tiny-4l", mesh, schedule="ZBVZeroBubble", pipeline="pp",
                    microbatches=3, batch=6)
     assert odd.pipeline.microbatches == 3
@@ -717,7 +716,7 @@ def test_dualpipev_in_the_search() -> None:
     assert "DualPipeV, 4 microbatches, 4 stages on 2 ranks" in dpv.summary()
     assert Plan.loads(dpv.dumps()) == dpv
     auto = plan_for("gpt2-tiny-4l", mesh, **kw)
-    assert auto.predicted["step_time_s"] <= dpv.predicted["step_time_s"] + 1e-12
+    assert auto.predicted.step_time_s <= dpv.predicted.step_time_s + 1e-12
     few = plan_for("gpt2-tiny-4l", mesh, pipeline="pp", microbatches=2)
     assert few.pipeline.schedule != "DualPipeV"
     with pytest.raises(AutoshardError, match="at least 4 microbatches for DualPipeV on 2 ranks"):
@@ -744,7 +743,7 @@ def test_auto_pipeline_keeps_the_faster_and_records_the_search() -> None:
     search = p.solver["pipeline_search"]
     assert [t["pipeline"] for t in search] == [None, "pp", "dp"]
     steps = [t["step_time_s"] for t in search if t["step_time_s"] is not None]
-    assert p.predicted["step_time_s"] == min(steps)
+    assert p.predicted.step_time_s == min(steps)
     chosen = p.pipeline.axis if p.pipeline else None
     assert p.options.pipeline == chosen
     assert "pipeline search (pipeline='auto')" in p.summary() and "<- chosen" in p.summary()
@@ -777,4 +776,4 @@ def test_megatron_layout_on_a_pipeline_pins_every_stage() -> None:
         assert meg.params[f"layers.{i}.mlp.fc2.weight"][-1] == Shard(1)
         assert meg.params[f"layers.{i}.attn.q_proj.weight"][-1] == Shard(0)
     ours = plan_traced(traced, mesh, options, model_name="gpt2")
-    assert ours.predicted["step_time_s"] <= meg.predicted["step_time_s"] * (1 + 1e-9)
+    assert ours.predicted.step_time_s <= meg.predicted.step_time_s * (1 + 1e-9)

@@ -110,7 +110,7 @@ def test_gpt2_megatron_layout_where_gradient_sync_cannot_hide() -> None:
     for n in sdpa:   # (batch, heads, seq, head_dim): dim 1 is the heads
         assert n.inputs[:3] == (S1, S1, S1) and n.outputs[0] == S1, n
     # The ILP's objective is the plan's own price: the problem models what the program runs.
-    assert p.solver["objective"] == pytest.approx(p.predicted["step_time_s"], rel=1e-9)
+    assert p.solver["objective"] == pytest.approx(p.predicted.step_time_s, rel=1e-9)
 
 
 def test_gpt2_megatron_block_bytes(gpt2_b1, megatron_cpu) -> None:
@@ -157,8 +157,8 @@ def test_gpt2_on_h100_replication_is_no_slower_than_megatron(gpt2_b1) -> None:
     mesh = Mesh((4,), cluster="h100")
     p = plan_traced(traced, mesh)
     meg = baseline_plan(traced, mesh, "megatron")
-    assert p.predicted["step_time_s"] <= meg.predicted["step_time_s"] * (1 + REL)
-    assert p.predicted["comm_s"] < meg.predicted["comm_s"]
+    assert p.predicted.step_time_s <= meg.predicted.step_time_s * (1 + REL)
+    assert p.predicted.comm_s < meg.predicted.comm_s
 
 
 # --------------------------------------------------------------- BERT: separate Q, K, V
@@ -197,7 +197,7 @@ def test_bert_interior_block_is_megatron_exactly(bert_cpu) -> None:
 def test_bert_objective_is_the_plans_price(bert_cpu) -> None:
     """The ILP's objective is what the plan's collectives cost when priced one by one."""
     _, p = bert_cpu
-    assert p.solver["objective"] == pytest.approx(p.predicted["step_time_s"], rel=1e-9)
+    assert p.solver["objective"] == pytest.approx(p.predicted.step_time_s, rel=1e-9)
 
 
 # ------------------------------------------------------------------------------ data parallel
@@ -258,17 +258,17 @@ def test_zero_twin_when_memory_asks_for_it() -> None:
     # One solve with the ILP's bound just below DP's sum (the budget less the allocator's slack,
     # docs/cost-model.md §4.6). The ILP alone: this twin's step peak (liveness) lies above that
     # budget, so plan_traced goes on to other techniques or refuses (tests/test_budget.py).
-    options = PlanOptions(memory_budget=budget_for(dp.predicted["ilp_memory_bytes"] - 1),
+    options = PlanOptions(memory_budget=budget_for(dp.predicted.ilp_sum_bytes - 1),
                           zero="none")
     p = plan_once(traced, mesh, options, model_name="", fixed=None, trace_s=0.0, merge=None,
                      recompute={}, offload=False)
-    assert p.predicted["ilp_memory_bytes"] < dp.predicted["ilp_memory_bytes"]
+    assert p.predicted.ilp_sum_bytes < dp.predicted.ilp_sum_bytes
     assert any(spec != R for spec in p.params.values()), p.params
-    assert p.predicted["step_time_s"] > dp.predicted["step_time_s"]
+    assert p.predicted.step_time_s > dp.predicted.step_time_s
     # The same op compute; the optimizer step of a sharded weight updates 1/d of it.
-    assert p.predicted["compute_s"] - p.predicted["optimizer_s"] == pytest.approx(
-        dp.predicted["compute_s"] - dp.predicted["optimizer_s"], rel=REL)
-    assert p.predicted["optimizer_s"] < dp.predicted["optimizer_s"]
+    assert p.predicted.compute_s - p.predicted.optimizer_s == pytest.approx(
+        dp.predicted.compute_s - dp.predicted.optimizer_s, rel=REL)
+    assert p.predicted.optimizer_s < dp.predicted.optimizer_s
     assert all(n.inputs[0] == S0 for n in p.nodes if n.op == str(aten.linear.default))
     params = {ph.name for ph in traced.params}
     moved = [c for c in p.collectives if c.value in params or c.members]
@@ -284,7 +284,7 @@ def test_zero_twin_when_memory_asks_for_it() -> None:
                 - param_state_bytes(full[n].numel() // d, torch.float32)
                 - (full[n].numel() * itemsize if n.endswith(".weight") else 0)
                 for n, spec in p.params.items() if spec != R)
-    assert dp.predicted["ilp_memory_bytes"] - p.predicted["ilp_memory_bytes"] == saved
+    assert dp.predicted.ilp_sum_bytes - p.predicted.ilp_sum_bytes == saved
 
 
 # One budget on the 2-D mesh: the ILP with memory binding takes CBC ~15-30 s a solve there.
@@ -296,14 +296,14 @@ def test_plans_fit_the_budget_they_were_given(baseline_traces, shape, fracs) -> 
     included), and less memory never comes faster. (Without checkpointing: one solve each.)"""
     traced, mesh = baseline_traces["gpt2-tiny"], Mesh(shape, cluster="h100")
     roomy = plan_traced(traced, mesh)
-    last = roomy.predicted["step_time_s"]
+    last = roomy.predicted.step_time_s
     for frac in fracs:
-        budget = roomy.predicted["ilp_memory_bytes"] * frac
+        budget = roomy.predicted.ilp_sum_bytes * frac
         p = plan_traced(traced, mesh, memory_budget=budget, recompute="none")
-        assert p.predicted["ilp_memory_bytes"] <= budget
-        assert p.predicted["step_time_s"] >= last * (1 - REL)
-        assert p.solver["objective"] == pytest.approx(p.predicted["step_time_s"], rel=1e-9)
-        last = p.predicted["step_time_s"]
+        assert p.predicted.ilp_sum_bytes <= budget
+        assert p.predicted.step_time_s >= last * (1 - REL)
+        assert p.solver["objective"] == pytest.approx(p.predicted.step_time_s, rel=1e-9)
+        last = p.predicted.step_time_s
 
 
 # ------------------------------------------------------------------------------ layer dedup
@@ -374,12 +374,12 @@ def test_never_slower_than_a_baseline(baseline_traces, name: str, shape) -> None
     # baselines', is the best of the axis merges: the comparison stays like for like.
     kw = {"time_limit_s": 2.0} if len(shape) == 3 else {}
     p = plan_traced(traced, mesh, **kw)
-    ours = p.predicted["step_time_s"]
+    ours = p.predicted.step_time_s
     assert p.solver["objective"] == pytest.approx(ours, rel=1e-9)
     feasible = 0
     for b in BASELINES:
         try:
-            theirs = baseline_plan(traced, mesh, b, **kw).predicted["step_time_s"]
+            theirs = baseline_plan(traced, mesh, b, **kw).predicted.step_time_s
         except AutoshardError as e:
             assert "memory" in str(e), e       # only an infeasible budget excuses a baseline
             continue
@@ -415,10 +415,10 @@ def test_plan_contents(gpt2_b1, megatron_cpu) -> None:
         assert c["kind"] in COLLECTIVE_KINDS and c["phase"] in PHASES, c
         assert set(c["axes"]) <= {"x"} and isinstance(c["bytes"], int) and c["bytes"] > 0, c
     # The step waits for compute and the exposed part of communication (docs/cost-model.md §7).
-    assert p.predicted["step_time_s"] == pytest.approx(
-        p.predicted["compute_s"] + sum(p.predicted["exposed_comm_s"].values()), rel=REL)
-    assert sum(p.predicted["exposed_comm_s"].values()) + sum(
-        p.predicted["overlapped_comm_s"].values()) == pytest.approx(p.predicted["comm_s"], rel=REL)
+    assert p.predicted.step_time_s == pytest.approx(
+        p.predicted.compute_s + sum(p.predicted.exposed_comm_s.values()), rel=REL)
+    assert sum(p.predicted.exposed_comm_s.values()) + sum(
+        p.predicted.overlapped_comm_s.values()) == pytest.approx(p.predicted.comm_s, rel=REL)
 
 
 # ------------------------------------------------------------------------------ HF models
@@ -582,7 +582,7 @@ def test_a_plan_that_wastes_its_mesh_says_so() -> None:
     p = plan(model, inputs, Mesh((8, 8), cluster="h100"))
     (note,) = [w for w in p.warnings if w.startswith("devices repeat work")]
     assert "idle axes: dp" in note and "The same work on mesh 8 (axes tp)" in note, note
-    assert f"against {p.predicted['step_time_s'] * 1e3:.3f} ms here" in note
+    assert f"against {p.predicted.step_time_s * 1e3:.3f} ms here" in note
     assert "warning: devices repeat work" in p.summary()
     model, inputs = get_model("gpt2-tiny", batch=256, device="meta")
     busy = plan(model, inputs, Mesh((2, 2), cluster="stress"))
@@ -619,7 +619,7 @@ def test_recompute_where_only_it_fits(gpt2_b8) -> None:
         plan_traced(gpt2_b8, mesh, memory_budget=0.65 * 2**30, recompute="none", **kw)
     p = plan_traced(gpt2_b8, mesh, memory_budget=0.65 * 2**30, **kw)
     assert set(p.recompute) == {f"layers.{i}" for i in range(12)}
-    assert p.predicted["memory"]["peak"] <= 0.65 * 2**30
+    assert p.predicted.memory.peak <= 0.65 * 2**30
     with pytest.raises(AutoshardError) as info:
         plan_traced(gpt2_b8, mesh, memory_budget=0.2 * 2**30, **kw)
     assert "full activation checkpointing of its 12 repeated layers" in str(info.value)
@@ -643,7 +643,7 @@ def test_selective_recompute_sits_between_none_and_full(gpt2_b1) -> None:
     meg = baseline_plan(traced, mesh, "megatron", recompute="none")
     meg_sel = assemble(traced, mesh, meg.strategies(), meg.options, solver=meg.solver,
                        model_name="", timings={}, recompute=dict.fromkeys(layers, "selective"))
-    assert meg_sel.predicted["ilp_memory_bytes"] > meg.predicted["ilp_memory_bytes"]
+    assert meg_sel.predicted.ilp_sum_bytes > meg.predicted.ilp_sum_bytes
     assert not [c for c in meg_sel.collectives if c.phase == "recompute"]
     base = baseline_plan(traced, mesh, "dp", recompute="none")
     strategies = base.strategies()
@@ -658,10 +658,10 @@ def test_selective_recompute_sits_between_none_and_full(gpt2_b1) -> None:
     forward = sum(op_times(pricer.info(n.name), strategies[n.name], mesh, training=True)[0]
                   for n in rerun)
     sel, full = plans["selective"], plans["full"]
-    assert sel.predicted["compute_s"] - base.predicted["compute_s"] == pytest.approx(forward)
-    assert base.predicted["compute_s"] < sel.predicted["compute_s"] < full.predicted["compute_s"]
-    assert full.predicted["ilp_memory_bytes"] < sel.predicted["ilp_memory_bytes"] \
-        < base.predicted["ilp_memory_bytes"]
+    assert sel.predicted.compute_s - base.predicted.compute_s == pytest.approx(forward)
+    assert base.predicted.compute_s < sel.predicted.compute_s < full.predicted.compute_s
+    assert full.predicted.ilp_sum_bytes < sel.predicted.ilp_sum_bytes \
+        < base.predicted.ilp_sum_bytes
     assert "activation checkpointing (selective): 12 of 12 layers" in sel.summary()
 
 
@@ -688,7 +688,7 @@ def test_recompute_prices_the_forward_again_and_keeps_one_layer(gpt2_b1) -> None
     ops = [n for n in traced.graph.nodes if pricer.recomputed(n.name)]
     forward = sum(op_times(pricer.info(n.name), strategies[n.name], mesh, training=True)[0]
                   for n in ops)
-    assert full.predicted["compute_s"] - base.predicted["compute_s"] == pytest.approx(forward)
+    assert full.predicted.compute_s - base.predicted.compute_s == pytest.approx(forward)
     again = [c for c in full.collectives if c.phase == "recompute"]
     assert again
     first = Counter((c.kind, c.bytes, c.node) for c in base.collectives if c.phase == "forward"
@@ -698,7 +698,7 @@ def test_recompute_prices_the_forward_again_and_keeps_one_layer(gpt2_b1) -> None
     b, s, h = 1, 1024, model.config.hidden
     itemsize = next(model.parameters()).element_size()
     assert len(inputs) == 12 and all(pricer.shapes[v] == ((b, s, h), itemsize) for v in inputs)
-    assert full.predicted["ilp_memory_bytes"] < base.predicted["ilp_memory_bytes"]
+    assert full.predicted.ilp_sum_bytes < base.predicted.ilp_sum_bytes
 
 
 @pytest.mark.slow
@@ -711,9 +711,9 @@ def test_recompute_ladder_holds_the_step_peak(gpt2_b8) -> None:
     steps = []
     for gib in (0.7, 0.73, 0.76):
         p = plan_traced(gpt2_b8, mesh, memory_budget=gib * 2**30, **kw)
-        assert p.predicted["memory"]["peak"] <= gib * 2**30, gib
+        assert p.predicted.memory.peak <= gib * 2**30, gib
         assert not p.warnings, p.warnings
-        steps.append(p.predicted["step_time_s"])
+        steps.append(p.predicted.step_time_s)
     assert steps == sorted(steps, reverse=True), steps
 
 
@@ -730,8 +730,8 @@ def test_checkpointing_per_layer_recomputes_only_what_memory_needs(gpt2_b8) -> N
     k = len(p.recompute)
     assert 0 < k < 12 and set(p.recompute) == {f"layers.{i}" for i in range(k)}
     assert set(p.recompute.values()) == {"full"}
-    assert max(p.predicted["memory"]["peak"], p.predicted["ilp_memory_bytes"]) <= 1.1 * 2**30
+    assert max(p.predicted.memory.peak, p.predicted.ilp_sum_bytes) <= 1.1 * 2**30
     every = plan_traced(gpt2_b8, mesh, recompute="full", **kw)
-    assert p.predicted["step_time_s"] < every.predicted["step_time_s"]
+    assert p.predicted.step_time_s < every.predicted.step_time_s
     groups = {layer.same_as for layer in p.layers if layer.name.startswith("layers.")}
     assert groups == {"layers.0", f"layers.{k}"}

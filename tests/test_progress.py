@@ -115,14 +115,14 @@ def test_json_summary_of_a_pipelined_plan(tmp_path, capsys) -> None:
     assert summary["model"] == "gpt2-tiny" and summary["output"] == str(path)
     assert summary["mesh"] == {"shape": [2, 2], "axes": ["pp", "tp"], "cluster": "h100"}
     pred = summary["predicted"]
-    assert pred["step_time_s"] == p.predicted["step_time_s"]
+    assert pred["step_time_s"] == p.predicted.step_time_s
     assert sum(pred["parts"].values()) == pytest.approx(pred["step_time_s"], rel=1e-9)
     assert pred["parts"]["pipeline bubble"] > 0 and "comm over pp" in pred["parts"]
     tech = summary["techniques"]
     assert tech["pipeline"]["axis"] == "pp" and tech["pipeline"]["stages"] == 2
     assert tech["pipeline"]["microbatches"] == p.pipeline.microbatches
     assert tech["params"] == len(p.params)
-    assert summary["memory"]["bound_bytes"] == p.predicted["ilp_memory_bytes"]
+    assert summary["memory"]["bound_bytes"] == p.predicted.ilp_sum_bytes
     assert summary["solver"]["status"] == "OPTIMAL"
     assert set(summary["timings"]) >= {"trace_s", "build_s", "solve_s", "total_s"}
     assert summary["timings"]["total_s"] > 0

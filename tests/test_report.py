@@ -16,6 +16,7 @@ from autoshard.schedules import SCHEDULES, SPLIT_BACKWARD, VIRTUAL_STAGES, sched
 from autoshard.ir import spec_str
 from autoshard.mesh import Mesh
 from autoshard.plans import Plan
+from autoshard.plans.prediction import StagePrediction
 from autoshard.plans.records import Pipeline, Stage
 from autoshard.tools.report import (gantt_slots, layer_map, memory_parts, pipeline_bubble,
                               render_html, save_gantt, step_parts, write_report)
@@ -68,26 +69,26 @@ def png_size(data: bytes) -> tuple[int, int]:
 def test_step_parts_add_up_to_the_step(main_job, pipelined) -> None:
     plain, pp = Plan.load(main_job), Plan.load(pipelined)
     parts = dict(step_parts(plain))
-    assert sum(parts.values()) == pytest.approx(plain.predicted["step_time_s"], rel=1e-12)
-    assert parts["compute"] == plain.predicted["compute_s"]
+    assert sum(parts.values()) == pytest.approx(plain.predicted.step_time_s, rel=1e-12)
+    assert parts["compute"] == plain.predicted.compute_s
     for axis in ("dp", "tp"):
-        assert parts[f"comm over {axis}"] == plain.predicted["exposed_comm_s"][axis]
+        assert parts[f"comm over {axis}"] == plain.predicted.exposed_comm_s[axis]
     parts = dict(step_parts(pp))
-    assert sum(parts.values()) == pytest.approx(pp.predicted["step_time_s"], rel=1e-12)
+    assert sum(parts.values()) == pytest.approx(pp.predicted.step_time_s, rel=1e-12)
     # The bubble is the idle share of the schedule's compute: with 2 stages and balanced
     # layers, (p - 1) stage-microbatches of the slowest stage.
     bubble = pipeline_bubble(pp.pipeline)
     assert parts["pipeline bubble"] == bubble > 0
-    stages = [s.predicted["compute_s"] for s in pp.pipeline.stages]
+    stages = [s.predicted.compute_s for s in pp.pipeline.stages]
     assert bubble == pytest.approx(sum(stages) - max(stages))
-    assert parts["compute"] == pytest.approx(pp.predicted["compute_s"] - bubble)
+    assert parts["compute"] == pytest.approx(pp.predicted.compute_s - bubble)
 
 
 def test_memory_parts_are_the_liveness_peak(main_job, pipelined) -> None:
     plan = Plan.load(main_job)
     parts = dict(memory_parts(plan))
     assert list(parts) == ["parameters", "gradients", "optimizer", "activations", "temporaries"]
-    assert sum(parts.values()) == pytest.approx(plan.predicted["memory"]["peak"])
+    assert sum(parts.values()) == pytest.approx(plan.predicted.memory.peak)
     assert memory_parts(Plan.load(pipelined)) == []     # per stage instead: no liveness peak
 
 
@@ -118,7 +119,7 @@ def _pipeline(schedule: str, p: int, m: int, seconds: list[float] | None = None)
     v = VIRTUAL_STAGES[schedule]
     seconds = seconds or [0.3] * (p * v)
     return Pipeline("pp", schedule, m, tuple(
-        Stage(i, (f"l.{i}",), {"compute_s": t * 0.9, "comm_s": t * 0.1, "ilp_memory_bytes": 0})
+        Stage(i, (f"l.{i}",), StagePrediction(t * 0.9, t * 0.1, 0))
         for i, t in enumerate(seconds)), v)
 
 

@@ -162,7 +162,7 @@ def test_the_plans_price_is_the_ilps_with_exposed_hops(tiny) -> None:
     node = next(n.name for n in tiny.graph.nodes if n.target is SDPA)
     charges = pricer.op_charges(node, plan.strategies()[node])
     assert all(t > 0 for *_, t in charges)
-    assert plan.solver["objective"] == pytest.approx(plan.predicted["step_time_s"], rel=1e-9)
+    assert plan.solver["objective"] == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
 
 
 # ---- the rule against single-device attention ---------------------------------------------
@@ -223,7 +223,7 @@ def test_ring_plan_passes_kv_blocks_and_gathers_nothing(tiny) -> None:
     at = [c for c in plan.collectives if c.node.startswith("scaled_dot_product")]
     assert sorted((c.phase, c.kind, c.bytes) for c in at) == sorted(
         ([("forward", "send_recv", kv)] * 3 + [("backward", "send_recv", kv)] * 7) * layers)
-    assert plan.predicted["step_time_s"] > 0
+    assert plan.predicted.step_time_s > 0
 
 
 def test_the_ilp_weighs_ring_against_gather(tiny) -> None:
@@ -237,7 +237,7 @@ def test_the_ilp_weighs_ring_against_gather(tiny) -> None:
     kernels = {cp: {s.kernel for k, s in p.strategies().items() if k.startswith("scaled_dot")}
                for cp, p in plans.items()}
     assert kernels == {"on": {"cp_ring"}, "gather": {"cp_gather"}, "ring": {"cp_ring"}}
-    step = {cp: p.predicted["step_time_s"] for cp, p in plans.items()}
+    step = {cp: p.predicted.step_time_s for cp, p in plans.items()}
     assert step["on"] <= min(step["gather"], step["ring"]) * (1 + 1e-9)
     pricer = Pricer(tiny, mesh, PlanOptions(context_parallel="on"))
     node = next(n for n in tiny.graph.nodes if n.target is SDPA)

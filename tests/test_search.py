@@ -12,6 +12,7 @@ from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions
 from autoshard.options import resolve_options
 from autoshard.solver.budget import offload_tries, recompute_tries, remedy_tries
+from autoshard.plans.prediction import Prediction
 from autoshard.solver.merging import grouping_tries
 from autoshard.solver.meshes import Candidate, mesh_tries
 from autoshard.solver.pipeline import schedule_tries
@@ -23,7 +24,7 @@ from autoshard.zoo.registry import get_model
 
 
 def _plan(step: float):
-    return SimpleNamespace(predicted={"step_time_s": step})
+    return SimpleNamespace(predicted=Prediction(step, step, 0.0, 0.0))
 
 
 def _run(steps: dict[str, float | str]):
@@ -39,7 +40,7 @@ def _run(steps: dict[str, float | str]):
 def test_fastest_kept_first_on_ties_and_every_try_recorded() -> None:
     tries = [Try(n, ()) for n in "abcd"]
     best, tried = run_search(tries, _run({"a": 3.0, "b": 1.0, "c": "no fit", "d": 1.0}))
-    assert best.predicted["step_time_s"] == 1.0 and best is tried[1].plan
+    assert best.predicted.step_time_s == 1.0 and best is tried[1].plan
     assert [t.attempt.label for t in tried] == ["a", "b", "c", "d"]
     assert [t.step_time_s for t in tried] == [3.0, 1.0, None, 1.0]
     assert tried[2].plan is None and tried[2].error.got == "no fit"
@@ -84,7 +85,7 @@ def test_a_ladder_stops_at_its_first_rung_that_plans_and_passes_on_other_errors(
     best, tried = run_search([Try(n, ()) for n in "abc"], _run({"a": "no fit", "b": 5.0,
                                                                  "c": 1.0}),
                              until=lambda p: True)
-    assert best.predicted["step_time_s"] == 5.0 and [t.attempt.label for t in tried] == ["a", "b"]
+    assert best.predicted.step_time_s == 5.0 and [t.attempt.label for t in tried] == ["a", "b"]
     with pytest.raises(AutoshardError, match="bad input"):
         run_search([Try("a", ()), Try("b", ())], _run({"a": "bad input", "b": 1.0}),
                    recoverable=lambda e: e.got != "bad input")
@@ -129,7 +130,7 @@ def test_the_memory_searches_as_tries() -> None:
 
     def plan_at(phase: str):
         return SimpleNamespace(recompute={}, param_state={}, options=opts,
-                               predicted={"peak_phase": phase})
+                               predicted=Prediction(1.0, 1.0, 0.0, 0.0, peak_phase=phase))
     with_ = "the step peaks above the budget: with "
     assert _changes(remedy_tries(traced, opts, plan_at("optimizer"))) == [
         (with_ + "no checkpointing, optimizer offload", {"recompute": {}, "offload": True}),
@@ -184,4 +185,4 @@ def test_the_chosen_mesh_keeps_another_microbatch_count_only_if_faster(steps, ke
         return MeshTried(c, t.get("microbatches"), plan=_plan(steps[t.get("microbatches")]))
     _other_counts(best, 8, solve)
     assert seen == [2, 4] and best.microbatches == kept
-    assert best.plan.predicted["step_time_s"] == min(2.0, *steps.values())
+    assert best.plan.predicted.step_time_s == min(2.0, *steps.values())

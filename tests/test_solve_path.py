@@ -116,9 +116,9 @@ def test_time_limited_plan_is_no_slower_than_the_baselines_and_the_smaller_mesh(
     assert any(whole for _, whole in calls)
     assert plan.solver["status"] == "FEASIBLE" and plan.solver["start"]
     assert 0.0 <= plan.solver["gap"] <= 1.0
-    ours = plan.predicted["step_time_s"]
+    ours = plan.predicted.step_time_s
     for name, other in others.items():
-        assert ours <= other.predicted["step_time_s"] * (1 + 1e-6), (name, ours, other.predicted)
+        assert ours <= other.predicted.step_time_s * (1 + 1e-6), (name, ours, other.predicted)
 
 
 def test_starts_cost_nothing_where_the_first_backend_proves_the_optimum(monkeypatch,

@@ -99,8 +99,8 @@ def test_forced_zero_structure(zero):
 def test_memory_binding_buys_zero_before_recompute():
     """Just below plain data parallelism's peak, sharding optimizer state is the cheap fix."""
     dp = _plan("gpt2-tiny", (4,), zero="none", offload="none", recompute="none")
-    p = _plan("gpt2-tiny", (4,), memory_budget=dp.predicted["ilp_memory_bytes"] * 0.9)
-    assert p.predicted["ilp_memory_bytes"] <= dp.predicted["ilp_memory_bytes"] * 0.9
+    p = _plan("gpt2-tiny", (4,), memory_budget=dp.predicted.ilp_sum_bytes * 0.9)
+    assert p.predicted.ilp_sum_bytes <= dp.predicted.ilp_sum_bytes * 0.9
     assert p.param_state or any(any(x != R for x in s) for s in p.params.values())
 
 
@@ -164,9 +164,9 @@ def test_bf16_mixed_plans_the_step_in_bf16():
     mixed = _plan("gpt2-tiny", (4,), baseline="dp", precision="bf16-mixed")
     assert mixed.options.precision == "bf16-mixed"
     # Parameters and gradients at 2 bytes, optimizer state (fp32 master + moments) at 12.
-    m32, m16 = fp32.predicted["memory"], mixed.predicted["memory"]
-    assert m16["parameters"] == m32["parameters"] / 2 and m16["gradients"] == m32["gradients"] / 2
-    assert m16["optimizer"] == pytest.approx(m32["optimizer"] * 12 / 8)
+    m32, m16 = fp32.predicted.memory, mixed.predicted.memory
+    assert m16.parameters == m32.parameters / 2 and m16.gradients == m32.gradients / 2
+    assert m16.optimizer == pytest.approx(m32.optimizer * 12 / 8)
     assert mixed.bytes_by(phase="grad_sync") == fp32.bytes_by(phase="grad_sync") // 2
 
 
@@ -240,5 +240,6 @@ def test_no_technique_that_costs_time_where_memory_is_plentiful():
     assert not plan.recompute
     assert not any(s.offload for s in plan.param_state.values())
     assert not any(s.mode == "offload_params" for s in plan.param_state.values())
-    assert plan.predicted["memory"]["host"] == 0
-    assert not plan.host_transfers and "host_s" not in plan.predicted
+    assert plan.predicted.memory.host == 0
+    assert not plan.host_transfers and plan.predicted.host_s == 0
+    assert "host_s" not in plan.predicted.to_json()

@@ -140,21 +140,21 @@ def test_accumulation_is_priced_as_n_micro_steps_one_sync_one_update(gpt2, zero)
     st = one.strategies()
     acc = _assemble(gpt2, mesh, st, one.options.replace(accumulation_steps=n))
     p1, pn = one.predicted, acc.predicted
-    opt = p1["optimizer_s"]
+    opt = p1.optimizer_s
     pricer = Pricer(gpt2, mesh, one.options)
     window = sum(pricer.backward(k, s) for k, s in st.items())
-    sync = sum(p1["overlapped_comm_s"].values())      # all of it hidden on this cluster
+    sync = sum(p1.overlapped_comm_s.values())      # all of it hidden on this cluster
     assert sync < window
     # The updated shards' gathers after the step (ZeRO-2) run once; the rest every micro-step.
     gathers = sum(pricer.optimizer_comm_seconds(k, s) for k, s in st.items()
                   if k in pricer.params)
     assert (gathers > 0) == (zero == "zero2")
-    blocking = p1["comm_s"] - sync - gathers
-    assert pn["compute_s"] == pytest.approx(n * (p1["compute_s"] - opt) + opt, rel=1e-12)
-    assert pn["optimizer_s"] == pytest.approx(opt, rel=1e-12)
-    assert pn["comm_s"] == pytest.approx(n * blocking + gathers + sync, rel=1e-12)
-    assert pn["step_time_s"] == pytest.approx(
-        n * (p1["compute_s"] - opt + blocking) + opt + gathers + max(0.0, sync - window),
+    blocking = p1.comm_s - sync - gathers
+    assert pn.compute_s == pytest.approx(n * (p1.compute_s - opt) + opt, rel=1e-12)
+    assert pn.optimizer_s == pytest.approx(opt, rel=1e-12)
+    assert pn.comm_s == pytest.approx(n * blocking + gathers + sync, rel=1e-12)
+    assert pn.step_time_s == pytest.approx(
+        n * (p1.compute_s - opt + blocking) + opt + gathers + max(0.0, sync - window),
         rel=1e-12)
     # One micro-step's window: the sync no longer hidden once it exceeds it.
     pricer_n = Pricer(gpt2, mesh, acc.options)
@@ -163,13 +163,13 @@ def test_accumulation_is_priced_as_n_micro_steps_one_sync_one_update(gpt2, zero)
     prog = program_for(gpt2, st, pricer_n)
     whole = {ph.name: _local(ph, one.params[ph.fqn], mesh.shape) * 4 for ph in gpt2.params}
     assert dict(prog.held) == whole
-    assert pn["memory"]["peak"] >= p1["memory"]["peak"]
+    assert pn.memory.peak >= p1.memory.peak
     m1 = step_memory(gpt2, st, pricer)
     mn = step_memory(gpt2, st, pricer_n, program=prog)
     assert mn.phases["forward"] == m1.phases["forward"] + sum(whole.values())
     # The ILP's sum: what ZeRO-2 keeps of a gradient after the sync, raised to the whole one.
     shard = sum(pricer.state_bytes(k, st[k]).gradients for k in whole)
-    assert pn["ilp_memory_bytes"] - p1["ilp_memory_bytes"] == pytest.approx(
+    assert pn.ilp_sum_bytes - p1.ilp_sum_bytes == pytest.approx(
         sum(whole.values()) - shard)
     assert (shard < sum(whole.values())) == (zero == "zero2")
 
@@ -231,7 +231,7 @@ def test_a_stage_peak_is_the_walk_of_its_program(gpt2_pp):
                            bucket_bytes=pricer.options.bucket_bytes)
         k = in_flight(pl.schedule, s, len(ranges), pl.microbatches)
         walked = stage_memory(traced, st, pricer, sp, in_flight=k)
-        assert pl.stages[s].predicted["peak_bytes"] == walked.peak
+        assert pl.stages[s].predicted.peak_bytes == walked.peak
         # Its state is its own parameters' alone; more microbatches in flight, more memory.
         mine = {ref for n in traced.graph.nodes if n.name in ops and n.op == "call_function"
                 for ref, _ in [(a.name, 0) for a in n.all_input_nodes]} & {
@@ -261,7 +261,7 @@ def test_the_whole_program_as_one_stage_is_the_step_walk(gpt2):
 def test_pipelined_plans_hold_their_stages_walked_peaks_to_the_budget(gpt2_pp):
     from autoshard.cost.memory import budget_for, device_budget
     from autoshard.tools.verify import plan_for
-    top = max(st.predicted["peak_bytes"] for st in gpt2_pp.pipeline.stages)
+    top = max(st.predicted.peak_bytes for st in gpt2_pp.pipeline.stages)
     for f in (1.5, 1.0, 0.9):
         budget = budget_for(top * f)
         try:
@@ -270,7 +270,7 @@ def test_pipelined_plans_hold_their_stages_walked_peaks_to_the_budget(gpt2_pp):
         except AutoshardError as e:
             assert f < 1, (f, e)
             continue
-        assert all(st.predicted["peak_bytes"] <= device_budget(p.cluster, budget)
+        assert all(st.predicted.peak_bytes <= device_budget(p.cluster, budget)
                    for st in p.pipeline.stages), f
 
 

@@ -212,10 +212,10 @@ def test_explain_prices_on_the_plans_figures(profiled) -> None:
     """explain re-solved on the preset: a baseline of another step than the plan's."""
     _, plan = profiled
     e = explain_node(plan, NODE, rebuilt=rebuild(plan), alternatives=0)
-    assert e.baseline.step_time_s == pytest.approx(plan.predicted["step_time_s"], rel=1e-9)
+    assert e.baseline.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
     on_preset = dataclasses.replace(plan, cluster=PRESETS["stress"])
     other = explain_node(on_preset, NODE, rebuilt=rebuild(on_preset), alternatives=0)
-    assert other.baseline.step_time_s != pytest.approx(plan.predicted["step_time_s"], rel=1e-3)
+    assert other.baseline.step_time_s != pytest.approx(plan.predicted.step_time_s, rel=1e-3)
     # --cluster is for old files only: another profile for a plan that records its own refused
     with pytest.raises(AutoshardError, match="the plan records its figures"):
         rebuild(plan, cluster="h100")

@@ -34,6 +34,7 @@ from autoshard.codegen.collectives import (ExecutedCollective, Ledger, _reduce_s
 from autoshard.codegen.groups import MeshGroups
 from autoshard.codegen.hostlink import HostBuffers
 from autoshard.errors import AutoshardError
+from autoshard.ir import CollectiveKind
 from autoshard.plans.records import CollectiveRecord
 
 
@@ -43,7 +44,7 @@ class _Bucket:
     axes: tuple[tuple[int, ...], ...]   # per collective, its axes (one, or a joint group)
     planned_nbytes: tuple[int, ...]   # per collective
     members: tuple[str, ...]
-    kind: str = "all_reduce"
+    kind: str = CollectiveKind.ALL_REDUCE
     buffer: torch.Tensor | None = None
     grads: dict[str, torch.Tensor] | None = None     # reduce_scatter: the arrived gradients
     offsets: dict[str, tuple[int, torch.Size]] | None = None
@@ -69,7 +70,7 @@ class GradBuckets:
                                      fix="re-plan: the plan file was edited or is damaged")
             b = by_name.get(r.node)
             if b is None:
-                if r.kind not in ("all_reduce", "reduce_scatter"):
+                if r.kind not in (CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER):
                     raise AutoshardError("gradient buckets that all-reduce or reduce-scatter",
                                          got=f"{r.node}: {r.kind}",
                                          fix="re-plan: the plan file was edited or is damaged")
@@ -125,7 +126,7 @@ class GradBuckets:
 
     def _hand(self, member: str, grad: torch.Tensor) -> None:
         b = self.of[member]
-        if b.kind == "reduce_scatter":
+        if b.kind == CollectiveKind.REDUCE_SCATTER:
             self._arrive_scatter(b, member, grad)
             return
         if b.buffer is None:
@@ -229,7 +230,7 @@ class GradBuckets:
         self._pending = False
         self._inflight = []
         for b in self.buckets:
-            if b.kind == "reduce_scatter":
+            if b.kind == CollectiveKind.REDUCE_SCATTER:
                 if b.grads is not None or b.buffer is not None:
                     self._finish_scatter(b)
                 continue

@@ -20,7 +20,7 @@ import torch.distributed._functional_collectives as fc
 
 from autoshard.codegen.groups import MeshGroups
 from autoshard.cost.comm import Reshard, Step
-from autoshard.ir import to_group_major, to_rank_major
+from autoshard.ir import CollectiveKind, to_group_major, to_rank_major
 from autoshard.plans.records import PHASES
 
 # torch 2.13 renamed all_gather_tensor / reduce_scatter_tensor to *_single (the old names warn).
@@ -191,15 +191,15 @@ def apply_step(x: torch.Tensor, step: Step, groups: MeshGroups, *, ledger: Ledge
     if step.kind == "to_partial":
         return to_partial(x, coord=groups.joint_coord(axes))
     group = groups.group_of(axes)
-    if step.kind == "all_gather":
+    if step.kind == CollectiveKind.ALL_GATHER:
         y = to_group_major(all_gather(x, step.dim, group), step.dim, n, step.groups)
         moved = y                                   # S is the all-gather's output
-    elif step.kind == "all_reduce":
+    elif step.kind == CollectiveKind.ALL_REDUCE:
         y = moved = all_reduce(x, group)
-    elif step.kind == "reduce_scatter":
+    elif step.kind == CollectiveKind.REDUCE_SCATTER:
         moved = to_rank_major(x, step.dim, n, step.groups)
         y = reduce_scatter(moved, step.dim, group)  # S is the input
-    elif step.kind == "all_to_all":
+    elif step.kind == CollectiveKind.ALL_TO_ALL:
         moved = to_rank_major(x, step.dim2, n, step.groups2)
         y = to_group_major(all_to_all(moved, step.dim, step.dim2, group), step.dim, n,
                            step.groups)             # S: each device's input
@@ -223,7 +223,7 @@ def reduce_over_axis(x: torch.Tensor, op: str, axis: int, groups: MeshGroups, *,
     as a reshard's is not."""
     y = all_reduce(x, groups.groups[axis], op)
     if ledger is not None and phase != "replay":
-        ledger.add(ExecutedCollective(kind="all_reduce", axes=(groups.axes[axis],),
+        ledger.add(ExecutedCollective(kind=CollectiveKind.ALL_REDUCE, axes=(groups.axes[axis],),
                                       nbytes=y.numel() * y.element_size(),
                                       planned_nbytes=planned_nbytes, phase=phase, node=node,
                                       group_size=groups.shape[axis]))

@@ -48,11 +48,13 @@ import torch
 import torch.fx as fx
 
 from autoshard.codegen.collectives import ExecutedCollective, Ledger
+from autoshard.ir import CollectiveKind
 
 # The functional collectives of a traced graph, as the ledger names them; each moves the bytes
 # of its input (all-gather: its output), as codegen/collectives.py measures S.
-_KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-          "all_reduce": "all_reduce", "all_to_all_single": "all_to_all"}
+_KINDS = {"all_gather_into_tensor": CollectiveKind.ALL_GATHER,
+          "reduce_scatter_tensor": CollectiveKind.REDUCE_SCATTER,
+          "all_reduce": CollectiveKind.ALL_REDUCE, "all_to_all_single": CollectiveKind.ALL_TO_ALL}
 
 
 # The ledger phases of collectives a backward runs (codegen/collectives.py Redistribute).
@@ -284,7 +286,7 @@ def graph_collectives(gm: fx.GraphModule) -> list[tuple[str, int]]:
         kind = _KINDS.get(node.target._opname)
         if kind is None:
             continue                                  # wait_tensor
-        t = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
+        t = node.meta["val"] if kind == CollectiveKind.ALL_GATHER else node.args[0].meta["val"]
         out.append((kind, t.numel() * t.element_size()))
     return out
 

@@ -62,6 +62,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from autoshard.errors import AutoshardError
+from autoshard.ir import StateMode
 from autoshard.options import OFFLOAD_OVERLAP
 
 # Elements per fused kernel call: a 16-bit gradient's fp32 conversion of this size (16 MiB)
@@ -441,7 +442,7 @@ def fallback_warning(why: str) -> None:
 def attach(opt: Any) -> HostOptimizer | None:
     """The host step of a ShardedOptimizer's (codegen/optim.py) optimizer-offloaded parameters,
     or None where it has none or its optimizer has no fused host step (torch's runs then)."""
-    entries = [e for e in opt.entries if e.mode == "offload"]
+    entries = [e for e in opt.entries if e.mode == StateMode.OFFLOAD]
     if not entries:
         return None
     kind, why = host_kind(opt.optimizer)

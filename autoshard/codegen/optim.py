@@ -46,7 +46,7 @@ from autoshard.codegen.optimlayout import (  # noqa: F401
     _Entry, _cut, _names, _placements, _slice, entries, records)
 from autoshard.codegen.optimstate import LAYOUT_KEY, OptimizerStateDicts  # noqa: F401
 from autoshard.errors import AutoshardError
-from autoshard.ir import Shard
+from autoshard.ir import Shard, StateMode
 
 
 # Parameters whose gradients only a ShardedOptimizer reads right (held apart by a bucket), so a
@@ -181,7 +181,7 @@ class ShardedOptimizer(OptimizerStateDicts, torch.optim.Optimizer):
                 e.master.grad = g.to(e.master.device, torch.float32).contiguous()
         self.optimizer.step()
         stepped = [e for e in apart if e.master.grad is not None]
-        plain = [e for e in stepped if not e.gather and e.mode != "offload"
+        plain = [e for e in stepped if not e.gather and e.mode != StateMode.OFFLOAD
                  and e.master.device == e.param.device]
         if plain:
             torch._foreach_copy_([e.param for e in plain], [e.master.detach() for e in plain])
@@ -201,7 +201,7 @@ class ShardedOptimizer(OptimizerStateDicts, torch.optim.Optimizer):
             # Cast on the host; up the link only what the device needs: offload's updated
             # shard, or parameter offload's shard to be gathered.
             new = new.to(e.param.dtype)
-            if e.mode == "offload" or e.gather:
+            if e.mode == StateMode.OFFLOAD or e.gather:
                 ledger.add_host("h2d", new, "optimizer", "optimizer", e.placeholder)
                 new = self.pm.runtime.host.up(new, e.placeholder, self.pm.runtime.device)
         else:
@@ -209,7 +209,7 @@ class ShardedOptimizer(OptimizerStateDicts, torch.optim.Optimizer):
         if e.gather:
             new = apply_steps(new, e.gather, self.pm.groups, ledger=ledger,
                               phase="optimizer", node="optimizer")
-            if e.mode == "offload_params":     # the gathered parameter to its host copy
+            if e.mode == StateMode.OFFLOAD_PARAMS:     # the gathered parameter to its host copy
                 ledger.add_host("d2h", new, "optimizer", "optimizer", e.placeholder)
                 new = new.to(e.param.device)
         e.param.copy_(new)
@@ -224,7 +224,7 @@ class ShardedOptimizer(OptimizerStateDicts, torch.optim.Optimizer):
         host.settle()        # copies over the host link still in flight (codegen/hostlink.py)
         out = []
         for e, g in grads:
-            if e.mode == "offload":
+            if e.mode == StateMode.OFFLOAD:
                 ledger.add_host("d2h", g, "optimizer", "optimizer", e.placeholder)
                 g = host.down(g, e.placeholder + ":grad") if g.is_cuda else g.to(e.master.device)
             out.append((e, g))

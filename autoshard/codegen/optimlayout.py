@@ -19,7 +19,7 @@ import torch
 from autoshard.cost.comm import reshard
 from autoshard.cost.state import SCATTERS
 from autoshard.errors import AutoshardError
-from autoshard.ir import Shard, Spec, spec_str
+from autoshard.ir import Shard, Spec, StateMode, spec_str
 
 
 @dataclass
@@ -36,7 +36,7 @@ class _Entry:
     spec: Spec                      # the parameter's spec
     placements: tuple               # DTensor placements of the master and the state (global)
     seen: int = -1                  # the parameter's version when its fp32 master was cut from it
-    mode: str | None = None         # the state mode (cost/state.py)
+    mode: StateMode | None = None   # the state mode (cost/state.py)
     on_host: bool = False           # its state and step on the host (its record's ``on_host``)
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autoshard.codegen.collectives import ExecutedCollective
-from autoshard.ir import local_shape
+from autoshard.ir import CollectiveKind, local_shape
 from autoshard.plans import Plan
 from autoshard.cost.reshards import grad_values
 from autoshard.schedules import SPLIT_BACKWARD, WARMUP_BYTES, warmup_node
@@ -307,7 +307,8 @@ class Pipelined:
                     continue
                 dist.all_reduce(grad, group=group)
                 self.pm.ledger.add(ExecutedCollective(
-                    "all_reduce", (self.plan.pipeline.axis,), grad.numel() * grad.element_size(),
+                    CollectiveKind.ALL_REDUCE, (self.plan.pipeline.axis,),
+                    grad.numel() * grad.element_size(),
                     grad.numel() * grad.element_size(), "grad_sync", f"tied:{fqn}",
                     dist.get_world_size(group)))
             grad, held = earlier[fqn]
@@ -319,7 +320,8 @@ class Pipelined:
         loss = torch.stack([x.detach() for x in losses]).sum() if losses else \
             torch.zeros((), device=self.device)
         dist.all_reduce(loss, group=self.group)
-        self.pm.ledger.add(ExecutedCollective("all_reduce", (self.plan.pipeline.axis,), 4, 4,
+        self.pm.ledger.add(ExecutedCollective(CollectiveKind.ALL_REDUCE,
+                                              (self.plan.pipeline.axis,), 4, 4,
                                               "pipeline", "loss", self.ranks))
         return loss
 
@@ -396,7 +398,7 @@ def _counted_stage(buckets: Any, ledger: Any, axis_name: str, split: bool,
 
         def _count_warmup(self, peer: int, sends: bool) -> None:
             if sends and not self._is_same_rank(peer):
-                ledger.add(ExecutedCollective("send_recv", (axis_name,), WARMUP_BYTES,
+                ledger.add(ExecutedCollective(CollectiveKind.SEND_RECV, (axis_name,), WARMUP_BYTES,
                                               WARMUP_BYTES, "pipeline",
                                               warmup_node(self.stage_index, peer), 2))
 
@@ -447,6 +449,7 @@ def _rank(coords: list[int], shape: tuple[int, ...]) -> int:
 def _count(ledger, ops, axis: str, node: str) -> None:
     nbytes = sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
     if ops:
-        ledger.add(ExecutedCollective("send_recv", (axis,), nbytes, nbytes, "pipeline", node, 2))
+        ledger.add(ExecutedCollective(CollectiveKind.SEND_RECV, (axis,), nbytes, nbytes,
+                                      "pipeline", node, 2))
 
 

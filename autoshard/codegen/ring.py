@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from autoshard.codegen.collectives import ExecutedCollective, Ledger
 from autoshard.codegen.groups import MeshGroups
+from autoshard.ir import CollectiveKind
 from autoshard.ops.registry import OpCollective
 from autoshard.ops.ring import RingKernel
 
@@ -82,7 +83,7 @@ class GroupRing:
             return
         want = next(self.planned["backward" if backward else "forward"], None)
         self.ledger.add(ExecutedCollective(
-            kind="send_recv", axes=self.names, nbytes=sum(t.numel() * t.element_size()
+            kind=CollectiveKind.SEND_RECV, axes=self.names, nbytes=sum(t.numel() * t.element_size()
                                                           for t in tensors),
             planned_nbytes=want.nbytes if want else -1, phase=phase, node=self.node,
             group_size=self.size))

@@ -24,7 +24,7 @@ from autoshard.codegen.rewrite import RankRuntime, emit
 from autoshard.codegen.shards import Shards
 from autoshard.codegen.statedicts import StateDicts
 from autoshard.errors import AutoshardError
-from autoshard.ir import Spec
+from autoshard.ir import Spec, StateMode
 
 if TYPE_CHECKING:
     from autoshard.codegen.optim import ShardedOptimizer
@@ -116,7 +116,7 @@ class ParallelModule(GradViews, StateDicts, Shards, torch.nn.Module):
         # Parameters kept on the host (parameter offload): their shards live in host memory
         # (pinned beside a GPU, as FSDP2's CPUOffloadPolicy keeps them), copied in at each use.
         self.on_host = {ph.fqn for ph in self.traced.params
-                        if strategies[ph.name].kernel == "offload_params"}
+                        if strategies[ph.name].kernel == StateMode.OFFLOAD_PARAMS}
         # Values cut from the model's tensors; on the meta device, this rank's shard only is
         # materialised from the model's init or left for a state dict (materialize.py).
         here = (self.plan.mesh_shape, self.groups.coords, device)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
-from autoshard.ir import Partial, Replicate, Shard, Spec, shard_factor
+from autoshard.ir import CollectiveKind, Partial, Replicate, Shard, Spec, shard_factor
 from autoshard.cluster import COLLECTIVE_KINDS
 from autoshard.mesh import AxisLink, Mesh
 
@@ -34,26 +34,27 @@ def link_time(link: AxisLink, kind: str, p: int, nbytes: float, *,
 
 
 def collective_time(kind: str, p: int, nbytes: float, alpha: float, bandwidth: float) -> float:
-    if kind == "send_recv":
+    if kind == CollectiveKind.SEND_RECV:
         return alpha + nbytes / bandwidth
     if p <= 1:
         return 0.0
     frac = (p - 1) / p
-    if kind == "all_reduce":
+    if kind == CollectiveKind.ALL_REDUCE:
         return 2 * (p - 1) * alpha + 2 * frac * nbytes / bandwidth
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+    if kind in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER,
+                CollectiveKind.ALL_TO_ALL):
         return (p - 1) * alpha + frac * nbytes / bandwidth
     raise ValueError(f"unknown collective kind {kind!r}")
 
 
 def bytes_sent_per_device(kind: str, p: int, nbytes: float) -> float:
     """Bytes one device sends (docs/cost-model.md §1.1)."""
-    if kind == "send_recv":
+    if kind == CollectiveKind.SEND_RECV:
         return nbytes
     if p <= 1:
         return 0.0
     frac = (p - 1) / p
-    return 2 * frac * nbytes if kind == "all_reduce" else frac * nbytes
+    return 2 * frac * nbytes if kind == CollectiveKind.ALL_REDUCE else frac * nbytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +70,7 @@ class Step:
     as a contiguous one plus a local reorder (codegen/collectives.py).
     """
 
-    kind: str     # all_gather | all_reduce | reduce_scatter | all_to_all | slice | to_partial
+    kind: CollectiveKind | str     # a collective, or a local step: "slice" | "to_partial"
     axis: int
     dim: int = -1
     dim2: int = -1
@@ -181,23 +182,25 @@ def reshard(src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int,
     while not all(done):
         kind, a, dim, dim2 = _next_step(state, dst, done)
         n, size = mesh_shape[a], math.prod(local) * itemsize
-        if kind == "all_gather":
+        if kind == CollectiveKind.ALL_GATHER:
             local[dim] *= n
             size *= n                                    # S is the gathered output
-        elif kind in ("slice", "reduce_scatter"):
+        elif kind in ("slice", CollectiveKind.REDUCE_SCATTER):
             local[dim] //= n
-        elif kind == "all_to_all":
+        elif kind == CollectiveKind.ALL_TO_ALL:
             local[dim] *= n
             local[dim2] //= n
         # the strided groups of the dim the step cuts or joins: the source's for a gather, the
         # destination's for a slice or reduce-scatter; an all-to-all joins one, cuts the other
         src_g = state[a].groups if isinstance(state[a], Shard) else ()
         dst_g = dst[a].groups if isinstance(dst[a], Shard) else ()
-        groups = {"all_gather": src_g, "all_to_all": src_g}.get(kind, dst_g)
+        groups = src_g if kind in (CollectiveKind.ALL_GATHER, CollectiveKind.ALL_TO_ALL) \
+            else dst_g
         fwd.append(Step(kind, a, dim, dim2, nbytes=size if kind in COLLECTIVE_KINDS else 0,
                         groups=groups if dim >= 0 else (),
-                        groups2=dst_g if kind == "all_to_all" else ()))
-        state[a] = Replicate() if kind in ("all_gather", "all_reduce") else dst[a]
+                        groups2=dst_g if kind == CollectiveKind.ALL_TO_ALL else ()))
+        state[a] = Replicate() \
+            if kind in (CollectiveKind.ALL_GATHER, CollectiveKind.ALL_REDUCE) else dst[a]
         done[a] = state[a] == dst[a]
     return Reshard(tuple(fwd), _backward(tuple(fwd), dst, shape, itemsize, mesh_shape, divergent))
 
@@ -269,23 +272,23 @@ def _next_step(state: list, dst: Spec, done: list[bool]) -> tuple[str, int, int,
             return "to_partial", a, -1, -1
         if isinstance(s, Partial) and isinstance(d, Shard) and _can_finish(
                 state, dst, done, a, {d.dim}, d.dim):
-            return "reduce_scatter", a, d.dim, -1
+            return CollectiveKind.REDUCE_SCATTER, a, d.dim, -1
         if isinstance(s, Shard) and isinstance(d, Shard) and s.dim != d.dim and _can_finish(
                 state, dst, done, a, {s.dim, d.dim}, d.dim):
-            return "all_to_all", a, s.dim, d.dim
+            return CollectiveKind.ALL_TO_ALL, a, s.dim, d.dim
     # Nothing shrinks: what is left grows the tensor. A partial axis is all-reduced first, at
     # the current size: a reduce-scatter that waits for a gather of n >= 2 would move as much.
     for a in reversed(todo):
         if isinstance(state[a], Partial):
-            return "all_reduce", a, -1, -1
+            return CollectiveKind.ALL_REDUCE, a, -1, -1
     for a in reversed(todo):                     # gathers that finish an axis, if valid
         s = state[a]
         if isinstance(s, Shard) and isinstance(dst[a], Replicate) and not any(
                 state[b] == s for b in range(a + 1, len(state))):
-            return "all_gather", a, s.dim, -1
+            return CollectiveKind.ALL_GATHER, a, s.dim, -1
     for a in reversed(todo):                     # innermost first: nothing inside it holds its dim
         if isinstance(state[a], Shard):
-            return "all_gather", a, state[a].dim, -1
+            return CollectiveKind.ALL_GATHER, a, state[a].dim, -1
     raise AssertionError(f"no resharding step from {state} to {dst}")
 
 
@@ -306,25 +309,26 @@ def _backward(fwd: tuple[Step, ...], dst: Spec, shape: tuple[int, ...], itemsize
     a reduce-scatter (ZeRO-3's and sequence parallel's backward).
     """
     grad_local = [s // shard_factor(dst, d, mesh_shape) for d, s in enumerate(shape)]
-    gathered_axes = {s.axis for s in fwd if s.kind == "all_gather"}
+    gathered_axes = {s.axis for s in fwd if s.kind == CollectiveKind.ALL_GATHER}
     out: list[Step] = []
     for a in sorted(divergent - gathered_axes):
-        out.append(Step("all_reduce", a, nbytes=math.prod(grad_local) * itemsize))
+        out.append(Step(CollectiveKind.ALL_REDUCE, a, nbytes=math.prod(grad_local) * itemsize))
     for s in reversed(fwd):
         n = mesh_shape[s.axis]
         size = math.prod(grad_local) * itemsize
-        if s.kind == "all_gather":
-            kind = "reduce_scatter" if s.axis in divergent else "slice"
-            out.append(Step(kind, s.axis, s.dim, nbytes=size if kind == "reduce_scatter" else 0,
+        if s.kind == CollectiveKind.ALL_GATHER:
+            kind = CollectiveKind.REDUCE_SCATTER if s.axis in divergent else "slice"
+            out.append(Step(kind, s.axis, s.dim,
+                            nbytes=size if kind == CollectiveKind.REDUCE_SCATTER else 0,
                             groups=s.groups))
             grad_local[s.dim] //= n
-        elif s.kind in ("slice", "reduce_scatter"):
+        elif s.kind in ("slice", CollectiveKind.REDUCE_SCATTER):
             grad_local[s.dim] *= n
-            out.append(Step("all_gather", s.axis, s.dim, nbytes=math.prod(grad_local) * itemsize,
-                            groups=s.groups))
-        elif s.kind == "all_to_all":
-            out.append(Step("all_to_all", s.axis, s.dim2, s.dim, nbytes=size, groups=s.groups2,
-                            groups2=s.groups))
+            out.append(Step(CollectiveKind.ALL_GATHER, s.axis, s.dim,
+                            nbytes=math.prod(grad_local) * itemsize, groups=s.groups))
+        elif s.kind == CollectiveKind.ALL_TO_ALL:
+            out.append(Step(CollectiveKind.ALL_TO_ALL, s.axis, s.dim2, s.dim, nbytes=size,
+                            groups=s.groups2, groups2=s.groups))
             grad_local[s.dim2] *= n
             grad_local[s.dim] //= n
         # all_reduce and to_partial: the gradient passes through unchanged.

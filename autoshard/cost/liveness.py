@@ -72,7 +72,8 @@ recomputation: activations, resharded copies, the step's inputs), ``temporaries`
 backward or by the optimizer step: activation gradients, gradients on their way through a
 reshard) and ``host`` (optimizer state kept on the host under offload; not part of the peak),
 ``phases``, the peak of each phase, and ``state``, the model state's totals (parameters,
-gradients, optimizer, host). ``to_json()`` is the dict for a plan's ``predicted["memory"]``.
+gradients, optimizer, host), from which a plan's ``predicted.memory`` is made
+(solver/assemble.py, plans/prediction.py ``PredictedMemory``).
 
 Model state comes from ``Pricer.state_bytes`` (parameters, gradients, optimizer, host per
 parameter; for a Pricer without it, from :func:`~autoshard.cost.memory.param_state_bytes`).

@@ -25,6 +25,7 @@ from typing import Iterable
 from autoshard.cost.comm import Reshard, link_time
 from autoshard.cost.reshards import ReshardEdge
 from autoshard.cost.state import SCATTERS, state_spec
+from autoshard.ir import CollectiveKind, StateMode
 from autoshard.mesh import Mesh
 from autoshard.trace.graph import value_inputs
 
@@ -32,7 +33,8 @@ from autoshard.trace.graph import value_inputs
 def is_grad_sync(r: Reshard) -> bool:
     """A pure gradient sync: nothing moves in forward, the gradient is all-reduced in backward
     (a zero2/offload parameter's bucket reduce-scatters it instead: cost/state.py)."""
-    return not r.forward and bool(r.backward) and all(s.kind == "all_reduce" for s in r.backward)
+    return not r.forward and bool(r.backward) and \
+        all(s.kind == CollectiveKind.ALL_REDUCE for s in r.backward)
 
 
 def first_grad_syncs(edges: Iterable[ReshardEdge]) -> dict[str, ReshardEdge]:
@@ -76,7 +78,7 @@ class Bucket:
     dtype: str
     members: tuple[str, ...]     # parameter placeholders, in the order their gradients appear
     nbytes: int
-    kind: str = "all_reduce"
+    kind: str = CollectiveKind.ALL_REDUCE
     joint: tuple[tuple[int, ...], ...] = ()
 
 
@@ -88,7 +90,7 @@ class Sync:
     axes: tuple[int, ...]
     dtype: str
     nbytes: int
-    kind: str = "all_reduce"
+    kind: str = CollectiveKind.ALL_REDUCE
     joint: tuple[tuple[int, ...], ...] = ()
 
 
@@ -121,7 +123,7 @@ def bucket_bytes_by_axis(b: Bucket, mesh_shape: tuple[int, ...]) -> list[int]:
     out, n = [], b.nbytes
     for a in b.axes:
         out.append(n)
-        if b.kind == "reduce_scatter":
+        if b.kind == CollectiveKind.REDUCE_SCATTER:
             n //= mesh_shape[a]
     return out
 
@@ -132,7 +134,8 @@ def bucket_collectives(b: Bucket, mesh_shape: tuple[int, ...]
     over each of ``b.joint``'s groups at once, of the bucket's buffer."""
     if not b.joint:
         return [((a,), n) for a, n in zip(b.axes, bucket_bytes_by_axis(b, mesh_shape))]
-    assert b.kind == "all_reduce", b      # reduce-scatter buckets run one axis at a time
+    # reduce-scatter buckets run one axis at a time
+    assert b.kind == CollectiveKind.ALL_REDUCE, b
     out: list[tuple[tuple[int, ...], int]] = []
     for a in b.axes:
         g = next((g for g in b.joint if a in g), (a,))
@@ -161,7 +164,7 @@ def exposed_seconds(sync_s: float, backward_s: float) -> float:
 
 
 def gradient_buckets(edges: list[ReshardEdge], nodes: list, bucket_bytes: float,
-                     modes: dict[str, str | None] | None = None,
+                     modes: dict[str, StateMode | None] | None = None,
                      mesh_shape: tuple[int, ...] = ()) -> list[Bucket]:
     """The buckets of a plan's gradient syncs, the ones the runtime issues: the
     gradient a parameter gets through a reshard that is a pure gradient sync, summed over that
@@ -183,7 +186,7 @@ def gradient_buckets(edges: list[ReshardEdge], nodes: list, bucket_bytes: float,
                 and state_spec(shapes[name], e.src, mesh_shape) is not None:
             axes = tuple(sorted(a for s in e.reshard.backward for a in s.axes))
             syncs[name] = Sync(name, axes, dtypes[name], e.reshard.backward[0].nbytes,
-                               "reduce_scatter")
+                               CollectiveKind.REDUCE_SCATTER)
         else:
             syncs[name] = grad_sync(name, e.reshard, dtypes[name])
     order = sorted(syncs, key=lambda name: -first_use.get(name, 0))

@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from autoshard.cost.compute import local_numel, op_profile
 from autoshard.cost.memory import saved_activation_bytes, saved_rule
-from autoshard.ir import Spec, Strategy
+from autoshard.ir import Spec, StateMode, Strategy
 from autoshard.ops.registry import VIEW, record_of
 from autoshard.trace.graph import ValueRef, value_inputs
 
@@ -80,7 +80,7 @@ class MemoryPricing:
         return other in self.grads or other in self.params
 
     def saved_copy_bytes(self, value: ValueRef, src: Spec, dst: Spec,
-                         mode: str | None = None) -> float:
+                         mode: StateMode | None = None) -> float:
         """Bytes one device keeps of ``value`` in layout ``dst`` for the ops that save it there
         (one tensor however many ops save it). Nothing when that tensor is the producer's own
         (``dst == src``) and already counted: a parameter or buffer, an output its op saves, or

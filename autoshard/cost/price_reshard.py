@@ -10,7 +10,7 @@ from autoshard.cost.comm import Reshard, reshard, reshard_time, steps_time
 from autoshard.cost.overlap import is_grad_sync, sync_share_seconds
 from autoshard.cost.reshards import no_backward
 from autoshard.cost.state import SCATTERS, state_spec, zero_axes, zero_grad_sync
-from autoshard.ir import Partial, Replicate, Shard, Spec
+from autoshard.ir import Partial, Replicate, Shard, Spec, StateMode
 from autoshard.trace.graph import ValueRef
 
 
@@ -25,7 +25,7 @@ class ReshardPricing:
         return sum(self.reshard_cost(value, src, dst, divergent))
 
     def reshard_cost(self, value: ValueRef, src: Spec, dst: Spec,
-                     divergent: frozenset[int], mode: str | None = None) -> tuple[float, float]:
+                     divergent: frozenset[int], mode: StateMode | None = None) -> tuple[float, float]:
         """(blocking seconds, bucketed gradient-sync seconds) of the reshard; ``mode``: the
         state mode of the parameter ``value`` is (zero2 and offload reduce-scatter the bucketed
         gradient, cost/state.py)."""
@@ -70,7 +70,7 @@ class ReshardPricing:
             t += (mesh.shape[a] - 1) * mesh.links[a].least_alpha
         return t * self.runs
 
-    def bucketed_sync(self, value: ValueRef, src: Spec, steps: Reshard, mode: str | None
+    def bucketed_sync(self, value: ValueRef, src: Spec, steps: Reshard, mode: StateMode | None
                       ) -> Reshard:
         """A parameter's pure gradient sync as its bucket runs it: all-reduces, or under
         zero2/offload reduce-scatters over its zero axes (on the real mesh)."""

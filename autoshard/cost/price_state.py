@@ -13,7 +13,7 @@ from autoshard.cost.compute import local_numel
 from autoshard.cost.overlap import is_grad_sync
 from autoshard.cost.state import (ADAM_STEP_BYTES, MASTER_CAST_BYTES, SGD_STEP_BYTES, StateBytes,
                                   host_copies, modes_for, state_bytes, state_spec, step_elements)
-from autoshard.ir import Spec, Strategy, local_shape
+from autoshard.ir import Spec, StateMode, Strategy, local_shape
 from autoshard.trace.graph import ValueRef
 
 
@@ -72,12 +72,12 @@ class StatePricing:
         if ph.kind != "param" or opt == "none" or name in self.tied_to:
             return 0.0
         spec, mode = strategy.outputs[0], strategy.kernel
-        if mode == "offload":
+        if mode == StateMode.OFFLOAD:
             return self.offload_step_seconds(name, strategy)[0]
         n = step_elements(ph.info.shape, spec, mode, self.mesh.shape)
         per = SGD_STEP_BYTES if opt == "sgd" else ADAM_STEP_BYTES
         c = self.mesh.cluster
-        if mode == "offload_params":
+        if mode == StateMode.OFFLOAD_PARAMS:
             t = n * per / c.host_mem_bandwidth + sum(
                 b for _, b in self.host_steps(name, strategy)) / c.host_bandwidth
         else:
@@ -98,7 +98,7 @@ class StatePricing:
         ph = self.traced.placeholder(name)
         opt = self.optimizer_of(name)
         mode = strategy.kernel
-        if ph.kind != "param" or opt == "none" or name in self.tied_to or mode != "offload":
+        if ph.kind != "param" or opt == "none" or name in self.tied_to or mode != StateMode.OFFLOAD:
             return 0.0, 0.0
         n = step_elements(ph.info.shape, strategy.outputs[0], mode, self.mesh.shape)
         c = self.mesh.cluster
@@ -117,16 +117,16 @@ class StatePricing:
         return host_copies(ph.info.shape, ph.info.dtype, strategy.outputs[0], strategy.kernel,
                            self.mesh.shape)
 
-    def fetch_bytes(self, value: ValueRef, src: Spec, mode: str | None) -> int:
+    def fetch_bytes(self, value: ValueRef, src: Spec, mode: StateMode | None) -> int:
         """Bytes one use of a parameter under parameter offload copies to the device: its
         stored local shard (0 for any other value or mode)."""
-        if mode != "offload_params" or value[0] not in self.params:
+        if mode != StateMode.OFFLOAD_PARAMS or value[0] not in self.params:
             return 0
         shape, itemsize = self.shapes[value]
         return local_numel(shape, src, self.mesh.shape) * itemsize
 
     def host_seconds(self, value: ValueRef, src: Spec, dst: Spec, divergent: frozenset[int],
-                     mode: str | None, again: bool = False) -> float:
+                     mode: StateMode | None, again: bool = False) -> float:
         """Seconds on the host link of one use of a parameter under parameter offload
         (docs/cost-model.md §9), read in ``dst``: its stored shard copied to the device (again
         where ``again``: the use is recomputed), and the gradient that comes back copied down:

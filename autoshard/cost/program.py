@@ -42,7 +42,7 @@ from autoshard.cost.comm import Groups
 from autoshard.cost.overlap import Bucket, first_grad_syncs, gradient_buckets
 from autoshard.cost.reshards import ReshardEdge, frozen, reshard_edges
 from autoshard.cost.state import HOST_MODES, host_copies, state_spec, step_elements
-from autoshard.ir import Spec, Strategy, local_shape
+from autoshard.ir import Spec, StateMode, Strategy, local_shape
 from autoshard.trace.graph import ValueRef, value_inputs, value_ref, value_shapes
 
 
@@ -93,7 +93,7 @@ class ParamUpdate:
     - ``host``: its host-link copies, as (direction, bytes) (cost/state.py ``host_copies``)."""
 
     name: str
-    mode: str | None
+    mode: StateMode | None
     moment: int
     cast: int
     gather: int
@@ -218,7 +218,7 @@ def step_program(traced: Any, strategies: dict[str, Strategy], mesh_shape: tuple
         buckets = tuple(gradient_buckets(list(edges), nodes, bucket_bytes, modes,
                                          tuple(mesh_shape)))
     fetched = frozenset(n for n in params
-                        if getattr(strategies.get(n), "kernel", None) == "offload_params")
+                        if getattr(strategies.get(n), "kernel", None) == StateMode.OFFLOAD_PARAMS)
     opt = optimizer_step(traced, strategies, tuple(mesh_shape), optimizer, update) \
         if traced.training else OptimizerStep("none", update)
     return StepProgram(
@@ -277,7 +277,7 @@ def updates(traced: Any, strategies: Mapping[str, Strategy], mesh_shape: tuple[i
         if sspec is not None and moments:
             local = math.prod(local_shape(shape, spec, mesh_shape)) * isz
             gather = local + (math.prod(local_shape(shape, sspec, mesh_shape)) * isz
-                              if mode == "offload_params" else 0)
+                              if mode == StateMode.OFFLOAD_PARAMS else 0)
         out.append(ParamUpdate(
             ph.name, mode, moment, moment if isz < 4 else 0, gather,
             tuple(host_copies(shape, ph.info.dtype, spec, mode, mesh_shape)), fqn=ph.fqn,

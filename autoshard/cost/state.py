@@ -35,13 +35,13 @@ from dataclasses import dataclass
 import torch
 
 from autoshard.cost.comm import Reshard, Step
-from autoshard.ir import Replicate, Shard, Spec, local_shape
+from autoshard.ir import CollectiveKind, Replicate, Shard, Spec, StateMode, local_shape
 
-MODES = ("zero1", "zero2", "offload", "offload_params")   # None: the state follows the parameter
+MODES = tuple(StateMode)   # None: the state follows the parameter
 # The modes whose bucketed gradient is reduce-scattered over the zero axes (each rank keeps its
 # shard), and those that keep the optimizer state and step on the host.
-SCATTERS = ("zero2", "offload", "offload_params")
-HOST_MODES = ("offload", "offload_params")
+SCATTERS = (StateMode.ZERO2, StateMode.OFFLOAD, StateMode.OFFLOAD_PARAMS)
+HOST_MODES = (StateMode.OFFLOAD, StateMode.OFFLOAD_PARAMS)
 # Bytes one optimizer step reads and writes per updated element: a fused Adam kernel reads the
 # gradient, the fp32 parameter (master), momentum and variance and writes the last three,
 # 7 x 4 bytes (PyTorch's fused/foreach AdamW; ZeRO-Offload §4.1 counts the same streams for
@@ -106,7 +106,7 @@ class StateBytes:
                           self.buffers + o.buffers)
 
 
-def optimizer_bytes_per_element(itemsize: int, optimizer: str, mode: str | None) -> int:
+def optimizer_bytes_per_element(itemsize: int, optimizer: str, mode: StateMode | None) -> int:
     """Optimizer state per element (docs/cost-model.md §4.1): Adam keeps momentum and variance in
     fp32, plus an fp32 master copy of a 16-bit parameter (K = 12); an fp32 parameter is its own
     master unless its state is sharded or offloaded apart from it (then a 4-byte copy of the
@@ -116,7 +116,7 @@ def optimizer_bytes_per_element(itemsize: int, optimizer: str, mode: str | None)
     return 12 if itemsize < 4 or mode is not None else 8
 
 
-def state_bytes(shape: tuple[int, ...], dtype: torch.dtype, spec: Spec, mode: str | None,
+def state_bytes(shape: tuple[int, ...], dtype: torch.dtype, spec: Spec, mode: StateMode | None,
                 mesh_shape: tuple[int, ...], optimizer: str) -> StateBytes:
     """What one device holds for a parameter of global ``shape`` stored in ``spec`` under
     ``mode``, with ``optimizer`` ("none": the parameter only)."""
@@ -129,11 +129,11 @@ def state_bytes(shape: tuple[int, ...], dtype: torch.dtype, spec: Spec, mode: st
     k = optimizer_bytes_per_element(isz, optimizer, mode)
     if mode is None:
         return StateBytes(n * isz, n * isz, n * k)
-    if mode == "zero1":
+    if mode == StateMode.ZERO1:
         return StateBytes(n * isz, n * isz, ns * k)
-    if mode == "zero2":
+    if mode == StateMode.ZERO2:
         return StateBytes(n * isz, ns * isz, ns * k)
-    if mode == "offload":
+    if mode == StateMode.OFFLOAD:
         # The gradient shard waits on the device for the step, which copies it to an fp32 host
         # buffer beside the host's optimizer state, through a pinned buffer of its own dtype;
         # the updated shard goes back up through another (codegen/hostlink.py, kept from step
@@ -146,7 +146,7 @@ def state_bytes(shape: tuple[int, ...], dtype: torch.dtype, spec: Spec, mode: st
     return StateBytes(host=n * isz + 2 * ns * isz + ns * k + (ns * 4 if isz < 4 else 0))
 
 
-def host_copies(shape: tuple[int, ...], dtype: torch.dtype, spec: Spec, mode: str | None,
+def host_copies(shape: tuple[int, ...], dtype: torch.dtype, spec: Spec, mode: StateMode | None,
                 mesh_shape: tuple[int, ...]) -> list[tuple[str, int]]:
     """The host-link copies of one parameter's optimizer step, as (direction, bytes): "d2h"
     (device to host) or "h2d" (docs/cost-model.md §9). Offload: its gradient shard down, the
@@ -157,14 +157,14 @@ def host_copies(shape: tuple[int, ...], dtype: torch.dtype, spec: Spec, mode: st
         return []
     isz = dtype.itemsize
     ns = step_elements(shape, spec, mode, mesh_shape) * isz
-    if mode == "offload":
+    if mode == StateMode.OFFLOAD:
         return [("d2h", ns), ("h2d", ns)]
     if state_spec(shape, spec, mesh_shape) is None:
         return []
     return [("h2d", ns), ("d2h", math.prod(local_shape(shape, spec, mesh_shape)) * isz)]
 
 
-def step_elements(shape: tuple[int, ...], spec: Spec, mode: str | None,
+def step_elements(shape: tuple[int, ...], spec: Spec, mode: StateMode | None,
                   mesh_shape: tuple[int, ...]) -> int:
     """Elements one rank's optimizer step updates: its shard of the optimizer state."""
     sspec = state_spec(shape, spec, mesh_shape) if mode is not None else None
@@ -179,8 +179,8 @@ def zero_grad_sync(r: Reshard, axes: tuple[int, ...], mesh_shape: tuple[int, ...
     out: list[Step] = []
     div = 1
     for s in sorted(per_axis(r.backward), key=lambda s: s.axis):
-        if s.kind == "all_reduce" and s.axis in axes:
-            out.append(Step("reduce_scatter", s.axis, nbytes=s.nbytes // div))
+        if s.kind == CollectiveKind.ALL_REDUCE and s.axis in axes:
+            out.append(Step(CollectiveKind.REDUCE_SCATTER, s.axis, nbytes=s.nbytes // div))
             div *= mesh_shape[s.axis]
         else:
             out.append(dataclasses.replace(s, nbytes=s.nbytes // div))
@@ -192,8 +192,8 @@ def per_axis(steps: tuple[Step, ...]) -> tuple[Step, ...]:
     all-reduce per axis of the same bytes: the sum is the same."""
     out: list[Step] = []
     for s in steps:
-        if s.joint and s.kind == "all_reduce":
-            out += [Step("all_reduce", a, nbytes=s.nbytes) for a in s.joint]
+        if s.joint and s.kind == CollectiveKind.ALL_REDUCE:
+            out += [Step(CollectiveKind.ALL_REDUCE, a, nbytes=s.nbytes) for a in s.joint]
         else:
             out.append(s)
     return tuple(out)

@@ -12,6 +12,7 @@ import torch.fx as fx
 from autoshard.cost.live_memory import Storage
 from autoshard.cost.program import Event
 from autoshard.cost.walk_forward import ForwardWalk
+from autoshard.ir import CollectiveKind
 from autoshard.ops.registry import PASSES, VIEW, WIDENS, record_of
 from autoshard.trace.graph import value_inputs
 
@@ -197,7 +198,7 @@ class BackwardWalk(ForwardWalk):
         reduce-scatters it; the buffer lives until the next reduce-scatter bucket is issued
         (the runtime finishes one before it issues the next), or the end of backward."""
         mem, bucket = self.mem, self.buckets[b]
-        if getattr(bucket, "kind", "all_reduce") != "reduce_scatter":
+        if getattr(bucket, "kind", CollectiveKind.ALL_REDUCE) != CollectiveKind.REDUCE_SCATTER:
             if b not in self.bucket_buf:
                 self.bucket_buf[b] = mem.alloc(bucket.nbytes, "gradients")
             mem.mark(at)

@@ -14,7 +14,7 @@ from autoshard.cost.live_memory import Storage, fake_value
 from autoshard.cost.memory import saved_rule
 from autoshard.cost.program import Event
 from autoshard.cost.walk_values import ValueWalk
-from autoshard.ir import shard_factor
+from autoshard.ir import CollectiveKind, shard_factor
 from autoshard.ops.registry import record_of
 
 
@@ -235,14 +235,14 @@ class ForwardWalk(ValueWalk):
         for i, st in enumerate(steps):
             n = st.group_size(self.mesh_shape) if st.axis < len(self.mesh_shape) else 1
             last = i == len(steps) - 1
-            if st.kind == "all_gather":
+            if st.kind == CollectiveKind.ALL_GATHER:
                 cur *= n
                 out.append((cur, last and st.dim == 0))
-            elif st.kind == "reduce_scatter":
+            elif st.kind == CollectiveKind.REDUCE_SCATTER:
                 cur //= n
                 out.append((cur, last))
-            elif st.kind in ("all_reduce", "all_to_all"):
-                out.append((cur, last and st.kind == "all_reduce"))
+            elif st.kind in (CollectiveKind.ALL_REDUCE, CollectiveKind.ALL_TO_ALL):
+                out.append((cur, last and st.kind == CollectiveKind.ALL_REDUCE))
             elif st.kind == "slice":
                 cur //= n
         return out or [(0, False)]

@@ -14,7 +14,7 @@ from autoshard.cost.comm import Reshard
 from autoshard.cost.compute import local_numel
 from autoshard.cost.live_memory import LiveMemory, Storage, fake_value, storage_key
 from autoshard.cost.program import Event, StepProgram, node_reads
-from autoshard.ir import Strategy
+from autoshard.ir import CollectiveKind, Strategy
 from autoshard.trace.graph import ValueRef, value_inputs, value_ref
 
 aten = torch.ops.aten
@@ -131,11 +131,12 @@ class ValueWalk:
         cur, most, first = nbytes, 0, True
         for s in steps:
             n = s.group_size(self.mesh_shape) if s.axis < len(self.mesh_shape) else 1
-            if s.kind == "all_gather":
+            if s.kind == CollectiveKind.ALL_GATHER:
                 out, stage = cur * n, (cur * n if s.dim != 0 else 0)
-            elif s.kind in ("reduce_scatter", "slice"):
-                out, stage = cur // n, (cur if s.kind == "reduce_scatter" and s.dim != 0 else 0)
-            elif s.kind == "all_to_all":
+            elif s.kind in (CollectiveKind.REDUCE_SCATTER, "slice"):
+                out, stage = cur // n, (cur if s.kind == CollectiveKind.REDUCE_SCATTER
+                                        and s.dim != 0 else 0)
+            elif s.kind == CollectiveKind.ALL_TO_ALL:
                 out, stage = cur, 2 * cur
             else:
                 out, stage = cur, 0

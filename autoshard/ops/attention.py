@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from autoshard.ir import ZIGZAG, Shard, Strategy, local_shape
+from autoshard.ir import CollectiveKind, Shard, Strategy, ZIGZAG, local_shape
 from autoshard.ops._common import R, Option, arg, shard_index
 from autoshard.ops.registry import (ATTENTION, NO, OpCollective, OpInfo, Saves, amend, expand,
                                     register_op)
@@ -133,8 +133,9 @@ def ring_collectives(op: OpInfo, strategy: Strategy, mesh_shape: tuple) -> tuple
                 for t, spec in ((k, strategy.inputs[1]), (v, strategy.inputs[2])))
     size = {"kv": numel * k.dtype.itemsize,
             "dkv": numel * accumulator_dtype(k.dtype).itemsize}
-    return tuple(OpCollective("send_recv", axes[0], sum(size[m] for m in h.moves), h.phase,
-                              axes if len(axes) > 1 else (), 1 / n) for h in ring_hops(n))
+    return tuple(OpCollective(CollectiveKind.SEND_RECV, axes[0], sum(size[m] for m in h.moves),
+                              h.phase, axes if len(axes) > 1 else (), 1 / n)
+                 for h in ring_hops(n))
 
 
 def sdpa_flops(op: OpInfo) -> float:

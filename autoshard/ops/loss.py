@@ -36,7 +36,7 @@ import math
 
 import torch
 
-from autoshard.ir import Shard, Strategy, local_shape, to_rank_major
+from autoshard.ir import CollectiveKind, Shard, Strategy, local_shape, to_rank_major
 from autoshard.ops._common import P, R, Option, arg, shard_index, with_kernel
 from autoshard.ops.registry import (ELEMENTWISE, NO, CollectiveKernel, OpCollective, OpInfo,
                                     Reduce, Saves, all_inputs, amend, expand,
@@ -158,7 +158,8 @@ def class_loss_collectives(op: OpInfo, strategy: Strategy, mesh_shape: tuple) ->
     rows = math.prod(local) // local[CLASS_DIM]
     nbytes = rows * _stat_dtype(x.dtype).itemsize
     axes = _vocab_axes(x_spec, mesh_shape)
-    return tuple(OpCollective("all_reduce", a, nbytes) for _ in ("max", "sum") for a in axes)
+    return tuple(OpCollective(CollectiveKind.ALL_REDUCE, a, nbytes)
+                 for _ in ("max", "sum") for a in axes)
 
 
 def vocab_parallel_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,

@@ -15,6 +15,7 @@ from autoshard.errors import AutoshardError
 from autoshard.ir import Layer, Spec, Strategy, spec_str, work_fraction
 from autoshard.options import PlanOptions
 from autoshard.plans.fileformat import check_layouts, read_fields
+from autoshard.plans.prediction import Prediction
 from autoshard.plans.records import (CollectiveRecord, FORMAT, HostTransfer, NodePlan, ParamState,
                                      Pipeline, VERSION)
 from autoshard.plans.summary import explain, summary
@@ -34,7 +35,7 @@ class Plan:
     params: dict[str, Spec]
     inputs: dict[str, Spec]
     collectives: tuple[CollectiveRecord, ...]
-    predicted: dict[str, float]
+    predicted: Prediction
     solver: dict[str, Any]
     model: str = ""
     node_sigs: dict[str, str] = field(default_factory=dict)
@@ -170,7 +171,7 @@ class Plan:
             "collectives": [c.to_json() for c in self.collectives],
             **({"host_transfers": [t.to_json() for t in self.host_transfers]}
                if self.host_transfers else {}),
-            "predicted": self.predicted, "solver": self.solver,
+            "predicted": self.predicted.to_json(), "solver": self.solver,
             "node_signatures": self.node_sigs,
             **({"pipeline": self.pipeline.to_json()} if self.pipeline else {}),
             **({"joint_axes": [list(g) for g in self.joint_axes]} if self.joint_axes else {}),

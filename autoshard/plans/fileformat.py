@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import json
 import re
-import reprlib
-import sys
-from typing import Any, NoReturn, TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
 
 from autoshard.cluster import PRESETS, Cluster
 from autoshard.schedules import SCHEDULES
 from autoshard.errors import AutoshardError
-from autoshard.ir import Layer, Spec, parse_spec, replicated, spec_fits, spec_str
+from autoshard.ir import CollectiveKind, Layer, Spec, StateMode, spec_fits, spec_str
 from autoshard.options import PlanOptions
 from autoshard.plangraph import graph_of
+from autoshard.plans.fields import Field, Malformed
+from autoshard.plans.prediction import Prediction, StagePrediction
 from autoshard.plans.records import (CollectiveRecord, DIRECTIONS, FORMAT, HostTransfer, NodePlan,
-                                     PER_AXIS, PREDICTED, ParamState, Pipeline, Stage, VERSION)
+                                     ParamState, Pipeline, Stage, VERSION)
 
 if TYPE_CHECKING:
     from autoshard.plans import Plan
@@ -39,7 +39,7 @@ def read_fields(text: str, source: str) -> dict[str, Any]:
                              fix="re-plan with this version of autoshard")
     try:
         return _fields(d)
-    except _Malformed as e:
+    except Malformed as e:
         raise AutoshardError("a complete plan (mesh, nodes, params, collectives, predicted, "
                              f"solver), with {e.where} {e.expected}",
                              got=f"{source}: malformed, {e.got}",
@@ -51,7 +51,7 @@ def _fields(d: dict) -> dict[str, Any]:
     """Every value is checked as it is read (docs/plan-format.md), so that a hand-edited or
     damaged file is refused here, naming the value, and not later inside summary(),
     planning or the runtime."""
-    root = _Field(d, "")
+    root = Field(d, "")
     shape, axes, cluster = _read_mesh(root.key("mesh"))
     nodes = _read_nodes(root.key("nodes"), len(shape))
     inputs = _read_inputs(root.key("inputs"), shape)
@@ -73,7 +73,7 @@ def _fields(d: dict) -> dict[str, Any]:
                 # Optional: plans written before host transfers were listed have none.
                 host_transfers=tuple(_read_host_transfer(f) for f in
                                      root.key("host_transfers", []).entries()),
-                predicted=_read_numbers(root.key("predicted"), PREDICTED),
+                predicted=Prediction.read(root.key("predicted")),
                 solver=_read_solver(root.key("solver")),
                 model=root.key("model", "").text(),
                 node_sigs={k: f.text() for k, f in root.key("node_signatures", {}).items()},
@@ -81,80 +81,7 @@ def _fields(d: dict) -> dict[str, Any]:
                 joint_axes=_read_joint_axes(root.key("joint_axes", []), axes))
 
 
-_REQUIRED = object()
-
-
-class _Malformed(Exception):
-    """A missing or ill-typed value of a plan file; ``Plan.loads`` adds the file and the fix."""
-
-    def __init__(self, where: str, expected: str, got: str) -> None:
-        super().__init__(f"{where} {expected}; got {got}")
-        self.where, self.expected, self.got = where, expected, got
-
-
-class _Field:
-    """One JSON value of a plan file and where it sits (``nodes[3].inputs[0]``), read through a
-    check of its kind. JSON puts any type anywhere, bool passes for int and a float may be nan
-    or inf: a bad value must fail here, named, not later inside summary() or the runtime."""
-
-    __slots__ = ("value", "where")
-
-    def __init__(self, value: Any, where: str) -> None:
-        self.value, self.where = value, where
-
-    def fail(self, expected: str) -> NoReturn:
-        raise _Malformed(self.where, expected, f"{self.where} = {reprlib.repr(self.value)}")
-
-    def key(self, name: str, default: Any = _REQUIRED) -> "_Field":
-        obj, where = self.obj(), f"{self.where}.{name}".lstrip(".")
-        if name not in obj and default is _REQUIRED:
-            raise _Malformed(where, "given", f"no key {name!r}")
-        return _Field(obj.get(name, default), where)
-
-    def obj(self) -> dict:
-        if not isinstance(self.value, dict):
-            self.fail("a JSON object")
-        return self.value
-
-    def items(self) -> list[tuple[str, "_Field"]]:
-        return [(k, _Field(v, f"{self.where}[{k!r}]")) for k, v in self.obj().items()]
-
-    def entries(self, *, nonempty: bool = False) -> list["_Field"]:
-        if not isinstance(self.value, list) or (nonempty and not self.value):
-            self.fail("a non-empty list" if nonempty else "a list")
-        return [_Field(v, f"{self.where}[{i}]") for i, v in enumerate(self.value)]
-
-    def text(self, *, nonempty: bool = False) -> str:
-        if not isinstance(self.value, str) or (nonempty and not self.value):
-            self.fail("a non-empty string" if nonempty else "a string")
-        return self.value
-
-    def integer(self, *, least: int = 0) -> int:
-        # Below 2**63, as every size and count is: a huge int overflows float arithmetic.
-        v = self.value
-        if isinstance(v, bool) or not isinstance(v, int) or not least <= v < 2**63:
-            self.fail(f"an integer from {least} to 2**63 - 1")
-        return v
-
-    def number(self) -> float:
-        # The upper bound refuses inf and an int too large for a float; nan fails both bounds.
-        v = self.value
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= sys.float_info.max:
-            self.fail("a finite number >= 0")
-        return v
-
-    def spec(self, ndim: int) -> Spec:
-        try:
-            spec = parse_spec(self.text())
-        except ValueError:          # fail() shows the text; the parser's fix speaks to code
-            spec = None
-        if spec is None or len(spec) != ndim:
-            self.fail(f"a spec with one placement (R, P or S(dim)) per mesh axis, like "
-                      f"'{spec_str(replicated(ndim))}'")
-        return spec
-
-
-def _read_mesh(f: _Field) -> tuple[tuple[int, ...], tuple[str, ...], Cluster | str]:
+def _read_mesh(f: Field) -> tuple[tuple[int, ...], tuple[str, ...], Cluster | str]:
     shape = tuple(n.integer(least=1) for n in f.key("shape").entries(nonempty=True))
     axes_field = f.key("axes")
     axes = tuple(a.text(nonempty=True) for a in axes_field.entries())
@@ -163,19 +90,20 @@ def _read_mesh(f: _Field) -> tuple[tuple[int, ...], tuple[str, ...], Cluster | s
     return shape, axes, _read_cluster(f.key("cluster", ""))
 
 
-def _read_cluster(f: _Field) -> Cluster | str:
+def _read_cluster(f: Field) -> Cluster | str:
     """The cluster's figures (docs/plan-format.md). Files written before plans recorded them
     name it: a preset by its name is taken as that preset (what every tool priced such a plan
     on); another name is kept, and a tool that prices the plan asks for its profile."""
     if isinstance(f.value, str):
         return PRESETS.get(f.value, f.value)
+    obj = f.obj()       # outside the try: its own Malformed is not a cluster's error
     try:
-        return Cluster.from_json(f.obj())
+        return Cluster.from_json(obj)
     except AutoshardError as e:
-        raise _Malformed(f.where, f"the figures of a cluster: {e.expected}", e.got) from e
+        raise Malformed(f.where, f"the figures of a cluster: {e.expected}", e.got) from e
 
 
-def _read_nodes(f: _Field, ndim: int) -> tuple[NodePlan, ...]:
+def _read_nodes(f: Field, ndim: int) -> tuple[NodePlan, ...]:
     nodes: dict[str, NodePlan] = {}
     for n in f.entries():
         name, kernel = n.key("name"), n.key("kernel", None)
@@ -185,11 +113,12 @@ def _read_nodes(f: _Field, ndim: int) -> tuple[NodePlan, ...]:
             name.value, n.key("op").text(),
             tuple(s.spec(ndim) for s in n.key("inputs").entries()),
             tuple(s.spec(ndim) for s in n.key("placements").entries()),
-            None if kernel.value is None else kernel.text())
+            # A placeholder's kernel is its state mode; an op's names its local variant.
+            None if kernel.value is None else StateMode.of(kernel.text()) or kernel.value)
     return tuple(nodes.values())
 
 
-def _read_inputs(f: _Field, mesh_shape: tuple[int, ...]) -> dict[str, tuple[Spec, Any]]:
+def _read_inputs(f: Field, mesh_shape: tuple[int, ...]) -> dict[str, tuple[Spec, Any]]:
     """Each model input's (spec, (shape, dtype) or None), in positional order: the file's keys
     are sorted as text, input10 before input2, and example_inputs() needs them by position."""
     position = {k: _input_position(k, x) for k, x in f.items()}
@@ -209,7 +138,7 @@ def _read_inputs(f: _Field, mesh_shape: tuple[int, ...]) -> dict[str, tuple[Spec
     return out
 
 
-def _input_position(name: str, f: _Field) -> int:
+def _input_position(name: str, f: Field) -> int:
     # At most 9 digits: int() of thousands of digits is refused (and no model has that many).
     match = re.fullmatch(r"input([0-9]{1,9})", name)
     if match is None:
@@ -217,16 +146,17 @@ def _input_position(name: str, f: _Field) -> int:
     return int(match.group(1))
 
 
-def _read_options(f: _Field) -> PlanOptions:
+def _read_options(f: Field) -> PlanOptions:
+    obj = f.obj()       # outside the try: its own Malformed is not the options' error
     try:
-        return PlanOptions.from_json(f.obj())
+        return PlanOptions.from_json(obj)
     except AutoshardError as e:      # its fix speaks to code that builds options
-        raise _Malformed(f.where, f"valid: {e.expected}", e.got) from e
+        raise Malformed(f.where, f"valid: {e.expected}", e.got) from e
     except OverflowError as e:       # PlanOptions' finiteness check on an int beyond any float
-        raise _Malformed(f.where, "valid: numbers within float range", str(e)) from e
+        raise Malformed(f.where, "valid: numbers within float range", str(e)) from e
 
 
-def _read_layers(f: _Field, node_names: set[str]) -> tuple[Layer, ...]:
+def _read_layers(f: Field, node_names: set[str]) -> tuple[Layer, ...]:
     layers = []
     for x in f.entries():
         members, name = x.key("nodes"), x.key("name")
@@ -244,7 +174,7 @@ def _read_layers(f: _Field, node_names: set[str]) -> tuple[Layer, ...]:
     return tuple(layers)
 
 
-def _read_tied(f: _Field, params: dict[str, Spec], ndim: int) -> dict[str, tuple[Spec, ...]]:
+def _read_tied(f: Field, params: dict[str, Spec], ndim: int) -> dict[str, tuple[Spec, ...]]:
     tied = {}
     for fqn, reads in f.items():
         if fqn not in params:      # summary() shows the layout it is stored in
@@ -253,7 +183,7 @@ def _read_tied(f: _Field, params: dict[str, Spec], ndim: int) -> dict[str, tuple
     return tied
 
 
-def _read_recompute(f: _Field, layers: tuple[Layer, ...]) -> dict[str, str]:
+def _read_recompute(f: Field, layers: tuple[Layer, ...]) -> dict[str, str]:
     names = {layer.name for layer in layers}
     out = {}
     for name, policy in f.items():
@@ -265,10 +195,12 @@ def _read_recompute(f: _Field, layers: tuple[Layer, ...]) -> dict[str, str]:
     return out
 
 
-def _read_collective(f: _Field) -> CollectiveRecord:
+def _read_collective(f: Field) -> CollectiveRecord:
     # Kinds, phases and axes are not held to today's lists: they describe a step and steer
     # nothing (verify compares them with the collectives that ran).
-    return CollectiveRecord(f.key("kind").text(), tuple(a.text() for a in f.key("axes").entries()),
+    kind = f.key("kind").text()
+    return CollectiveRecord(CollectiveKind.of(kind) or kind,
+                            tuple(a.text() for a in f.key("axes").entries()),
                             f.key("bytes").integer(), f.key("phase").text(), f.key("node").text(),
                             f.key("value", "").text(),
                             tuple(m.text(nonempty=True) for m in f.key("members", []).entries()),
@@ -276,7 +208,7 @@ def _read_collective(f: _Field) -> CollectiveRecord:
                             f.key("count", 1).integer(least=1))
 
 
-def _read_pipeline(f: _Field, axes: tuple[str, ...], layers: tuple[Layer, ...]
+def _read_pipeline(f: Field, axes: tuple[str, ...], layers: tuple[Layer, ...]
                    ) -> Pipeline | None:
     if f.value is None:
         return None
@@ -295,9 +227,7 @@ def _read_pipeline(f: _Field, axes: tuple[str, ...], layers: tuple[Layer, ...]
         stage_layers = tuple(n.text() for n in members.entries())
         if not set(stage_layers) <= names:
             members.fail("names of the plan's layers")
-        stages.append(Stage(i, stage_layers, _read_numbers(x.key("predicted"),
-                                                           ("compute_s", "comm_s",
-                                                            "ilp_memory_bytes"))))
+        stages.append(Stage(i, stage_layers, StagePrediction.read(x.key("predicted"))))
     microbatches = f.key("microbatches")
     m = microbatches.integer(least=1)
     if schedule.value == "DualPipeV" and m < len(stages):
@@ -307,7 +237,7 @@ def _read_pipeline(f: _Field, axes: tuple[str, ...], layers: tuple[Layer, ...]
                     f.key("virtual_stages", 1).integer(least=1))
 
 
-def _read_param_state(f: _Field, params: dict[str, Spec], nodes: tuple[NodePlan, ...],
+def _read_param_state(f: Field, params: dict[str, Spec], nodes: tuple[NodePlan, ...],
                       ndim: int) -> dict[str, ParamState]:
     """Each parameter's gradient and optimizer placements (absent in plans made before they
     were recorded: both follow the parameter). The mode is the parameter's placeholder's kernel
@@ -327,8 +257,8 @@ def _read_param_state(f: _Field, params: dict[str, Spec], nodes: tuple[NodePlan,
             off.fail('false, "optimizer" or "parameters"')
         if grad == spec and opt == spec and not what:
             continue
-        mode = {"optimizer": "offload", "parameters": "offload_params"}.get(what) or (
-            "zero2" if grad != spec else "zero1")
+        mode = {"optimizer": StateMode.OFFLOAD, "parameters": StateMode.OFFLOAD_PARAMS}.get(what) \
+            or (StateMode.ZERO2 if grad != spec else StateMode.ZERO1)
         if not what and grad not in (spec, opt):
             pf.key("grad_placements").fail(f"the parameter's placements or its "
                                            f"optimizer_placements {spec_str(opt)}")
@@ -336,7 +266,7 @@ def _read_param_state(f: _Field, params: dict[str, Spec], nodes: tuple[NodePlan,
     return out
 
 
-def _read_host_transfer(f: _Field) -> HostTransfer:
+def _read_host_transfer(f: Field) -> HostTransfer:
     direction = f.key("direction")
     if direction.text() not in DIRECTIONS:
         direction.fail(f"one of {', '.join(map(json.dumps, DIRECTIONS))}")
@@ -345,27 +275,7 @@ def _read_host_transfer(f: _Field) -> HostTransfer:
                         f.key("count", 1).integer(least=1))
 
 
-# Figures a plan file may carry under an earlier name: read under the new one.
-RENAMED = {"peak_memory_bytes": "ilp_memory_bytes"}   # the ILP's memory sum, not a peak
-
-
-def _read_numbers(f: _Field, keys: tuple[str, ...]) -> dict[str, Any]:
-    obj = f.obj()
-    for old, new in RENAMED.items():
-        if old in obj and new not in obj:
-            obj[new] = obj.pop(old)
-    for k in keys:
-        f.key(k).number()
-    for k in ("optimizer_s", "host_s"):     # absent from plans made before they were priced
-        if k in f.obj():
-            f.key(k).number()
-    for k in (*PER_AXIS, "memory"):   # absent from plans made before they were priced
-        for x in f.key(k, {}).obj():
-            f.key(k).key(x).number()
-    return dict(f.obj())
-
-
-def _read_joint_axes(f: _Field, axes: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+def _read_joint_axes(f: Field, axes: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
     """Groups of two or more of the mesh's axes, in mesh order, no axis in two groups (absent
     in plans whose collectives all run over one axis)."""
     out: list[tuple[str, ...]] = []
@@ -380,7 +290,7 @@ def _read_joint_axes(f: _Field, axes: tuple[str, ...]) -> tuple[tuple[str, ...],
     return tuple(out)
 
 
-def _read_solver(f: _Field) -> dict[str, Any]:
+def _read_solver(f: Field) -> dict[str, Any]:
     """The solver's record: the fields summary() prints are checked, the rest kept as they are."""
     f.key("status").text()
     f.key("variables").integer()

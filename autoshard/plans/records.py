@@ -1,11 +1,13 @@
 """The records a Plan holds (nodes, collectives, host copies, pipeline stages, parameter
-state) and the names of its phases and predicted figures (docs/plan-format.md)."""
+state) and the names of its phases and state modes (docs/plan-format.md); the predicted
+figures are in plans/prediction.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autoshard.ir import CollectiveKind, Spec, StateMode, spec_str
+from autoshard.plans.prediction import StagePrediction
 from autoshard.schedules import rank_stages, stage_rank
-from autoshard.ir import Spec, spec_str
 
 FORMAT = "autoshard.plan"
 VERSION = 2      # 2: the options the plan was made with, and the model's layers
@@ -34,7 +36,7 @@ class NodePlan:
 
 @dataclass(frozen=True, slots=True)
 class CollectiveRecord:
-    kind: str
+    kind: CollectiveKind        # a str where a file names another (it describes, steers nothing)
     axes: tuple[str, ...]
     bytes: int
     phase: str
@@ -92,16 +94,15 @@ class HostTransfer:
 class Stage:
     """One pipeline stage: its index along the pipeline axis, the model's layers it runs (the
     first stage also runs what comes before the first layer, the last what comes after the last
-    one), and its predicted figures per step: ``compute_s`` and ``comm_s`` of one microbatch,
-    ``ilp_memory_bytes`` (the sum of its state and what forward saves, not a liveness peak)
-    with the schedule's microbatches in flight."""
+    one), and its predicted figures (plans/prediction.py ``StagePrediction``)."""
 
     index: int
     layers: tuple[str, ...]
-    predicted: dict[str, float]
+    predicted: StagePrediction
 
     def to_json(self) -> dict:
-        return {"index": self.index, "layers": list(self.layers), "predicted": self.predicted}
+        return {"index": self.index, "layers": list(self.layers),
+                "predicted": self.predicted.to_json()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,20 +147,15 @@ class ParamState:
     "optimizer" (the optimizer state and step: mode "offload") or "parameters" (the stored
     parameter and its gradient too, copied to the device at each use: "offload_params")."""
 
-    mode: str
+    mode: StateMode
     grad: Spec
     optimizer: Spec
     offload: str = ""
 
 
 # How summary() names each state mode (cost/state.py).
-MODE_NAMES = {"zero1": "ZeRO-1 (optimizer state sharded)",
-              "zero2": "ZeRO-2 (gradients and optimizer state sharded)",
-              "offload": "optimizer state and step on the host (offload)",
-              "offload_params": "parameters, gradients and optimizer state on the host, "
+MODE_NAMES = {StateMode.ZERO1: "ZeRO-1 (optimizer state sharded)",
+              StateMode.ZERO2: "ZeRO-2 (gradients and optimizer state sharded)",
+              StateMode.OFFLOAD: "optimizer state and step on the host (offload)",
+              StateMode.OFFLOAD_PARAMS: "parameters, gradients and optimizer state on the host, "
                                 "copied in at each use (parameter offload)"}
-# The figures summary() prints; a plan may carry more.
-PREDICTED = ("step_time_s", "compute_s", "comm_s", "ilp_memory_bytes")
-# Per mesh axis: communication the step waits for (blocking, and gradient sync that backward
-# compute does not hide), and gradient sync hidden behind backward (docs/cost-model.md §7).
-PER_AXIS = ("exposed_comm_s", "overlapped_comm_s")

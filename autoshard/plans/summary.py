@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from autoshard.ir import Layer, spec_str
-from autoshard.plans.records import DIRECTIONS, MODE_NAMES, PER_AXIS
+from autoshard.plans.records import DIRECTIONS, MODE_NAMES
 from autoshard.schedules import balanced_bubble
 
 if TYPE_CHECKING:
@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 
 
 def comm_by_axis(plan: Plan) -> list[str]:
-    exposed, hidden = (plan.predicted.get(k, {}) for k in PER_AXIS)
+    exposed = plan.predicted.exposed_comm_s or {}
+    hidden = plan.predicted.overlapped_comm_s or {}
     return [f"    comm over {a}: {exposed.get(a, 0.0) * 1e3:.3f} ms exposed, "
             f"{hidden.get(a, 0.0) * 1e3:.3f} ms hidden behind backward"
             for a in plan.mesh_axes if exposed.get(a) or hidden.get(a)]
@@ -33,12 +34,12 @@ def summary(plan: Plan) -> str:
     dims = "x".join(map(str, plan.mesh_shape))
     lines = [f"autoshard plan {plan.model or ''} on mesh {dims} ({','.join(plan.mesh_axes)}), "
              f"cluster {plan.cluster_text}, {'training' if plan.training else 'inference'}",
-             f"  predicted step {p['step_time_s'] * 1e3:.3f} ms = compute "
-             f"{p['compute_s'] * 1e3:.3f} ms + exposed comm "
-             f"{(p['step_time_s'] - p['compute_s'] - p.get('host_s', 0.0)) * 1e3:.3f} ms "
-             f"(of {p['comm_s'] * 1e3:.3f} ms comm)"
-             + (f" + host link {p['host_s'] * 1e3:.3f} ms" if p.get("host_s") else "")
-             + f"; ILP memory sum {size_text(p['ilp_memory_bytes'])} per device",
+             f"  predicted step {p.step_time_s * 1e3:.3f} ms = compute "
+             f"{p.compute_s * 1e3:.3f} ms + exposed comm "
+             f"{p.exposed_comm_total_s * 1e3:.3f} ms "
+             f"(of {p.comm_s * 1e3:.3f} ms comm)"
+             + (f" + host link {p.host_s * 1e3:.3f} ms" if p.host_s else "")
+             + f"; ILP memory sum {size_text(p.ilp_sum_bytes)} per device",
              *comm_by_axis(plan), *_accumulation_summary(plan),
              f"  solver {s['status']}, {s['variables']} variables, {s.get('decisions', '?')} "
              f"decisions, gap {s['gap']:.2%}", *_mesh_search_summary(plan)]
@@ -84,23 +85,22 @@ def _state_summary(plan: Plan) -> list[str]:
     if plan.host_transfers:
         by_dir = {d: sum(t.bytes * t.count for t in plan.host_transfers if t.direction == d)
                   for d in DIRECTIONS}
-        host_s = plan.predicted.get("host_s")
+        host_s = plan.predicted.host_s
         lines.append(f"  host link per step: {size_text(by_dir['h2d'])} host to device, "
                      f"{size_text(by_dir['d2h'])} device to host"
                      + (f"; {host_s * 1e3:.3f} ms of it outside the optimizer step, "
                         f"not overlapped" if host_s else ""))
-    mem = plan.predicted.get("memory")
-    if isinstance(mem, dict):
-        parts = ", ".join(f"{k} {size_text(mem[k])}" for k in
+    mem = plan.predicted.memory
+    if mem is not None:
+        parts = ", ".join(f"{k} {size_text(getattr(mem, k))}" for k in
                           ("parameters", "gradients", "optimizer", "activations",
-                           "temporaries") if mem.get(k))
-        host = f"; host {size_text(mem['host'])}" if mem.get("host") else ""
-        at = plan.predicted.get("peak_phase")
-        peak = f" {size_text(mem['peak'])}" if "peak" in mem else ""
-        lines.append(f"  peak over the step (liveness){peak}{f', in {at}' if at else ''}: "
-                     f"{parts}{host}")
-    if plan.predicted.get("optimizer_s"):
-        lines.append(f"  optimizer step: {plan.predicted['optimizer_s'] * 1e3:.3f} ms "
+                           "temporaries") if getattr(mem, k))
+        host = f"; host {size_text(mem.host)}" if mem.host else ""
+        at = plan.predicted.peak_phase
+        lines.append(f"  peak over the step (liveness) {size_text(mem.peak)}"
+                     f"{f', in {at}' if at else ''}: {parts}{host}")
+    if plan.predicted.optimizer_s:
+        lines.append(f"  optimizer step: {plan.predicted.optimizer_s * 1e3:.3f} ms "
                      f"(in compute)")
     return lines
 
@@ -149,9 +149,9 @@ def _pipeline_summary(plan: Plan) -> list[str]:
         what = (f"{st.layers[0]} .. {st.layers[-1].rsplit('.', 1)[-1]}" if len(st.layers) > 1
                 else (st.layers[0] if st.layers else "no layer"))
         lines.append(f"    stage {st.index}: {what} ({len(st.layers)} layers); per microbatch "
-                     f"compute {st.predicted['compute_s'] * 1e3:.3f} ms + comm "
-                     f"{st.predicted['comm_s'] * 1e3:.3f} ms; ILP memory sum "
-                     f"{size_text(st.predicted['ilp_memory_bytes'])}")
+                     f"compute {st.predicted.compute_s * 1e3:.3f} ms + comm "
+                     f"{st.predicted.comm_s * 1e3:.3f} ms; ILP memory sum "
+                     f"{size_text(st.predicted.ilp_sum_bytes)}")
     return lines
 
 

@@ -14,10 +14,11 @@ from autoshard.cost.program import program_for, step_program
 from autoshard.cost.compute import local_numel
 from autoshard.cost.state import SCATTERS, StateBytes, state_spec
 from autoshard.cost.reshards import direct_reads
-from autoshard.ir import Strategy
+from autoshard.ir import CollectiveKind, StateMode, Strategy
 from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions
 from autoshard.plans import Plan
+from autoshard.plans.prediction import Prediction, PredictedMemory
 from autoshard.plans.records import CollectiveRecord, HostTransfer, NodePlan, ParamState
 from autoshard.trace.export import TracedGraph
 
@@ -177,20 +178,20 @@ def _tied_reads(pricer: Pricer, nodes: list, strategies: dict[str, Strategy]
     return {fqn: tuple(reads) for fqn, reads in tied.items()}
 
 
-def _predicted(sums: _Sums, ov: _Overlap, host_s: float, live: Any) -> dict[str, Any]:
-    """The plan's ``predicted`` figures (docs/plan-format.md)."""
+def _predicted(sums: _Sums, ov: _Overlap, host_s: float, live: Any) -> Prediction:
+    """The plan's predicted figures (plans/prediction.py, docs/plan-format.md)."""
     state = sums.state
-    return {"step_time_s": sums.compute_s + sum(ov.exposed.values()) + host_s,
-            "compute_s": sums.compute_s, **({"host_s": host_s} if host_s else {}),
-            "comm_s": ov.comm_s, "ilp_memory_bytes": sums.memory,
-            "optimizer_s": sums.optimizer_s, "peak_phase": live.phase,
-            **({"host_step_s": sums.host_step_s} if sums.host_step_s else {}),
-            "memory": {"peak": live.peak, "parameters": live.parameters,
-                       "gradients": live.gradients, "optimizer": live.optimizer,
-                       "activations": live.activations, "temporaries": live.temporaries,
-                       "host": state.host,
-                       "model_state": state.parameters + state.gradients + state.optimizer},
-            "exposed_comm_s": ov.exposed, "overlapped_comm_s": ov.overlapped}
+    return Prediction(
+        step_time_s=sums.compute_s + sum(ov.exposed.values()) + host_s,
+        compute_s=sums.compute_s, comm_s=ov.comm_s, ilp_sum_bytes=sums.memory,
+        optimizer_s=sums.optimizer_s, host_s=host_s, host_step_s=sums.host_step_s,
+        peak_phase=live.phase,
+        memory=PredictedMemory(
+            peak=live.peak, parameters=live.parameters, gradients=live.gradients,
+            optimizer=live.optimizer, activations=live.activations,
+            temporaries=live.temporaries, host=state.host,
+            model_state=state.parameters + state.gradients + state.optimizer),
+        exposed_comm_s=ov.exposed, overlapped_comm_s=ov.overlapped)
 
 
 def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
@@ -268,7 +269,8 @@ def _state_record(pricer: Pricer, name: str, strategy: Strategy) -> ParamState:
     spec, mode = strategy.outputs[0], strategy.kernel
     sspec = state_spec(ph.info.shape, spec, pricer.mesh.shape) or spec
     return ParamState(mode, sspec if mode in SCATTERS else spec, sspec,
-                      {"offload": "optimizer", "offload_params": "parameters"}.get(mode, ""))
+                      {StateMode.OFFLOAD: "optimizer",
+                       StateMode.OFFLOAD_PARAMS: "parameters"}.get(mode, ""))
 
 
 def host_transfers(traced: TracedGraph, pricer: Pricer, strategies: dict[str, Strategy],
@@ -283,7 +285,7 @@ def host_transfers(traced: TracedGraph, pricer: Pricer, strategies: dict[str, St
     (``Pricer.host_steps``)."""
     out: list[HostTransfer] = []
     params = [p.name for p in traced.params]
-    fetched = {n for n in params if strategies[n].kernel == "offload_params"}
+    fetched = {n for n in params if strategies[n].kernel == StateMode.OFFLOAD_PARAMS}
     if fetched:
         uses = [(e.value[0], e.src, e.consumers[0][0], first.get(e.value[0]) is e)
                 for e in edges if e.value[0] in fetched]
@@ -291,7 +293,7 @@ def host_transfers(traced: TracedGraph, pricer: Pricer, strategies: dict[str, St
                                        training=traced.training).items():
             uses.append((name, strategies[name].outputs[0], cons[0][0], False))
         for name, src, node, bucketed in uses:
-            n = pricer.fetch_bytes((name, 0), src, "offload_params")
+            n = pricer.fetch_bytes((name, 0), src, StateMode.OFFLOAD_PARAMS)
             # every micro-step's (docs/cost-model.md §7.2)
             out.append(HostTransfer("h2d", n, "forward", node, name, pricer.runs))
             if pricer.recomputed(node):
@@ -303,7 +305,7 @@ def host_transfers(traced: TracedGraph, pricer: Pricer, strategies: dict[str, St
                 if m in fetched:
                     shape, isz = pricer.shapes[(m, 0)]
                     spec = strategies[m].outputs[0]
-                    if b.kind == "reduce_scatter":
+                    if b.kind == CollectiveKind.REDUCE_SCATTER:
                         spec = state_spec(shape, spec, pricer.mesh.shape) or spec
                     out.append(HostTransfer("d2h", local_numel(shape, spec, pricer.mesh.shape)
                                             * isz, "grad_sync", f"bucket{k}", m))

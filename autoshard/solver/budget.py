@@ -86,7 +86,8 @@ def _with_techniques(e: AutoshardError, traced: TracedGraph, options: PlanOption
 
 
 def _check_host(plan: Plan, mesh: Mesh) -> None:
-    host = plan.predicted.get("memory", {}).get("host", 0.0)
+    memory = plan.predicted.memory
+    host = memory.host if memory is not None else 0.0
     if host > host_budget(mesh.cluster):
         raise AutoshardError(
             f"state offloaded within the host memory of one device "
@@ -121,8 +122,8 @@ def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw:
             return first[0]
         # A plan that fits by liveness too is final unless checkpointing beats it: search only
         # faster ones (re-planning for the peak below never makes a plan faster).
-        cutoff = first[0].predicted["step_time_s"] if first and \
-            first[0].predicted["memory"]["peak"] <= budget and mesh.ndim < 3 else None
+        cutoff = first[0].predicted.step_time_s if first and \
+            first[0].predicted.memory.peak <= budget and mesh.ndim < 3 else None
         try:
             return plan_once(traced, mesh, options, cutoff_s=cutoff,
                              recompute=dict.fromkeys(layers, policy), **kw)
@@ -135,10 +136,10 @@ def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw:
         it, memory binds near the budget (a layout the budget ruled out may be faster with the
         memory checkpointing frees; a plan 1% under the budget can be one)."""
         if not p.recompute:
-            return p.predicted["ilp_memory_bytes"] < budget * BINDS
+            return p.predicted.ilp_sum_bytes < budget * BINDS
         return set(p.recompute.values()) == {"selective"} and \
-            p.predicted["ilp_memory_bytes"] < budget * 0.98 and \
-            p.predicted["memory"]["peak"] <= budget
+            p.predicted.ilp_sum_bytes < budget * 0.98 and \
+            p.predicted.memory.peak <= budget
 
     # No plan fits, or none was found in time (memory that binds makes the ILP hard):
     # checkpointing frees memory either way.
@@ -153,15 +154,15 @@ def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw:
     # Fastest first: re-planning a plan for its peak never makes it faster, so once one fits,
     # a plan already slower than it needs no re-planning.
     fitting = None
-    for p in sorted(plans, key=lambda p: p.predicted["step_time_s"]):
-        if fitting is not None and p.predicted["step_time_s"] >= fitting.predicted["step_time_s"]:
+    for p in sorted(plans, key=lambda p: p.predicted.step_time_s):
+        if fitting is not None and p.predicted.step_time_s >= fitting.predicted.step_time_s:
             break
         fit = _fit_live(traced, mesh, options, p, budget, kw)
-        if fit is not None and (fitting is None or fit.predicted["step_time_s"]
-                                < fitting.predicted["step_time_s"]):
+        if fit is not None and (fitting is None or fit.predicted.step_time_s
+                                < fitting.predicted.step_time_s):
             fitting = fit
     if fitting is None:
-        return min(plans, key=lambda p: p.predicted["step_time_s"])
+        return min(plans, key=lambda p: p.predicted.step_time_s)
     partial = _plan_partial(traced, mesh, options, fitting, layers, budget, **kw)
     return fitting if partial is None else partial
 
@@ -179,7 +180,7 @@ def _fit_live(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan,
     """``plan`` if its liveness peak fits ``budget``, else :func:`_tighten`'s plan with the
     same techniques, if one fits; else None. Pinned or merged sub-problems are left to their
     caller."""
-    if plan.predicted["memory"]["peak"] <= budget or kw.get("fixed") or kw.get("merge") is not None:
+    if plan.predicted.memory.peak <= budget or kw.get("fixed") or kw.get("merge") is not None:
         return plan
     fit, _ = _tighten(traced, mesh, options, plan, budget, kw, kw.get("offload"))
     return fit
@@ -205,10 +206,10 @@ def _tighten(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan, 
     p = plan
     offload = offload_level(plan) if offload is None else offload
     for k in range(TIGHTEN):
-        live = p.predicted["memory"]["peak"]
+        live = p.predicted.memory.peak
         if live <= budget:
             return p, solved
-        lower = p.predicted["ilp_memory_bytes"] - (live - budget) * 2**k
+        lower = p.predicted.ilp_sum_bytes - (live - budget) * 2**k
         if lower <= 0:
             break
         try:
@@ -219,7 +220,7 @@ def _tighten(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan, 
             break
         p = replace(p, options=options)
         solved.append(p)
-    return (p if p.predicted["memory"]["peak"] <= budget else None), solved
+    return (p if p.predicted.memory.peak <= budget else None), solved
 
 
 def fit_budget(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan, *,
@@ -231,7 +232,7 @@ def fit_budget(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan
     full checkpointing for a forward or backward one (then offload too), as far as ``options``
     allows. None fits: an error naming the least peak found, and its phase."""
     budget = device_budget(mesh.cluster, options.memory_budget)
-    if plan.predicted["memory"]["peak"] <= budget:
+    if plan.predicted.memory.peak <= budget:
         return plan
     kw = {"model_name": model_name, "fixed": None, "trace_s": trace_s, "merge": None}
     fit, tried = _tighten(traced, mesh, options, plan, budget, kw)
@@ -255,20 +256,20 @@ def fit_budget(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan
             error_of_none="none")
     if fit is not None:
         return fit
-    least = min(tried, key=lambda p: p.predicted["memory"]["peak"])
-    need = budget_for(least.predicted["memory"]["peak"])
+    least = min(tried, key=lambda p: p.predicted.memory.peak)
+    need = budget_for(least.predicted.memory.peak)
     raise BudgetError(
         f"a plan whose step peaks within the memory budget of {gib(budget_for(budget))} per "
         f"device (forward, backward and the optimizer step, cost/liveness.py, with the "
         f"allocator's slack, docs/cost-model.md §4.6)",
         got=f"none; the least memory any plan found needs is {gib(need)} per device, at "
-            f"its {least.predicted['peak_phase']} peak; techniques tried: "
+            f"its {least.predicted.peak_phase} peak; techniques tried: "
             f"{'; '.join(dict.fromkeys(techniques))}",
         fix="raise memory_budget, use a larger mesh, or a smaller batch"
             + ("" if options.offload == "auto" else ", or allow offload (offload='auto')")
             + ("" if options.recompute == "auto"
                else ", or allow activation checkpointing (recompute='auto')"),
-        least_bytes=need, phase=least.predicted["peak_phase"])
+        least_bytes=need, phase=least.predicted.peak_phase)
 
 
 def remedy_tries(traced: TracedGraph, options: PlanOptions, plan: Plan) -> list[Try]:
@@ -286,7 +287,7 @@ def remedy_tries(traced: TracedGraph, options: PlanOptions, plan: Plan) -> list[
         offloads = [o for o in (True, "parameters") if o != offload
                     and (o is True or options.stage_run is None)
                     and not (o is True and offload == "parameters")]
-    if plan.predicted["peak_phase"] == "optimizer":
+    if plan.predicted.peak_phase == "optimizer":
         out = [(recompute, o) for o in offloads] + [(c, offloads[-1] if offloads else offload)
                                                     for c in ckpt]
     else:
@@ -324,7 +325,7 @@ def _plan_partial(traced: TracedGraph, mesh: Mesh, options: PlanOptions, best: P
     strategies = best.strategies()
 
     def fits(p: Plan) -> bool:      # the ILP's bound and the step's liveness peak alike
-        return max(p.predicted["ilp_memory_bytes"], p.predicted["memory"]["peak"]) <= budget
+        return max(p.predicted.ilp_sum_bytes, p.predicted.memory.peak) <= budget
 
     candidates = []
     for lo in {"full": ("selective", None), "selective": (None,)}[hi]:
@@ -353,7 +354,7 @@ def _plan_partial(traced: TracedGraph, mesh: Mesh, options: PlanOptions, best: P
                          solver=dict(best.solver), model_name=kw.get("model_name", ""),
                          timings=dict(best.timings), recompute=rc, joint=best.joint_groups())
             # Not solved again: the layouts are best's, priced with these policies.
-            p = replace(p, solver={**p.solver, "objective": p.predicted["step_time_s"],
+            p = replace(p, solver={**p.solver, "objective": p.predicted.step_time_s,
                                    "note": f"layouts solved with every layer {hi}; "
                                            f"checkpointing then priced per layer"})
             if fits(p):
@@ -361,7 +362,7 @@ def _plan_partial(traced: TracedGraph, mesh: Mesh, options: PlanOptions, best: P
                 break
     if not candidates:
         return None
-    pick = min(candidates, key=lambda p: p.predicted["step_time_s"])
+    pick = min(candidates, key=lambda p: p.predicted.step_time_s)
     # ``best`` may still be re-planned for its own liveness peak: never faster than it is now.
-    return pick if pick.predicted["step_time_s"] < best.predicted["step_time_s"] else None
+    return pick if pick.predicted.step_time_s < best.predicted.step_time_s else None
 

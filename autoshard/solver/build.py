@@ -26,7 +26,7 @@ from autoshard.cost.reshards import input_divergence, output_requirement
 from autoshard.cost.comm import reshard
 from autoshard.cost.memory import device_budget, host_budget
 from autoshard.cost.state import HOST_MODES
-from autoshard.ir import ZIGZAG, Replicate, Shard, Spec, Strategy, TensorInfo, spec_fits
+from autoshard.ir import Replicate, Shard, Spec, StateMode, Strategy, TensorInfo, ZIGZAG, spec_fits
 from autoshard.mesh import AxisMerge, Mesh
 from autoshard.ops.attention import CP_KERNELS, SDPA
 from autoshard.ops.registry import strategies_for
@@ -265,7 +265,7 @@ class _Builder:
                 prices = [[(t + self.pricer.forward_seconds(value, src, dst[0]), sync)
                            for (t, sync), dst in zip(row, keys)]
                           for row, (src, _) in zip(prices, specs)]
-            if param and any(mode == "offload_params" for _, mode in specs):
+            if param and any(mode == StateMode.OFFLOAD_PARAMS for _, mode in specs):
                 # A parameter kept on the host: each use copies it to the device (again where
                 # it is read only inside checkpointed layers) and its gradient back.
                 again = all(c != OUTPUT and self.pricer.recomputed(c) for c, _ in cons)
@@ -348,7 +348,7 @@ class _Builder:
         return cm.decision, out
 
     def _price(self, value: ValueRef, src: Spec, dst: tuple[Spec, frozenset[int]],
-               mode: str | None = None) -> tuple[float, float]:
+               mode: StateMode | None = None) -> tuple[float, float]:
         """(Blocking, gradient-sync) seconds to reshard ``value`` from ``src`` to ``dst``
         (``mode``: a parameter's state mode)."""
         if self.deadline is not None and time.perf_counter() > self.deadline:

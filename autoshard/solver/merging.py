@@ -159,7 +159,7 @@ def _axis_record(d: Tried) -> dict[str, Any]:
         return {"merged_axes": merged, "error": d.error.got}
     p = d.result
     return {"merged_axes": merged, "joint": bool(p.joint_axes),
-            "step_time_s": p.predicted["step_time_s"],
+            "step_time_s": p.predicted.step_time_s,
             "status": p.solver["status"], "gap": p.solver["gap"]}
 
 
@@ -173,7 +173,7 @@ def _one_axis_at_a_time(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
                  model_name=plan.model, timings=dict(plan.timings),
                  recompute=dict(plan.recompute))
     note = "layouts solved with axes merged, their collectives then priced one axis at a time"
-    return replace(p, solver={**p.solver, "objective": p.predicted["step_time_s"],
+    return replace(p, solver={**p.solver, "objective": p.predicted.step_time_s,
                               "note": "; ".join(filter(None, [p.solver.get("note"), note]))})
 
 

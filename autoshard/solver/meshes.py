@@ -119,7 +119,7 @@ class Tried:
                                "pp": self.candidate.pp, "dp": self.candidate.dp,
                                "tp": self.candidate.tp, "plan_s": round(self.seconds, 2)}
         if self.plan is not None:
-            out["step_time_s"] = self.plan.predicted["step_time_s"]
+            out["step_time_s"] = self.plan.predicted.step_time_s
             if self.plan.pipeline is not None:
                 out["microbatches"] = self.plan.pipeline.microbatches
                 out["schedule"] = self.plan.pipeline.schedule
@@ -233,7 +233,7 @@ def _other_counts(best: Tried, batch: int, solve) -> None:
 
 
 def _step(t: Tried) -> float:
-    return t.plan.predicted["step_time_s"] if t.plan is not None else float("inf")
+    return t.plan.predicted.step_time_s if t.plan is not None else float("inf")
 
 
 def _evaluate(c: Candidate, microbatches: int | None, traces: Traces, cluster: Cluster,

@@ -13,10 +13,11 @@ from autoshard.cost.compute import local_numel
 from autoshard.cost.overlap import bucket_bytes_by_axis, gradient_buckets
 from autoshard.cost.price import Pricer
 from autoshard.cost.reshards import reshard_edges
-from autoshard.ir import Replicate, Spec
+from autoshard.ir import CollectiveKind, Replicate, Spec
 from autoshard.mesh import AxisLink, Mesh
 from autoshard.options import PlanOptions
 from autoshard.plans import Plan
+from autoshard.plans.prediction import Prediction, StagePrediction
 from autoshard.plans.records import CollectiveRecord, NodePlan, Pipeline, Stage
 from autoshard.schedules import VIRTUAL_STAGES, WARMUP_BYTES, sends_between, stage_rank, \
     warmup_node
@@ -65,11 +66,10 @@ def assemble_pipelined(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub:
     tied, tied_s = _tied_syncs(traced, spmd, where, mesh.links[a], axis, schedule, ranks)
     collectives += tied
     collectives += _sends(boundary, cuts, axis, schedule, ranks, m)
-    collectives.append(CollectiveRecord("all_reduce", (axis,), 4, "pipeline", "loss"))
-    stages = tuple(Stage(i, stage_layers[i], {k: figures[i][k] for k in
-                                              ("compute_s", "comm_s", "ilp_memory_bytes",
-                                               "peak_bytes")})
-                   for i in range(p))
+    collectives.append(CollectiveRecord(CollectiveKind.ALL_REDUCE, (axis,), 4, "pipeline", "loss"))
+    stages = tuple(Stage(i, stage_layers[i], StagePrediction(
+        figures[i]["compute_s"], figures[i]["comm_s"], figures[i]["ilp_memory_bytes"],
+        figures[i]["peak_bytes"])) for i in range(p))
     predicted = _predicted(spmd, figures, collectives, sub, mesh.links[a], axis, schedule, ranks,
                            m, step, tied_s)
     return replace(spmd, mesh_shape=mesh.shape, mesh_axes=mesh.axes, options=options,
@@ -142,9 +142,9 @@ def _tied_syncs(traced: TracedGraph, spmd: Plan, where: dict[str, int], link: Ax
         st = spmd.param_state.get(fqn)
         nbytes = local_numel(tuple(ph.info.shape), st.grad if st else spmd.params[fqn],
                              spmd.mesh_shape) * ph.info.dtype.itemsize
-        tied_s = max(tied_s, link_time(link, "all_reduce", len(by_rank), nbytes))
+        tied_s = max(tied_s, link_time(link, CollectiveKind.ALL_REDUCE, len(by_rank), nbytes))
         for s in sorted(by_rank.values()):
-            out.append(CollectiveRecord("all_reduce", (axis,), nbytes, "grad_sync",
+            out.append(CollectiveRecord(CollectiveKind.ALL_REDUCE, (axis,), nbytes, "grad_sync",
                                         f"tied:{fqn}", ph.name, stage=s))
     return out, tied_s
 
@@ -158,24 +158,24 @@ def _sends(boundary, cuts, axis: str, schedule: str, ranks: int, m: int
         if not sends_between(schedule, ranks, s):
             continue                      # the turn of a V: handed over on one rank, no send
         fwd, bwd = (int(b[cuts[s][1] - 1]) for b in boundary)
-        out.append(CollectiveRecord("send_recv", (axis,), fwd, "pipeline",
+        out.append(CollectiveRecord(CollectiveKind.SEND_RECV, (axis,), fwd, "pipeline",
                                     f"stage{s}->stage{s + 1}", stage=s, count=m))
-        out.append(CollectiveRecord("send_recv", (axis,), bwd, "pipeline",
+        out.append(CollectiveRecord(CollectiveKind.SEND_RECV, (axis,), bwd, "pipeline",
                                     f"stage{s + 1}->stage{s}", stage=s + 1, count=m))
         # torch's warm-up of the link on the first step, one int32 each way (schedules.py)
-        out += [CollectiveRecord("send_recv", (axis,), WARMUP_BYTES, "pipeline",
+        out += [CollectiveRecord(CollectiveKind.SEND_RECV, (axis,), WARMUP_BYTES, "pipeline",
                                  warmup_node(a, b), stage=a) for a, b in ((s, s + 1), (s + 1, s))]
     return out
 
 
 def _predicted(spmd: Plan, figures: list[dict], collectives: list[CollectiveRecord], sub: Mesh,
                link: AxisLink, axis: str, schedule: str, ranks: int, m: int, step: float,
-               tied_s: float) -> dict:
+               tied_s: float) -> Prediction:
     """The pipelined step's predicted figures: ``step`` (the schedule's), the loss's all-reduce
     and ``tied_s`` (the tied weights'); its compute; per axis, what the slowest stage
     exposes."""
     p = len(figures)
-    loss_s = link_time(link, "all_reduce", ranks, 4)
+    loss_s = link_time(link, CollectiveKind.ALL_REDUCE, ranks, 4)
     compute = cut_step_seconds(figures, m, ranks, schedule, comm=False) \
         + per_rank(figures, ranks, schedule, "optimizer_s")
     total = step + loss_s + tied_s
@@ -186,16 +186,16 @@ def _predicted(spmd: Plan, figures: list[dict], collectives: list[CollectiveReco
     exposed = {x: sum(record_seconds(c, sub) * c.count for c in collectives
                       if c.stage == slow and c.axes[0] == x) for x in keep}
     # The sub-plan's liveness figures are of the whole model with one microbatch: not a stage's
-    # peak. Each stage's is its own "peak_bytes", the walk of its program with the schedule's
-    # microbatches in flight (solver/stage_cuts.py StageWalk), beside "ilp_memory_bytes", the
+    # peak. Each stage's is its own ``peak_bytes``, the walk of its program with the schedule's
+    # microbatches in flight (solver/stage_cuts.py StageWalk), beside ``ilp_sum_bytes``, the
     # sums the cut search balances.
-    inner = {k: v for k, v in spmd.predicted.items() if k not in ("memory", "peak_phase")}
-    return {**inner, "step_time_s": total, "compute_s": compute,
-            "comm_s": total - compute,
-            "ilp_memory_bytes": per_rank(figures, ranks, schedule, "ilp_memory_bytes"),
-            "exposed_comm_s": {**exposed,
-                               axis: max(0.0, total - compute - sum(exposed.values()))},
-            "overlapped_comm_s": {x: 0.0 for x in keep}}
+    return replace(spmd.predicted, step_time_s=total, compute_s=compute,
+                   comm_s=total - compute,
+                   ilp_sum_bytes=per_rank(figures, ranks, schedule, "ilp_memory_bytes"),
+                   memory=None, peak_phase=None,
+                   exposed_comm_s={**exposed,
+                                   axis: max(0.0, total - compute - sum(exposed.values()))},
+                   overlapped_comm_s={x: 0.0 for x in keep})
 
 
 def _on_whole_mesh(spmd: Plan, a: int, ndim: int) -> dict:

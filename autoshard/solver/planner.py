@@ -191,8 +191,8 @@ def _mesh_use_note(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: 
     except AutoshardError:
         return [f"{head}. The same work does not fit on {_devices(small)} alone."]
     return [f"{head}. The same work on {_devices(small)}: predicted step "
-            f"{other.predicted['step_time_s'] * 1e3:.3f} ms against "
-            f"{plan.predicted['step_time_s'] * 1e3:.3f} ms here"]
+            f"{other.predicted.step_time_s * 1e3:.3f} ms against "
+            f"{plan.predicted.step_time_s * 1e3:.3f} ms here"]
 
 
 def _devices(mesh: Mesh) -> str:

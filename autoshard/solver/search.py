@@ -52,12 +52,12 @@ class Tried:
 
     @property
     def step_time_s(self) -> float | None:
-        return self.result.predicted["step_time_s"] if self.result is not None else None
+        return self.result.predicted.step_time_s if self.result is not None else None
 
 
 def plan_step(plan: Any) -> float:
     """The default price of a candidate: its plan's predicted step."""
-    return plan.predicted["step_time_s"]
+    return plan.predicted.step_time_s
 
 
 def run_search(tries: Sequence[Try], solve: Callable[[Try], Any], *,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from autoshard.cost.comm import link_time
 from autoshard.cost.compute import local_numel
 from autoshard.cost.price import Pricer
+from autoshard.ir import CollectiveKind
 from autoshard.mesh import AxisLink, Mesh
 from autoshard.plans import Plan
 from autoshard.plans.records import CollectiveRecord
@@ -58,7 +59,8 @@ def layer_figures(traced: TracedGraph, spmd: Plan, strategies: dict, pricer: Pri
     boundary = (boundary_bytes(traced, where, strategies, sub),
                 boundary_bytes(traced, where, strategies, sub, grads=pricer.grads))
     # Activations forward, their gradients backward: one send each way per microbatch.
-    send = [link_time(link, "send_recv", 2, f) + link_time(link, "send_recv", 2, b)
+    send = [link_time(link, CollectiveKind.SEND_RECV, 2, f)
+            + link_time(link, CollectiveKind.SEND_RECV, 2, b)
             for f, b in zip(*boundary)]
     return LayerFigures(where, secs, fwd, wgt, opt, comm, sync, state, acts, boundary, send)
 

@@ -19,7 +19,8 @@ from typing import Any, Callable, Hashable, Iterable
 from autoshard.errors import AutoshardError
 from autoshard.ir import spec_str
 from autoshard.plans import Plan
-from autoshard.plans.records import PHASES, PREDICTED, NodePlan
+from autoshard.plans.prediction import PREDICTED
+from autoshard.plans.records import PHASES, NodePlan
 from autoshard.plans.summary import ranges, size_text
 
 # node name -> (layer container, block number, position in the layer's node list, the first
@@ -160,10 +161,12 @@ def diff_plans(a: Plan, b: Plan, *, force: bool = False,
 
 def _predicted(a: Plan, b: Plan) -> dict[str, Figure]:
     """The PREDICTED figures, then any other the plans carry (a figure per mesh axis, such as
-    the exposed comm, as ``exposed_comm_s.dp``); a figure one plan lacks counts 0 there."""
-    out = {k: Figure(float(a.predicted[k]), float(b.predicted[k])) for k in PREDICTED}
-    for k in dict.fromkeys(list(a.predicted) + list(b.predicted)):
-        x, y = a.predicted.get(k), b.predicted.get(k)
+    the exposed comm, as ``exposed_comm_s.dp``); a figure one plan lacks counts 0 there. The
+    figures are named as the plan file names them (``Prediction.to_json``)."""
+    pa, pb = a.predicted.to_json(), b.predicted.to_json()
+    out = {k: Figure(float(pa[k]), float(pb[k])) for k in PREDICTED}
+    for k in dict.fromkeys(list(pa) + list(pb)):
+        x, y = pa.get(k), pb.get(k)
         if k in PREDICTED:
             continue
         if all(v is None or isinstance(v, dict) for v in (x, y)):

@@ -33,7 +33,7 @@ from autoshard.cost.memory import default_budget
 from autoshard.files import check_output, write_output
 from autoshard.schedules import SPLIT_BACKWARD, simulate_schedule
 from autoshard.errors import AutoshardError
-from autoshard.ir import Replicate, Shard, spec_str
+from autoshard.ir import Replicate, Shard, StateMode, spec_str
 from autoshard.plans import Plan
 from autoshard.plans.records import Pipeline
 
@@ -46,29 +46,29 @@ def step_parts(plan: Plan) -> list[tuple[str, float]]:
     share of the schedule's compute, which ``compute_s`` includes). A plan made before
     communication was priced per axis has one "exposed comm" part."""
     p = plan.predicted
-    compute = float(p["compute_s"])
+    compute = float(p.compute_s)
     parts = []
     bubble = pipeline_bubble(plan.pipeline) if plan.pipeline else 0.0
     parts.append(("compute", compute - bubble))
-    exposed = p.get("exposed_comm_s")
-    if isinstance(exposed, dict) and exposed:
+    exposed = p.exposed_comm_s
+    if exposed:
         parts += [(f"comm over {a}", float(exposed[a])) for a in plan.mesh_axes if a in exposed]
     if bubble:
         parts.append(("pipeline bubble", bubble))
-    if p.get("host_s"):            # parameter offload's copies in and out (not overlapped)
-        parts.append(("host link", float(p["host_s"])))
-    rest = float(p["step_time_s"]) - sum(s for _, s in parts)
-    if not isinstance(exposed, dict) or not exposed:
+    if p.host_s:            # parameter offload's copies in and out (not overlapped)
+        parts.append(("host link", float(p.host_s)))
+    rest = float(p.step_time_s) - sum(s for _, s in parts)
+    if not exposed:
         parts.append(("exposed comm", rest))
-    elif abs(rest) > 1e-9 * max(1.0, float(p["step_time_s"])):
+    elif abs(rest) > 1e-9 * max(1.0, float(p.step_time_s)):
         parts.append(("other", rest))
     return [(label, s) for label, s in parts if s > 0]
 
 
 def hidden_parts(plan: Plan) -> list[tuple[str, float]]:
     """Gradient sync hidden behind backward compute, per mesh axis (not part of the step)."""
-    hidden = plan.predicted.get("overlapped_comm_s")
-    if not isinstance(hidden, dict):
+    hidden = plan.predicted.overlapped_comm_s
+    if hidden is None:
         return []
     return [(f"hidden over {a}", float(hidden[a])) for a in plan.mesh_axes if hidden.get(a)]
 
@@ -78,7 +78,7 @@ def pipeline_bubble(pl: Pipeline) -> float:
     the schedule's compute over every microbatch, its order of actions run with the stages'
     compute (:func:`gantt_slots`' split of it into F, B and W), less that rank's own work,
     ``m`` times the sum of its stages' seconds per microbatch."""
-    compute = [st.predicted["compute_s"] for st in pl.stages]
+    compute = [st.predicted.compute_s for st in pl.stages]
     ranks = pl.ranks
     busy = pl.microbatches * max(sum(compute[k] for k in pl.stages_of(r)) for r in range(ranks))
     step = simulate_schedule(pl.schedule, ranks, pl.microbatches, *_shares(pl, compute))
@@ -92,10 +92,10 @@ def memory_parts(plan: Plan) -> list[tuple[str, float]]:
     """What one device holds at the step's peak (the liveness of values, docs/cost-model.md
     §4.5), part by part; empty when the plan does not record it (a pipelined plan: see
     :func:`stage_peaks`)."""
-    mem = plan.predicted.get("memory")
-    if not isinstance(mem, dict):
+    mem = plan.predicted.memory
+    if mem is None:
         return []
-    return [(k, float(mem.get(k, 0.0))) for k in MEMORY_PARTS]
+    return [(k, float(getattr(mem, k))) for k in MEMORY_PARTS]
 
 
 def stage_peaks(plan: Plan) -> list[list[tuple[int, float]]]:
@@ -104,7 +104,7 @@ def stage_peaks(plan: Plan) -> list[list[tuple[int, float]]]:
     pl = plan.pipeline
     if pl is None:
         return []
-    return [[(k, float(pl.stages[k].predicted["ilp_memory_bytes"])) for k in pl.stages_of(r)]
+    return [[(k, float(pl.stages[k].predicted.ilp_sum_bytes)) for k in pl.stages_of(r)]
             for r in range(pl.ranks)]
 
 
@@ -213,7 +213,7 @@ def gantt_slots(pl: Pipeline) -> list[Slot]:
     prices the plan's stages the same way)."""
     slots: list[tuple] = []
     simulate_schedule(pl.schedule, pl.ranks, pl.microbatches,
-                      *_shares(pl, [st.predicted["compute_s"] + st.predicted["comm_s"]
+                      *_shares(pl, [st.predicted.compute_s + st.predicted.comm_s
                                     for st in pl.stages]), slots=slots)
     return [Slot(r, s, k, kind, start, seconds) for r, kind, s, k, start, seconds in slots]
 
@@ -272,7 +272,7 @@ def step_figure(plan: Plan) -> Any:
     ax.set_yticks(range(len(rows)), [name for name, _ in rows])
     ax.invert_yaxis()
     ax.set_xlabel("ms per step (predicted)")
-    ax.set_title(f"predicted step {plan.predicted['step_time_s'] * 1e3:.3f} ms")
+    ax.set_title(f"predicted step {plan.predicted.step_time_s * 1e3:.3f} ms")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
     return fig
@@ -286,7 +286,7 @@ def memory_figure(plan: Plan) -> Any:
     plt = pyplot()
     budget = budget_bytes(plan)
     parts, ranks = memory_parts(plan), stage_peaks(plan)
-    host = float(plan.predicted["memory"].get("host", 0.0)) if parts else 0.0
+    host = float(plan.predicted.memory.host) if parts else 0.0
     rows: list[list[tuple[str, float, Any]]] = []
     if parts:
         rows.append([(label, b, _MEMORY_COLORS[label]) for label, b in parts])
@@ -294,7 +294,7 @@ def memory_figure(plan: Plan) -> Any:
         if host:
             rows.append([("host (offloaded)", host, _MEMORY_COLORS["host"])])
             labels.append("host")
-        phase = plan.predicted.get("peak_phase")
+        phase = plan.predicted.peak_phase
         title = f"peak {_bytes(sum(b for _, b in parts))} per device" + (
             f", in {phase}" if phase else "")
     else:
@@ -302,7 +302,7 @@ def memory_figure(plan: Plan) -> Any:
         rows = [[(f"stage {k}", b, cmap(k % 20)) for k, b in stages] for stages in ranks]
         labels = [f"rank {r} of {plan.pipeline.axis}" for r in range(len(ranks))]
         title = (f"peak per rank of {plan.pipeline.axis}: its stages' peaks, microbatches in "
-                 f"flight; largest {_bytes(plan.predicted['ilp_memory_bytes'])}")
+                 f"flight; largest {_bytes(plan.predicted.ilp_sum_bytes)}")
     top = max([sum(b for _, b, _ in row) for row in rows] + [1.0])
     unit, scale = _unit(top)
     fig, ax = plt.subplots(figsize=(9, max(2.2, 0.35 * len(labels) + 1.6)))
@@ -525,7 +525,7 @@ def render_html(plan: Plan, figures: list[Section] | None = None) -> str:
     p = plan.predicted
     head = (f"mesh {dims} ({', '.join(plan.mesh_axes)}), cluster {plan.cluster_text}, "
             f"{'training' if plan.training else 'inference'}; predicted step "
-            f"{p['step_time_s'] * 1e3:.3f} ms, peak memory "
+            f"{p.step_time_s * 1e3:.3f} ms, peak memory "
             f"{_bytes(_peak(plan))} per device; solver {plan.solver['status']}")
     body = [f"<h1>{esc(title)}</h1>", f'<p class="meta">{esc(head)}</p>']
     body += [f'<p class="meta">warning: {esc(w)}</p>' for w in plan.warnings]
@@ -557,9 +557,8 @@ def _state(plan: Plan, fqn: str) -> str:
 
 
 def _peak(plan: Plan) -> float:
-    mem = plan.predicted.get("memory")
-    return float(mem["peak"]) if isinstance(mem, dict) and "peak" in mem \
-        else float(plan.predicted["ilp_memory_bytes"])
+    mem = plan.predicted.memory
+    return float(mem.peak) if mem is not None else float(plan.predicted.ilp_sum_bytes)
 
 
 def write_report(plan: Plan | str | Path, output: str | Path) -> list[str]:
@@ -578,7 +577,7 @@ def write_report(plan: Plan | str | Path, output: str | Path) -> list[str]:
 def techniques(plan: Plan) -> dict[str, Any]:
     """What the plan does beyond placing tensors, counted: parameters stored sharded, under
     ZeRO-1/2 or offloaded, layers checkpointed per policy, gradient buckets, the pipeline."""
-    modes = {"zero1": 0, "zero2": 0, "offload": 0, "offload_params": 0}
+    modes = dict.fromkeys(StateMode, 0)
     for st in plan.param_state.values():
         modes[st.mode] = modes.get(st.mode, 0) + 1
     policies = {"selective": 0, "full": 0}
@@ -605,20 +604,20 @@ def summary_json(plan: Plan, *, seconds: float | None = None,
     solver's verdict, the wall-clock timings (``seconds``: the whole command) and where the
     plan was written (``output``, or None)."""
     p = plan.predicted
-    mem = p.get("memory") if isinstance(p.get("memory"), dict) else {}
+    mem = p.memory.to_json() if p.memory is not None else {}
     return {
         "model": plan.model,
         "mesh": {"shape": list(plan.mesh_shape), "axes": list(plan.mesh_axes),
                  "cluster": plan.cluster_name},
         "training": plan.training,
         "predicted": {
-            "step_time_s": p["step_time_s"], "compute_s": p["compute_s"], "comm_s": p["comm_s"],
-            "exposed_comm_s": dict(p.get("exposed_comm_s", {})),
-            "overlapped_comm_s": dict(p.get("overlapped_comm_s", {})),
-            "optimizer_s": p.get("optimizer_s", 0.0),
+            "step_time_s": p.step_time_s, "compute_s": p.compute_s, "comm_s": p.comm_s,
+            "exposed_comm_s": dict(p.exposed_comm_s or {}),
+            "overlapped_comm_s": dict(p.overlapped_comm_s or {}),
+            "optimizer_s": p.optimizer_s,
             "parts": dict(step_parts(plan))},
-        "memory": {"peak_bytes": _peak(plan), "peak_phase": p.get("peak_phase"),
-                   "bound_bytes": p["ilp_memory_bytes"], "budget_bytes": budget_bytes(plan),
+        "memory": {"peak_bytes": _peak(plan), "peak_phase": p.peak_phase,
+                   "bound_bytes": p.ilp_sum_bytes, "budget_bytes": budget_bytes(plan),
                    **{k: mem[k] for k in (*MEMORY_PARTS, "host") if k in mem}},
         "techniques": techniques(plan),
         "solver": {k: plan.solver[k] for k in ("status", "gap", "variables", "decisions")

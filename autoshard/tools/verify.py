@@ -326,17 +326,16 @@ def predicted_memory(pm) -> dict[str, int]:
     state (parameter, gradient and optimizer state of this rank's shards, §4.1), buffers, and the
     rest, what the forward saves for backward (activations and resharded copies)."""
     plan = pm.plan
-    mem = plan.predicted.get("memory")
-    if isinstance(mem, dict) and "model_state" in mem:
-        state = int(mem["model_state"])
-    else:                       # a plan made before the split was recorded
+    mem = plan.predicted.memory
+    if mem is not None:
+        state = int(mem.model_state)
+    else:                       # a pipelined plan (its stages carry their own peaks)
         from autoshard.cost.memory import param_state_bytes
         state = sum(param_state_bytes(p.numel(), p.dtype, optimizer=plan.options.state_optimizer)
                     for p in pm.local_parameters().values())
     buffers = sum(t.numel() * t.element_size() for t in pm._buffers_local.values())
     # The peak over the step from liveness (cost/liveness.py) where the plan has it.
-    peak = int(mem["peak"]) if isinstance(mem, dict) and "peak" in mem \
-        else int(plan.predicted["ilp_memory_bytes"])
+    peak = int(mem.peak) if mem is not None else int(plan.predicted.ilp_sum_bytes)
     return {"peak": peak, "model_state": state, "buffers": buffers,
             "saved": peak - state - buffers}
 
@@ -373,7 +372,8 @@ def measure_step_memory(pm, local_inputs: tuple, *, warmup: bool = True) -> dict
     predicted = predicted_memory(pm)
     params = list(pm.parameters())
     device = params[0].device if params else torch.device("cpu")
-    host = int((pm.plan.predicted.get("memory") or {}).get("host", 0))
+    mem = pm.plan.predicted.memory
+    host = int(mem.host) if mem is not None else 0
     if device.type == "cpu" and host:
         # On a CPU run the host is the device: what the plan keeps on the host (offload) sits
         # in the memory the tracker measures, beside the device's peak.

@@ -15,6 +15,7 @@ import torch
 
 from autoshard.cluster import Cluster
 from autoshard.cost.comm import COLLECTIVE_KINDS
+from autoshard.ir import CollectiveKind
 from autoshard.tools.calibrate.fit import AlphaBeta, PLAN_KINDS, fit_alpha_beta, predicted_time
 from autoshard.tools.calibrate.kernels import (measure_attention, measure_bandwidth,
                                                measure_elementwise, measure_host_side,
@@ -89,7 +90,7 @@ def _call_seconds(reports: list[dict], kind: str, i: int, j: int) -> float:
     whole), the shortest time over ranks."""
     rows = [r["comm"][kind][i] for r in reports]
     hosts = {r.get("host") for r in reports}
-    if kind == "send_recv" or len(hosts) != 1 or None in hosts:
+    if kind == CollectiveKind.SEND_RECV or len(hosts) != 1 or None in hosts:
         return min(row["times_s"][j] for row in rows)
     return max(row["exit_s"][j] for row in rows) - max(row["enter_s"][j] for row in rows)
 
@@ -103,7 +104,7 @@ def comm_samples(reports: list[dict], p: int) -> dict[str, list[tuple[str, int, 
         rows = []
         for i, row in enumerate(reports[0]["comm"][kind]):
             per_call = [_call_seconds(reports, kind, i, j) for j in range(len(row["times_s"]))]
-            t = median(per_call) / (2 if kind == "send_recv" else 1)
+            t = median(per_call) / (2 if kind == CollectiveKind.SEND_RECV else 1)
             rows.append((kind, p, float(row["bytes"]), t))
         out[kind] = rows
     return out

@@ -9,18 +9,20 @@ from typing import Sequence
 
 from autoshard.cost.comm import COLLECTIVE_KINDS, collective_time
 from autoshard.errors import AutoshardError
+from autoshard.ir import CollectiveKind
 
 
 # The collectives a plan runs (cost/reshards.py): the link figures are fitted to these. send/recv
 # is measured and fitted on its own (in "measured"): no plan uses it until pipeline stages are
 # searched (docs/cost-model.md §6).
-PLAN_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+PLAN_KINDS = (CollectiveKind.ALL_REDUCE, CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER,
+              CollectiveKind.ALL_TO_ALL)
 
 
 def alpha_beta_terms(kind: str, p: int) -> tuple[float, float]:
     """``(c, d)`` such that docs/cost-model.md §1.1 prices ``kind`` over ``p`` devices as
     ``c·alpha + d·S/B``: the latency steps and the bus-bandwidth factor of the ring algorithm."""
-    if kind == "send_recv":
+    if kind == CollectiveKind.SEND_RECV:
         return 1.0, 1.0
     if kind not in COLLECTIVE_KINDS:
         raise AutoshardError(f"a collective among {COLLECTIVE_KINDS}", got=repr(kind),
@@ -29,7 +31,7 @@ def alpha_beta_terms(kind: str, p: int) -> tuple[float, float]:
         raise AutoshardError("a collective over at least 2 devices to fit", got=f"p={p!r}",
                              fix="measure with --world 2 or more")
     frac = (p - 1) / p
-    if kind == "all_reduce":
+    if kind == CollectiveKind.ALL_REDUCE:
         return 2.0 * (p - 1), 2.0 * frac
     return float(p - 1), frac
 

@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 
 from autoshard.cost.comm import COLLECTIVE_KINDS
+from autoshard.ir import CollectiveKind
 from autoshard.tools.calibrate.timing import CalibrateSpec, Sizes, median, sync_device, timed_once
 
 
@@ -38,16 +39,16 @@ def measure_collectives(sizes: Sizes, device: torch.device) -> dict:
         for size in sizes.message_bytes:
             nbytes = max(4 * p, size // (4 * p) * 4 * p)      # S divisible into p float chunks
             numel = nbytes // 4
-            if kind == "all_gather":
+            if kind == CollectiveKind.ALL_GATHER:
                 x = torch.randn(numel // p, device=device)   # S is the gathered output
                 fn = lambda x=x: C.all_gather(x, 0, group)  # noqa: E731
-            elif kind == "all_reduce":
+            elif kind == CollectiveKind.ALL_REDUCE:
                 x = torch.randn(numel, device=device)
                 fn = lambda x=x: C.all_reduce(x, group)  # noqa: E731
-            elif kind == "reduce_scatter":
+            elif kind == CollectiveKind.REDUCE_SCATTER:
                 x = torch.randn(numel, device=device)        # S is the input
                 fn = lambda x=x: C.reduce_scatter(x, 0, group)  # noqa: E731
-            elif kind == "all_to_all":
+            elif kind == CollectiveKind.ALL_TO_ALL:
                 x = torch.randn(numel, device=device)        # S is each device's input
                 fn = lambda x=x: C.all_to_all(x, 0, 0, group)  # noqa: E731
             else:

@@ -36,15 +36,15 @@ class Resolved:
 
     @property
     def step_time_s(self) -> float | None:
-        return None if self.plan is None else self.plan.predicted["step_time_s"]
+        return None if self.plan is None else self.plan.predicted.step_time_s
 
     @property
     def memory_bytes(self) -> float | None:
-        return None if self.plan is None else self.plan.predicted["ilp_memory_bytes"]
+        return None if self.plan is None else self.plan.predicted.ilp_sum_bytes
 
     @property
     def live_peak_bytes(self) -> float | None:
-        return None if self.plan is None else self.plan.predicted["memory"]["peak"]
+        return None if self.plan is None else self.plan.predicted.memory.peak
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ class _Problem:
         plan, choice = solved_plan(self.traced, self.mesh, self.options, self.built, p, sol,
                                    model_name=self.plan.model, timings={},
                                    recompute=self.recompute)
-        step = plan.predicted["step_time_s"]
+        step = plan.predicted.step_time_s
         return Resolved(strategy, plan, status, choice,
                         step if sol.status == "OPTIMAL" else min(sol.bound, step))
 
@@ -245,8 +245,8 @@ def explain_node(plan: Plan, name: str, *, rebuilt: Rebuilt,
         decision_nodes=tuple(n for n, m in problem.built.members.items() if m.decision == g),
         source=node_source(source_node), source_node=getattr(source_node, "name", ""),
         chosen=texts[chosen] if chosen in texts else strategy_text(node, placeholder=is_ph),
-        strategies=len(groups) - (1 if notes else 0), file_step_s=plan.predicted["step_time_s"],
-        file_memory_bytes=plan.predicted["ilp_memory_bytes"], baseline=baseline, rows=rows,
+        strategies=len(groups) - (1 if notes else 0), file_step_s=plan.predicted.step_time_s,
+        file_memory_bytes=plan.predicted.ilp_sum_bytes, baseline=baseline, rows=rows,
         time_limit_s=time_limit_s, seconds=seconds, notes=tuple(notes))
 
 

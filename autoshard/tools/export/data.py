@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from autoshard.ir import Shard
+from autoshard.ir import CollectiveKind, Shard, StateMode
 from autoshard.plangraph import Graph
 from autoshard.tools.export.graph import (Expected, Export, Module, STEP_PHASES, axes_text,
                                           param_reads)
@@ -23,7 +23,7 @@ def map_data_axes(exp: Export, g: Graph, mods: dict[str, Module]) -> None:
     zero3 = {f for f, spec in plan.params.items() if any(isinstance(spec[a], Shard) for a in axes)}
     if not zero3:
         exp.data_parallel = "replicate"
-        exp.expected.append(Expected("backward", "all_reduce", label, 1,
+        exp.expected.append(Expected("backward", CollectiveKind.ALL_REDUCE, label, 1,
                                      "replicate: the gradients all-reduced"))
         return
     exp.data_parallel = "fully_shard"
@@ -31,16 +31,17 @@ def map_data_axes(exp: Export, g: Graph, mods: dict[str, Module]) -> None:
                        if any(f.startswith(layer.name + ".") for f in zero3)]
     placeholders = {g.param_node.get(f) for f in zero3}
     exp.reshard_after_forward = any(
-        c.kind == "all_gather" and c.phase in ("backward", "recompute") and c.value in placeholders
-        for c in plan.collectives)
+        c.kind == CollectiveKind.ALL_GATHER and c.phase in ("backward", "recompute")
+        and c.value in placeholders for c in plan.collectives)
     in_groups = [f for f in plan.params if any(f.startswith(p + ".") for p in exp.fsdp_groups)]
     n = len(exp.fsdp_groups) + (len(in_groups) < len(plan.params))
-    exp.expected += [Expected("forward", "all_gather", label, n, "fully_shard: parameters "
-                              "gathered, one collective per group"),
-                     Expected("backward", "reduce_scatter", label, n, "fully_shard: gradients "
-                              "reduce-scattered, one collective per group")]
+    exp.expected += [Expected("forward", CollectiveKind.ALL_GATHER, label, n,
+                              "fully_shard: parameters gathered, one collective per group"),
+                     Expected("backward", CollectiveKind.REDUCE_SCATTER, label, n,
+                              "fully_shard: gradients reduce-scattered, one collective per group")]
     if exp.reshard_after_forward and exp.fsdp_groups:
-        exp.expected.append(Expected("backward", "all_gather", label, len(exp.fsdp_groups),
+        exp.expected.append(Expected("backward", CollectiveKind.ALL_GATHER, label,
+                                     len(exp.fsdp_groups),
                                      "fully_shard: layer parameters gathered again"))
     replicated = sorted(f for f in plan.params if f not in zero3)
     if replicated:
@@ -92,10 +93,10 @@ def other_decisions(exp: Export) -> None:
     """Plan decisions with no counterpart in parallelize_module/fully_shard."""
     plan, notes = exp.plan, exp.not_expressible
     modes = Counter(st.mode for st in plan.param_state.values())
-    names = {"zero1": "ZeRO-1 (optimizer state sharded)",
-             "zero2": "ZeRO-2 (gradients and optimizer state sharded)",
-             "offload": "optimizer state and step on the host (offload)",
-             "offload_params": "parameters, gradients and optimizer state on the host "
+    names = {StateMode.ZERO1: "ZeRO-1 (optimizer state sharded)",
+             StateMode.ZERO2: "ZeRO-2 (gradients and optimizer state sharded)",
+             StateMode.OFFLOAD: "optimizer state and step on the host (offload)",
+             StateMode.OFFLOAD_PARAMS: "parameters, gradients and optimizer state on the host "
                                "(parameter offload; fully_shard's offload_policy="
                                "CPUOffloadPolicy() is its counterpart)"}
     for mode, n in sorted(modes.items()):
