@@ -11,7 +11,8 @@ The starts share their part in order, each taking what is left of that part divi
 starts still to solve, and skip what cannot help: a restriction identical to one solved before,
 one at least as tight as a restriction already solved to its optimum (no faster plan can be in
 it), and one whose plain lower bound (each decision at its cheapest allowed strategy, edges and
-exposed communication at nothing) is no faster than the best start in hand.
+exposed communication at nothing) is no faster than the best start in hand; and once the
+starts' part is spent, the rest (the first restriction excepted).
 """
 from __future__ import annotations
 
@@ -66,18 +67,19 @@ def best_start(problem: Problem, starts: Sequence[Start], deadline: Deadline | N
     """The fastest of ``starts`` that is a plan of ``problem``: (label, choice, step). A
     restriction is solved by ``solve_held`` in what is left of ``deadline`` divided among the
     restrictions still to solve (None: none is solved, only full choices count), and skipped
-    where it cannot beat what is in hand (above) or, once one is in hand, where that time is
-    spent."""
+    where it cannot beat what is in hand (above) or once that time is spent (the first
+    restriction excepted: a solve whose earlier parts overran still tries one)."""
     best: BestStart | None = None
     solved: dict[str, tuple[int, ...]] = {}     # each start's plan, for the combined ones
     seen: list[tuple[dict[int, frozenset[int]], bool]] = []   # restrictions solved: (held, optimal)
     pending = sum(1 for s in starts if not s.choice)
+    solved_any = False        # the first restriction is solved however late it comes
     for st in starts:
         choice = st.choice
         if not choice:
             pending -= 1
-            if deadline is None or (best is not None and deadline.passed()):
-                continue          # the starts' time is spent, and a start is in hand
+            if deadline is None or (deadline.passed() and solved_any):
+                continue                   # the starts' time is spent
             within = combined(problem, st, solved) if st.parts else st.within
             if within is None:
                 continue                   # a part of it has no plan
@@ -86,6 +88,7 @@ def best_start(problem: Problem, starts: Sequence[Start], deadline: Deadline | N
             if _covered(out, seen) or (best is not None and _floor(held, out) >= best[2]):
                 continue
             limit = max(MIN_PART_S, (deadline.end - time.perf_counter()) / (pending + 1))
+            solved_any = True
             sol = solve_held(held, limit)
             if sol is None:
                 continue
