@@ -61,7 +61,7 @@ def _never_solves(monkeypatch) -> list[tuple[str, bool]]:
     strategies projected away: fewer than the first problem solved) solve as they do."""
     real, calls, whole_shape = ilp._attempt, [], []
 
-    def attempt(problem, backends, limit, cutoff, hint=()):
+    def attempt(problem, backends, limit, cutoff, hint=(), **kw):
         shape = tuple(len(d.cost) for d in problem.decisions)
         whole_shape[:] = whole_shape or [shape]
         whole = not problem.cuts and shape == whole_shape[0]
@@ -70,7 +70,7 @@ def _never_solves(monkeypatch) -> list[tuple[str, bool]]:
             calls.append((m.backend, whole))
             return ilp.Run(pywraplp.Solver.NOT_SOLVED, m.backend, len(m.x), 0.0)
         calls.append((backends[0], whole))
-        return real(problem, backends, limit, cutoff, hint)
+        return real(problem, backends, limit, cutoff, hint, **kw)
 
     monkeypatch.setattr(ilp, "_attempt", attempt)
     return calls

@@ -85,7 +85,7 @@ def best_start(problem: Problem, starts: Sequence[Start], deadline: Deadline | N
                 continue                   # a part of it has no plan
             held = replace(problem, cuts=(*problem.cuts, *within))
             out = _held_sets(held)
-            if _covered(out, seen) or (best is not None and _floor(held, out) >= best[2]):
+            if _covered(out, seen) or (best is not None and step_floor(held, out) >= best[2]):
                 continue
             limit = max(MIN_PART_S, (deadline.end - time.perf_counter()) / (pending + 1))
             solved_any = True
@@ -120,15 +120,19 @@ def _covered(out: dict[int, frozenset[int]],
     return False
 
 
-def _floor(held: Problem, out: dict[int, frozenset[int]]) -> float:
-    """A lower bound on the step of any plan of ``held``: each decision at its cheapest allowed
-    strategy (edges, fanouts and the exposed-communication term only add time)."""
+def step_floor(problem: Problem, out: dict[int, frozenset[int]] | None = None) -> float:
+    """A lower bound on the step of any plan of ``problem``: each decision at its cheapest
+    strategy its restrictions allow (``out``: the excluded ones, by default its own), since
+    edges, fanouts and the exposed-communication term only add time."""
+    out = _held_sets(problem) if out is None else out
+    pins = dict(problem.fixed)
     total = 0.0
-    for g, dec in enumerate(held.decisions):
+    for g, dec in enumerate(problem.decisions):
         ex = out.get(g, frozenset())
-        costs = [c for i, c in enumerate(dec.cost) if i not in ex]
+        costs = [dec.cost[pins[g]]] if g in pins else \
+            [c for i, c in enumerate(dec.cost) if i not in ex]
         total += dec.multiplicity * min(costs, default=0.0)
     return total
 
 
-__all__ = ["Deadline", "MIN_PART_S", "best_start"]
+__all__ = ["Deadline", "MIN_PART_S", "best_start", "step_floor"]

@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 
 from ortools.linear_solver import pywraplp
 
-from autoshard.solver.deadline import BestStart, Deadline, best_start
+from autoshard.solver.deadline import BestStart, Deadline, best_start, step_floor
 from autoshard.solver.problem import (Edge, Fanout, Problem, Solution, Start, admits, evaluate,
                                       excluded, host_bytes, projected)
 
@@ -422,7 +422,8 @@ def _search(problem: Problem, deadline: Deadline, cutoff_s: float | None,
     binds, probe = False, True
     if len(relaxed.edges) + len(relaxed.fanouts) < len(problem.edges) + len(problem.fanouts):
         try:        # half the time: the whole problem may still need the other half
-            sol = _solve(relaxed, deadline.share(0.5), cutoff_s, verdict, highs_first, ())
+            sol = _solve(relaxed, deadline.share(0.5), cutoff_s, verdict, highs_first, (),
+                         stoppable=bool(starts))
         except (Infeasible, NoSolution, NoBetter):
             sol = None            # the whole problem is no easier: solve it for its verdict
         # (The host bound has no edge terms: the relaxed solve kept it.) A plan that fits with
@@ -441,7 +442,7 @@ def _search(problem: Problem, deadline: Deadline, cutoff_s: float | None,
         # for nothing, loaded).
         probe = sol is not None and not sol.note
     return _solve(problem, deadline, cutoff_s, verdict, highs_first, starts, binds=binds,
-                  probe=probe)
+                  probe=probe, stoppable=bool(starts))
 
 
 def _prices_time(item: Edge | Fanout) -> bool:
@@ -461,18 +462,23 @@ class Run:
     choice: tuple[int, ...] | None = None
 
 
-# A MIP of at least this many variables (strategies, and class pairs of edges and fanouts) is
-# solved in a child process stopped at WALL_SLACK times its limit: on DeepSeek-V3's 8x8 problem
+# A MIP of at least this many variables (strategies, and class pairs of edges and fanouts), in a
+# solve with starts to fall back on, is solved in a child process stopped at WALL_SLACK times its
+# limit: on DeepSeek-V3's 8x8 problem
 # (75,000 variables), loaded, CBC ran 15 s on a 3.3 s limit and HiGHS 9.5 s on 0.5 s. Smaller
 # ones settle well within their limit, and a fork costs them ~50 ms each.
 BOUNDED_VARIABLES = 30_000
 
 
 def _attempt(problem: Problem, backends: tuple[str, ...], time_limit_s: float,
-             cutoff_s: float | None, hint: tuple[int, ...] = ()) -> Run:
-    """One solve of the MIP by the first available of ``backends``, stopped (as NOT_SOLVED)
-    at :data:`WALL_SLACK` times ``time_limit_s`` where it is large (above) and one can fork."""
-    if _IN_CHILD or not hasattr(os, "fork") or _size(problem) < BOUNDED_VARIABLES:
+             cutoff_s: float | None, hint: tuple[int, ...] = (), *,
+             stoppable: bool = False) -> Run:
+    """One solve of the MIP by the first available of ``backends``; ``stoppable`` (the solve
+    has starts to fall back on): stopped, as NOT_SOLVED, at :data:`WALL_SLACK` times
+    ``time_limit_s`` where it is large (above) and one can fork. Without starts a backend that
+    overruns is waited for: its plan is the only one."""
+    if not stoppable or _IN_CHILD or not hasattr(os, "fork") or \
+            _size(problem) < BOUNDED_VARIABLES:
         return _attempt_here(problem, backends, time_limit_s, cutoff_s, hint)
     try:
         return _bounded(_attempt_here, problem, backends, time_limit_s, cutoff_s, hint,
@@ -512,17 +518,19 @@ def _attempt_here(problem: Problem, backends: tuple[str, ...], time_limit_s: flo
 
 def _solve(problem: Problem, deadline: Deadline, cutoff_s: float | None = None,
            verdict: bool = True, highs_first: bool = False, starts: Starts = (),
-           binds: bool = False, probe: bool = True) -> Solution:
+           binds: bool = False, probe: bool = True, stoppable: bool = False) -> Solution:
     """``binds``: the device memory budget is known to bind (:data:`BINDING_BACKENDS`);
-    ``probe=False``: with starts, no first backend before them (:func:`_attempts`)."""
+    ``probe=False``: with starts, no first backend before them (:func:`_attempts`);
+    ``stoppable``: the backends may be stopped at their limit (:func:`_attempt`)."""
     found = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
     runs, start, proved = _attempts(problem, deadline, cutoff_s, verdict, highs_first,
-                                    starts, binds, probe)
+                                    starts, binds, probe, stoppable)
     warm = start is not None          # the second backend started from it
     if start is None and not callable(starts):
         start = best_start(problem, tuple(s for s in starts if s.choice), None, _solve_held)
     variables = max(r.variables for r in runs)
-    bound = max(r.bound for r in runs)
+    # The plain floor too: a backend stopped early may have no bound at all (a 100% gap).
+    bound = max(step_floor(problem), *(r.bound for r in runs))
     best = None          # a proven optimum, else the fastest incumbent
     for r in runs:
         if r.status in found and r.choice is not None:
@@ -556,8 +564,8 @@ STARTS_ALONE_SHARE = 0.75
 
 
 def _attempts(problem: Problem, deadline: Deadline, cutoff_s: float | None, verdict: bool,
-              highs_first: bool, starts: Starts, binds: bool, probe: bool = True
-              ) -> tuple[list[Run], BestStart | None, bool]:
+              highs_first: bool, starts: Starts, binds: bool, probe: bool = True,
+              stoppable: bool = False) -> tuple[list[Run], BestStart | None, bool]:
     """The backends' runs within ``deadline``, the start the last one began from (if any)
     and whether it proved that nothing is faster than that start: the first backend in half the time, which settles most
     problems in a fraction of it. Where it proves no optimum, the starts are solved in a share
@@ -565,13 +573,14 @@ def _attempts(problem: Problem, deadline: Deadline, cutoff_s: float | None, verd
     the better plan is kept (on Gemma-7B's 8x8 problem CBC's 20 s incumbent was 22x the
     optimum HiGHS proved in 3 s)."""
     runs: list[Run] = []
+    stop = {"stoppable": True} if stoppable else {}
     if not verdict or highs_first:
-        runs.append(_attempt(problem, DEADLINE_BACKENDS, deadline.left(), cutoff_s))
+        runs.append(_attempt(problem, DEADLINE_BACKENDS, deadline.left(), cutoff_s, **stop))
         return runs, None, False
     first, second = BINDING_BACKENDS if binds else (BACKENDS, SECOND_BACKENDS)
     if probe or not starts:
         t1, limit = time.perf_counter(), deadline.left() / 2
-        runs.append(_attempt(problem, first, limit, cutoff_s))
+        runs.append(_attempt(problem, first, limit, cutoff_s, **stop))
         # INFEASIBLE well before the limit is a proof (at the limit some backends say it too)
         status = runs[0].status
         proved = status == pywraplp.Solver.INFEASIBLE and time.perf_counter() - t1 < 0.9 * limit
@@ -586,7 +595,7 @@ def _attempts(problem: Problem, deadline: Deadline, cutoff_s: float | None, verd
     if start is not None and (cut is None or start[2] < cut):
         cut = start[2]
     t2, left = time.perf_counter(), deadline.left()
-    run = _attempt(problem, second, left, cut, hint)
+    run = _attempt(problem, second, left, cut, hint, **stop)
     # Under a cutoff (a start's step, or the caller's), the run's bound bounds only the plans
     # faster than it, so the whole problem's bound is at most the cutoff.
     runs.append(replace(run, bound=min(run.bound, cut)) if cut is not None else run)
