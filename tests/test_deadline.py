@@ -95,8 +95,8 @@ def test_starts_that_cannot_help_are_not_solved() -> None:
 
 
 def test_starts_share_their_part_of_the_deadline() -> None:
-    """Each restriction gets what is left of the starts' part divided among those still to
-    solve; once the part is spent, the rest are not solved (the first restriction excepted,
+    """Each restriction gets half of what is left of the starts' part (the last all of it);
+    once the part is spent, the rest are not solved (the first restriction excepted,
     which gets the least part), and without a deadline only full choices count."""
     p = chain()
     starts = [Start(f"held {k}", within=restricted(p, held).cuts) for k, held in enumerate(HELD)]
@@ -107,7 +107,8 @@ def test_starts_share_their_part_of_the_deadline() -> None:
         return None
 
     best_start(p, starts, Deadline.after(8.0), solve_held)
-    assert len(limits) == 8 and limits[0] == pytest.approx(1.0, abs=0.05)
+    assert len(limits) == 8 and limits[0] == pytest.approx(4.0, abs=0.05)
+    assert limits[-1] == pytest.approx(8.0, abs=0.05)     # nothing was used
     limits.clear()
     assert best_start(p, starts, Deadline.after(-1.0), solve_held) is None
     assert limits == [MIN_PART_S]
