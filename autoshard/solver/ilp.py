@@ -587,8 +587,6 @@ def _attempts(problem: Problem, deadline: Deadline, cutoff_s: float | None, verd
         proved = status == pywraplp.Solver.INFEASIBLE and time.perf_counter() - t1 < 0.9 * limit
         if status == pywraplp.Solver.OPTIMAL or proved:
             return runs, None, False
-    else:
-        second = first       # the first backend, from the best start, in the rest
     start = best_start(problem, tuple(starts() if callable(starts) else starts),
                        deadline.share(STARTS_SHARE if runs else STARTS_ALONE_SHARE),
                        _solve_held)
