@@ -10,12 +10,12 @@ rest, so the solve ends near ``time_limit_s`` however many parts it has.
 The starts share their part in order, each taking half of what is left of it (the last all of
 it): a start that holds every decision is solved in a fraction of its half (0.2 to 2.5 s on the
 DeepSeek-V3 and Jamba shapes' 8x8 problems, loaded) and leaves the rest to the next, where an
-equal split among eight starts left the combined one 0.7 s and cut it off. They skip what
-cannot help: a restriction identical to one solved before,
-one at least as tight as a restriction already solved to its optimum (no faster plan can be in
-it), and one whose plain lower bound (each decision at its cheapest allowed strategy, edges and
-exposed communication at nothing) is no faster than the best start in hand; and once the
-starts' part is spent, the rest (the first restriction excepted).
+equal split among eight starts left the combined one 0.7 s and cut it off. They skip what cannot
+help: a restriction identical to one solved before, one at least as tight as a restriction
+already solved to its optimum (no faster plan can be in it), and one whose plain lower bound
+(each decision at its cheapest allowed strategy, edges and exposed communication at nothing) is
+no faster than the best start in hand; and once the starts' part is spent, the rest (the first
+restriction excepted).
 """
 from __future__ import annotations
 
@@ -68,10 +68,10 @@ SolveHeld = Callable[[Problem, float], Solution | None]
 def best_start(problem: Problem, starts: Sequence[Start], deadline: Deadline | None,
                solve_held: SolveHeld) -> BestStart | None:
     """The fastest of ``starts`` that is a plan of ``problem``: (label, choice, step). A
-    restriction is solved by ``solve_held`` in half of what is left of ``deadline`` (the last
-    in all of it; None: none is solved, only full choices count), and skipped
-    where it cannot beat what is in hand (above) or once that time is spent (the first
-    restriction excepted: a solve whose earlier parts overran still tries one)."""
+    restriction is solved by ``solve_held`` in half of what is left of ``deadline`` (the last in
+    all of it; None: none is solved, only full choices count), and skipped where it cannot beat
+    what is in hand (above) or once that time is spent (the first restriction excepted: a solve
+    whose earlier parts overran still tries one)."""
     best: BestStart | None = None
     solved: dict[str, tuple[int, ...]] = {}     # each start's plan, for the combined ones
     seen: list[tuple[dict[int, frozenset[int]], bool]] = []   # restrictions solved: (held, optimal)
