@@ -95,7 +95,8 @@ def test_starts_that_cannot_help_are_not_solved() -> None:
 
 
 def test_starts_share_their_part_of_the_deadline() -> None:
-    """Each restriction gets half of what is left of the starts' part (the last all of it);
+    """Each restriction gets half of what is left of the starts' part (the last, and one
+    combined from others, all of it);
     once the part is spent, the rest are not solved (the first restriction excepted,
     which gets the least part), and without a deadline only full choices count."""
     p = chain()
@@ -112,6 +113,13 @@ def test_starts_share_their_part_of_the_deadline() -> None:
     limits.clear()
     assert best_start(p, starts, Deadline.after(-1.0), solve_held) is None
     assert limits == [MIN_PART_S]
+    limits.clear()
+    # a start combined from two others may take all that is left, though a restriction follows
+    # (its keys alike for every strategy: it holds nothing, so no bound rules it out)
+    both = Start("both", parts=("A", "B"), keys=(((0, 0), (0, 0)),) * 3)
+    best_start(p, [Start("A", (1, 1, 1)), Start("B", (1, 1, 1)), both, starts[0]],
+               Deadline.after(8.0), solve_held)
+    assert len(limits) == 2 and limits[0] == pytest.approx(8.0, abs=0.05)
     limits.clear()
     given = Start("given", (1, 1, 1))
     assert best_start(p, [*starts, given], None, solve_held)[0] == "given" and limits == []

@@ -68,10 +68,10 @@ SolveHeld = Callable[[Problem, float], Solution | None]
 def best_start(problem: Problem, starts: Sequence[Start], deadline: Deadline | None,
                solve_held: SolveHeld) -> BestStart | None:
     """The fastest of ``starts`` that is a plan of ``problem``: (label, choice, step). A
-    restriction is solved by ``solve_held`` in half of what is left of ``deadline`` (the last in
-    all of it; None: none is solved, only full choices count), and skipped where it cannot beat
-    what is in hand (above) or once that time is spent (the first restriction excepted: a solve
-    whose earlier parts overran still tries one)."""
+    restriction is solved by ``solve_held`` in half of what is left of ``deadline`` (the last,
+    and a combined one, in all of it; None: none is solved, only full choices count), and
+    skipped where it cannot beat what is in hand (above) or once that time is spent (the first
+    restriction excepted: a solve whose earlier parts overran still tries one)."""
     best: BestStart | None = None
     solved: dict[str, tuple[int, ...]] = {}     # each start's plan, for the combined ones
     seen: list[tuple[dict[int, frozenset[int]], bool]] = []   # restrictions solved: (held, optimal)
@@ -91,7 +91,10 @@ def best_start(problem: Problem, starts: Sequence[Start], deadline: Deadline | N
             if _covered(out, seen) or (best is not None and step_floor(held, out) >= best[2]):
                 continue
             left = deadline.end - time.perf_counter()
-            limit = max(MIN_PART_S, left / 2 if pending else left)
+            # A combined start may take all of it: it gave the best start's plan on the
+            # DeepSeek-V3 and Jamba shapes' 8x8 problems (Jamba's the only one with no idle
+            # axis), and half of what was left, loaded, cut it off.
+            limit = max(MIN_PART_S, left / 2 if pending and not st.parts else left)
             solved_any = True
             sol = solve_held(held, limit)
             if sol is None:
