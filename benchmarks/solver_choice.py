@@ -64,11 +64,10 @@ def one(problem: Problem, backend: str, limit: float) -> dict:
     t0 = time.perf_counter()
 
     def run() -> dict:
-        status, m = ilp._attempt(problem, (backend,), limit, None)
-        row = {"status": STATUS.get(status, str(status)),
-               "bound_ms": ilp._bound(m, cap=float("inf")) * 1e3}
-        if status in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-            row["step_ms"] = evaluate(problem, m.choice())[0] * 1e3
+        r = ilp._attempt(problem, (backend,), limit, None)
+        row = {"status": STATUS.get(r.status, str(r.status)), "bound_ms": r.bound * 1e3}
+        if r.choice is not None:
+            row["step_ms"] = evaluate(problem, r.choice)[0] * 1e3
         return row
     try:
         row = ilp._bounded(run, limit_s=limit)

@@ -27,6 +27,7 @@ from autoshard.mesh import Mesh  # noqa: E402
 from autoshard.options import resolve_options  # noqa: E402
 from autoshard.solver import ilp  # noqa: E402
 from autoshard.solver.build import build_problem  # noqa: E402
+from autoshard.solver.deadline import Deadline, best_start  # noqa: E402
 from autoshard.solver.planner import plan_traced, trace_for  # noqa: E402
 from autoshard.solver.solve import solved_plan
 from autoshard.solver.problem import Solution, evaluate, fits  # noqa: E402
@@ -63,7 +64,7 @@ def main() -> None:
     rows, best = [], None
     for st in obvious_starts(traced, mesh, built):
         t1 = time.perf_counter()
-        found = ilp._best_start(problem, (st,), args.limit / 2)
+        found = best_start(problem, (st,), Deadline.after(args.limit / 2), ilp._solve_held)
         row = {"start": st.label, "seconds": time.perf_counter() - t1}
         if found is not None:
             row["step_ms"] = found[2] * 1e3

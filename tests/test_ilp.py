@@ -15,9 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ortools.linear_solver import pywraplp
 
-from autoshard.solver.ilp import (Infeasible, NoBetter, NoSolution, break_ties, least_memory,
+from autoshard.solver.deadline import Deadline
+from autoshard.solver.ties import break_ties
+from autoshard.solver.ilp import (Infeasible, NoBetter, NoSolution, least_memory,
                                   least_memory_plan, solve)
-from autoshard.solver.problem import Decision, Edge, Fanout, Problem, Solution, Start, evaluate
+from autoshard.solver.problem import (Decision, Edge, Fanout, Problem, Solution, Start, admits,
+                                      evaluate, projected, restricted)
 
 # Seconds-sized costs; the MIP's own tolerances are far below this on problems this small.
 REL = 1e-9
@@ -200,14 +203,15 @@ def test_a_backend_without_a_proven_optimum_hands_over_to_the_next(monkeypatch) 
     real, calls = ilp._attempt, []
 
     def attempt(problem, backends, limit, cutoff, *hint):
-        status, m = real(problem, backends, limit, cutoff, *hint)
-        calls.append((m.backend, limit))
+        run = real(problem, backends, limit, cutoff, *hint)
+        calls.append((run.backend, limit))
         # CBC stops at its time limit with an incumbent it could not prove
-        return (pywraplp.Solver.FEASIBLE if m.backend == "CBC" else status), m
+        return replace(run, status=pywraplp.Solver.FEASIBLE) if run.backend == "CBC" else run
 
     monkeypatch.setattr(ilp, "_attempt", attempt)
     sol = solve(chain(), time_limit_s=8.0)
-    assert [b for b, _ in calls] == ["CBC", "HIGHS"] and calls[0][1] == 4.0
+    # half of what is left of the limit (a solve's parts share one deadline)
+    assert [b for b, _ in calls] == ["CBC", "HIGHS"] and calls[0][1] == pytest.approx(4.0, abs=0.1)
     assert sol.status == "OPTIMAL" and sol.objective == pytest.approx(5.0, rel=REL)
     # infeasibility CBC proves well before its limit is not tried again: here the switch's
     # saved copy (edge memory) is what does not fit, which no decision's own memory shows
@@ -444,7 +448,7 @@ def test_an_incumbent_of_the_relaxed_problem_that_fits_is_kept_without_starts(
         return incumbent if not problem.edges else Solution((0, 0), "OPTIMAL", 1.0, 1.0, 5, 0.1)
 
     monkeypatch.setattr(ilp, "_solve", fake)
-    sol = ilp._search(p, 10.0, 0.0, None, True, False, starts)
+    sol = ilp._search(p, Deadline.after(10.0), None, True, False, starts)
     assert calls == ([0, 1] if whole else [0])
     assert (sol.status == "OPTIMAL") == whole and (sol is incumbent) != whole
 
@@ -478,3 +482,29 @@ def test_a_deadline_solve_that_overruns_its_limit_is_stopped(monkeypatch) -> Non
     p = replace(p, edges=(replace(p.edges[0], memory=((1.0, 1.0), (1.0, 1.0))),))
     with pytest.raises(NoSolution):          # no incumbent, and no verdict asked for
         solve(p, time_limit_s=8.0, verdict=False)
+
+
+@settings(max_examples=int(os.environ.get("AUTOSHARD_EXAMPLES", 80)), deadline=None,
+          derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.data())
+def test_a_projected_restriction_has_the_same_plans_at_the_same_prices(p: Problem, data) -> None:
+    """``projected`` drops the strategies a restriction excludes (and the edge and fanout
+    classes no kept strategy uses): its plans, lifted, are exactly the restriction's, each with
+    the same step time and memory, so a start solved projected is the start's own optimum."""
+    allowed = {g: set(data.draw(st.sets(st.integers(0, len(d.cost) - 1), min_size=1)))
+               for g, d in enumerate(p.decisions) if data.draw(st.booleans())}
+    held = restricted(p, allowed)
+    proj = projected(held)
+    assert proj is not None and not proj.problem.cuts
+    ours = {proj.lift(c): evaluate(proj.problem, c) for c in itertools.product(
+        *(range(len(d.cost)) for d in proj.problem.decisions))}
+    theirs = {c for c in itertools.product(*(range(len(d.cost)) for d in p.decisions))
+              if admits(held, c)}
+    assert set(ours) == theirs
+    for c, (t, mem) in ours.items():
+        assert (t, mem) == pytest.approx(evaluate(p, c), rel=1e-12, abs=1e-12)
+    # a pin the restriction excludes leaves no plan
+    g = next(iter(allowed), None)
+    if g is not None and len(allowed[g]) < len(p.decisions[g].cost):
+        out = next(i for i in range(len(p.decisions[g].cost)) if i not in allowed[g])
+        assert projected(replace(held, fixed=((g, out),))) is None

@@ -13,6 +13,7 @@ from autoshard.solver import ilp
 from autoshard.solver.baselines import baseline_plan, stored_plan
 from autoshard.solver.diagnostics import smaller_mesh
 from autoshard.solver.planner import plan_traced
+from autoshard.solver.ties import break_ties
 from autoshard.solver.problem import (Cut, Decision, Edge, Problem, Start, admits, combined,
                                       evaluate, excluded, restricted)
 from autoshard.trace.export import trace
@@ -51,22 +52,25 @@ def test_cuts_are_problem_data_every_solve_keeps() -> None:
     assert ilp.solve(held).objective == pytest.approx(brute_force(held)[0], rel=REL) == 7.0
     assert Problem.from_json(no_good.to_json()) == no_good
     # ties are broken within the cuts: C's strategy 1 is cut, so no move puts it back
-    assert ilp.break_ties(held, (0, 0, 0), {2: [1, 0]}) == (0, 0, 0)
+    assert break_ties(held, (0, 0, 0), {2: [1, 0]}) == (0, 0, 0)
 
 
 def _never_solves(monkeypatch) -> list[tuple[str, bool]]:
     """Every backend stops at its time limit without a plan on the whole problem (as on
-    Gemma-3 12B's 8x8 problem, status NOT_SOLVED); restricted problems solve as they do."""
-    real, calls = ilp._attempt, []
+    Gemma-3 12B's 8x8 problem, status NOT_SOLVED); restricted problems (with cuts, or with
+    strategies projected away: fewer than the first problem solved) solve as they do."""
+    real, calls, whole_shape = ilp._attempt, [], []
 
-    def attempt(problem, backends, limit, cutoff, hint=()):
-        whole = not problem.cuts
+    def attempt(problem, backends, limit, cutoff, hint=(), **kw):
+        shape = tuple(len(d.cost) for d in problem.decisions)
+        whole_shape[:] = whole_shape or [shape]
+        whole = not problem.cuts and shape == whole_shape[0]
         if whole:
             m = ilp._Model(problem, backends)        # built, never solved: no bound either
             calls.append((m.backend, whole))
-            return pywraplp.Solver.NOT_SOLVED, m
+            return ilp.Run(pywraplp.Solver.NOT_SOLVED, m.backend, len(m.x), 0.0)
         calls.append((backends[0], whole))
-        return real(problem, backends, limit, cutoff, hint)
+        return real(problem, backends, limit, cutoff, hint, **kw)
 
     monkeypatch.setattr(ilp, "_attempt", attempt)
     return calls
@@ -175,14 +179,14 @@ def test_combined_start_is_solved_after_its_parts_and_kept_when_fastest(monkeypa
 
 
 def test_obvious_starts_combine_the_smaller_meshes_plans(gpt2_tiny) -> None:
-    """On a 2-D mesh the last start combines the data axis of the plan without the model axis
+    """On a 2-D mesh one start combines the data axis of the plan without the model axis
     with the model axis of the plan without the data axis; its keys number every strategy's
     placements on each axis, alike where they are alike."""
     from autoshard.solver.build import build_problem
     from autoshard.solver.starts import obvious_starts
     mesh = Mesh((2, 4), ("dp", "tp"), cluster="h100")
     built = build_problem(gpt2_tiny, mesh)
-    start = obvious_starts(gpt2_tiny, mesh, built)[-1]
+    start = next(s for s in obvious_starts(gpt2_tiny, mesh, built) if s.parts)
     assert start.parts == ("mesh without axis tp", "mesh without axis dp")
     assert [len(k) for k in start.keys] == [len(d.cost) for d in built.problem.decisions]
     for m in built.members.values():

@@ -34,17 +34,15 @@ from typing import Callable, Sequence
 
 from ortools.linear_solver import pywraplp
 
-from autoshard.solver.problem import (Edge, Fanout, Problem, Solution, Start, admits, combined,
-                                      evaluate,
-                                      excluded, fits, host_bytes, price, totals)
+from autoshard.solver.deadline import BestStart, Deadline, best_start, step_floor
+from autoshard.solver.problem import (Edge, Fanout, Problem, Solution, Start, admits, evaluate,
+                                      excluded, host_bytes, projected)
 
 BACKENDS = ("CBC", "HIGHS", "SCIP")
 # The backend that continues where the first stopped short of an optimum, from the best start.
 SECOND_BACKENDS = ("HIGHS", "CBC", "SCIP")
 # Backends whose OR-Tools wrapper takes a solution hint (MPSolver.SetHint).
 HINTED = ("SCIP", "CP-SAT", "SAT")
-# The least time a start's restricted problem gets.
-MIN_START_S = 0.5
 Starts = Sequence[Start] | Callable[[], Sequence[Start]]
 # Under a deadline (solve(verdict=False)), HiGHS first: on the ILP of a 3-axis mesh over every
 # subset of axes (~10^5 edge variables), CBC's root processing overran a 4 s limit by 3 to 8 times
@@ -121,7 +119,7 @@ def least_memory_plan(problem: Problem, *, time_limit_s: float = 30.0) -> LeastM
     bound, leanest = _leanest(problem)
     if leanest is None:
         return LeastMemory(float("inf"), True, None)   # two strategies pinned on one decision
-    hosted = _host_bound(problem)
+    hosted = host_bound(problem)
     if not any(e.memory for e in (*problem.edges, *problem.fanouts)) and admits(
             problem, leanest) and (not hosted or host_bytes(problem, leanest) <= problem.host_budget):
         return LeastMemory(bound, True, leanest)
@@ -183,7 +181,7 @@ def least_host(problem: Problem, *, time_limit_s: float = 30.0) -> float | None:
     return None
 
 
-def _host_bound(problem: Problem) -> bool:
+def host_bound(problem: Problem) -> bool:
     """Whether the problem's host memory bound can bind: a budget and offloading strategies."""
     return problem.host_budget is not None and any(any(d.host) for d in problem.decisions
                                                    if d.host)
@@ -340,17 +338,18 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0,
             raise Infeasible(floor, budget=problem.memory_budget, exact=False)
         least = least_memory_plan(problem, time_limit_s=time_limit_s)
         raise Infeasible(least.bytes, budget=problem.memory_budget, exact=least.exact)
+    deadline = Deadline.after(time_limit_s, t0)
     if not verdict and hasattr(os, "fork"):
         try:
-            return _bounded(_search, problem, time_limit_s, t0, cutoff_s, verdict, highs_first,
-                            starts, limit_s=time_limit_s)
+            return _bounded(_search, problem, deadline, cutoff_s, verdict, highs_first, starts,
+                            limit_s=time_limit_s)
         except NoSolution as e:       # the child was stopped: a start in hand still stands
             given = () if callable(starts) else tuple(s for s in starts if s.choice)
-            start = _best_start(problem, given, 0.0)
+            start = best_start(problem, given, None, _solve_held)
             if start is None or (cutoff_s is not None and start[2] >= cutoff_s):
                 raise
-            return _from_start(start, e.bound, False, 0, t0, time_limit_s)
-    return _search(problem, time_limit_s, t0, cutoff_s, verdict, highs_first, starts)
+            return _from_start(start, e.bound, False, 0, deadline)
+    return _search(problem, deadline, cutoff_s, verdict, highs_first, starts)
 
 
 # A deadline solve is stopped at this multiple of its time limit (plus a second): the backends
@@ -358,6 +357,7 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0,
 # seconds' limit in presolve on Llama-3-70B's 2x2x2 problem over every subset of axes, CBC 3 to
 # 8 times in root processing).
 WALL_SLACK = 1.25
+_IN_CHILD = False            # this process is a child of _bounded
 
 
 def _bounded(fn, *args, limit_s: float):
@@ -370,6 +370,8 @@ def _bounded(fn, *args, limit_s: float):
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:                                   # the child: solve, report, exit at once
+        global _IN_CHILD
+        _IN_CHILD = True                           # its own solves need no child of their own
         os.close(r)
         try:
             out = ("ok", fn(*args))
@@ -411,14 +413,17 @@ def _bounded(fn, *args, limit_s: float):
     raise RuntimeError(f"the solver's process failed: {value}")
 
 
-def _search(problem: Problem, time_limit_s: float, t0: float, cutoff_s: float | None,
+def _search(problem: Problem, deadline: Deadline, cutoff_s: float | None,
             verdict: bool, highs_first: bool, starts: Starts = ()) -> Solution:
+    """:func:`solve` within ``deadline``: the problem without its memory-only items in half of
+    the time left, then, unless its plan stands, the whole problem in the rest."""
     relaxed = replace(problem, edges=tuple(e for e in problem.edges if _prices_time(e)),
                       fanouts=tuple(f for f in problem.fanouts if _prices_time(f)))
-    binds = False
+    binds, probe = False, True
     if len(relaxed.edges) + len(relaxed.fanouts) < len(problem.edges) + len(problem.fanouts):
         try:        # half the time: the whole problem may still need the other half
-            sol = _solve(relaxed, time_limit_s / 2, t0, cutoff_s, verdict, highs_first, ())
+            sol = _solve(relaxed, deadline.share(0.5), cutoff_s, verdict, highs_first, (),
+                         stoppable=bool(starts))
         except (Infeasible, NoSolution, NoBetter):
             sol = None            # the whole problem is no easier: solve it for its verdict
         # (The host bound has no edge terms: the relaxed solve kept it.) A plan that fits with
@@ -432,101 +437,193 @@ def _search(problem: Problem, time_limit_s: float, t0: float, cutoff_s: float | 
                 evaluate(problem, sol.choice)[1] <= problem.memory_budget:
             return sol
         binds = sol is not None and sol.status == "OPTIMAL"     # its optimum does not fit
-        time_limit_s = max(time_limit_s / 2, time_limit_s - (time.perf_counter() - t0))
-    return _solve(problem, time_limit_s, t0, cutoff_s, verdict, highs_first, starts,
-                  binds=binds)
+        # Neither backend found a plan of the problem without those items: the whole problem,
+        # no easier, goes straight to the starts (DeepSeek-V3 and Jamba shapes on 8x8: CBC 6 s
+        # for nothing, loaded).
+        probe = sol is not None and not sol.note
+    return _solve(problem, deadline, cutoff_s, verdict, highs_first, starts, binds=binds,
+                  probe=probe, stoppable=bool(starts))
 
 
 def _prices_time(item: Edge | Fanout) -> bool:
     return any(any(row) for row in item.cost) or any(any(row) for row in item.sync)
 
 
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One backend's run on a MIP, as :func:`_solve` keeps it (picklable: it may come from a
+    child process): its status, backend, size, best bound on the step (seconds; 0 where it has
+    none) and, where it found one, its plan."""
+
+    status: int
+    backend: str
+    variables: int
+    bound: float
+    choice: tuple[int, ...] | None = None
+
+
+# A MIP of at least this many variables (strategies, and class pairs of edges and fanouts), in a
+# solve with starts to fall back on, is solved in a child process stopped at WALL_SLACK times its
+# limit: on DeepSeek-V3's 8x8 problem
+# (75,000 variables), loaded, CBC ran 15 s on a 3.3 s limit and HiGHS 9.5 s on 0.5 s. Smaller
+# ones settle well within their limit, and a fork costs them ~50 ms each.
+BOUNDED_VARIABLES = 30_000
+
+
 def _attempt(problem: Problem, backends: tuple[str, ...], time_limit_s: float,
-             cutoff_s: float | None, hint: tuple[int, ...] = ()) -> tuple[int, "_Model"]:
-    """One solve of the MIP by the first available of ``backends``: (status, model).
-    ``hint``: a full choice handed to a backend that takes solution hints (not HiGHS, whose
-    OR-Tools wrapper crashes on one; the cutoff is its warm start)."""
+             cutoff_s: float | None, hint: tuple[int, ...] = (), *,
+             stoppable: bool = False) -> Run:
+    """One solve of the MIP by the first available of ``backends``; ``stoppable`` (the solve
+    has starts to fall back on): stopped, as NOT_SOLVED, at :data:`WALL_SLACK` times
+    ``time_limit_s`` where it is large (above) and one can fork. Without starts a backend that
+    overruns is waited for: its plan is the only one."""
+    if not stoppable or _IN_CHILD or not hasattr(os, "fork") or \
+            _size(problem) < BOUNDED_VARIABLES:
+        return _attempt_here(problem, backends, time_limit_s, cutoff_s, hint)
+    try:
+        return _bounded(_attempt_here, problem, backends, time_limit_s, cutoff_s, hint,
+                        limit_s=time_limit_s)
+    except NoSolution:
+        return Run(pywraplp.Solver.NOT_SOLVED, backends[0], _size(problem), 0.0)
+
+
+def _size(problem: Problem) -> int:
+    """The MIP's variables, near enough: strategies and the class pairs of edges and fanouts."""
+    return sum(len(d.cost) for d in problem.decisions) + sum(
+        len(e.cost) * len(e.cost[0]) * len(e.consumers)
+        for e in (*problem.edges, *problem.fanouts) if e.cost)
+
+
+def _attempt_here(problem: Problem, backends: tuple[str, ...], time_limit_s: float,
+                  cutoff_s: float | None, hint: tuple[int, ...] = ()) -> Run:
+    """:func:`_attempt` in this process. ``hint``: a full choice handed to a backend that takes
+    solution hints (not HiGHS, whose OR-Tools wrapper crashes on one; the cutoff is its warm
+    start)."""
     m = _Model(problem, backends)
     if hint and m.backend in HINTED:
         m.s.SetHint([v for xs in m.x for v in xs],
                      [float(i == c) for xs, c in zip(m.x, hint) for i in range(len(xs))])
     m.s.Add(m.mem <= problem.memory_budget)
-    if _host_bound(problem):
+    if host_bound(problem):
         m.s.Add(m.host <= problem.host_budget)
     if cutoff_s is not None:
         m.s.Add(m.obj <= US * cutoff_s * (1 - 1e-9))
     m.s.Minimize(m.obj)
     m.s.SetTimeLimit(int(time_limit_s * 1000))
-    return _run(m), m
+    status = _run(m)
+    found = status in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
+    return Run(status, m.backend, sum(len(xs) for xs in m.x) + m.n_aux,
+               _finite(m.s.Objective().BestBound() / US, 0.0), m.choice() if found else None)
 
 
-def _solve(problem: Problem, time_limit_s: float, t0: float,
-           cutoff_s: float | None = None, verdict: bool = True,
-           highs_first: bool = False, starts: Starts = (), binds: bool = False) -> Solution:
-    """``binds``: the device memory budget is known to bind (:data:`BINDING_BACKENDS`)."""
+def _solve(problem: Problem, deadline: Deadline, cutoff_s: float | None = None,
+           verdict: bool = True, highs_first: bool = False, starts: Starts = (),
+           binds: bool = False, probe: bool = True, stoppable: bool = False) -> Solution:
+    """``binds``: the device memory budget is known to bind (:data:`BINDING_BACKENDS`);
+    ``probe=False``: with starts, no first backend before them (:func:`_attempts`);
+    ``stoppable``: the backends may be stopped at their limit (:func:`_attempt`)."""
     found = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
-    runs: list[tuple[int, _Model]] = []
-    start: tuple[str, tuple[int, ...], float] | None = None
-    bound_cap = math.inf      # the step of a start the second attempt was cut off at
-    if verdict and not highs_first:
-        # The first backend for half the time: it settles most problems in a fraction of it.
-        # Where it proves no optimum, the starts are solved and the best is the incumbent a
-        # second backend starts from, for the other half; the better plan is kept (on
-        # Gemma-7B's 8x8 problem CBC's 20 s incumbent was 22x the optimum HiGHS proved in 3 s).
-        first, second = BINDING_BACKENDS if binds else (BACKENDS, SECOND_BACKENDS)
-        t1 = time.perf_counter()
-        status, m = _attempt(problem, first, time_limit_s / 2, cutoff_s)
-        runs.append((status, m))
-        # INFEASIBLE well before the limit is a proof (at the limit some backends say it too)
-        proved = status == pywraplp.Solver.INFEASIBLE and \
-            time.perf_counter() - t1 < 0.9 * time_limit_s / 2
-        if status != pywraplp.Solver.OPTIMAL and not proved:
-            # Each start gets the first backend's time: they are what the plan is never worse
-            # than, and a share of what is left is nothing once the first backend overran its
-            # limit (CBC ran 1000 s past a 10 s limit on Gemma-3 12B's 8x8 problem, loaded).
-            start = _best_start(problem, tuple(starts() if callable(starts) else starts),
-                                time_limit_s / 2)
-            hint = start[1] if start else ()
-            cut = cutoff_s
-            if start is not None and (cut is None or start[2] < cut):
-                cut = bound_cap = start[2]
-            left = max(time_limit_s / 2, time_limit_s - (time.perf_counter() - t0))
-            t2 = time.perf_counter()
-            status2, m2 = _attempt(problem, second, left, cut, hint)
-            runs.append((status2, m2))
-            if start is not None and status2 == pywraplp.Solver.INFEASIBLE and \
-                    time.perf_counter() - t2 < 0.9 * left:
-                bound_cap = -math.inf     # proved: nothing beats the start
-    else:
-        status, m = _attempt(problem, DEADLINE_BACKENDS, time_limit_s, cutoff_s)
-        runs.append((status, m))
+    runs, start, proved = _attempts(problem, deadline, cutoff_s, verdict, highs_first,
+                                    starts, binds, probe, stoppable)
     warm = start is not None          # the second backend started from it
     if start is None and not callable(starts):
-        start = _best_start(problem, tuple(s for s in starts if s.choice), 0.0)
-    variables = max(sum(len(xs) for xs in m.x) + m.n_aux for _, m in runs)
-    bound = max(_bound(m, cap=bound_cap if k else math.inf) for k, (_, m) in enumerate(runs))
+        start = best_start(problem, tuple(s for s in starts if s.choice), None, _solve_held)
+    variables = max(r.variables for r in runs)
+    # The plain floor too: a backend stopped early may have no bound at all (a 100% gap).
+    bound = max(step_floor(problem), *(r.bound for r in runs))
     best = None          # a proven optimum, else the fastest incumbent
-    for status, m in runs:
-        if status in found:
-            choice = m.choice()
-            objective = evaluate(problem, choice)[0]  # exact, not within the solver's tolerances
-            optimal = status == pywraplp.Solver.OPTIMAL
+    for r in runs:
+        if r.status in found and r.choice is not None:
+            objective = evaluate(problem, r.choice)[0]  # exact, not within the solver's tolerances
+            optimal = r.status == pywraplp.Solver.OPTIMAL
             if best is None or optimal or (not best[2] and objective < best[1]):
-                best = (choice, objective, optimal, m.backend)
+                best = (r.choice, objective, optimal, r.backend)
     if start is not None and (best is None or not best[2] and start[2] < best[1]):
         if cutoff_s is not None and start[2] >= cutoff_s:
             raise NoBetter()
-        return _from_start(start, bound, bound_cap == -math.inf, variables, t0, time_limit_s)
+        return _from_start(start, bound, proved, variables, deadline)
     if best is not None:
         choice, objective, optimal, backend = best
         return Solution(choice, "OPTIMAL" if optimal else "FEASIBLE", objective,
                         objective if optimal else min(objective, _finite(bound, objective)),
-                        variables, time.perf_counter() - t0,
+                        variables, time.perf_counter() - deadline.t0,
                         start=start[0] if warm else "", backend=backend)
-    status = runs[-1][0]
+    status = runs[-1].status
     if cutoff_s is not None:
         raise NoBetter()
-    return _no_incumbent(problem, time_limit_s, status, bound, variables, t0, verdict)
+    return _no_incumbent(problem, deadline.limit_s, status, bound, variables, deadline.t0,
+                         verdict)
+
+
+# The share of what is left after the first backend that the starts take together; the final
+# backend, from the best of them, takes the rest. Where no backend found a plan of the problem
+# without its memory-only items (no first backend, :func:`_search`), the starts take nearly all:
+# on the DeepSeek-V3 and Jamba shapes' 8x8 problems they gave the plan, and the final backend,
+# cut off at the best start, found nothing in 2 to 6 s (HiGHS nothing in 30 s, loaded).
+STARTS_SHARE = 0.5
+STARTS_ALONE_SHARE = 0.9
+
+
+def _attempts(problem: Problem, deadline: Deadline, cutoff_s: float | None, verdict: bool,
+              highs_first: bool, starts: Starts, binds: bool, probe: bool = True,
+              stoppable: bool = False) -> tuple[list[Run], BestStart | None, bool]:
+    """The backends' runs within ``deadline``, the start the last one began from (if any)
+    and whether it proved that nothing is faster than that start: the first backend in half the time, which settles most
+    problems in a fraction of it. Where it proves no optimum, the starts are solved in a share
+    of what is left and the best is the incumbent a second backend starts from, in the rest;
+    the better plan is kept (on Gemma-7B's 8x8 problem CBC's 20 s incumbent was 22x the
+    optimum HiGHS proved in 3 s)."""
+    runs: list[Run] = []
+    stop = {"stoppable": True} if stoppable else {}
+    if not verdict or highs_first:
+        runs.append(_attempt(problem, DEADLINE_BACKENDS, deadline.left(), cutoff_s, **stop))
+        return runs, None, False
+    first, second = BINDING_BACKENDS if binds else (BACKENDS, SECOND_BACKENDS)
+    if probe or not starts:
+        t1, limit = time.perf_counter(), deadline.left() / 2
+        runs.append(_attempt(problem, first, limit, cutoff_s, **stop))
+        # INFEASIBLE well before the limit is a proof (at the limit some backends say it too)
+        status = runs[0].status
+        proved = status == pywraplp.Solver.INFEASIBLE and time.perf_counter() - t1 < 0.9 * limit
+        if status == pywraplp.Solver.OPTIMAL or proved:
+            return runs, None, False
+    start = best_start(problem, tuple(starts() if callable(starts) else starts),
+                       deadline.share(STARTS_SHARE if runs else STARTS_ALONE_SHARE),
+                       _solve_held)
+    hint, cut = (start[1] if start else ()), cutoff_s
+    if start is not None and (cut is None or start[2] < cut):
+        cut = start[2]
+    t2, left = time.perf_counter(), deadline.left()
+    run = _attempt(problem, second, left, cut, hint, **stop)
+    # Under a cutoff (a start's step, or the caller's), the run's bound bounds only the plans
+    # faster than it, so the whole problem's bound is at most the cutoff.
+    runs.append(replace(run, bound=min(run.bound, cut)) if cut is not None else run)
+    proved = start is not None and run.status == pywraplp.Solver.INFEASIBLE and \
+        time.perf_counter() - t2 < 0.9 * left           # nothing beats the start
+    return runs, start, proved
+
+
+def _solve_held(held: Problem, limit: float) -> Solution | None:
+    """A start's restriction solved as any problem is (CBC, then HiGHS where it proves no
+    optimum) in ``limit``, its excluded strategies projected away (``problem.projected``: on
+    DeepSeek-V3's 8x8 problem the restrictions that hold every decision were built and solved
+    in 2-3 s whole), in a child stopped at :data:`WALL_SLACK` times it where one can fork: a
+    restriction that leaves every activation free is still a hard MIP (on Gemma-3 12B's 8x8
+    problem, loaded, Megatron's layouts ran 200 s on a 10 s limit). None where it found no
+    plan, or where every decision at its leanest exceeds the budget (every weight replicated,
+    on a model that needs it sharded)."""
+    proj = projected(held)
+    if proj is None or _leanest(proj.problem)[0] > held.memory_budget:
+        return None
+    deadline = Deadline.after(limit)
+    try:
+        if hasattr(os, "fork") and not _IN_CHILD:
+            sol = _bounded(_search, proj.problem, deadline, None, True, False, limit_s=limit)
+        else:
+            sol = _search(proj.problem, deadline, None, True, False)
+    except (Infeasible, NoSolution):
+        return None
+    return replace(sol, choice=proj.lift(sol.choice))
 
 
 def _no_incumbent(problem: Problem, time_limit_s: float, status: int, bound: float,
@@ -538,7 +635,7 @@ def _no_incumbent(problem: Problem, time_limit_s: float, status: int, bound: flo
         raise NoSolution(time_limit_s, status, _finite(bound, 0.0))
     least = least_memory_plan(problem, time_limit_s=time_limit_s)
     if least.bytes > problem.memory_budget:
-        if _host_bound(problem):
+        if host_bound(problem):
             # The host memory may be what rules every plan out: the device alone is then
             # within reach, and the error says how much host memory that takes.
             free = least_memory_plan(replace(problem, host_budget=None),
@@ -559,127 +656,19 @@ def _no_incumbent(problem: Problem, time_limit_s: float, status: int, bound: flo
                          "of least memory, whose step time was not optimised")
 
 
-def _from_start(start: tuple[str, tuple[int, ...], float], bound: float, proved: bool,
-                variables: int, t0: float, time_limit_s: float) -> Solution:
+def _from_start(start: BestStart, bound: float, proved: bool, variables: int,
+                deadline: Deadline) -> Solution:
     """The Solution of a start the solver found nothing faster than: optimal where that is
     proved (the solver's bound reaches it, or nothing under it is feasible)."""
     label, choice, step = start
     optimal = proved or bound >= step * (1 - 1e-9)
     return Solution(choice, "OPTIMAL" if optimal else "FEASIBLE", step,
                     step if optimal else min(step, _finite(bound, 0.0)), variables,
-                    time.perf_counter() - t0, start=label,
+                    time.perf_counter() - deadline.t0, start=label,
                     note=f"the solver found no plan faster than the start ({label}) within "
-                         f"{time_limit_s:g} s")
-
-
-def _bound(m: _Model, *, cap: float) -> float:
-    """The backend's best bound on the step (s); under a cutoff at a start's step ``cap`` it
-    bounds only the plans faster than the start, so the whole problem's bound is at most it."""
-    return min(_finite(m.s.Objective().BestBound() / US, 0.0), cap)
-
-
-def _best_start(problem: Problem, starts: tuple[Start, ...], each_s: float
-                ) -> tuple[str, tuple[int, ...], float] | None:
-    """The fastest of ``starts`` that is a plan of ``problem``: (label, choice, step). A
-    restriction is solved as any problem is (CBC, then HiGHS where it proves no optimum), in
-    ``each_s``: a restricted problem is small (parameters held, or one axis left out)."""
-    best = None
-    solved: dict[str, tuple[int, ...]] = {}     # each start's plan, for the combined ones
-    for st in starts:
-        choice = st.choice
-        within = st.within
-        if st.parts:
-            within = combined(problem, st, solved)
-            if within is None:
-                continue
-        if not choice:
-            held = replace(problem, cuts=(*problem.cuts, *within))
-            if _leanest(held)[0] > problem.memory_budget:
-                continue      # (every weight replicated, on a model that needs it sharded)
-            limit, now = max(each_s, MIN_START_S), time.perf_counter()
-            try:      # in a child stopped at WALL_SLACK times the limit where one can fork:
-                # a restriction that leaves every activation free is still a hard MIP (on
-                # Gemma-3 12B's 8x8 problem, loaded, Megatron's layouts ran 200 s on a 10 s limit)
-                choice = (_bounded(_search, held, limit, now, None, True, False, limit_s=limit)
-                          if hasattr(os, "fork") else
-                          _search(held, limit, now, None, True, False)).choice
-            except (Infeasible, NoSolution):
-                continue
-        if len(choice) != len(problem.decisions) or not fits(problem, choice):
-            continue
-        solved[st.label] = tuple(choice)
-        step = evaluate(problem, choice)[0]
-        if best is None or step < best[2]:
-            best = (st.label, tuple(choice), step)
-    return best
+                         f"{deadline.limit_s:g} s")
 
 
 def _finite(bound: float, default: float) -> float:
     """The solver's best bound where it has a meaningful one (CBC reports +-inf without)."""
     return bound if math.isfinite(bound) and bound >= 0 else default
-
-
-def break_ties(problem: Problem, choice: tuple[int, ...], order: dict[int, list[int]],
-               *, rel_tol: float = 1e-12) -> tuple[int, ...]:
-    """Break ties: move each decision of ``order`` (in that order) to the first of its listed
-    strategies that leaves the objective unchanged (within ``rel_tol``), memory in budget and
-    the problem's cuts kept.
-
-    Equal-cost plans are common under alpha-beta pricing (a replicated weight's gradient
-    all-reduce costs exactly its sharded twin's all-gather + reduce-scatter); the ILP picks one
-    arbitrarily, so the planner lists the layouts a user expects first (fewest sharded axes)."""
-    choice = list(choice)
-    fixed = {g for g, _ in problem.fixed}
-    touching: dict[int, list] = {g: [] for g in order}
-    for item in (*problem.edges, *problem.fanouts):
-        for g in ({item.producer} | {c for c, _ in item.consumers}) & touching.keys():
-            touching[g].append(item)
-
-    def local(g: int) -> tuple[float, float, float, float]:
-        """(cost, memory, sync, backward) of decision ``g`` and the items touching it."""
-        dec, c = problem.decisions[g], choice[g]
-        t, mem = dec.cost[c] * dec.multiplicity, dec.memory[c] * dec.multiplicity
-        bwd = dec.backward[c] * dec.multiplicity if dec.backward else 0.0
-        sync = 0.0
-        for item in touching[g]:
-            dt, dm, ds = price(item, choice)
-            t, mem, sync = t + dt, mem + dm, sync + ds
-        return t, mem, sync, bwd
-
-    # The step is cost + max(0, sync - backward); keep the sums as choices move.
-    cost, mem, sync, bwd = totals(problem, choice)
-    total = cost + max(0.0, sync - bwd)
-    tol = rel_tol * max(total, 0.0)
-    hosted = _host_bound(problem)
-    host = host_bytes(problem, choice) if hosted else 0.0
-    cuts_of: dict[int, list[int]] = {}
-    for k, c in enumerate(problem.cuts):
-        for g in {g for g, _ in c.terms}:
-            cuts_of.setdefault(g, []).append(k)
-
-    def kept(g: int) -> bool:
-        """Whether the cuts touching ``g`` still hold."""
-        return all(sum(1 for d, i in problem.cuts[k].terms if choice[d] == i)
-                   <= problem.cuts[k].most for k in cuts_of.get(g, ()))
-
-    for g, prefs in order.items():
-        if g in fixed:
-            continue
-        now = choice[g]
-        before = local(g)
-        for i in prefs:
-            if i == now:
-                break
-            choice[g] = i
-            after = local(g)
-            c1, m1, s1, b1 = (a + x - y for a, x, y in zip((cost, mem, sync, bwd), after, before))
-            dec = problem.decisions[g]
-            h1 = host + (dec.host[i] - dec.host[now]) * dec.multiplicity if hosted and dec.host \
-                else host
-            if c1 + max(0.0, s1 - b1) - total <= tol and m1 <= problem.memory_budget and (
-                    not hosted or h1 <= problem.host_budget) and kept(g):
-                cost, mem, sync, bwd, host = c1, m1, s1, b1, h1
-                total = cost + max(0.0, sync - bwd)
-                break
-            choice[g] = now
-    return tuple(choice)

@@ -256,3 +256,68 @@ def excluded(problem: Problem) -> dict[int, set[int]]:
             for g, i in c.terms:
                 out.setdefault(g, set()).add(i)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class Projection:
+    """A problem with each decision's excluded strategies removed (:func:`projected`), and the
+    kept strategies of each decision, to map its choices back."""
+
+    problem: Problem
+    kept: tuple[tuple[int, ...], ...]
+
+    def lift(self, choice: tuple[int, ...]) -> tuple[int, ...]:
+        """A choice of the projected problem as a choice of the original."""
+        return tuple(k[c] for k, c in zip(self.kept, choice))
+
+
+def projected(problem: Problem) -> Projection | None:
+    """``problem`` without the strategies its restrictions (``most=0`` cuts) exclude, and
+    without the edge and fanout classes no kept strategy uses: the same plans at the same
+    prices, in a MIP the size of what is left (a start that holds every decision to a few
+    strategies is built and solved in a fraction of the whole problem's time). None where a
+    pin is excluded or a decision has nothing left (no plan)."""
+    out = excluded(problem)
+    kept = tuple(tuple(i for i in range(len(d.cost)) if i not in out.get(g, ()))
+                 for g, d in enumerate(problem.decisions))
+    if not all(kept) or any(i in out.get(g, ()) for g, i in problem.fixed):
+        return None
+    index = [{i: k for k, i in enumerate(ks)} for ks in kept]
+
+    def pick(row: tuple, g: int) -> tuple:
+        return tuple(row[i] for i in kept[g]) if row else row
+
+    decisions = tuple(replace(d, cost=pick(d.cost, g), memory=pick(d.memory, g),
+                              backward=pick(d.backward, g), host=pick(d.host, g))
+                      for g, d in enumerate(problem.decisions))
+    edges = []
+    for e in problem.edges:
+        out_cls, req_cls = _classes(pick(e.out, e.producer)), _classes(pick(e.req, e.consumer))
+        edges.append(replace(e, out=tuple(out_cls[o] for o in pick(e.out, e.producer)),
+                             req=tuple(req_cls[r] for r in pick(e.req, e.consumer)),
+                             **_tables(e, out_cls, req_cls)))
+    fanouts = []
+    for f in problem.fanouts:
+        out_cls = _classes(pick(f.out, f.producer))
+        req_cls = _classes(tuple(r for g, req in f.consumers for r in pick(req, g)))
+        fanouts.append(replace(f, out=tuple(out_cls[o] for o in pick(f.out, f.producer)),
+                               consumers=tuple((g, tuple(req_cls[r] for r in pick(req, g)))
+                                               for g, req in f.consumers),
+                               **_tables(f, out_cls, req_cls)))
+    cuts = tuple(Cut(tuple((g, index[g][i]) for g, i in c.terms if i in index[g]), c.most)
+                 for c in problem.cuts if c.most > 0)
+    fixed = tuple((g, index[g][i]) for g, i in problem.fixed)
+    return Projection(replace(problem, decisions=decisions, edges=tuple(edges),
+                              fanouts=tuple(fanouts), cuts=cuts, fixed=fixed), kept)
+
+
+def _classes(used: tuple[int, ...]) -> dict[int, int]:
+    """The classes in use, renumbered in order."""
+    return {c: k for k, c in enumerate(sorted(set(used)))}
+
+
+def _tables(item: Edge | Fanout, out_cls: dict[int, int], req_cls: dict[int, int]) -> dict:
+    """An item's [out class][requirement class] tables over the classes kept."""
+    def cut(table: tuple) -> tuple:
+        return tuple(tuple(table[o][r] for r in req_cls) for o in out_cls) if table else table
+    return {"cost": cut(item.cost), "memory": cut(item.memory), "sync": cut(item.sync)}

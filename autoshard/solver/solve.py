@@ -16,7 +16,8 @@ from autoshard.options import PlanOptions
 from autoshard.plans import Plan
 from autoshard.cost.memory import budget_for
 from autoshard.solver.build import BuildTimeout, Built, build_problem
-from autoshard.solver.ilp import Infeasible, NoSolution, break_ties, solve
+from autoshard.solver.ilp import Infeasible, NoSolution, solve
+from autoshard.solver.ties import break_ties
 from autoshard.solver.problem import Problem, Solution
 from autoshard.solver.diagnostics import gib, unruled_note
 from autoshard.solver.starts import obvious_starts

@@ -28,24 +28,31 @@ from autoshard.trace.export import TracedGraph
 
 
 def obvious_starts(traced: TracedGraph, mesh: Mesh, built: Built) -> tuple[Start, ...]:
-    """The starts above that the problem can express, baselines first."""
+    """The starts above that the problem can express, in the order they share one part of the
+    solve's time (solver/deadline.py): the smaller meshes' plans and their combination first,
+    which hold every decision and solve at once (0.2 to 2 s each on DeepSeek-V3's 8x8 problem,
+    loaded), then the baselines, which hold only the weights and leave a MIP (none of the four
+    found a plan in 7 s there), then the merged mesh."""
     from autoshard.solver import layouts as b
 
     by_decision = _members(built)
-    layouts = {"dp": b.baseline_pins(traced, mesh, "dp"),
-               "megatron-dp": b.baseline_pins(traced, mesh, "megatron-dp"),
-               "fsdp": b.zero3_layouts(traced, mesh)}
-    if mesh.ndim > 1:
-        layouts["fsdp-tp"] = b.fsdp_tp_layouts(traced, mesh)
-    starts = [_stored(built, label, stored) for label, stored in layouts.items()]
+    # The baselines that found plans on Gemma-3 12B's 8x8 problem first (fsdp-tp 428 ms,
+    # fsdp 449 ms; dp and megatron-dp nothing in 13.6 s; benchmarks/RESULTS.md "solver starts").
+    layouts = {"fsdp-tp": b.fsdp_tp_layouts(traced, mesh)} if mesh.ndim > 1 else {}
+    layouts.update({"fsdp": b.zero3_layouts(traced, mesh),
+                    "megatron-dp": b.baseline_pins(traced, mesh, "megatron-dp"),
+                    "dp": b.baseline_pins(traced, mesh, "dp")})
+    starts = []
     if mesh.ndim > 1:
         starts += [_where(built, by_decision, f"mesh without axis {mesh.axes[a]}",
                           lambda spec, a=a: isinstance(spec[a], Replicate))
                    for a in range(mesh.ndim) if mesh.shape[a] > 1]
-        starts.append(_where(built, by_decision, "merged mesh",
-                             lambda spec: all(p == spec[0] for p in spec)))
         if all(n > 1 for n in mesh.shape):
             starts.append(_axes_combined(built, by_decision, mesh))
+    starts += [_stored(built, label, stored) for label, stored in layouts.items()]
+    if mesh.ndim > 1:       # never the best measured (DeepSeek-V3, Jamba, Gemma-3 on 8x8)
+        starts.append(_where(built, by_decision, "merged mesh",
+                             lambda spec: all(p == spec[0] for p in spec)))
     return tuple(s for s in starts if s is not None)
 
 
