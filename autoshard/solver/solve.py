@@ -10,7 +10,7 @@ from typing import Any
 
 from autoshard import progress
 from autoshard.errors import AutoshardError
-from autoshard.ir import Replicate, Strategy
+from autoshard.ir import Replicate, StateMode, Strategy
 from autoshard.mesh import AxisMerge, Mesh
 from autoshard.options import PlanOptions
 from autoshard.plans import Plan
@@ -67,9 +67,9 @@ def offload_level(plan: Plan) -> bool | str:
     the same state modes offered): "parameters" where a parameter is kept on the host, True
     where only optimizer state is, else False."""
     modes = {st.mode for st in plan.param_state.values()}
-    if "offload_params" in modes or plan.options.offload == "parameters":
+    if StateMode.OFFLOAD_PARAMS in modes or plan.options.offload == "parameters":
         return "parameters"
-    return "offload" in modes or plan.options.offload == "optimizer"
+    return StateMode.OFFLOAD in modes or plan.options.offload == "optimizer"
 
 
 MIN_SOLVE_S = 0.5    # the least time a solve under a deadline gets once its ILP is built
