@@ -14,6 +14,16 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# One intra-op thread per pytest process, as every gloo rank has (codegen/world.py), unless
+# OMP_NUM_THREADS says otherwise: the tests' tensors are tiny, and with two workers and their
+# ranks on two cores a second thread only waits on the others' (gpt2-tiny's AdamW step took
+# 0.24 s on torch's default two threads there, 3 ms on one; an sdpa kernel ~15 ms, 300x its
+# work). Subprocesses the tests start inherit the setting.
+if "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 # Graphs of zoo models are reused between tests (autoshard/trace/export.py); the benchmark
 # scripts, which some tests import, would otherwise turn that off for the whole session.

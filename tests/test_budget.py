@@ -48,7 +48,9 @@ def gpt2_bf16():
 
 
 def _sweep(traced, mesh: Mesh, **options) -> list[tuple[int, str]]:
-    roomy = plan_traced(traced, mesh, **options)
+    """Budgets at FRACTIONS of the unconstrained plan's peak; ``options`` for the budgeted plans
+    only."""
+    roomy = plan_traced(traced, mesh)
     peak = roomy.predicted.memory.peak
     seen = []
     for f in FRACTIONS:
@@ -72,7 +74,11 @@ def _sweep(traced, mesh: Mesh, **options) -> list[tuple[int, str]]:
 
 @pytest.mark.slow
 def test_every_plan_of_a_budget_sweep_peaks_within_it(gpt2):
-    seen = _sweep(gpt2, Mesh((2,), cluster="cpu"))
+    # Every layer checkpointed: what the planner picks at each of these budgets anyway (the
+    # same plans and refusals), without the recompute search's three solves per rung of the
+    # memory ladder; the mixed-precision sweep below keeps that search (it picks "selective"
+    # at 0.7), as does tests/test_planner.py test_recompute_ladder_holds_the_step_peak.
+    seen = _sweep(gpt2, Mesh((2,), cluster="cpu"), recompute="full")
     assert any(not s.startswith("refused") for _, s in seen)     # some budgets are met
     assert seen[-1][1].startswith("refused")                     # and 10% is below any plan
 

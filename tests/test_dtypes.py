@@ -23,8 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from autoshard.ir import Partial, Shard, Strategy, op_info
 from autoshard.ops.registry import RECORDS, replicate_strategy
 from autoshard.ops.simulate import call_on_copies, check_strategy
-from test_rules import (CAP, F64, MESHES, SAMPLES, _key, _one_thread,  # noqa: F401  (the fixture
-                        check_sample, make_sample)                       # runs here too)
+from test_rules import CAP, F64, MESHES, SAMPLES, _key, check_sample, make_sample
 
 aten = torch.ops.aten
 BF16, C64 = torch.bfloat16, torch.complex64

@@ -153,11 +153,25 @@ def _mesh(shape: tuple[int, ...], axes) -> Mesh:
     return Mesh(shape, axes, cluster="h100") if axes else Mesh(shape, cluster="h100")
 
 
+# The pinned alternatives are compared by the solver's lower bound on their step (below), which
+# holds whatever the time limit; on 2x4 the replicated experts' solve stops at the default 20 s
+# limit about 1% from that bound, where 3 s prove the same bound.
+PINNED_LIMIT_S = 3.0
+
+
 @lru_cache(maxsize=None)
 def _plan(shape: tuple[int, ...], axes, pinned: str | None = None) -> Plan:
     traced = _traced()
+    limit = {"time_limit_s": PINNED_LIMIT_S} if pinned else {}
     return plan_traced(traced, _mesh(shape, axes), model_name="gshard-moe",
-                       fixed=_expert_pins(traced, len(shape), pinned) if pinned else None)
+                       fixed=_expert_pins(traced, len(shape), pinned) if pinned else None,
+                       **limit)
+
+
+def _least_step(plan: Plan) -> float:
+    """The solver's proven lower bound on the step of any plan under ``plan``'s pins (the ILP's
+    objective is the plan's step: test_planner), from its incumbent and gap."""
+    return plan.solver["objective"] * (1 - plan.solver["gap"])
 
 
 def _expert_pins(traced: TracedGraph, ndim: int, how: str) -> dict[str, Strategy]:
@@ -225,12 +239,12 @@ def test_experts_are_sharded_over_an_axis_with_all_to_all(shape, axes) -> None:
 @pytest.mark.parametrize("shape, axes", MESHES, ids=["8", "2x4"])
 def test_expert_parallelism_is_no_slower_than_the_alternatives(shape, axes) -> None:
     auto = _plan(shape, axes).predicted.step_time_s
-    replicated = _plan(shape, axes, "replicated").predicted.step_time_s
-    inner = _plan(shape, axes, "inner").predicted.step_time_s
-    assert auto <= min(replicated, inner)
+    replicated, inner = (_plan(shape, axes, how) for how in ("replicated", "inner"))
+    assert auto <= min(p.predicted.step_time_s for p in (replicated, inner))
     # Not a tie: splitting the experts saves a measurable part of the step (docs/cost-model.md
-    # §12 has the figures).
-    assert auto < 0.9 * min(replicated, inner), (auto, replicated, inner)
+    # §12 has the figures), against the best step either pinning could reach.
+    least = min(_least_step(replicated), _least_step(inner))
+    assert auto < 0.9 * least, (auto, _least_step(replicated), _least_step(inner))
 
 
 def test_all_to_all_beats_gathering_the_tokens_when_the_axis_is_long() -> None:
@@ -251,7 +265,7 @@ def test_all_to_all_beats_gathering_the_tokens_when_the_axis_is_long() -> None:
 
 def _check(world, model: str, plan: Plan, **spec) -> dict:
     reports = world.run(verify_rank, VerifySpec(model, plan.mesh_shape, plan.mesh_axes,
-                                                plan.dumps(), **spec))
+                                                plan.dumps(), measure_memory=False, **spec))
     ok, text = summarize(reports, TOL)
     assert ok, text
     return reports[0]

@@ -384,16 +384,6 @@ def _key(op: Any) -> str:
     return str(op)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The tensors are tiny; on a busy 2-core machine waking a second intra-op thread costs
-    # ~15 ms per parallel kernel (sdpa), 300x the work itself.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # (rtol, atol) of a sample by its floating tensors' dtype (see the module docstring).
 TOLERANCE = {F64: (1e-5, 1e-8), torch.float32: (1e-5, 1e-5)}
 
