@@ -10,18 +10,8 @@ from ortools.linear_solver import pywraplp
 
 from autoshard.solver import ilp
 from autoshard.solver.deadline import MIN_PART_S, Deadline, best_start
-from autoshard.solver.problem import Decision, Edge, Problem, Solution, Start, restricted
-
-
-def chain() -> Problem:
-    """A -> B -> C, two strategies each; switching strategy along an edge costs 10. The optimum
-    is (1, 1, 1) at 5; (0, 0, 0) costs 7."""
-    switch = ((0.0, 10.0), (10.0, 0.0))
-    decisions = (Decision("A", 1, (1.0, 2.0), (0.0, 0.0)),
-                 Decision("B", 1, (1.0, 2.0), (0.0, 0.0)),
-                 Decision("C", 1, (5.0, 1.0), (0.0, 0.0)))
-    edges = tuple(Edge(f"e{k}", 1, k, k + 1, (0, 1), (0, 1), switch) for k in range(2))
-    return Problem(decisions, edges, memory_budget=1e9)
+from autoshard.solver.problem import Problem, Solution, Start, restricted
+from test_solve_path import chain
 
 
 # Eight distinct restrictions of the chain: as many starts as the planner gives a 2-D mesh.
