@@ -20,7 +20,7 @@ from autoshard.tools.explain import explain_file
 from autoshard.tools.explain.choices import explain_node
 from autoshard.tools.explain.rebuild import rebuild
 from autoshard.tools.report import budget_bytes, render_html
-from autoshard.tools.verify import (ERR_FLOOR, VerifySpec, grad_scale, plan_for, rel_err, summarize,
+from autoshard.tools.verify import (ERR_FLOOR, FP32_TOLERANCE, VerifySpec, grad_scale, plan_for, rel_err, summarize,
                               verify_rank)
 from dist import world_fixture
 from test_diff import run
@@ -127,7 +127,8 @@ def test_the_batchnorm_model_verifies(world2) -> None:
 def test_a_near_zero_gradient_is_judged_against_the_whole_gradient() -> None:
     """The bias before a BatchNorm has a gradient of zero in exact arithmetic; fp32 leaves
     rounding noise there. Against a fixed floor of 1e-3 that noise read as an error of ~1e-2
-    (FAIL at 1e-5); against the whole gradient's root-mean-square entry it is ~1e-7."""
+    (FAIL at 1e-5); against the whole gradient's root-mean-square entry it is ~1e-6 or less
+    (1.2e-6 on one thread, 5e-7 on two: the sums' order differs), a PASS at 1e-5."""
     from importlib.util import module_from_spec, spec_from_file_location
     spec = spec_from_file_location("batchnorm_model", DATA / "batchnorm_model.py")
     bn = module_from_spec(spec)
@@ -143,7 +144,7 @@ def test_a_near_zero_gradient_is_judged_against_the_whole_gradient() -> None:
     assert want["fc1.bias"].abs().max() < 1e-10 < want["fc1.weight"].abs().max()
     assert rel_err(got["fc1.bias"], want["fc1.bias"], ERR_FLOOR) > 1e-5     # the old verdict
     scale = grad_scale(want)
-    assert all(rel_err(got[n], want[n], scale) < 1e-6 for n in want)
+    assert all(rel_err(got[n], want[n], scale) < FP32_TOLERANCE for n in want)
 
 
 def _report(**over) -> dict:
