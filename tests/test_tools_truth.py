@@ -20,8 +20,8 @@ from autoshard.tools.explain import explain_file
 from autoshard.tools.explain.choices import explain_node
 from autoshard.tools.explain.rebuild import rebuild
 from autoshard.tools.report import budget_bytes, render_html
-from autoshard.tools.verify import (ERR_FLOOR, FP32_TOLERANCE, VerifySpec, grad_scale, plan_for, rel_err, summarize,
-                              verify_rank)
+from autoshard.tools.verify import (ERR_FLOOR, FP32_TOLERANCE, VerifySpec, grad_scale, plan_for,
+                                    rel_err, summarize, verify_rank)
 from dist import world_fixture
 from test_diff import run
 
