@@ -626,6 +626,52 @@ def test_recompute_where_only_it_fits(gpt2_b8) -> None:
     assert "offload" not in str(info.value).split("Fix")[0]
 
 
+def test_a_rung_refused_by_its_least_memory_skips_the_exact_mip(gpt2_b8, monkeypatch) -> None:
+    """A budget below every decision's least memory is refused at once; a rung whose refusal is
+    not reported (``least_exact=False``, docs/cost-model.md §4.6 "Hopeless rungs") gets that sum
+    as its bound, without the MIP that finds the exact least memory."""
+    import autoshard.solver.ilp as ilp_mod
+    problem = build_problem(gpt2_b8, Mesh((8,), cluster="h100"), PlanOptions()).problem
+    floor = ilp_mod.least_memory_floor(problem)
+    problem = replace(problem, memory_budget=0.9 * floor)
+    calls = []
+    exact_mip = ilp_mod.least_memory_plan
+    monkeypatch.setattr(ilp_mod, "least_memory_plan",
+                        lambda *a, **k: calls.append(1) or exact_mip(*a, **k))
+    with pytest.raises(ilp_mod.Infeasible) as bound:
+        ilp_mod.solve(problem, time_limit_s=20, least_exact=False)
+    assert calls == [] and not bound.value.exact and bound.value.least_memory == floor
+    with pytest.raises(ilp_mod.Infeasible) as exact:
+        ilp_mod.solve(problem, time_limit_s=20)
+    assert calls == [1] and exact.value.least_memory >= floor
+
+
+def test_full_checkpointing_first_where_memory_binds_plans_as_before(gpt2_b8,
+                                                                      monkeypatch) -> None:
+    """Where every plan without checkpointing comes within 10% of the budget (each decision at
+    its least memory), the full rung is solved first and cuts the cheaper ones off
+    (docs/cost-model.md §4.6, "Rung order"); the plan is the cheapest-first ladder's, byte for
+    byte (GPT-2 124M under test_recompute_where_only_it_fits's 0.65 GiB, the order forced:
+    memory binds there past the least-memory sum, which counts no saved activation)."""
+    import autoshard.solver.budget as budget_mod
+    import autoshard.solver.ilp as ilp_mod
+    from autoshard.cost.memory import device_budget
+    mesh = Mesh((8,), cluster="h100")
+    kw = dict(zero="none", offload="none")
+    options = PlanOptions(**kw)
+    floor = ilp_mod.least_memory_floor(build_problem(gpt2_b8, mesh, options).problem)
+    for over, binds in ((0.99, True), (1.01, False)):
+        allowed = options.replace(memory_budget=budget_for(over * floor / budget_mod.BINDS))
+        assert budget_mod._binds_without(gpt2_b8, mesh, allowed, device_budget(
+            mesh.cluster, allowed.memory_budget), {"offload": False}) is binds
+    kw["memory_budget"] = 0.65 * 2**30
+    monkeypatch.setattr(budget_mod, "_binds_without", lambda *a: True)
+    first = plan_traced(gpt2_b8, mesh, **kw)
+    assert set(first.recompute.values()) == {"full"}
+    monkeypatch.setattr(budget_mod, "_binds_without", lambda *a: False)
+    assert plan_traced(gpt2_b8, mesh, **kw).dumps() == first.dumps()
+
+
 def test_selective_recompute_sits_between_none_and_full(gpt2_b1) -> None:
     """The same layouts priced with every layer selectively checkpointed (docs/cost-model.md
     §8): compute grows by exactly the forward of the ops that are not matmuls or attention; no
