@@ -13,8 +13,7 @@ from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions
 from autoshard.plans import Plan
 from autoshard.cost.memory import budget_for, device_budget, host_budget
-from autoshard.solver.build import build_problem
-from autoshard.solver.ilp import Infeasible, NoBetter, NoSolution, least_memory_floor
+from autoshard.solver.ilp import Infeasible, NoBetter, NoSolution
 from autoshard.solver.diagnostics import gib
 from autoshard.trace.export import TracedGraph
 from autoshard.trace.layers import checkpointable
@@ -114,43 +113,35 @@ def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw:
         return plan_once(traced, mesh, options,
                             recompute=dict.fromkeys(layers, options.recompute), **kw)
     budget = device_budget(mesh.cluster, options.memory_budget)
-    # Memory binds every plan without checkpointing: the full rung first, its plan (fitted to
-    # the step's peak) the cutoff the cheaper rungs must beat (§4.6, "Rung order").
-    binds = _binds_without(traced, mesh, options, budget, kw)
-    tries = recompute_tries(binds)
-    held: list[Plan] = []           # the plan the later rungs must beat, fitting by liveness
-    fitted: dict[int, Plan | None] = {}
+    first: list[Plan] = []          # the plan without checkpointing, once solved
 
-    def fit(p: Plan) -> Plan | None:  # each plan re-planned for its peak once
-        if id(p) not in fitted:
-            fitted[id(p)] = _fit_live(traced, mesh, options, p, budget, kw)
-        return fitted[id(p)]
+    tries = recompute_tries()
 
     def solve(t: Try) -> Plan | None:
         policy = t.get("recompute")
-        # A refused rung whose refusal is not reported need not have its exact least memory
-        # found (12 to 28 s on GPT-3 175B at 8x8): only the full rung's refusal is reported.
-        exact = policy == "full"
-        # A plan that fits by liveness too is final unless a later rung beats it: search only
-        # faster ones (re-planning for the peak never makes a plan faster).
-        cutoff = held[0].predicted.step_time_s if held and mesh.ndim < 3 else None
+        # A rung before the last whose every decision at its least memory already sums above
+        # the budget is refused without the MIP that finds its exact least memory (12 s and
+        # 94 s on GPT-3 175B at 8x8, batch 64): only the last rung's refusal is reported.
+        exact = t is tries[-1]
+        if policy is None:
+            first.append(plan_once(traced, mesh, options, recompute={}, least_exact=exact,
+                                   **kw))
+            return first[0]
+        # A plan that fits by liveness too is final unless checkpointing beats it: search only
+        # faster ones (re-planning for the peak below never makes a plan faster).
+        cutoff = first[0].predicted.step_time_s if first and \
+            first[0].predicted.memory.peak <= budget and mesh.ndim < 3 else None
         try:
-            p = plan_once(traced, mesh, options, cutoff_s=cutoff, least_exact=exact,
-                          recompute=dict.fromkeys(layers, policy) if policy else {}, **kw)
+            return plan_once(traced, mesh, options, cutoff_s=cutoff, least_exact=exact,
+                             recompute=dict.fromkeys(layers, policy), **kw)
         except NoBetter:
             progress.note(f"no plan faster than {cutoff * 1e3:.3f} ms")
             return None
-        if t is tries[0]:           # the first rung's plan, once it fits, is the one to beat
-            fits = fit(p) if binds else (p if p.predicted.memory.peak <= budget else None)
-            held.extend([fits] if fits is not None else [])
-        return p
 
     def unbound(p: Plan) -> bool:
         """Memory no longer binds: checkpointing (more of it) would only add time. Without
         it, memory binds near the budget (a layout the budget ruled out may be faster with the
         memory checkpointing frees; a plan 1% under the budget can be one)."""
-        if binds:
-            return False            # every rung is solved, the ones after the first cut off
         if not p.recompute:
             return p.predicted.ilp_sum_bytes < budget * BINDS
         return set(p.recompute.values()) == {"selective"} and \
@@ -158,55 +149,37 @@ def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw:
             p.predicted.memory.peak <= budget
 
     # No plan fits, or none was found in time (memory that binds makes the ILP hard):
-    # checkpointing frees memory either way. None plans: the full rung's error is reported.
-    _, done = run_search(tries, solve, until=unbound, error_of_none="first" if binds else "last",
+    # checkpointing frees memory either way.
+    _, done = run_search(tries, solve, until=unbound, error_of_none="last",
                          recoverable=lambda e: isinstance(e.__cause__, (Infeasible, NoSolution)))
     plans = [d.result for d in done if d.result is not None]
     if len(done) == 1 and plans:
         return plans[0]             # without checkpointing, and memory does not bind
     assert plans, "a checkpointing search without a plan raises its last error"
-    fitting = _fastest_fitting(plans, fit)
+    # Compared by the step's liveness peak too (a selective plan's can be twice the sum the ILP
+    # bounds): each re-planned for it as plan_traced would, and the fastest that fits kept.
+    # Fastest first: re-planning a plan for its peak never makes it faster, so once one fits,
+    # a plan already slower than it needs no re-planning.
+    fitting = None
+    for p in sorted(plans, key=lambda p: p.predicted.step_time_s):
+        if fitting is not None and p.predicted.step_time_s >= fitting.predicted.step_time_s:
+            break
+        fit = _fit_live(traced, mesh, options, p, budget, kw)
+        if fit is not None and (fitting is None or fit.predicted.step_time_s
+                                < fitting.predicted.step_time_s):
+            fitting = fit
     if fitting is None:
         return min(plans, key=lambda p: p.predicted.step_time_s)
     partial = _plan_partial(traced, mesh, options, fitting, layers, budget, **kw)
     return fitting if partial is None else partial
 
 
-def _fastest_fitting(plans: list[Plan], fit) -> Plan | None:
-    """Of ``plans``, the fastest once each is re-planned for its step's liveness peak
-    (``fit``: the plan that fits, or None): compared by the peak too (a selective plan's can be
-    twice the sum the ILP bounds). Fastest first: re-planning a plan for its peak never makes it
-    faster, so once one fits, a plan already slower than it needs no re-planning."""
-    fitting = None
-    for p in sorted(plans, key=lambda p: p.predicted.step_time_s):
-        if fitting is not None and p.predicted.step_time_s >= fitting.predicted.step_time_s:
-            break
-        f = fit(p)
-        if f is not None and (fitting is None or f.predicted.step_time_s
-                              < fitting.predicted.step_time_s):
-            fitting = f
-    return fitting
-
-
-def _binds_without(traced: TracedGraph, mesh: Mesh, options: PlanOptions, budget: float,
-                   kw: dict[str, Any]) -> bool:
-    """Memory binds every plan without checkpointing: every decision at its least-memory
-    strategy already sums above :data:`BINDS` of the budget (its ILP built once more to see;
-    1.4 s on Llama-3-70B at 4x8). 2-D meshes without pins (the cutoffs are 2-D)."""
-    if mesh.ndim >= 3 or kw.get("fixed") or kw.get("merge") is not None:
-        return False
-    built = build_problem(traced, mesh, options, recompute={}, offload=kw.get("offload", False))
-    return least_memory_floor(built.problem) > budget * BINDS
-
-
-def recompute_tries(binds: bool = False) -> list[Try]:
+def recompute_tries() -> list[Try]:
     """The checkpointing search's tries (recompute "auto"), cheapest first: none, selective,
-    full on every checkpointable layer; it stops once memory no longer binds. ``binds`` (memory
-    binds every plan without checkpointing): full first, the cheaper ones then cut off by it."""
-    tries = [Try("without activation checkpointing", (("recompute", None),)),
-             *[Try(f"activation checkpointing ({p})", (("recompute", p),))
-               for p in ("selective", "full")]]
-    return tries[::-1] if binds else tries
+    full on every checkpointable layer; it stops once memory no longer binds."""
+    return [Try("without activation checkpointing", (("recompute", None),)),
+            *[Try(f"activation checkpointing ({p})", (("recompute", p),))
+              for p in ("selective", "full")]]
 
 
 def _fit_live(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan, budget: float,
