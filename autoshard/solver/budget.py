@@ -120,8 +120,8 @@ def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw:
     def solve(t: Try) -> Plan | None:
         policy = t.get("recompute")
         # A rung before the last whose every decision at its least memory already sums above
-        # the budget is refused without the MIP that finds its exact least memory (12 s and
-        # 94 s on GPT-3 175B at 8x8, batch 64): only the last rung's refusal is reported.
+        # the budget is refused without the MIP that finds its exact least memory (selective
+        # on GPT-3 175B at 8x8, batch 64: 28 to 95 s): only the last rung's refusal is reported.
         exact = t is tries[-1]
         if policy is None:
             first.append(plan_once(traced, mesh, options, recompute={}, least_exact=exact,
