@@ -639,6 +639,59 @@ def test_recompute_where_only_it_fits(gpt2_b8) -> None:
     assert "offload" not in str(info.value).split("Fix")[0]
 
 
+def test_a_rung_refused_by_its_least_memory_skips_the_exact_mip(gpt2_b8, monkeypatch) -> None:
+    """A budget below every decision's least memory is refused at once; a rung whose refusal is
+    not reported (``least_exact=False``, docs/cost-model.md §4.6 "Hopeless rungs") gets that sum
+    as its bound, without the MIP that finds the exact least memory."""
+    import autoshard.solver.ilp as ilp_mod
+    problem = build_problem(gpt2_b8, Mesh((8,), cluster="h100"), PlanOptions()).problem
+    floor = ilp_mod.least_memory_floor(problem)
+    problem = replace(problem, memory_budget=0.9 * floor)
+    calls = []
+    exact_mip = ilp_mod.least_memory_plan
+    monkeypatch.setattr(ilp_mod, "least_memory_plan",
+                        lambda *a, **k: calls.append(1) or exact_mip(*a, **k))
+    with pytest.raises(ilp_mod.Infeasible) as bound:
+        ilp_mod.solve(problem, time_limit_s=20, least_exact=False)
+    assert calls == [] and not bound.value.exact and bound.value.least_memory == floor
+    with pytest.raises(ilp_mod.Infeasible) as exact:
+        ilp_mod.solve(problem, time_limit_s=20)
+    assert calls == [1] and exact.value.least_memory >= floor
+
+
+def test_a_rung_refused_by_its_least_memory_answers_as_before(gpt2_b8, monkeypatch) -> None:
+    """GPT-2 124M on 8 H100s under a budget just below what selective checkpointing needs with
+    every decision at its least memory (0.52 GiB; full checkpointing's least is 0.37 GiB, its
+    step's peak 0.62 GiB): the selective rung is refused without the MIP that finds its exact
+    least memory (docs/cost-model.md §4.6, "Hopeless rungs"), and the planner's answer (here a
+    refusal naming the least peak found) is the one it gave when it solved that MIP, word for
+    word."""
+    import autoshard.solver.budget as budget_mod
+    import autoshard.solver.ilp as ilp_mod
+    from autoshard.trace.layers import checkpointable
+    mesh = Mesh((8,), cluster="h100")
+    kw = dict(offload="none")
+    selective = dict.fromkeys(checkpointable(gpt2_b8.graph, gpt2_b8.layers), "selective")
+    floor = ilp_mod.least_memory_floor(build_problem(gpt2_b8, mesh, PlanOptions(**kw),
+                                                     recompute=selective).problem)
+    kw["memory_budget"] = budget_for(0.98 * floor)
+    calls = []
+    exact_mip = ilp_mod.least_memory_plan
+    monkeypatch.setattr(ilp_mod, "least_memory_plan",
+                        lambda *a, **k: calls.append(1) or exact_mip(*a, **k))
+    with pytest.raises(AutoshardError) as fast:
+        plan_traced(gpt2_b8, mesh, **kw)
+    skipped = len(calls)
+    once = budget_mod.plan_once
+    monkeypatch.setattr(budget_mod, "plan_once",
+                        lambda *a, **k: once(*a, **{**k, "least_exact": True}))
+    with pytest.raises(AutoshardError) as slow:
+        plan_traced(gpt2_b8, mesh, **kw)
+    assert len(calls) - skipped > skipped, "the exact least memory is solved for when asked"
+    assert str(slow.value) == str(fast.value)
+    assert "full checkpointing of 12 layers" in str(fast.value)
+
+
 def test_selective_recompute_sits_between_none_and_full(gpt2_b1) -> None:
     """The same layouts priced with every layer selectively checkpointed (docs/cost-model.md
     §8): compute grows by exactly the forward of the ops that are not matmuls or attention; no

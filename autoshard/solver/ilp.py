@@ -146,6 +146,12 @@ def least_memory_plan(problem: Problem, *, time_limit_s: float = 30.0) -> LeastM
     return LeastMemory(bound, False, None)
 
 
+def least_memory_floor(problem: Problem) -> float:
+    """Every decision at its least-memory strategy: a lower bound of any assignment's memory,
+    without a solve (see :func:`_leanest`)."""
+    return _leanest(problem)[0]
+
+
 def _leanest(problem: Problem) -> tuple[float, tuple[int, ...] | None]:
     """Each decision's least-memory strategy (within its pins and restrictions) and their
     memory: the least memory of any assignment without memory on edges, a lower bound with it
@@ -300,7 +306,7 @@ class _Model:
 
 def solve(problem: Problem, *, time_limit_s: float = 30.0,
           cutoff_s: float | None = None, verdict: bool = True,
-          highs_first: bool = False, starts: Starts = ()) -> Solution:
+          highs_first: bool = False, starts: Starts = (), least_exact: bool = True) -> Solution:
     """The best plan the solver finds in ``time_limit_s``: optimal, or feasible with its gap to
     the best bound. Raises :class:`Infeasible` when no plan fits memory, :class:`NoSolution` when
     the solver found no plan in time and none could be built without it. With ``cutoff_s`` (the
@@ -311,7 +317,9 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0,
     a deadline, ``autoshard explain``'s swap alone), solved HiGHS first, as ``highs_first``
     problems are, in a child process stopped at :data:`WALL_SLACK` times the limit. A budget
     below the sum of every decision's least memory is refused before any search (Infeasible;
-    NoBetter with ``cutoff_s``).
+    NoBetter with ``cutoff_s``); ``least_exact=False``: refused with that sum as the bound,
+    without the least-memory MIP that makes it exact (up to the time limit again), for a caller
+    that goes on to other techniques when refused (a rung of the memory ladder).
 
     Edges and fanouts that only add memory (a saved activation kept once per layout, build.py)
     matter only when the budget binds, and they make the MIP much harder (T5-large on 8x8 finds
@@ -334,7 +342,7 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0,
         # a deadline (no verdict).
         if cutoff_s is not None:
             raise NoBetter()
-        if not verdict:
+        if not verdict or not least_exact:
             raise Infeasible(floor, budget=problem.memory_budget, exact=False)
         least = least_memory_plan(problem, time_limit_s=time_limit_s)
         raise Infeasible(least.bytes, budget=problem.memory_budget, exact=least.exact)

@@ -78,11 +78,13 @@ MIN_SOLVE_S = 0.5    # the least time a solve under a deadline gets once its ILP
 def solve_on(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_name: str,
            fixed: dict[str, Strategy] | None, trace_s: float, merge: AxisMerge | None,
            recompute: dict[str, str], offload: bool, deadline: float | None = None,
-           cutoff_s: float | None = None) -> Plan:
+           cutoff_s: float | None = None, least_exact: bool = True) -> Plan:
     """One ILP on ``mesh`` (every axis its own, whatever its number), solved and assembled.
     ``deadline`` (``time.perf_counter()`` seconds): building and solving share the time up to it
     (BuildTimeout if building runs past it), and a solve without an incumbent by then raises
-    at once (the caller has other plans)."""
+    at once (the caller has other plans). ``least_exact=False``: a budget below every decision's
+    least memory is refused with that sum as the least memory ("at least"), not the exact figure
+    a MIP would take up to the time limit to find (ilp.py ``solve``)."""
     t0 = time.perf_counter()
     in_place = frozenset(p.name for p in traced.params if p.name in (fixed or {}))
     with progress.step(f"building the ILP on mesh {'x'.join(map(str, mesh.shape))} "
@@ -108,7 +110,8 @@ def solve_on(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_nam
             starts = () if fixed or deadline is not None else \
                 (lambda: obvious_starts(traced, mesh, built))
             sol = solve(problem, time_limit_s=limit, cutoff_s=cutoff_s, starts=starts,
-                        verdict=deadline is None, highs_first=options.stage_run is not None)
+                        verdict=deadline is None, highs_first=options.stage_run is not None,
+                        least_exact=least_exact)
     except Infeasible as e:
         least = f"{'' if e.exact else 'at least '}{gib(budget_for(e.least_memory))}"
         if e.least_host is not None:
