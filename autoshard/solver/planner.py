@@ -71,9 +71,9 @@ def plan_with(traces: Traces, mesh: Mesh, options: PlanOptions, *, model_name: s
     with progress.step(f"tracing {model_name or type(traces.model).__name__} (batch {batch})"):
         trace_s = traces.seconds_for(batch)
     traced = traces.at(batch)
-    if traced.copied_layers:
-        progress.note(f"{len(traced.layers) - traced.copied_layers} of {len(traced.layers)} "
-                      f"layers exported, the others copied from them")
+    if traced.repeat is not None:
+        progress.note(f"{traced.repeat.prefix} of {traced.repeat.count} layers exported, the "
+                      f"others copied from them")
     return plan_traced(traced, mesh, options, model_name=model_name, trace_s=trace_s)
 
 

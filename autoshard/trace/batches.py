@@ -34,7 +34,7 @@ from autoshard.errors import AutoshardError
 from autoshard.loss import as_loss_module
 from autoshard.precision import cast_inputs, running_as
 from autoshard.trace.export import TracedGraph, from_exported, parameter_aliases, trace
-from autoshard.trace.repeat import Repeat, expand, repeated_layers, shortened, signature_of
+from autoshard.trace.repeat import Repeat, expand, shortened, signature_of
 
 
 def batch_of(example_inputs: Sequence[Any]) -> int:
@@ -138,8 +138,7 @@ class Traces:
         wrapped = as_loss_module(self.model) if self.training else self.model
         # Repeated layers as trace() exports them: a prefix, copied out (trace/repeat.py); the
         # comparison below with ``concrete`` proves the copy at this batch too.
-        repeat = self._repeat = None if concrete.copied_layers == 0 else \
-            repeated_layers(self.model)
+        repeat = self._repeat = concrete.repeat
         short = shortened(self.model, repeat.container, repeat.prefix) if repeat else \
             contextlib.nullcontext()
         try:
@@ -202,8 +201,7 @@ class Traces:
             gm, specs = expanded
         traced = from_exported(ep, training=self.training, strip=strip,
                                aliases=parameter_aliases(self.model), gm=gm, specs=specs)
-        if self._repeat is not None:
-            traced.copied_layers = self._repeat.count - self._repeat.prefix
+        traced.repeat = self._repeat
         return traced
 
 

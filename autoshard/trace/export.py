@@ -60,12 +60,17 @@ class TracedGraph:
     layers: tuple[Layer, ...] = ()
     # What a wrapper (autoshard's loss wrapper) adds to module paths: "model." or "".
     module_prefix: str = ""
-    # Layers written as copies of an exported one rather than exported (trace/repeat.py).
-    copied_layers: int = 0
+    # The prefix of the layers exported, the others written as copies (trace/repeat.py).
+    repeat: Repeat | None = None
 
     @property
     def graph(self) -> fx.Graph:
         return self.gm.graph
+
+    @property
+    def copied_layers(self) -> int:
+        """Layers written as copies of exported ones rather than exported."""
+        return 0 if self.repeat is None else self.repeat.count - self.repeat.prefix
 
     def placeholder(self, name: str) -> Placeholder:
         return self._by_name[name]
@@ -168,6 +173,7 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any], *, training: bo
         raise AutoshardError("model is a torch.nn.Module", got=type(model).__name__,
                              fix="pass the nn.Module itself")
     example_inputs = _meta_like_model(model, _checked_inputs(example_inputs))
+    whole = whole or os.environ.get("AUTOSHARD_TRACE_WHOLE", "0") == "1"
     key = reusable(model, example_inputs, training) \
         if os.environ.get("AUTOSHARD_TRACE_REUSE", "1") != "0" else None
     key = key and (key, whole)
@@ -221,7 +227,6 @@ def _trace(model: torch.nn.Module, example_inputs: tuple, training: bool,
     # Our own loss wrapper holds the model as ``model``: report the model's own names. A tied
     # parameter may be lifted under any of its names; use the one named_parameters() gives.
     strip = "model." if wrapped is not model else ""
-    whole = whole or os.environ.get("AUTOSHARD_TRACE_WHOLE", "0") == "1"
     repeat = None if whole else repeated_layers(model)
     if repeat is not None:
         traced = _trace_repeated(model, wrapped, example_inputs, training, strip, repeat)
@@ -261,7 +266,7 @@ def _trace_repeated(model: torch.nn.Module, wrapped: torch.nn.Module, example_in
         traced = from_exported(ep, training=training, strip=strip,
                                aliases=parameter_aliases(model), gm=expanded[0],
                                specs=expanded[1])
-        traced.copied_layers = repeat.count - repeat.prefix
+        traced.repeat = repeat
         return traced
     except Exception:   # noqa: BLE001 - any failure: export the whole model, which explains it
         return None

@@ -238,8 +238,7 @@ def expand(gm: fx.GraphModule, specs: Specs, repeat: Repeat,
 class _Expansion:
     def __init__(self, gm: fx.GraphModule, specs: Specs, repeat: Repeat, strip: str) -> None:
         self.gm, self.specs, self.rep, self.strip = gm, specs, repeat, strip
-        self.stack_path = strip + repeat.container        # the container in module stacks
-        self.target_path = strip + repeat.container       # ... and in parameter targets
+        self.path = strip + repeat.container     # the container in module stacks and targets
         self.layer: dict[fx.Node, int] = {}               # node -> its prefix layer
         self.blocks: list[list[fx.Node]] = [[] for _ in range(repeat.prefix)]
         self.params: list[list[fx.Node]] = [[] for _ in range(repeat.prefix)]
@@ -265,7 +264,7 @@ class _Expansion:
         else:
             stack = node.meta.get("nn_module_stack")
             where = layer_of(list(stack.values())[-1][0]) if stack else None
-        if where is None or where[0] != self.stack_path:
+        if where is None or where[0] != self.path:
             return None
         if where[1] >= self.rep.prefix:
             raise _NotShown       # the model ran a layer past the prefix
@@ -359,7 +358,7 @@ class _Expansion:
             if a in before:
                 return ("before", before[a] if exact else None)
             return ("outside", a.name)
-        sig: list = [(self.specs[p.name][1].removeprefix(f"{self.target_path}.{j}."),
+        sig: list = [(self.specs[p.name][1].removeprefix(f"{self.path}.{j}."),
                       _shape(p)) for p in self.params[j]]
         for n in self.blocks[j]:
             sig.append((str(n.target), repr(fx.node.map_aggregate((n.args, n.kwargs), arg)),
@@ -446,16 +445,16 @@ class _Expansion:
 
     def _moved(self, path: str, t: int, i: int) -> str:
         """A module path (or stack key) of prefix layer ``t`` as it reads in layer ``i``."""
-        for old, new in ((f"{self.stack_path}.{t}", f"{self.stack_path}.{i}"),
-                         (f"{self.stack_path}[{t}]", f"{self.stack_path}[{i}]")):
+        for old, new in ((f"{self.path}.{t}", f"{self.path}.{i}"),
+                         (f"{self.path}[{t}]", f"{self.path}[{i}]")):
             path = re.sub(re.escape(old) + r"(?=[.\[]|$)", new, path)
         return path
 
     def _renamed_target(self, target: str, t: int, i: int) -> str:
-        old = f"{self.target_path}.{t}."
+        old = f"{self.path}.{t}."
         if not target.startswith(old):
             raise _NotShown
-        return f"{self.target_path}.{i}." + target[len(old):]
+        return f"{self.path}.{i}." + target[len(old):]
 
 
 def _base(name: str) -> str:
