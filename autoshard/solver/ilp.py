@@ -530,7 +530,6 @@ def _solve(problem: Problem, deadline: Deadline, cutoff_s: float | None = None,
     """``binds``: the device memory budget is known to bind (:data:`BINDING_BACKENDS`);
     ``probe=False``: with starts, no first backend before them (:func:`_attempts`);
     ``stoppable``: the backends may be stopped at their limit (:func:`_attempt`)."""
-    found = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
     runs, start, proved = _attempts(problem, deadline, cutoff_s, verdict, highs_first,
                                     starts, binds, probe, stoppable)
     warm = start is not None          # the second backend started from it
@@ -541,7 +540,7 @@ def _solve(problem: Problem, deadline: Deadline, cutoff_s: float | None = None,
     bound = max(step_floor(problem), *(r.bound for r in runs))
     best = None          # a proven optimum, else the fastest incumbent
     for r in runs:
-        if r.status in found and r.choice is not None:
+        if r.choice is not None:          # (a run has a choice where it found a plan)
             objective = evaluate(problem, r.choice)[0]  # exact, not within the solver's tolerances
             optimal = r.status == pywraplp.Solver.OPTIMAL
             if best is None or optimal or (not best[2] and objective < best[1]):
@@ -582,7 +581,7 @@ def _attempts(problem: Problem, deadline: Deadline, cutoff_s: float | None, verd
     the better plan is kept (on Gemma-7B's 8x8 problem CBC's 20 s incumbent was 22x the
     optimum HiGHS proved in 3 s)."""
     runs: list[Run] = []
-    stop = {"stoppable": True} if stoppable else {}
+    stop = {"stoppable": True} if stoppable else {}     # (a backend stand-in may take none)
     if not verdict or highs_first:
         runs.append(_attempt(problem, DEADLINE_BACKENDS, deadline.left(), cutoff_s, **stop))
         return runs, None, False

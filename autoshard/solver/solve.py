@@ -17,6 +17,7 @@ from autoshard.plans import Plan
 from autoshard.cost.memory import budget_for
 from autoshard.solver.build import BuildTimeout, Built, build_problem
 from autoshard.solver.ilp import Infeasible, NoSolution, solve
+from autoshard.solver.deadline import MIN_PART_S
 from autoshard.solver.ties import break_ties
 from autoshard.solver.problem import Problem, Solution
 from autoshard.solver.diagnostics import gib, unruled_note
@@ -72,9 +73,6 @@ def offload_level(plan: Plan) -> bool | str:
     return StateMode.OFFLOAD in modes or plan.options.offload == "optimizer"
 
 
-MIN_SOLVE_S = 0.5    # the least time a solve under a deadline gets once its ILP is built
-
-
 def solve_on(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_name: str,
            fixed: dict[str, Strategy] | None, trace_s: float, merge: AxisMerge | None,
            recompute: dict[str, str], offload: bool, deadline: float | None = None,
@@ -104,7 +102,7 @@ def solve_on(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_nam
             # A try that must beat a plan in hand is a gamble: a quarter of the time limit.
             limit = options.time_limit_s if cutoff_s is None else options.time_limit_s / 4
             if deadline is not None:
-                limit = max(MIN_SOLVE_S, deadline - time.perf_counter())
+                limit = max(MIN_PART_S, deadline - time.perf_counter())
             # Never worse than the obvious plans (solver/starts.py); a pinned problem is a
             # baseline's own, and a deadline leaves no time for them.
             starts = () if fixed or deadline is not None else \

@@ -44,7 +44,7 @@ def obvious_starts(traced: TracedGraph, mesh: Mesh, built: Built) -> tuple[Start
                     "dp": b.baseline_pins(traced, mesh, "dp")})
     starts = []
     if mesh.ndim > 1:
-        starts += [_where(built, by_decision, f"mesh without axis {mesh.axes[a]}",
+        starts += [_where(built, by_decision, _without(mesh, a),
                           lambda spec, a=a: isinstance(spec[a], Replicate))
                    for a in range(mesh.ndim) if mesh.shape[a] > 1]
         if all(n > 1 for n in mesh.shape):
@@ -65,7 +65,7 @@ def _axes_combined(built: Built, by_decision: dict[int, list], mesh: Mesh) -> St
     share of the time limit; this one holds nearly every decision, so it is solved at once,
     and where the data axis was left idle (the plan without it was the best start) it is the
     incumbent that splits the batch."""
-    parts = tuple(f"mesh without axis {mesh.axes[(a + 1) % mesh.ndim]}" for a in range(mesh.ndim))
+    parts = tuple(_without(mesh, (a + 1) % mesh.ndim) for a in range(mesh.ndim))
     keys = []
     for g in range(len(built.problem.decisions)):
         members = by_decision[g]
@@ -133,3 +133,9 @@ def _start(built: Built, label: str, allowed: dict[int, set[int]]) -> Start | No
 
 
 __all__ = ["obvious_starts"]
+
+
+def _without(mesh: Mesh, axis: int) -> str:
+    """The label of the start made from the plan on ``mesh`` less ``axis``: the combined start
+    finds its parts by it."""
+    return f"mesh without axis {mesh.axes[axis]}"
