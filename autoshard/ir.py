@@ -21,7 +21,7 @@ import functools
 import math
 import re
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import Enum
 from typing import Any, Callable, Sequence, Union
 
 import torch
@@ -221,52 +221,45 @@ def _splits_work(option: tuple) -> bool:
         not outs or any(isinstance(p, Partial) for p in outs))
 
 
-class StateMode(StrEnum):
+class PlanName(str, Enum):
+    """A name a plan file writes: each member is its string on disk, in f-strings, in
+    comparisons and in messages, so files and text name it as they always have (Python 3.11's
+    ``StrEnum``, written out: the package supports 3.10)."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    @classmethod
+    def of(cls, name: str | None) -> Any:
+        """``name`` as a member, None where it names none."""
+        return cls._value2member_map_.get(name)
+
+
+class StateMode(PlanName):
     """Where a parameter's gradient and optimizer state live when not laid out as the
     parameter is (cost/state.py, docs/cost-model.md §9): the kernel of its placeholder's
     strategy, and a plan file's ``kernel`` and ``ParamState.mode``; no mode (None): with the
-    parameter. A ``StrEnum``: each is its string, in JSON, in f-strings and in comparisons, so
-    plan files name them as they always have."""
+    parameter."""
 
     ZERO1 = "zero1"                    # optimizer state sharded over the zero axes
     ZERO2 = "zero2"                    # gradients too
     OFFLOAD = "offload"                # optimizer state and step on the host
     OFFLOAD_PARAMS = "offload_params"  # the stored parameter too, copied in at each use
 
-    def __repr__(self) -> str:       # as the string it is, in messages and lists
-        return repr(self.value)
 
-    @classmethod
-    def of(cls, kernel: str | None) -> "StateMode | None":
-        """A placeholder's kernel as a state mode, None where it names none."""
-        return cls(kernel) if kernel in _STATE_MODE_VALUES else None
-
-
-_STATE_MODE_VALUES = frozenset(m.value for m in StateMode)
-
-
-class CollectiveKind(StrEnum):
+class CollectiveKind(PlanName):
     """The collectives a plan runs (cost/comm.py prices them, codegen/collectives.py runs them,
     docs/cost-model.md §1): a plan file's ``collectives[].kind`` and a cluster profile's link
-    figures per kind. A ``StrEnum``, as StateMode: each is its string on disk and in text."""
+    figures per kind; ``of`` is None for a reshard step that moves nothing (a local slice)."""
 
     ALL_REDUCE = "all_reduce"
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_TO_ALL = "all_to_all"
     SEND_RECV = "send_recv"          # point to point: pipeline sends, ring attention's hops
-
-    def __repr__(self) -> str:
-        return repr(self.value)
-
-    @classmethod
-    def of(cls, kind: str) -> "CollectiveKind | None":
-        """``kind`` as a collective kind, None where it names none (a reshard step that moves
-        nothing: a local slice)."""
-        return cls(kind) if kind in _COLLECTIVE_KIND_VALUES else None
-
-
-_COLLECTIVE_KIND_VALUES = frozenset(k.value for k in CollectiveKind)
 
 
 @dataclass(frozen=True, slots=True)

@@ -159,7 +159,7 @@ def test_typed_and_frozen(plans) -> None:
 # ------------------------------------------------------------------------------ state modes
 
 def test_state_modes_are_their_strings_on_disk_and_in_text() -> None:
-    """A StrEnum: JSON, f-strings and comparisons see the string plan files have always held."""
+    """A str enum: JSON, f-strings and comparisons see the string plan files have always held."""
     assert [m.value for m in StateMode] == ["zero1", "zero2", "offload", "offload_params"]
     for m in StateMode:
         assert json.dumps(m) == f'"{m.value}"' and f"{m}" == m.value and m == m.value

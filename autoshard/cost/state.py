@@ -37,7 +37,6 @@ import torch
 from autoshard.cost.comm import Reshard, Step
 from autoshard.ir import CollectiveKind, Replicate, Shard, Spec, StateMode, local_shape
 
-MODES = tuple(StateMode)   # None: the state follows the parameter
 # The modes whose bucketed gradient is reduce-scattered over the zero axes (each rank keeps its
 # shard), and those that keep the optimizer state and step on the host.
 SCATTERS = (StateMode.ZERO2, StateMode.OFFLOAD, StateMode.OFFLOAD_PARAMS)
