@@ -77,7 +77,8 @@ def compile_program(gm: fx.GraphModule, runtime: Any, *, name: str = "program",
         if node.op == "call_function" and isinstance(node.target, Checkpointed):
             _compile_checkpointed(node.target, runtime)
     syncs = any(_is_sync(n) for n in gm.graph.nodes)
-    _hoist_syncs(gm)
+    if syncs:
+        _hoist_syncs(gm)
     ids = _partition(gm.graph, layer_of if syncs else None)
     if not any(compiled for _, compiled in ids.values()):
         return gm
@@ -106,7 +107,7 @@ def _hoist_syncs(gm: fx.GraphModule) -> None:
         return
     anchor = inputs[-1]
     for node in list(graph.nodes):
-        if _eager(node) and _is_sync(node) and all(
+        if _is_sync(node) and all(
                 a.op == "placeholder" for a in node.all_input_nodes):
             anchor.append(node)
             anchor = node
@@ -136,15 +137,14 @@ def _eager(node: fx.Node) -> bool:
     """Whether ``node`` must run outside a traced graph (the module's docstring)."""
     from autoshard.codegen.masks import ShardMasks
     from autoshard.codegen.recompute import Checkpointed
-    from autoshard.codegen.rewrite import FetchCall, ReshardCall
+    from autoshard.codegen.rewrite import FetchCall
     from autoshard.codegen.ring import RingCall
     if node.op != "call_function":
         return False
     t = node.target
     # (a shard's dropout seeds the generators around its op: codegen/masks.py; the ring's
     # point-to-point sends are not functional collectives a traced graph holds)
-    return (isinstance(t, ReshardCall) and t.bucketed) or \
-        isinstance(t, (FetchCall, Checkpointed, ShardMasks, RingCall))
+    return _is_sync(node) or isinstance(t, (FetchCall, Checkpointed, ShardMasks, RingCall))
 
 
 def _partition(graph: fx.Graph, layer_of: dict[str, str] | None = None

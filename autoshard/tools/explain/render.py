@@ -128,7 +128,7 @@ def render_top(plan: Plan, rows: list[TopCollective], *, ledger_s: float,
              f"(alpha-beta seconds; a collective of identical layers is one row, with the "
              f"seconds of all) of the ledger's {_ms(comm)} per step. The plan's comm: "
              f"{_ms(p.comm_s)} (each gradient priced by its share of its bucket), of which "
-             f"{_ms(p.step_time_s - p.compute_s)} exposed"]
+             f"{_ms(p.exposed_comm_total_s)} exposed"]
     for i, t in enumerate(rows, 1):
         share = f", {t.seconds / comm:.1%}" if comm else ""
         each = f" x{t.instances} ({_ms(t.seconds_each)} each)" if t.instances > 1 else ""
