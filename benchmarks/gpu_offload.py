@@ -325,7 +325,7 @@ def loss_check(rows: list[dict]) -> dict[int, str]:
 
 
 def render_llama(rows: list[dict]) -> str:
-    lines = ["## On one GPU: Llama-3-8B under offload, overlapped (the offload issue's table)", "",
+    lines = ["## On one GPU: Llama-3-8B under offload (the offload issue's table)", "",
              f"- command: `{command('benchmarks/gpu_offload.py')}`",
              f"- machine: {torch.cuda.get_device_name()}; {machine()}", f"- {revision()}",
              f"- date: {today()}", "",

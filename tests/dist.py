@@ -24,6 +24,9 @@ def adamw_steps(model_name: str, plan_json: str, steps: int):
     assert pm.on_host == streamed
     opt = pm.optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
     assert all(e.master.device.type == "cpu" for e in opt.entries if e.fqn in streamed)
+    # (their step is the bucketed fused one of codegen/hostopt.py, as optimizer offload's)
+    assert all(opt.host is not None and opt.host.owns(e) for e in opt.entries
+               if e.fqn in streamed)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
     local = pm.shard_inputs(*inputs)
     for _ in range(steps):

@@ -40,22 +40,21 @@ world4 = world_fixture(4, timeout_s=300)
 # -- closed forms -----------------------------------------------------------------------------
 
 def test_offload_params_state_bytes_by_hand():
-    """Nothing on the device; on the host the parameter, its gradient shard, the fp32 master
-    and moments, a 16-bit gradient's fp32 copy (docs/cost-model.md §9), and the pinned buffer
-    the updated shard comes up through (codegen/hostlink.py)."""
+    """Nothing on the device; on the host the parameter, its gradient shard (codegen/
+    hostlink.py), the fp32 master and moments, and the bucketed host step's landing buffer and
+    the buffer the updated shard is cast into (codegen/hostopt.py; docs/cost-model.md §9)."""
     shape, d = (4096, 1024), 8
     psi = shape[0] * shape[1]
     # Replicated bf16 over 8 ranks: the state is cut over them, the parameter is whole.
     rep = state_bytes(shape, torch.bfloat16, (R,), "offload_params", (d,), "adam")
     assert rep.device == 0
-    assert rep.host == 2 * psi + (2 + 12 + 4 + 2) * psi / d
-    # ZeRO-3's layout (stored S(0)) in fp32: n = psi / d local elements, all of it on the host;
-    # no fp32 copy of an fp32 gradient.
+    assert rep.host == 2 * psi + (2 + 2 + 2 + 12) * psi / d
+    # ZeRO-3's layout (stored S(0)) in fp32: n = psi / d local elements, all of it on the host.
     n = psi / d
     zero3 = state_bytes(shape, torch.float32, (S0,), None, (d,), "adam")
     stream = state_bytes(shape, torch.float32, (S0,), "offload_params", (d,), "adam")
     assert zero3.device == (4 + 4 + 8) * n and zero3.host == 0
-    assert stream.device == 0 and stream.host == (4 + 4 + 12 + 4) * n
+    assert stream.device == 0 and stream.host == (4 + 4 + 4 + 4 + 12) * n
 
 
 def _mlp_pricer(offload: bool | str = "parameters", recompute=frozenset()):
@@ -92,15 +91,18 @@ def test_host_seconds_by_hand():
     assert pricer.host_seconds(value, (S0,), (R,), frozenset(), None) == 0.0
     # The optimizer step: ZeRO-3's layout, stepped where it lies.
     sharded = Strategy((), ((S0,),), "offload_params")
-    step = (numel // 4) * ADAM_STEP_BYTES / c.host_mem_bandwidth
+    # (and the two host copies, each read and written: the gradient shard into its landing
+    # buffer, the updated shard into the host parameter)
+    step = (numel // 4) * (ADAM_STEP_BYTES + 2 * 2 * isz) / c.host_mem_bandwidth
     assert pricer.optimizer_seconds(p.name, sharded) == pytest.approx(step, rel=1e-12)
     assert pricer.host_steps(p.name, sharded) == []
     # Replicated: the state cut over the 4 ranks; its shard up, the gathered parameter down.
     rep = Strategy((), ((R,),), "offload_params")
     assert state_spec(shape, (R,), (4,)) is not None
     assert pricer.host_steps(p.name, rep) == [("h2d", whole // 4), ("d2h", whole)]
+    # (the landing copy of the shard; the gathered parameter, whole, copied into place)
     assert pricer.optimizer_seconds(p.name, rep) == pytest.approx(
-        (numel // 4) * ADAM_STEP_BYTES / c.host_mem_bandwidth
+        ((numel // 4) * ADAM_STEP_BYTES + 2 * (whole // 4) + 2 * whole) / c.host_mem_bandwidth
         + (whole // 4 + whole) / c.host_bandwidth, rel=1e-12)
 
 
@@ -160,8 +162,8 @@ def test_streaming_zero3_moves_its_state_to_the_host(zero3_and_streamed):
             4 for x in spec if isinstance(x, Shard))
         sspec = state_spec(p.info.shape, spec, (4,))
         ns = n // 4 if sspec is not None else n
-        # fp32: parameter, gradient, master+moments, the pinned buffer the update comes up in
-        host += 4 * n + 4 * ns + 12 * ns + 4 * ns
+        # fp32: parameter, gradient, master+moments, the host step's landing and update buffers
+        host += 4 * n + 4 * ns + 12 * ns + 4 * ns + 4 * ns
     assert m3.model_state == device and m3.host == 0
     assert ms.model_state == 0 and ms.host == host
     assert ms.peak < m3.peak

@@ -1,5 +1,6 @@
 """The host's optimizer step under optimizer offload (cost/state.py mode ``offload``), at the
-host's memory bandwidth and overlapped with the device (docs/cost-model.md §9.1).
+host's memory bandwidth and overlapped with the device, and parameter offload's
+(``offload_params``) through the same buckets at ``opt.step()`` (docs/cost-model.md §9.1).
 
 ZeRO-Offload (Ren et al. 2021, arXiv 2101.06840, §4-5) makes the host step cheap in two ways,
 and so does this module:
@@ -62,6 +63,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from autoshard.errors import AutoshardError
+from autoshard.cost.state import HOST_MODES
 from autoshard.ir import StateMode
 from autoshard.options import OFFLOAD_OVERLAP
 
@@ -440,9 +442,13 @@ def fallback_warning(why: str) -> None:
 
 
 def attach(opt: Any) -> HostOptimizer | None:
-    """The host step of a ShardedOptimizer's (codegen/optim.py) optimizer-offloaded parameters,
-    or None where it has none or its optimizer has no fused host step (torch's runs then)."""
-    entries = [e for e in opt.entries if e.mode == StateMode.OFFLOAD]
+    """The host step of a ShardedOptimizer's (codegen/optim.py) parameters whose state is on
+    the host (optimizer and parameter offload), or None where it has none or its optimizer has
+    no fused host step (torch's runs then). A parameter-offloaded gradient is on the host
+    already (copied down in backward, without waiting: codegen/hostlink.py), so it lands at the
+    step, after the copies settle, under every ``offload_overlap``; the buckets' steps and
+    write-backs still overlap one another."""
+    entries = [e for e in opt.entries if e.mode in HOST_MODES]
     if not entries:
         return None
     kind, why = host_kind(opt.optimizer)
@@ -453,7 +459,8 @@ def attach(opt: Any) -> HostOptimizer | None:
     order = entries[::-1]              # backward makes the gradients of the last layers first
 
     def record(e: Any, g: torch.Tensor) -> None:
-        rt.ledger.add_host("d2h", g, "optimizer", "optimizer", e.placeholder)
+        if e.mode == StateMode.OFFLOAD:        # (a parameter-offloaded one came down in backward)
+            rt.ledger.add_host("d2h", g, "optimizer", "optimizer", e.placeholder)
 
     host = HostOptimizer(opt.optimizer, kind, order, [e.master for e in order],
                          [e.param.dtype for e in order], overlap=options.offload_overlap,
@@ -470,7 +477,8 @@ def attach(opt: Any) -> HostOptimizer | None:
             previous.unhook()
         host.hold = lambda: opt.pm.accumulating
         host.handles = host.hooks((e, e.param) for e in order
-                                  if e.dim is None and e.placeholder not in bucketed)
+                                  if e.mode == StateMode.OFFLOAD and e.dim is None
+                                  and e.placeholder not in bucketed)
         _HOOKED[opt.pm] = host
     return host
 

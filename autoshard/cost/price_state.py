@@ -11,7 +11,8 @@ import math
 from autoshard.cost.comm import Reshard, reshard, steps_time
 from autoshard.cost.compute import local_numel
 from autoshard.cost.overlap import is_grad_sync
-from autoshard.cost.state import (ADAM_STEP_BYTES, MASTER_CAST_BYTES, SGD_STEP_BYTES, StateBytes,
+from autoshard.cost.state import (ADAM_STEP_BYTES, MASTER_CAST_BYTES, PARAM_OFFLOAD_COPIES,
+                                  SGD_STEP_BYTES, StateBytes,
                                   host_copies, modes_for, state_bytes, state_spec, step_elements)
 from autoshard.ir import Spec, StateMode, Strategy, local_shape
 from autoshard.trace.graph import ValueRef
@@ -78,7 +79,9 @@ class StatePricing:
         per = SGD_STEP_BYTES if opt == "sgd" else ADAM_STEP_BYTES
         c = self.mesh.cluster
         if mode == StateMode.OFFLOAD_PARAMS:
-            t = n * per / c.host_mem_bandwidth + sum(
+            copies = PARAM_OFFLOAD_COPIES * ph.info.dtype.itemsize * (
+                n + local_numel(ph.info.shape, spec, self.mesh.shape))
+            t = (n * per + copies) / c.host_mem_bandwidth + sum(
                 b for _, b in self.host_steps(name, strategy)) / c.host_bandwidth
         else:
             casts = MASTER_CAST_BYTES if ph.info.dtype.itemsize < 4 else 0

@@ -50,6 +50,11 @@ SGD_STEP_BYTES = 12
 # A 16-bit parameter with an fp32 master (codegen/optim.py): its gradient cast up (read 2, write
 # 4) and the updated master cast back into it (read 4, write 2), per element.
 MASTER_CAST_BYTES = 12
+# Parameter offload's host step (codegen/hostopt.py) adds two host copies to the update, each a
+# read and a write: the gradient shard (on the host already) into its bucket's landing buffer,
+# and the updated parameter into the host parameter (the whole local parameter where the shard
+# was all-gathered). Optimizer offload moves the same two over the link by DMA, priced there.
+PARAM_OFFLOAD_COPIES = 2
 
 
 def zero_axes(spec: Spec, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -139,10 +144,10 @@ def state_bytes(shape: tuple[int, ...], dtype: torch.dtype, spec: Spec, mode: St
         # to step).
         return StateBytes(n * isz, ns * isz, 0.0, host=ns * (k + 4) + 2 * ns * isz)
     # offload_params: nothing on the device; the host holds the stored parameter, its gradient
-    # shard (landed there from the device, in a pinned buffer), the master and moments, a 16-bit
-    # gradient's fp32 copy for the step (an fp32 gradient is stepped from where it lies), and
-    # the pinned buffer the updated shard goes back up through.
-    return StateBytes(host=n * isz + 2 * ns * isz + ns * k + (ns * 4 if isz < 4 else 0))
+    # shard (landed there from the device, in a pinned buffer), the master and moments, and the
+    # two buffers of the bucketed host step (codegen/hostopt.py): the landing buffer the
+    # gradient is copied into and the one the updated shard is cast into.
+    return StateBytes(host=n * isz + 3 * ns * isz + ns * k)
 
 
 def host_copies(shape: tuple[int, ...], dtype: torch.dtype, spec: Spec, mode: StateMode | None,
