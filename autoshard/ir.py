@@ -262,6 +262,42 @@ class CollectiveKind(PlanName):
     SEND_RECV = "send_recv"          # point to point: pipeline sends, ring attention's hops
 
 
+class Phase(PlanName):
+    """The part of a training step a collective or a host copy runs in: a plan file's
+    ``collectives[].phase`` and ``host_transfers[].phase``, the runtime ledger's records
+    (codegen/collectives.py), in step order (docs/plan-format.md)."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    GRAD_SYNC = "grad_sync"            # a parameter's gradient sync (buckets, tied weights)
+    OPTIMIZER = "optimizer"            # the step's own: ZeRO's gathers, offload's copies
+    RECOMPUTE = "recompute"            # a checkpointed layer's forward collectives, run again
+    PIPELINE = "pipeline"              # sends between stages, the loss's all-reduce
+    # The runtime's only, never recorded: a selectively checkpointed layer's forward run again,
+    # its collectives returning the outputs stored in forward (codegen/recompute.py).
+    REPLAY = "replay"
+
+
+class OffloadLevel(PlanName):
+    """How far state goes to the host (docs/cost-model.md §9): ``PlanOptions.offload`` (any of
+    them), a plan file's ``params[].offload`` (NONE written ``false``) and the planner's memory
+    ladder (solver/budget.py: none, then the optimizer's, then the parameters' too)."""
+
+    AUTO = "auto"                      # an option only: the planner decides per plan
+    NONE = "none"
+    OPTIMIZER = "optimizer"            # optimizer state and step (state mode "offload")
+    PARAMETERS = "parameters"          # the stored parameters too ("offload_params")
+
+
+class OffloadOverlap(PlanName):
+    """How the host's optimizer step overlaps the device under offload
+    (``PlanOptions.offload_overlap``, codegen/hostopt.py, docs/cost-model.md §9.1)."""
+
+    BACKWARD = "backward"              # each bucket steps as soon as its gradients are complete
+    DELAYED = "delayed"                # during the next step's forward and backward
+    NONE = "none"                      # after backward
+
+
 @dataclass(frozen=True, slots=True)
 class Strategy:
     """One way to run an op: the spec each tensor input must arrive in, and the output specs.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoshard.errors import AutoshardError
-from autoshard.ir import StateMode
+from autoshard.ir import OffloadLevel, OffloadOverlap, StateMode
 from autoshard.schedules import SCHEDULES as PIPELINE_SCHEDULES
 
 OPTIMIZERS = ("adam", "adamw", "sgd", "none")
@@ -37,13 +37,13 @@ ZERO = ("auto", "none", "zero1", "zero2")
 # each parameter copied to the device at each use (ZeRO-Infinity, FSDP2's CPUOffloadPolicy);
 # "auto": optimizer offload only where no plan fits without it, parameter offload only where no
 # plan fits with optimizer offload alone (each costs host-link time); "none".
-OFFLOAD = ("auto", "none", "optimizer", "parameters")
+OFFLOAD = tuple(OffloadLevel)
 # How the host's optimizer step under optimizer offload overlaps the device (codegen/hostopt.py,
 # docs/cost-model.md §9.1): "backward" (each bucket of parameters steps on the host as soon as
 # its gradients are complete, while backward goes on; the numbers of "none"), "delayed"
 # (ZeRO-Offload's delayed parameter update: the host step of step t runs during step t+1's
 # forward and backward, whose parameters are one update behind), or "none" (after backward).
-OFFLOAD_OVERLAP = ("backward", "delayed", "none")
+OFFLOAD_OVERLAP = tuple(OffloadOverlap)
 # Context parallelism, the attention's query sequence split in the zigzag layout
 # (docs/cost-model.md §3.11): "on" offers it wherever attention allows it, "off" never, "auto"
 # where the longest attention reads at least CONTEXT_PARALLEL_TOKENS keys; "gather" and "ring"
@@ -118,8 +118,8 @@ class PlanOptions:
     bucket_mb: float = 25.0
     recompute: str = "auto"
     zero: str = "auto"
-    offload: str = "auto"
-    offload_overlap: str = "none"
+    offload: OffloadLevel = OffloadLevel.AUTO
+    offload_overlap: OffloadOverlap = OffloadOverlap.NONE
     context_parallel: str = "auto"
     pipeline: str | None = None
     schedule: str = "auto"
@@ -179,6 +179,9 @@ class PlanOptions:
                                  got=repr(self.offload),
                                  fix="pass offload='auto' (only where nothing fits without it), "
                                      "'none', 'optimizer' or 'parameters'")
+        # Held as the enums' members (a str given compares equal): one type wherever read.
+        object.__setattr__(self, "offload", OffloadLevel(self.offload))
+        object.__setattr__(self, "offload_overlap", OffloadOverlap(self.offload_overlap))
 
         if self.pipeline is not None and (not isinstance(self.pipeline, str) or not self.pipeline):
             raise AutoshardError("PlanOptions.pipeline is a mesh axis name, 'auto' or None",
@@ -243,7 +246,7 @@ class PlanOptions:
         out = dataclasses.asdict(self)
         if out["stage_run"] is None:      # the pipeline planner's own: not in plan files
             del out["stage_run"]
-        if out["offload_overlap"] == "none":   # the default: plan files stay as they were
+        if out["offload_overlap"] == OffloadOverlap.NONE:  # the default: files stay as they were
             del out["offload_overlap"]
         if out["context_parallel"] == "auto":  # the same
             del out["context_parallel"]
@@ -258,24 +261,24 @@ class PlanOptions:
         return cls().replace(**data)
 
 
-def state_modes(options: PlanOptions, offload: bool | str) -> tuple[StateMode | None, ...]:
+def state_modes(options: PlanOptions, offload: OffloadLevel) -> tuple[StateMode | None, ...]:
     """The state modes (cost/state.py) parameters may take under ``options``; ``offload``: how
-    far the planner is trying offload under ``options.offload`` "auto": False (not at all),
-    True (the optimizer's: mode "offload"), or "parameters" (the parameters' too:
-    "offload_params" beside "offload"). A forced ``options.offload`` is the one mode offered.
+    far the planner is trying offload under ``options.offload`` "auto": "none" (not at all),
+    "optimizer" (mode "offload"), or "parameters" (the parameters' too: "offload_params" beside
+    "offload"). A forced ``options.offload`` is the one mode offered.
     A pipeline's stages (``stage_run``) are not offered parameter offload."""
-    if options.offload == "optimizer":
+    if options.offload == OffloadLevel.OPTIMIZER:
         return (StateMode.OFFLOAD,)
-    if options.offload == "parameters":
+    if options.offload == OffloadLevel.PARAMETERS:
         return (StateMode.OFFLOAD_PARAMS,)
     # "auto" offers ZeRO-2, not ZeRO-1: priced alike, ZeRO-1 never beats it (the same gather
     # after the step, an all-reduce where ZeRO-2 reduce-scatters, more memory), and every mode
     # offered grows the ILP.
     zero = {"auto": (None, StateMode.ZERO2), "none": (None,), "zero1": (StateMode.ZERO1,),
             "zero2": (StateMode.ZERO2,)}[options.zero]
-    if not offload or options.offload != "auto":
+    if offload == OffloadLevel.NONE or options.offload != OffloadLevel.AUTO:
         return zero
-    params = offload == "parameters" and options.stage_run is None
+    params = offload == OffloadLevel.PARAMETERS and options.stage_run is None
     return zero + (StateMode.OFFLOAD,) + ((StateMode.OFFLOAD_PARAMS,) if params else ())
 
 

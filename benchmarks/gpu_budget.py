@@ -101,7 +101,7 @@ def one(budget_gib: float) -> dict:
                 "predicted_peak_bytes": pred.memory.peak, "phase": pred.peak_phase,
                 "host_hwm_bytes": _vm_hwm(),
                 "predicted_host_bytes": pred.memory.host + HOST_RESERVE_BYTES,
-                "offloads": any(st.offload for st in plan.param_state.values()),
+                "offloads": any(st.offload != "none" for st in plan.param_state.values()),
                 "warnings": list(plan.warnings), "step_ms": pred.step_time_s * 1e3}
     finally:
         dist.destroy_process_group()

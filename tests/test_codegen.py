@@ -381,7 +381,7 @@ def test_layers_under_different_policies_equal_single_device(world4):
     rc = {"layers.0": "full", "layers.1": "selective"}
     plan = plan_once(traced, mesh, PlanOptions(zero="none", offload="none"),
                         model_name="llama-tiny", fixed=baseline_pins(traced, mesh, "megatron"),
-                        trace_s=0.0, merge=None, recompute=rc, offload=False)
+                        trace_s=0.0, merge=None, recompute=rc, offload="none")
     assert plan.recompute == rc
     assert {c.phase for c in plan.collectives} >= {"recompute"}
     report = check(world4, "llama-tiny", plan)

@@ -209,7 +209,7 @@ def _priced(overlap: str):
     mesh = Mesh((1,), cluster="h100")
     plan = plan_traced(traced, mesh, offload="optimizer", offload_overlap=overlap)
     pricer = Pricer(traced, mesh, PlanOptions(offload="optimizer", offload_overlap=overlap),
-                    offload=True)
+                    offload="optimizer")
     return traced, mesh, plan, pricer
 
 

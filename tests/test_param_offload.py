@@ -57,7 +57,7 @@ def test_offload_params_state_bytes_by_hand():
     assert stream.device == 0 and stream.host == (4 + 4 + 4 + 4 + 12) * n
 
 
-def _mlp_pricer(offload: bool | str = "parameters", recompute=frozenset()):
+def _mlp_pricer(offload: str = "parameters", recompute=frozenset()):
     model, inputs = build("mlp-tiny", None, None, 0)
     traced = trace(model, inputs)
     mesh = Mesh((4,), cluster="cpu")
@@ -123,7 +123,7 @@ def test_host_buffers_keep_one_buffer_per_key_and_accumulate():
 
 
 def test_optimizer_offload_alone_offers_no_parameter_offload():
-    _, pricer = _mlp_pricer(offload=True)
+    _, pricer = _mlp_pricer(offload="optimizer")
     assert "offload" in pricer.modes and "offload_params" not in pricer.modes
     _, pricer = _mlp_pricer(offload="parameters")
     assert {"offload", "offload_params"} <= set(pricer.modes)

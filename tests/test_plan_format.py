@@ -125,8 +125,8 @@ def test_loading_never_executes_code(plans, tmp_path, monkeypatch) -> None:
     d["model"] = code
     d["nodes"][0]["op"] = code
     d["solver"]["status"] = code
-    d["collectives"] = [{"kind": code, "axes": [code], "bytes": 1, "phase": code, "node": code,
-                         "value": code}]
+    d["collectives"] = [{"kind": code, "axes": [code], "bytes": 1, "phase": "forward",
+                         "node": code, "value": code}]
 
     def refuse(*args, **kwargs):
         raise AssertionError("Plan.loads must not evaluate anything")
@@ -138,7 +138,9 @@ def test_loading_never_executes_code(plans, tmp_path, monkeypatch) -> None:
     assert p.model == code and p.nodes[0].op == code and p.solver["status"] == code
     assert p.collectives[0].kind == code
     assert not marker.exists()
-    # A placement written as code is refused, not run.
+    # A phase or a placement written as code is refused, not run.
+    with pytest.raises(AutoshardError):
+        Plan.loads(json.dumps({**d, "collectives": [{**d["collectives"][0], "phase": code}]}))
     d["params"][next(iter(d["params"]))]["placements"] = f"[{code}]"
     with pytest.raises(AutoshardError):
         Plan.loads(json.dumps(d))

@@ -262,7 +262,7 @@ def test_zero_twin_when_memory_asks_for_it() -> None:
     options = PlanOptions(memory_budget=budget_for(dp.predicted.ilp_sum_bytes - 1),
                           zero="none")
     p = plan_once(traced, mesh, options, model_name="", fixed=None, trace_s=0.0, merge=None,
-                     recompute={}, offload=False)
+                     recompute={}, offload="none")
     assert p.predicted.ilp_sum_bytes < dp.predicted.ilp_sum_bytes
     assert any(spec != R for spec in p.params.values()), p.params
     assert p.predicted.step_time_s > dp.predicted.step_time_s

@@ -116,13 +116,13 @@ def test_the_memory_searches_as_tries() -> None:
         ("activation checkpointing (full)", {"recompute": "full"})]
     traced = trace(*get_model("gpt2-tiny", batch=4))
     assert _changes(offload_tries(traced, resolve_options(None, {}))) == [
-        ("without offload", {"offload": False}),
-        ("no plan fits: with optimizer offload", {"offload": True}),
+        ("without offload", {"offload": "none"}),
+        ("no plan fits: with optimizer offload", {"offload": "optimizer"}),
         ("no plan fits: with parameter offload", {"offload": "parameters"})]
     assert _changes(offload_tries(traced, resolve_options(None, {"offload": "optimizer"}))) \
-        == [("as asked", {"offload": True})]
+        == [("as asked", {"offload": "optimizer"})]
     assert _changes(offload_tries(traced, resolve_options(None, {"optimizer": "sgd"}))) == [
-        ("without offload", {"offload": False})]
+        ("without offload", {"offload": "none"})]
     layers = checkpointable(traced.graph, traced.layers)
     full = dict.fromkeys(layers, "full")
     opts = resolve_options(None, {})
@@ -133,15 +133,16 @@ def test_the_memory_searches_as_tries() -> None:
                                predicted=Prediction(1.0, 1.0, 0.0, 0.0, peak_phase=phase))
     with_ = "the step peaks above the budget: with "
     assert _changes(remedy_tries(traced, opts, plan_at("optimizer"))) == [
-        (with_ + "no checkpointing, optimizer offload", {"recompute": {}, "offload": True}),
+        (with_ + "no checkpointing, optimizer offload",
+         {"recompute": {}, "offload": "optimizer"}),
         (with_ + "no checkpointing, parameter offload",
          {"recompute": {}, "offload": "parameters"}),
         (with_ + f"full checkpointing of {n} layers, parameter offload",
          {"recompute": full, "offload": "parameters"})]
     assert _changes(remedy_tries(traced, opts, plan_at("backward"))) == [
-        (with_ + f"full checkpointing of {n} layers", {"recompute": full, "offload": False}),
+        (with_ + f"full checkpointing of {n} layers", {"recompute": full, "offload": "none"}),
         (with_ + f"full checkpointing of {n} layers, optimizer offload",
-         {"recompute": full, "offload": True}),
+         {"recompute": full, "offload": "optimizer"}),
         (with_ + f"full checkpointing of {n} layers, parameter offload",
          {"recompute": full, "offload": "parameters"})]
 

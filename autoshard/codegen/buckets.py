@@ -34,7 +34,7 @@ from autoshard.codegen.collectives import (ExecutedCollective, Ledger, _reduce_s
 from autoshard.codegen.groups import MeshGroups
 from autoshard.codegen.hostlink import HostBuffers
 from autoshard.errors import AutoshardError
-from autoshard.ir import CollectiveKind
+from autoshard.ir import CollectiveKind, Phase
 from autoshard.plans.records import CollectiveRecord
 
 
@@ -196,7 +196,7 @@ class GradBuckets:
                 out = reduce_scatter(b.buffer, 0, self.groups.group_of(nxt))
         for m, g in zip(b.members, pieces):
             if m in self.host:
-                self.ledger.add_host("d2h", g, "grad_sync", b.name, m)
+                self.ledger.add_host("d2h", g, Phase.GRAD_SYNC, b.name, m)
                 if g.is_cuda:         # into pinned memory, at the link's speed (hostlink.py)
                     self.shards[m] = self.hostbufs.down(g, m + ":shard", self.shards.get(m))
                     continue
@@ -213,7 +213,7 @@ class GradBuckets:
         self.ledger.add(ExecutedCollective(
             kind=b.kind, axes=tuple(self.groups.axes[a] for a in axes),
             nbytes=buf.numel() * buf.element_size(), planned_nbytes=b.planned_nbytes[k],
-            phase="grad_sync", node=b.name,
+            phase=Phase.GRAD_SYNC, node=b.name,
             group_size=dist.get_world_size(self.groups.group_of(axes))))
 
     def _start(self, b: _Bucket, dtype: torch.dtype, device: torch.device) -> None:
@@ -248,7 +248,7 @@ class GradBuckets:
                 g = b.buffer[off:off + math.prod(shape)].view(shape)
                 p = self.params[m]
                 if m in self.host:
-                    self.ledger.add_host("d2h", g, "grad_sync", b.name, m)
+                    self.ledger.add_host("d2h", g, Phase.GRAD_SYNC, b.name, m)
                     if g.is_cuda:     # into pinned memory, at the link's speed (hostlink.py)
                         p.grad = self.hostbufs.down(g, m, p.grad)
                         continue

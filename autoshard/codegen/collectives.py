@@ -20,7 +20,7 @@ import torch.distributed._functional_collectives as fc
 
 from autoshard.codegen.groups import MeshGroups
 from autoshard.cost.comm import Reshard, Step
-from autoshard.ir import CollectiveKind, to_group_major, to_rank_major
+from autoshard.ir import CollectiveKind, Phase, to_group_major, to_rank_major
 from autoshard.plans.records import PHASES
 
 # torch 2.13 renamed all_gather_tensor / reduce_scatter_tensor to *_single (the old names warn).
@@ -101,7 +101,7 @@ class ExecutedCollective:
     axes: tuple[str, ...]
     nbytes: int
     planned_nbytes: int
-    phase: str
+    phase: Phase
     node: str
     group_size: int
 
@@ -128,7 +128,7 @@ class ExecutedTransfer:
 
     direction: str
     nbytes: int
-    phase: str
+    phase: Phase
     node: str
     value: str
 
@@ -146,7 +146,7 @@ class Ledger:
     def add(self, record: ExecutedCollective) -> None:
         self.records.append(record)
 
-    def add_host(self, direction: str, t: torch.Tensor, phase: str, node: str,
+    def add_host(self, direction: str, t: torch.Tensor, phase: Phase, node: str,
                  value: str) -> None:
         """Count a copy of ``t`` over the host link (its bytes as they travel)."""
         self.host.append(ExecutedTransfer(direction, t.numel() * t.element_size(), phase, node,
@@ -156,7 +156,7 @@ class Ledger:
         """Records whose measured bytes differ from the planned ``Step.nbytes``."""
         return [r for r in self.records if not r.matches]
 
-    def total_bytes(self, phase: str | None = None) -> int:
+    def total_bytes(self, phase: Phase | None = None) -> int:
         return sum(r.nbytes for r in self.records if phase is None or r.phase == phase)
 
     def clear(self) -> None:
@@ -178,7 +178,7 @@ class Ledger:
 # ---------------------------------------------------------------------------------------------
 
 def apply_step(x: torch.Tensor, step: Step, groups: MeshGroups, *, ledger: Ledger | None = None,
-               phase: str = "forward", node: str = "") -> torch.Tensor:
+               phase: Phase = Phase.FORWARD, node: str = "") -> torch.Tensor:
     """Run one ``Step`` on the local tensor ``x`` (no autograd bookkeeping). A step over several
     axes at once runs on their joint group, whose ranks are in row-major order of their
     coordinates over the axes (codegen/groups.py): one collective, as the plan lists it."""
@@ -215,14 +215,14 @@ def apply_step(x: torch.Tensor, step: Step, groups: MeshGroups, *, ledger: Ledge
 
 
 def reduce_over_axis(x: torch.Tensor, op: str, axis: int, groups: MeshGroups, *,
-                     ledger: Ledger | None, planned_nbytes: int, phase: str = "forward",
+                     ledger: Ledger | None, planned_nbytes: int, phase: Phase = Phase.FORWARD,
                      node: str = "") -> torch.Tensor:
     """One all-reduce an op runs inside itself (ops/registry.py ``CollectiveKernel``), over mesh
     axis ``axis``, written to the ledger as the plan lists it. In "replay" (a selectively
     checkpointed layer run again) the collective returns its stored output and is not counted,
     as a reshard's is not."""
     y = all_reduce(x, groups.groups[axis], op)
-    if ledger is not None and phase != "replay":
+    if ledger is not None and phase != Phase.REPLAY:
         ledger.add(ExecutedCollective(kind=CollectiveKind.ALL_REDUCE, axes=(groups.axes[axis],),
                                       nbytes=y.numel() * y.element_size(),
                                       planned_nbytes=planned_nbytes, phase=phase, node=node,
@@ -231,7 +231,7 @@ def reduce_over_axis(x: torch.Tensor, op: str, axis: int, groups: MeshGroups, *,
 
 
 def apply_steps(x: torch.Tensor, steps: Sequence[Step], groups: MeshGroups, *,
-                ledger: Ledger | None = None, phase: str = "forward",
+                ledger: Ledger | None = None, phase: Phase = Phase.FORWARD,
                 node: str = "") -> torch.Tensor:
     assert phase in PHASES, phase
     for step in steps:
@@ -248,12 +248,12 @@ class Redistribute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, reshard: Reshard, groups: MeshGroups,
-                ledger: Ledger | None, node: str, grad_phase: str,
-                phase: str = "forward") -> torch.Tensor:
+                ledger: Ledger | None, node: str, grad_phase: Phase,
+                phase: Phase = Phase.FORWARD) -> torch.Tensor:
         ctx.reshard, ctx.groups, ctx.ledger, ctx.node = reshard, groups, ledger, node
         ctx.grad_phase, ctx.in_shape = grad_phase, x.shape
-        if phase == "replay":     # selective recompute: the collectives return stored outputs
-            return apply_steps(x, reshard.forward, groups, phase="recompute", node=node)
+        if phase == Phase.REPLAY:     # selective recompute: the collectives return stored outputs
+            return apply_steps(x, reshard.forward, groups, phase=Phase.RECOMPUTE, node=node)
         return apply_steps(x, reshard.forward, groups, ledger=ledger, phase=phase, node=node)
 
     @staticmethod
@@ -270,7 +270,7 @@ class Redistribute(torch.autograd.Function):
 
 def redistribute(x: torch.Tensor, reshard: Reshard, groups: MeshGroups, *,
                  ledger: Ledger | None = None, node: str = "",
-                 grad_phase: str = "backward", phase: str = "forward") -> torch.Tensor:
+                 grad_phase: Phase = Phase.BACKWARD, phase: Phase = Phase.FORWARD) -> torch.Tensor:
     """Move the local shard ``x`` as ``reshard`` says, differentiably. ``grad_phase`` labels the
     backward collectives in the ledger ("grad_sync" for a parameter's); ``phase`` the forward
     ones ("recompute" when a checkpointed layer runs its forward again; "replay" when a

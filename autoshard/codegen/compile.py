@@ -48,7 +48,7 @@ import torch
 import torch.fx as fx
 
 from autoshard.codegen.collectives import ExecutedCollective, Ledger
-from autoshard.ir import CollectiveKind
+from autoshard.ir import CollectiveKind, Phase
 
 # The functional collectives of a traced graph, as the ledger names them; each moves the bytes
 # of its input (all-gather: its output), as codegen/collectives.py measures S.
@@ -58,7 +58,7 @@ _KINDS = {"all_gather_into_tensor": CollectiveKind.ALL_GATHER,
 
 
 # The ledger phases of collectives a backward runs (codegen/collectives.py Redistribute).
-BACKWARD_PHASES = ("backward", "grad_sync")
+BACKWARD_PHASES = (Phase.BACKWARD, Phase.GRAD_SYNC)
 
 
 class CompileFallback(UserWarning):
@@ -207,7 +207,7 @@ class CompiledRegion(torch.nn.Module):
         if art is None:
             return self.gm(*args)
         phase = self.rt.phase
-        if phase != "replay":
+        if phase != Phase.REPLAY:
             for r in art.forward:
                 self.rt.ledger.add(r if r.phase != art.phase else
                                    dataclasses.replace(r, phase=phase))
@@ -273,7 +273,7 @@ class _Artifact:
     single: bool                                  # the region returns one value, not a tuple
     forward: tuple[ExecutedCollective, ...]       # the ledger records of a forward call
     backward: tuple[ExecutedCollective, ...]      # ... and of its backward
-    phase: str                                    # the rank's phase when it was traced
+    phase: Phase                                    # the rank's phase when it was traced
 
 
 def graph_collectives(gm: fx.GraphModule) -> list[tuple[str, int]]:

@@ -64,7 +64,7 @@ import torch
 
 from autoshard.errors import AutoshardError
 from autoshard.cost.state import HOST_MODES
-from autoshard.ir import StateMode
+from autoshard.ir import OffloadOverlap, Phase, StateMode
 from autoshard.options import OFFLOAD_OVERLAP
 
 # Elements per fused kernel call: a 16-bit gradient's fp32 conversion of this size (16 MiB)
@@ -142,12 +142,12 @@ class HostOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, kind: str, keys: list[Any],
                  masters: list[torch.nn.Parameter], up_dtypes: list[torch.dtype], *,
-                 overlap: str, bucket_bytes: float, device: torch.device,
+                 overlap: OffloadOverlap, bucket_bytes: float, device: torch.device,
                  record: Callable[[Any, torch.Tensor], None] | None = None) -> None:
         if overlap not in OFFLOAD_OVERLAP:
             raise AutoshardError(f"offload_overlap one of {OFFLOAD_OVERLAP}", got=repr(overlap),
                                  fix="PlanOptions(offload_overlap='backward')")
-        self.optimizer, self.kind, self.overlap = optimizer, kind, overlap
+        self.optimizer, self.kind, self.overlap = optimizer, kind, OffloadOverlap(overlap)
         self.device, self.record = device, record
         self.pinned = device.type == "cuda"
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
@@ -244,7 +244,7 @@ class HostOptimizer:
     def hooks(self, params: Iterable[tuple[Any, torch.nn.Parameter]]) -> list:
         """Under ``"backward"``: land each of ``params``' ``.grad`` (its whole gradient) from a
         post-accumulate-grad hook, as autograd finishes it. Returns the hook handles."""
-        if self.overlap != "backward":
+        if self.overlap != OffloadOverlap.BACKWARD:
             return []
         out = []
         for key, p in params:
@@ -261,7 +261,7 @@ class HostOptimizer:
         step's buckets are waited for and written back first, and :meth:`finish` leaves this
         step's stepping. ``write_back(key, updated)``: the updated master in the parameter's
         dtype, on the host (pinned on a GPU run)."""
-        if self.overlap == "delayed":
+        if self.overlap == OffloadOverlap.DELAYED:
             self.flush(write_back)
         self._check_unchanged()
         for key, g in grads:
@@ -290,7 +290,7 @@ class HostOptimizer:
         """Bucket by bucket in order: wait for its host step, write its parameters back, while
         the later buckets step (under ``"delayed"``: left stepping until the next step)."""
         todo, self._todo = self._todo, []
-        if self.overlap == "delayed":
+        if self.overlap == OffloadOverlap.DELAYED:
             self._inflight = todo
             return
         for b in todo:
@@ -460,7 +460,7 @@ def attach(opt: Any) -> HostOptimizer | None:
 
     def record(e: Any, g: torch.Tensor) -> None:
         if e.mode == StateMode.OFFLOAD:        # (a parameter-offloaded one came down in backward)
-            rt.ledger.add_host("d2h", g, "optimizer", "optimizer", e.placeholder)
+            rt.ledger.add_host("d2h", g, Phase.OPTIMIZER, "optimizer", e.placeholder)
 
     host = HostOptimizer(opt.optimizer, kind, order, [e.master for e in order],
                          [e.param.dtype for e in order], overlap=options.offload_overlap,

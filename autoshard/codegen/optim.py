@@ -46,7 +46,7 @@ from autoshard.codegen.optimlayout import (  # noqa: F401
     _Entry, _cut, _names, _placements, _slice, entries, records)
 from autoshard.codegen.optimstate import LAYOUT_KEY, OptimizerStateDicts  # noqa: F401
 from autoshard.errors import AutoshardError
-from autoshard.ir import Shard, StateMode
+from autoshard.ir import Phase, Shard, StateMode
 
 
 # Parameters whose gradients only a ShardedOptimizer reads right (held apart by a bucket), so a
@@ -202,15 +202,15 @@ class ShardedOptimizer(OptimizerStateDicts, torch.optim.Optimizer):
             # shard, or parameter offload's shard to be gathered.
             new = new.to(e.param.dtype)
             if e.mode == StateMode.OFFLOAD or e.gather:
-                ledger.add_host("h2d", new, "optimizer", "optimizer", e.placeholder)
+                ledger.add_host("h2d", new, Phase.OPTIMIZER, "optimizer", e.placeholder)
                 new = self.pm.runtime.host.up(new, e.placeholder, self.pm.runtime.device)
         else:
             new = new.to(e.param.device, e.param.dtype)
         if e.gather:
             new = apply_steps(new, e.gather, self.pm.groups, ledger=ledger,
-                              phase="optimizer", node="optimizer")
+                              phase=Phase.OPTIMIZER, node="optimizer")
             if e.mode == StateMode.OFFLOAD_PARAMS:     # the gathered parameter to its host copy
-                ledger.add_host("d2h", new, "optimizer", "optimizer", e.placeholder)
+                ledger.add_host("d2h", new, Phase.OPTIMIZER, "optimizer", e.placeholder)
                 new = new.to(e.param.device)
         e.param.copy_(new)
         e.seen = e.param._version
@@ -225,7 +225,7 @@ class ShardedOptimizer(OptimizerStateDicts, torch.optim.Optimizer):
         out = []
         for e, g in grads:
             if e.mode == StateMode.OFFLOAD:
-                ledger.add_host("d2h", g, "optimizer", "optimizer", e.placeholder)
+                ledger.add_host("d2h", g, Phase.OPTIMIZER, "optimizer", e.placeholder)
                 g = host.down(g, e.placeholder + ":grad") if g.is_cuda else g.to(e.master.device)
             out.append((e, g))
         host.settle()

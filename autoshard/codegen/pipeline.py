@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autoshard.codegen.collectives import ExecutedCollective
-from autoshard.ir import CollectiveKind, local_shape
+from autoshard.ir import CollectiveKind, Phase, local_shape
 from autoshard.plans import Plan
 from autoshard.cost.reshards import grad_values
 from autoshard.schedules import SPLIT_BACKWARD, WARMUP_BYTES, warmup_node
@@ -309,7 +309,7 @@ class Pipelined:
                 self.pm.ledger.add(ExecutedCollective(
                     CollectiveKind.ALL_REDUCE, (self.plan.pipeline.axis,),
                     grad.numel() * grad.element_size(),
-                    grad.numel() * grad.element_size(), "grad_sync", f"tied:{fqn}",
+                    grad.numel() * grad.element_size(), Phase.GRAD_SYNC, f"tied:{fqn}",
                     dist.get_world_size(group)))
             grad, held = earlier[fqn]
             if grad is not None:
@@ -322,7 +322,7 @@ class Pipelined:
         dist.all_reduce(loss, group=self.group)
         self.pm.ledger.add(ExecutedCollective(CollectiveKind.ALL_REDUCE,
                                               (self.plan.pipeline.axis,), 4, 4,
-                                              "pipeline", "loss", self.ranks))
+                                              Phase.PIPELINE, "loss", self.ranks))
         return loss
 
 
@@ -399,7 +399,7 @@ def _counted_stage(buckets: Any, ledger: Any, axis_name: str, split: bool,
         def _count_warmup(self, peer: int, sends: bool) -> None:
             if sends and not self._is_same_rank(peer):
                 ledger.add(ExecutedCollective(CollectiveKind.SEND_RECV, (axis_name,), WARMUP_BYTES,
-                                              WARMUP_BYTES, "pipeline",
+                                              WARMUP_BYTES, Phase.PIPELINE,
                                               warmup_node(self.stage_index, peer), 2))
 
         def get_fwd_send_ops(self, fwd_chunk_id):
@@ -450,6 +450,6 @@ def _count(ledger, ops, axis: str, node: str) -> None:
     nbytes = sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
     if ops:
         ledger.add(ExecutedCollective(CollectiveKind.SEND_RECV, (axis,), nbytes, nbytes,
-                                      "pipeline", node, 2))
+                                      Phase.PIPELINE, node, 2))
 
 

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts,
                                     set_checkpoint_early_stop)
 
+from autoshard.ir import Phase
 from autoshard.ops.registry import stored_kernels
 
 aten = torch.ops.aten
@@ -62,7 +63,7 @@ class Checkpointed:
     def _run(self, *args: Any) -> tuple:
         self.calls += 1                   # the first call is forward, a later one recompute
         previous = self.rt.phase
-        again = "replay" if self.policy == "selective" else "recompute"
+        again = Phase.REPLAY if self.policy == "selective" else Phase.RECOMPUTE
         self.rt.phase = again if self.calls > 1 else previous
         try:
             return tuple(self.gm(*args))

@@ -22,7 +22,7 @@ from autoshard.codegen.ring import RingCall
 from autoshard.cost.program import step_program
 from autoshard.cost.reshards import ReshardEdge
 from autoshard.errors import AutoshardError
-from autoshard.ir import spec_str
+from autoshard.ir import Phase, spec_str
 from autoshard.ops.registry import CollectiveKernel, OpCollective, localize, op_collectives
 from autoshard.ops.ring import RingKernel
 from autoshard.plans import Plan
@@ -47,7 +47,7 @@ class ReshardCall:
                                                                e.value[0]))
         y = redistribute(x, e.reshard, self.rt.groups, ledger=self.rt.ledger,
                          node=e.consumers[0][0], phase=self.rt.phase,
-                         grad_phase="grad_sync" if e.from_param else "backward")
+                         grad_phase=Phase.GRAD_SYNC if e.from_param else Phase.BACKWARD)
         # An in-place consumer (ops/inplace.py) writes into what it is given; autograd forbids
         # writing into a view that a custom Function returned (its own backward would be
         # bypassed), and a reshard whose forward moves nothing, or slices the leading dim,
@@ -91,7 +91,7 @@ class HostFetch(torch.autograd.Function):
         rt = call.rt
         # A checkpointed layer's recomputation copies it in again, selective or not: the copy
         # is not one of the outputs selective checkpointing stores.
-        phase = "recompute" if rt.phase in ("recompute", "replay") else rt.phase
+        phase = Phase.RECOMPUTE if rt.phase in (Phase.RECOMPUTE, Phase.REPLAY) else rt.phase
         rt.ledger.add_host("h2d", x, phase, call.node, call.value)
         if x.device == rt.device:
             return x.view_as(x)
@@ -102,7 +102,7 @@ class HostFetch(torch.autograd.Function):
         if grad is None:        # a bucket took the gradient (codegen/buckets.py)
             return None, None
         call = ctx.call
-        call.rt.ledger.add_host("d2h", grad, "backward", call.node, call.value)
+        call.rt.ledger.add_host("d2h", grad, Phase.BACKWARD, call.node, call.value)
         if grad.device == HOST:
             return grad, None
         p, host = ctx.param, call.rt.host
@@ -165,7 +165,7 @@ class RankRuntime:
         self.host = HostBuffers(device)     # offload's copies over the host link (hostlink.py)
         # "recompute" while a checkpointed layer runs again; "replay" while a selectively
         # checkpointed one does (its collectives return stored outputs: nothing is counted).
-        self.phase = "forward"
+        self.phase = Phase.FORWARD
         # On a pipeline, this rank's stages (plans.py Pipeline.stages_of) and their buckets;
         # -1 stands for every rank.
         self.stages: tuple[int, ...] = (-1,)

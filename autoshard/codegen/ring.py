@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from autoshard.codegen.collectives import ExecutedCollective, Ledger
 from autoshard.codegen.groups import MeshGroups
-from autoshard.ir import CollectiveKind
+from autoshard.ir import CollectiveKind, Phase
 from autoshard.ops.registry import OpCollective
 from autoshard.ops.ring import RingKernel
 
@@ -52,13 +52,13 @@ class GroupRing:
     run again, whose collectives the plan does not list twice) nothing is counted."""
 
     def __init__(self, groups: MeshGroups, axes: tuple[int, ...], ledger: Ledger | None,
-                 node: str, planned: Sequence[OpCollective], phase: str) -> None:
+                 node: str, planned: Sequence[OpCollective], phase: Phase) -> None:
         self.next, self.prev = neighbours(groups, axes)
         self.names = tuple(groups.axes[a] for a in axes)
         self.size = groups.joint_size(axes)
         self.ledger, self.node, self.phase = ledger, node, phase
         self.planned = {p: iter([c for c in planned if c.phase == p])
-                        for p in ("forward", "backward")}
+                        for p in (Phase.FORWARD, Phase.BACKWARD)}
 
     def shift(self, tensors: Sequence[torch.Tensor], backward: bool,
               channel: int = 0) -> _Pending:
@@ -78,10 +78,10 @@ class GroupRing:
         return _Pending(works, bufs)
 
     def _count(self, tensors: Sequence[torch.Tensor], backward: bool) -> None:
-        phase = "backward" if backward else self.phase
-        if self.ledger is None or phase == "replay":
+        phase = Phase.BACKWARD if backward else self.phase
+        if self.ledger is None or phase == Phase.REPLAY:
             return
-        want = next(self.planned["backward" if backward else "forward"], None)
+        want = next(self.planned[Phase.BACKWARD if backward else Phase.FORWARD], None)
         self.ledger.add(ExecutedCollective(
             kind=CollectiveKind.SEND_RECV, axes=self.names, nbytes=sum(t.numel() * t.element_size()
                                                           for t in tensors),

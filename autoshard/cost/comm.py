@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
-from autoshard.ir import CollectiveKind, Partial, Replicate, Shard, Spec, shard_factor
+from autoshard.ir import CollectiveKind, Partial, Phase, Replicate, Shard, Spec, shard_factor
 from autoshard.cluster import COLLECTIVE_KINDS
 from autoshard.mesh import AxisLink, Mesh
 
@@ -107,8 +107,8 @@ class Reshard:
 
     @property
     def collectives(self) -> tuple[tuple[str, Step], ...]:
-        return tuple(("forward", s) for s in self.forward if s.is_collective) + tuple(
-            ("backward", s) for s in self.backward if s.is_collective)
+        return tuple((Phase.FORWARD, s) for s in self.forward if s.is_collective) + tuple(
+            (Phase.BACKWARD, s) for s in self.backward if s.is_collective)
 
 
 def _must_change(src: Spec, dst: Spec) -> list[bool]:

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autoshard.ir import Phase
+
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 
 
@@ -22,7 +24,7 @@ class MemoryBreakdown:
     it is alive at the peak."""
 
     peak: int
-    phase: str
+    phase: Phase
     at: str
     parameters: int
     gradients: int
@@ -55,7 +57,7 @@ class LiveMemory:
     def __init__(self) -> None:
         self.live = dict.fromkeys(CATEGORIES, 0)
         self.total = 0
-        self.phase = "forward"
+        self.phase = Phase.FORWARD
         # Per phase, in the order they run: its peak, where, and the split then.
         self.best: dict[str, tuple[int, str, dict[str, int]]] = {}
         self.log: list[tuple[str, str, int]] | None = None     # (phase, at, bytes) per moment

@@ -92,7 +92,7 @@ from autoshard.cost.memory import param_state_bytes
 from autoshard.cost.program import UPDATES, StepProgram, program_for
 from autoshard.cost.walk_backward import BackwardWalk
 from autoshard.errors import AutoshardError
-from autoshard.ir import Strategy
+from autoshard.ir import Phase, Strategy
 
 __all__ = ["MemoryBreakdown", "stage_memory", "step_memory"]
 
@@ -177,26 +177,26 @@ class _Walk(BackwardWalk):
             else:
                 self.p_grad[name] = held            # .grad
 
-        mem.phase = "forward"
+        mem.phase = Phase.FORWARD
         self.held: dict[str, list[Storage]] = {}        # backward node -> saved storages
         self.region_held: dict[str, list[Storage]] = {}
         start = mem.total
         loss = self._forward(self.events, recompute=False)
         kept = mem.total - start
         if self.training:
-            mem.phase = "backward"
+            mem.phase = Phase.BACKWARD
             for s in loss:
                 mem.unref(s)
             self._backward()
-            mem.phase = "optimizer"
+            mem.phase = Phase.OPTIMIZER
             self._optimizer()
         # A pipeline stage's other microbatches in flight (stage_memory): what each one's
         # forward leaves for its backward is alive through this one's forward and backward.
         others = (self.in_flight - 1) * kept
         phases: dict[str, int] = {}
-        best: tuple[int, str, str, dict[str, int]] = (-1, "forward", "", {})
+        best: tuple[int, str, str, dict[str, int]] = (-1, Phase.FORWARD, "", {})
         for ph, (total, at, live) in mem.best.items():
-            if ph != "optimizer" and others:
+            if ph != Phase.OPTIMIZER and others:
                 total, live = total + others, {**live, "activations": live["activations"] + others}
             phases[ph] = int(total)
             if total > best[0]:        # the first of equal peaks, as the walk met them

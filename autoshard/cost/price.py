@@ -38,7 +38,7 @@ from autoshard.cost.price_recompute import RecomputePricing
 from autoshard.cost.price_reshard import ReshardPricing
 from autoshard.cost.price_state import StatePricing
 from autoshard.cost.reshards import carries_grad, frozen, grad_values
-from autoshard.ir import OpInfo, Strategy
+from autoshard.ir import OffloadLevel, OpInfo, Strategy
 from autoshard.mesh import AxisMerge, Mesh
 from autoshard.options import PlanOptions, state_modes
 from autoshard.trace.export import TracedGraph, op_info
@@ -68,14 +68,14 @@ class Pricer(ComputePricing, RecomputePricing, MemoryPricing, StatePricing, Resh
     and everything else (norms, activations, RoPE, residual adds, local slices) is recomputed
     from them.
 
-    ``offload``: whether parameters may keep their optimizer state on the host (True), or their
-    stored shards and gradients too ("parameters") (cost/state.py, options.state_modes); the
+    ``offload``: whether parameters may keep their optimizer state on the host ("optimizer"), or
+    their stored shards and gradients too ("parameters") (cost/state.py, options.state_modes); the
     ZeRO modes ``options`` allows are offered either way."""
 
     def __init__(self, traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
                  merge: AxisMerge | None = None,
                  recompute: Mapping[str, str] | frozenset[str] = frozenset(),
-                 offload: bool | str = False, joint: Groups = ()) -> None:
+                 offload: OffloadLevel = OffloadLevel.NONE, joint: Groups = ()) -> None:
         self.traced, self.mesh, self.options, self.merge = traced, mesh, options, merge
         # A pipeline's stages share one SPMD plan of one microbatch (solver/pipeline.py): they
         # run the graph m times per step and the gradient sync and optimizer step once, so each
@@ -90,7 +90,7 @@ class Pricer(ComputePricing, RecomputePricing, MemoryPricing, StatePricing, Resh
         self.runs = options.accumulation_steps if traced.training else 1
         self.joint: Groups = merge.joint() if merge is not None else joint
         self.training = traced.training
-        self.modes = state_modes(options, offload) if self.training else (None,)
+        self.modes = state_modes(options, OffloadLevel(offload)) if self.training else (None,)
         if not isinstance(recompute, Mapping):
             recompute = {layer: "full" for layer in recompute}
         self.recompute: dict[str, str] = dict(recompute) if self.training else {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from autoshard.cost.comm import Step, step_seconds
 from autoshard.cost.compute import op_times
-from autoshard.ir import Strategy
+from autoshard.ir import Phase, Strategy
 from autoshard.ops.registry import op_collectives, record_of
 
 
@@ -68,7 +68,7 @@ class ComputePricing:
         out = []
         for c in colls:
             st = Step(c.kind, c.axis, nbytes=c.nbytes, joint=c.joint)
-            hidden = c.hides * (fwd if c.phase == "forward" else bwd) * overlap
+            hidden = c.hides * (fwd if c.phase == Phase.FORWARD else bwd) * overlap
             out.append((c.phase, st, max(0.0, step_seconds(st, real) - hidden)))
         return tuple(out)
 
@@ -99,4 +99,4 @@ class ComputePricing:
         if not charges:
             return 0.0
         again = 2 if self.reshards_again(name) else 1
-        return sum(t * (again if phase == "forward" else 1) for phase, _, t in charges) * self.runs
+        return sum(t * (again if phase == Phase.FORWARD else 1) for phase, _, t in charges) * self.runs

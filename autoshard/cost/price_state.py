@@ -14,7 +14,7 @@ from autoshard.cost.overlap import is_grad_sync
 from autoshard.cost.state import (ADAM_STEP_BYTES, MASTER_CAST_BYTES, PARAM_OFFLOAD_COPIES,
                                   SGD_STEP_BYTES, StateBytes,
                                   host_copies, modes_for, state_bytes, state_spec, step_elements)
-from autoshard.ir import Spec, StateMode, Strategy, local_shape
+from autoshard.ir import OffloadOverlap, Spec, StateMode, Strategy, local_shape
 from autoshard.trace.graph import ValueRef
 
 
@@ -107,7 +107,8 @@ class StatePricing:
         c = self.mesh.cluster
         t = (n * (SGD_STEP_BYTES if opt == "sgd" else ADAM_STEP_BYTES) / c.host_mem_bandwidth
              + 2 * n * ph.info.dtype.itemsize / c.host_bandwidth) * self.step_share
-        if self.options.offload_overlap == "none" or self.options.stage_run is not None:
+        if self.options.offload_overlap == OffloadOverlap.NONE \
+                or self.options.stage_run is not None:
             return t, 0.0
         return 0.0, t
 

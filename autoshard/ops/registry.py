@@ -57,7 +57,7 @@ from typing import Any, Callable, Sequence, Union
 
 import torch
 
-from autoshard.ir import (OpInfo, Replicate, Shard, Strategy, local_shape, spec_fits,
+from autoshard.ir import (OpInfo, Phase, Replicate, Shard, Strategy, local_shape, spec_fits,
                           work_fraction)
 
 aten = torch.ops.aten
@@ -115,7 +115,7 @@ class OpCollective:
     kind: str
     axis: int
     nbytes: int
-    phase: str = "forward"
+    phase: Phase = Phase.FORWARD
     joint: tuple[int, ...] = ()
     hides: float = 0.0
 

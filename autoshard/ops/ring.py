@@ -41,6 +41,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from autoshard.ir import Phase
+
 aten = torch.ops.aten
 
 
@@ -82,7 +84,7 @@ class Hop:
     """One shift around the ring: ``phase`` ("forward" or "backward") and the tensors it moves,
     by name: ``"kv"`` the K/V block, ``"dkv"`` its gradient accumulators (fp32 at least)."""
 
-    phase: str
+    phase: Phase
     moves: tuple[str, ...]
 
 
@@ -92,9 +94,9 @@ def ring_hops(n: int) -> tuple[Hop, ...]:
     gradients, interleaved step by step."""
     if n <= 1:
         return ()
-    fwd = [Hop("forward", ("kv",))] * (n - 1)
-    bwd = [h for i in range(n) for h in ((Hop("backward", ("kv",)),) if i < n - 1 else ())
-           + (Hop("backward", ("dkv",)),)]
+    fwd = [Hop(Phase.FORWARD, ("kv",))] * (n - 1)
+    bwd = [h for i in range(n) for h in ((Hop(Phase.BACKWARD, ("kv",)),) if i < n - 1 else ())
+           + (Hop(Phase.BACKWARD, ("dkv",)),)]
     return (*fwd, *bwd)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from autoshard.cluster import Cluster
 from autoshard.errors import AutoshardError
-from autoshard.ir import Layer, Spec, Strategy, spec_str, work_fraction
+from autoshard.ir import Layer, OffloadLevel, Phase, Spec, Strategy, spec_str, work_fraction
 from autoshard.options import PlanOptions
 from autoshard.plans.fileformat import check_layouts, read_fields
 from autoshard.plans.prediction import Prediction
@@ -138,7 +138,7 @@ class Plan:
         """``joint_axes`` as mesh axis indices (cost/comm.py ``reshard``'s ``joint``)."""
         return tuple(tuple(self.mesh_axes.index(a) for a in g) for g in self.joint_axes)
 
-    def bytes_by(self, *, phase: str | None = None, kind: str | None = None) -> int:
+    def bytes_by(self, *, phase: Phase | None = None, kind: str | None = None) -> int:
         return sum(c.bytes for c in self.collectives
                    if (phase is None or c.phase == phase) and (kind is None or c.kind == kind))
 
@@ -183,7 +183,8 @@ class Plan:
         return {"placements": spec_str(spec),
                 "grad_placements": spec_str(st.grad if st else spec),
                 "optimizer_placements": spec_str(st.optimizer if st else spec),
-                "offload": st.offload if st and st.offload else False}
+                # Nothing on the host is written false, as plan files always have.
+                "offload": st.offload if st and st.offload != OffloadLevel.NONE else False}
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n"

@@ -2,9 +2,10 @@
 ill-typed value raises (docs/plan-format.md). Loading a plan parses JSON and nothing else."""
 from __future__ import annotations
 
+import json
 import reprlib
 import sys
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Sequence
 
 from autoshard.errors import AutoshardError
 from autoshard.ir import Spec, parse_spec, replicated, spec_str
@@ -59,6 +60,13 @@ class Field:
         if not isinstance(self.value, str) or (nonempty and not self.value):
             self.fail("a non-empty string" if nonempty else "a string")
         return self.value
+
+    def one_of(self, names: Sequence[str]) -> Any:
+        """The text as the one of ``names`` it equals (an enum's members: autoshard/ir.py
+        ``PlanName``), or a failure listing them."""
+        if isinstance(self.value, str) and self.value in names:
+            return names[list(names).index(self.value)]
+        self.fail(f"one of {', '.join(map(json.dumps, names))}")
 
     def integer(self, *, least: int = 0) -> int:
         # Below 2**63, as every size and count is: a huge int overflows float arithmetic.

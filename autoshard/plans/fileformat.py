@@ -9,13 +9,15 @@ from typing import Any, TYPE_CHECKING
 from autoshard.cluster import PRESETS, Cluster
 from autoshard.schedules import SCHEDULES
 from autoshard.errors import AutoshardError
-from autoshard.ir import CollectiveKind, Layer, Spec, StateMode, spec_fits, spec_str
+from autoshard.ir import (CollectiveKind, Layer, OffloadLevel, Spec, StateMode, spec_fits,
+                          spec_str)
 from autoshard.options import PlanOptions
 from autoshard.plangraph import graph_of
 from autoshard.plans.fields import Field, Malformed
 from autoshard.plans.prediction import Prediction, StagePrediction
 from autoshard.plans.records import (CollectiveRecord, DIRECTIONS, FORMAT, HostTransfer, NodePlan,
-                                     ParamState, Pipeline, Stage, VERSION)
+                                     MODE_OFFLOAD, PHASES, ParamState, Pipeline, Stage,
+                                     VERSION)
 
 if TYPE_CHECKING:
     from autoshard.plans import Plan
@@ -196,12 +198,14 @@ def _read_recompute(f: Field, layers: tuple[Layer, ...]) -> dict[str, str]:
 
 
 def _read_collective(f: Field) -> CollectiveRecord:
-    # Kinds, phases and axes are not held to today's lists: they describe a step and steer
-    # nothing (verify compares them with the collectives that ran).
+    # Kinds and axes are not held to today's lists: they describe a step and steer nothing
+    # (verify compares them with the collectives that ran). A phase is one of PHASES: the
+    # pipeline's figures and the tools' tables (diff, export) go by it.
     kind = f.key("kind").text()
     return CollectiveRecord(CollectiveKind.of(kind) or kind,
                             tuple(a.text() for a in f.key("axes").entries()),
-                            f.key("bytes").integer(), f.key("phase").text(), f.key("node").text(),
+                            f.key("bytes").integer(), f.key("phase").one_of(PHASES),
+                            f.key("node").text(),
                             f.key("value", "").text(),
                             tuple(m.text(nonempty=True) for m in f.key("members", []).entries()),
                             f.key("stage", -1).integer(least=-1),
@@ -250,16 +254,17 @@ def _read_param_state(f: Field, params: dict[str, Spec], nodes: tuple[NodePlan, 
         off = pf.key("offload", False)
         # false, "optimizer" or "parameters"; true in plans written before parameter offload
         # (the optimizer's).
-        what = {False: "", True: "optimizer", "optimizer": "optimizer",
-                "parameters": "parameters"}.get(off.value) \
+        what = {False: OffloadLevel.NONE, True: OffloadLevel.OPTIMIZER,
+                OffloadLevel.OPTIMIZER: OffloadLevel.OPTIMIZER,
+                OffloadLevel.PARAMETERS: OffloadLevel.PARAMETERS}.get(off.value) \
             if isinstance(off.value, (bool, str)) else None
         if what is None:
             off.fail('false, "optimizer" or "parameters"')
-        if grad == spec and opt == spec and not what:
+        if grad == spec and opt == spec and what == OffloadLevel.NONE:
             continue
-        mode = {"optimizer": StateMode.OFFLOAD, "parameters": StateMode.OFFLOAD_PARAMS}.get(what) \
+        mode = next((m for m, w in MODE_OFFLOAD.items() if w == what), None) \
             or (StateMode.ZERO2 if grad != spec else StateMode.ZERO1)
-        if not what and grad not in (spec, opt):
+        if what == OffloadLevel.NONE and grad not in (spec, opt):
             pf.key("grad_placements").fail(f"the parameter's placements or its "
                                            f"optimizer_placements {spec_str(opt)}")
         out[fqn] = ParamState(mode, grad, opt, what)
@@ -270,7 +275,7 @@ def _read_host_transfer(f: Field) -> HostTransfer:
     direction = f.key("direction")
     if direction.text() not in DIRECTIONS:
         direction.fail(f"one of {', '.join(map(json.dumps, DIRECTIONS))}")
-    return HostTransfer(direction.value, f.key("bytes").integer(), f.key("phase").text(),
+    return HostTransfer(direction.value, f.key("bytes").integer(), f.key("phase").one_of(PHASES),
                         f.key("node").text(), f.key("value").text(),
                         f.key("count", 1).integer(least=1))
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from autoshard.ir import Phase
 from autoshard.plans.fields import Field
 
 # The phases a step's memory can peak in (cost/liveness.py).
-PEAK_PHASES = ("forward", "backward", "optimizer")
+PEAK_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
 # A figure a plan file may carry under an earlier name, read under the new one: the ILP's memory
 # sum was once called a peak, which it is not.
 RENAMED = {"peak_memory_bytes": "ilp_memory_bytes"}
@@ -72,7 +73,7 @@ class Prediction:
     optimizer_s: float = 0.0
     host_s: float = 0.0
     host_step_s: float = 0.0
-    peak_phase: str | None = None
+    peak_phase: Phase | None = None
     memory: PredictedMemory | None = None
     exposed_comm_s: dict[str, float] | None = None
     overlapped_comm_s: dict[str, float] | None = None
@@ -123,7 +124,7 @@ class Prediction:
                    optimizer_s=f.key("optimizer_s", 0.0).number(),
                    host_s=f.key("host_s", 0.0).number(),
                    host_step_s=f.key("host_step_s", 0.0).number(),
-                   peak_phase=phase.value,
+                   peak_phase=None if phase.value is None else Phase(phase.value),
                    memory=None if memory.value is None else PredictedMemory.read(memory),
                    exposed_comm_s=_per_axis(f.key("exposed_comm_s", None)),
                    overlapped_comm_s=_per_axis(f.key("overlapped_comm_s", None)))

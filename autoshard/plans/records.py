@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoshard.ir import CollectiveKind, Spec, StateMode, spec_str
+from autoshard.ir import CollectiveKind, OffloadLevel, Phase, Spec, StateMode, spec_str
 from autoshard.plans.prediction import StagePrediction
 from autoshard.schedules import rank_stages, stage_rank
 
 FORMAT = "autoshard.plan"
 VERSION = 2      # 2: the options the plan was made with, and the model's layers
-# "recompute": a checkpointed layer's forward collectives, run again in backward.
-PHASES = ("forward", "backward", "grad_sync", "optimizer", "recompute", "pipeline")
+# The phases a plan and the runtime's ledger record, in step order ("replay" is never recorded).
 # "pipeline": the point-to-point sends between pipeline stages (activations forward, their
 # gradients backward) and the all-reduce that hands the last stage's loss to every rank.
+PHASES = tuple(p for p in Phase if p is not Phase.REPLAY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +39,7 @@ class CollectiveRecord:
     kind: CollectiveKind        # a str where a file names another (it describes, steers nothing)
     axes: tuple[str, ...]
     bytes: int
-    phase: str
+    phase: Phase
     node: str
     value: str = ""      # the node whose output moves (a parameter's placeholder for grad_sync)
     # A gradient bucket (node "bucket<k>"): the parameters' placeholders whose gradients it
@@ -77,7 +77,7 @@ class HostTransfer:
 
     direction: str
     bytes: int
-    phase: str
+    phase: Phase
     node: str
     value: str
     count: int = 1
@@ -143,15 +143,19 @@ class Pipeline:
 class ParamState:
     """Where a parameter's gradient and optimizer state live when not with the parameter
     (docs/cost-model.md §9): ``mode`` "zero1", "zero2", "offload" or "offload_params"; the
-    gradient's and the optimizer state's specs; ``offload``: what is on the host, "" (nothing),
-    "optimizer" (the optimizer state and step: mode "offload") or "parameters" (the stored
-    parameter and its gradient too, copied to the device at each use: "offload_params")."""
+    gradient's and the optimizer state's specs; ``offload``: what is on the host, "none"
+    (nothing), "optimizer" (the optimizer state and step: mode "offload") or "parameters" (the
+    stored parameter and its gradient too, copied to the device at each use: "offload_params")."""
 
     mode: StateMode
     grad: Spec
     optimizer: Spec
-    offload: str = ""
+    offload: OffloadLevel = OffloadLevel.NONE
 
+
+# What each state mode keeps on the host (ParamState.offload); the others keep nothing there.
+MODE_OFFLOAD = {StateMode.OFFLOAD: OffloadLevel.OPTIMIZER,
+                StateMode.OFFLOAD_PARAMS: OffloadLevel.PARAMETERS}
 
 # How summary() names each state mode (cost/state.py).
 MODE_NAMES = {StateMode.ZERO1: "ZeRO-1 (optimizer state sharded)",

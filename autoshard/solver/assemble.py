@@ -14,12 +14,13 @@ from autoshard.cost.program import program_for, step_program
 from autoshard.cost.compute import local_numel
 from autoshard.cost.state import SCATTERS, StateBytes, state_spec
 from autoshard.cost.reshards import direct_reads
-from autoshard.ir import CollectiveKind, StateMode, Strategy
+from autoshard.ir import CollectiveKind, OffloadLevel, Phase, StateMode, Strategy
 from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions
 from autoshard.plans import Plan
 from autoshard.plans.prediction import Prediction, PredictedMemory
-from autoshard.plans.records import CollectiveRecord, HostTransfer, NodePlan, ParamState
+from autoshard.plans.records import (CollectiveRecord, HostTransfer, MODE_OFFLOAD, NodePlan,
+                                     ParamState)
 from autoshard.trace.export import TracedGraph
 
 
@@ -73,10 +74,10 @@ class _Ledger:
         self.blocking = dict.fromkeys(mesh.axes, 0.0)
         self.sync = dict.fromkeys(mesh.axes, 0.0)
 
-    def blocking_step(self, step: Step, phase: str, node: str, value: str) -> None:
+    def blocking_step(self, step: Step, phase: Phase, node: str, value: str) -> None:
         # The optimizer's gathers run once per optimizer step, the rest once per micro-step
         # (docs/cost-model.md §7.2): the record's count says so.
-        runs = 1 if phase == "optimizer" else self.runs
+        runs = 1 if phase == Phase.OPTIMIZER else self.runs
         _charge(self.blocking, step, self.mesh, runs)
         self.records.append(CollectiveRecord(step.kind, tuple(self.mesh.axes[a] for a in step.axes),
                                              step.nbytes, phase, node, value, count=runs))
@@ -93,12 +94,12 @@ class _Ledger:
             # A reshard runs where its first consumer runs: inside a fully checkpointed layer,
             # its forward collectives run again when the layer is recomputed
             # (codegen/recompute.py).
-            again = [("recompute", st) for st in e.reshard.forward if st.is_collective] \
+            again = [(Phase.RECOMPUTE, st) for st in e.reshard.forward if st.is_collective] \
                 if pricer.reshards_again(e.consumers[0][0]) else []
             memory += pricer.stored_reshard_bytes(e.value, e.src, e.dst, e.consumers[0][0])
             for phase, step in [*e.reshard.collectives, *again]:
-                if phase == "backward" and e.from_param:
-                    phase = "grad_sync"
+                if phase == Phase.BACKWARD and e.from_param:
+                    phase = Phase.GRAD_SYNC
                 self.blocking_step(step, phase, e.consumers[0][0], e.value[0])
         return memory
 
@@ -108,7 +109,7 @@ class _Ledger:
         ones again where the op's layer is recomputed."""
         for n in nodes:
             charges = pricer.op_charges(n.name, strategies[n.name])
-            again = [("recompute", st, t) for ph, st, t in charges if ph == "forward"] \
+            again = [(Phase.RECOMPUTE, st, t) for ph, st, t in charges if ph == Phase.FORWARD] \
                 if charges and pricer.reshards_again(n.name) else []
             for phase, step, t in [*charges, *again]:
                 for a in step.axes:
@@ -121,7 +122,7 @@ class _Ledger:
         for k, b in enumerate(buckets):
             for axes, nbytes in bucket_collectives(b, self.mesh.shape):
                 self.records.append(CollectiveRecord(b.kind, tuple(self.mesh.axes[a] for a in axes),
-                                                     nbytes, "grad_sync", f"bucket{k}", "",
+                                                     nbytes, Phase.GRAD_SYNC, f"bucket{k}", "",
                                                      b.members))
 
     def optimizer(self, pricer: Pricer, params: dict[str, str], strategies: dict[str, Strategy],
@@ -136,7 +137,7 @@ class _Ledger:
                 param_state[fqn] = _state_record(pricer, name, strategies[name])
             for step in (r.forward if r else ()):
                 if step.is_collective:
-                    self.blocking_step(step, "optimizer", "optimizer", name)
+                    self.blocking_step(step, Phase.OPTIMIZER, "optimizer", name)
         return param_state
 
 
@@ -226,7 +227,7 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
     # The host link (docs/cost-model.md §9): each use of a parameter kept on the host copies it
     # in and its gradient back, blocking; the optimizer step's copies are in optimizer_s.
     transfers = host_transfers(traced, pricer, strategies, edges, first, buckets)
-    host_s = sum(t.bytes for t in transfers if t.phase != "optimizer") \
+    host_s = sum(t.bytes for t in transfers if t.phase != Phase.OPTIMIZER) \
         / mesh.cluster.host_bandwidth * pricer.step_share * pricer.runs
     ov = _overlap(ledger, sums)
     sums.optimizer_s += ov.host_exposed
@@ -269,8 +270,7 @@ def _state_record(pricer: Pricer, name: str, strategy: Strategy) -> ParamState:
     spec, mode = strategy.outputs[0], strategy.kernel
     sspec = state_spec(ph.info.shape, spec, pricer.mesh.shape) or spec
     return ParamState(mode, sspec if mode in SCATTERS else spec, sspec,
-                      {StateMode.OFFLOAD: "optimizer",
-                       StateMode.OFFLOAD_PARAMS: "parameters"}.get(mode, ""))
+                      MODE_OFFLOAD.get(mode, OffloadLevel.NONE))
 
 
 def host_transfers(traced: TracedGraph, pricer: Pricer, strategies: dict[str, Strategy],
@@ -295,11 +295,11 @@ def host_transfers(traced: TracedGraph, pricer: Pricer, strategies: dict[str, St
         for name, src, node, bucketed in uses:
             n = pricer.fetch_bytes((name, 0), src, StateMode.OFFLOAD_PARAMS)
             # every micro-step's (docs/cost-model.md §7.2)
-            out.append(HostTransfer("h2d", n, "forward", node, name, pricer.runs))
+            out.append(HostTransfer("h2d", n, Phase.FORWARD, node, name, pricer.runs))
             if pricer.recomputed(node):
-                out.append(HostTransfer("h2d", n, "recompute", node, name, pricer.runs))
+                out.append(HostTransfer("h2d", n, Phase.RECOMPUTE, node, name, pricer.runs))
             if not bucketed and name in pricer.grads:
-                out.append(HostTransfer("d2h", n, "backward", node, name, pricer.runs))
+                out.append(HostTransfer("d2h", n, Phase.BACKWARD, node, name, pricer.runs))
         for k, b in enumerate(buckets):
             for m in b.members:
                 if m in fetched:
@@ -308,10 +308,10 @@ def host_transfers(traced: TracedGraph, pricer: Pricer, strategies: dict[str, St
                     if b.kind == CollectiveKind.REDUCE_SCATTER:
                         spec = state_spec(shape, spec, pricer.mesh.shape) or spec
                     out.append(HostTransfer("d2h", local_numel(shape, spec, pricer.mesh.shape)
-                                            * isz, "grad_sync", f"bucket{k}", m))
+                                            * isz, Phase.GRAD_SYNC, f"bucket{k}", m))
     for name in params:
         for direction, nbytes in pricer.host_steps(name, strategies[name]):
-            out.append(HostTransfer(direction, nbytes, "optimizer", "optimizer", name))
+            out.append(HostTransfer(direction, nbytes, Phase.OPTIMIZER, "optimizer", name))
     return out
 
 

@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 from autoshard import progress
 from autoshard.errors import AutoshardError
+from autoshard.ir import OffloadLevel, Phase
 from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions
 from autoshard.plans import Plan
@@ -47,19 +48,20 @@ def offload_tries(traced: TracedGraph, options: PlanOptions) -> list[Try]:
     ``options`` forces (none under "auto"); under "auto", optimizer offload, then parameter
     offload beside it (not for a pipeline's stages), each costing host-link time."""
     forced = forced_offload(options)
-    ladder = [Try("as asked" if forced else "without offload", (("offload", forced),),
-                  announce=False)]
-    if not forced and options.offload == "auto" and traced.training \
+    ladder = [Try("without offload" if forced == OffloadLevel.NONE else "as asked",
+                  (("offload", forced),), announce=False)]
+    if options.offload == OffloadLevel.AUTO and traced.training \
             and options.state_optimizer not in ("none", "sgd"):
-        ladder.append(Try("no plan fits: with optimizer offload", (("offload", True),)))
+        ladder.append(Try("no plan fits: with optimizer offload",
+                          (("offload", OffloadLevel.OPTIMIZER),)))
         if options.stage_run is None:
             ladder.append(Try("no plan fits: with parameter offload",
-                              (("offload", "parameters"),)))
+                              (("offload", OffloadLevel.PARAMETERS),)))
     return ladder
 
 
 def _with_techniques(e: AutoshardError, traced: TracedGraph, options: PlanOptions,
-                     offload: bool | str) -> AutoshardError:
+                     offload: OffloadLevel) -> AutoshardError:
     if not isinstance(e.__cause__, Infeasible):
         return e
     tried = ["parameter sharding (ZeRO-3)"]
@@ -69,12 +71,12 @@ def _with_techniques(e: AutoshardError, traced: TracedGraph, options: PlanOption
     layers = checkpointable(traced.graph, traced.layers) if traced.training else []
     if layers and options.recompute != "none":
         tried.append(f"full activation checkpointing of its {len(layers)} repeated layers")
-    if offload:
+    if offload != OffloadLevel.NONE:
         tried.append("optimizer offload to the host")
-    if offload == "parameters":
+    if offload == OffloadLevel.PARAMETERS:
         tried.append("parameter offload to the host")
     fix = e.fix
-    if not offload and traced.training and options.offload == "none":
+    if offload == OffloadLevel.NONE and traced.training and options.offload == OffloadLevel.NONE:
         fix += ", or allow optimizer offload (offload='auto')"
     if layers and options.recompute == "none":
         fix += ", or allow activation checkpointing (recompute='auto')"
@@ -201,7 +203,7 @@ TIGHTEN = 6      # rounds of the outer loop per set of techniques (docs/cost-mod
 
 
 def _tighten(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan, budget: float,
-             kw: dict[str, Any], offload: bool | str | None = None
+             kw: dict[str, Any], offload: OffloadLevel | None = None
              ) -> tuple[Plan | None, list[Plan]]:
     """The outer loop that holds the step's peak to ``budget`` (docs/cost-model.md §4.6): the ILP
     bounds the sum of what forward saves and the model state, which lies below the liveness
@@ -280,7 +282,8 @@ def fit_budget(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan
             f"its {least.predicted.peak_phase} peak; techniques tried: "
             f"{'; '.join(dict.fromkeys(techniques))}",
         fix="raise memory_budget, use a larger mesh, or a smaller batch"
-            + ("" if options.offload == "auto" else ", or allow offload (offload='auto')")
+            + ("" if options.offload == OffloadLevel.AUTO
+               else ", or allow offload (offload='auto')")
             + ("" if options.recompute == "auto"
                else ", or allow activation checkpointing (recompute='auto')"),
         least_bytes=need, phase=least.predicted.peak_phase)
@@ -295,13 +298,14 @@ def remedy_tries(traced: TracedGraph, options: PlanOptions, plan: Plan) -> list[
     layers = checkpointable(traced.graph, traced.layers) if traced.training else []
     ckpt = [dict.fromkeys(layers, "full")] if layers and options.recompute == "auto" \
         and plan.recompute != dict.fromkeys(layers, "full") else []
-    offloads: list[bool | str] = []
-    if options.offload == "auto" and traced.training \
+    offloads: list[OffloadLevel] = []
+    if options.offload == OffloadLevel.AUTO and traced.training \
             and options.state_optimizer not in ("none", "sgd"):
-        offloads = [o for o in (True, "parameters") if o != offload
-                    and (o is True or options.stage_run is None)
-                    and not (o is True and offload == "parameters")]
-    if plan.predicted.peak_phase == "optimizer":
+        # Up the ladder from where the plan is: parameter offload is not built for stages.
+        offloads = [o for o in (OffloadLevel.OPTIMIZER, OffloadLevel.PARAMETERS)
+                    if o != offload and (o == OffloadLevel.OPTIMIZER or options.stage_run is None)
+                    and not (o == OffloadLevel.OPTIMIZER and offload == OffloadLevel.PARAMETERS)]
+    if plan.predicted.peak_phase == Phase.OPTIMIZER:
         out = [(recompute, o) for o in offloads] + [(c, offloads[-1] if offloads else offload)
                                                     for c in ckpt]
     else:
@@ -313,12 +317,12 @@ def remedy_tries(traced: TracedGraph, options: PlanOptions, plan: Plan) -> list[
 _REMEDY = "the step peaks above the budget: with "
 
 
-def _technique(recompute: dict[str, str], offload: bool | str) -> str:
+def _technique(recompute: dict[str, str], offload: OffloadLevel) -> str:
     policies = sorted(set(recompute.values()))
     ckpt = f"{'/'.join(policies)} checkpointing of {len(recompute)} layers" if recompute \
         else "no checkpointing"
-    return ckpt + {False: "", True: ", optimizer offload",
-                   "parameters": ", parameter offload"}[offload]
+    return ckpt + {OffloadLevel.NONE: "", OffloadLevel.OPTIMIZER: ", optimizer offload",
+                   OffloadLevel.PARAMETERS: ", parameter offload"}[offload]
 
 
 def _plan_partial(traced: TracedGraph, mesh: Mesh, options: PlanOptions, best: Plan,

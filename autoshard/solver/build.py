@@ -26,7 +26,8 @@ from autoshard.cost.reshards import input_divergence, output_requirement
 from autoshard.cost.comm import reshard
 from autoshard.cost.memory import device_budget, host_budget
 from autoshard.cost.state import HOST_MODES
-from autoshard.ir import Replicate, Shard, Spec, StateMode, Strategy, TensorInfo, ZIGZAG, spec_fits
+from autoshard.ir import (OffloadLevel, Replicate, Shard, Spec, StateMode, Strategy, TensorInfo,
+                          ZIGZAG, spec_fits)
 from autoshard.mesh import AxisMerge, Mesh
 from autoshard.ops.attention import CP_KERNELS, SDPA
 from autoshard.ops.registry import strategies_for
@@ -379,12 +380,13 @@ def _context_parallel(traced: TracedGraph, pricer: Pricer) -> bool:
 def build_problem(traced: TracedGraph, mesh: Mesh, options: PlanOptions = PlanOptions(), *,
                   in_place: frozenset[str] = frozenset(), merge: AxisMerge | None = None,
                   recompute: Mapping[str, str] | frozenset[str] = frozenset(),
-                  offload: bool | str = False, deadline: float | None = None) -> Built:
+                  offload: OffloadLevel = OffloadLevel.NONE, deadline: float | None = None
+                  ) -> Built:
     """``in_place``: parameters every op must read in their stored layout (a hand-written plan's
     weights are used where they lie, never resharded on the way in). ``merge``: ``mesh`` merges
     axes of a real mesh (see planner.py); reshards are priced as they run there. ``recompute``:
     layer -> checkpointing policy, or the layers fully checkpointed (cost/price.py); ``offload``: offer optimizer
-    offload as a state mode (True), and parameter offload too ("parameters") (cost/state.py);
+    offload as a state mode ("optimizer"), and parameter offload too ("parameters") (cost/state.py);
     the host memory they fill is bounded by the cluster's ``host_memory_bytes``. ``deadline``
     (``time.perf_counter()`` seconds): raise :class:`BuildTimeout` once pricing runs past it."""
     budget = device_budget(mesh.cluster, options.memory_budget)

@@ -10,7 +10,7 @@ from typing import Any
 
 from autoshard import progress
 from autoshard.errors import AutoshardError
-from autoshard.ir import Strategy, work_fraction
+from autoshard.ir import OffloadLevel, Strategy, work_fraction
 from autoshard.mesh import AxisMerge, Merges, Mesh
 from autoshard.options import PlanOptions, resolve_options
 from autoshard.plans import Plan
@@ -24,7 +24,7 @@ from autoshard.solver.solve import check_mesh_fits, forced_offload, grouped, sol
 
 def plan_once(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_name: str,
                  fixed: dict[str, Strategy] | None, trace_s: float,
-                 merge: AxisMerge | None, recompute: dict[str, str], offload: bool,
+                 merge: AxisMerge | None, recompute: dict[str, str], offload: OffloadLevel,
                  cutoff_s: float | None = None, least_exact: bool = True) -> Plan:
     """One plan of ``traced`` with these techniques; ``cutoff_s``: only a plan faster than that
     is wanted (the ILP prunes by it, in a quarter of the time limit; :class:`NoBetter` when it
@@ -87,7 +87,7 @@ OUT_OF_REACH = 1.25
 
 def _plan_by_merging(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
                      fixed: dict[str, Strategy] | None, model_name: str, trace_s: float,
-                     recompute: dict[str, str], offload: bool) -> Plan:
+                     recompute: dict[str, str], offload: OffloadLevel) -> Plan:
     # Every axis merged into one is the quickest problem (a 1-D mesh): solved first, it tells
     # when memory is far out of reach for every grouping, which then need not be tried.
     whole = (tuple(range(mesh.ndim)),)
@@ -196,7 +196,7 @@ def _fallback_note(alone: dict[str, Any], best: Plan, options: PlanOptions) -> s
 
 def _plan_every_subset(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
                        fixed: dict[str, Strategy] | None, model_name: str, trace_s: float,
-                       recompute: dict[str, str], offload: bool) -> Plan:
+                       recompute: dict[str, str], offload: OffloadLevel) -> Plan:
     """The problem on the real 3-axis mesh, built within the solver's time limit and solved
     within it (an incumbent found by then is kept, with its gap)."""
     limit = options.time_limit_s
@@ -218,7 +218,7 @@ def _plan_every_subset(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
 
 def _plan_merged(traced: TracedGraph, mesh: Mesh, options: PlanOptions, merge: AxisMerge, *,
                  fixed: dict[str, Strategy] | None, model_name: str, trace_s: float,
-                 recompute: dict[str, str], offload: bool) -> Plan | None:
+                 recompute: dict[str, str], offload: OffloadLevel) -> Plan | None:
     """The plan with ``merge``'s groups of axes acting as one, on the real mesh; None when a
     pinned layout differs on the axes of a group."""
     pins = {}

@@ -13,7 +13,7 @@ from autoshard.cost.compute import local_numel
 from autoshard.cost.overlap import bucket_bytes_by_axis, gradient_buckets
 from autoshard.cost.price import Pricer
 from autoshard.cost.reshards import reshard_edges
-from autoshard.ir import CollectiveKind, Replicate, Spec
+from autoshard.ir import CollectiveKind, Phase, Replicate, Spec
 from autoshard.mesh import AxisLink, Mesh
 from autoshard.options import PlanOptions
 from autoshard.plans import Plan
@@ -66,7 +66,7 @@ def assemble_pipelined(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub:
     tied, tied_s = _tied_syncs(traced, spmd, where, mesh.links[a], axis, schedule, ranks)
     collectives += tied
     collectives += _sends(boundary, cuts, axis, schedule, ranks, m)
-    collectives.append(CollectiveRecord(CollectiveKind.ALL_REDUCE, (axis,), 4, "pipeline", "loss"))
+    collectives.append(CollectiveRecord(CollectiveKind.ALL_REDUCE, (axis,), 4, Phase.PIPELINE, "loss"))
     stages = tuple(Stage(i, stage_layers[i], StagePrediction(
         figures[i]["compute_s"], figures[i]["comm_s"], figures[i]["ilp_memory_bytes"],
         figures[i]["peak_bytes"])) for i in range(p))
@@ -91,13 +91,13 @@ def _stage_collectives(traced: TracedGraph, spmd: Plan, edges: list, where: dict
     for c in spmd.collectives:
         if c.members:
             continue                                    # buckets: formed per stage
-        if c.phase == "optimizer":
+        if c.phase == Phase.OPTIMIZER:
             stages = holders(traced, c.value, where)
         else:
             stages = runs_on.get((c.value, c.node)) or [where.get(c.node, p - 1)]
         for s in stages:
             out.append(replace(c, axes=c.axes, stage=s,
-                               count=1 if c.phase == "optimizer" else m))
+                               count=1 if c.phase == Phase.OPTIMIZER else m))
     return out
 
 
@@ -120,7 +120,7 @@ def _stage_buckets(traced: TracedGraph, strategies: dict, edges: list, where: di
         held |= reads[s]
         for k, b in enumerate(gradient_buckets(mine, nodes, bucket_bytes, modes, sub.shape)):
             for ax, nbytes in zip(b.axes, bucket_bytes_by_axis(b, sub.shape)):
-                out.append(CollectiveRecord(b.kind, (sub.axes[ax],), nbytes, "grad_sync",
+                out.append(CollectiveRecord(b.kind, (sub.axes[ax],), nbytes, Phase.GRAD_SYNC,
                                             f"stage{s}.bucket{k}", "", b.members, stage=s))
     return out
 
@@ -144,7 +144,7 @@ def _tied_syncs(traced: TracedGraph, spmd: Plan, where: dict[str, int], link: Ax
                              spmd.mesh_shape) * ph.info.dtype.itemsize
         tied_s = max(tied_s, link_time(link, CollectiveKind.ALL_REDUCE, len(by_rank), nbytes))
         for s in sorted(by_rank.values()):
-            out.append(CollectiveRecord(CollectiveKind.ALL_REDUCE, (axis,), nbytes, "grad_sync",
+            out.append(CollectiveRecord(CollectiveKind.ALL_REDUCE, (axis,), nbytes, Phase.GRAD_SYNC,
                                         f"tied:{fqn}", ph.name, stage=s))
     return out, tied_s
 
@@ -158,12 +158,12 @@ def _sends(boundary, cuts, axis: str, schedule: str, ranks: int, m: int
         if not sends_between(schedule, ranks, s):
             continue                      # the turn of a V: handed over on one rank, no send
         fwd, bwd = (int(b[cuts[s][1] - 1]) for b in boundary)
-        out.append(CollectiveRecord(CollectiveKind.SEND_RECV, (axis,), fwd, "pipeline",
+        out.append(CollectiveRecord(CollectiveKind.SEND_RECV, (axis,), fwd, Phase.PIPELINE,
                                     f"stage{s}->stage{s + 1}", stage=s, count=m))
-        out.append(CollectiveRecord(CollectiveKind.SEND_RECV, (axis,), bwd, "pipeline",
+        out.append(CollectiveRecord(CollectiveKind.SEND_RECV, (axis,), bwd, Phase.PIPELINE,
                                     f"stage{s + 1}->stage{s}", stage=s + 1, count=m))
         # torch's warm-up of the link on the first step, one int32 each way (schedules.py)
-        out += [CollectiveRecord(CollectiveKind.SEND_RECV, (axis,), WARMUP_BYTES, "pipeline",
+        out += [CollectiveRecord(CollectiveKind.SEND_RECV, (axis,), WARMUP_BYTES, Phase.PIPELINE,
                                  warmup_node(a, b), stage=a) for a, b in ((s, s + 1), (s + 1, s))]
     return out
 

@@ -12,7 +12,7 @@ import torch
 from autoshard import progress
 from autoshard.cost.price import Pricer
 from autoshard.errors import AutoshardError
-from autoshard.ir import Strategy
+from autoshard.ir import OffloadLevel, Strategy
 from autoshard.mesh import AxisMerge, Mesh
 from autoshard.options import PlanOptions, resolve_options
 from autoshard.plans import Plan
@@ -151,7 +151,7 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = N
         raise AutoshardError("a pipeline axis or None to plan a traced graph",
                              got="pipeline='auto'",
                              fix="call autoshard.plan (or the CLI), which searches the axes")
-    if options.pipeline is not None and options.offload == "parameters":
+    if options.pipeline is not None and options.offload == OffloadLevel.PARAMETERS:
         raise AutoshardError("parameter offload without a pipeline (not built for pipeline "
                              "stages yet)", got=f"offload='parameters' and pipeline="
                              f"{options.pipeline!r}",

@@ -10,7 +10,7 @@ from typing import Any
 
 from autoshard import progress
 from autoshard.errors import AutoshardError
-from autoshard.ir import Replicate, StateMode, Strategy
+from autoshard.ir import OffloadLevel, Phase, Replicate, StateMode, Strategy
 from autoshard.mesh import AxisMerge, Mesh
 from autoshard.options import PlanOptions
 from autoshard.plans import Plan
@@ -35,7 +35,7 @@ class BudgetError(AutoshardError):
     the ILP's sum)."""
 
     def __init__(self, expected: str, *, got: str, fix: str, least_bytes: float,
-                 phase: str | None) -> None:
+                 phase: Phase | None) -> None:
         super().__init__(expected, got=got, fix=fix)
         self.least_bytes, self.phase = float(least_bytes), phase
 
@@ -58,24 +58,26 @@ def grouped(traced: TracedGraph, recompute: dict[str, str]) -> TracedGraph:
     return traced if layers == traced.layers else replace(traced, layers=layers)
 
 
-def forced_offload(options: PlanOptions) -> bool | str:
-    """The offload level ``options.offload`` forces (see :func:`offload_level`), else False."""
-    return {"optimizer": True, "parameters": "parameters"}.get(options.offload, False)
+def forced_offload(options: PlanOptions) -> OffloadLevel:
+    """The offload level ``options.offload`` forces (see :func:`offload_level`), else none."""
+    return OffloadLevel.NONE if options.offload == OffloadLevel.AUTO else options.offload
 
 
-def offload_level(plan: Plan) -> bool | str:
+def offload_level(plan: Plan) -> OffloadLevel:
     """How far offload went in ``plan`` (the ``offload`` argument that plans it again with
-    the same state modes offered): "parameters" where a parameter is kept on the host, True
-    where only optimizer state is, else False."""
+    the same state modes offered): "parameters" where a parameter is kept on the host,
+    "optimizer" where only optimizer state is, else "none"."""
     modes = {st.mode for st in plan.param_state.values()}
-    if StateMode.OFFLOAD_PARAMS in modes or plan.options.offload == "parameters":
-        return "parameters"
-    return StateMode.OFFLOAD in modes or plan.options.offload == "optimizer"
+    if StateMode.OFFLOAD_PARAMS in modes or plan.options.offload == OffloadLevel.PARAMETERS:
+        return OffloadLevel.PARAMETERS
+    if StateMode.OFFLOAD in modes or plan.options.offload == OffloadLevel.OPTIMIZER:
+        return OffloadLevel.OPTIMIZER
+    return OffloadLevel.NONE
 
 
 def solve_on(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_name: str,
            fixed: dict[str, Strategy] | None, trace_s: float, merge: AxisMerge | None,
-           recompute: dict[str, str], offload: bool, deadline: float | None = None,
+           recompute: dict[str, str], offload: OffloadLevel, deadline: float | None = None,
            cutoff_s: float | None = None, least_exact: bool = True) -> Plan:
     """One ILP on ``mesh`` (every axis its own, whatever its number), solved and assembled.
     ``deadline`` (``time.perf_counter()`` seconds): building and solving share the time up to it

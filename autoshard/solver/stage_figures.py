@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from autoshard.cost.comm import link_time
 from autoshard.cost.compute import local_numel
 from autoshard.cost.price import Pricer
-from autoshard.ir import CollectiveKind
+from autoshard.ir import CollectiveKind, Phase
 from autoshard.mesh import AxisLink, Mesh
 from autoshard.plans import Plan
 from autoshard.plans.records import CollectiveRecord
@@ -108,7 +108,7 @@ def _collective_sums(collectives, sub: Mesh, where: dict[str, int], L: int
     for c in collectives:
         if c.members:
             sync[where.get(c.members[0], L - 1)] += record_seconds(c, sub)
-        elif c.phase != "optimizer":
+        elif c.phase != Phase.OPTIMIZER:
             comm[where.get(c.node, L - 1)] += record_seconds(c, sub)
     return comm, sync
 

@@ -33,7 +33,7 @@ from autoshard.cost.memory import default_budget
 from autoshard.files import check_output, write_output
 from autoshard.schedules import SPLIT_BACKWARD, simulate_schedule
 from autoshard.errors import AutoshardError
-from autoshard.ir import Replicate, Shard, StateMode, spec_str
+from autoshard.ir import OffloadLevel, Replicate, Shard, StateMode, spec_str
 from autoshard.plans import Plan
 from autoshard.plans.records import Pipeline
 
@@ -553,7 +553,7 @@ def _state(plan: Plan, fqn: str) -> str:
     if st is None:
         return "with the parameter"
     return (f"{st.mode}: gradients {spec_str(st.grad)}, optimizer {spec_str(st.optimizer)}"
-            + (", on the host" if st.offload else ""))
+            + (", on the host" if st.offload != OffloadLevel.NONE else ""))
 
 
 def _peak(plan: Plan) -> float:

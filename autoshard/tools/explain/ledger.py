@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoshard.errors import AutoshardError
+from autoshard.ir import Phase
 from autoshard.mesh import Mesh
 from autoshard.plans import Plan
 from autoshard.plans.summary import ranges
@@ -20,7 +21,7 @@ class TopCollective:
 
     kind: str
     axes: tuple[str, ...]
-    phase: str
+    phase: Phase
     bytes: int
     seconds_each: float
     instances: int

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from autoshard.ir import CollectiveKind, Shard, StateMode
+from autoshard.ir import CollectiveKind, Phase, Shard, StateMode
 from autoshard.plangraph import Graph
 from autoshard.tools.export.graph import (Expected, Export, Module, STEP_PHASES, axes_text,
                                           param_reads)
@@ -23,7 +23,7 @@ def map_data_axes(exp: Export, g: Graph, mods: dict[str, Module]) -> None:
     zero3 = {f for f, spec in plan.params.items() if any(isinstance(spec[a], Shard) for a in axes)}
     if not zero3:
         exp.data_parallel = "replicate"
-        exp.expected.append(Expected("backward", CollectiveKind.ALL_REDUCE, label, 1,
+        exp.expected.append(Expected(Phase.BACKWARD, CollectiveKind.ALL_REDUCE, label, 1,
                                      "replicate: the gradients all-reduced"))
         return
     exp.data_parallel = "fully_shard"
@@ -31,16 +31,16 @@ def map_data_axes(exp: Export, g: Graph, mods: dict[str, Module]) -> None:
                        if any(f.startswith(layer.name + ".") for f in zero3)]
     placeholders = {g.param_node.get(f) for f in zero3}
     exp.reshard_after_forward = any(
-        c.kind == CollectiveKind.ALL_GATHER and c.phase in ("backward", "recompute")
+        c.kind == CollectiveKind.ALL_GATHER and c.phase in (Phase.BACKWARD, Phase.RECOMPUTE)
         and c.value in placeholders for c in plan.collectives)
     in_groups = [f for f in plan.params if any(f.startswith(p + ".") for p in exp.fsdp_groups)]
     n = len(exp.fsdp_groups) + (len(in_groups) < len(plan.params))
-    exp.expected += [Expected("forward", CollectiveKind.ALL_GATHER, label, n,
+    exp.expected += [Expected(Phase.FORWARD, CollectiveKind.ALL_GATHER, label, n,
                               "fully_shard: parameters gathered, one collective per group"),
-                     Expected("backward", CollectiveKind.REDUCE_SCATTER, label, n,
+                     Expected(Phase.BACKWARD, CollectiveKind.REDUCE_SCATTER, label, n,
                               "fully_shard: gradients reduce-scattered, one collective per group")]
     if exp.reshard_after_forward and exp.fsdp_groups:
-        exp.expected.append(Expected("backward", CollectiveKind.ALL_GATHER, label,
+        exp.expected.append(Expected(Phase.BACKWARD, CollectiveKind.ALL_GATHER, label,
                                      len(exp.fsdp_groups),
                                      "fully_shard: layer parameters gathered again"))
     replicated = sorted(f for f in plan.params if f not in zero3)
@@ -159,16 +159,16 @@ def match_ledger(exp: Export, g: Graph, boundaries: dict[str, list[Expected]]) -
 
 
 def _why_not_run(c, params: set[str]) -> str:
-    if c.phase == "optimizer":
+    if c.phase == Phase.OPTIMIZER:
         return "ZeRO-1/2 or offload: parameters gathered after the optimizer step"
-    if c.phase == "recompute":
+    if c.phase == Phase.RECOMPUTE:
         return "activation checkpointing: forward collectives run again"
-    if c.phase == "pipeline":
+    if c.phase == Phase.PIPELINE:
         return "pipeline sends between stages"
     if c.members:
         return "gradient buckets"
     if c.value in params:
-        return ("parameter gradients" if c.phase == "grad_sync" else
+        return ("parameter gradients" if c.phase == Phase.GRAD_SYNC else
                 "parameters gathered for the ops that read them")
     if c.node == "output":
         return "the loss reduced over the ranks (here each rank keeps its own)"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from autoshard.ir import Spec
+from autoshard.ir import Phase, Spec
 from autoshard.plangraph import Graph
 from autoshard.plans import Plan
 
@@ -19,7 +19,8 @@ VIEWS = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default
 # The plan's collective phases as a training step runs them: forward, or backward (gradient
 # syncs included). Optimizer all-gathers (ZeRO-1/2), recomputation and pipeline sends have no
 # counterpart in the exported program.
-STEP_PHASES = {"forward": "forward", "backward": "backward", "grad_sync": "backward"}
+STEP_PHASES = {Phase.FORWARD: Phase.FORWARD, Phase.BACKWARD: Phase.BACKWARD,
+               Phase.GRAD_SYNC: Phase.BACKWARD}
 
 
 # ----------------------------------------------------------------------------- modules
@@ -97,7 +98,7 @@ class Expected:
     ``axes`` in ``phase`` (forward or backward), made by ``source``. ``planned``: the plan runs
     exactly these at the same value (``value``), so they are the expressible part of its ledger."""
 
-    phase: str
+    phase: Phase
     kind: str
     axes: tuple[str, ...]
     count: int

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from autoshard.ir import CollectiveKind, Replicate, Shard, spec_str
+from autoshard.ir import CollectiveKind, Phase, Replicate, Shard, spec_str
 from autoshard.plangraph import Graph
 from autoshard.plans import Plan
 from autoshard.plans.records import NodePlan
@@ -184,7 +184,7 @@ class TensorMapper(ValueClasses):
         loss = not gathered and self._feeds_class_loss(name)
         if gathered:
             kwargs.append(("output_layouts", "Replicate()"))
-            self._boundary(name, [("forward", CollectiveKind.ALL_GATHER)],
+            self._boundary(name, [(Phase.FORWARD, CollectiveKind.ALL_GATHER)],
                            f"{m.path} output gathered")
             if not self._plan_gathers(name):
                 self.notes.append(f"{m.path}: its output is gathered over {self.axis!r} (the "
@@ -207,7 +207,8 @@ class TensorMapper(ValueClasses):
         if c.kind in (REP, FULL) or (c.kind == STREAM and self.stream is None):
             # A whole input sliced locally; its gradient is all-gathered in backward.
             kwargs.append(("input_layouts", "Replicate()"))
-            self._boundary(self._activation(name)[0], [("backward", CollectiveKind.ALL_GATHER)],
+            self._boundary(self._activation(name)[0],
+                           [(Phase.BACKWARD, CollectiveKind.ALL_GATHER)],
                            f"{m.path} input sliced")
         elif c.kind == STREAM:
             raise Inexpressible(f"{m.path} is row-parallel on the sequence-sharded activations")
@@ -224,11 +225,12 @@ class TensorMapper(ValueClasses):
         sequence-parallel dim (whose backward all-gathers); a stream of DTensors under sequence
         parallelism, so that model code reading its shape sees the whole one."""
         if self.stream is None:
-            self._boundary(name, [("forward", CollectiveKind.ALL_REDUCE)], f"{path} output {verb}")
+            self._boundary(name, [(Phase.FORWARD, CollectiveKind.ALL_REDUCE)],
+                           f"{path} output {verb}")
         else:
             kwargs += [("output_layouts", self._stream_code()), ("use_local_output", "False")]
-            self._boundary(name, [("forward", CollectiveKind.REDUCE_SCATTER),
-                                  ("backward", CollectiveKind.ALL_GATHER)],
+            self._boundary(name, [(Phase.FORWARD, CollectiveKind.REDUCE_SCATTER),
+                                  (Phase.BACKWARD, CollectiveKind.ALL_GATHER)],
                            f"{path} output {verb}")
         self._check_stream_consumers(name, path)
 
@@ -245,12 +247,12 @@ class TensorMapper(ValueClasses):
         elif role == "colwise":
             if self.stream is None:
                 kwargs.append(("output_layouts", "Replicate()"))
-                self._boundary(name, [("forward", CollectiveKind.ALL_GATHER)],
+                self._boundary(name, [(Phase.FORWARD, CollectiveKind.ALL_GATHER)],
                                f"{m.path} output gathered")
             else:
                 kwargs += [("output_layouts", self._stream_code()), ("use_local_output", "False")]
-                self._boundary(name, [("forward", CollectiveKind.ALL_TO_ALL),
-                                      ("backward", CollectiveKind.ALL_TO_ALL)],
+                self._boundary(name, [(Phase.FORWARD, CollectiveKind.ALL_TO_ALL),
+                                      (Phase.BACKWARD, CollectiveKind.ALL_TO_ALL)],
                                f"{m.path} output resharded")
             self.styles[m.path] = Style(m.path, "ColwiseParallel", tuple(kwargs),
                                         f"weight {spec_str(spec)}: column-parallel over "
@@ -262,7 +264,7 @@ class TensorMapper(ValueClasses):
                  ("desired_output_layouts", self._stream_code()), ("use_local_output", "False")),
                 f"weight {spec_str(spec)}: replicated over {self.axis!r}; its output joins the "
                 f"sequence-sharded activations")
-            self._extra("backward", CollectiveKind.ALL_GATHER,
+            self._extra(Phase.BACKWARD, CollectiveKind.ALL_GATHER,
                         f"{m.path} output's gradient gathered")
             self.notes.append(f"{m.path}: the plan runs it on the inputs split over "
                               f"{self.axis!r} and all-reduces its weight gradient there; here "
@@ -295,7 +297,7 @@ class TensorMapper(ValueClasses):
                  ("use_local_output", "True")),
                 f"weight {spec_str(m.weight_read)}: replicated over {self.axis!r}; its input "
                 f"is gathered")
-            self._extra("forward", CollectiveKind.ALL_GATHER, f"{m.path} input gathered")
+            self._extra(Phase.FORWARD, CollectiveKind.ALL_GATHER, f"{m.path} input gathered")
             read = self.g.spec_in(name, 0)
             if read is not None and isinstance(read[self.t], Shard):
                 self.notes.append(f"{m.path}: the plan runs it on activations split over "
@@ -329,10 +331,10 @@ class TensorMapper(ValueClasses):
             per = 1 if hooked else len(group)
             # Sharded -> Replicate: all-gather, whose backward reduce-scatters the partial
             # gradient; Replicate (from_local): the partial gradient all-reduced in backward.
-            kinds = ([("forward", CollectiveKind.ALL_GATHER),
-                      ("backward", CollectiveKind.REDUCE_SCATTER)]
+            kinds = ([(Phase.FORWARD, CollectiveKind.ALL_GATHER),
+                      (Phase.BACKWARD, CollectiveKind.REDUCE_SCATTER)]
                      if arriving.startswith("Shard(")
-                     else [("backward", CollectiveKind.ALL_REDUCE)])
+                     else [(Phase.BACKWARD, CollectiveKind.ALL_REDUCE)])
             where = f"{parent} input" if hooked else f"input of {', '.join(paths)}"
             self._boundary(value[0], kinds * per, f"{where} redistributed to Replicate()")
             if not hooked and len(group) > 1:
@@ -365,7 +367,8 @@ class TensorMapper(ValueClasses):
             return
         for m in self.sp_norms:
             for leaf in m.params:
-                self._extra("backward", CollectiveKind.ALL_REDUCE, f"{m.path}.{leaf} gradient")
+                self._extra(Phase.BACKWARD, CollectiveKind.ALL_REDUCE,
+                            f"{m.path}.{leaf} gradient")
 
 
 def common_parent(paths: list[str]) -> str:

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable
 
-from autoshard.ir import Partial, Replicate, Shard, spec_str
+from autoshard.ir import Partial, Phase, Replicate, Shard, spec_str
 from autoshard.plangraph import Graph, Value
 from autoshard.plans import Plan
 from autoshard.plans.records import NodePlan
@@ -201,6 +201,6 @@ class ValueClasses:
         self.boundaries.setdefault(value, []).extend(es)
         self.expected.extend(es)
 
-    def _extra(self, phase: str, kind: str, source: str) -> None:
+    def _extra(self, phase: Phase, kind: str, source: str) -> None:
         self.expected.append(Expected(phase, kind, (self.axis,), 1, source))
 
