@@ -100,6 +100,8 @@ FIELD_EDITS = {
     "bytes as text (was accepted)": (_set("collectives/0/bytes", "512"), "collectives[0].bytes"),
     "phase not a string (TypeError sorting in summary)": (_set("collectives/0/phase", 3),
                                                           "collectives[0].phase"),
+    "phase not the step's (was accepted)": (_set("collectives/0/phase", "sideways"),
+                                            "collectives[0].phase one of \"forward\""),
     "figure as text (TypeError in summary)": (_set("predicted/step_time_s", "1"),
                                               "predicted.step_time_s"),
     "figure huge (OverflowError in summary)": (_set("predicted/comm_s", 10**400),

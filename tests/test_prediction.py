@@ -1,9 +1,9 @@
 """A plan's predicted figures, typed (autoshard/plans/prediction.py): written exactly as plan
 files have always held them (the same keys, in the same order, the same numbers, ints kept
 ints), read back equal, and a malformed ``predicted`` section refused by the plan file reader
-with its error, naming the value. And the state modes and collective kinds
-(``autoshard.ir.StateMode``, ``CollectiveKind``), written as the strings plan files have always
-held."""
+with its error, naming the value. And the names plan files hold as str enums (autoshard/ir.py:
+``StateMode``, ``CollectiveKind``, ``Phase``, ``OffloadLevel``, ``OffloadOverlap``), written as
+the strings plan files have always held; a phase or offload level a file names wrongly refused."""
 from __future__ import annotations
 
 import json
@@ -13,10 +13,11 @@ import pytest
 
 from autoshard import Mesh
 from autoshard.errors import AutoshardError
-from autoshard.ir import CollectiveKind, StateMode
+from autoshard.ir import CollectiveKind, OffloadLevel, OffloadOverlap, Phase, StateMode
+from autoshard.options import OFFLOAD, OFFLOAD_OVERLAP, PlanOptions
 from autoshard.plans import Plan
 from autoshard.plans.prediction import PredictedMemory, Prediction, StagePrediction
-from autoshard.plans.records import MODE_NAMES
+from autoshard.plans.records import MODE_NAMES, PHASES
 from autoshard.solver.planner import plan_traced
 from autoshard.trace.export import trace
 from autoshard.zoo.registry import get_model
@@ -203,3 +204,64 @@ def test_collective_kinds_are_their_strings_on_disk(plans) -> None:
     d = json.loads(plans["pipelined"].dumps())
     d["collectives"][0]["kind"] = "broadcast"
     assert Plan.loads(json.dumps(d)).collectives[0].kind == "broadcast"
+
+
+def test_phases_and_offload_levels_are_their_strings_on_disk() -> None:
+    """Str enums like the state modes: JSON, f-strings and comparisons see the names plan files
+    and options have always held; the recorded phases in step order, "replay" not among them."""
+    assert [p.value for p in Phase] == ["forward", "backward", "grad_sync", "optimizer",
+                                        "recompute", "pipeline", "replay"]
+    assert PHASES == tuple(Phase)[:-1] and Phase.REPLAY not in PHASES
+    assert [o.value for o in OffloadLevel] == list(OFFLOAD) == ["auto", "none", "optimizer",
+                                                                "parameters"]
+    assert [o.value for o in OffloadOverlap] == list(OFFLOAD_OVERLAP) == ["backward", "delayed",
+                                                                          "none"]
+    for m in (*Phase, *OffloadLevel, *OffloadOverlap):
+        assert json.dumps(m) == f'"{m.value}"' and f"{m}" == m.value and repr(m) == repr(m.value)
+    # Options given as text hold the members, and write the text.
+    o = PlanOptions(offload="parameters", offload_overlap="delayed")
+    assert o.offload is OffloadLevel.PARAMETERS and o.offload_overlap is OffloadOverlap.DELAYED
+    assert o.to_json()["offload"] == "parameters" and PlanOptions.from_json(o.to_json()) == o
+
+
+def test_a_plan_round_trips_its_phases_and_offload_levels(plans) -> None:
+    p = plans["offload"]
+    assert p.host_transfers and {st.offload for st in p.param_state.values()} == {"parameters"}
+    for plan in (p, Plan.loads(p.dumps())):
+        assert plan.dumps() == p.dumps()
+        assert all(type(c.phase) is Phase for c in plan.collectives)
+        assert all(type(t.phase) is Phase for t in plan.host_transfers)
+        assert all(type(st.offload) is OffloadLevel for st in plan.param_state.values())
+        assert type(plan.options.offload) is OffloadLevel
+        assert type(plan.predicted.peak_phase) is Phase
+    d = json.loads(p.dumps())
+    assert {c["phase"] for c in d["collectives"]} <= set(PHASES)
+    assert all(x["offload"] == "parameters" for x in d["params"].values())
+    # A parameter with nothing on the host is written false, as plan files always have.
+    two = json.loads(plans["2x2"].dumps())
+    assert {x["offload"] for x in two["params"].values()} == {False}
+    again = Plan.loads(plans["2x2"].dumps())
+    assert all(st.offload is OffloadLevel.NONE for st in again.param_state.values())
+
+
+@pytest.mark.parametrize("where, value, fragment", [
+    ("collectives", "sideways", "collectives[0].phase one of \"forward\""),
+    ("collectives", "replay", "collectives[0].phase one of"),       # the runtime's, unrecorded
+    ("host_transfers", "forwards", "host_transfers[0].phase one of"),
+    ("params", "disk", 'offload false, "optimizer" or "parameters"'),
+    ("options", "disk", "PlanOptions.offload is one of"),
+])
+def test_a_bad_phase_or_offload_level_in_a_plan_file_is_refused(plans, where: str, value: str,
+                                                                 fragment: str) -> None:
+    d = json.loads(plans["offload"].dumps())
+    if where == "params":
+        d["params"][next(iter(d["params"]))]["offload"] = value
+    elif where == "options":
+        d["options"]["offload"] = value
+    else:
+        d[where][0]["phase"] = value
+    with pytest.raises(AutoshardError) as info:
+        Plan.loads(json.dumps(d), source="plan.json")
+    msg = str(info.value)
+    assert fragment in msg and "plan.json" in msg and repr(value)[1:-1] in msg, msg
+    assert ". Fix: " in msg
