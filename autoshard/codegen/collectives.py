@@ -270,7 +270,8 @@ class Redistribute(torch.autograd.Function):
 
 def redistribute(x: torch.Tensor, reshard: Reshard, groups: MeshGroups, *,
                  ledger: Ledger | None = None, node: str = "",
-                 grad_phase: Phase = Phase.BACKWARD, phase: Phase = Phase.FORWARD) -> torch.Tensor:
+                 grad_phase: Phase = Phase.BACKWARD, phase: Phase = Phase.FORWARD
+                 ) -> torch.Tensor:
     """Move the local shard ``x`` as ``reshard`` says, differentiably. ``grad_phase`` labels the
     backward collectives in the ledger ("grad_sync" for a parameter's); ``phase`` the forward
     ones ("recompute" when a checkpointed layer runs its forward again; "replay" when a

@@ -273,7 +273,7 @@ class _Artifact:
     single: bool                                  # the region returns one value, not a tuple
     forward: tuple[ExecutedCollective, ...]       # the ledger records of a forward call
     backward: tuple[ExecutedCollective, ...]      # ... and of its backward
-    phase: Phase                                    # the rank's phase when it was traced
+    phase: Phase                                  # the rank's phase when it was traced
 
 
 def graph_collectives(gm: fx.GraphModule) -> list[tuple[str, int]]:

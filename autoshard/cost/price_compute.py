@@ -99,4 +99,5 @@ class ComputePricing:
         if not charges:
             return 0.0
         again = 2 if self.reshards_again(name) else 1
-        return sum(t * (again if phase == Phase.FORWARD else 1) for phase, _, t in charges) * self.runs
+        return sum(t * (again if phase == Phase.FORWARD else 1)
+                   for phase, _, t in charges) * self.runs

@@ -66,7 +66,8 @@ def assemble_pipelined(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub:
     tied, tied_s = _tied_syncs(traced, spmd, where, mesh.links[a], axis, schedule, ranks)
     collectives += tied
     collectives += _sends(boundary, cuts, axis, schedule, ranks, m)
-    collectives.append(CollectiveRecord(CollectiveKind.ALL_REDUCE, (axis,), 4, Phase.PIPELINE, "loss"))
+    collectives.append(CollectiveRecord(CollectiveKind.ALL_REDUCE, (axis,), 4, Phase.PIPELINE,
+                                        "loss"))
     stages = tuple(Stage(i, stage_layers[i], StagePrediction(
         figures[i]["compute_s"], figures[i]["comm_s"], figures[i]["ilp_memory_bytes"],
         figures[i]["peak_bytes"])) for i in range(p))
