@@ -132,12 +132,7 @@ def search_mesh(model: torch.nn.Module, example_inputs: Sequence[Any], gpus: int
     traces = Traces(model, example_inputs, training=options.training,
                     precision=options.precision)
     batch = traces.full
-    layers = _layers(traces, batch)
-    cands = candidates(gpus, min(gpn, gpus), batch, layers)
-    if not cands:
-        raise AutoshardError(f"a batch that some data axis of {gpus} devices divides",
-                             got=f"batch {batch}", fix="use a batch with more factors of 2, or "
-                                                      "fewer devices")
+    cands = _candidates_of(traces, gpus, gpn)
     params = sum(p.numel() for p in model.parameters())
     tried: dict[Candidate, Tried] = {}
 
@@ -284,6 +279,17 @@ def _devices_per_node(gpus: int, gpus_per_node: int | None, cluster: Cluster,
                              "axis is named pp)", got=repr(options.pipeline),
                              fix="leave --pipeline out: the search decides")
     return gpn
+
+
+def _candidates_of(traces: Traces, gpus: int, gpn: int) -> list[Candidate]:
+    """The meshes to search for the traced model, or why there are none."""
+    batch = traces.full
+    cands = candidates(gpus, min(gpn, gpus), batch, _layers(traces, batch))
+    if not cands:
+        raise AutoshardError(f"a batch that some data axis of {gpus} devices divides",
+                             got=f"batch {batch}", fix="use a batch with more factors of 2, or "
+                                                      "fewer devices")
+    return cands
 
 
 def _layers(traces: Traces, batch: int) -> int:
