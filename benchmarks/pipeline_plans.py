@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import command, machine, revision, today, write_section  # noqa: E402
 
 from autoshard.plans import Plan  # noqa: E402
+from autoshard.plans.searches import named, searches  # noqa: E402
 from autoshard.tools.report import save_gantt  # noqa: E402
 
 SECTION = "pipeline_plans"
@@ -80,14 +81,18 @@ def row(label: str, wall: str, plan: dict, psi_tokens: float) -> list[str]:
     shape = (f"{pl['schedule']}, {pl['microbatches']} microbatches, {len(pl['stages'])} stages "
              f"of {'/'.join(str(len(s['layers'])) for s in pl['stages'])} layers on "
              f"{len(pl['stages']) // pl['virtual_stages']} ranks" if pl else "no pipeline")
-    search = "; ".join(f"{t['pipeline'] or 'none'}: " + (
-        f"{t['step_time_s'] * 1e3:.1f} ms" if t["step_time_s"] is not None else "no plan")
-        for t in plan["solver"].get("pipeline_search", []))
+    records = searches(plan["solver"])
+    search = "; ".join(f"{t.changes.get('pipeline') or 'none'}: " + (
+        f"{t.step_time_s * 1e3:.1f} ms" if t.step_time_s is not None else "no plan")
+        for r in named(records, "pipeline axis", top=True)[:1] for t in r.tries)
     ms = plan["solver"].get("mesh_search")
     if ms:
-        search = (f"{len(ms['tried'])} of {ms['candidates']} meshes planned; runners-up " +
-                  "; ".join(f"{'x'.join(map(str, t['mesh']))}: {t['step_time_s'] * 1e3:.1f} ms"
-                            for t in ms["tried"][1:4] if "step_time_s" in t))
+        meshes = [t for r in named(records, "meshes", top=True) for t in r.tries]
+        planned = sorted((t for t in meshes if t.step_time_s is not None),
+                         key=lambda t: t.step_time_s)
+        search = (f"{len({t.label for t in planned})} of {ms['candidates']} meshes planned; "
+                  "runners-up " + "; ".join(f"{t.label}: {t.step_time_s * 1e3:.1f} ms"
+                                            for t in planned[1:4]))
     return [label, wall, f"{p['step_time_s'] * 1e3:.1f}", mesh, shape,
             f"{p['ilp_memory_bytes'] / GIB:.2f}", f"{mfu(p['step_time_s'], devices, psi_tokens):.1%}",
             search or "-"]

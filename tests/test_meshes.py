@@ -9,6 +9,7 @@ import pytest
 from autoshard.tools.cli import main
 from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
+from autoshard.plans.searches import named, searches
 from autoshard.solver.meshes import (Candidate, candidates, microbatches_for, neighbours,
                                      search_mesh, start)
 from autoshard.zoo.registry import load_model
@@ -63,27 +64,43 @@ def searched():
     return _search()
 
 
+def _mesh_tries(plan):
+    """The tries of the mesh search's rounds, from the plan's record of its searches."""
+    return [t for r in named(searches(plan.solver), "meshes", top=True) for t in r.tries]
+
+
 def test_search_plans_every_candidate_of_a_small_model_and_keeps_the_fastest(searched):
     plan = searched
     ms = plan.solver["mesh_search"]
-    tried = ms["tried"]
-    assert ms["candidates"] == len(tried) and not ms["not_tried"]
-    steps = [t["step_time_s"] for t in tried if "step_time_s" in t]
+    tries = _mesh_tries(plan)
+    screened = [t for t in tries if not t.changes.get("again")]
+    assert ms["candidates"] == len(screened) and "tried" not in ms
+    assert all(t.step_time_s is not None or t.error for t in tries)    # none left unplanned
+    steps = [t.step_time_s for t in tries if t.step_time_s is not None]
     assert plan.predicted.step_time_s == min(steps)
-    chosen = [t for t in tried if t.get("chosen")]
-    assert len(chosen) == 1 and tuple(chosen[0]["mesh"]) == plan.mesh_shape
-    assert tuple(chosen[0]["axes"]) == plan.mesh_axes
-    assert all(t["tp"] <= 2 for t in tried)           # tensor inside a node of 2
-    assert {(t["pp"], t["dp"], t["tp"]) for t in tried} == {
-        (c.pp, c.dp, c.tp) for c in candidates(4, 2, 8, 4)}
-    assert "mesh search over 4 devices (2 per node)" in plan.summary()
+    meshes = [(t.changes["mesh"]["pp"], t.changes["mesh"]["dp"], t.changes["mesh"]["tp"])
+              for t in screened]
+    assert all(tp <= 2 for _, _, tp in meshes)           # tensor inside a node of 2
+    assert sorted(meshes) == sorted((c.pp, c.dp, c.tp) for c in candidates(4, 2, 8, 4))
+    # Each round's kept try is its fastest; the plan's mesh is the fastest of all.
+    for r in named(searches(plan.solver), "meshes"):
+        kept = [t for t in r.tries if t.chosen]
+        priced = [t.step_time_s for t in r.tries if t.step_time_s is not None]
+        assert (kept and kept[0].step_time_s == min(priced)) or not priced
+    best = min((t for t in tries if t.step_time_s is not None), key=lambda t: t.step_time_s)
+    c = best.changes["mesh"]
+    assert Candidate(c["pp"], c["dp"], c["tp"]).shape == plan.mesh_shape
+    text = plan.summary()
+    assert "mesh search over 4 devices (2 per node)" in text
+    assert sum("<- chosen" in line for line in text.splitlines()) == 1
 
 
 def test_a_spent_budget_plans_the_start_and_says_what_it_left():
     plan = _search(time_budget_s=0.0)
-    ms = plan.solver["mesh_search"]
-    assert len(ms["tried"]) == 1
-    assert ms["not_tried"] and all("time budget" in t["not_tried"] for t in ms["not_tried"])
+    tries = _mesh_tries(plan)
+    assert len([t for t in tries if t.step_time_s is not None or t.error]) == 1
+    left = [t for t in tries if t.step_time_s is None and t.error is None]
+    assert left and not any(t.chosen for t in left)
     assert "not planned (time budget" in plan.summary()
 
 
@@ -119,6 +136,7 @@ def test_cli_search_writes_the_plan_and_show_prints_the_search(tmp_path, capsys)
                  "stress", "--batch", "8", "--seq", "8", "-o", str(out)]) == 0
     saved = json.loads(out.read_text())
     assert saved["solver"]["mesh_search"]["gpus"] == 4
+    assert any(r["search"] == "meshes" for r in saved["solver"]["searches"])
     capsys.readouterr()
     assert main(["show", str(out)]) == 0
     assert "<- chosen" in capsys.readouterr().out

@@ -32,6 +32,7 @@ from autoshard.cost.state import zero_grad_sync
 from autoshard.errors import AutoshardError
 from autoshard.ir import Partial, R, S, Spec, spec_str
 from autoshard.mesh import AxisLink, AxisMerge
+from autoshard.plans.searches import on_chosen_path, searches
 from autoshard.solver.merging import partitions, plan_merged
 from autoshard.solver.planner import plan_traced
 from autoshard.trace.export import trace
@@ -260,18 +261,27 @@ def mlp_traced():
     return trace(model, inputs)
 
 
+def grouping_tries(plan: Plan):
+    """The tries of the axis-grouping search that made ``plan`` (the one inside the kept tries
+    of its enclosing searches) that gave a plan or an error, from the plan's record."""
+    [search] = on_chosen_path(searches(plan.solver), "axis groupings")
+    return [t for t in search.tries if t.step_time_s is not None or t.error is not None]
+
+
 def test_search_tries_every_grouping_and_every_subset(mlp_traced):
     """Each grouping with its collectives over the joint groups and with the same layouts one
     axis at a time, and the problem over every subset of axes."""
     plan = plan_traced(mlp_traced, Mesh((2, 2, 2), cluster=CLUSTER))
-    tries = plan.solver["axis_search"]
-    got = sorted((tuple(map(tuple, t["merged_axes"])), t["joint"]) for t in tries)
+    tries = grouping_tries(plan)
+    got = sorted((tuple(map(tuple, t.changes["merged_axes"])), t.facts["joint"]) for t in tries)
     want = [(p, j) for p in partitions(3) for j in (True, False) if len(p) < 3 or not j]
     assert got == sorted(want)
-    assert all("step_time_s" in t and t["status"] == "OPTIMAL" for t in tries), tries
-    assert plan.predicted.step_time_s == min(t["step_time_s"] for t in tries)
-    chosen = next(t for t in tries if t["step_time_s"] == plan.predicted.step_time_s)
-    assert plan.solver["merged_axes"] == chosen["merged_axes"]
+    assert all(t.step_time_s is not None and t.facts["status"] == "OPTIMAL" for t in tries), tries
+    assert plan.predicted.step_time_s == min(t.step_time_s for t in tries)
+    [chosen] = [t for t in tries if t.chosen]
+    assert chosen.step_time_s == plan.predicted.step_time_s
+    assert plan.solver["merged_axes"] == chosen.changes["merged_axes"]
+    assert "axis_search" not in plan.solver
     assert not any("every subset" in w for w in plan.warnings)
 
 
@@ -279,15 +289,15 @@ def test_search_says_when_it_falls_back_to_merged_axes(mlp_traced):
     """A time limit too short to build the problem over every subset of axes: the plan is the
     best merged one, and says so."""
     plan = plan_traced(mlp_traced, Mesh((2, 2, 2), cluster=CLUSTER), time_limit_s=1e-4)
-    alone = next(t for t in plan.solver["axis_search"] if len(t["merged_axes"]) == 3)
-    assert "error" in alone and "time limit" in alone["error"], alone
+    alone = next(t for t in grouping_tries(plan) if len(t.changes["merged_axes"]) == 3)
+    assert alone.error is not None and "time limit" in alone.error, alone
     assert any("every subset of mesh axes" in w and "merged" in w for w in plan.warnings)
     assert len(plan.solver["merged_axes"]) < 3
 
 
 def test_a_one_device_axis_needs_no_search_over_every_subset(mlp_traced):
     plan = plan_traced(mlp_traced, Mesh((2, 1, 4), cluster=CLUSTER))
-    assert all(len(t["merged_axes"]) < 3 for t in plan.solver["axis_search"])
+    assert all(len(t.changes["merged_axes"]) < 3 for t in grouping_tries(plan))
     assert not plan.warnings or not any("every subset" in w for w in plan.warnings)
 
 
@@ -404,4 +414,4 @@ def test_memory_far_out_of_reach_is_told_from_the_merged_axes_alone(monkeypatch)
     plan = plan_traced(traced, mesh, PlanOptions(recompute="none", offload="none",
                                                  time_limit_s=2.0))
     assert len(tried) == len(partitions(3)) - 1           # every grouping, the whole one once
-    assert len(plan.solver["axis_search"]) >= len(partitions(3))
+    assert len(grouping_tries(plan)) >= len(partitions(3))

@@ -734,16 +734,18 @@ def test_dualpipev_in_the_search() -> None:
 @pytest.mark.slow
 def test_auto_pipeline_keeps_the_faster_and_records_the_search() -> None:
     """pipeline='auto': the plan without a pipeline and one over each axis; the fastest is kept
-    and every try is in solver["pipeline_search"] (and in the summary)."""
+    and every try is in the plan's record of its searches (and in the summary)."""
+    from autoshard.plans.searches import named, searches
     from autoshard.solver.planner import plan
     from autoshard.zoo.registry import load_model
     model, inputs = load_model("gpt2-tiny", batch=8, seq=16, device="meta")
     mesh = Mesh((2, 2), ("pp", "dp"), cluster="cpu")
     p = plan(model, inputs, mesh, pipeline="auto")
-    search = p.solver["pipeline_search"]
-    assert [t["pipeline"] for t in search] == [None, "pp", "dp"]
-    steps = [t["step_time_s"] for t in search if t["step_time_s"] is not None]
-    assert p.predicted.step_time_s == min(steps)
+    [search] = named(searches(p.solver), "pipeline axis")
+    assert search.within is None and "pipeline_search" not in p.solver
+    assert [t.changes["pipeline"] for t in search.tries] == [None, "pp", "dp"]
+    steps = [t.step_time_s for t in search.tries if t.step_time_s is not None]
+    assert p.predicted.step_time_s == min(steps) == search.chosen.step_time_s
     chosen = p.pipeline.axis if p.pipeline else None
     assert p.options.pipeline == chosen
     assert "pipeline search (pipeline='auto')" in p.summary() and "<- chosen" in p.summary()

@@ -23,6 +23,7 @@ from ortools.linear_solver import pywraplp
 from torch import nn
 
 import autoshard.ops.registry as registry
+from autoshard.plans.searches import on_chosen_path, searches
 from autoshard.options import PlanOptions
 from autoshard.solver import merging
 from autoshard.solver.merging import plan_once
@@ -387,8 +388,9 @@ def test_never_slower_than_a_baseline(baseline_traces, name: str, shape, monkeyp
     ours = p.predicted.step_time_s
     assert p.solver["objective"] == pytest.approx(ours, rel=1e-9)
     if len(shape) == 3:
-        alone = next(t for t in p.solver["axis_search"] if len(t["merged_axes"]) == 3)
-        assert "error" in alone and len(p.solver["merged_axes"]) < 3
+        [search] = on_chosen_path(searches(p.solver), "axis groupings")
+        alone = next(t for t in search.tries if len(t.changes["merged_axes"]) == 3)
+        assert alone.error is not None and len(p.solver["merged_axes"]) < 3
     feasible = 0
     for b in BASELINES:
         try:

@@ -3,6 +3,8 @@ says why when none plans; every search of the planner that runs through it, list
 tries."""
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -13,14 +15,15 @@ from autoshard.options import PlanOptions
 from autoshard.options import resolve_options
 from autoshard.solver.budget import offload_tries, recompute_tries, remedy_tries
 from autoshard.plans.prediction import Prediction
+from autoshard.plans.searches import named, on_chosen_path, searches
 from autoshard.solver.merging import grouping_tries
 from autoshard.solver.meshes import Candidate, mesh_tries
 from autoshard.solver.pipeline import schedule_tries
 from autoshard.solver.planner import microbatch_tries, pipeline_tries
-from autoshard.solver.search import Try, run_search
+from autoshard.solver.search import Try, apart, records_searches, run_search
 from autoshard.trace.export import trace
 from autoshard.trace.layers import checkpointable
-from autoshard.zoo.registry import get_model
+from autoshard.zoo.registry import get_model, load_model
 
 
 def _plan(step: float):
@@ -39,7 +42,7 @@ def _run(steps: dict[str, float | str]):
 
 def test_fastest_kept_first_on_ties_and_every_try_recorded() -> None:
     tries = [Try(n, ()) for n in "abcd"]
-    best, tried = run_search(tries, _run({"a": 3.0, "b": 1.0, "c": "no fit", "d": 1.0}))
+    best, tried = run_search("s", tries, _run({"a": 3.0, "b": 1.0, "c": "no fit", "d": 1.0}))
     assert best.predicted.step_time_s == 1.0 and best is tried[1].plan
     assert [t.attempt.label for t in tried] == ["a", "b", "c", "d"]
     assert [t.step_time_s for t in tried] == [3.0, 1.0, None, 1.0]
@@ -49,16 +52,16 @@ def test_fastest_kept_first_on_ties_and_every_try_recorded() -> None:
 @pytest.mark.parametrize("which, got", [("first", "one"), ("last", "two")])
 def test_none_planned_raises_the_chosen_error(which: str, got: str) -> None:
     with pytest.raises(AutoshardError) as e:
-        run_search([Try("a", ()), Try("b", ())], _run({"a": "one", "b": "two"}),
+        run_search("s", [Try("a", ()), Try("b", ())], _run({"a": "one", "b": "two"}),
                    error_of_none=which)
     assert e.value.got == got
 
 
 def test_bad_searches_are_refused() -> None:
     with pytest.raises(AutoshardError, match="at least one try"):
-        run_search([], _run({}))
+        run_search("s", [], _run({}))
     with pytest.raises(AutoshardError, match='"first", "last" or "none"'):
-        run_search([Try("a", ())], _run({"a": 1.0}), error_of_none="best")
+        run_search("s", [Try("a", ())], _run({"a": 1.0}), error_of_none="best")
 
 
 def test_a_try_changes_the_options() -> None:
@@ -82,14 +85,14 @@ def test_the_searches_that_run_through_the_driver() -> None:
 def test_a_ladder_stops_at_its_first_rung_that_plans_and_passes_on_other_errors() -> None:
     """until: the memory ladder keeps its cheapest rung that plans, not the fastest of all;
     recoverable: an error that is not the try's outcome (a bug, a bad input) ends the search."""
-    best, tried = run_search([Try(n, ()) for n in "abc"], _run({"a": "no fit", "b": 5.0,
+    best, tried = run_search("s", [Try(n, ()) for n in "abc"], _run({"a": "no fit", "b": 5.0,
                                                                  "c": 1.0}),
                              until=lambda p: True)
     assert best.predicted.step_time_s == 5.0 and [t.attempt.label for t in tried] == ["a", "b"]
     with pytest.raises(AutoshardError, match="bad input"):
-        run_search([Try("a", ()), Try("b", ())], _run({"a": "bad input", "b": 1.0}),
+        run_search("s", [Try("a", ()), Try("b", ())], _run({"a": "bad input", "b": 1.0}),
                    recoverable=lambda e: e.got != "bad input")
-    best, tried = run_search([Try("a", ())], _run({"a": "no fit"}), error_of_none="none")
+    best, tried = run_search("s", [Try("a", ())], _run({"a": "no fit"}), error_of_none="none")
     assert best is None and tried[0].error.got == "no fit"
 
 
@@ -97,7 +100,7 @@ def test_candidates_are_compared_on_their_price_before_any_is_assembled() -> Non
     """A search that compares what it solved (a schedule's step and tie-breaks) assembles only
     the winner: the price is the search's own; a try with nothing to compare is passed over."""
     prices = {"a": (2.0, True), "b": (2.0, False), "c": None}
-    best, tried = run_search([Try(n, (), announce=False) for n in "abc"],
+    best, tried = run_search("s", [Try(n, (), announce=False) for n in "abc"],
                              lambda t: prices[t.label], price=lambda c: c)
     assert best == (2.0, False) and tried[2].result is None and tried[2].error is None
 
@@ -187,3 +190,125 @@ def test_the_chosen_mesh_keeps_another_microbatch_count_only_if_faster(steps, ke
     _other_counts(best, 8, solve)
     assert seen == [2, 4] and best.microbatches == kept
     assert best.plan.predicted.step_time_s == min(2.0, *steps.values())
+
+
+# ------------------------------------------------------------------ the record of the searches
+
+@dataclass(frozen=True)
+class _Planned:
+    """What a planning call returns, as far as the record goes: a plan's ``solver`` dict."""
+    solver: dict
+
+
+def _outer(t: Try):
+    """An outer search's try that runs an inner search of its own: "x" plans, "y" does not."""
+    inner = {"x": {"a": 3.0, "b": "no fit"}, "y": {"c": 1.0}}[t.label]
+    run_search("inner", [Try(n, ((n, [1, (2, 3)]),)) for n in inner], _run(inner))
+    if t.label == "y":
+        raise AutoshardError("a plan", got="too big", fix="-")
+    return _plan(3.0)
+
+
+def test_the_driver_records_every_try_and_what_it_ran_inside() -> None:
+    """Each search's tries in order with their changes as JSON values, the step or the error
+    and the kept one; a search inside a try names that try (within: its search's index in the
+    record, the try's index in it), so the inner searches of the two outer tries stay apart."""
+    @records_searches
+    def planner() -> _Planned:
+        run_search("outer", [Try("x", (("k", 1),)), Try("y", (("k", (2, 3)),))], _outer)
+        return _Planned({"status": "OPTIMAL"})
+
+    solver = planner().solver
+    assert solver["status"] == "OPTIMAL"
+    got = solver["searches"]
+    assert json.loads(json.dumps(got)) == got
+    assert [(r["search"], r["within"]) for r in got] == [
+        ("outer", None), ("inner", [0, 0]), ("inner", [0, 1])]
+    assert got[0]["tries"] == [
+        {"label": "x", "changes": {"k": 1}, "step_time_s": 3.0, "error": None, "chosen": True},
+        {"label": "y", "changes": {"k": [2, 3]}, "step_time_s": None, "error": "too big",
+         "chosen": False}]
+    assert [(t["label"], t["changes"], t["step_time_s"], t["error"], t["chosen"])
+            for t in got[1]["tries"]] == [("a", {"a": [1, [2, 3]]}, 3.0, None, True),
+                                          ("b", {"b": [1, [2, 3]]}, None, "no fit", False)]
+    records = searches(solver)
+    assert records[2].chosen.label == "c" and records[0].chosen.label == "x"
+    assert on_chosen_path(records, "inner") == [records[1]]        # inside the kept try only
+
+
+def test_a_search_that_fails_is_recorded_and_calls_inside_record_nothing_of_their_own() -> None:
+    """A search that raises (none planned; an error that is not a try's outcome) is in the
+    record with every try it made; a planning call inside another adds its searches to the
+    outer call's record; a plan made apart (to compare with) adds none."""
+    @records_searches
+    def inner_call() -> _Planned:
+        run_search("inside", [Try("i", ())], _run({"i": 2.0}))
+        return _Planned({})
+
+    @records_searches
+    def planner() -> _Planned:
+        with pytest.raises(AutoshardError):
+            run_search("none plans", [Try("a", ()), Try("b", ())], _run({"a": "x", "b": "y"}))
+        with pytest.raises(AutoshardError):
+            run_search("bad input", [Try("a", ()), Try("b", ())],
+                       _run({"a": "bad", "b": 1.0}), recoverable=lambda e: e.got != "bad")
+        assert "searches" not in inner_call().solver
+        with apart():
+            assert [r["search"] for r in inner_call().solver["searches"]] == ["inside"]
+        return _Planned({})
+
+    got = planner().solver["searches"]
+    assert [r["search"] for r in got] == ["none plans", "bad input", "inside"]
+    assert [t["error"] for t in got[0]["tries"]] == ["x", "y"]
+    assert [(t["label"], t["error"]) for t in got[1]["tries"]] == [("a", "bad")]
+    assert not any(t["chosen"] for r in got[:2] for t in r["tries"])
+    # Outside a planning call nothing is collected, and the search runs as before.
+    assert run_search("alone", [Try("a", ())], _run({"a": 1.0}))[0].predicted.step_time_s == 1.0
+
+
+def test_a_plan_records_its_searches_and_keeps_them_in_its_file() -> None:
+    """pipeline='auto' on a pipeline axis: the search over it at the top, each try's own
+    searches (memory ladder, checkpointing, the pipeline's schedules) inside it; the record
+    survives the plan file, and the summary's pipeline line is read from it."""
+    from autoshard.plans import Plan
+    from autoshard.solver.planner import plan
+    model, inputs = load_model("gpt2-tiny", batch=4, seq=8, device="meta")
+    p = plan(model, inputs, Mesh((2,), ("pp",), cluster="cpu"), pipeline="auto",
+             microbatches=2)
+    records = searches(p.solver)
+    [top] = named(records, "pipeline axis", top=True)
+    assert [(t.label, t.changes) for t in top.tries] == [
+        ("without a pipeline", {"pipeline": None, "microbatches": "auto"}),
+        ("pipeline over pp", {"pipeline": "pp"})]
+    assert all(t.step_time_s is not None and t.error is None for t in top.tries)
+    assert top.chosen.step_time_s == p.predicted.step_time_s == min(
+        t.step_time_s for t in top.tries)
+    assert top.tries[1].facts["microbatches"] == 2
+    # Every other search ran inside a try, of a search listed before it.
+    assert all(r.within is not None and r.within[0] < i and
+               r.within[1] < len(records[r.within[0]].tries)
+               for i, r in enumerate(records) if r is not top)
+    inside_pp = {r.search for r in records if r.within == (0, 1)}
+    assert {"memory ladder", "schedules"} <= inside_pp
+    assert {r.search for r in records if r.within == (0, 0)} == {"memory ladder"}
+    assert "pipeline_search" not in p.solver
+    again = Plan.loads(p.dumps())
+    assert again.solver["searches"] == p.solver["searches"] and again.dumps() == p.dumps()
+    assert "pipeline search (pipeline='auto'): none " in again.summary()
+    assert "<- chosen" in again.summary()
+
+
+def test_a_plan_file_with_the_old_search_keys_still_loads_and_summarises() -> None:
+    """Files written before the record: their ad-hoc ``pipeline_search`` and ``mesh_search``
+    stay in the free ``solver`` dict, and the summary leaves their lines out."""
+    from autoshard.plans import Plan
+    from autoshard.solver.planner import plan_traced
+    traced = trace(*get_model("mlp-tiny", batch=4))
+    d = json.loads(plan_traced(traced, Mesh((2,), cluster="cpu")).dumps())
+    del d["solver"]["searches"]
+    d["solver"]["pipeline_search"] = [{"pipeline": None, "step_time_s": 1e-3}]
+    d["solver"]["mesh_search"] = {"gpus": 2, "gpus_per_node": 2, "candidates": 1,
+                                  "tried": [], "not_tried": [], "search_s": 0.1}
+    old = Plan.loads(json.dumps(d))
+    assert searches(old.solver) == [] and old.solver["mesh_search"]["gpus"] == 2
+    assert "search" not in old.summary()

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from autoshard.ir import Layer, spec_str
 from autoshard.plans.records import DIRECTIONS, MODE_NAMES
+from autoshard.plans.searches import TryRecord, named, searches
 from autoshard.schedules import balanced_bubble
 
 if TYPE_CHECKING:
@@ -106,37 +107,57 @@ def _state_summary(plan: Plan) -> list[str]:
 
 
 def _mesh_search_summary(plan: Plan) -> list[str]:
-    """The meshes a ``--gpus`` search tried (solver/meshes.py), fastest first."""
+    """The meshes a ``--gpus`` search tried (solver/meshes.py), fastest first: the tries of its
+    rounds (the search "meshes"), with the search's own figures from ``solver.mesh_search``."""
     ms = plan.solver.get("mesh_search")
-    if not ms:
-        return []
+    tries = [t for r in named(searches(plan.solver), "meshes", top=True) for t in r.tries]
+    if not ms or not tries:
+        return []       # (a plan file from before the searches were recorded: no lines)
+    planned = sorted((t for t in tries if t.step_time_s is not None),
+                     key=lambda t: t.step_time_s)
+    skipped = [t for t in tries if t.step_time_s is None and t.error is None]
+    chosen = next((t for t in planned if _is_plan_of(t, plan)), None)
     lines = [f"  mesh search over {ms['gpus']} devices ({ms['gpus_per_node']} per node): "
-             f"{len(ms['tried'])} of {ms['candidates']} meshes planned in "
-             f"{ms['search_s']:.1f} s"]
-    for t in ms["tried"]:
-        mesh = f"{'x'.join(map(str, t['mesh']))} ({','.join(t['axes'])})"
-        what = (f"{t['step_time_s'] * 1e3:.3f} ms" + (
-            f", {t['schedule']}, {t['microbatches']} microbatches" if t.get("microbatches")
-            else "") if "step_time_s" in t else f"no plan: {t.get('error', '')[:90]}")
-        lines.append(f"    {mesh:22s} {what}{'  <- chosen' if t.get('chosen') else ''}")
-    if ms["not_tried"]:
-        lines.append(f"    not planned ({ms['not_tried'][0]['not_tried']}): " + ", ".join(
-            "x".join(map(str, t["mesh"])) + f" ({','.join(t['axes'])})"
-            for t in ms["not_tried"]))
+             f"{len({_mesh_text(t) for t in tries if t not in skipped})} of "
+             f"{ms['candidates']} meshes planned "
+             f"in {ms['search_s']:.1f} s"]
+    for t in [*planned, *(t for t in tries if t.error is not None)]:
+        what = (f"{t.step_time_s * 1e3:.3f} ms" + (
+            f", {t.facts['schedule']}, {t.facts['microbatches']} microbatches"
+            if t.facts.get("microbatches") else "") if t.step_time_s is not None
+            else f"no plan: {t.error[:90]}")
+        lines.append(f"    {_mesh_text(t):22s} {what}{'  <- chosen' if t is chosen else ''}")
+    if skipped:
+        lines.append(f"    not planned (time budget of {ms.get('time_budget_s', 0):.0f} s, "
+                     f"--search-budget): " + ", ".join(_mesh_text(t) for t in skipped))
     return lines
+
+
+def _mesh_text(t: TryRecord) -> str:
+    """A mesh try's mesh as its shape and axes, e.g. ``2x4 (pp,tp)`` (the axes of one device
+    left out, as solver/meshes.py ``Candidate`` does)."""
+    m = t.changes.get("mesh") or {}
+    kept = [(a, m.get(a, 1)) for a in ("pp", "dp", "tp") if m.get(a, 1) > 1] or [("dp", 1)]
+    return f"{'x'.join(str(n) for _, n in kept)} ({','.join(a for a, _ in kept)})"
+
+
+def _is_plan_of(t: TryRecord, plan: Plan) -> bool:
+    """Whether try ``t`` gave ``plan``: its step, and its microbatches where it has a
+    pipeline (the chosen mesh is tried again at other counts)."""
+    m = plan.pipeline.microbatches if plan.pipeline else None
+    return t.step_time_s == plan.predicted.step_time_s and t.facts.get("microbatches") == m
 
 
 def _pipeline_summary(plan: Plan) -> list[str]:
     pl = plan.pipeline
     lines = []
-    search = plan.solver.get("pipeline_search")
+    search = named(searches(plan.solver), "pipeline axis", top=True)
     if search:
-        chosen = pl.axis if pl else None
-        parts = [f"{t['pipeline'] or 'none'} " + (
-            f"{t['step_time_s'] * 1e3:.3f} ms" + (f" ({t['microbatches']} microbatches)"
-                                                  if t.get("microbatches") else "")
-            if t["step_time_s"] is not None else f"no plan: {t.get('error', '')[:80]}")
-            + (" <- chosen" if t["pipeline"] == chosen else "") for t in search]
+        parts = [f"{t.changes.get('pipeline') or 'none'} " + (
+            f"{t.step_time_s * 1e3:.3f} ms" + (f" ({t.facts['microbatches']} microbatches)"
+                                               if t.facts.get("microbatches") else "")
+            if t.step_time_s is not None else f"no plan: {(t.error or '')[:80]}")
+            + (" <- chosen" if t.chosen else "") for t in search[0].tries]
         lines.append("  pipeline search (pipeline='auto'): " + "; ".join(parts))
     if pl is None:
         return lines

@@ -33,7 +33,7 @@ def plan_memory(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw: Any
     names the least memory found and the techniques that were tried."""
     ladder = offload_tries(traced, options)
     try:
-        plan, _ = run_search(ladder, lambda t: _plan_recompute(
+        plan, _ = run_search("memory ladder", ladder, lambda t: _plan_recompute(
             traced, mesh, options, offload=t.get("offload"), **kw),
             until=lambda p: True, recoverable=lambda e: isinstance(e.__cause__, Infeasible),
             error_of_none="last")
@@ -156,7 +156,7 @@ def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw:
 
     # No plan fits, or none was found in time (memory that binds makes the ILP hard):
     # checkpointing frees memory either way.
-    _, done = run_search(tries, solve, until=unbound, error_of_none="last",
+    _, done = run_search("checkpointing", tries, solve, until=unbound, error_of_none="last",
                          recoverable=lambda e: isinstance(e.__cause__, (Infeasible, NoSolution)))
     plans = [d.result for d in done if d.result is not None]
     if len(done) == 1 and plans:
@@ -267,9 +267,9 @@ def fit_budget(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan
 
     if remedies:
         # The first remedy that fits is kept: they are ordered by what they cost.
-        fit, _ = run_search(remedies, solve, until=lambda p: True, recoverable=lambda e: (
-            isinstance(e, BudgetError) or isinstance(e.__cause__, NoSolution)),
-            error_of_none="none")
+        fit, _ = run_search("budget remedies", remedies, solve, until=lambda p: True,
+                            recoverable=lambda e: isinstance(e, BudgetError)
+                            or isinstance(e.__cause__, NoSolution), error_of_none="none")
     if fit is not None:
         return fit
     least = min(tried, key=lambda p: p.predicted.memory.peak)

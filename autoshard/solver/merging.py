@@ -18,7 +18,7 @@ from autoshard.solver.build import BuildTimeout
 from autoshard.solver.ilp import Infeasible
 from autoshard.trace.export import TracedGraph
 from autoshard.solver.assemble import assemble
-from autoshard.solver.search import Tried, Try, run_search
+from autoshard.solver.search import Tried, Try, records_searches, run_search
 from autoshard.solver.solve import check_mesh_fits, forced_offload, grouped, solve_on
 
 
@@ -57,6 +57,7 @@ def partitions(n: int) -> list[Merges]:
     return sorted(groups, key=order)
 
 
+@records_searches
 def plan_merged(traced: TracedGraph, mesh: Mesh, merges: Merges,
                 options: PlanOptions | None = None, *, model_name: str = "",
                 **overrides: Any) -> Plan:
@@ -126,15 +127,14 @@ def _plan_by_merging(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *,
             solved[merges] = plan
         return plan                 # None: pinned layouts that differ on merged axes
 
-    best, done = run_search(grouping_tries(mesh), solve)
+    best, done = run_search("axis groupings", grouping_tries(mesh), solve, facts=_facts)
     if best is None:
         raise AutoshardError("pinned layouts that keep some mesh axes alike", got=str(fixed),
                              fix="pin equal placements on two mesh axes")
-    tries = [_axis_record(d) for d in done if d.result is not None or d.error is not None]
-    alone = next((t for t in tries if len(t["merged_axes"]) == mesh.ndim), None)
+    alone = next((d for d in done if len(d.attempt.get("merged_axes")) == mesh.ndim
+                  and (d.result is not None or d.error is not None)), None)
     note = _fallback_note(alone, best, options) if alone is not None else ""
-    return replace(best, solver={**best.solver, "axis_search": tries},
-                   warnings=(*best.warnings, *([note] if note else [])))
+    return replace(best, warnings=(*best.warnings, *([note] if note else [])))
 
 
 def grouping_tries(mesh: Mesh) -> list[Try]:
@@ -154,15 +154,10 @@ def grouping_tries(mesh: Mesh) -> list[Try]:
     return out
 
 
-def _axis_record(d: Tried) -> dict[str, Any]:
-    """A try's entry in ``solver["axis_search"]``."""
-    merged = [list(g) for g in d.attempt.get("merged_axes")]
-    if d.result is None:
-        return {"merged_axes": merged, "error": d.error.got}
-    p = d.result
-    return {"merged_axes": merged, "joint": bool(p.joint_axes),
-            "step_time_s": p.predicted.step_time_s,
-            "status": p.solver["status"], "gap": p.solver["gap"]}
+def _facts(p: Plan) -> dict[str, Any]:
+    """A grouping's record beside its step: whether its plan's collectives run over joint
+    groups, and how its solve went."""
+    return {"joint": bool(p.joint_axes), "status": p.solver["status"], "gap": p.solver["gap"]}
 
 
 def _one_axis_at_a_time(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
@@ -179,14 +174,14 @@ def _one_axis_at_a_time(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
                               "note": "; ".join(filter(None, [p.solver.get("note"), note]))})
 
 
-def _fallback_note(alone: dict[str, Any], best: Plan, options: PlanOptions) -> str:
+def _fallback_note(alone: Tried, best: Plan, options: PlanOptions) -> str:
     """What the plan says when the search over every subset of axes did not finish within the
     time limit (no plan, or one the solver could not prove best) and a merged plan was kept."""
-    if "error" in alone:
-        why = f"gave no plan ({alone['error']})"
-    elif alone["status"] != "OPTIMAL" and len(best.solver["merged_axes"]) < len(alone[
-            "merged_axes"]):
-        why = f"stopped at the time limit {alone['gap']:.1%} from its bound"
+    if alone.result is None:
+        why = f"gave no plan ({alone.error.got})"
+    elif alone.result.solver["status"] != "OPTIMAL" and len(best.solver["merged_axes"]) < len(
+            alone.attempt.get("merged_axes")):
+        why = f"stopped at the time limit {alone.result.solver['gap']:.1%} from its bound"
     else:
         return ""
     return (f"the search over every subset of mesh axes for each tensor dim {why}; solver time "

@@ -18,9 +18,11 @@ local (Alpa prunes its stage-mesh search for the same reason): from the layout M
 rule of thumb gives (tensor across the node, then the fewest pipeline stages whose model state
 fits half the memory) it moves to the fastest neighbour (pp or tp doubled or halved) while one
 is faster; then it plans the other candidates, nearest the best first, while the budget lasts
-(all of them for a model that plans fast). Every candidate, planned or not, is listed in
-``plan.solver["mesh_search"]`` with its predicted step, why it has no plan, or why it was not
-planned; ``autoshard show`` prints them.
+(all of them for a model that plans fast). Every candidate, planned or not, is a try of the
+search "meshes" in the plan's record of its searches (``plan.solver["searches"]``, one record
+per round) with its predicted step, why it has no plan, or none of either when the time budget
+left it unplanned; ``plan.solver["mesh_search"]`` keeps the search's own figures (devices,
+candidates, seconds, time budget). ``autoshard show`` prints them.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions, resolve_options
 from autoshard.plans import Plan
-from autoshard.solver.search import Try, run_search
+from autoshard.solver.search import Try, plan_facts, records_searches, run_search
 from autoshard.trace.batches import Traces
 
 AXES = ("pp", "dp", "tp")
@@ -113,23 +115,8 @@ class Tried:
     error: str = ""
     seconds: float = 0.0
 
-    def record(self, chosen: bool) -> dict[str, Any]:
-        out: dict[str, Any] = {"mesh": list(self.candidate.shape),
-                               "axes": list(self.candidate.axes),
-                               "pp": self.candidate.pp, "dp": self.candidate.dp,
-                               "tp": self.candidate.tp, "plan_s": round(self.seconds, 2)}
-        if self.plan is not None:
-            out["step_time_s"] = self.plan.predicted.step_time_s
-            if self.plan.pipeline is not None:
-                out["microbatches"] = self.plan.pipeline.microbatches
-                out["schedule"] = self.plan.pipeline.schedule
-        else:
-            out["error"] = self.error
-        if chosen:
-            out["chosen"] = True
-        return out
 
-
+@records_searches
 def search_mesh(model: torch.nn.Module, example_inputs: Sequence[Any], gpus: int, *,
                 gpus_per_node: int | None = None, cluster: Cluster | str = "h100",
                 options: PlanOptions | None = None, model_name: str = "",
@@ -145,12 +132,7 @@ def search_mesh(model: torch.nn.Module, example_inputs: Sequence[Any], gpus: int
     traces = Traces(model, example_inputs, training=options.training,
                     precision=options.precision)
     batch = traces.full
-    layers = _layers(traces, batch)
-    cands = candidates(gpus, min(gpn, gpus), batch, layers)
-    if not cands:
-        raise AutoshardError(f"a batch that some data axis of {gpus} devices divides",
-                             got=f"batch {batch}", fix="use a batch with more factors of 2, or "
-                                                      "fewer devices")
+    cands = _candidates_of(traces, gpus, gpn)
     params = sum(p.numel() for p in model.parameters())
     tried: dict[Candidate, Tried] = {}
 
@@ -172,17 +154,24 @@ def search_mesh(model: torch.nn.Module, example_inputs: Sequence[Any], gpus: int
 
     def solve(t: Try) -> Tried | None:
         """A mesh screened (or screened again at another microbatch count); None once the
-        time budget is spent."""
-        if not affordable():
+        time budget is spent (the first mesh is always planned)."""
+        if tried and not affordable():
             return None
         c = t.get("mesh")
-        return evaluate(c, t.get("microbatches")) if t.get("again") else screen(c)
+        got = evaluate(c, t.get("microbatches")) if t.get("again") else screen(c)
+        if got.plan is None:
+            raise AutoshardError(f"a plan of mesh {c}", got=got.error,
+                                 fix="another mesh of the search")
+        return got
 
-    # Local search: to the fastest neighbour while one is faster.
-    current = screen(start(cands, params, 16.0, cluster.memory_bytes))
+    # Local search: to the fastest neighbour while one is faster (a neighbour planned before
+    # is no faster than the current mesh, the fastest planned so far).
+    first = start(cands, params, 16.0, cluster.memory_bytes)
+    search_round([first], solve)
+    current = tried[first]
     while affordable():
-        near = neighbours(current.candidate, cands)
-        better = run_search(mesh_tries(near), solve, price=_step)[0] if near else None
+        near = [c for c in neighbours(current.candidate, cands) if c not in tried]
+        better = search_round(near, solve) if near else None
         if better is None or _step(better) >= _step(current):
             break
         current = better
@@ -194,7 +183,7 @@ def search_mesh(model: torch.nn.Module, example_inputs: Sequence[Any], gpus: int
             c.tp.bit_length() - b.tp.bit_length())
     rest = sorted((c for c in cands if c not in tried), key=distance)
     if rest:
-        run_search(mesh_tries(rest), solve, price=_step)
+        search_round(rest, solve)
     best = min(tried.values(), key=_step)
     if best.plan is None:
         raise AutoshardError(f"a mesh of {gpus} devices some plan fits",
@@ -203,11 +192,18 @@ def search_mesh(model: torch.nn.Module, example_inputs: Sequence[Any], gpus: int
                              fix="add devices, or allow more memory techniques")
     if options.microbatches == "auto" and best.candidate.pp > 1:
         _other_counts(best, batch, solve)
-    chosen = best.plan
-    stopped = f"time budget of {time_budget_s:.0f} s (--search-budget)"
-    records = [t.record(t is best) for t in sorted(tried.values(), key=_step)]
-    search = _search_record(gpus, gpn, cands, tried, records, stopped, t0)
-    return replace(chosen, solver={**chosen.solver, "mesh_search": search})
+    # The tries are in the record of the searches; here the search's own figures.
+    search = {"gpus": gpus, "gpus_per_node": gpn, "candidates": len(cands),
+              "time_budget_s": time_budget_s, "search_s": round(time.perf_counter() - t0, 2)}
+    return replace(best.plan, solver={**best.plan.solver, "mesh_search": search})
+
+
+def search_round(meshes: Sequence[Candidate], solve, counts: Sequence[int] = ()
+                 ) -> Tried | None:
+    """One round of the mesh search through the driver: the fastest of ``meshes`` that plans
+    (None: none did, or the time budget was spent), every try in the record as "meshes"."""
+    return run_search("meshes", mesh_tries(meshes, counts), solve, price=_step,
+                      error_of_none="none", step=_step, facts=_facts)[0]
 
 
 def mesh_tries(meshes: Sequence[Candidate], counts: Sequence[int] = ()) -> list[Try]:
@@ -226,14 +222,19 @@ def _other_counts(best: Tried, batch: int, solve) -> None:
     pp, dp = best.candidate.pp, best.candidate.dp
     counts = [m for m in (pp, 2 * pp, 4 * pp)
               if m != best.microbatches and not batch % m and not (batch // m) % dp]
-    again = run_search(mesh_tries([best.candidate], counts), solve, price=_step)[0] \
-        if counts else None
+    again = search_round([best.candidate], solve, counts) if counts else None
     if again is not None and _step(again) < _step(best):
         best.plan, best.microbatches = again.plan, again.microbatches
 
 
 def _step(t: Tried) -> float:
     return t.plan.predicted.step_time_s if t.plan is not None else float("inf")
+
+
+def _facts(t: Tried) -> dict[str, Any]:
+    """A mesh try's record beside its step: its pipeline's microbatches and schedule, and the
+    seconds it took to plan."""
+    return {**plan_facts(t.plan), "plan_s": round(t.seconds, 2)}
 
 
 def _evaluate(c: Candidate, microbatches: int | None, traces: Traces, cluster: Cluster,
@@ -280,15 +281,15 @@ def _devices_per_node(gpus: int, gpus_per_node: int | None, cluster: Cluster,
     return gpn
 
 
-def _search_record(gpus: int, gpn: int, cands: list, tried: dict, records: list[dict],
-                   stopped: str, t0: float) -> dict[str, Any]:
-    """The plan's ``solver["mesh_search"]``: every mesh tried, fastest first, and the ones the
-    time budget left untried."""
-    skipped = [{"mesh": list(c.shape), "axes": list(c.axes), "pp": c.pp, "dp": c.dp,
-                "tp": c.tp, "not_tried": stopped} for c in cands if c not in tried]
-    return {"gpus": gpus, "gpus_per_node": gpn, "candidates": len(cands),
-            "tried": records, "not_tried": skipped, "search_s": round(
-                time.perf_counter() - t0, 2)}
+def _candidates_of(traces: Traces, gpus: int, gpn: int) -> list[Candidate]:
+    """The meshes to search for the traced model, or why there are none."""
+    batch = traces.full
+    cands = candidates(gpus, min(gpn, gpus), batch, _layers(traces, batch))
+    if not cands:
+        raise AutoshardError(f"a batch that some data axis of {gpus} devices divides",
+                             got=f"batch {batch}", fix="use a batch with more factors of 2, or "
+                                                      "fewer devices")
+    return cands
 
 
 def _layers(traces: Traces, batch: int) -> int:

@@ -160,9 +160,10 @@ def _search_schedules(schedules: Sequence[str], figs: LayerFigures, walker: Stag
                       budget: float, p: int, m: int) -> tuple[str, Any, list[dict], float]:
     """(schedule, cuts, the stages' figures, step) of the fastest schedule whose cut into
     stages fits ``budget``: one try per schedule through the search driver."""
-    best, _ = run_search(schedule_tries(schedules),
+    best, _ = run_search("schedules", schedule_tries(schedules),
                          lambda t: _fastest_cut(t.get("schedule"), figs, walker, budget, p, m),
-                         price=lambda c: c[0]) if schedules else (None, [])
+                         price=lambda c: c[0], step=lambda c: c[4],
+                         facts=lambda c: {"stages": len(c[2])}) if schedules else (None, [])
     if best is None:
         raise AutoshardError(f"pipeline stages within the memory budget of {budget / 2**30:.2f} "
                              f"GiB per device",

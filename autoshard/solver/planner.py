@@ -20,7 +20,7 @@ from autoshard.solver.diagnostics import mesh_use, smaller_mesh, unruled_note
 from autoshard.trace.batches import Traces, batch_of, sliced
 from autoshard.trace.export import TracedGraph
 from autoshard.solver.budget import fit_budget, plan_memory
-from autoshard.solver.search import Try, run_search
+from autoshard.solver.search import Try, apart, records_searches, run_search
 
 
 def plan(model: torch.nn.Module, example_inputs: Sequence[Any], mesh: Mesh,
@@ -38,6 +38,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any], mesh: Mesh,
     return plan_with(traces, mesh, options, model_name=model_name)
 
 
+@records_searches
 def plan_with(traces: Traces, mesh: Mesh, options: PlanOptions, *, model_name: str = "") -> Plan:
     """:func:`plan` with the model's graphs taken from ``traces``: the searches below (pipeline
     axis, microbatch count; solver/meshes.py's meshes) trace it at several batch sizes, and
@@ -54,7 +55,7 @@ def plan_with(traces: Traces, mesh: Mesh, options: PlanOptions, *, model_name: s
             raise AutoshardError(f"a batch that {p} pipeline stages can cut into {p}, {2 * p} "
                                  f"or {4 * p} microbatches", got=f"batch {traces.full}",
                                  fix="pass microbatches=<a divisor of the batch>")
-        best, _ = run_search(microbatch_tries(tries),
+        best, _ = run_search("microbatches", microbatch_tries(tries),
                              lambda t: plan_with(traces, mesh, t.options(options),
                                                  model_name=model_name),
                              error_of_none="last")
@@ -95,15 +96,11 @@ def _plan_pipeline_auto(traces: Traces, mesh: Mesh, options: PlanOptions,
                         model_name: str) -> Plan:
     """Whether and on which axis to pipeline (docs/cost-model.md §10): the plan without a
     pipeline and one pipelined over each axis of 2 or more devices; the fastest kept, every
-    try recorded in ``solver["pipeline_search"]`` (its step, or why it has no plan)."""
-    best, tried = run_search(pipeline_tries(mesh),
-                             lambda t: plan_with(traces, mesh, t.options(options),
-                                                 model_name=model_name))
-    search = [{"pipeline": dict(t.attempt.changes)["pipeline"], "step_time_s": t.step_time_s,
-               **({"microbatches": t.plan.pipeline.microbatches}
-                  if t.plan and t.plan.pipeline else {}),
-               **({"error": t.error.got} if t.error else {})} for t in tried]
-    return replace(best, solver={**best.solver, "pipeline_search": search})
+    try in the plan's record of its searches (the search "pipeline axis")."""
+    best, _ = run_search("pipeline axis", pipeline_tries(mesh),
+                         lambda t: plan_with(traces, mesh, t.options(options),
+                                             model_name=model_name))
+    return best
 
 
 def microbatch(example_inputs: Sequence[Any], microbatches: int) -> tuple:
@@ -129,6 +126,7 @@ def trace_for(model: torch.nn.Module, example_inputs: Sequence[Any],
                   precision=options.precision).at(batch_of(example_inputs))
 
 
+@records_searches
 def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = None, *,
                 model_name: str = "", fixed: dict[str, Strategy] | None = None,
                 trace_s: float = 0.0, merge: AxisMerge | None = None, **overrides: Any) -> Plan:
@@ -185,7 +183,9 @@ def _mesh_use_note(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: 
     head = (f"devices repeat work: compute per device is {use.redundancy:.1f}x the ideal share "
             f"of {mesh.size} devices; idle axes: {idle}")
     try:
-        with progress.step(f"devices repeat work: planning the same on {_devices(small)}"):
+        # A plan to compare with, not this one's: its searches stay out of this plan's record.
+        with progress.step(f"devices repeat work: planning the same on {_devices(small)}"), \
+                apart():
             other = plan_memory(traced, small, options, model_name=model_name, fixed=None,
                                  trace_s=0.0, merge=None)
     except AutoshardError:

@@ -9,15 +9,28 @@ and the budget's remedies (solver/budget.py), the groupings of a 3-axis mesh
 (solver/merging.py), the pipeline schedules (solver/pipeline.py) and, one round at a time,
 the meshes (solver/meshes.py: a local search, each round the best one's neighbours). A try's
 ``changes`` are PlanOptions fields (:meth:`Try.options`) or the search's own knobs (an offload
-level, a checkpointing policy, a grouping of axes) that its ``solve`` reads."""
+level, a checkpointing policy, a grouping of axes) that its ``solve`` reads.
+
+The record: the driver itself writes every search it runs, each try with its changes, its
+predicted step or error and whether it was kept (plans/searches.py), into the collector of the
+planning call that is running: :func:`records_searches` opens one on the outermost call of the
+planner (``plan_with``, ``plan_traced``, ``search_mesh``, ``plan_merged``) and puts what it
+collected into that call's plan, ``solver["searches"]``. A search that starts while a try of
+another is being solved records which try it ran inside (``within``), so the searches of a
+pipeline try's memory ladder stay that try's. A context variable carries the collector and the
+try being solved: no caller passes either, and none builds a record."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+import functools
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterator, Sequence
 
 from autoshard import progress
 from autoshard.errors import AutoshardError
 from autoshard.options import PlanOptions
+from autoshard.plans.searches import SearchRecord, TryRecord, plain
 
 
 @dataclass(frozen=True)
@@ -60,39 +73,122 @@ def plan_step(plan: Any) -> float:
     return plan.predicted.step_time_s
 
 
-def run_search(tries: Sequence[Try], solve: Callable[[Try], Any], *,
+def plan_facts(plan: Any) -> dict[str, Any]:
+    """The default facts a try's record keeps of its candidate beside its step: a pipelined
+    plan's microbatch count and schedule."""
+    pl = getattr(plan, "pipeline", None)
+    return {"microbatches": pl.microbatches, "schedule": plain(pl.schedule)} if pl else {}
+
+
+# The collector of the planning call that is running (the records, one per search, in the
+# order they started) and the try being solved in it (record index, try index), if any.
+_AT: ContextVar[tuple[list, tuple[int, int] | None] | None] = ContextVar("autoshard_searches",
+                                                                         default=None)
+
+
+def run_search(name: str, tries: Sequence[Try], solve: Callable[[Try], Any], *,
                price: Callable[[Any], Any] = plan_step,
                until: Callable[[Any], bool] | None = None,
                recoverable: Callable[[AutoshardError], bool] | None = None,
-               error_of_none: str = "first") -> tuple[Any, list[Tried]]:
+               error_of_none: str = "first", step: Callable[[Any], float] = plan_step,
+               facts: Callable[[Any], dict[str, Any]] = plan_facts) -> tuple[Any, list[Tried]]:
     """Solve every try with ``solve`` and keep the candidate of least ``price``; of equal ones
     the first. An AutoshardError is that try's outcome where ``recoverable`` allows it (default:
     every one), else the search's; ``until``: a candidate that ends the search (a ladder stops
     at its first rung that plans). None solved: the ``error_of_none`` ("first" or "last") try's
     error is raised, the one that says most about why (a search orders its tries so); with
-    "none", or no error either: (None, the tries), for the search to say why."""
+    "none", or no error either: (None, the tries), for the search to say why.
+
+    The search is recorded as ``name`` (module docstring), whether it returns or raises: each
+    try with its ``step`` (default: its plan's predicted step) and ``facts``."""
     _check(tries, error_of_none)
+    at = _AT.get()
+    index = None
+    if at is not None:
+        index = len(at[0])
+        at[0].append(None)          # its place: an enclosing search is listed first
     done: list[Tried] = []
-    for t in tries:
-        try:
-            if t.announce:
-                with progress.step(t.label):
-                    done.append(Tried(t, solve(t), None))
-            else:
-                done.append(Tried(t, solve(t), None))
-        except AutoshardError as e:
-            if recoverable is not None and not recoverable(e):
+    best = None
+    try:
+        for k, t in enumerate(tries):
+            inside = (at[0], (index, k)) if at is not None else None
+            try:
+                done.append(_solve_one(t, solve, recoverable, inside))
+            except AutoshardError as e:     # the search's error: the try is recorded with it
+                done.append(Tried(t, None, e))
                 raise
-            done.append(Tried(t, None, e))
-        if until is not None and done[-1].result is not None and until(done[-1].result):
-            break
-    found = [d for d in done if d.result is not None]
-    if not found:
-        errors = [d.error for d in done if d.error is not None]
-        if errors and error_of_none != "none":
-            raise errors[0] if error_of_none == "first" else errors[-1]
-        return None, done
-    return min(found, key=lambda d: price(d.result)).result, done
+            if until is not None and done[-1].result is not None and until(done[-1].result):
+                break
+        found = [d for d in done if d.result is not None]
+        if not found:
+            errors = [d.error for d in done if d.error is not None]
+            if errors and error_of_none != "none":
+                raise errors[0] if error_of_none == "first" else errors[-1]
+            return None, done
+        best = min(found, key=lambda d: price(d.result))
+        return best.result, done
+    finally:
+        if at is not None:
+            at[0][index] = _record(name, at[1], done, best, step, facts)
+
+
+def _solve_one(t: Try, solve: Callable[[Try], Any],
+               recoverable: Callable[[AutoshardError], bool] | None,
+               inside: tuple[list, tuple[int, int]] | None) -> Tried:
+    """One try solved, with the collector told that searches starting now run inside it."""
+    token = _AT.set(inside) if inside else None
+    try:
+        if t.announce:
+            with progress.step(t.label):
+                return Tried(t, solve(t), None)
+        return Tried(t, solve(t), None)
+    except AutoshardError as e:
+        if recoverable is not None and not recoverable(e):
+            raise
+        return Tried(t, None, e)
+    finally:
+        if token is not None:
+            _AT.reset(token)
+
+
+def _record(name: str, within: tuple[int, int] | None, done: list[Tried], best: Tried | None,
+            step: Callable[[Any], float], facts: Callable[[Any], dict[str, Any]]
+            ) -> dict[str, Any]:
+    tries = tuple(TryRecord(d.attempt.label, plain(dict(d.attempt.changes)),
+                            step(d.result) if d.result is not None else None,
+                            (d.error.got or str(d.error)) if d.error is not None else None,
+                            d is best, facts(d.result) if d.result is not None else {})
+                  for d in done)
+    return SearchRecord(name, within, tries).to_json()
+
+
+def records_searches(planner: Callable[..., Any]) -> Callable[..., Any]:
+    """``planner`` (a function that returns a Plan) with the searches it runs recorded in its
+    plan's ``solver["searches"]``, when it is the outermost planning call; called inside
+    another, its searches are that call's (the module docstring)."""
+    @functools.wraps(planner)
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        if _AT.get() is not None:
+            return planner(*args, **kwargs)
+        records: list = []
+        token = _AT.set((records, None))
+        try:
+            plan = planner(*args, **kwargs)
+        finally:
+            _AT.reset(token)
+        return replace(plan, solver={**plan.solver, "searches": records})
+    return recorded
+
+
+@contextmanager
+def apart() -> Iterator[None]:
+    """Plans made in this block are not the running call's: their searches stay out of its
+    record (a plan made only to compare with, on another mesh)."""
+    token = _AT.set(None)
+    try:
+        yield
+    finally:
+        _AT.reset(token)
 
 
 def _check(tries: Sequence[Try], error_of_none: str) -> None:
