@@ -7,6 +7,7 @@ writes the list from a ``--durations=0`` run).
     python -m pytest -m "not slow and not gloo"     # pure data and one-process tests
     python -m pytest -m "not slow"                  # the fast tier (under 2 minutes)
     python -m pytest                                 # everything (the README's command)
+    AUTOSHARD_SLOW=1 python -m pytest                # and the cases each file lists in FULL_ONLY
 """
 from __future__ import annotations
 
@@ -42,8 +43,23 @@ def measured_slow() -> set[str]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     slow = measured_slow()
+    full = bool(os.environ.get("AUTOSHARD_SLOW"))
+    kept, dropped = [], []
     for item in items:
         if any(name.startswith("world") for name in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.gloo)
         if item.nodeid in slow:
             item.add_marker(pytest.mark.slow)
+        # A module's FULL_ONLY names the cases of its parametrized tests that repeat what
+        # another case already covers (the same layout on the other tiny model, a schedule
+        # the 4-rank tests run too): they run with AUTOSHARD_SLOW=1, keeping the README's
+        # command under 8 minutes on 2 cores.
+        if item.name in getattr(getattr(item, "module", None), "FULL_ONLY", ()):
+            item.add_marker(pytest.mark.full)
+            if not full:
+                dropped.append(item)
+                continue
+        kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept

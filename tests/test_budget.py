@@ -6,6 +6,7 @@ reads (cost/program.py)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -29,7 +30,8 @@ from dist import world_fixture
 
 # Fractions of the unconstrained plan's step peak: from a budget that barely binds to one
 # below what any technique reaches.
-FRACTIONS = (0.9, 0.7, 0.5, 0.35, 0.1)
+# (0.7 and 0.35 between them with AUTOSHARD_SLOW=1, the full matrix)
+FRACTIONS = (0.9, 0.7, 0.5, 0.35, 0.1) if os.environ.get("AUTOSHARD_SLOW") else (0.9, 0.5, 0.1)
 MEASURED = "gpt2-tiny"         # the model the gloo ranks run (verify's zoo batch)
 
 
@@ -77,7 +79,8 @@ def test_every_plan_of_a_budget_sweep_peaks_within_it(gpt2):
     # Every layer checkpointed: what the planner picks at each of these budgets anyway (the
     # same plans and refusals), without the recompute search's three solves per rung of the
     # memory ladder; the mixed-precision sweep below keeps that search (it picks "selective"
-    # at 0.7), as does tests/test_planner.py test_recompute_ladder_holds_the_step_peak.
+    # at 0.7, a fraction of the full matrix), as does tests/test_planner.py
+    # test_recompute_ladder_holds_the_step_peak.
     seen = _sweep(gpt2, Mesh((2,), cluster="cpu"), recompute="full")
     assert any(not s.startswith("refused") for _, s in seen)     # some budgets are met
     assert seen[-1][1].startswith("refused")                     # and 10% is below any plan

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 from typing import Any
 
 import pytest
@@ -24,7 +25,8 @@ from autoshard.mesh import Mesh
 from autoshard.plans import Plan
 from autoshard.zoo.registry import get_model
 
-FUZZ = settings(max_examples=500, deadline=None, derandomize=True, database=None,
+# 200 mutations of each plan by default, 500 with AUTOSHARD_SLOW=1 (the full matrix).
+FUZZ = settings(max_examples=500 if os.environ.get("AUTOSHARD_SLOW") else 200, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
 
 # Values a hand edit or a damaged file may leave anywhere: every JSON type, the numbers that

@@ -132,6 +132,12 @@ MODES = [("gpt2-tiny", (4,), "dp", dict(zero="zero1")),
          ("gpt2-tiny", (2, 2), None, dict(offload="optimizer"))]
 
 
+# ZeRO-2 on Llama over 2x2 covers ZeRO-2, optimizer offload on GPT over 2x2 covers offload (and
+# tests/test_training_loop.py's data-parallel loop): the others with AUTOSHARD_SLOW=1.
+FULL_ONLY = {"test_state_modes_train_as_single_device[gpt2-tiny-4-dp-zero2]",
+             "test_state_modes_train_as_single_device[llama-tiny-4-dp-optimizer]"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model,shape,baseline,kw", MODES,
                          ids=[f"{m}-{'x'.join(map(str, s))}-{b}-{list(k.values())[0]}"

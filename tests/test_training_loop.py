@@ -72,6 +72,18 @@ LOOPS = [(m, shape, baseline, kw) for m in ("llama-tiny", "gpt2-tiny") for shape
     ((2, 2), None, dict(pipeline="pp", microbatches=2)))]     # 2 stages, each data parallel
 
 
+# Each layout on both tiny models with AUTOSHARD_SLOW=1; by default the data-parallel ones (plain,
+# ZeRO-2, offload) on GPT only, and FSDP and Megatron on Llama only.
+FULL_ONLY = {"test_loop_equals_one_device[llama-tiny-4-dp-]",
+             "test_loop_equals_one_device[llama-tiny-4-dp-zero2-0.05]",
+             "test_loop_equals_one_device[llama-tiny-4-dp-optimizer-0.05]",
+             "test_loop_equals_one_device[gpt2-tiny-4-fsdp-]",
+             "test_loop_equals_one_device[gpt2-tiny-2x2-megatron-]",
+             # ZeRO-2 under eval and train: the batch-norm model's case covers it
+             "test_eval_and_train_modes_equal_one_device[gpt2-dp-zero2-0.05]",
+             "test_eval_and_train_modes_equal_one_device[llama-dp-zero2-0.05]"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model,shape,baseline,kw", LOOPS,
                          ids=[f"{m}-{'x'.join(map(str, s))}-{b}-{'-'.join(map(str, k.values()))}"
