@@ -107,6 +107,29 @@ def test_a_forward_that_counts_its_layers_is_exported_whole() -> None:
     _same(fast, trace(model, inputs, whole=True))
 
 
+class _Skips(_Scaled):
+    """A stack whose layer i also reads layer i-2's output (a skip across layers)."""
+
+    def forward(self, x, y):
+        outs = [x, x]
+        for layer in self.layers:
+            outs.append(outs[-1] + layer(outs[-1]) + outs[-2])
+        return ((outs[-1] - y) ** 2).mean()
+
+
+def test_a_layer_that_reads_an_earlier_layers_values_is_exported_whole() -> None:
+    model = _Skips(10)
+    inputs = (torch.randn(4, 16), torch.randn(4, 16))
+    assert repeated_layers(model) is not None
+    fast = trace(model, inputs)
+    assert fast.copied_layers == 0
+    _same(fast, trace(model, inputs, whole=True))
+
+
+def test_a_model_that_is_its_own_list_of_layers_has_no_container() -> None:
+    assert repeated_layers(nn.Sequential(*(nn.Linear(16, 16) for _ in range(6)))) is None
+
+
 # Hugging Face families (tests/test_unseen.py's tiny configs), with enough layers that their
 # patterns repeat past the prefix and its proof.
 LONGER = {

@@ -272,10 +272,7 @@ def _read_param_state(f: Field, params: dict[str, Spec], nodes: tuple[NodePlan, 
 
 
 def _read_host_transfer(f: Field) -> HostTransfer:
-    direction = f.key("direction")
-    if direction.text() not in DIRECTIONS:
-        direction.fail(f"one of {', '.join(map(json.dumps, DIRECTIONS))}")
-    return HostTransfer(direction.value, f.key("bytes").integer(), f.key("phase").one_of(PHASES),
+    return HostTransfer(f.key("direction").one_of(DIRECTIONS), f.key("bytes").integer(), f.key("phase").one_of(PHASES),
                         f.key("node").text(), f.key("value").text(),
                         f.key("count", 1).integer(least=1))
 

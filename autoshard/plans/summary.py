@@ -133,19 +133,24 @@ def _mesh_search_summary(plan: Plan) -> list[str]:
     return lines
 
 
-def _mesh_text(t: TryRecord) -> str:
-    """A mesh try's mesh as its shape and axes, e.g. ``2x4 (pp,tp)`` (the axes of one device
-    left out, as solver/meshes.py ``Candidate`` does)."""
-    m = t.changes.get("mesh") or {}
-    kept = [(a, m.get(a, 1)) for a in ("pp", "dp", "tp") if m.get(a, 1) > 1] or [("dp", 1)]
+def _shape_text(sizes: list[tuple[str, int]]) -> str:
+    """A mesh as its shape and axes, e.g. ``2x4 (pp,tp)``, the axes of one device left out
+    (as solver/meshes.py ``Candidate`` does)."""
+    kept = [(a, n) for a, n in sizes if n > 1] or [("dp", 1)]
     return f"{'x'.join(str(n) for _, n in kept)} ({','.join(a for a, _ in kept)})"
 
 
+def _mesh_text(t: TryRecord) -> str:
+    m = t.changes.get("mesh") or {}
+    return _shape_text([(a, m.get(a, 1)) for a in ("pp", "dp", "tp")])
+
+
 def _is_plan_of(t: TryRecord, plan: Plan) -> bool:
-    """Whether try ``t`` gave ``plan``: its step, and its microbatches where it has a
+    """Whether try ``t`` gave ``plan``: its mesh, and its microbatches where it has a
     pipeline (the chosen mesh is tried again at other counts)."""
     m = plan.pipeline.microbatches if plan.pipeline else None
-    return t.step_time_s == plan.predicted.step_time_s and t.facts.get("microbatches") == m
+    return _mesh_text(t) == _shape_text(list(zip(plan.mesh_axes, plan.mesh_shape))) and \
+        t.step_time_s is not None and t.facts.get("microbatches") == m
 
 
 def _pipeline_summary(plan: Plan) -> list[str]:

@@ -347,7 +347,7 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0,
         least = least_memory_plan(problem, time_limit_s=time_limit_s)
         raise Infeasible(least.bytes, budget=problem.memory_budget, exact=least.exact)
     deadline = Deadline.after(time_limit_s, t0)
-    if not verdict and hasattr(os, "fork"):
+    if not verdict:
         try:
             return _bounded(_search, problem, deadline, cutoff_s, verdict, highs_first, starts,
                             limit_s=time_limit_s)
@@ -371,14 +371,17 @@ _IN_CHILD = False            # this process is a child of _bounded
 def _bounded(fn, *args, limit_s: float):
     """``fn(*args)`` in a forked child killed after ``limit_s`` times :data:`WALL_SLACK` plus a
     second (NoSolution then): the only hard bound on a backend that overruns its own limit. The child returns the
-    Solution, or which of the solver's exceptions it raised, through a pipe."""
+    Solution, or which of the solver's exceptions it raised, through a pipe. In a child (its
+    own solves need no child of their own) or where one cannot fork, ``fn(*args)`` here."""
+    global _IN_CHILD
+    if _IN_CHILD or not hasattr(os, "fork"):
+        return fn(*args)
     import pickle
     import select
     import signal
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:                                   # the child: solve, report, exit at once
-        global _IN_CHILD
         _IN_CHILD = True                           # its own solves need no child of their own
         os.close(r)
         try:
@@ -485,8 +488,7 @@ def _attempt(problem: Problem, backends: tuple[str, ...], time_limit_s: float,
     has starts to fall back on): stopped, as NOT_SOLVED, at :data:`WALL_SLACK` times
     ``time_limit_s`` where it is large (above) and one can fork. Without starts a backend that
     overruns is waited for: its plan is the only one."""
-    if not stoppable or _IN_CHILD or not hasattr(os, "fork") or \
-            _size(problem) < BOUNDED_VARIABLES:
+    if not stoppable or _size(problem) < BOUNDED_VARIABLES:
         return _attempt_here(problem, backends, time_limit_s, cutoff_s, hint)
     try:
         return _bounded(_attempt_here, problem, backends, time_limit_s, cutoff_s, hint,
@@ -624,10 +626,7 @@ def _solve_held(held: Problem, limit: float) -> Solution | None:
         return None
     deadline = Deadline.after(limit)
     try:
-        if hasattr(os, "fork") and not _IN_CHILD:
-            sol = _bounded(_search, proj.problem, deadline, None, True, False, limit_s=limit)
-        else:
-            sol = _search(proj.problem, deadline, None, True, False)
+        sol = _bounded(_search, proj.problem, deadline, None, True, False, limit_s=limit)
     except (Infeasible, NoSolution):
         return None
     return replace(sol, choice=proj.lift(sol.choice))

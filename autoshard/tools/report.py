@@ -526,7 +526,7 @@ def render_html(plan: Plan, figures: list[Section] | None = None) -> str:
     head = (f"mesh {dims} ({', '.join(plan.mesh_axes)}), cluster {plan.cluster_text}, "
             f"{'training' if plan.training else 'inference'}; predicted step "
             f"{p.step_time_s * 1e3:.3f} ms, peak memory "
-            f"{_bytes(_peak(plan))} per device; solver {plan.solver['status']}")
+            f"{_bytes(plan.predicted.peak_bytes)} per device; solver {plan.solver['status']}")
     body = [f"<h1>{esc(title)}</h1>", f'<p class="meta">{esc(head)}</p>']
     body += [f'<p class="meta">warning: {esc(w)}</p>' for w in plan.warnings]
     for s in sections(plan) if figures is None else figures:
@@ -554,11 +554,6 @@ def _state(plan: Plan, fqn: str) -> str:
         return "with the parameter"
     return (f"{st.mode}: gradients {spec_str(st.grad)}, optimizer {spec_str(st.optimizer)}"
             + (", on the host" if st.offload != OffloadLevel.NONE else ""))
-
-
-def _peak(plan: Plan) -> float:
-    mem = plan.predicted.memory
-    return float(mem.peak) if mem is not None else float(plan.predicted.ilp_sum_bytes)
 
 
 def write_report(plan: Plan | str | Path, output: str | Path) -> list[str]:
@@ -616,7 +611,7 @@ def summary_json(plan: Plan, *, seconds: float | None = None,
             "overlapped_comm_s": dict(p.overlapped_comm_s or {}),
             "optimizer_s": p.optimizer_s,
             "parts": dict(step_parts(plan))},
-        "memory": {"peak_bytes": _peak(plan), "peak_phase": p.peak_phase,
+        "memory": {"peak_bytes": float(p.peak_bytes), "peak_phase": p.peak_phase,
                    "bound_bytes": p.ilp_sum_bytes, "budget_bytes": budget_bytes(plan),
                    **{k: mem[k] for k in (*MEMORY_PARTS, "host") if k in mem}},
         "techniques": techniques(plan),

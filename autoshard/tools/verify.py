@@ -335,7 +335,7 @@ def predicted_memory(pm) -> dict[str, int]:
                     for p in pm.local_parameters().values())
     buffers = sum(t.numel() * t.element_size() for t in pm._buffers_local.values())
     # The peak over the step from liveness (cost/liveness.py) where the plan has it.
-    peak = int(mem.peak) if mem is not None else int(plan.predicted.ilp_sum_bytes)
+    peak = int(plan.predicted.peak_bytes)
     return {"peak": peak, "model_state": state, "buffers": buffers,
             "saved": peak - state - buffers}
 

@@ -80,8 +80,8 @@ def repeated_layers(model: torch.nn.Module) -> Repeat | None:
     """The prefix to export of ``model``'s layers, or None where exporting them all is as short
     (a few layers, one instance of each kind, no container of layers, hooks on a layer)."""
     best = None
-    for path, m in model.named_modules():
-        if type(m) in (torch.nn.ModuleList, torch.nn.Sequential) and len(m) > 2:
+    for path, m in model.named_modules():     # (the model itself is no container of its own)
+        if path and type(m) in (torch.nn.ModuleList, torch.nn.Sequential) and len(m) > 2:
             size = sum(p.numel() for p in m.parameters())
             if best is None or size > best[0]:
                 best = (size, path, m)
