@@ -17,7 +17,7 @@ from ortools.linear_solver import pywraplp
 
 from autoshard.solver.deadline import Deadline
 from autoshard.solver.ties import break_ties
-from autoshard.solver.ilp import (Infeasible, NoBetter, NoSolution, least_memory,
+from autoshard.solver.ilp import (Infeasible, MemoryBinds, NoBetter, NoSolution, least_memory,
                                   least_memory_plan, solve)
 from autoshard.solver.problem import (Decision, Edge, Fanout, Problem, Solution, Start, admits,
                                       evaluate, projected, restricted)
@@ -415,17 +415,18 @@ def test_ilp_matches_brute_force(p: Problem) -> None:
     assert math.isfinite(sol.objective)
 
 
-@pytest.mark.parametrize("budget,choice,backend", [(100.0, 0, "CBC"), (5.0, 1, "HIGHS")])
-def test_memory_only_items_count_when_the_budget_binds(budget, choice, backend) -> None:
+@pytest.mark.parametrize("budget,choice", [(100.0, 0), (5.0, 1)])
+def test_memory_only_items_count_when_the_budget_binds(budget, choice) -> None:
     """A memory-only edge (a saved activation, no seconds): strategy 0 is faster but keeps 10
-    bytes through the edge. With room, the plan solved without the edge stands (CBC's); under a
-    budget of 5 it does not fit once the edge is counted, and the whole problem, whose memory
-    binds, is solved HiGHS first (ilp.BINDING_BACKENDS) and gives strategy 1."""
+    bytes through the edge. With room, the plan solved without the edge stands (HiGHS solves
+    that problem); under a budget of 5 it does not fit once the edge is counted, and the whole
+    problem, whose memory binds, is solved HiGHS first (ilp.BINDING_BACKENDS) and gives
+    strategy 1."""
     decisions = (Decision("a", 1, (1.0, 2.0), (0.0, 0.0)), Decision("b", 1, (0.0,), (0.0,)))
     saved = Edge("a:saved", 1, 0, 1, (0, 1), (0,), ((0.0,), (0.0,)), ((10.0,), (1.0,)))
     p = Problem(decisions, (saved,), memory_budget=budget)
     sol = solve(p)
-    assert sol.choice[0] == choice and sol.backend == backend
+    assert sol.choice[0] == choice and sol.backend == "HIGHS"
     assert evaluate(p, sol.choice)[1] <= budget
 
 
@@ -508,3 +509,39 @@ def test_a_projected_restriction_has_the_same_plans_at_the_same_prices(p: Proble
     if g is not None and len(allowed[g]) < len(p.decisions[g].cost):
         out = next(i for i in range(len(p.decisions[g].cost)) if i not in allowed[g])
         assert projected(replace(held, fixed=((g, out),))) is None
+
+
+def _binding(budget: float, *, timed_memory: float = 0.0) -> Problem:
+    """Strategy 0 of ``a`` is faster (1 s against 2 s) but keeps 10 bytes through a memory-only
+    edge (strategy 1: 1 byte); a second edge prices time and keeps ``timed_memory`` bytes
+    whatever is chosen (a reshard's output stored for recompute)."""
+    decisions = (Decision("a", 1, (1.0, 2.0), (0.0, 0.0)), Decision("b", 1, (0.0,), (0.0,)))
+    saved = Edge("a:saved", 1, 0, 1, (0, 1), (0,), ((0.0,), (0.0,)), ((10.0,), (1.0,)))
+    timed = Edge("a:0", 1, 0, 1, (0, 0), (0,), ((0.5,),), ((timed_memory,),))
+    return Problem(decisions, (saved, timed), memory_budget=budget)
+
+
+def test_memory_binds_is_said_before_the_whole_problem_is_searched() -> None:
+    """``stop_if_binds``: the optimum without the memory-only edge (1.5 s) does not fit with
+    it, so solve says MemoryBinds with that optimum as the bound; ``binds``: the whole problem
+    is solved at once, to strategy 1."""
+    p = _binding(5.0)
+    with pytest.raises(MemoryBinds) as info:
+        solve(p, stop_if_binds=True)
+    assert info.value.bound == pytest.approx(1.5)
+    sol = solve(p, binds=True)
+    assert sol.choice[0] == 1 and sol.status == "OPTIMAL"
+    assert solve(_binding(50.0), stop_if_binds=True).choice[0] == 0     # room: no verdict
+
+
+def test_what_the_problem_without_memory_only_items_proves_holds_for_the_whole() -> None:
+    """That problem relaxes the whole one's memory: its proof that nothing fits is the whole
+    problem's, reported with its least memory as a lower bound (the whole problem's own exact
+    figure, 21 bytes, would have taken its own search); its proof that nothing is faster than
+    the cutoff is too."""
+    with pytest.raises(Infeasible) as info:
+        solve(_binding(15.0, timed_memory=20.0))
+    assert not info.value.exact and info.value.least_memory == pytest.approx(20.0)
+    with pytest.raises(NoBetter) as better:
+        solve(_binding(50.0), cutoff_s=1.0)
+    assert better.value.proved

@@ -804,3 +804,28 @@ def test_checkpointing_per_layer_recomputes_only_what_memory_needs(gpt2_b8) -> N
     assert p.predicted.step_time_s < every.predicted.step_time_s
     groups = {layer.same_as for layer in p.layers if layer.name.startswith("layers.")}
     assert groups == {"layers.0", f"layers.{k}"}
+
+
+def test_where_memory_binds_the_ladder_bounds_the_rung_without_checkpointing(gpt2_b8) -> None:
+    """Where the plan without checkpointing does not fit once the saved activations are counted
+    (its optimum without them does, ilp.MemoryBinds), full checkpointing is solved first and
+    bounds it: the rung without checkpointing then searches only faster plans. The plan is no
+    slower than the fastest of the three policies planned alone, and fits."""
+    import io
+    from autoshard import progress
+    mesh = Mesh((8,), cluster="h100")
+    kw = dict(zero="none", offload="none", memory_budget=1.1 * 2**30, compile=True)
+    out = io.StringIO()
+    with progress.enabled(True, out):
+        p = plan_traced(gpt2_b8, mesh, **kw)
+    assert "activation checkpointing (full) first, to bound it" in out.getvalue()
+    assert max(p.predicted.memory.peak, p.predicted.ilp_sum_bytes) <= 1.1 * 2**30
+    alone = []
+    for policy in ("none", "selective", "full"):
+        try:
+            alone.append(plan_traced(gpt2_b8, mesh, recompute=policy, **kw))
+        except AutoshardError:
+            continue
+    fitting = [a for a in alone if a.predicted.memory.peak <= 1.1 * 2**30]
+    assert fitting
+    assert p.predicted.step_time_s <= min(a.predicted.step_time_s for a in fitting) * (1 + 1e-9)

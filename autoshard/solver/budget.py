@@ -14,7 +14,7 @@ from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions
 from autoshard.plans import Plan
 from autoshard.cost.memory import budget_for, device_budget, host_budget
-from autoshard.solver.ilp import Infeasible, NoBetter, NoSolution
+from autoshard.solver.ilp import Infeasible, MemoryBinds, NoBetter, NoSolution
 from autoshard.solver.diagnostics import gib
 from autoshard.trace.export import TracedGraph
 from autoshard.trace.layers import checkpointable
@@ -114,49 +114,11 @@ def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw:
     if options.recompute in ("selective", "full"):
         return plan_once(traced, mesh, options,
                             recompute=dict.fromkeys(layers, options.recompute), **kw)
-    budget = device_budget(mesh.cluster, options.memory_budget)
-    first: list[Plan] = []          # the plan without checkpointing, once solved
-
-    tries = recompute_tries()
-
-    def solve(t: Try) -> Plan | None:
-        policy = t.get("recompute")
-        # A rung before the last whose every decision at its least memory already sums above
-        # the budget is refused without the MIP that finds its exact least memory (selective
-        # on GPT-3 175B at 8x8, batch 64: 28 to 95 s): only the last rung's refusal is reported.
-        exact = t is tries[-1]
-        if policy is None:
-            first.append(plan_once(traced, mesh, options, recompute={}, least_exact=exact,
-                                   **kw))
-            return first[0]
-        # A plan that fits by liveness too is final unless checkpointing beats it: search only
-        # faster ones (re-planning for the peak below never makes a plan faster). Only a plan
-        # proven optimal sets that bar: one the time limit stopped may be far from its best
-        # (Llama-3-70B on 4x8: 8,457 ms stopped at the limit, where full checkpointing plans
-        # 1,533 ms), and the bar would leave the later rungs no time to find better.
-        cutoff = first[0].predicted.step_time_s if first and \
-            first[0].solver.get("status") == "OPTIMAL" and \
-            first[0].predicted.memory.peak <= budget and mesh.ndim < 3 else None
-        try:
-            return plan_once(traced, mesh, options, cutoff_s=cutoff, least_exact=exact,
-                             recompute=dict.fromkeys(layers, policy), **kw)
-        except NoBetter:
-            progress.note(f"no plan faster than {cutoff * 1e3:.3f} ms")
-            return None
-
-    def unbound(p: Plan) -> bool:
-        """Memory no longer binds: checkpointing (more of it) would only add time. Without
-        it, memory binds near the budget (a layout the budget ruled out may be faster with the
-        memory checkpointing frees; a plan 1% under the budget can be one)."""
-        if not p.recompute:
-            return p.predicted.ilp_sum_bytes < budget * BINDS
-        return set(p.recompute.values()) == {"selective"} and \
-            p.predicted.ilp_sum_bytes < budget * 0.98 and \
-            p.predicted.memory.peak <= budget
-
+    ladder = _Ladder(traced, mesh, options, layers, kw)
     # No plan fits, or none was found in time (memory that binds makes the ILP hard):
     # checkpointing frees memory either way.
-    _, done = run_search("checkpointing", tries, solve, until=unbound, error_of_none="last",
+    _, done = run_search("checkpointing", ladder.tries, ladder.solve, until=ladder.unbound,
+                         error_of_none="last",
                          recoverable=lambda e: isinstance(e.__cause__, (Infeasible, NoSolution)))
     plans = [d.result for d in done if d.result is not None]
     if len(done) == 1 and plans:
@@ -170,14 +132,111 @@ def _plan_recompute(traced: TracedGraph, mesh: Mesh, options: PlanOptions, **kw:
     for p in sorted(plans, key=lambda p: p.predicted.step_time_s):
         if fitting is not None and p.predicted.step_time_s >= fitting.predicted.step_time_s:
             break
-        fit = _fit_live(traced, mesh, options, p, budget, kw)
-        if fit is not None and (fitting is None or fit.predicted.step_time_s
-                                < fitting.predicted.step_time_s):
-            fitting = fit
+        f = ladder.fit(p)
+        if f is not None and (fitting is None or f.predicted.step_time_s
+                              < fitting.predicted.step_time_s):
+            fitting = f
     if fitting is None:
         return min(plans, key=lambda p: p.predicted.step_time_s)
-    partial = _plan_partial(traced, mesh, options, fitting, layers, budget, **kw)
+    partial = _plan_partial(traced, mesh, options, fitting, layers, ladder.budget, **kw)
     return fitting if partial is None else partial
+
+
+# A plan within this fraction of its solver's bound sets a later rung's bar (_Ladder.bar): the
+# Llama-3-70B plan on 4x8 re-planned for its peak stopped at 0.96% from its bound.
+BAR_GAP = 0.02
+
+
+class _Ladder:
+    """The checkpointing search's rungs (recompute "auto"): none, selective, full on every
+    checkpointable layer, each solved with the fastest settled plan in hand as its cutoff, and
+    every plan re-planned for its liveness peak at most once."""
+
+    def __init__(self, traced: TracedGraph, mesh: Mesh, options: PlanOptions,
+                 layers: Sequence[str], kw: dict[str, Any]) -> None:
+        self.traced, self.mesh, self.options, self.layers, self.kw = traced, mesh, options, \
+            layers, kw
+        self.budget = device_budget(mesh.cluster, options.memory_budget)
+        self.tries = recompute_tries()
+        self.last = self.tries[-1].get("recompute")
+        self.held: dict[str | None, Plan | AutoshardError] = {}   # each rung solved, by policy
+        self.fitted: dict[int, Plan | None] = {}          # id(plan): it, fitted to its peak
+
+    def fit(self, p: Plan) -> Plan | None:
+        if id(p) not in self.fitted:
+            self.fitted[id(p)] = _fit_live(self.traced, self.mesh, self.options, p, self.budget,
+                                           self.kw)
+        return self.fitted[id(p)]
+
+    def rung(self, policy: str | None, **more: Any) -> Plan:
+        # A rung before the last whose every decision at its least memory already sums above
+        # the budget is refused without the MIP that finds its exact least memory (selective
+        # on GPT-3 175B at 8x8, batch 64: 28 to 95 s): only the last rung's refusal is reported.
+        return plan_once(self.traced, self.mesh, self.options, least_exact=policy == self.last,
+                         recompute={} if policy is None else dict.fromkeys(self.layers, policy),
+                         **more, **self.kw)
+
+    def bar(self) -> float | None:
+        """The step of the fastest plan in hand that fits by liveness too and is settled
+        (proven optimal, or within BAR_GAP of its bound): a later rung searches only faster
+        plans (re-planning for the peak never makes a plan faster). One the time limit stopped
+        far from its best sets none (Llama-3-70B on 4x8 without checkpointing: 8,457 ms
+        stopped at the limit, where full checkpointing plans 1,533 ms): it would leave the
+        later rungs a quarter of the time limit to find better. 2-D meshes only."""
+        if self.mesh.ndim >= 3:
+            return None
+        held = [p for p in self.held.values() if isinstance(p, Plan) and _settled(p)]
+        steps = [f.predicted.step_time_s for f in map(self.fit, held)
+                 if f is not None and _settled(f)]
+        return min(steps, default=None)
+
+    def solve(self, t: Try) -> Plan | None:
+        policy = t.get("recompute")
+        if policy not in self.held:
+            try:
+                self.held[policy] = self._solve(policy)
+            except AutoshardError as e:
+                self.held[policy] = e
+        if isinstance(self.held[policy], AutoshardError):
+            raise self.held[policy]
+        return self.held[policy]
+
+    def _solve(self, policy: str | None) -> Plan | None:
+        cutoff = self.bar()
+        try:
+            try:
+                return self.rung(policy, cutoff_s=cutoff,
+                                 stop_if_binds=policy is None and self.mesh.ndim < 3)
+            except MemoryBinds:
+                # Memory binds without checkpointing: its whole MIP is the hard one (Llama-3-70B
+                # on 4x8: 25 s to a plan 5.5x its optimum). The last rung, which frees the most
+                # memory, solved first and fitted to its peak, bounds it (the same MIP under
+                # that cutoff: proved empty in 0.8 s).
+                with progress.step(f"{self.tries[-1].label} first, to bound it"):
+                    try:
+                        self.solve(self.tries[-1])
+                    except AutoshardError as e:
+                        if not isinstance(e.__cause__, (Infeasible, NoSolution)):
+                            raise
+                cutoff = self.bar()
+                return self.rung(policy, cutoff_s=cutoff, binds=True)
+        except NoBetter:
+            progress.note(f"no plan faster than {cutoff * 1e3:.3f} ms")
+            return None
+
+    def unbound(self, p: Plan) -> bool:
+        """Memory no longer binds: checkpointing (more of it) would only add time. Without
+        it, memory binds near the budget (a layout the budget ruled out may be faster with the
+        memory checkpointing frees; a plan 1% under the budget can be one)."""
+        if not p.recompute:
+            return p.predicted.ilp_sum_bytes < self.budget * BINDS
+        return set(p.recompute.values()) == {"selective"} and \
+            p.predicted.ilp_sum_bytes < self.budget * 0.98 and \
+            p.predicted.memory.peak <= self.budget
+
+
+def _settled(p: Plan) -> bool:
+    return p.solver.get("status") == "OPTIMAL" or p.solver.get("gap", 1.0) <= BAR_GAP
 
 
 def recompute_tries() -> list[Try]:
@@ -227,10 +286,11 @@ def _tighten(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan, 
             break
         try:
             with progress.step(f"re-planning for the step's peak (ILP bound {gib(lower)})"):
-                # A refusal ends the loop whatever least memory it names: no exact figure.
+                # A refusal ends the loop whatever least memory it names: no exact figure. The
+                # budget is below this plan's own sum: memory binds (ilp.py BINDING_BACKENDS).
                 p = plan_once(traced, mesh, options.replace(memory_budget=lower),
                               **{**kw, "offload": offload}, recompute=dict(p.recompute),
-                              least_exact=False)
+                              least_exact=False, binds=True)
         except AutoshardError:
             break
         p = replace(p, options=options)

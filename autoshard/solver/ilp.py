@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 from ortools.linear_solver import pywraplp
 
 from autoshard.solver.deadline import BestStart, Deadline, best_start, step_floor
+from autoshard.solver.outcomes import Infeasible, MemoryBinds, NoBetter, NoSolution
 from autoshard.solver.problem import (Edge, Fanout, Problem, Solution, Start, admits, evaluate,
                                       excluded, host_bytes, projected)
 
@@ -58,43 +59,13 @@ DEADLINE_BACKENDS = ("HIGHS", "CBC", "SCIP")
 # optimizer offload under a tight budget). Where memory does not bind CBC stays first: it
 # settles those problems quickly, and plans with and without offload keep the same layouts
 # (equally fast optima are the backend's pick).
+# Under a cutoff (only plans faster than one in hand) CBC stays first: its bound with the cutoff
+# proves there are none quickly (Llama-3-70B on 4x8 without checkpointing, under the step of the
+# plan with it: 0.8 s, where HiGHS took 4.4 s).
 BINDING_BACKENDS = (DEADLINE_BACKENDS, BACKENDS)
 # Costs enter the MIP in microseconds: CBC drops objective coefficients below ~1e-8, and a small
 # op's seconds are that small.
 US = 1e6
-
-
-class Infeasible(Exception):
-    """No assignment fits the memory ``budget``: ``least_memory`` is the least memory any plan
-    needs, exactly (``exact``) or a lower bound that already exceeds the budget. Where plans
-    fit the device but none of them within the host memory (``host_budget``) too,
-    ``least_host`` is the least host memory a plan that fits the device needs (else None)."""
-
-    def __init__(self, least_memory: float, *, budget: float, exact: bool = True,
-                 least_host: float | None = None, host_budget: float | None = None) -> None:
-        self.least_memory, self.budget, self.exact = least_memory, budget, exact
-        self.least_host, self.host_budget = least_host, host_budget
-        what = "is" if exact else "is at least"
-        super().__init__(f"no plan fits; the least memory per device {what} "
-                         f"{least_memory:.4g} bytes" + (
-                             "" if least_host is None else
-                             f" within {host_budget:.4g} bytes of host memory; a plan that "
-                             f"fits the device needs at least {least_host:.4g} bytes of host "
-                             f"memory"))
-
-
-class NoSolution(Exception):
-    """The solver stopped (time limit) before it found any plan, and no plan within the memory
-    budget could be built without it either: not an infeasible budget, and must not be reported
-    as one. ``bound`` is the solver's best lower bound on the step time (0 if it had none)."""
-
-    def __init__(self, time_limit_s: float, status: int, bound: float = 0.0) -> None:
-        self.time_limit_s, self.status, self.bound = time_limit_s, status, bound
-        super().__init__(f"the solver found no plan within {time_limit_s:g} s (status {status})")
-
-
-class NoBetter(Exception):
-    """No plan under the cutoff step time was found: the caller holds a plan at least as fast."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,7 +277,8 @@ class _Model:
 
 def solve(problem: Problem, *, time_limit_s: float = 30.0,
           cutoff_s: float | None = None, verdict: bool = True,
-          highs_first: bool = False, starts: Starts = (), least_exact: bool = True) -> Solution:
+          highs_first: bool = False, starts: Starts = (), least_exact: bool = True,
+          binds: bool = False, stop_if_binds: bool = False) -> Solution:
     """The best plan the solver finds in ``time_limit_s``: optimal, or feasible with its gap to
     the best bound. Raises :class:`Infeasible` when no plan fits memory, :class:`NoSolution` when
     the solver found no plan in time and none could be built without it. With ``cutoff_s`` (the
@@ -332,7 +304,14 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0,
     first backend stops short of an optimum (:func:`_solve`). A start given as a restriction is
     solved only then, and ``starts`` may be a function that makes them, called only then: a
     problem the first backend settles costs nothing more. The Solution
-    names the start (``start``) whenever one was in play."""
+    names the start (``start``) whenever one was in play.
+
+    ``binds``: the caller knows the device memory binds (a re-plan under a budget lowered below
+    a plan's own sum, a problem that raised MemoryBinds): the whole problem is solved at once,
+    by the backends that suit such problems (:data:`BINDING_BACKENDS`). ``stop_if_binds``: raise :class:`MemoryBinds`
+    once the problem without its memory-only items is solved to an optimum that does not fit
+    with them, before the whole problem's MIP: for a caller that can first find a plan that
+    bounds it (the checkpointing search, solver/budget.py)."""
     t0 = time.perf_counter()
     floor = _leanest(problem)[0]
     if floor > problem.memory_budget:
@@ -350,14 +329,15 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0,
     if not verdict:
         try:
             return _bounded(_search, problem, deadline, cutoff_s, verdict, highs_first, starts,
-                            limit_s=time_limit_s)
+                            binds, stop_if_binds, limit_s=time_limit_s)
         except NoSolution as e:       # the child was stopped: a start in hand still stands
             given = () if callable(starts) else tuple(s for s in starts if s.choice)
             start = best_start(problem, given, None, _solve_held)
             if start is None or (cutoff_s is not None and start[2] >= cutoff_s):
                 raise
             return _from_start(start, e.bound, False, 0, deadline)
-    return _search(problem, deadline, cutoff_s, verdict, highs_first, starts)
+    return _search(problem, deadline, cutoff_s, verdict, highs_first, starts, binds,
+                   stop_if_binds)
 
 
 # A deadline solve is stopped at this multiple of its time limit (plus a second): the backends
@@ -390,8 +370,10 @@ def _bounded(fn, *args, limit_s: float):
             out = ("infeasible", (e.least_memory, e.budget, e.exact))
         except NoSolution as e:
             out = ("nosolution", (e.time_limit_s, e.status, e.bound))
-        except NoBetter:
-            out = ("nobetter", ())
+        except NoBetter as e:
+            out = ("nobetter", (e.proved,))
+        except MemoryBinds as e:
+            out = ("binds", (e.bound,))
         except BaseException as e:  # noqa: BLE001 - re-raised in the parent
             out = ("error", repr(e))
         with os.fdopen(w, "wb") as f:
@@ -420,22 +402,42 @@ def _bounded(fn, *args, limit_s: float):
     if kind == "nosolution":
         raise NoSolution(*value)
     if kind == "nobetter":
-        raise NoBetter()
+        raise NoBetter(*value)
+    if kind == "binds":
+        raise MemoryBinds(*value)
     raise RuntimeError(f"the solver's process failed: {value}")
 
 
 def _search(problem: Problem, deadline: Deadline, cutoff_s: float | None,
-            verdict: bool, highs_first: bool, starts: Starts = ()) -> Solution:
+            verdict: bool, highs_first: bool, starts: Starts = (), binds: bool = False,
+            stop_if_binds: bool = False) -> Solution:
     """:func:`solve` within ``deadline``: the problem without its memory-only items in half of
-    the time left, then, unless its plan stands, the whole problem in the rest."""
+    the time left, then, unless its plan stands, the whole problem in the rest. That problem
+    relaxes the whole one's memory: where it has no plan within the budget (or under the
+    cutoff), proved, neither has the whole problem (selective checkpointing on Llama-3-70B's
+    4x8 problem: proved in 0.7 s, where the whole problem's search took 43 s to find nothing)."""
     relaxed = replace(problem, edges=tuple(e for e in problem.edges if _prices_time(e)),
                       fanouts=tuple(f for f in problem.fanouts if _prices_time(f)))
-    binds, probe = False, True
+    probe = True
+    if binds:       # known: the problem without those items would be solved for nothing
+        return _solve(problem, deadline, cutoff_s, verdict, highs_first, starts, binds=True,
+                      stoppable=bool(starts))
     if len(relaxed.edges) + len(relaxed.fanouts) < len(problem.edges) + len(problem.fanouts):
-        try:        # half the time: the whole problem may still need the other half
-            sol = _solve(relaxed, deadline.share(0.5), cutoff_s, verdict, highs_first, (),
-                         stoppable=bool(starts))
-        except (Infeasible, NoSolution, NoBetter):
+        try:        # half the time: the whole problem may still need the other half.
+            # HiGHS alone, which solved it as fast as CBC or faster on every problem measured
+            # (Llama-3-8B on 8x8 1.2 s both; Llama-3-70B on 4x8 1.6-3.3 s against 4.9-9.1 s;
+            # GPT-3 175B on 8x8 at batch 64 2.3 s against 3.4-4.0 s); under a cutoff, CBC
+            # first (see BINDING_BACKENDS: 0.3 s against 7.7 s to prove nothing faster).
+            sol = _solve(relaxed, deadline.share(0.5), cutoff_s, verdict,
+                         highs_first or cutoff_s is None, (), stoppable=bool(starts))
+        except Infeasible as e:   # its least memory is a lower bound on the whole problem's
+            raise Infeasible(e.least_memory, budget=e.budget, exact=False,
+                             least_host=e.least_host, host_budget=e.host_budget) from None
+        except NoBetter as e:
+            if e.proved:
+                raise
+            sol = None
+        except NoSolution:
             sol = None            # the whole problem is no easier: solve it for its verdict
         # (The host bound has no edge terms: the relaxed solve kept it.) A plan that fits with
         # the memory-only items counted is a plan of the whole problem, and the relaxed bound
@@ -447,7 +449,10 @@ def _search(problem: Problem, deadline: Deadline, cutoff_s: float | None,
         if sol is not None and (sol.status == "OPTIMAL" or not (starts or sol.note)) and \
                 evaluate(problem, sol.choice)[1] <= problem.memory_budget:
             return sol
-        binds = sol is not None and sol.status == "OPTIMAL"     # its optimum does not fit
+        if sol is not None and sol.status == "OPTIMAL":          # its optimum does not fit
+            binds = True
+            if stop_if_binds:
+                raise MemoryBinds(sol.objective)
         # Neither backend found a plan of the problem without those items: the whole problem,
         # no easier, goes straight to the starts (DeepSeek-V3 and Jamba shapes on 8x8: CBC 6 s
         # for nothing, loaded).
@@ -559,7 +564,7 @@ def _solve(problem: Problem, deadline: Deadline, cutoff_s: float | None = None,
                         start=start[0] if warm else "", backend=backend)
     status = runs[-1].status
     if cutoff_s is not None:
-        raise NoBetter()
+        raise NoBetter(proved)
     return _no_incumbent(problem, deadline.limit_s, status, bound, variables, deadline.t0,
                          verdict)
 
@@ -577,7 +582,8 @@ def _attempts(problem: Problem, deadline: Deadline, cutoff_s: float | None, verd
               highs_first: bool, starts: Starts, binds: bool, probe: bool = True,
               stoppable: bool = False) -> tuple[list[Run], BestStart | None, bool]:
     """The backends' runs within ``deadline``, the start the last one began from (if any)
-    and whether it proved that nothing is faster than that start: the first backend in half the time, which settles most
+    and whether the last run proved that no plan is faster than that start, or than the
+    cutoff, or (without either) fits: the first backend in half the time, which settles most
     problems in a fraction of it. Where it proves no optimum, the starts are solved in a share
     of what is left and the best is the incumbent a second backend starts from, in the rest;
     the better plan is kept (on Gemma-7B's 8x8 problem CBC's 20 s incumbent was 22x the
@@ -587,7 +593,8 @@ def _attempts(problem: Problem, deadline: Deadline, cutoff_s: float | None, verd
     if not verdict or highs_first:
         runs.append(_attempt(problem, DEADLINE_BACKENDS, deadline.left(), cutoff_s, **stop))
         return runs, None, False
-    first, second = BINDING_BACKENDS if binds else (BACKENDS, SECOND_BACKENDS)
+    first, second = BINDING_BACKENDS if binds and cutoff_s is None else \
+        (BACKENDS, SECOND_BACKENDS)
     if probe or not starts:
         t1, limit = time.perf_counter(), deadline.left() / 2
         runs.append(_attempt(problem, first, limit, cutoff_s, **stop))
@@ -595,7 +602,7 @@ def _attempts(problem: Problem, deadline: Deadline, cutoff_s: float | None, verd
         status = runs[0].status
         proved = status == pywraplp.Solver.INFEASIBLE and time.perf_counter() - t1 < 0.9 * limit
         if status == pywraplp.Solver.OPTIMAL or proved:
-            return runs, None, False
+            return runs, None, proved
     start = best_start(problem, tuple(starts() if callable(starts) else starts),
                        deadline.share(STARTS_SHARE if runs else STARTS_ALONE_SHARE),
                        _solve_held)
@@ -607,8 +614,8 @@ def _attempts(problem: Problem, deadline: Deadline, cutoff_s: float | None, verd
     # Under a cutoff (a start's step, or the caller's), the run's bound bounds only the plans
     # faster than it, so the whole problem's bound is at most the cutoff.
     runs.append(replace(run, bound=min(run.bound, cut)) if cut is not None else run)
-    proved = start is not None and run.status == pywraplp.Solver.INFEASIBLE and \
-        time.perf_counter() - t2 < 0.9 * left           # nothing beats the start
+    # Nothing beats the start (or the cutoff; without either, nothing fits).
+    proved = run.status == pywraplp.Solver.INFEASIBLE and time.perf_counter() - t2 < 0.9 * left
     return runs, start, proved
 
 

@@ -78,13 +78,15 @@ def offload_level(plan: Plan) -> OffloadLevel:
 def solve_on(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_name: str,
            fixed: dict[str, Strategy] | None, trace_s: float, merge: AxisMerge | None,
            recompute: dict[str, str], offload: OffloadLevel, deadline: float | None = None,
-           cutoff_s: float | None = None, least_exact: bool = True) -> Plan:
+           cutoff_s: float | None = None, least_exact: bool = True, binds: bool = False,
+           stop_if_binds: bool = False) -> Plan:
     """One ILP on ``mesh`` (every axis its own, whatever its number), solved and assembled.
     ``deadline`` (``time.perf_counter()`` seconds): building and solving share the time up to it
     (BuildTimeout if building runs past it), and a solve without an incumbent by then raises
     at once (the caller has other plans). ``least_exact=False``: a budget below every decision's
     least memory is refused with that sum as the least memory ("at least"), not the exact figure
-    a MIP would take up to the time limit to find (ilp.py ``solve``)."""
+    a MIP would take up to the time limit to find (ilp.py ``solve``). ``binds`` and
+    ``stop_if_binds`` (MemoryBinds): as ilp.py ``solve`` takes them."""
     t0 = time.perf_counter()
     in_place = frozenset(p.name for p in traced.params if p.name in (fixed or {}))
     with progress.step(f"building the ILP on mesh {'x'.join(map(str, mesh.shape))} "
@@ -111,7 +113,7 @@ def solve_on(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_nam
                 (lambda: obvious_starts(traced, mesh, built))
             sol = solve(problem, time_limit_s=limit, cutoff_s=cutoff_s, starts=starts,
                         verdict=deadline is None, highs_first=options.stage_run is not None,
-                        least_exact=least_exact)
+                        least_exact=least_exact, binds=binds, stop_if_binds=stop_if_binds)
     except Infeasible as e:
         least = f"{'' if e.exact else 'at least '}{gib(budget_for(e.least_memory))}"
         if e.least_host is not None:
