@@ -160,13 +160,15 @@ class _Ladder:
         self.tries = recompute_tries()
         self.last = self.tries[-1].get("recompute")
         self.held: dict[str | None, Plan | AutoshardError] = {}   # each rung solved, by policy
-        self.fitted: dict[int, Plan | None] = {}          # id(plan): it, fitted to its peak
+        self.fitted: list[tuple[Plan, Plan | None]] = []    # (plan, it fitted to its peak)
 
     def fit(self, p: Plan) -> Plan | None:
-        if id(p) not in self.fitted:
-            self.fitted[id(p)] = _fit_live(self.traced, self.mesh, self.options, p, self.budget,
-                                           self.kw)
-        return self.fitted[id(p)]
+        for q, f in self.fitted:
+            if q is p:
+                return f
+        self.fitted.append((p, _fit_live(self.traced, self.mesh, self.options, p, self.budget,
+                                         self.kw)))
+        return self.fitted[-1][1]
 
     def rung(self, policy: str | None, **more: Any) -> Plan:
         # A rung before the last whose every decision at its least memory already sums above

@@ -308,10 +308,10 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0,
 
     ``binds``: the caller knows the device memory binds (a re-plan under a budget lowered below
     a plan's own sum, a problem that raised MemoryBinds): the whole problem is solved at once,
-    by the backends that suit such problems (:data:`BINDING_BACKENDS`). ``stop_if_binds``: raise :class:`MemoryBinds`
-    once the problem without its memory-only items is solved to an optimum that does not fit
-    with them, before the whole problem's MIP: for a caller that can first find a plan that
-    bounds it (the checkpointing search, solver/budget.py)."""
+    by the backends that suit such problems (:data:`BINDING_BACKENDS`). ``stop_if_binds``:
+    raise :class:`MemoryBinds` once the problem without its memory-only items is solved to an
+    optimum that does not fit with them, before the whole problem's MIP: for a caller that can
+    first find a plan that bounds it (the checkpointing search, solver/budget.py)."""
     t0 = time.perf_counter()
     floor = _leanest(problem)[0]
     if floor > problem.memory_budget:
