@@ -126,6 +126,21 @@ def test_a_layer_that_reads_an_earlier_layers_values_is_exported_whole() -> None
     _same(fast, trace(model, inputs, whole=True))
 
 
+def test_a_fault_of_the_copier_is_said_and_the_whole_model_exported(monkeypatch) -> None:
+    """A bug in the copier itself (not a model it cannot copy) is not hidden: a warning names
+    it, and every layer is exported instead."""
+    import autoshard.trace.export as export
+
+    def broken(*args, **kwargs):
+        raise KeyError("a bug")
+    monkeypatch.setattr(export, "expand", broken)
+    model = _llama(6)
+    with pytest.warns(UserWarning, match="copying the exported layers of Llama failed"):
+        fast = trace(model, _inputs())
+    assert fast.copied_layers == 0
+    _same(fast, trace(model, _inputs(), whole=True))
+
+
 def test_a_model_that_is_its_own_list_of_layers_has_no_container() -> None:
     assert repeated_layers(nn.Sequential(*(nn.Linear(16, 16) for _ in range(6)))) is None
 

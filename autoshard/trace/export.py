@@ -17,6 +17,7 @@ import operator
 import os
 import re
 import sys
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -254,6 +255,9 @@ def _trace_repeated(model: torch.nn.Module, wrapped: torch.nn.Module, example_in
             return torch.export.export(wrapped, example_inputs, strict=False)
     try:
         ep, proof = exported(repeat.prefix), exported(repeat.proof)
+    except Exception:   # noqa: BLE001 - the whole model's export reports the model's mistake
+        return None
+    try:
         short, long = sorted((ep, proof), key=lambda e: len(e.graph.nodes))
         copied = expand(short.graph_module, signature_of(short),
                         repeat.cut(min(repeat.prefix, repeat.proof),
@@ -266,10 +270,13 @@ def _trace_repeated(model: torch.nn.Module, wrapped: torch.nn.Module, example_in
         traced = from_exported(ep, training=training, strip=strip,
                                aliases=parameter_aliases(model), gm=expanded[0],
                                specs=expanded[1])
-        traced.repeat = repeat
-        return traced
-    except Exception:   # noqa: BLE001 - any failure: export the whole model, which explains it
+    except Exception as e:   # noqa: BLE001 - a fault of the copier's own: said, not hidden
+        warnings.warn(f"autoshard: copying the exported layers of {type(model).__name__} failed "
+                      f"({type(e).__name__}: {e}); every layer is exported instead, which is "
+                      f"slower but gives the same graph. Please report this.", stacklevel=2)
         return None
+    traced.repeat = repeat
+    return traced
 
 
 class _FixedOrderSet(set):
