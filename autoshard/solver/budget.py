@@ -221,7 +221,7 @@ class _Ladder:
                         if not isinstance(e.__cause__, (Infeasible, NoSolution)):
                             raise
                 cutoff = self.bar()
-                return self.rung(policy, cutoff_s=cutoff, binds=True, bounded=True)
+                return self.rung(policy, cutoff_s=cutoff, binds=True, whole_limit=True)
         except NoBetter:
             progress.note(f"no plan faster than {cutoff * 1e3:.3f} ms")
             return None

@@ -26,11 +26,11 @@ def plan_once(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_na
                  fixed: dict[str, Strategy] | None, trace_s: float,
                  merge: AxisMerge | None, recompute: dict[str, str], offload: OffloadLevel,
                  cutoff_s: float | None = None, least_exact: bool = True, binds: bool = False,
-                 stop_if_binds: bool = False, bounded: bool = False) -> Plan:
+                 stop_if_binds: bool = False, whole_limit: bool = False) -> Plan:
     """One plan of ``traced`` with these techniques; ``cutoff_s``: only a plan faster than that
     is wanted (the ILP prunes by it, in a quarter of the time limit; :class:`NoBetter` when it
     finds none; 2-D meshes); ``least_exact=False``: a refusal may name a lower bound of the
-    least memory instead of the exact figure; ``binds``, ``stop_if_binds``, ``bounded``: as
+    least memory instead of the exact figure; ``binds``, ``stop_if_binds``, ``whole_limit``: as
     solve.py ``solve_on`` takes them (2-D meshes)."""
     check_mesh_fits(traced, mesh)
     traced = grouped(traced, recompute)
@@ -40,7 +40,7 @@ def plan_once(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_na
     return solve_on(traced, mesh, options, model_name=model_name, fixed=fixed, trace_s=trace_s,
                   merge=merge, recompute=recompute, offload=offload, cutoff_s=cutoff_s,
                   least_exact=least_exact, binds=binds, stop_if_binds=stop_if_binds,
-                  bounded=bounded)
+                  whole_limit=whole_limit)
 
 
 def partitions(n: int) -> list[Merges]:

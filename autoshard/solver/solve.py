@@ -79,14 +79,14 @@ def solve_on(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_nam
            fixed: dict[str, Strategy] | None, trace_s: float, merge: AxisMerge | None,
            recompute: dict[str, str], offload: OffloadLevel, deadline: float | None = None,
            cutoff_s: float | None = None, least_exact: bool = True, binds: bool = False,
-           stop_if_binds: bool = False, bounded: bool = False) -> Plan:
+           stop_if_binds: bool = False, whole_limit: bool = False) -> Plan:
     """One ILP on ``mesh`` (every axis its own, whatever its number), solved and assembled.
     ``deadline`` (``time.perf_counter()`` seconds): building and solving share the time up to it
     (BuildTimeout if building runs past it), and a solve without an incumbent by then raises
     at once (the caller has other plans). ``least_exact=False``: a budget below every decision's
     least memory is refused with that sum as the least memory ("at least"), not the exact figure
     a MIP would take up to the time limit to find (ilp.py ``solve``). ``binds`` and
-    ``stop_if_binds`` (MemoryBinds): as ilp.py ``solve`` takes them. ``bounded``: the cutoff
+    ``stop_if_binds`` (MemoryBinds): as ilp.py ``solve`` takes them. ``whole_limit``: the cutoff
     only prunes a solve that is no gamble (the rung the checkpointing search bounded first,
     solver/budget.py), which keeps the whole time limit."""
     t0 = time.perf_counter()
@@ -106,7 +106,7 @@ def solve_on(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_nam
     try:
         with progress.step(f"solving ({len(problem.decisions)} decisions)"):
             # A try that must beat a plan in hand is a gamble: a quarter of the time limit.
-            limit = options.time_limit_s if cutoff_s is None or bounded else \
+            limit = options.time_limit_s if cutoff_s is None or whole_limit else \
                 options.time_limit_s / 4
             if deadline is not None:
                 limit = max(MIN_PART_S, deadline - time.perf_counter())
