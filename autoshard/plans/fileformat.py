@@ -272,8 +272,8 @@ def _read_param_state(f: Field, params: dict[str, Spec], nodes: tuple[NodePlan, 
 
 
 def _read_host_transfer(f: Field) -> HostTransfer:
-    return HostTransfer(f.key("direction").one_of(DIRECTIONS), f.key("bytes").integer(), f.key("phase").one_of(PHASES),
-                        f.key("node").text(), f.key("value").text(),
+    return HostTransfer(f.key("direction").one_of(DIRECTIONS), f.key("bytes").integer(),
+                        f.key("phase").one_of(PHASES), f.key("node").text(), f.key("value").text(),
                         f.key("count", 1).integer(least=1))
 
 

@@ -99,10 +99,10 @@ def plain(value: Any) -> Any:
     """A try's change as a JSON value: numbers, strings, None and bools as they are; tuples
     and lists as lists; dicts with string keys; a dataclass as its fields; an enum as its
     value; anything else as its text."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value.value if isinstance(value, enum.Enum) else value
     if isinstance(value, enum.Enum):
         return plain(value.value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
     if isinstance(value, (tuple, list)):
         return [plain(v) for v in value]
     if isinstance(value, dict):

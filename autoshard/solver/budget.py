@@ -213,7 +213,7 @@ class _Ladder:
                 # Memory binds without checkpointing: its whole MIP is the hard one (Llama-3-70B
                 # on 4x8: 25 s to a plan 5.5x its optimum). The last rung, which frees the most
                 # memory, solved first and fitted to its peak, bounds it (the same MIP under
-                # that cutoff: proved empty in 0.8 s).
+                # that cutoff: proved empty in 1 s, benchmarks/RESULTS.md "Planning time").
                 with progress.step(f"{self.tries[-1].label} first, to bound it"):
                     try:
                         self.solve(self.tries[-1])

@@ -61,7 +61,8 @@ DEADLINE_BACKENDS = ("HIGHS", "CBC", "SCIP")
 # (equally fast optima are the backend's pick).
 # Under a cutoff (only plans faster than one in hand) CBC stays first: its bound with the cutoff
 # proves there are none quickly (Llama-3-70B on 4x8 without checkpointing, under the step of the
-# plan with it: 0.8 s, where HiGHS took 4.4 s).
+# plan with it: 0.9 s, where HiGHS took 4.8 s; benchmarks/RESULTS.md "Which MIP backend under a
+# cutoff").
 BINDING_BACKENDS = (DEADLINE_BACKENDS, BACKENDS)
 # Costs enter the MIP in microseconds: CBC drops objective coefficients below ~1e-8, and a small
 # op's seconds are that small.
@@ -415,19 +416,18 @@ def _search(problem: Problem, deadline: Deadline, cutoff_s: float | None,
     the time left, then, unless its plan stands, the whole problem in the rest. That problem
     relaxes the whole one's memory: where it has no plan within the budget (or under the
     cutoff), proved, neither has the whole problem (selective checkpointing on Llama-3-70B's
-    4x8 problem: proved in 0.7 s, where the whole problem's search took 43 s to find nothing)."""
-    relaxed = replace(problem, edges=tuple(e for e in problem.edges if _prices_time(e)),
-                      fanouts=tuple(f for f in problem.fanouts if _prices_time(f)))
+    4x8 problem: the whole problem's search took 43 s to find nothing before)."""
+    relaxed = without_memory_only(problem)
     probe = True
     if binds:       # known: the problem without those items would be solved for nothing
         return _solve(problem, deadline, cutoff_s, verdict, highs_first, starts, binds=True,
                       stoppable=bool(starts))
     if len(relaxed.edges) + len(relaxed.fanouts) < len(problem.edges) + len(problem.fanouts):
         try:        # half the time: the whole problem may still need the other half.
-            # HiGHS alone, which solved it as fast as CBC or faster on every problem measured
-            # (Llama-3-8B on 8x8 1.2 s both; Llama-3-70B on 4x8 1.6-3.3 s against 4.9-9.1 s;
-            # GPT-3 175B on 8x8 at batch 64 2.3 s against 3.4-4.0 s); under a cutoff, CBC
-            # first (see BINDING_BACKENDS: 0.3 s against 7.7 s to prove nothing faster).
+            # HiGHS alone, as fast as CBC or faster on each problem measured (benchmarks/
+            # RESULTS.md "Which MIP backend first": Llama-3-8B on 8x8 1.3 s both; Llama-3-70B
+            # on 4x8 1.7 s against 5.3 s; GPT-3 175B on 8x8 at batch 64 2.4 s against 3.5 s);
+            # under a cutoff, CBC first (see BINDING_BACKENDS).
             sol = _solve(relaxed, deadline.share(0.5), cutoff_s, verdict,
                          highs_first or cutoff_s is None, (), stoppable=bool(starts))
         except Infeasible as e:   # its least memory is a lower bound on the whole problem's
@@ -459,6 +459,13 @@ def _search(problem: Problem, deadline: Deadline, cutoff_s: float | None,
         probe = sol is not None and not sol.note
     return _solve(problem, deadline, cutoff_s, verdict, highs_first, starts, binds=binds,
                   probe=probe, stoppable=bool(starts))
+
+
+def without_memory_only(problem: Problem) -> Problem:
+    """``problem`` without its memory-only edges and fanouts (a saved activation kept once per
+    layout: no seconds, build.py): a relaxation of its memory, solved first (:func:`_search`)."""
+    return replace(problem, edges=tuple(e for e in problem.edges if _prices_time(e)),
+                   fanouts=tuple(f for f in problem.fanouts if _prices_time(f)))
 
 
 def _prices_time(item: Edge | Fanout) -> bool:

@@ -270,6 +270,8 @@ def _trace_repeated(model: torch.nn.Module, wrapped: torch.nn.Module, example_in
         traced = from_exported(ep, training=training, strip=strip,
                                aliases=parameter_aliases(model), gm=expanded[0],
                                specs=expanded[1])
+    except AutoshardError:   # the model's own mistake: the whole model's export reports it
+        return None
     except Exception as e:   # noqa: BLE001 - a fault of the copier's own: said, not hidden
         warnings.warn(f"autoshard: copying the exported layers of {type(model).__name__} failed "
                       f"({type(e).__name__}: {e}); every layer is exported instead, which is "
