@@ -20,6 +20,7 @@ from autoshard.solver.diagnostics import mesh_use, smaller_mesh, unruled_note
 from autoshard.trace.batches import Traces, batch_of, sliced
 from autoshard.trace.export import TracedGraph
 from autoshard.solver.budget import fit_budget, plan_memory
+from autoshard.solver.offload_split import offload_per_parameter
 from autoshard.solver.search import Try, apart, records_searches, run_search
 
 
@@ -168,6 +169,7 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = N
     notes = [*plan.warnings, *([unruled.removeprefix("; ")] if unruled else [])]
     if options.stage_run is None:     # (a pipeline's stages are held to it by their caller)
         plan = fit_budget(traced, mesh, options, plan, model_name=model_name, trace_s=trace_s)
+        plan = offload_per_parameter(traced, mesh, options, plan) or plan
     notes += _mesh_use_note(traced, mesh, options, plan, model_name)
     return replace(plan, warnings=tuple(notes)) if notes else plan
 

@@ -1,0 +1,129 @@
+"""Offload per parameter (docs/cost-model.md §9.2): the ILP decides a parameter's state mode once
+per decision, and a decision stands for one parameter of every identical layer (its
+multiplicity), so a plan that must offload some MLP weights offloads them in all 32 layers and
+leaves the memory between its step's peak and the budget unused (Llama-3-8B on one 80 GB H100:
+63.6 of 69.3 GiB). This pass brings offloaded parameters back to the device one at a time, as
+many as the step's liveness peak allows, priced on the plan's own layouts.
+
+Order: the earliest read in forward first. Their gradients arrive last in backward, so their
+host step is the part the backward window cannot hide (ZeRO-Offload steps each partition as its
+gradients land, Ren et al. 2021, arXiv 2101.06840, §4-5); the parameters whose gradients land first
+stay on the host, stepping while backward goes on. Parameter offload is undone first (the
+stored parameter back on the device, its optimizer state still on the host): per byte of device
+memory it costs, it saves more of the step (each use's copies for 2 bytes an element, where
+the host step's saving costs the 12 bytes an element of the optimizer state)."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+from autoshard import progress
+from autoshard.cost.memory import device_budget
+from autoshard.cost.state import HOST_MODES, modes_for, state_bytes
+from autoshard.ir import OffloadLevel, StateMode, Strategy
+from autoshard.mesh import Mesh
+from autoshard.options import PlanOptions, state_modes
+from autoshard.plans import Plan
+from autoshard.solver.assemble import assemble
+from autoshard.solver.solve import grouped
+from autoshard.trace.export import TracedGraph
+
+Move = tuple[str, "StateMode | None"]      # a parameter and the state mode it moves to
+
+
+def offload_per_parameter(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
+                          plan: Plan) -> Plan | None:
+    """``plan`` with as many of its offloaded parameters back on the device (in the order the
+    module docstring gives) as keep the step's liveness peak within the budget, if that is
+    faster; else None. Only under offload "auto" (a forced offload is what the user asked for)
+    and not for a pipeline's stages, whose peak their caller holds."""
+    if options.offload != OffloadLevel.AUTO or options.stage_run is not None:
+        return None
+    budget = device_budget(mesh.cluster, options.memory_budget)
+    if plan.predicted.memory.peak > budget:
+        return None
+    strategies = plan.strategies()
+    moves = _moves(traced, mesh, options, strategies)
+    if not moves:
+        return None
+    layers = grouped(traced, plan.recompute)
+
+    def priced(j: int) -> Plan:
+        s = dict(strategies)
+        for name, mode in moves[:j]:
+            s[name] = replace(s[name], kernel=mode)
+        return assemble(layers, mesh, s, options, solver=dict(plan.solver),
+                        model_name=plan.model, timings=dict(plan.timings),
+                        recompute=dict(plan.recompute), joint=plan.joint_groups())
+
+    # The most moves that fit: each adds device memory and none frees any, and what a move
+    # keeps on the device for the whole step (the parameter, its optimizer state) raises the
+    # peak by at least its bytes, so their running sum bounds the count; one pricing at that
+    # bound usually settles it, else a bisection below it.
+    room = budget - plan.predicted.memory.peak
+    now = {name: strategies[name].kernel for name, _ in moves}
+    lo, hi, best = 0, 0, None
+    for name, mode in moves:
+        spec = strategies[name].outputs[0]
+        room -= _resident(traced, mesh, options, name, spec, mode) \
+            - _resident(traced, mesh, options, name, spec, now[name])
+        if room < 0:
+            break
+        now[name] = mode
+        hi += 1
+    with progress.step(f"offload per parameter: at most {hi} of {len(moves)} moves fit"):
+        j = hi
+        while lo < hi:
+            p = priced(j)
+            if p.predicted.memory.peak <= budget:
+                lo, best = j, p
+            else:
+                hi = j - 1
+            j = (lo + hi + 1) // 2
+    if best is None or best.predicted.step_time_s >= plan.predicted.step_time_s:
+        return None
+    kept = sum(1 for _, mode in moves[:lo] if mode not in HOST_MODES)
+    return replace(best, solver={
+        **best.solver, "objective": best.predicted.step_time_s,
+        "note": f"state modes solved per decision (one for every identical layer); then "
+                f"{lo} of {len(moves)} offload moves priced per parameter ({kept} parameters' "
+                f"optimizer state back on the device)"})
+
+
+def _resident(traced: TracedGraph, mesh: Mesh, options: PlanOptions, name: str, spec,
+              mode: StateMode | None) -> float:
+    """The bytes a parameter keeps on the device through the whole step under ``mode``: itself
+    and its optimizer state (its gradient lives only from backward to the step)."""
+    ph = traced.placeholder(name)
+    st = state_bytes(ph.info.shape, ph.info.dtype, spec, mode, mesh.shape,
+                     options.state_optimizer)
+    return st.parameters + st.optimizer
+
+
+def _moves(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
+           strategies: dict[str, Strategy]) -> list[Move]:
+    """The moves that bring ``strategies``' offloaded parameters back, in the order they are
+    tried: parameter offload undone (to optimizer offload), then optimizer offload undone (to the
+    device mode with the least memory that ``options`` allows for the parameter's layout), each
+    in the order forward first reads the parameters. A tied parameter is left as it is (its
+    names share one state)."""
+    first_read = {}
+    for i, n in enumerate(traced.graph.nodes):
+        for a in n.all_input_nodes:
+            first_read.setdefault(a.name, i)
+    names = Counter(p.fqn for p in traced.params)      # a tied weight: one fqn, several names
+    hosted = sorted((p for p in traced.params
+                     if p.name in strategies and names[p.fqn] == 1
+                     and strategies[p.name].kernel in HOST_MODES),
+                    key=lambda p: first_read.get(p.name, len(first_read)))
+    allowed = state_modes(options, OffloadLevel.NONE)
+    optimizer = options.state_optimizer
+    moves: list[Move] = [(p.name, StateMode.OFFLOAD) for p in hosted
+                         if strategies[p.name].kernel == StateMode.OFFLOAD_PARAMS]
+    for p in hosted:
+        ph = traced.placeholder(p.name)
+        spec = strategies[p.name].outputs[0]
+        modes = modes_for(ph.info.shape, spec, mesh.shape, optimizer, allowed)
+        moves.append((p.name, min(modes, key=lambda m: state_bytes(
+            ph.info.shape, ph.info.dtype, spec, m, mesh.shape, optimizer).device)))
+    return moves
