@@ -100,8 +100,9 @@ def test_the_step_saved_is_the_host_step_less_the_device_step_by_hand(planned):
             numel[p.name] *= d
     n = sum(numel[x] for x in _offloaded(whole) - _offloaded(split))
     saved = n * 28 / c.host_mem_bandwidth + 2 * n * 4 / c.host_bandwidth - n * 28 / c.mem_bandwidth
-    assert whole.predicted.optimizer_s - split.predicted.optimizer_s == pytest.approx(saved, rel=1e-9)
-    assert whole.predicted.step_time_s - split.predicted.step_time_s == pytest.approx(saved, rel=1e-9)
+    w, s = whole.predicted, split.predicted
+    assert w.optimizer_s - s.optimizer_s == pytest.approx(saved, rel=1e-9)
+    assert w.step_time_s - s.step_time_s == pytest.approx(saved, rel=1e-9)
     link = lambda p: sum(t.bytes for t in p.host_transfers)
     assert link(whole) - link(split) == 2 * n * 4
     assert whole.predicted.memory.host - split.predicted.memory.host == 24 * n

@@ -6,9 +6,9 @@ leaves the memory between its step's peak and the budget unused (Llama-3-8B on o
 many as the step's liveness peak allows, priced on the plan's own layouts.
 
 Order: the earliest read in forward first. Their gradients arrive last in backward, so their
-host step is the part the backward window cannot hide (ZeRO-Offload steps each partition as its
-gradients land, Ren et al. 2021, arXiv 2101.06840, §4-5); the parameters whose gradients land first
-stay on the host, stepping while backward goes on. Parameter offload is undone first (the
+host step is the part the backward window cannot hide (ZeRO-Offload steps each partition as
+its gradients land, Ren et al. 2021, arXiv 2101.06840, §4-5); the parameters whose gradients
+land first stay on the host, stepping while backward goes on. Parameter offload is undone first (the
 stored parameter back on the device, its optimizer state still on the host): per byte of device
 memory it costs, it saves more of the step (each use's copies for 2 bytes an element, where
 the host step's saving costs the 12 bytes an element of the optimizer state)."""
