@@ -58,19 +58,19 @@ def offload_per_parameter(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
 
     # The most moves that fit: each adds device memory and none frees any, and what a move
     # keeps on the device for the whole step (the parameter, its optimizer state) raises the
-    # peak by at least its bytes, so their running sum bounds the count; one pricing at that
-    # bound usually settles it, else a bisection below it.
-    room = budget - plan.predicted.memory.peak
+    # peak by at least its bytes, so their running sum bounds the count. The peak grows about
+    # linearly in that sum, so each pricing interpolates between the counts known to fit and
+    # not (regula falsi), in two or three pricings where a bisection takes one per halving.
     now = {name: strategies[name].kernel for name, _ in moves}
-    lo, hi, best = 0, 0, None
+    added = [0.0]                      # resident bytes the first j moves add
     for name, mode in moves:
         spec = strategies[name].outputs[0]
-        room -= _resident(traced, mesh, options, name, spec, mode) \
-            - _resident(traced, mesh, options, name, spec, now[name])
-        if room < 0:
-            break
+        added.append(added[-1] + _resident(traced, mesh, options, name, spec, mode)
+                     - _resident(traced, mesh, options, name, spec, now[name]))
         now[name] = mode
-        hi += 1
+    peak = plan.predicted.memory.peak
+    hi = max(j for j, a in enumerate(added) if peak + a <= budget)
+    lo, best, over = 0, None, None           # over: (count, peak) of the least that did not fit
     with progress.step(f"offload per parameter: at most {hi} of {len(moves)} moves fit"):
         j = hi
         while lo < hi:
@@ -78,8 +78,9 @@ def offload_per_parameter(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
             if p.predicted.memory.peak <= budget:
                 lo, best = j, p
             else:
-                hi = j - 1
-            j = (lo + hi + 1) // 2
+                hi, over = j - 1, (j, p.predicted.memory.peak)
+            j = _next(lo, hi, over, added, peak if best is None else best.predicted.memory.peak,
+                      budget)
     if best is None or best.predicted.step_time_s >= plan.predicted.step_time_s:
         return None
     kept = sum(1 for _, mode in moves[:lo] if mode not in HOST_MODES)
@@ -88,6 +89,18 @@ def offload_per_parameter(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
         "note": f"state modes solved per decision (one for every identical layer); then "
                 f"{lo} of {len(moves)} offload moves priced per parameter ({kept} parameters' "
                 f"optimizer state back on the device)"})
+
+
+def _next(lo: int, hi: int, over: tuple[int, float] | None, added: list[float], low: float,
+          budget: float) -> int:
+    """The next count to price, in (lo, hi]: where the line through (lo, ``low``) and the least
+    count known not to fit, in ``added`` bytes, meets the budget; the midpoint without one."""
+    if over is None or over[1] <= low or added[over[0]] <= added[lo]:
+        return (lo + hi + 1) // 2
+    slope = (over[1] - low) / (added[over[0]] - added[lo])
+    want = added[lo] + (budget - low) / slope
+    j = max(j for j in range(lo, hi + 1) if added[j] <= want or j == lo)
+    return min(hi, max(lo + 1, j))
 
 
 def _resident(traced: TracedGraph, mesh: Mesh, options: PlanOptions, name: str, spec,
