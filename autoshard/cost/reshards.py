@@ -21,7 +21,7 @@ import torch.fx as fx
 from autoshard.cost.comm import Groups, Reshard, reshard
 from autoshard.ir import Replicate, Spec, Strategy, divergent_axes
 from autoshard.ops.registry import FACTORY, record_of
-from autoshard.trace.graph import ValueRef, value_inputs
+from autoshard.trace.graph import ValueRef, flat_values, value_inputs
 
 
 
@@ -60,7 +60,7 @@ def grad_values(graph: fx.Graph, param_names: set[str]) -> set[str]:
             if (node.target is torch.ops.aten.detach.default
                     or record_of(node.target).family == FACTORY):
                 continue
-            vals = torch.utils._pytree.tree_flatten(node.meta.get("val"))[0]
+            vals = flat_values(node)
             # Complex values carry gradients too (an rfft's output).
             floating = any(isinstance(v, torch.Tensor) and (v.dtype.is_floating_point
                                                             or v.dtype.is_complex) for v in vals)

@@ -15,7 +15,7 @@ from autoshard.cost.compute import local_numel
 from autoshard.cost.live_memory import LiveMemory, Storage, fake_value, storage_key
 from autoshard.cost.program import Event, StepProgram, node_reads
 from autoshard.ir import CollectiveKind, Strategy
-from autoshard.trace.graph import ValueRef, value_inputs, value_ref
+from autoshard.trace.graph import ValueRef, value_inputs
 
 aten = torch.ops.aten
 
@@ -200,11 +200,8 @@ class ValueWalk:
     def _outputs(self, node: fx.Node, reads: list[Any]) -> list[Any]:
         """Make the op's outputs: a new storage each, or the input's storage where the traced
         graph's output aliases an input."""
-        ins = [a for a in torch.utils._pytree.tree_flatten((node.args, node.kwargs))[0]
-               if isinstance(a, fx.Node)]
         in_keys = {}
-        for k, a in enumerate(ins):
-            ref = value_ref(a)
+        for k, ref in enumerate(value_inputs(node)):      # (memoized per node)
             t = self._fake_of(ref) if ref[0] in self.nodes else None
             sk = storage_key(t) if t is not None else None
             if sk is not None:

@@ -23,10 +23,17 @@ def tensor_info(val: Any) -> TensorInfo | None:
     return None
 
 
-def output_infos(node: fx.Node) -> tuple[TensorInfo, ...]:
+def flat_values(node: fx.Node) -> list:
+    """The traced values a node makes, flattened (a lone tensor without pytree's walk, which
+    took a quarter of a 70B plan's assembly)."""
     val = node.meta.get("val")
-    flat, _ = torch.utils._pytree.tree_flatten(val)
-    return tuple(t for t in (tensor_info(v) for v in flat) if t is not None)
+    if isinstance(val, torch.Tensor):
+        return [val]
+    return torch.utils._pytree.tree_flatten(val)[0]
+
+
+def output_infos(node: fx.Node) -> tuple[TensorInfo, ...]:
+    return tuple(t for t in (tensor_info(v) for v in flat_values(node)) if t is not None)
 
 
 def value_inputs(node: fx.Node) -> list[ValueRef]:
