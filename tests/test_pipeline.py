@@ -560,9 +560,10 @@ def test_a_tied_weight_under_zero2_is_summed_across_stages(world4) -> None:
     check(world4, "gpt2-tiny", plan)
 
 
-# The interleaved schedules run on 4 ranks in test_pipelined_step_equals_single_device; on 8 (data
-# x pipeline x tensor) by default 1F1B and DualPipeV.
+# The interleaved schedules and DualPipeV run on 4 ranks in test_pipelined_step_equals_single_device;
+# on 8 (data x pipeline x tensor) by default 1F1B.
 FULL_ONLY = {"test_data_pipeline_tensor_on_eight_ranks[llama-tiny-4l-Interleaved1F1B]",
+             "test_data_pipeline_tensor_on_eight_ranks[llama-tiny-4l-DualPipeV]",
              "test_data_pipeline_tensor_on_eight_ranks[llama-tiny-4l-ZBVZeroBubble]",
              "test_data_pipeline_tensor_on_eight_ranks[llama-tiny-4l-InterleavedZeroBubble]",
              # a schedule the other tiny model runs on the same mesh, or the same model on 2x2

@@ -79,6 +79,12 @@ FULL_ONLY = {"test_loop_equals_one_device[llama-tiny-4-dp-]",
              "test_loop_equals_one_device[llama-tiny-4-dp-optimizer-0.05]",
              "test_loop_equals_one_device[gpt2-tiny-4-fsdp-]",
              "test_loop_equals_one_device[gpt2-tiny-2x2-megatron-]",
+             # the pipelined loop: Llama's case covers it
+             "test_loop_equals_one_device[gpt2-tiny-2x2-None-pp-2]",
+             # each layout under eval and train on GPT-2 (dropout 0.1, as Llama's cases)
+             "test_eval_and_train_modes_equal_one_device[llama-dp]",
+             "test_eval_and_train_modes_equal_one_device[llama-fsdp]",
+             "test_eval_and_train_modes_equal_one_device[llama-megatron]",
              # ZeRO-2 under eval and train: the batch-norm model's case covers it
              "test_eval_and_train_modes_equal_one_device[gpt2-dp-zero2-0.05]",
              "test_eval_and_train_modes_equal_one_device[llama-dp-zero2-0.05]"}
