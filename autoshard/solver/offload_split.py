@@ -56,11 +56,12 @@ def offload_per_parameter(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
                         model_name=plan.model, timings=dict(plan.timings),
                         recompute=dict(plan.recompute), joint=plan.joint_groups())
 
-    # The most moves that fit: each adds device memory and none frees any, and what a move
-    # keeps on the device for the whole step (the parameter, its optimizer state) raises the
-    # peak by at least its bytes, so their running sum bounds the count. The peak grows about
-    # linearly in that sum, so each pricing interpolates between the counts known to fit and
-    # not (regula falsi), in two or three pricings where a bisection takes one per halving.
+    # The most moves that fit: each adds device memory. What a move keeps on the device for
+    # the whole step (the parameter, its optimizer state) raises the peak by about its bytes
+    # (less where the step's peak lies where an offloaded parameter held buffers of its own), so
+    # their running sum estimates the count, and the first pricing is there. The peak grows
+    # about linearly in that sum, so each pricing interpolates between the counts known to fit
+    # and not (regula falsi): two to four pricings where a bisection takes one per halving.
     now = {name: strategies[name].kernel for name, _ in moves}
     added = [0.0]                      # resident bytes the first j moves add
     for name, mode in moves:
@@ -71,7 +72,7 @@ def offload_per_parameter(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
     peak = plan.predicted.memory.peak
     hi = max(j for j, a in enumerate(added) if peak + a <= budget)
     lo, best, over = 0, None, None           # over: (count, peak) of the least that did not fit
-    with progress.step(f"offload per parameter: at most {hi} of {len(moves)} moves fit"):
+    with progress.step(f"offload per parameter: about {hi} of {len(moves)} moves fit"):
         j = hi
         while lo < hi:
             p = priced(j)
