@@ -560,8 +560,8 @@ def test_a_tied_weight_under_zero2_is_summed_across_stages(world4) -> None:
     check(world4, "gpt2-tiny", plan)
 
 
-# The interleaved schedules and DualPipeV run on 4 ranks in test_pipelined_step_equals_single_device;
-# on 8 (data x pipeline x tensor) by default 1F1B.
+# The interleaved schedules and DualPipeV run on 4 ranks in
+# test_pipelined_step_equals_single_device; on 8 (data x pipeline x tensor) by default 1F1B.
 FULL_ONLY = {"test_data_pipeline_tensor_on_eight_ranks[llama-tiny-4l-Interleaved1F1B]",
              "test_data_pipeline_tensor_on_eight_ranks[llama-tiny-4l-DualPipeV]",
              "test_data_pipeline_tensor_on_eight_ranks[llama-tiny-4l-ZBVZeroBubble]",

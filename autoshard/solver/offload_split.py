@@ -8,10 +8,10 @@ many as the step's liveness peak allows, priced on the plan's own layouts.
 Order: the earliest read in forward first. Their gradients arrive last in backward, so their
 host step is the part the backward window cannot hide (ZeRO-Offload steps each partition as
 its gradients land, Ren et al. 2021, arXiv 2101.06840, §4-5); the parameters whose gradients
-land first stay on the host, stepping while backward goes on. Parameter offload is undone first (the
-stored parameter back on the device, its optimizer state still on the host): per byte of device
-memory it costs, it saves more of the step (each use's copies for 2 bytes an element, where
-the host step's saving costs the 12 bytes an element of the optimizer state)."""
+land first stay on the host, stepping while backward goes on. Parameter offload is undone
+first (the stored parameter back on the device, its optimizer state still on the host): per byte
+of device memory it costs, it saves more of the step (each use's copies for 2 bytes an element,
+where the host step's saving costs the 12 bytes an element of the optimizer state)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -100,8 +100,8 @@ def _next(lo: int, hi: int, over: tuple[int, float] | None, added: list[float], 
         return (lo + hi + 1) // 2
     slope = (over[1] - low) / (added[over[0]] - added[lo])
     want = added[lo] + (budget - low) / slope
-    j = max(j for j in range(lo, hi + 1) if added[j] <= want or j == lo)
-    return min(hi, max(lo + 1, j))
+    k = max(k for k in range(lo, hi + 1) if added[k] <= want or k == lo)
+    return min(hi, max(lo + 1, k))
 
 
 def _resident(traced: TracedGraph, mesh: Mesh, options: PlanOptions, name: str, spec,
