@@ -42,7 +42,8 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import command, machine, md_cell, timing, today, write_section  # noqa: E402
+from _results import (command, machine, md_cell, revision, timing, today,  # noqa: E402
+                      write_section)
 
 SECTION = "plan_time"
 # name -> (zoo preset whose config is used, layers or None for the preset's, seq, batch, mesh)
@@ -180,7 +181,7 @@ def report(summ: dict[str, dict], n_runs: int, time_limit: float, started: str,
     body = ["## Planning time (tracing included)", "",
             f"- command: `{command('benchmarks/plan_time.py')}`",
             f"- machine: {machine()}",
-            f"- date: {started}; total wall time {wall / 60:.1f} min; load average "
+            f"- date: {started}; {revision()}; total wall time {wall / 60:.1f} min; load average "
             f"(1/5/15 min) {load} (the machine is shared: other load inflates the times)",
             f"- axes (dp,tp), cluster h100, training (Adam), `autoshard.plan` with default "
             f"options (as `autoshard plan`); medians of {n_runs} run{'s' if n_runs != 1 else ''},"
