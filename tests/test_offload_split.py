@@ -15,7 +15,7 @@ from autoshard.ir import StateMode
 from autoshard.options import resolve_options
 from autoshard.solver import planner
 from autoshard.solver.assemble import assemble
-from autoshard.solver.offload_split import _moves, offload_per_parameter
+from autoshard.solver.offload_split import _moves, _next, offload_per_parameter
 from autoshard.solver.planner import plan_traced
 from autoshard.solver.solve import grouped
 from autoshard.tools.verify import build
@@ -106,6 +106,19 @@ def test_the_step_saved_is_the_host_step_less_the_device_step_by_hand(planned):
     link = lambda p: sum(t.bytes for t in p.host_transfers)
     assert link(whole) - link(split) == 2 * n * 4
     assert whole.predicted.memory.host - split.predicted.memory.host == 24 * n
+
+
+def test_the_search_interpolates_between_what_fits_and_what_does_not():
+    """Regula falsi on the resident bytes: where the peak grows linearly in them, the count
+    priced next is the last that fits; without a count known not to fit, the midpoint."""
+    added = [float(k) for k in range(11)]          # each move adds one byte
+    # peak 0 with none moved, 10 with all ten: the budget 5.5 is met by 5 moves
+    assert _next(0, 9, (10, 10.0), added, 0.0, 5.5) == 5
+    # from 5 moves fitting at peak 5, and 8 not fitting at 8: 6 is the last below 6.5
+    assert _next(5, 7, (8, 8.0), added, 5.0, 6.5) == 6
+    assert _next(0, 9, None, added, 0.0, 5.5) == 5         # (0 + 9 + 1) // 2
+    # always a new count in (lo, hi]
+    assert _next(3, 4, (5, 50.0), added, 3.0, 3.1) == 4
 
 
 def test_a_forced_offload_is_left_as_asked(planned):
