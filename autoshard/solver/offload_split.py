@@ -2,8 +2,8 @@
 per decision, and a decision stands for one parameter of every identical layer (its
 multiplicity), so a plan that must offload some MLP weights offloads them in all 32 layers and
 leaves the memory between its step's peak and the budget unused (Llama-3-8B on one 80 GB H100:
-63.6 of 69.3 GiB). This pass brings offloaded parameters back to the device one at a time, as
-many as the step's liveness peak allows, priced on the plan's own layouts.
+63.6 of 69.3 GiB). This pass brings offloaded parameters back to the device one at a time,
+about as many as the step's liveness peak allows, priced on the plan's own layouts.
 
 Order: the earliest read in forward first. Their gradients arrive last in backward, so their
 host step is the part the backward window cannot hide (ZeRO-Offload steps each partition as
@@ -33,9 +33,9 @@ Move = tuple[str, "StateMode | None"]      # a parameter and the state mode it m
 
 def offload_per_parameter(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
                           plan: Plan) -> Plan | None:
-    """``plan`` with as many of its offloaded parameters back on the device (in the order the
-    module docstring gives) as keep the step's liveness peak within the budget, if that is
-    faster; else None. Only under offload "auto" (a forced offload is what the user asked for)
+    """``plan`` with about as many of its offloaded parameters back on the device (in the order
+    the module docstring gives) as keep the step's liveness peak within the budget (the search
+    below), if that is faster; else None. Only under offload "auto" (a forced offload is what the user asked for)
     and not for a pipeline's stages, whose peak their caller holds."""
     if options.offload != OffloadLevel.AUTO or options.stage_run is not None:
         return None
