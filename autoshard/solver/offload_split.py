@@ -35,8 +35,8 @@ def offload_per_parameter(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
                           plan: Plan) -> Plan | None:
     """``plan`` with about as many of its offloaded parameters back on the device (in the order
     the module docstring gives) as keep the step's liveness peak within the budget (the search
-    below), if that is faster; else None. Only under offload "auto" (a forced offload is what the user asked for)
-    and not for a pipeline's stages, whose peak their caller holds."""
+    below), if that is faster; else None. Only under offload "auto" (a forced offload is what
+    the user asked for) and not for a pipeline's stages, whose peak their caller holds."""
     if options.offload != OffloadLevel.AUTO or options.stage_run is not None:
         return None
     budget = device_budget(mesh.cluster, options.memory_budget)
