@@ -32,8 +32,11 @@ from autoshard.zoo.models import Llama, LlamaConfig  # noqa: E402
 SECTION = "offload_split"
 PROFILE = Path(__file__).resolve().parent / "h100-calibrated.json"
 GIB = 2**30
-# (layers, batch, memory budget in bytes): the offload issue's rows that offload under "auto"
-ROWS = ((8, 2, 20 * GIB, "20 GiB"), (32, 1, 80e9, "80 GB"))
+# (layers, batch, memory budget in bytes, its label, checkpointing): the offload issue's rows
+# that offload under "auto", and the 32-layer one with every layer checkpointed (the memory it
+# frees goes to state brought back; the planner's own choice is the plan without it)
+ROWS = ((8, 2, 20 * GIB, "20 GiB", "auto"), (32, 1, 80e9, "80 GB", "auto"),
+        (32, 1, 80e9, "80 GB, full checkpointing", "full"))
 
 
 def _offloaded(plan) -> int:
@@ -41,14 +44,15 @@ def _offloaded(plan) -> int:
                for s in plan.strategies().values())
 
 
-def row(layers: int, batch: int, budget: float, label: str, mesh: Mesh) -> list[str]:
+def row(layers: int, batch: int, budget: float, label: str, recompute: str,
+        mesh: Mesh) -> list[str]:
     cfg = LlamaConfig(layers, 4096, 32, 8, 14336, vocab_size=128256, context=8192,
                       rope_theta=500000.0)
     with torch.device("meta"):
         model = Llama(cfg)
     inputs = model.example_inputs(batch, 2048, device="meta")
     options = resolve_options(None, {"precision": "bf16-mixed", "memory_budget": budget,
-                                     "offload_overlap": "backward"})
+                                     "offload_overlap": "backward", "recompute": recompute})
     traces = Traces(model, inputs, training=True, precision="bf16-mixed")
     traced = traces.at(batch)
     # The planner's own steps (solver/planner.py plan_traced), the split apart.
@@ -80,8 +84,8 @@ def main() -> None:
     rows = ["| model, budget | state modes | parameters offloaded | predicted step (ms) | host "
             "step in the window (ms) | liveness peak (GiB) | ILP sum (GiB) | host state (GiB) | "
             "the split's planning time |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for layers, batch, budget, label in ROWS:
-        rows += row(layers, batch, budget, label, mesh)
+    for layers, batch, budget, label, recompute in ROWS:
+        rows += row(layers, batch, budget, label, recompute, mesh)
     budget_line = ("The device budget the liveness peak is held to is the memory budget less "
                    "the allocator's slack (docs/cost-model.md §4.6): 18.6 GiB of 20 GiB, "
                    "69.29 GiB of 80 GB.")

@@ -156,7 +156,7 @@ def _heading(args) -> tuple[str, str]:
 
 def _table(head: str, rows: list[dict]) -> str:
     head = (f"{head}. Step and bound in ms.\n\n"
-            f"Command: `{command('benchmarks/solver_choice.py')}`; machine: {machine()}; revision {revision()}; {today()}.\n\n"
+            f"Command: `{command('benchmarks/solver_choice.py')}`; machine: {machine()}; {revision()}; {today()}.\n\n"
             "| case | decisions | backend | status | step (ms) | bound (ms) | seconds |\n"
             "|---|---|---|---|---|---|---|\n")
     def ms(v):

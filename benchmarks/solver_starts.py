@@ -99,7 +99,7 @@ def _table(args, rows, plan, other, trace_s: float) -> str:
            f"each); the best one's plan assembled as the planner assembles any plan. "
            f"Tracing took {trace_s:.0f} s.\n",
            f"Command: `{command('benchmarks/solver_starts.py')}`; machine: {machine()}; "
-           f"revision {revision()}; {today()}.\n",
+           f"{revision()}; {today()}.\n",
            "| start | step (ms, the ILP's price) | seconds |", "|---|---|---|"]
     for r in rows:
         step = f"{r['step_ms']:.1f}" if "step_ms" in r else "none found"

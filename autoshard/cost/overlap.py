@@ -27,7 +27,7 @@ from autoshard.cost.reshards import ReshardEdge
 from autoshard.cost.state import SCATTERS, state_spec
 from autoshard.ir import CollectiveKind, StateMode
 from autoshard.mesh import Mesh
-from autoshard.trace.graph import value_inputs
+from autoshard.trace.graph import first_reads
 
 
 def is_grad_sync(r: Reshard) -> bool:
@@ -173,10 +173,7 @@ def gradient_buckets(edges: list[ReshardEdge], nodes: list, bucket_bytes: float,
     forward. A parameter read through two such reshards (in two layouts) buckets the first.
     ``modes``: each parameter's state mode; zero2/offload/offload_params ones are
     reduce-scattered over their zero axes (cost/state.py), in buckets of their own."""
-    first_use: dict[str, int] = {}
-    for i, n in enumerate(nodes):
-        for ref in value_inputs(n):
-            first_use.setdefault(ref[0], i)
+    first_use = first_reads(nodes)
     dtypes = {n.name: str(n.meta["val"].dtype).removeprefix("torch.") for n in nodes
               if n.op == "placeholder"}
     syncs: dict[str, Sync] = {}

@@ -368,7 +368,8 @@ def _bounded(fn, *args, limit_s: float):
         try:
             out = ("ok", fn(*args))
         except Infeasible as e:
-            out = ("infeasible", (e.least_memory, e.budget, e.exact))
+            out = ("infeasible", (e.least_memory, e.budget, e.exact, e.least_host,
+                                  e.host_budget))
         except NoSolution as e:
             out = ("nosolution", (e.time_limit_s, e.status, e.bound))
         except NoBetter as e:
@@ -399,7 +400,8 @@ def _bounded(fn, *args, limit_s: float):
     if kind == "ok":
         return value
     if kind == "infeasible":
-        raise Infeasible(value[0], budget=value[1], exact=value[2])
+        raise Infeasible(value[0], budget=value[1], exact=value[2], least_host=value[3],
+                         host_budget=value[4])
     if kind == "nosolution":
         raise NoSolution(*value)
     if kind == "nobetter":

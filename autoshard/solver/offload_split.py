@@ -25,8 +25,9 @@ from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions, state_modes
 from autoshard.plans import Plan
 from autoshard.solver.assemble import assemble
-from autoshard.solver.solve import grouped
+from autoshard.solver.solve import grouped, offload_level
 from autoshard.trace.export import TracedGraph
+from autoshard.trace.graph import first_reads
 
 Move = tuple[str, "StateMode | None"]      # a parameter and the state mode it moves to
 
@@ -37,7 +38,8 @@ def offload_per_parameter(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
     the module docstring gives) as keep the step's liveness peak within the budget (the search
     below), if that is faster; else None. Only under offload "auto" (a forced offload is what
     the user asked for) and not for a pipeline's stages, whose peak their caller holds."""
-    if options.offload != OffloadLevel.AUTO or options.stage_run is not None:
+    if options.offload != OffloadLevel.AUTO or options.stage_run is not None \
+            or offload_level(plan) == OffloadLevel.NONE:
         return None
     budget = device_budget(mesh.cluster, options.memory_budget)
     if plan.predicted.memory.peak > budget:
@@ -121,10 +123,7 @@ def _moves(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
     device mode with the least memory that ``options`` allows for the parameter's layout), each
     in the order forward first reads the parameters. A tied parameter is left as it is (its
     names share one state)."""
-    first_read = {}
-    for i, n in enumerate(traced.graph.nodes):
-        for a in n.all_input_nodes:
-            first_read.setdefault(a.name, i)
+    first_read = first_reads(traced.graph.nodes)
     names = Counter(p.fqn for p in traced.params)      # a tied weight: one fqn, several names
     hosted = sorted((p for p in traced.params
                      if p.name in strategies and names[p.fqn] == 1

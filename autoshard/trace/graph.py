@@ -36,6 +36,16 @@ def output_infos(node: fx.Node) -> tuple[TensorInfo, ...]:
     return tuple(t for t in (tensor_info(v) for v in flat_values(node)) if t is not None)
 
 
+def first_reads(nodes) -> dict[str, int]:
+    """Each node's name -> the position in ``nodes`` of the first node that reads its value:
+    forward's order of first use (a parameter read first has its gradient last in backward)."""
+    out: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        for ref in value_inputs(n):
+            out.setdefault(ref[0], i)
+    return out
+
+
 def value_inputs(node: fx.Node) -> list[ValueRef]:
     """The values a node reads, in the order rules number tensor inputs.
 
