@@ -10,10 +10,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from autoshard import Mesh, Plan
 from autoshard.cost.liveness import step_memory
 from autoshard.cost.price import Pricer
+from autoshard.cost import program
 from autoshard.cost.program import program_for
 from autoshard.cost.state import state_spec
 from autoshard.errors import AutoshardError
@@ -109,6 +111,33 @@ def test_update_implementations_are_program_records(gpt2):
     assert phase["loop"] - phase["fused"] == max(pairs)
     with pytest.raises(AutoshardError, match="fused"):
         step_memory(gpt2, plan.strategies(), pricer, update="adam")
+
+
+@pytest.mark.parametrize("update", ["fused", "foreach"])
+def test_the_update_runs_in_pieces_of_at_most_piece_bytes(gpt2_bf16, monkeypatch, update):
+    """The device's update in pieces (docs/cost-model.md §4.5): maximal runs, in order, of at
+    most ``PIECE_BYTES`` of moment (one larger parameter alone); the phase's moment is the
+    largest piece's casts (fused) or casts and moments (foreach), not every parameter's."""
+    traced = gpt2_bf16
+    mesh = Mesh((1,), cluster=CLUSTER)
+    plan = plan_traced(traced, mesh, zero="none", offload="none", recompute="none")
+    pricer = Pricer(traced, mesh, plan.options)
+    whole = program_for(traced, plan.strategies(), pricer, update=update)
+    stepped = [u for u in whole.optimizer.params if u.moment]
+    monkeypatch.setattr(program, "PIECE_BYTES", sum(u.moment for u in stepped) // 5)
+    prog = program_for(traced, plan.strategies(), pricer, update=update)
+    pieces = prog.optimizer.pieces()
+    assert len(pieces) > 3 and [u for p in pieces for u in p] == stepped
+    for p, after in zip(pieces, pieces[1:] + [()]):
+        size = sum(u.moment for u in p)
+        assert size <= program.PIECE_BYTES or len(p) == 1
+        assert not after or size + after[0].moment > program.PIECE_BYTES
+    extra = [sum(u.cast + (u.moment if update == "foreach" else 0) for u in p) for p in pieces]
+    assert max(x for _, x in prog.optimizer.moments()) == max(extra)
+    phase = step_memory(traced, plan.strategies(), pricer, program=prog).phases["optimizer"]
+    state = step_memory(traced, plan.strategies(), pricer, program=whole).state
+    assert phase == state["parameters"] + state["gradients"] + state["optimizer"] \
+        + _inputs(traced, plan, mesh.shape) + max(extra)
 
 
 # -- gradient accumulation ---------------------------------------------------------------------
@@ -333,6 +362,69 @@ def test_an_accumulating_step_runs_its_ledger_exactly(world2, state):
     assert ran == listed
     assert host == host_listed
     assert bool(host) == (state["offload"] == "parameters")
+
+
+def _stepped_in_pieces(plan_json: str, piece_bytes: int) -> dict:
+    """On one rank: 3 AdamW steps through pm.optimizer, with the update's pieces of
+    ``piece_bytes``; the masters with a gradient at each call of the
+    wrapped optimizer's step, the pieces, and the parameters after the last step."""
+    was, program.PIECE_BYTES = program.PIECE_BYTES, piece_bytes
+    try:
+        return _steps(plan_json)
+    finally:
+        program.PIECE_BYTES = was
+
+
+def _steps(plan_json: str) -> dict:
+    import torch
+
+    from autoshard.codegen.parallelize import parallelize
+    from autoshard.tools.verify import build
+    plan = Plan.loads(plan_json)
+    model, inputs = build("gpt2-tiny", None, None, 0)
+    pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan,
+                     example_inputs=inputs)
+    calls: list[list[int]] = []
+
+    class Seen(torch.optim.AdamW):
+        def step(self, closure=None):
+            calls.append([id(p) for g in self.param_groups for p in g["params"]
+                          if p.grad is not None])
+            return super().step(closure)
+
+    opt = pm.optimizer(Seen, lr=1e-2, weight_decay=0.1)
+    name = {id(e.master): e.placeholder for e in opt.entries}
+    local = pm.shard_inputs(*inputs)
+    grads = []
+    for _ in range(3):
+        pm.step(*local)
+        before = {k: v.grad for k, v in pm.named_parameters()}
+        opt.step()
+        grads.append(all(before[k] is v.grad for k, v in pm.named_parameters()))
+        opt.zero_grad()
+    return {"calls": [[name[i] for i in c] for c in calls], "grads_kept": all(grads),
+            "pieces": [[e.placeholder for e in p] for p in opt.pieces],
+            "params": {k: v.clone() for k, v in pm.full_state_dict().items()}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16-mixed", "model"])
+def test_an_update_in_pieces_steps_each_parameter_once_as_one_update_does(world2, precision):
+    """codegen/optim.py steps the wrapped optimizer once per piece of the step program
+    (cost/program.py ``OptimizerStep.pieces``), each call seeing its piece's gradients only
+    (16-bit ones cast for their masters; fp32 parameters are their own masters); the
+    parameters after 3 steps equal, bit for bit, those of one update over everything, and the
+    parameters' own gradients are left as backward made them."""
+    from autoshard.tools.verify import plan_for
+    plan = plan_for("gpt2-tiny", Mesh((2,), cluster=CLUSTER), baseline="dp", zero="none",
+                    precision=precision).dumps()
+    whole = world2.run(_stepped_in_pieces, plan, program.PIECE_BYTES)[0]
+    cut = world2.run(_stepped_in_pieces, plan, 16 << 10)[0]
+    assert len(whole["pieces"]) == 1 and len(cut["pieces"]) > 2
+    assert cut["calls"] == cut["pieces"] * 3 and whole["calls"] == whole["pieces"] * 3
+    assert cut["grads_kept"] and whole["grads_kept"]
+    assert cut["params"].keys() == whole["params"].keys()
+    assert all(torch.equal(cut["params"][k], whole["params"][k]) for k in cut["params"])
 
 
 # -- the ledger counts what runs per micro-step --------------------------------------------------

@@ -31,6 +31,7 @@ torch.distributed.checkpoint, are codegen/optimstate.py's.
 from __future__ import annotations
 
 import inspect
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -43,7 +44,7 @@ from autoshard.codegen.collectives import apply_steps
 from autoshard.codegen.dtensors import (  # noqa: F401
     contiguous_stride, dtensor_in_place, refuse_strided)
 from autoshard.codegen.optimlayout import (  # noqa: F401
-    _Entry, _cut, _names, _placements, _slice, entries, records)
+    _Entry, _cut, _names, _placements, _slice, entries, pieces, records)
 from autoshard.codegen.optimstate import LAYOUT_KEY, OptimizerStateDicts  # noqa: F401
 from autoshard.errors import AutoshardError
 from autoshard.ir import Phase, Shard, StateMode
@@ -124,6 +125,20 @@ class ShardedOptimizer(OptimizerStateDicts, torch.optim.Optimizer):
         self.defaults = self.optimizer.defaults
         # The optimizer-offloaded masters' fused host step, overlapped (codegen/hostopt.py).
         self.host = hostopt.attach(self)
+        # The device's update in the step program's pieces (cost/program.py PIECE_BYTES); an
+        # optimizer not known to update each parameter on its own steps them all at once.
+        self.pieces = pieces(pm, self.entries)
+        if elementwise is None:
+            elementwise = issubclass(optimizer_cls, ELEMENTWISE)
+        if len(self.pieces) > 1 and not elementwise:
+            warnings.warn(
+                f"{optimizer_cls.__name__} is not known to update each parameter from its own "
+                f"state alone, so it steps every parameter in one call: the fp32 casts of all "
+                f"16-bit gradients are alive at once, above the plan's memory figure (its "
+                f"{len(self.pieces)} pieces of the update, docs/cost-model.md §4.5); pass "
+                f"elementwise=True if its update is elementwise", stacklevel=2)
+            self.pieces = []
+        self._piece_of = {id(e): k for k, piece in enumerate(self.pieces) for e in piece}
 
     # -- the torch.optim surface ---------------------------------------------------------------
     @torch.no_grad()
@@ -155,9 +170,6 @@ class ShardedOptimizer(OptimizerStateDicts, torch.optim.Optimizer):
                 got=f"{len(held)} held unsynced by pm.no_sync(): {_names(held)}",
                 fix="run the last micro-batch's pm.step(...) outside `with pm.no_sync():`")
         self._recut_masters()
-        # The casts between 16-bit parameters and their fp32 masters, grouped into one
-        # multi-tensor copy each way where the two sit on the same device (one kernel launch per
-        # group instead of one per parameter: on a GPU the launches were half the step).
         apart = [e for e in self.entries if e.master is not e.param]
         grads = [(e, g) for e in apart if (g := self.grad_shard(e)) is not None]
         for e in apart:
@@ -167,6 +179,39 @@ class ShardedOptimizer(OptimizerStateDicts, torch.optim.Optimizer):
             self.host.start([(e, g) for e, g in grads if self.host.owns(e)], self._write_back)
             grads = [(e, g) for e, g in grads if not self.host.owns(e)]
         grads = self._grads_to_host(grads)
+        # The update piece by piece (the step program's pieces, cost/program.py
+        # OptimizerStep.pieces): a piece's gradients are cast for its masters just before its
+        # update and freed after it, so one piece's casts are alive at a time. A parameter that
+        # is its own master shows its gradient to its own piece's update only.
+        n = max(1, len(self.pieces))
+        by_piece: list[list[tuple[_Entry, torch.Tensor]]] = [[] for _ in range(n)]
+        for e, g in grads:
+            by_piece[self._piece_of.get(id(e), 0)].append((e, g))
+        own: list[list[tuple[_Entry, torch.Tensor]]] = [[] for _ in range(n)]
+        if n > 1:
+            for e in self.entries:
+                if e.master is e.param and e.param.grad is not None:
+                    own[self._piece_of.get(id(e), 0)].append((e, e.param.grad))
+                    e.param.grad = None
+        for piece, mine in zip(by_piece, own):
+            for e, g in mine:
+                e.param.grad = g
+            self._update(piece)
+            for e, _ in mine:
+                e.param.grad = None
+        for e, g in (x for mine in own for x in mine):
+            e.param.grad = g
+        if self.host is not None:
+            self.host.finish(self._write_back)
+        return loss
+
+    def _update(self, grads: list[tuple[_Entry, torch.Tensor]]) -> None:
+        """One piece's update: ``grads`` as the fp32 gradients of their masters, the wrapped
+        optimizer's step over them (and over the parameters that are their own masters whose
+        gradients are set), the updated masters written back, the casts freed."""
+        # The casts between 16-bit parameters and their fp32 masters, grouped into one
+        # multi-tensor copy each way where the two sit on the same device (one kernel launch per
+        # group instead of one per parameter: on a GPU the launches were half the step).
         local = [(e, g) for e, g in grads
                  if g.device == e.master.device and g.dtype != e.master.dtype]
         if local:
@@ -180,7 +225,7 @@ class ShardedOptimizer(OptimizerStateDicts, torch.optim.Optimizer):
                 # other than the first is copied out.
                 e.master.grad = g.to(e.master.device, torch.float32).contiguous()
         self.optimizer.step()
-        stepped = [e for e in apart if e.master.grad is not None]
+        stepped = [e for e, _ in grads]
         plain = [e for e in stepped if not e.gather and e.mode != StateMode.OFFLOAD
                  and e.master.device == e.param.device]
         if plain:
@@ -190,9 +235,7 @@ class ShardedOptimizer(OptimizerStateDicts, torch.optim.Optimizer):
             if id(e) not in done:
                 self._write_back(e, e.master.detach())
             e.seen = e.param._version
-        if self.host is not None:
-            self.host.finish(self._write_back)
-        return loss
+            e.master.grad = None
 
     def _write_back(self, e: _Entry, new: torch.Tensor) -> None:
         """The updated master ``new`` of ``e`` into its parameter."""

@@ -61,6 +61,11 @@ class Event:
 UPDATES = ("fused", "foreach", "loop")      # how the optimizer's update runs (OptimizerStep)
 # Optimizers whose step keeps moment-sized fp32 state (docs/cost-model.md §4.1).
 MOMENT_OPTIMIZERS = ("adam", "adamw")
+# The device's update runs in pieces of at most this many bytes of fp32 state per moment (a
+# larger parameter alone), each piece's 16-bit gradients cast up for their masters just before
+# its update and freed after it (codegen/optim.py): the casts alive at once are one piece's, not
+# every parameter's (Llama-3-8B stepped whole on one GPU: 1.96 GiB, its embedding's, not 29.9).
+PIECE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +90,8 @@ class ParamUpdate:
     - ``moment``: one fp32 tensor the size of its state shard (its momentum, its variance, its
       master where kept apart), for an optimizer with moments; 0 where its state lives on the
       host;
-    - ``cast``: the fp32 copy of a 16-bit gradient for its master, alive through the update
-      (the runtime casts every gradient before the update);
+    - ``cast``: the fp32 copy of a 16-bit gradient for its master, alive through its piece's
+      update (:meth:`OptimizerStep.pieces`);
     - ``gather``: bytes made on the device while its updated shard is brought back into its
       layout, one parameter at a time (ZeRO-1/2 and offload: the gathered parameter; parameter
       offload: the shard come up and the gathered parameter going down);
@@ -125,26 +130,44 @@ class OptimizerStep:
     update: str
     params: tuple[ParamUpdate, ...] = ()
 
+    def pieces(self) -> list[tuple[ParamUpdate, ...]]:
+        """The parameters the device's update steps (those with a ``moment``), in order, cut
+        into runs of at most :data:`PIECE_BYTES` of moment (one larger parameter alone): the
+        runtime casts a piece's gradients and runs its update before the next piece's
+        (codegen/optim.py ``ShardedOptimizer.step``). An optimizer without moments is one
+        piece."""
+        out: list[list[ParamUpdate]] = []
+        size = 0
+        for u in self.params:
+            if not u.moment:
+                continue
+            if not out or size + u.moment > PIECE_BYTES:
+                out.append([])
+                size = 0
+            out[-1].append(u)
+            size += u.moment
+        return [tuple(p) for p in out]
+
     def moments(self) -> list[tuple[str, int]]:
         """The moments of the optimizer phase the liveness walk checks, as (where, bytes alive
-        beyond the model state): the update with its temporaries, then each parameter's
-        gather. Read by cost/liveness.py (the phase's peak)."""
+        beyond the model state): each piece's update with its casts and temporaries, then each
+        parameter's gather. Read by cost/liveness.py (the phase's peak)."""
         out: list[tuple[str, int]] = [("optimizer step", 0)]
         if self.optimizer not in MOMENT_OPTIMIZERS:
             return out
-        stepped = [u for u in self.params if u.moment]
-        casts = sum(u.cast for u in stepped)
-        if self.update == "foreach":
-            out.append(("optimizer step", casts + sum(u.moment for u in stepped)))
-        elif self.update == "loop":
-            prev = 0
-            for u in stepped:
-                # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps): two at once,
-                # with the previous parameter's denom not yet released.
-                out.append((f"optimizer step ({u.name})", casts + prev + 2 * u.moment))
-                prev = u.moment
-        else:
-            out.append(("optimizer step", casts))
+        for piece in self.pieces():
+            prev = 0            # (a call's last denominator is released when it returns)
+            casts = sum(u.cast for u in piece)
+            if self.update == "foreach":
+                out.append(("optimizer step", casts + sum(u.moment for u in piece)))
+            elif self.update == "loop":
+                for u in piece:
+                    # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps): two at
+                    # once, with the previous parameter's denom not yet released.
+                    out.append((f"optimizer step ({u.name})", casts + prev + 2 * u.moment))
+                    prev = u.moment
+            else:
+                out.append(("optimizer step", casts))
         out += [(f"optimizer step ({u.name})", u.gather) for u in self.params if u.gather]
         return out
 
