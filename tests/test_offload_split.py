@@ -15,7 +15,7 @@ from autoshard.ir import StateMode
 from autoshard.options import resolve_options
 from autoshard.solver import planner
 from autoshard.solver.assemble import assemble
-from autoshard.solver.offload_split import _moves, _next, offload_per_parameter
+from autoshard.solver.offload_split import _fitting, _moves, _next, offload_per_parameter
 from autoshard.solver.planner import plan_traced
 from autoshard.solver.solve import grouped
 from autoshard.tools.verify import build
@@ -119,6 +119,19 @@ def test_the_search_interpolates_between_what_fits_and_what_does_not():
     assert _next(0, 9, None, added, 0.0, 5.5) == 5         # (0 + 9 + 1) // 2
     # always a new count in (lo, hi]
     assert _next(3, 4, (5, 50.0), added, 3.0, 3.1) == 4
+
+
+def test_a_move_that_alone_overfills_is_dropped_not_blocking_the_rest():
+    """A move adding more resident bytes than the room left can never fit (Llama-3-8B's
+    embedding, read first): it is dropped, with its parameter's later move (optimizer offload
+    undone after parameter offload), and the moves after it stay in order."""
+    moves = [("emb", StateMode.OFFLOAD), ("a", StateMode.OFFLOAD), ("emb", None), ("a", None),
+             ("b", None)]
+    steps = [2.0, 1.0, 12.0, 12.0, 30.0]
+    assert _fitting(moves, steps, 30.0) == (moves, steps)
+    assert _fitting(moves, steps, 15.0) == ([("emb", StateMode.OFFLOAD), ("a", StateMode.OFFLOAD),
+                                             ("emb", None), ("a", None)], steps[:4])
+    assert _fitting(moves, steps, 1.5) == ([("a", StateMode.OFFLOAD)], [1.0])
 
 
 def test_a_forced_offload_is_left_as_asked(planned):

@@ -64,14 +64,22 @@ def offload_per_parameter(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
     # their running sum estimates the count, and the first pricing is there. The peak grows
     # about linearly in that sum, so each pricing interpolates between the counts known to fit
     # and not (regula falsi): two to four pricings where a bisection takes one per halving.
+    # A move that alone adds more than the room left is dropped (Llama-3-8B's embedding, the
+    # first read, where a few GiB are left): it would block every move after it.
+    peak = plan.predicted.memory.peak
     now = {name: strategies[name].kernel for name, _ in moves}
-    added = [0.0]                      # resident bytes the first j moves add
+    steps = []
     for name, mode in moves:
         spec = strategies[name].outputs[0]
-        added.append(added[-1] + _resident(traced, mesh, options, name, spec, mode)
+        steps.append(_resident(traced, mesh, options, name, spec, mode)
                      - _resident(traced, mesh, options, name, spec, now[name]))
         now[name] = mode
-    peak = plan.predicted.memory.peak
+    moves, steps = _fitting(moves, steps, budget - peak)
+    if not moves:
+        return None
+    added = [0.0]                      # resident bytes the first j moves add
+    for step in steps:
+        added.append(added[-1] + step)
     hi = max(j for j, a in enumerate(added) if peak + a <= budget)
     lo, best, over = 0, None, None           # over: (count, peak) of the least that did not fit
     with progress.step(f"offload per parameter: about {hi} of {len(moves)} moves fit"):
@@ -92,6 +100,21 @@ def offload_per_parameter(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
         "note": f"state modes solved per decision (one for every identical layer); then "
                 f"{lo} of {len(moves)} offload moves priced per parameter ({kept} parameters' "
                 f"optimizer state back on the device)"})
+
+
+def _fitting(moves: list[Move], steps: list[float], room: float
+             ) -> tuple[list[Move], list[float]]:
+    """``moves`` (with the resident bytes each adds, ``steps``) less those that add more than
+    ``room`` alone, and less a parameter's second move (optimizer offload undone) where its
+    first (parameter offload undone) was dropped."""
+    out, kept, gone = [], [], set()
+    for (name, mode), step in zip(moves, steps):
+        if step > room or name in gone:
+            gone.add(name)
+            continue
+        out.append((name, mode))
+        kept.append(step)
+    return out, kept
 
 
 def _next(lo: int, hi: int, over: tuple[int, float] | None, added: list[float], low: float,
