@@ -156,21 +156,37 @@ def test_an_optimizer_without_a_fused_host_step_is_named():
 
 
 def test_a_second_landing_before_the_step_is_refused():
-    """Under "backward", once the optimizer has stepped, a parameter's step starts as soon as
-    its gradient is complete: a second backward before the step (gradient accumulation) is
-    refused, not stepped twice. Before the first step nothing starts early."""
+    """Under "backward", a parameter's step starts as soon as its gradient is complete, from
+    the first backward on: a second backward before the step (gradient accumulation) is
+    refused, not stepped twice."""
     mine = _masters()
     host = _host(torch.optim.AdamW(mine), mine, overlap="backward", bucket_bytes=1e9)
     grads = _grads(0)
-    for i, g in enumerate(grads):           # before any step: nothing lands early
-        host.land(i, g, early=True)
-    assert host.started_early == 0 and not any(b.landed for b in host.buckets)
-    _run(host, grads)
-    for i, g in enumerate(grads):           # after it: the bucket starts at its last gradient
-        host.land(i, g, early=True)
+    for i, g in enumerate(grads):           # the bucket starts at its last gradient
+        assert host.land(i, g, early=True)
     assert host.started_early == 1
     with pytest.raises(AutoshardError, match="offload_overlap='none'"):
         host.land(0, grads[0], early=True)
+    _run(host, [])
+    host.close()
+
+
+def test_a_released_gradient_is_read_where_it_landed():
+    """A gradient landed from backward whose device copy was freed (``release``) is the
+    landing buffer's slice until the step, and is not checked for changes (nothing can change
+    it); the step clears the record."""
+    mine = _masters()
+    host = _host(torch.optim.AdamW(mine), mine, overlap="backward", bucket_bytes=1e9)
+    grads = _grads(0)
+    for i, g in enumerate(grads):
+        host.land(i, g, early=True)
+        host.release(i)
+    grads[0].mul_(0.5)                       # (freed on a device: no one holds it any more)
+    assert list(host.released.values()) == list(range(len(grads)))
+    for i, g in enumerate(_grads(0)):
+        assert torch.equal(host.landed_grad(i), g)
+    _run(host, [])                           # not refused: a released gradient is not checked
+    assert host.released == {} and host.landed_grad(0) is None
     host.close()
 
 
@@ -182,7 +198,6 @@ def test_a_gradient_changed_after_its_early_step_is_refused_and_accumulation_hol
     mine = _masters()
     host = _host(torch.optim.AdamW(mine), mine, overlap="backward", bucket_bytes=1e9)
     grads = _grads(0)
-    _run(host, grads)                        # armed: later gradients land from backward
     host.hold = lambda: True
     for i, g in enumerate(grads):
         host.land(i, g, early=True)
@@ -285,8 +300,16 @@ def _train(plan_json: str) -> dict:
     local = pm.shard_inputs(*inputs)
     out = {"params": [], "err": 0.0, "hooked": len(opt.host.handles),
            "buckets": len(opt.host.buckets)}
-    for _ in range(STEPS):
+    for t in range(STEPS):
         pm.step(*local)
+        if t == 0:
+            out["grads"] = {k: v.clone() for k, v in pm.full_grads().items()}
+            out["released"] = sum(p.grad is None for p in pm.local_parameters().values())
+            try:
+                list(pm.parameters())
+                out["views_refused"] = False
+            except AutoshardError:
+                out["views_refused"] = True
         opt.step()
         opt.zero_grad()
         fwd(*inputs).backward()
@@ -359,17 +382,23 @@ def test_delayed_update_follows_its_recurrence(runs):
 @pytest.mark.slow
 def test_on_one_device_each_bucket_steps_during_backward(world1):
     """One device (the issue's Llama-3-8B case): no bucket collects the gradients, so each
-    parameter lands from its post-accumulate-grad hook and its bucket starts on the host
-    thread during backward; the parameters are the plain schedule's, exactly, and
+    parameter lands from its post-accumulate-grad hook, from the first backward on, and its
+    bucket starts on the host thread during backward; the parameters are the plain schedule's, exactly, and
     single-device AdamW's."""
     plans = _plans((1,))
     plain, over = (world1.run(_train, plans[o])[0] for o in ("none", "backward"))
     assert over["hooked"] > 0 and over["buckets"] > 1
-    # (the first step's gradients land at the step: nothing starts before a first step)
-    assert over["early"] == over["buckets"] * (STEPS - 1) and plain["early"] == 0
+    assert over["early"] == over["buckets"] * STEPS and plain["early"] == 0
     for a, b in zip(plain["params"], over["params"]):
         assert all(torch.equal(a[k], b[k]) for k in a)
     assert over["err"] < 1e-4
+    # Each hooked gradient left the device as it landed (the liveness walk's ``released``);
+    # pm.full_grads() reads it on the host, equal to the plain run's; pm.parameters() refuses
+    # to hand torch's utilities a set without them until the step.
+    assert over["released"] == over["hooked"] and plain["released"] == 0
+    assert over["grads"].keys() == plain["grads"].keys()
+    assert all(torch.equal(over["grads"][k], plain["grads"][k]) for k in plain["grads"])
+    assert over["views_refused"] and not plain["views_refused"]
 
 
 def test_calibrate_maps_the_host_side_onto_the_host_fields():

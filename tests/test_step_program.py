@@ -140,6 +140,37 @@ def test_the_update_runs_in_pieces_of_at_most_piece_bytes(gpt2_bf16, monkeypatch
         + _inputs(traced, plan, mesh.shape) + max(extra)
 
 
+def test_gradients_sent_to_the_host_in_backward_leave_the_device(gpt2):
+    """Optimizer offload under offload_overlap="backward" (docs/cost-model.md §9.1): each
+    gradient that is a parameter's whole ``.grad`` goes to the host as autograd completes it
+    (codegen/hostopt.py), and the walk frees it there: at the end of backward the device holds
+    the plain schedule's bytes less exactly those gradients. Where the state is cut over a
+    zero axis (its gradient reduce-scattered by a bucket) it lands at the step."""
+    mesh = Mesh((1,), cluster=CLUSTER)
+    ends = {}
+    for overlap in ("none", "backward", "delayed"):
+        plan = plan_traced(gpt2, mesh, offload="optimizer", offload_overlap=overlap,
+                           recompute="none")
+        pricer = Pricer(gpt2, mesh, plan.options)
+        prog = program_for(gpt2, plan.strategies(), pricer)
+        offloaded = {u.name for u in prog.optimizer.params if u.mode == "offload"}
+        assert offloaded
+        assert prog.released == (offloaded if overlap == "backward" else frozenset())
+        log: list = []
+        step_memory(gpt2, plan.strategies(), pricer, program=prog, log=log)
+        ends[overlap] = next(b for ph, at, b in log if at == "end of backward")
+        grads = sum(pricer.state_bytes(n, plan.strategies()[n]).gradients for n in offloaded)
+    assert ends["none"] == ends["delayed"] and ends["none"] - ends["backward"] == grads > 0
+    wide = plan_traced(gpt2, Mesh((2,), cluster=CLUSTER), offload="optimizer",
+                       offload_overlap="backward", recompute="none")
+    prog = program_for(gpt2, wide.strategies(), Pricer(gpt2, Mesh((2,), cluster=CLUSTER),
+                                                       wide.options))
+    cut = {u.name for u in prog.optimizer.params if u.mode == "offload" and u.state is not None}
+    assert cut and not cut & prog.released
+    assert all(u.state is None and u.name not in prog.bucket_of
+               for u in prog.optimizer.params if u.name in prog.released)
+
+
 # -- gradient accumulation ---------------------------------------------------------------------
 
 def test_accumulation_steps_is_validated():

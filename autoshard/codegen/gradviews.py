@@ -18,7 +18,7 @@ import torch
 from autoshard.codegen.collectives import apply_steps
 from autoshard.codegen.dtensors import dtensor_in_place, dtensor_placements
 from autoshard.codegen.groups import MeshGroups
-from autoshard.codegen.optimlayout import _cut, _placements, _slice
+from autoshard.codegen.optimlayout import _cut, _names, _placements, _slice
 from autoshard.cost.comm import reshard
 from autoshard.errors import AutoshardError
 from autoshard.ir import Spec, local_shape
@@ -94,6 +94,17 @@ class GradViews:
         pipeline every rank lists every parameter, another stage's with no rows, laid out
         along the pipeline axis so that the norm reduces over the stages too
         (codegen/stageviews.py)."""
+        from autoshard.codegen.hostopt import released_grads
+        gone = released_grads(self)
+        if gone:
+            raise AutoshardError(
+                "every gradient on the device between backward and the optimizer's step, for "
+                "torch's utilities over pm.parameters() (clip_grad_norm_ would leave some out)",
+                got=f"{len(gone)} parameters' gradients sent to the host in backward, their host "
+                    f"step started, under offload_overlap='backward': {_names(sorted(gone))}",
+                fix="plan with offload_overlap='none' to clip or read gradients between "
+                    "backward and the step (pm.full_grads() reads them where they lie), or "
+                    "call pm.parameters() before backward or after opt.step()")
         fqns = self.fqns if self.pipeline is None else list(self._every_spec)
         views = [(prefix + fqn, self._view(fqn)) for fqn in fqns]
         self._publish_grads()
@@ -206,8 +217,12 @@ class GradViews:
         Collective when any shard is held: every rank calls it."""
         shards = self.runtime.buckets.shards if self.runtime.buckets is not None else {}
         out = {}
+        from autoshard.codegen.hostopt import released_grads
+        gone = released_grads(self)
         for fqn, p in self.local_parameters().items():
             g = p.grad
+            if g is None and fqn in gone:          # sent to the host in backward
+                g = gone[fqn].to(p.device)
             shard = shards.get(self._param_ph[fqn])
             if shard is not None:
                 st = self.plan.param_state[fqn]

@@ -22,20 +22,22 @@ and so does this module:
   one host thread (:class:`concurrent.futures.ThreadPoolExecutor`; torch's kernels release the
   interpreter lock) while the device goes on (``PlanOptions.offload_overlap``):
 
-  - ``"backward"`` (the default): a parameter whose whole gradient is its ``.grad`` lands from
-    a post-accumulate-grad hook, the moment autograd has finished it, and its bucket steps as
-    soon as every member has landed, while backward continues with the earlier layers. The
-    optimizer's ``step()`` lands the rest (the reduce-scattered shards of a sharded bucket, read
-    after backward), then takes the buckets in order: waits for each and writes its updated
+  - ``"backward"``: a parameter whose whole gradient is its ``.grad`` lands from a
+    post-accumulate-grad hook, the moment autograd has finished it, its device copy is freed
+    (the copy down is queued on the same stream first), and its bucket steps as soon as every
+    member has landed, while backward continues with the earlier layers. The optimizer's
+    ``step()`` lands the rest (the reduce-scattered shards of a sharded bucket, read after
+    backward), then takes the buckets in order: waits for each and writes its updated
     parameters back (the copy up, any all-gather) while the thread steps the later ones. The
     numbers are those of ``"none"``: the same kernels on the same values. As ZeRO-Offload's
     engine couples its backward and step, this starts a step on the host before ``step()`` is
-    called: it needs one backward per optimizer step once the optimizer has stepped (a second
-    backward before the step would add to a gradient that already stepped: a parameter landing
-    twice is refused; a backward whose gradients are thrown away, as a skipped step, needs
-    ``"none"``). Before the first ``step()`` nothing lands early, so a backward run to inspect
-    gradients before training (``autoshard verify`` does) steps nothing. On a pipeline (a backward per microbatch)
-    every gradient lands in ``step()``.
+    called, from the first backward after ``pm.optimizer(...)``: it needs one backward per
+    optimizer step (a second backward before the step would add to a gradient that already
+    stepped: a parameter landing twice is refused; a backward whose gradients are thrown away,
+    as a skipped step, needs ``"none"``). The freed gradients are not on the device for torch's
+    ``clip_grad_norm_`` (``pm.parameters()`` refuses to hand them out until the step);
+    ``pm.full_grads()`` reads them where they landed. On a pipeline (a backward per
+    microbatch) every gradient lands in ``step()``.
   - ``"delayed"``: ZeRO-Offload's delayed parameter update (DPU, §5.2): ``step()`` of step t
     waits for step t-1's host step, writes its parameters back, lands step t's gradients and
     returns while the host steps them, overlapped with step t+1's forward and backward. With
@@ -63,6 +65,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from autoshard.errors import AutoshardError
+from autoshard.cost.program import lands_in_backward
 from autoshard.cost.state import HOST_MODES
 from autoshard.ir import OffloadOverlap, Phase, StateMode
 from autoshard.options import OFFLOAD_OVERLAP
@@ -172,7 +175,8 @@ class HostOptimizer:
         self._inflight: list[_Bucket] = []         # "delayed": the buckets stepping now
         self.handles: list = []
         self.started_early = 0                     # buckets started from backward, all steps
-        self.armed = False                         # "backward": land early (after a step)
+        # "backward": the members whose device gradients were freed as they landed, this step
+        self.released: dict[int, Any] = {}
         self.hold: Callable[[], bool] = lambda: False     # True: accumulating, land at the step
         self._todo: list[_Bucket] = []
 
@@ -202,12 +206,12 @@ class HostOptimizer:
         return id(key) in self.slot_of
 
     # -- gradients in ----------------------------------------------------------------------------
-    def land(self, key: Any, grad: torch.Tensor, *, early: bool = False) -> None:
+    def land(self, key: Any, grad: torch.Tensor, *, early: bool = False) -> bool:
         """Copy ``key``'s gradient into its bucket's landing buffer (down the link, without
         waiting, from a GPU). ``early``: from backward; the bucket is stepped once every member
-        has landed."""
-        if early and (not self.armed or self.hold()):
-            return         # (before the first step, or inside pm.no_sync(): at the step)
+        has landed. Returns whether it landed now (from backward: not inside ``pm.no_sync()``)."""
+        if early and self.hold():
+            return False   # (inside pm.no_sync(): at the step)
         b, s = self.slot_of[id(key)]
         if s.landed:
             if early:
@@ -218,7 +222,7 @@ class HostOptimizer:
                     fix="run every micro-batch but the last inside `with pm.no_sync():` "
                         "(its gradients then land at the last one), or plan with "
                         "PlanOptions(offload_overlap='none')")
-            return
+            return False
         if b.grads is None or b.grads.dtype != grad.dtype:
             b.grads = torch.empty(b.numel, dtype=grad.dtype, pin_memory=self.pinned)
         if self.record is not None:
@@ -234,6 +238,25 @@ class HostOptimizer:
         if early and b.landed == len(b.slots):
             self.started_early += 1
             self._submit(b)
+        return True
+
+    def release(self, key: Any) -> None:
+        """``key``'s gradient, landed from backward, leaves the device: its caller frees the
+        device copy (the copy down was queued on the same stream before anything can reuse the
+        memory), and it is no longer checked for changes (nothing can change it)."""
+        _, s = self.slot_of[id(key)]
+        s.early = None
+        self.released[id(key)] = key
+
+    def landed_grad(self, key: Any) -> torch.Tensor | None:
+        """``key``'s gradient as it landed on the host this step (its landing buffer's slice,
+        which the step only reads), or None where it has not landed."""
+        b, s = self.slot_of[id(key)]
+        if not s.landed or b.grads is None:
+            return None
+        if b.event is not None:
+            b.event.synchronize()
+        return b.grads[s.offset:s.offset + s.numel].view(s.master.shape)
 
     def unhook(self) -> None:
         """Land nothing early any more: every gradient at the step."""
@@ -243,13 +266,17 @@ class HostOptimizer:
 
     def hooks(self, params: Iterable[tuple[Any, torch.nn.Parameter]]) -> list:
         """Under ``"backward"``: land each of ``params``' ``.grad`` (its whole gradient) from a
-        post-accumulate-grad hook, as autograd finishes it. Returns the hook handles."""
+        post-accumulate-grad hook, as autograd finishes it, and free the device's copy (the
+        step program's ``released``, which the liveness walk frees there too). Returns the
+        hook handles."""
         if self.overlap != OffloadOverlap.BACKWARD:
             return []
         out = []
         for key, p in params:
             def hook(p: torch.Tensor, key: Any = key) -> None:
-                self.land(key, p.grad, early=True)
+                if self.land(key, p.grad, early=True):
+                    self.release(key)
+                    p.grad = None
             out.append(p.register_post_accumulate_grad_hook(hook))
         return out
 
@@ -264,6 +291,7 @@ class HostOptimizer:
         if self.overlap == OffloadOverlap.DELAYED:
             self.flush(write_back)
         self._check_unchanged()
+        self.released = {}
         for key, g in grads:
             self.land(key, g)
         self._todo = [b for b in self.buckets if b.landed or b.future is not None]
@@ -295,7 +323,6 @@ class HostOptimizer:
             return
         for b in todo:
             self._collect(b, write_back)
-        self.armed = True
 
     def flush(self, write_back: Callable[[Any, torch.Tensor], None] | None = None) -> None:
         """Wait for every host step still running (``"delayed"``: the last step's) and write
@@ -321,46 +348,10 @@ class HostOptimizer:
     def _submit(self, b: _Bucket) -> None:
         # A member without a gradient this step is not stepped, as torch's optimizers skip it.
         b.active = [s for s in b.slots if s.landed]
-        self._adopt(b)
+        _adopt(self.optimizer, self.kind, b)
         hp = {k: v for k, v in b.group.items() if k != "params"}
         event, b.event = b.event, None
         b.future = self._pool.submit(self._run, b, hp, event)
-
-    def _adopt(self, b: _Bucket) -> None:
-        """The torch optimizer's state of ``b``'s members as views of ``b``'s buffers: created
-        as its first step would, or copied in where a load replaced the tensors."""
-        state = self.optimizer.state
-        for s in b.active:
-            st = state[s.master]
-            views = [m[s.offset:s.offset + s.numel].view(s.master.shape) for m in b.moments]
-            if self.kind == "adam":
-                if not st:
-                    st["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    for k, v in zip(_ADAM_KEYS, views):
-                        st[k] = v.zero_()
-                    continue
-                if not isinstance(st["step"], torch.Tensor):
-                    st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
-                for k, v in zip(_ADAM_KEYS, views):
-                    if st[k].data_ptr() != v.data_ptr():
-                        st[k] = v.copy_(st[k])
-        if self.kind == "sgd" and b.group["momentum"]:
-            # torch's SGD: the first step sets the buffer to the gradient; later ones update it.
-            have = [state[s.master].get("momentum_buffer") is not None for s in b.active]
-            if any(have) and not all(have):
-                raise AutoshardError("momentum buffers for all of an SGD optimizer's offloaded "
-                                     "parameters or for none", got="a state with some of them",
-                                     fix="load a state dict saved by the same optimizer")
-            b.first = not any(have)
-            if not b.moments:
-                b.moments.append(torch.zeros(b.numel, dtype=torch.float32))
-            for s in b.active:
-                st = state[s.master]
-                v = b.moments[0][s.offset:s.offset + s.numel].view(s.master.shape)
-                if st.get("momentum_buffer") is not None \
-                        and st["momentum_buffer"].data_ptr() != v.data_ptr():
-                    v.copy_(st["momentum_buffer"])
-                st["momentum_buffer"] = v
 
     # -- on the host thread ----------------------------------------------------------------------
     def _run(self, b: _Bucket, hp: dict, event: Any) -> None:
@@ -435,10 +426,58 @@ def _pieces(slots: list[_Slot]) -> list[tuple[int, int, list[tuple[_Slot, int, i
     return [(lo, hi, parts) for lo, hi, parts in out]
 
 
+def _adopt(optimizer: torch.optim.Optimizer, kind: str, b: _Bucket) -> None:
+    """The torch optimizer's state of ``b``'s members as views of ``b``'s buffers: created
+    as its first step would, or copied in where a load replaced the tensors."""
+    state = optimizer.state
+    for s in b.active:
+        st = state[s.master]
+        views = [m[s.offset:s.offset + s.numel].view(s.master.shape) for m in b.moments]
+        if kind == "adam":
+            if not st:
+                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                for k, v in zip(_ADAM_KEYS, views):
+                    st[k] = v.zero_()
+                continue
+            if not isinstance(st["step"], torch.Tensor):
+                st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
+            for k, v in zip(_ADAM_KEYS, views):
+                if st[k].data_ptr() != v.data_ptr():
+                    st[k] = v.copy_(st[k])
+    if kind == "sgd" and b.group["momentum"]:
+        # torch's SGD: the first step sets the buffer to the gradient; later ones update it.
+        have = [state[s.master].get("momentum_buffer") is not None for s in b.active]
+        if any(have) and not all(have):
+            raise AutoshardError("momentum buffers for all of an SGD optimizer's offloaded "
+                                 "parameters or for none", got="a state with some of them",
+                                 fix="load a state dict saved by the same optimizer")
+        b.first = not any(have)
+        if not b.moments:
+            b.moments.append(torch.zeros(b.numel, dtype=torch.float32))
+        for s in b.active:
+            st = state[s.master]
+            v = b.moments[0][s.offset:s.offset + s.numel].view(s.master.shape)
+            if st.get("momentum_buffer") is not None \
+                    and st["momentum_buffer"].data_ptr() != v.data_ptr():
+                v.copy_(st["momentum_buffer"])
+            st["momentum_buffer"] = v
+
+
+def released_grads(pm: Any) -> dict[str, torch.Tensor]:
+    """The gradients of ``pm``'s parameters that left the device in this backward (on the host,
+    as they landed), by name; empty once the optimizer has stepped them."""
+    host = _HOOKED.get(pm)
+    if host is None:
+        return {}
+    return {key.fqn: g for key in host.released.values()
+            if (g := host.landed_grad(key)) is not None}
+
+
 def fallback_warning(why: str) -> None:
     warnings.warn(f"offloaded optimizer: {why} has no fused host step; torch's own step runs on "
-                  "the host masters, slower than the plan prices it (docs/cost-model.md §9.1)",
-                  stacklevel=3)
+                  "the host masters after backward, slower than the plan prices it, and under "
+                  "offload_overlap='backward' the gradients stay on the device until the step, "
+                  "above the plan's memory peak (docs/cost-model.md §9.1)", stacklevel=3)
 
 
 def attach(opt: Any) -> HostOptimizer | None:
@@ -476,9 +515,10 @@ def attach(opt: Any) -> HostOptimizer | None:
         if previous is not None:
             previous.unhook()
         host.hold = lambda: opt.pm.accumulating
-        host.handles = host.hooks((e, e.param) for e in order
-                                  if e.mode == StateMode.OFFLOAD and e.dim is None
-                                  and e.placeholder not in bucketed)
+        host.handles = host.hooks(
+            (e, e.param) for e in order
+            if lands_in_backward(e.mode, e.dim is not None, e.placeholder in bucketed,
+                                 options.offload_overlap, pipelined=False))
         _HOOKED[opt.pm] = host
     return host
 

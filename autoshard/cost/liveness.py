@@ -18,9 +18,11 @@ are alive:
   are freed. A view or a same-shape add passes its gradient through without a copy; a value
   read by several ops accumulates one gradient; a reshard's backward collectives make a
   gradient in the producer's layout; a parameter's gradient stays (``.grad``) from the moment
-  it lands to the end of the step. A data-parallel gradient sync copies the gradient into its
-  bucket's flat buffer (codegen/buckets.py), allocated whole when the bucket's first gradient
-  arrives. A checkpointed layer runs its forward again when its backward first needs a saved
+  it lands to the end of the step, unless the step program lists it as ``released`` (optimizer
+  offload under ``offload_overlap="backward"``: sent to the host as autograd completes it,
+  after the backward of the first forward event that reads it). A data-parallel gradient
+  sync copies the gradient into its bucket's flat buffer (codegen/buckets.py), allocated
+  whole when the bucket's first gradient arrives. A checkpointed layer runs its forward again when its backward first needs a saved
   tensor (``torch.utils.checkpoint`` recomputes on the first unpack): what its ops save is
   alive again, one layer at a time; selective checkpointing hands the kept outputs back
   instead of making them again.

@@ -25,7 +25,8 @@ parameter to that reshard's index. ``fetched``: parameters kept on the host (sta
 The optimizer step (``optimizer``, an :class:`OptimizerStep`): one :class:`ParamUpdate` per
 parameter the step updates on this rank (frozen and tied-alias ones have none), with the bytes
 of its temporaries and host copies, and the moments of the optimizer phase that the liveness
-walk checks (``moments``). Gradient accumulation (``accumulation`` micro-steps per optimizer
+walk checks (``moments``); ``released``, the parameters whose gradients go to the host as
+autograd completes them, their device copies freed then. Gradient accumulation (``accumulation`` micro-steps per optimizer
 step): ``held``, the gradient each parameter holds on the device across micro-steps.
 """
 from __future__ import annotations
@@ -187,6 +188,7 @@ class StepProgram:
     accumulation: int = 1
     held: Mapping[str, int] = field(default_factory=dict)     # parameter -> bytes
     stage: frozenset[str] | None = None      # a pipeline stage's ops (stage_program); None: all
+    released: frozenset[str] = frozenset()   # gradients sent to the host in backward
 
     def first_syncs(self) -> dict[str, ReshardEdge]:
         """Each bucketed parameter's gradient sync reshard (``first_grad_syncs``' result)."""
@@ -201,13 +203,16 @@ class StepProgram:
 def step_program(traced: Any, strategies: dict[str, Strategy], mesh_shape: tuple[int, ...], *,
                  bucket_bytes: float, recompute: Mapping[str, str] | None = None,
                  joint: Groups = (), shapes: Mapping | None = None, optimizer: str = "none",
-                 update: str = "fused", accumulation: int = 1) -> StepProgram:
+                 update: str = "fused", accumulation: int = 1,
+                 overlap: str = "none") -> StepProgram:
     """The step program of ``traced`` (a :class:`~autoshard.trace.export.TracedGraph`) under
     ``strategies`` (node name -> strategy, every placeholder and op) on a mesh of
     ``mesh_shape``; ``recompute``: checkpointed layer -> policy; ``joint``: the plan's groups of
     axes whose collectives run as one; ``shapes``: ``value_shapes`` of the graph, if at hand;
     ``optimizer``: the optimizer whose step ends it ("none": no optimizer records), ``update``
-    its implementation (``UPDATES``); ``accumulation``: micro-steps per optimizer step."""
+    its implementation (``UPDATES``); ``accumulation``: micro-steps per optimizer step;
+    ``overlap``: ``PlanOptions.offload_overlap`` (which gradients leave in backward,
+    :func:`lands_in_backward`)."""
     graph: fx.Graph = traced.graph
     params = {p.name for p in traced.params}
     shapes = value_shapes(graph) if shapes is None else shapes
@@ -244,13 +249,26 @@ def step_program(traced: Any, strategies: dict[str, Strategy], mesh_shape: tuple
                         if getattr(strategies.get(n), "kernel", None) == StateMode.OFFLOAD_PARAMS)
     opt = optimizer_step(traced, strategies, tuple(mesh_shape), optimizer, update) \
         if traced.training else OptimizerStep("none", update)
+    bucket_of = {m: k for k, b in enumerate(buckets) for m in b.members}
     return StepProgram(
         events=tuple(events), edges=edges, buckets=buckets, bucketed=bucketed,
-        fetched=fetched, edge_of=edge_of,
-        bucket_of={m: k for k, b in enumerate(buckets) for m in b.members},
+        fetched=fetched, edge_of=edge_of, bucket_of=bucket_of,
+        released=frozenset(u.name for u in opt.params if lands_in_backward(
+            u.mode, u.state is not None, u.name in bucket_of, overlap, pipelined=False)),
         optimizer=opt, accumulation=accumulation,
         held=held_gradients(traced, strategies, tuple(mesh_shape), fetched, bucketed)
         if traced.training and accumulation > 1 else {})
+
+
+def lands_in_backward(mode: StateMode | None, cut: bool, bucketed: bool, overlap: str, *,
+                      pipelined: bool) -> bool:
+    """Whether a parameter's gradient goes to the host the moment autograd completes it, and
+    its device copy is freed then (codegen/hostopt.py ``attach``): optimizer offload under
+    ``offload_overlap="backward"`` where the gradient is the parameter's whole ``.grad`` (its
+    state not ``cut`` apart over zero axes, no gradient bucket syncs it), not on a pipeline
+    (whose microbatches' backwards add to ``.grad``: it lands at the step)."""
+    return (overlap == "backward" and mode == StateMode.OFFLOAD and not cut and not bucketed
+            and not pipelined)
 
 
 def _updated(traced: Any) -> list[Any]:
@@ -338,7 +356,9 @@ def program_for(traced: Any, strategies: dict[str, Strategy], pricer: Any,
                         bucket_bytes=options.bucket_bytes, recompute=recompute,
                         joint=getattr(pricer, "joint", ()), shapes=pricer.shapes,
                         optimizer=options.state_optimizer, update=update,
-                        accumulation=getattr(options, "accumulation_steps", 1))
+                        accumulation=getattr(options, "accumulation_steps", 1),
+                        overlap=options.offload_overlap
+                        if getattr(options, "stage_run", None) is None else "none")
 
 
 def node_reads(node: fx.Node) -> list[ValueRef]:

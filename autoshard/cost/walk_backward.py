@@ -38,6 +38,7 @@ class BackwardWalk(ForwardWalk):
         for i, ev in enumerate(self.events):
             if ev.region is not None:
                 region_first.setdefault(ev.region, i)
+        complete = self._completions()
         for i in range(len(self.events) - 1, -1, -1):
             ev = self.events[i]
             # torch.utils.checkpoint recomputes a layer when its backward first unpacks a saved
@@ -54,10 +55,30 @@ class BackwardWalk(ForwardWalk):
             if ev.region is not None and region_first[ev.region] == i:
                 for s in self.region_held.pop(ev.region, []):
                     mem.unref(s)
+            for param in complete.get(i, ()):      # gone to the host (codegen/hostopt.py)
+                mem.unref(self.p_grad.pop(param, None))
         for s in list(self.grad.values()):
             mem.unref(s)
         self.grad.clear()
         self._finish_buckets()
+
+    def _completions(self) -> dict[int, list[str]]:
+        """The parameters whose gradients leave for the host as autograd completes them (the
+        step program's ``released``), by the event after whose backward that is: the first
+        event of forward that reads the parameter (an op, or a reshard of it), whose backward
+        adds the gradient's last part."""
+        out: dict[int, list[str]] = {}
+        left = set(self.program.released)
+        for i, ev in enumerate(self.events):
+            if not left:
+                break
+            for key in self._event_reads(ev):
+                param = self.tied_to.get(key[0], key[0]) if key[0] not in ("edge", "fetch") \
+                    else None
+                if param in left:
+                    left.discard(param)
+                    out.setdefault(i, []).append(param)
+        return out
 
     def _recompute(self, region: str) -> None:
         """The layer's forward again, its reshards included, holding what its ops save; under
