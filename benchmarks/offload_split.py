@@ -33,8 +33,8 @@ SECTION = "offload_split"
 PROFILE = Path(__file__).resolve().parent / "h100-calibrated.json"
 GIB = 2**30
 # (layers, batch, memory budget in bytes, its label, checkpointing): the offload issue's rows
-# that offload under "auto", and the 32-layer one with every layer checkpointed (the memory it
-# frees goes to state brought back; the planner's own choice is the plan without it)
+# that offload under "auto", and the 32-layer one with every layer fully checkpointed (beside
+# the planner's own mix of full and selective checkpointing)
 ROWS = ((8, 2, 20 * GIB, "20 GiB", "auto"), (32, 1, 80e9, "80 GB", "auto"),
         (32, 1, 80e9, "80 GB, full checkpointing", "full"))
 
