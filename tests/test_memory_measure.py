@@ -135,3 +135,25 @@ def test_on_cpu_the_host_state_of_an_offload_plan_is_predicted_in_the_measured_m
         # prediction is an upper bound: never under the measurement, within 25% of it.
         assert 0 <= r["memory"]["error"] < 0.25, r["memory"]
     assert "the same memory on CPU" in text
+
+
+
+world1 = world_fixture(1, timeout_s=300)
+
+
+@pytest.mark.slow
+def test_verify_measures_a_step_whose_gradients_leave_in_backward(world1):
+    """One device, optimizer offload under offload_overlap="backward": the gradients leave the
+    device as they land (codegen/hostopt.py), and ``pm.parameters()`` is refused until the
+    step; the measurement labels the gradients through the local parameters instead, so the
+    step is measured. (On a CPU run the host is the device: the gradients' fall is not
+    measurable here, only on a GPU, benchmarks/gpu_offload.py.)"""
+    from autoshard.solver.planner import plan_traced
+    traced = trace(*build(MODEL, 1, None, 0))
+    plan = plan_traced(traced, Mesh((1,), cluster="stress"), offload="optimizer",
+                       offload_overlap="backward", recompute="none")
+    rep = world1.run(verify_rank, VerifySpec(MODEL, plan.mesh_shape, plan.mesh_axes,
+                                             plan.dumps(), batch=1))
+    ok, text = summarize(rep, TOL)
+    assert ok, text
+    assert "measured" in rep[0]["memory"], rep[0]["memory"]

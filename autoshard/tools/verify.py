@@ -466,7 +466,9 @@ def _measured_step(pm, local_inputs: tuple, opt, device: torch.device, tracker,
         # Gradients the runtime hands over itself (a bucket's sync assigns ``.grad`` at the end
         # of backward) pass no gradient hook: label them gradients before the optimizer reads
         # them. Until then the tracker counts them as temporaries.
-        tracker.track_external(pm)
+        # (its local parameters: pm.parameters() is refused while gradients sent to the host
+        # in backward are away, codegen/gradviews.py)
+        tracker.track_external(torch.nn.ParameterList(pm.local_parameters().values()))
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)
