@@ -261,7 +261,8 @@ def run_llama(device, row: tuple, overlap: str, steps: int, loss_steps: int,
                                                     "optimizer_s", "host_step_s")},
            "modes": {m: sum(1 for st in plan.param_state.values() if st.mode == m)
                      for m in {st.mode for st in plan.param_state.values()}},
-           "peak_bytes": torch.cuda.max_memory_allocated(device)}
+           "peak_bytes": torch.cuda.max_memory_allocated(device),
+           "predicted_peak_bytes": p.memory.peak}
     del pm, opt
     gc.collect()
     torch.cuda.empty_cache()
@@ -331,13 +332,14 @@ def render_llama(rows: list[dict]) -> str:
              f"- date: {today()}", "",
              "| model, budget | offload (parameters by mode) | overlap | predicted step "
              "(host step in the window) | measured iteration | fwd+bwd | opt.step() | "
-             "measured / predicted | losses against the unoverlapped run |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "measured / predicted | peak GPU memory, measured / liveness (GiB) | losses "
+             "against the unoverlapped run |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     checks = loss_check(rows)
     for i, r in enumerate(rows):
         if "failed" in r:
             lines.append(f"| {r['label']} | {r['offload']} | {r['overlap']} | failed: "
-                         f"{r['failed']} | | | | | |")
+                         f"{r['failed']} | | | | | | |")
             continue
         p, m = r["predicted"], r["median_s"]
         modes = ", ".join(f"{k or 'plain'} {v}" for k, v in sorted(r["modes"].items(),
@@ -345,7 +347,8 @@ def render_llama(rows: list[dict]) -> str:
         lines.append(f"| {r['label']} | {r['offload']} ({modes}) | {r['overlap']} | "
                      f"{p['step_time_s'] * 1e3:.0f} ({p['host_step_s'] * 1e3:.0f}) | "
                      f"{m['iter'] * 1e3:.0f} | {m['fb'] * 1e3:.0f} | {m['opt'] * 1e3:.0f} | "
-                     f"{m['iter'] / p['step_time_s']:.2f} | {checks[i]} |")
+                     f"{m['iter'] / p['step_time_s']:.2f} | {r['peak_bytes'] / GiB:.1f} / "
+                     f"{r['predicted_peak_bytes'] / GiB:.1f} | {checks[i]} |")
     return "\n".join(lines) + "\n"
 
 

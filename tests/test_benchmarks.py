@@ -154,3 +154,23 @@ def test_gpu_benchmarks_say_they_need_a_gpu(capsys, monkeypatch, script):
     monkeypatch.setattr(script.torch.cuda, "is_available", lambda: False)
     assert script.main([]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_the_offload_table_shows_the_peak_beside_the_liveness_prediction(monkeypatch):
+    """benchmarks/gpu_offload.py's Llama table: each run's allocator peak beside the plan's
+    liveness peak (the memory the planner holds to the budget), and a failed run's row."""
+    monkeypatch.setattr(gpu_offload.torch.cuda, "get_device_name", lambda *a: "NVIDIA H100")
+    ran = {"label": "Llama-3-8B / 32 layers", "offload": "auto", "overlap": "backward",
+           "losses": [12.6, 11.2], "modes": {"offload": 61, None: 230},
+           "median_s": {"iter": 1.9, "fb": 0.4, "opt": 1.5},
+           "predicted": {"step_time_s": 2.0, "host_step_s": 1.8},
+           "peak_bytes": 70 * 2**30, "predicted_peak_bytes": 68.8 * 2**30}
+    failed = {"label": "Llama-3-8B / 32 layers", "offload": "auto", "overlap": "none",
+              "failed": "exit status 1"}
+    lines = gpu_offload.render_llama([ran, failed]).splitlines()
+    header = next(x for x in lines if x.startswith("| model"))
+    row = next(x for x in lines if "(plain 230, offload 61)" in x)
+    assert "peak GPU memory, measured / liveness (GiB)" in header
+    assert "| 70.0 / 68.8 |" in row and "| 0.95 |" in row
+    cols = header.count("|")
+    assert row.count("|") == cols and next(x for x in lines if "failed" in x).count("|") == cols

@@ -254,8 +254,8 @@ class HostOptimizer:
         b, s = self.slot_of[id(key)]
         if not s.landed or b.grads is None:
             return None
-        if b.event is not None:
-            b.event.synchronize()
+        if self.pinned:                  # (its copy down may still be in flight)
+            torch.cuda.current_stream(self.device).synchronize()
         return b.grads[s.offset:s.offset + s.numel].view(s.master.shape)
 
     def unhook(self) -> None:
