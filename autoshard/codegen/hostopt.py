@@ -518,7 +518,7 @@ def attach(opt: Any) -> HostOptimizer | None:
         host.handles = host.hooks(
             (e, e.param) for e in order
             if lands_in_backward(e.mode, e.dim is not None, e.placeholder in bucketed,
-                                 options.offload_overlap, pipelined=False))
+                                 options.offload_overlap))
         _HOOKED[opt.pm] = host
     return host
 

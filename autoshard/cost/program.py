@@ -26,8 +26,9 @@ The optimizer step (``optimizer``, an :class:`OptimizerStep`): one :class:`Param
 parameter the step updates on this rank (frozen and tied-alias ones have none), with the bytes
 of its temporaries and host copies, and the moments of the optimizer phase that the liveness
 walk checks (``moments``); ``released``, the parameters whose gradients go to the host as
-autograd completes them, their device copies freed then. Gradient accumulation (``accumulation`` micro-steps per optimizer
-step): ``held``, the gradient each parameter holds on the device across micro-steps.
+autograd completes them, their device copies freed then. Gradient accumulation
+(``accumulation`` micro-steps per optimizer step): ``held``, the gradient each parameter holds
+on the device across micro-steps.
 """
 from __future__ import annotations
 
@@ -254,21 +255,20 @@ def step_program(traced: Any, strategies: dict[str, Strategy], mesh_shape: tuple
         events=tuple(events), edges=edges, buckets=buckets, bucketed=bucketed,
         fetched=fetched, edge_of=edge_of, bucket_of=bucket_of,
         released=frozenset(u.name for u in opt.params if lands_in_backward(
-            u.mode, u.state is not None, u.name in bucket_of, overlap, pipelined=False)),
+            u.mode, u.state is not None, u.name in bucket_of, overlap)),
         optimizer=opt, accumulation=accumulation,
         held=held_gradients(traced, strategies, tuple(mesh_shape), fetched, bucketed)
         if traced.training and accumulation > 1 else {})
 
 
-def lands_in_backward(mode: StateMode | None, cut: bool, bucketed: bool, overlap: str, *,
-                      pipelined: bool) -> bool:
+def lands_in_backward(mode: StateMode | None, cut: bool, bucketed: bool, overlap: str) -> bool:
     """Whether a parameter's gradient goes to the host the moment autograd completes it, and
     its device copy is freed then (codegen/hostopt.py ``attach``): optimizer offload under
     ``offload_overlap="backward"`` where the gradient is the parameter's whole ``.grad`` (its
-    state not ``cut`` apart over zero axes, no gradient bucket syncs it), not on a pipeline
-    (whose microbatches' backwards add to ``.grad``: it lands at the step)."""
-    return (overlap == "backward" and mode == StateMode.OFFLOAD and not cut and not bucketed
-            and not pipelined)
+    state not ``cut`` apart over zero axes, no gradient bucket syncs it). Not on a pipeline,
+    whose microbatches' backwards add to ``.grad`` (it lands at the step): its stages' programs
+    are built with ``overlap="none"``."""
+    return overlap == "backward" and mode == StateMode.OFFLOAD and not cut and not bucketed
 
 
 def _updated(traced: Any) -> list[Any]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import replace
+from itertools import accumulate
 
 from autoshard import progress
 from autoshard.cost.memory import device_budget
@@ -77,9 +78,7 @@ def offload_per_parameter(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
     moves, steps = _fitting(moves, steps, budget - peak)
     if not moves:
         return None
-    added = [0.0]                      # resident bytes the first j moves add
-    for step in steps:
-        added.append(added[-1] + step)
+    added = [0.0, *accumulate(steps)]          # resident bytes the first j moves add
     hi = max(j for j, a in enumerate(added) if peak + a <= budget)
     lo, best, over = 0, None, None           # over: (count, peak) of the least that did not fit
     with progress.step(f"offload per parameter: about {hi} of {len(moves)} moves fit"):
