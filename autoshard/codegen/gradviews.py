@@ -94,17 +94,19 @@ class GradViews:
         pipeline every rank lists every parameter, another stage's with no rows, laid out
         along the pipeline axis so that the norm reduces over the stages too
         (codegen/stageviews.py)."""
+        from autoshard.codegen.earlystep import stepped
         from autoshard.codegen.hostopt import released_grads
-        gone = released_grads(self)
+        gone = sorted(released_grads(self)) + stepped(self)
         if gone:
             raise AutoshardError(
                 "every gradient on the device between backward and the optimizer's step, for "
                 "torch's utilities over pm.parameters() (clip_grad_norm_ would leave some out)",
-                got=f"{len(gone)} parameters' gradients sent to the host in backward, their host "
-                    f"step started, under offload_overlap='backward': {_names(sorted(gone))}",
+                got=f"{len(gone)} parameters stepped in backward under "
+                    f"offload_overlap='backward', their gradients gone from the device: "
+                    f"{_names(gone)}",
                 fix="plan with offload_overlap='none' to clip or read gradients between "
-                    "backward and the step (pm.full_grads() reads them where they lie), or "
-                    "call pm.parameters() before backward or after opt.step()")
+                    "backward and the step, or call pm.parameters() before backward or after "
+                    "opt.step()")
         fqns = self.fqns if self.pipeline is None else list(self._every_spec)
         views = [(prefix + fqn, self._view(fqn)) for fqn in fqns]
         self._publish_grads()
@@ -217,7 +219,17 @@ class GradViews:
         Collective when any shard is held: every rank calls it."""
         shards = self.runtime.buckets.shards if self.runtime.buckets is not None else {}
         out = {}
+        from autoshard.codegen.earlystep import stepped
         from autoshard.codegen.hostopt import released_grads
+        used = stepped(self)
+        if used:
+            raise AutoshardError(
+                "the gradients of every parameter between backward and the optimizer's step",
+                got=f"{len(used)} parameters stepped on the device in backward under "
+                    f"offload_overlap='backward', their gradients used and freed: "
+                    f"{_names(used)}",
+                fix="plan with offload_overlap='none' to read gradients between backward and "
+                    "the step")
         gone = released_grads(self)
         for fqn, p in self.local_parameters().items():
             g = p.grad

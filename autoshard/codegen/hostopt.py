@@ -36,7 +36,8 @@ and so does this module:
     stepped: a parameter landing twice is refused; a backward whose gradients are thrown away,
     as a skipped step, needs ``"none"``). The freed gradients are not on the device for torch's
     ``clip_grad_norm_`` (``pm.parameters()`` refuses to hand them out until the step);
-    ``pm.full_grads()`` reads them where they landed. On a pipeline (a backward per
+    ``pm.full_grads()`` reads them where they landed. The parameters whose state is on the
+    device step in backward too (codegen/earlystep.py). On a pipeline (a backward per
     microbatch) every gradient lands in ``step()``.
   - ``"delayed"``: ZeRO-Offload's delayed parameter update (DPU, §5.2): ``step()`` of step t
     waits for step t-1's host step, writes its parameters back, lands step t's gradients and
@@ -65,7 +66,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from autoshard.errors import AutoshardError
-from autoshard.cost.program import lands_in_backward
+from autoshard.cost.program import steps_in_backward
 from autoshard.cost.state import HOST_MODES
 from autoshard.ir import OffloadOverlap, Phase, StateMode
 from autoshard.options import OFFLOAD_OVERLAP
@@ -517,8 +518,9 @@ def attach(opt: Any) -> HostOptimizer | None:
         host.hold = lambda: opt.pm.accumulating
         host.handles = host.hooks(
             (e, e.param) for e in order
-            if lands_in_backward(e.mode, e.dim is not None, e.placeholder in bucketed,
-                                 options.offload_overlap))
+            if e.mode == StateMode.OFFLOAD
+            and steps_in_backward(e.mode, e.dim is not None, e.placeholder in bucketed,
+                                  options.offload_overlap))
         _HOOKED[opt.pm] = host
     return host
 

@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from autoshard.codegen import hostopt
+from autoshard.codegen import earlystep, hostopt
 from autoshard.codegen.collectives import apply_steps
 # Re-exported where callers have long imported them from here: the DTensor helpers
 # (codegen/dtensors.py), the layout's cut (tests) and the state dicts' layout key.
@@ -123,13 +123,17 @@ class ShardedOptimizer(OptimizerStateDicts, torch.optim.Optimizer):
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
         self.defaults = self.optimizer.defaults
-        # The optimizer-offloaded masters' fused host step, overlapped (codegen/hostopt.py).
-        self.host = hostopt.attach(self)
-        # The device's update in the step program's pieces (cost/program.py PIECE_BYTES); an
-        # optimizer not known to update each parameter on its own steps them all at once.
-        self.pieces = pieces(pm, self.entries)
         if elementwise is None:
             elementwise = issubclass(optimizer_cls, ELEMENTWISE)
+        # The optimizer-offloaded masters' fused host step, overlapped (codegen/hostopt.py),
+        # and under offload_overlap="backward" the device's steps in backward (earlystep.py).
+        self.host = hostopt.attach(self)
+        self.early = earlystep.attach(self, elementwise)
+        # The device's update after backward in the step program's pieces (cost/program.py
+        # PIECE_BYTES); an optimizer not known to update each parameter on its own steps them
+        # all at once.
+        self.pieces = pieces(pm, self.entries, frozenset(
+            e.placeholder for e in self.early.entries) if self.early is not None else frozenset())
         if len(self.pieces) > 1 and not elementwise:
             warnings.warn(
                 f"{optimizer_cls.__name__} is not known to update each parameter from its own "
@@ -163,6 +167,8 @@ class ShardedOptimizer(OptimizerStateDicts, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.settle()         # the delayed host step, before anything reads the masters
+        if self.early is not None:           # (stepped in backward: nothing left to step)
+            self.early.done.clear()
         held = self.pm.held_grads()
         if held:
             raise AutoshardError(

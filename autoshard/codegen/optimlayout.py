@@ -52,14 +52,16 @@ def records(pm: Any) -> dict[str, Any]:
                                       pm.plan.options.state_optimizer) if u.fqn in local}
 
 
-def pieces(pm: Any, entries: list[_Entry]) -> list[list[_Entry]]:
-    """``entries`` in the pieces the device's update runs in (cost/program.py
-    ``OptimizerStep.pieces``, the moments the plan's memory figures read); those in none (state
-    on the host, an optimizer without moments) are stepped with the first."""
+def pieces(pm: Any, entries: list[_Entry], in_backward: frozenset[str] = frozenset()
+           ) -> list[list[_Entry]]:
+    """``entries`` in the pieces the device's update runs in after backward (cost/program.py
+    ``OptimizerStep.pieces``, the moments the plan's memory figures read), less those stepped
+    in backward (``in_backward``, placeholder names); those in none (state on the host, an
+    optimizer without moments) are stepped with the first."""
     from autoshard.cost.program import OptimizerStep
     recs, by = records(pm), {e.fqn: e for e in entries}
     step = OptimizerStep(pm.plan.options.state_optimizer, "fused",
-                         tuple(u for fqn, u in recs.items() if fqn in by))
+                         tuple(u for fqn, u in recs.items() if fqn in by), in_backward)
     return [[by[u.fqn] for u in piece] for piece in step.pieces()]
 
 

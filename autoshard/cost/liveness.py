@@ -18,9 +18,10 @@ are alive:
   are freed. A view or a same-shape add passes its gradient through without a copy; a value
   read by several ops accumulates one gradient; a reshard's backward collectives make a
   gradient in the producer's layout; a parameter's gradient stays (``.grad``) from the moment
-  it lands to the end of the step, unless the step program lists it as ``released`` (optimizer
-  offload under ``offload_overlap="backward"``: sent to the host as autograd completes it,
-  after the backward of the first forward event that reads it). A data-parallel gradient
+  it lands to the end of the step, unless the step program lists it as ``released``
+  (``offload_overlap="backward"``: stepped as autograd completes it, after the backward of the
+  first forward event that reads it, on the device with its update's moments, or sent to the
+  host). A data-parallel gradient
   sync copies the gradient into its bucket's flat buffer (codegen/buckets.py), allocated
   whole when the bucket's first gradient arrives. A checkpointed layer runs its forward again when its backward first needs a saved
   tensor (``torch.utils.checkpoint`` recomputes on the first unpack): what its ops save is

@@ -25,8 +25,9 @@ parameter to that reshard's index. ``fetched``: parameters kept on the host (sta
 The optimizer step (``optimizer``, an :class:`OptimizerStep`): one :class:`ParamUpdate` per
 parameter the step updates on this rank (frozen and tied-alias ones have none), with the bytes
 of its temporaries and host copies, and the moments of the optimizer phase that the liveness
-walk checks (``moments``); ``released``, the parameters whose gradients go to the host as
-autograd completes them, their device copies freed then. Gradient accumulation
+walk checks (``moments``); ``released``, the parameters whose updates start as autograd
+completes their gradients (on the device, or on the host after the gradient's copy down),
+their gradients freed then. Gradient accumulation
 (``accumulation`` micro-steps per optimizer step): ``held``, the gradient each parameter holds
 on the device across micro-steps.
 """
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import torch.fx as fx
@@ -131,17 +132,18 @@ class OptimizerStep:
     optimizer: str
     update: str
     params: tuple[ParamUpdate, ...] = ()
+    in_backward: frozenset[str] = frozenset()    # stepped on the device as backward ends each
 
     def pieces(self) -> list[tuple[ParamUpdate, ...]]:
-        """The parameters the device's update steps (those with a ``moment``), in order, cut
-        into runs of at most :data:`PIECE_BYTES` of moment (one larger parameter alone): the
-        runtime casts a piece's gradients and runs its update before the next piece's
-        (codegen/optim.py ``ShardedOptimizer.step``). An optimizer without moments is one
-        piece."""
+        """The parameters the device's update steps after backward (those with a ``moment``,
+        not stepped in backward), in order, cut into runs of at most :data:`PIECE_BYTES` of
+        moment (one larger parameter alone): the runtime casts a piece's gradients and runs its
+        update before the next piece's (codegen/optim.py ``ShardedOptimizer.step``). An
+        optimizer without moments is one piece."""
         out: list[list[ParamUpdate]] = []
         size = 0
         for u in self.params:
-            if not u.moment:
+            if not u.moment or u.name in self.in_backward:
                 continue
             if not out or size + u.moment > PIECE_BYTES:
                 out.append([])
@@ -155,23 +157,29 @@ class OptimizerStep:
         beyond the model state): each piece's update with its casts and temporaries, then each
         parameter's gather. Read by cost/liveness.py (the phase's peak)."""
         out: list[tuple[str, int]] = [("optimizer step", 0)]
-        if self.optimizer not in MOMENT_OPTIMIZERS:
-            return out
         for piece in self.pieces():
-            prev = 0            # (a call's last denominator is released when it returns)
-            casts = sum(u.cast for u in piece)
-            if self.update == "foreach":
-                out.append(("optimizer step", casts + sum(u.moment for u in piece)))
-            elif self.update == "loop":
-                for u in piece:
-                    # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps): two at
-                    # once, with the previous parameter's denom not yet released.
-                    out.append((f"optimizer step ({u.name})", casts + prev + 2 * u.moment))
-                    prev = u.moment
-            else:
-                out.append(("optimizer step", casts))
+            out += self.piece_moments(piece)
         out += [(f"optimizer step ({u.name})", u.gather) for u in self.params if u.gather]
         return out
+
+    def piece_moments(self, piece: tuple[ParamUpdate, ...]) -> list[tuple[str, int]]:
+        """One call of the update over ``piece`` (a piece, or one parameter stepped in
+        backward): its moments as (where, bytes alive beyond what is already held), its casts
+        and its implementation's temporaries (none for an optimizer without moments)."""
+        if self.optimizer not in MOMENT_OPTIMIZERS:
+            return []
+        casts = sum(u.cast for u in piece)
+        if self.update == "foreach":
+            return [("optimizer step", casts + sum(u.moment for u in piece))]
+        if self.update == "loop":
+            out, prev = [], 0       # (a call's last denominator is released when it returns)
+            for u in piece:
+                # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps): two at once,
+                # with the previous parameter's denom not yet released.
+                out.append((f"optimizer step ({u.name})", casts + prev + 2 * u.moment))
+                prev = u.moment
+            return out
+        return [("optimizer step", casts)]
 
 
 @dataclass(frozen=True)
@@ -189,7 +197,7 @@ class StepProgram:
     accumulation: int = 1
     held: Mapping[str, int] = field(default_factory=dict)     # parameter -> bytes
     stage: frozenset[str] | None = None      # a pipeline stage's ops (stage_program); None: all
-    released: frozenset[str] = frozenset()   # gradients sent to the host in backward
+    released: frozenset[str] = frozenset()   # stepped as backward completes their gradients
 
     def first_syncs(self) -> dict[str, ReshardEdge]:
         """Each bucketed parameter's gradient sync reshard (``first_grad_syncs``' result)."""
@@ -213,7 +221,7 @@ def step_program(traced: Any, strategies: dict[str, Strategy], mesh_shape: tuple
     ``optimizer``: the optimizer whose step ends it ("none": no optimizer records), ``update``
     its implementation (``UPDATES``); ``accumulation``: micro-steps per optimizer step;
     ``overlap``: ``PlanOptions.offload_overlap`` (which gradients leave in backward,
-    :func:`lands_in_backward`)."""
+    :func:`steps_in_backward`)."""
     graph: fx.Graph = traced.graph
     params = {p.name for p in traced.params}
     shapes = value_shapes(graph) if shapes is None else shapes
@@ -251,24 +259,28 @@ def step_program(traced: Any, strategies: dict[str, Strategy], mesh_shape: tuple
     opt = optimizer_step(traced, strategies, tuple(mesh_shape), optimizer, update) \
         if traced.training else OptimizerStep("none", update)
     bucket_of = {m: k for k, b in enumerate(buckets) for m in b.members}
+    released = frozenset(u.name for u in opt.params if steps_in_backward(
+        u.mode, u.state is not None, u.name in bucket_of, overlap))
+    opt = replace(opt, in_backward=frozenset(u.name for u in opt.params
+                                             if u.name in released and not u.on_host))
     return StepProgram(
         events=tuple(events), edges=edges, buckets=buckets, bucketed=bucketed,
-        fetched=fetched, edge_of=edge_of, bucket_of=bucket_of,
-        released=frozenset(u.name for u in opt.params if lands_in_backward(
-            u.mode, u.state is not None, u.name in bucket_of, overlap)),
+        fetched=fetched, edge_of=edge_of, bucket_of=bucket_of, released=released,
         optimizer=opt, accumulation=accumulation,
         held=held_gradients(traced, strategies, tuple(mesh_shape), fetched, bucketed)
         if traced.training and accumulation > 1 else {})
 
 
-def lands_in_backward(mode: StateMode | None, cut: bool, bucketed: bool, overlap: str) -> bool:
-    """Whether a parameter's gradient goes to the host the moment autograd completes it, and
-    its device copy is freed then (codegen/hostopt.py ``attach``): optimizer offload under
-    ``offload_overlap="backward"`` where the gradient is the parameter's whole ``.grad`` (its
-    state not ``cut`` apart over zero axes, no gradient bucket syncs it). Not on a pipeline,
-    whose microbatches' backwards add to ``.grad`` (it lands at the step): its stages' programs
-    are built with ``overlap="none"``."""
-    return overlap == "backward" and mode == StateMode.OFFLOAD and not cut and not bucketed
+def steps_in_backward(mode: StateMode | None, cut: bool, bucketed: bool, overlap: str) -> bool:
+    """Whether a parameter's update starts the moment autograd completes its gradient, which
+    then leaves the device: under ``offload_overlap="backward"``, where the gradient is the
+    parameter's whole ``.grad`` (its state not ``cut`` apart over zero axes, no gradient
+    bucket syncs it), with its state on the device (stepped there, codegen/optim.py) or
+    offloaded (copied to the host and stepped in its bucket, codegen/hostopt.py). Not on a
+    pipeline, whose microbatches' backwards add to ``.grad`` (it is stepped at the step): its
+    stages' programs are built with ``overlap="none"``."""
+    return overlap == "backward" and mode in (None, StateMode.OFFLOAD) and not cut \
+        and not bucketed
 
 
 def _updated(traced: Any) -> list[Any]:

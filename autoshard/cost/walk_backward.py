@@ -55,18 +55,30 @@ class BackwardWalk(ForwardWalk):
             if ev.region is not None and region_first[ev.region] == i:
                 for s in self.region_held.pop(ev.region, []):
                     mem.unref(s)
-            for param in complete.get(i, ()):      # gone to the host (codegen/hostopt.py)
-                mem.unref(self.p_grad.pop(param, None))
+            for param in complete.get(i, ()):
+                self._step_in_backward(param, ev.name)
         for s in list(self.grad.values()):
             mem.unref(s)
         self.grad.clear()
         self._finish_buckets()
 
+    def _step_in_backward(self, param: str, at: str) -> None:
+        """A parameter stepped as autograd completes its gradient (the step program's
+        ``released``): on the device, its update's moments (the gradient's fp32 cast, the
+        implementation's temporaries) beside the gradient; then the gradient goes (on the
+        device, used; offloaded, copied down to the host, codegen/hostopt.py)."""
+        opt = self.program.optimizer
+        if param in opt.in_backward:
+            u = next(u for u in opt.params if u.name == param)
+            for _, extra in opt.piece_moments((u,)):
+                self.mem.mark(at, extra=extra)
+        self.mem.unref(self.p_grad.pop(param, None))
+
     def _completions(self) -> dict[int, list[str]]:
-        """The parameters whose gradients leave for the host as autograd completes them (the
-        step program's ``released``), by the event after whose backward that is: the first
-        event of forward that reads the parameter (an op, or a reshard of it), whose backward
-        adds the gradient's last part."""
+        """The parameters stepped as autograd completes their gradients (the step program's
+        ``released``), by the event after whose backward that is: the first event of forward
+        that reads the parameter (an op, or a reshard of it), whose backward adds the
+        gradient's last part."""
         out: dict[int, list[str]] = {}
         left = set(self.program.released)
         for i, ev in enumerate(self.events):
