@@ -14,6 +14,8 @@ codegen/optim.py does after backward: the same kernels on the same values, so th
 those of stepping after backward. Autograd has finished with the parameter when its gradient is
 complete: every op that reads it has run its backward (a checkpointed layer recomputes before
 its own backward, which completes its weights' gradients), so updating it in place is safe.
+Each call costs host time on autograd's thread, beside the kernels backward queues: about 40 µs
+on the development CPU, whose fused AdamW over 291 parameters one at a time took 11 ms.
 """
 from __future__ import annotations
 
