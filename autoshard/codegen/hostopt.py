@@ -216,13 +216,7 @@ class HostOptimizer:
         b, s = self.slot_of[id(key)]
         if s.landed:
             if early:
-                raise AutoshardError(
-                    "one backward per optimizer step under offload_overlap='backward' (each "
-                    "parameter's host step starts as soon as its gradient is complete)",
-                    got="a second backward before opt.step()",
-                    fix="run every micro-batch but the last inside `with pm.no_sync():` "
-                        "(its gradients then land at the last one), or plan with "
-                        "PlanOptions(offload_overlap='none')")
+                raise second_backward()
             return False
         if b.grads is None or b.grads.dtype != grad.dtype:
             b.grads = torch.empty(b.numel, dtype=grad.dtype, pin_memory=self.pinned)
@@ -462,6 +456,17 @@ def _adopt(optimizer: torch.optim.Optimizer, kind: str, b: _Bucket) -> None:
                     and st["momentum_buffer"].data_ptr() != v.data_ptr():
                 v.copy_(st["momentum_buffer"])
             st["momentum_buffer"] = v
+
+
+def second_backward() -> AutoshardError:
+    """The error of a parameter whose gradient completes twice before ``opt.step()`` under
+    ``offload_overlap="backward"`` (here, and codegen/earlystep.py): it already stepped."""
+    return AutoshardError(
+        "one backward per optimizer step under offload_overlap='backward' (each parameter "
+        "steps as soon as its gradient is complete)",
+        got="a second backward before opt.step()",
+        fix="run every micro-batch but the last inside `with pm.no_sync():` (its gradients "
+            "then step at the last one), or plan with PlanOptions(offload_overlap='none')")
 
 
 def released_grads(pm: Any) -> dict[str, torch.Tensor]:

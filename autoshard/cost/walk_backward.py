@@ -55,31 +55,31 @@ class BackwardWalk(ForwardWalk):
             if ev.region is not None and region_first[ev.region] == i:
                 for s in self.region_held.pop(ev.region, []):
                     mem.unref(s)
-            for param in complete.get(i, ()):
-                self._step_in_backward(param, ev.name)
+            for param, u in complete.get(i, ()):
+                self._step_in_backward(param, u, ev.name)
         for s in list(self.grad.values()):
             mem.unref(s)
         self.grad.clear()
         self._finish_buckets()
 
-    def _step_in_backward(self, param: str, at: str) -> None:
+    def _step_in_backward(self, param: str, u: Any, at: str) -> None:
         """A parameter stepped as autograd completes its gradient (the step program's
-        ``released``): on the device, its update's moments (the gradient's fp32 cast, the
-        implementation's temporaries) beside the gradient; then the gradient goes (on the
-        device, used; offloaded, copied down to the host, codegen/hostopt.py)."""
-        opt = self.program.optimizer
-        if param in opt.in_backward:
-            u = next(u for u in opt.params if u.name == param)
-            for _, extra in opt.piece_moments((u,)):
+        ``released``): on the device (``u``, its record), its update's moments (the gradient's
+        fp32 cast, the implementation's temporaries) beside the gradient; then the gradient
+        goes (on the device, used; offloaded, copied down to the host, codegen/hostopt.py)."""
+        if u is not None:
+            for _, extra in self.program.optimizer.piece_moments((u,)):
                 self.mem.mark(at, extra=extra)
         self.mem.unref(self.p_grad.pop(param, None))
 
-    def _completions(self) -> dict[int, list[str]]:
+    def _completions(self) -> dict[int, list[tuple[str, Any]]]:
         """The parameters stepped as autograd completes their gradients (the step program's
-        ``released``), by the event after whose backward that is: the first event of forward
-        that reads the parameter (an op, or a reshard of it), whose backward adds the
-        gradient's last part."""
-        out: dict[int, list[str]] = {}
+        ``released``), each with its optimizer record where it steps on the device, by the
+        event after whose backward that is: the first event of forward that reads the
+        parameter (an op, or a reshard of it), whose backward adds the gradient's last part."""
+        opt = self.program.optimizer
+        device = {u.name: u for u in opt.params if u.name in opt.in_backward}
+        out: dict[int, list[tuple[str, Any]]] = {}
         left = set(self.program.released)
         for i, ev in enumerate(self.events):
             if not left:
@@ -89,7 +89,7 @@ class BackwardWalk(ForwardWalk):
                     else None
                 if param in left:
                     left.discard(param)
-                    out.setdefault(i, []).append(param)
+                    out.setdefault(i, []).append((param, device.get(param)))
         return out
 
     def _recompute(self, region: str) -> None:
