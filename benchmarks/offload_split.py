@@ -44,6 +44,12 @@ def _offloaded(plan) -> int:
                for s in plan.strategies().values())
 
 
+def _checkpointing(plan) -> str:
+    """Layers checkpointed, full / selective."""
+    policies = list(plan.recompute.values())
+    return f"{policies.count('full')} / {policies.count('selective')}"
+
+
 def row(layers: int, batch: int, budget: float, label: str, recompute: str,
         mesh: Mesh) -> list[str]:
     cfg = LlamaConfig(layers, 4096, 32, 8, 14336, vocab_size=128256, context=8192,
@@ -67,7 +73,7 @@ def row(layers: int, batch: int, budget: float, label: str, recompute: str,
     for modes, p in (("per decision", whole), ("per parameter", split)):
         q = p.predicted
         out.append(f"| {layers} layers, batch {batch}, {label} | {modes} | "
-                   f"{_offloaded(p)} | {q.step_time_s * 1e3:,.1f} | {q.host_step_s * 1e3:,.1f} | "
+                   f"{_checkpointing(p)} | {_offloaded(p)} | {q.step_time_s * 1e3:,.1f} | {q.host_step_s * 1e3:,.1f} | "
                    f"{q.memory.peak / GIB:.2f} | {q.ilp_sum_bytes / GIB:.2f} | "
                    f"{q.memory.host / GIB:.2f} | "
                    f"{f'{split_s:.1f} s' if modes == 'per parameter' else ''} |")
@@ -81,9 +87,10 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.perf_counter()
     mesh = Mesh((1,), ("x",), cluster=Cluster.load(str(PROFILE)))
-    rows = ["| model, budget | state modes | parameters offloaded | predicted step (ms) | host "
+    rows = ["| model, budget | state modes | layers checkpointed (full / selective) | "
+            "parameters offloaded | predicted step (ms) | host "
             "step in the window (ms) | liveness peak (GiB) | ILP sum (GiB) | host state (GiB) | "
-            "the split's planning time |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+            "the split's planning time |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for layers, batch, budget, label, recompute in ROWS:
         rows += row(layers, batch, budget, label, recompute, mesh)
     budget_line = ("The device budget the liveness peak is held to is the memory budget less "
@@ -98,7 +105,9 @@ def main() -> None:
         "`offload_overlap=\"backward\"`, `Mesh((1,))` on benchmarks/h100-calibrated.json; "
         "\"per decision\": the plan as the ILP and the budget search leave it (one state mode "
         "for a parameter of every identical layer); \"per parameter\": after "
-        "solver/offload_split.py, as `autoshard.plan` returns it (docs/cost-model.md §9.2).",
+        "solver/offload_split.py, as `autoshard.plan` returns it (docs/cost-model.md §9.2); "
+        "under checkpointing \"auto\" the pass also tries every layer fully checkpointed, and "
+        "keeps the faster.",
         "", *rows, "", budget_line])
     print(text)
     if args.out:

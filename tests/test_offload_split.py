@@ -160,3 +160,23 @@ def test_the_split_plan_trains_as_single_device(world1):
     from test_hostopt import _train
     out = world1.run(_train, _plan_json())[0]
     assert out["hooked"] > 0 and out["err"] < 1e-4 and out["settled_err"] < 1e-4
+
+
+@pytest.mark.slow
+def test_every_layer_checkpointed_in_full_is_tried_when_faster_after_the_pass():
+    """Llama-3-8B (32 layers) on one 80 GB H100, batch 1 x 2048, bf16-mixed (docs/cost-model.md
+    §9.2): the checkpointing search picks a mix of full and selective against the ILP's
+    offload, one mode per decision; with every layer fully checkpointed the pass brings more
+    state back, and the planner's plan is that one: no slower than recompute="full" asked for,
+    its note naming the mix it replaced."""
+    from autoshard.zoo.registry import load_model
+    traced = trace(*load_model("llama3-8b", batch=1, seq=2048, device="meta"))
+    mesh = Mesh((1,), cluster="h100")
+    kw = {"precision": "bf16-mixed", "memory_budget": 80e9, "offload_overlap": "backward"}
+    auto = plan_traced(traced, mesh, **kw)
+    full = plan_traced(traced, mesh, recompute="full", **kw)
+    assert set(auto.recompute.values()) == {"full"}
+    assert auto.predicted.step_time_s <= full.predicted.step_time_s * (1 + 1e-9)
+    assert auto.predicted.memory.peak <= device_budget(mesh.cluster, 80e9)
+    note = auto.solver["note"]
+    assert "every checkpointable layer recomputed in full" in note and "selective" in note
