@@ -176,3 +176,29 @@ def test_measured_peaks_of_a_budget_sweep_stay_within_it(world2):
             assert abs(m["error"]) <= 0.10, (f, m)
         checked += 1
     assert checked
+
+
+def test_the_least_fitting_count_takes_three_pricings_where_layers_are_alike():
+    """solver/budget.py ``least_fitting``: the least k whose memory fits, memory falling by the
+    same bytes per layer (3 pricings: k = 0, the line's count, the one below), and by uneven
+    steps (the answer of a scan, in fewer pricings than a scan)."""
+    from autoshard.solver.budget import least_fitting
+    calls = []
+
+    def line(k):
+        calls.append(k)
+        return 100.0 - 7.0 * k
+    for budget in (99.0, 60.0, 44.0, 30.0, 3.0):
+        calls.clear()
+        want = min(k for k in range(15) if line(k) <= budget)
+        calls.clear()
+        assert least_fitting(line, 14, line(14), budget) == want
+        assert len(calls) - 1 <= 3, (budget, calls)      # (one call above is at_n's)
+    steps = [100, 90, 89, 88, 60, 59, 58, 20, 19, 18, 5]       # uneven, never rising
+    for budget in (95, 89, 61, 58, 18, 5):
+        calls.clear()
+        got = least_fitting(lambda k: calls.append(k) or steps[k], 10, steps[10], budget)
+        assert got == min(k for k, m in enumerate(steps) if m <= budget)
+        assert len(calls) < 10
+    assert least_fitting(lambda k: 0.0, 10, 0.0, 1.0) == 0
+    assert least_fitting(lambda k: 50.0 - k, 10, 40.0, 30.0) == 10     # nothing fits: n

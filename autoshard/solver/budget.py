@@ -4,7 +4,8 @@ step's liveness peak to the budget (docs/cost-model.md §4.6)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Sequence
+import math
+from typing import Any, Callable, Sequence
 
 
 from autoshard import progress
@@ -402,6 +403,19 @@ def _plan_partial(traced: TracedGraph, mesh: Mesh, options: PlanOptions, best: P
     if len(policies) != 1 or len(best.recompute) != len(layers) or len(layers) < 2:
         return None
     hi = policies.pop()
+    with progress.step(f"checkpointing per layer: {hi} on the first layers only"):
+        candidates = _partial_candidates(traced, mesh, options, best, layers, budget, hi, **kw)
+    if not candidates:
+        return None
+    pick = min(candidates, key=lambda p: p.predicted.step_time_s)
+    # ``best`` may still be re-planned for its own liveness peak: never faster than it is now.
+    return pick if pick.predicted.step_time_s < best.predicted.step_time_s else None
+
+
+def _partial_candidates(traced: TracedGraph, mesh: Mesh, options: PlanOptions, best: Plan,
+                        layers: Sequence[str], budget: float, hi: str, **kw: Any) -> list[Plan]:
+    """For each policy cheaper than ``hi``: best's layouts with the first k layers under ``hi``
+    and the rest under it, at the least k that fits (see :func:`_plan_partial`)."""
     strategies = best.strategies()
 
     def fits(p: Plan) -> bool:      # the ILP's bound and the step's liveness peak alike
@@ -415,15 +429,11 @@ def _plan_partial(traced: TracedGraph, mesh: Mesh, options: PlanOptions, best: P
                 out.update({layer: lo for layer in layers[k:]})
             return out
 
-        # Bisect on k over best's layouts (the memory sum alone, as the ILP bounds it).
-        lo_k, hi_k = 0, len(layers)
-        while lo_k < hi_k:
-            k = (lo_k + hi_k) // 2
-            if forward_memory(grouped(traced, mixed(k)), mesh, strategies, options,
-                              mixed(k), best.joint_groups()) <= budget:
-                hi_k = k
-            else:
-                lo_k = k + 1
+        # The least k whose memory sum (on best's layouts, as the ILP bounds it) fits; with
+        # every layer recomputed (k = n) it is best's own.
+        hi_k = least_fitting(lambda k, rc=mixed: forward_memory(
+            grouped(traced, rc(k)), mesh, strategies, options, rc(k), best.joint_groups()),
+            len(layers), best.predicted.ilp_sum_bytes, budget)
         # The step's liveness peak lies above that sum (backward's gradients, the optimizer's
         # temporaries): a few more layers recomputed until it fits too.
         for k in sorted({hi_k, hi_k + max(1, len(layers) // 8), hi_k + len(layers) // 4}):
@@ -440,9 +450,29 @@ def _plan_partial(traced: TracedGraph, mesh: Mesh, options: PlanOptions, best: P
             if fits(p):
                 candidates.append(p)
                 break
-    if not candidates:
-        return None
-    pick = min(candidates, key=lambda p: p.predicted.step_time_s)
-    # ``best`` may still be re-planned for its own liveness peak: never faster than it is now.
-    return pick if pick.predicted.step_time_s < best.predicted.step_time_s else None
+    return candidates
+
+
+def least_fitting(memory: Callable[[int], float], n: int, at_n: float, budget: float) -> int:
+    """The least k in [0, n] with ``memory(k) <= budget``, where ``memory`` does not grow with k
+    and ``memory(n) = at_n`` (n where even that does not fit). Regula falsi between the least count known to fit and the
+    greatest known not to: where the layers are alike the sum falls by the same bytes per
+    layer, and three pricings settle it (k = 0, the count the line gives, and the one below
+    it), where a bisection takes one per halving (seven for 80 layers)."""
+    if at_n > budget:
+        return n
+    lo, m_lo = 0, memory(0)
+    if m_lo <= budget:
+        return 0
+    hi, m_hi = n, at_n           # memory(lo) > budget >= memory(hi)
+    while hi - lo > 1:
+        k = lo + math.ceil((m_lo - budget) / (m_lo - m_hi) * (hi - lo)) \
+            if m_lo > m_hi else (lo + hi) // 2
+        k = min(hi - 1, max(lo + 1, k))
+        m = memory(k)
+        if m <= budget:
+            hi, m_hi = k, m
+        else:
+            lo, m_lo = k, m
+    return hi
 
