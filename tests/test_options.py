@@ -126,9 +126,10 @@ def test_training_must_match_the_trace(gpt2_tiny) -> None:
 def test_cli_flags_map_onto_options() -> None:
     args = build_parser().parse_args(["plan", "gpt2-tiny", "--mesh", "2", "--inference",
                                       "--memory-gb", "10", "--time-limit", "5",
-                                      "--optimizer", "sgd"])
+                                      "--optimizer", "sgd", "--offload-overlap", "backward"])
     assert plan_options(args) == PlanOptions(training=False, optimizer="sgd",
-                                             memory_budget=10 * 2**30, time_limit_s=5.0)
+                                             memory_budget=10 * 2**30, time_limit_s=5.0,
+                                             offload_overlap="backward")
     defaults = build_parser().parse_args(["plan", "gpt2-tiny", "--mesh", "2"])
     assert plan_options(defaults) == PlanOptions()
 

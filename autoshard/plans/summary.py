@@ -40,10 +40,16 @@ def summary(plan: Plan) -> str:
              f"{p.exposed_comm_total_s * 1e3:.3f} ms "
              f"(of {p.comm_s * 1e3:.3f} ms comm)"
              + (f" + host link {p.host_s * 1e3:.3f} ms" if p.host_s else "")
-             + f"; ILP memory sum {size_text(p.ilp_sum_bytes)} per device",
+             # The step's liveness peak is the figure the budget holds (docs/cost-model.md
+             # §4.6); a pipeline's stages have none yet, only their ILP sums.
+             + (f"; peak {size_text(p.memory.peak)} per device" if p.memory is not None else
+                f"; ILP memory sum {size_text(p.ilp_sum_bytes)} per device"),
              *comm_by_axis(plan), *_accumulation_summary(plan),
              f"  solver {s['status']}, {s['variables']} variables, {s.get('decisions', '?')} "
-             f"decisions, gap {s['gap']:.2%}", *_mesh_search_summary(plan)]
+             f"decisions, gap {s['gap']:.2%}"
+             + (f"; ILP memory sum {size_text(p.ilp_sum_bytes)} per device (the ILP's own "
+                f"figure, not the step's peak)" if p.memory is not None else ""),
+             *_mesh_search_summary(plan)]
     by: dict[tuple[str, str, tuple[str, ...]], list[int]] = {}
     for c in plan.collectives:        # on a pipeline, every stage's, as often as they run
         by.setdefault((c.phase, c.kind, c.axes), []).extend([c.bytes] * c.count)

@@ -10,8 +10,9 @@ from pathlib import Path
 
 from autoshard.errors import AutoshardError
 from autoshard.files import check_output, model_files
-from autoshard.options import (CONTEXT_PARALLEL, CONTEXT_PARALLEL_TOKENS, OFFLOAD, OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES, ZERO,
-                               PlanOptions)
+from autoshard.options import (CONTEXT_PARALLEL, CONTEXT_PARALLEL_TOKENS, OFFLOAD,
+                               OFFLOAD_OVERLAP, OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES,
+                               ZERO, PlanOptions)
 
 
 def parse_mesh(text: str) -> tuple[int, ...]:
@@ -39,6 +40,7 @@ def plan_options(args) -> PlanOptions:
                        memory_budget=None if args.memory_gb is None else args.memory_gb * 2**30,
                        time_limit_s=args.time_limit, recompute=args.recompute,
                        bucket_mb=args.bucket_mb, zero=args.zero, offload=args.offload,
+                       offload_overlap=args.offload_overlap,
                        context_parallel=args.context_parallel,
                        precision=args.precision, compile=args.compile,
                        accumulation_steps=args.accumulation_steps,
@@ -285,6 +287,13 @@ def _add_plan(sub: Any) -> None:
                         "parameters and gradients too, copied to the device at each use "
                         "(default auto: optimizer offload only when no plan fits without it, "
                         "parameter offload only when none fits with that alone)")
+    p.add_argument("--offload-overlap", default="none", choices=OFFLOAD_OVERLAP,
+                   help="how the host's optimizer step overlaps the device under offload "
+                        "(docs/cost-model.md §9.1): none (default: after backward); backward "
+                        "(each parameter steps as backward completes its gradient, the same "
+                        "numbers, the gradient freed then: a loop that clips gradients plans "
+                        "with none); delayed (ZeRO-Offload's one-step-delayed update: other "
+                        "numbers)")
     p.add_argument("--precision", default="model", choices=PRECISIONS,
                    help="model: the model's own dtypes (a bf16 model trains mixed precision); "
                         "bf16-mixed: bf16 step, fp32 masters and optimizer state")
