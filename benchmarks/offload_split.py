@@ -73,7 +73,8 @@ def row(layers: int, batch: int, budget: float, label: str, recompute: str,
     for modes, p in (("per decision", whole), ("per parameter", split)):
         q = p.predicted
         out.append(f"| {layers} layers, batch {batch}, {label} | {modes} | "
-                   f"{_checkpointing(p)} | {_offloaded(p)} | {q.step_time_s * 1e3:,.1f} | {q.host_step_s * 1e3:,.1f} | "
+                   f"{_checkpointing(p)} | {_offloaded(p)} | {q.step_time_s * 1e3:,.1f} | "
+                   f"{q.host_step_s * 1e3:,.1f} | "
                    f"{q.memory.peak / GIB:.2f} | {q.ilp_sum_bytes / GIB:.2f} | "
                    f"{q.memory.host / GIB:.2f} | "
                    f"{f'{split_s:.1f} s' if modes == 'per parameter' else ''} |")

@@ -3,8 +3,8 @@ per layer, optimizer and parameter offload), cheapest first, and the outer loop 
 step's liveness peak to the budget (docs/cost-model.md §4.6)."""
 from __future__ import annotations
 
-from dataclasses import replace
 import math
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 
@@ -455,10 +455,10 @@ def _partial_candidates(traced: TracedGraph, mesh: Mesh, options: PlanOptions, b
 
 def least_fitting(memory: Callable[[int], float], n: int, at_n: float, budget: float) -> int:
     """The least k in [0, n] with ``memory(k) <= budget``, where ``memory`` does not grow with k
-    and ``memory(n) = at_n`` (n where even that does not fit). Regula falsi between the least count known to fit and the
-    greatest known not to: where the layers are alike the sum falls by the same bytes per
-    layer, and three pricings settle it (k = 0, the count the line gives, and the one below
-    it), where a bisection takes one per halving (seven for 80 layers)."""
+    and ``memory(n) = at_n`` (n where even that does not fit). Regula falsi between the least
+    count known to fit and the greatest known not to: where the layers are alike the sum falls
+    by the same bytes per layer, and three pricings settle it (k = 0, the count the line gives,
+    and the one below it), where a bisection takes one per halving (seven for 80 layers)."""
     if at_n > budget:
         return n
     lo, m_lo = 0, memory(0)

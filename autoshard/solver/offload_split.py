@@ -58,7 +58,8 @@ def offload_per_parameter(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
         return None
     if best.recompute == plan.recompute:
         return best
-    mix = ", ".join(f"{n} {policy}" for policy, n in sorted(Counter(plan.recompute.values()).items()))
+    mix = ", ".join(f"{n} {policy}"
+                    for policy, n in sorted(Counter(plan.recompute.values()).items()))
     return replace(best, solver={**best.solver, "note": (
         f"{best.solver['note']}; every checkpointable layer recomputed in full, where the "
         f"checkpointing search's plan had {mix or 'none'}")})
