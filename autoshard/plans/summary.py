@@ -200,10 +200,17 @@ def layers_summary(plan: Plan) -> list[str]:
             runs[-1].append(layer)
         else:
             runs.append([layer])
+    strategies = plan.strategies()
     for run in runs:
         first, last = run[0], run[-1]
         names = first.name if len(run) == 1 else f"{first.name} .. {last.name.rsplit('.', 1)[1]}"
-        same = ", identical (decided once)" if len(run) > 1 else ""
+        same = ""
+        if len(run) > 1:
+            # One decision per group in the ILP; the passes after it (per-parameter offload,
+            # per-layer checkpointing) may give some of its layers other strategies.
+            kinds = len({tuple(strategies.get(n) for n in layer.nodes) for layer in run})
+            same = ", identical (decided once)" if kinds == 1 else \
+                f", identical ops in {kinds} different layouts"
         lines.append(f"    {names:32s} x{len(run):<4d} {len(first.nodes)} nodes each{same}")
     return lines
 
