@@ -347,8 +347,8 @@ def test_no_plan_when_even_streaming_overfills_the_host():
     three solves at each of its rungs."""
     model, inputs = build("gpt2-tiny", None, None, 0)
     traced = trace(model, inputs)
-    budget = 110_000      # (the walk's peak held to 93% of it: docs/cost-model.md §4.6)
-    fits = plan_traced(traced, Mesh((4,), cluster="cpu"), memory_budget=budget, recompute="full")
+    budget = 300_000      # (the walk's peak held to 93% of it: docs/cost-model.md §4.6)
+    fits = plan_traced(traced, Mesh((1,), cluster="cpu"), memory_budget=budget, recompute="full")
     assert set(fits.recompute.values()) == {"full"}
     assert any(st.mode == "offload_params" for st in fits.param_state.values())
     host = fits.predicted.memory.host
@@ -356,7 +356,7 @@ def test_no_plan_when_even_streaming_overfills_the_host():
     small = dataclasses.replace(Cluster.preset("cpu"),
                                 host_memory_bytes=host / 2 + HOST_RESERVE_BYTES)
     with pytest.raises(AutoshardError) as info:
-        plan_traced(traced, Mesh((4,), cluster=small), memory_budget=budget, recompute="full")
+        plan_traced(traced, Mesh((1,), cluster=small), memory_budget=budget, recompute="full")
     text = str(info.value)
     assert "host memory" in text and "host_memory_bytes" in text
     assert "parameter offload to the host" in text
