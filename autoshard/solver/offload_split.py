@@ -26,7 +26,7 @@ from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions, state_modes
 from autoshard.plans import Plan
 from autoshard.solver.assemble import assemble
-from autoshard.solver.solve import grouped, offload_level
+from autoshard.solver.solve import offload_level, repriced
 from autoshard.trace.export import TracedGraph
 from autoshard.trace.graph import first_reads
 from autoshard.trace.layers import checkpointable
@@ -51,7 +51,7 @@ def offload_per_parameter(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
     layers = checkpointable(traced.graph, traced.layers) if traced.training else ()
     full = dict.fromkeys(layers, "full")
     if options.recompute == "auto" and full and plan.recompute != full:
-        tries.append(_assembled(traced, mesh, options, plan, plan.strategies(), full))
+        tries.append(repriced(traced, mesh, options, plan, plan.strategies(), full))
     found = [p for p in (_bring_back(traced, mesh, options, t) for t in tries) if p is not None]
     best = min(found, key=lambda p: p.predicted.step_time_s, default=None)
     if best is None or best.predicted.step_time_s >= plan.predicted.step_time_s:
@@ -63,15 +63,6 @@ def offload_per_parameter(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
     return replace(best, solver={**best.solver, "note": (
         f"{best.solver['note']}; every checkpointable layer recomputed in full, where the "
         f"checkpointing search's plan had {mix or 'none'}")})
-
-
-def _assembled(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan,
-               strategies: dict[str, Strategy], recompute: dict[str, str]) -> Plan:
-    """``strategies`` priced as a plan, with ``plan``'s solver record and ``recompute``."""
-    return assemble(grouped(traced, recompute), mesh, strategies, options,
-                    solver=dict(plan.solver), model_name=plan.model,
-                    timings=dict(plan.timings), recompute=dict(recompute),
-                    joint=plan.joint_groups())
 
 
 def _bring_back(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
@@ -90,7 +81,7 @@ def _bring_back(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
         s = dict(strategies)
         for name, mode in moves[:j]:
             s[name] = replace(s[name], kernel=mode)
-        return _assembled(traced, mesh, options, plan, s, plan.recompute)
+        return repriced(traced, mesh, options, plan, s, plan.recompute)
 
     # The most moves that fit: each adds device memory. What a move keeps on the device for
     # the whole step (the parameter, its optimizer state) raises the peak by about its bytes

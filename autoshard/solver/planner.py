@@ -20,9 +20,8 @@ from autoshard.solver.diagnostics import mesh_use, smaller_mesh, unruled_note
 from autoshard.trace.batches import Traces, batch_of, sliced
 from autoshard.trace.export import TracedGraph
 from autoshard.solver.budget import fit_budget, plan_memory
-from autoshard.solver.assemble import assemble
 from autoshard.solver.offload_split import offload_per_parameter
-from autoshard.solver.solve import grouped, offload_level
+from autoshard.solver.solve import offload_level, repriced
 from autoshard.solver.search import Try, apart, records_searches, run_search
 
 # The least share of the step that offload_overlap="backward" must save on a plan offloaded under
@@ -203,14 +202,12 @@ def _overlap_note(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: P
     overlapped = replace(options, offload_overlap=OffloadOverlap.BACKWARD)
     # First the same layouts under "backward", priced only: where that hides next to nothing
     # (no backward to hide behind), planning for it cannot gain much either.
-    same = assemble(grouped(traced, plan.recompute), mesh, plan.strategies(), overlapped,
-                    solver=dict(plan.solver), model_name=plan.model, timings=dict(plan.timings),
-                    recompute=dict(plan.recompute), joint=plan.joint_groups())
+    same = repriced(traced, mesh, overlapped, plan, plan.strategies(), plan.recompute)
     if same.predicted.step_time_s > plan.predicted.step_time_s * (1 - OVERLAP_PRICED_GAIN):
         return []
     try:
         # A plan to compare with, not this one's: its searches stay out of this plan's record.
-        with progress.step("optimizer offload: planning the same with "
+        with progress.step("offload: planning the same with "
                            "offload_overlap='backward'"), apart():
             other = plan_memory(traced, mesh, overlapped, model_name=model_name, fixed=None,
                                 trace_s=0.0, merge=None)
@@ -225,6 +222,7 @@ def _overlap_note(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: P
             f"{now * 1e3:.3f} ms here, with the same numbers (each parameter steps as backward "
             f"completes its gradient; a loop that changes gradients between backward and the "
             f"step, as clip_grad_norm_ does, needs 'none')"]
+
 
 def _mesh_use_note(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan,
                    model_name: str) -> list[str]:

@@ -58,6 +58,17 @@ def grouped(traced: TracedGraph, recompute: dict[str, str]) -> TracedGraph:
     return traced if layers == traced.layers else replace(traced, layers=layers)
 
 
+def repriced(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan,
+             strategies: dict[str, Strategy], recompute: dict[str, str]) -> Plan:
+    """``strategies`` priced as a plan under ``options`` and ``recompute``, nothing solved
+    again, with ``plan``'s solver record (the passes after the ILP: solver/offload_split.py,
+    the planner's notes)."""
+    return assemble(grouped(traced, recompute), mesh, strategies, options,
+                    solver=dict(plan.solver), model_name=plan.model,
+                    timings=dict(plan.timings), recompute=dict(recompute),
+                    joint=plan.joint_groups())
+
+
 def forced_offload(options: PlanOptions) -> OffloadLevel:
     """The offload level ``options.offload`` forces (see :func:`offload_level`), else none."""
     return OffloadLevel.NONE if options.offload == OffloadLevel.AUTO else options.offload
