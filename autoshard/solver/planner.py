@@ -20,6 +20,7 @@ from autoshard.solver.diagnostics import mesh_use, smaller_mesh, unruled_note
 from autoshard.trace.batches import Traces, batch_of, sliced
 from autoshard.trace.export import TracedGraph
 from autoshard.solver.budget import fit_budget, plan_memory
+from autoshard.solver.merging import plan_once
 from autoshard.solver.offload_split import offload_per_parameter
 from autoshard.solver.solve import offload_level, repriced
 from autoshard.solver.search import Try, apart, records_searches, run_search
@@ -193,10 +194,11 @@ def _fitted(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan,
 def _overlap_note(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: Plan,
                   model_name: str) -> list[str]:
     """A plan that steps offloaded optimizer state on the host after backward (the default
-    ``offload_overlap="none"``): the plan made with ``"backward"``, which gives the same numbers
-    and hides the host's step behind backward (so more state may stay on the host,
-    docs/cost-model.md §9.1), said where it is at least OVERLAP_NOTE_GAIN faster. The choice
-    stays the user's: it rules out changing gradients between backward and the step."""
+    ``offload_overlap="none"``): the plan made with ``"backward"`` at its checkpointing and
+    offload level, which gives the same numbers and hides the host's step behind backward (so
+    more state may stay on the host, docs/cost-model.md §9.1), said where it is at least
+    OVERLAP_NOTE_GAIN faster. The choice stays the user's: it rules out changing gradients
+    between backward and the step."""
     if options.offload_overlap != OffloadOverlap.NONE or offload_level(plan) == OffloadLevel.NONE:
         return []
     overlapped = replace(options, offload_overlap=OffloadOverlap.BACKWARD)
@@ -209,8 +211,11 @@ def _overlap_note(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: P
         # A plan to compare with, not this one's: its searches stay out of this plan's record.
         with progress.step("offload: planning the same with "
                            "offload_overlap='backward'"), apart():
-            other = plan_memory(traced, mesh, overlapped, model_name=model_name, fixed=None,
-                                trace_s=0.0, merge=None)
+            # At the plan's checkpointing and offload level: one solve, where the whole
+            # memory ladder would solve again at each rung.
+            other = plan_once(traced, mesh, overlapped, model_name=model_name, fixed=None,
+                              trace_s=0.0, merge=None, recompute=dict(plan.recompute),
+                              offload=offload_level(plan))
             other = _fitted(traced, mesh, overlapped, other, model_name, 0.0)
     except AutoshardError:
         return []
