@@ -235,6 +235,11 @@ def test_experts_are_sharded_over_an_axis_with_all_to_all(shape, axes) -> None:
     assert sizes == {full // n}, sizes
 
 
+# The 8-device case makes the claim; on 2x4 the pinned alternatives' solves run to their time
+# limit (PINNED_LIMIT_S): with AUTOSHARD_SLOW=1.
+FULL_ONLY = {"test_expert_parallelism_is_no_slower_than_the_alternatives[2x4]"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("shape, axes", MESHES, ids=["8", "2x4"])
 def test_expert_parallelism_is_no_slower_than_the_alternatives(shape, axes) -> None:
