@@ -314,7 +314,7 @@ def two_layers(device, steps: int, cluster="h100") -> dict:
         dist.destroy_process_group()
 
 
-def render(tp: dict, two: dict, wall_s: float) -> str:
+def render(tp: dict, two: dict, wall_s: float, cluster: str = "h100") -> str:
     e, c, p = tp["eager"], tp["compiled"], tp["plain_compiled"]
     ratio = c["wall_s"] / c["kernels_s"]
     speed = two["eager"]["step_s"] / two["compiled"]["step_s"]
@@ -355,7 +355,7 @@ def render(tp: dict, two: dict, wall_s: float) -> str:
         "",
         "**Llama-3-8B, 2 layers, one GPU, bf16-mixed, AdamW** (steps interleaved, median), ms:",
         "",
-        "| program | step | predicted (h100) | first step s |",
+        f"| program | step | predicted ({Path(cluster).name}) | first step s |",
         "|---|---:|---:|---:|",
     ]
     for name in ("eager", "compiled"):
@@ -392,7 +392,7 @@ def main(argv=None) -> int:
     print(json.dumps(tp), flush=True)
     two = two_layers(device, args.steps, args.cluster)
     print(json.dumps(two), flush=True)
-    body = render(tp, two, time.perf_counter() - t0)
+    body = render(tp, two, time.perf_counter() - t0, args.cluster)
     print(body)
     if args.json:
         Path(args.json).write_text(json.dumps({"tp8_rank0": tp, "two_layers": two}, indent=1))
