@@ -105,6 +105,15 @@ def _diagnose(label: str, step, pm=None) -> None:
             step()
         torch.cuda.synchronize()
     out.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+    # Per step: kernel launches and host-device syncs (the runtime's API calls), and the host
+    # time the step's top-level events took, the rest being Python between them.
+    runtime = {}
+    for e in prof.key_averages():
+        if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch",
+                             "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")):
+            runtime[e.key] = (e.count / 3, e.self_cpu_time_total / 3)
+    out.append("per step: " + "; ".join(f"{k} {n:.0f} calls, {us / 1e3:.2f} ms host"
+                                        for k, (n, us) in sorted(runtime.items())))
 
 
 def _diagnose_collectives(device) -> None:
