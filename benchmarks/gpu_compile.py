@@ -4,8 +4,10 @@ Two parts, one command (docs/cost-model.md §2.11 and §3.10 for what the cost m
 
 1. **Megatron TP 8, rank 0, of a Llama-3-8B layer** (the layer with embedding, final norm,
    128256-way head and loss; batch 1 × 2048, bf16): rank 0's program run alone on this GPU,
-   the other seven ranks stood in for by torch's fake process group (its collectives return at
-   once and move nothing: what is timed is the rank's own work and its host's dispatch).
+   the other seven ranks stood in for by torch's fake process group (nothing crosses a link:
+   its all-reduce returns at once, its all-gather copies the rank's shard into each of the 8
+   slots of its output and its reduce-scatter copies one slice, on this GPU; what is timed is
+   the rank's own work, those copies, and its host's dispatch).
    Forward + backward, eager and ``compile=True``: wall time per step (median) against the sum
    of its CUDA kernels' time (torch.profiler, self device time). Target: compiled wall time
    within 1.15x of its kernels' (eager measured 3.6x in benchmarks/RESULTS.md "On one GPU"),
@@ -339,7 +341,8 @@ def render(tp: dict, two: dict, wall_s: float, cluster: str = "h100") -> str:
         f"- date: {today()}; {revision()}; total wall time {wall_s / 60:.1f} min",
         "",
         "**Megatron TP 8, rank 0, Llama-3-8B layer** (batch 1 × 2048, bf16; the other ranks a "
-        "fake process group: collectives move nothing), forward + backward, ms:",
+        "fake process group: nothing crosses a link, its all-gather and reduce-scatter copy "
+        "on this GPU), forward + backward, ms:",
         "",
         "| program | wall | kernels | wall / kernels | first step s |",
         "|---|---:|---:|---:|---:|",

@@ -74,7 +74,7 @@ def carries_grad(graph_nodes: dict[str, fx.Node], grads: set[str], ref: ValueRef
     floating-point (``topk``'s indices, beside its values, have none)."""
     if ref[0] not in grads:
         return False
-    vals = torch.utils._pytree.tree_flatten(graph_nodes[ref[0]].meta.get("val"))[0]
+    vals = flat_values(graph_nodes[ref[0]])
     v = vals[ref[1]] if ref[1] < len(vals) else None
     return not isinstance(v, torch.Tensor) or v.dtype.is_floating_point or v.dtype.is_complex
 
