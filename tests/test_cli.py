@@ -95,6 +95,30 @@ def test_usage_errors_exit_2(capsys) -> None:
     assert "--mesh" in capsys.readouterr().err
 
 
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "gpt2-tiny", "--mesh", "2", "--time-limit", "0"],
+    ["plan", "gpt2-tiny", "--mesh", "2", "--memory-gb", "inf"],
+    ["plan", "gpt2-tiny", "--mesh", "2", "--memory-gb", "nan"],
+    ["plan", "gpt2-tiny", "--mesh", "2", "--memory-gb", "0"],     # once read as "unset"
+    ["plan", "gpt2-tiny", "--mesh", "2", "--batch", "x"],
+    ["plan", "gpt2-tiny", "--mesh", "2", "--pipeline", "auto", "--microbatches", "0"],
+    ["plan", "gpt2-tiny", "--gpus", "8", "--search-budget", "-5"],
+    ["plan", "gpt2-tiny", "--gpus", "8", "--gpus-per-node", "0"],
+    ["verify", "gpt2-tiny", "--mesh", "2", "--tolerance", "nan"],
+    ["diff", "a.json", "b.json", "--limit", "-1"],
+])
+def test_a_bad_number_is_refused_by_its_flag(capsys, argv: list[str]) -> None:
+    """A number a flag cannot take is refused before anything loads, naming the flag, what it
+    takes and the text given (a negative --search-budget used to plan anyway)."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    flag, value = argv[-2], argv[-1]
+    assert f"argument {flag}: a " in err and f"got {value!r}" in err, err
+    assert "Traceback" not in err
+
 def test_a_reader_that_goes_away_gets_no_traceback(plan_file, monkeypatch) -> None:
     """`autoshard show plan.json | head`: once the reader closes the pipe, the next write
     fails with a broken pipe; the command ends with status 1 and no traceback."""

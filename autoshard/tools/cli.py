@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -13,6 +14,31 @@ from autoshard.files import check_output, model_files
 from autoshard.options import (CONTEXT_PARALLEL, CONTEXT_PARALLEL_TOKENS, OFFLOAD,
                                OFFLOAD_OVERLAP, OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES,
                                ZERO, PlanOptions)
+
+
+def _number(kind: type, what: str, *, zero: bool = False) -> Any:
+    """An argparse ``type`` reading a finite number of ``kind`` above zero (or at zero, with
+    ``zero``): a bad value is refused by the flag's name ("argument --time-limit: a positive
+    number of seconds; got '0'") before anything is loaded or planned."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"{what}; got {text!r}")
+        return value
+    parse.__name__ = what          # argparse names the type in its own messages
+    return parse
+
+
+COUNT = _number(int, "a positive integer")
+SECONDS = _number(float, "a positive number of seconds")
+_MICROBATCHES = _number(int, "a positive integer or auto")
+
+
+def _microbatches(text: str) -> int | str:
+    return text if text == "auto" else _MICROBATCHES(text)
 
 
 def parse_mesh(text: str) -> tuple[int, ...]:
@@ -58,14 +84,8 @@ def pipeline_options(args) -> dict:
                                  got=f"{' '.join(given)} without a pipeline",
                                  fix="add --pipeline AXIS (or auto), or drop them")
         return {}
-    m = args.microbatches
-    if m != "auto":
-        try:
-            m = int(m)
-        except ValueError:
-            raise AutoshardError("--microbatches is a positive integer or auto", got=repr(m),
-                                 fix="e.g. --microbatches 8") from None
-    return {"pipeline": args.pipeline, "schedule": args.schedule, "microbatches": m}
+    return {"pipeline": args.pipeline, "schedule": args.schedule,
+            "microbatches": args.microbatches}
 
 
 def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
@@ -75,7 +95,7 @@ def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
                         "fastest")
     p.add_argument("--schedule", default="auto", choices=SCHEDULES,
                    help="pipeline schedule (default auto: the fastest, 1F1B on ties)")
-    p.add_argument("--microbatches", default="auto",
+    p.add_argument("--microbatches", type=_microbatches, default="auto",
                    help="microbatches per step on a pipeline (default auto: p, 2p or 4p)")
 
 
@@ -247,31 +267,32 @@ def _add_plan(sub: Any) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--mesh", default=None, help="mesh shape, e.g. 8x8 (or --gpus)")
     p.add_argument("--axes", default=None, help="axis names, e.g. dp,tp")
-    where.add_argument("--gpus", type=int, default=None,
+    where.add_argument("--gpus", type=COUNT, default=None,
                    help="search the meshes of this many devices (pipeline x data x tensor, "
                         "tensor inside a node) instead of planning on --mesh")
-    p.add_argument("--gpus-per-node", type=int, default=None,
+    p.add_argument("--gpus-per-node", type=COUNT, default=None,
                    help="devices per node for --gpus (default: the cluster's)")
-    p.add_argument("--search-budget", type=float, default=100.0,
+    p.add_argument("--search-budget", type=SECONDS, default=100.0,
                    help="seconds the --gpus search may spend before it stops trying meshes")
     p.add_argument("--cluster", default="h100", help="h100 | h200 | a100 | cpu | profile.json")
-    p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--seq", type=int, default=None)
-    p.add_argument("--context", type=int, default=None, help=CONTEXT_HELP)
+    p.add_argument("--batch", type=COUNT, default=None)
+    p.add_argument("--seq", type=COUNT, default=None)
+    p.add_argument("--context", type=COUNT, default=None, help=CONTEXT_HELP)
     p.add_argument("--inference", action="store_true", help="plan forward only")
     p.add_argument("--optimizer", default="adam", choices=OPTIMIZERS,
                    help="optimizer state each parameter carries (default adam)")
-    p.add_argument("--memory-gb", type=float, default=None, help="memory budget per device (GiB)")
-    p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit (s)")
+    p.add_argument("--memory-gb", type=_number(float, "a positive number of GiB"), default=None,
+                   help="memory budget per device (GiB)")
+    p.add_argument("--time-limit", type=SECONDS, default=20.0, help="solver time limit (s)")
     p.add_argument("--recompute", default="auto", choices=RECOMPUTE,
                    help="activation checkpointing of repeated layers (default auto: where "
                         "memory requires it or it makes the step faster)")
     p.add_argument("--compile", action="store_true",
                    help="plan the rank program compiled by inductor (fused kernels, no host "
                         "dispatch per op); parallelize then compiles it")
-    p.add_argument("--bucket-mb", type=float, default=25.0,
+    p.add_argument("--bucket-mb", type=_number(float, "a positive number of MiB"), default=25.0,
                    help="gradient all-reduce bucket size in MiB (default 25, as DDP)")
-    p.add_argument("--accumulation-steps", type=int, default=1, metavar="N",
+    p.add_argument("--accumulation-steps", type=COUNT, default=1, metavar="N",
                    help="micro-steps per optimizer step (gradient accumulation: N forward and "
                         "backward passes, one gradient sync and one update, docs/cost-model.md "
                         "§7.2; default 1)")
@@ -328,11 +349,11 @@ def _add_report_show_verify(sub: Any) -> None:
     v.add_argument("--cluster", default="stress",
                    help="cost model to plan with (default stress: slow compute, so even tiny "
                         "models get sharded plans to prove)")
-    v.add_argument("--batch", type=int, default=None)
-    v.add_argument("--seq", type=int, default=None)
+    v.add_argument("--batch", type=COUNT, default=None)
+    v.add_argument("--seq", type=COUNT, default=None)
     v.add_argument("--plan", default=None, help="a plan file (default: plan on the spot)")
     v.add_argument("--baseline", default=None, help="force a hand-written plan: dp | megatron | megatron-dp")
-    v.add_argument("--tolerance", type=float, default=None,
+    v.add_argument("--tolerance", type=_number(float, "a positive relative error"), default=None,
                    help="largest relative error of the loss and of each gradient (default: "
                         "1e-5 for an fp32 model; for a 16-bit one, measured from the single "
                         "device's own error in its dtype)")
@@ -352,7 +373,8 @@ def _add_plan_tools(sub: Any) -> None:
     d.add_argument("--force", action="store_true",
                    help="compare plans of different graphs anyway, by parameter and op name")
     d.add_argument("--json", action="store_true", help="print the diff as JSON")
-    d.add_argument("--limit", type=int, default=40,
+    d.add_argument("--limit", type=_number(int, "a count of lines, 0 for all", zero=True),
+                   default=40,
                    help="lines shown per section (default 40; 0: all)")
     d.set_defaults(fn=cmd_diff)
     x = sub.add_parser("export", help="write a plan as a torchtitan-style parallelize function "
@@ -370,10 +392,10 @@ def _add_plan_tools(sub: Any) -> None:
     what.add_argument("--node", metavar="NAME", help="a graph node (`autoshard show --nodes`)")
     what.add_argument("--param", metavar="FQN",
                       help="a parameter, e.g. layers.0.attn.q_proj.weight")
-    what.add_argument("--top", type=int, metavar="N", help="the N most expensive collectives")
-    x.add_argument("--alternatives", type=int, default=3,
+    what.add_argument("--top", type=COUNT, metavar="N", help="the N most expensive collectives")
+    x.add_argument("--alternatives", type=COUNT, default=3,
                    help="next-best strategies to re-solve with (default 3)")
-    x.add_argument("--time-limit", type=float, default=3.0,
+    x.add_argument("--time-limit", type=SECONDS, default=3.0,
                    help="solver time limit per re-solve in seconds (default 3)")
     x.add_argument("--model", default=None,
                    help="the model to trace again (default: the plan's, at its input shapes)")
@@ -390,7 +412,7 @@ def _add_machine(sub: Any) -> None:
     c = sub.add_parser("calibrate", help="measure this machine (matmul, memory, kernels, "
                                          "collectives) and write a cluster profile JSON")
     c.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    c.add_argument("--world", type=int, default=None,
+    c.add_argument("--world", type=COUNT, default=None,
                    help="ranks to measure collectives over (default 2; under torchrun its "
                         "WORLD_SIZE)")
     c.add_argument("--quick", action="store_true", help="small sizes, a few seconds (tests)")
