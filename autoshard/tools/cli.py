@@ -392,10 +392,10 @@ def _add_plan_tools(sub: Any) -> None:
     what.add_argument("--node", metavar="NAME", help="a graph node (`autoshard show --nodes`)")
     what.add_argument("--param", metavar="FQN",
                       help="a parameter, e.g. layers.0.attn.q_proj.weight")
-    what.add_argument("--top", type=COUNT, metavar="N", help="the N most expensive collectives")
-    x.add_argument("--alternatives", type=COUNT, default=3,
+    what.add_argument("--top", type=int, metavar="N", help="the N most expensive collectives")
+    x.add_argument("--alternatives", type=int, default=3,
                    help="next-best strategies to re-solve with (default 3)")
-    x.add_argument("--time-limit", type=SECONDS, default=3.0,
+    x.add_argument("--time-limit", type=float, default=3.0,
                    help="solver time limit per re-solve in seconds (default 3)")
     x.add_argument("--model", default=None,
                    help="the model to trace again (default: the plan's, at its input shapes)")
@@ -412,7 +412,7 @@ def _add_machine(sub: Any) -> None:
     c = sub.add_parser("calibrate", help="measure this machine (matmul, memory, kernels, "
                                          "collectives) and write a cluster profile JSON")
     c.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    c.add_argument("--world", type=COUNT, default=None,
+    c.add_argument("--world", type=int, default=None,
                    help="ranks to measure collectives over (default 2; under torchrun its "
                         "WORLD_SIZE)")
     c.add_argument("--quick", action="store_true", help="small sizes, a few seconds (tests)")
