@@ -27,7 +27,7 @@ from autoshard.ops.registry import CollectiveKernel, OpCollective, localize, op_
 from autoshard.ops.ring import RingKernel
 from autoshard.plans import Plan
 from autoshard.trace.export import TracedGraph, op_info
-from autoshard.trace.graph import value_ref, value_shapes
+from autoshard.trace.graph import value_ref
 
 
 class ReshardCall:
@@ -192,7 +192,7 @@ class _Emitter:
         self.program = step_program(traced, self.strategies, plan.mesh_shape,
                                     bucket_bytes=plan.options.bucket_bytes,
                                     recompute=plan.recompute, joint=plan.joint_groups(),
-                                    shapes=value_shapes(traced.graph))
+                                    shapes=traced.value_shapes)
         # The gradient sync each bucket member's bucket runs, as the planner picked it.
         members = set(runtime.buckets.of) if runtime.buckets is not None else set()
         self.bucketed = {self.program.edges[i] for p, i in self.program.bucketed.items()

@@ -37,12 +37,12 @@ from autoshard.cost.price_memory import Consumer, MemoryPricing
 from autoshard.cost.price_recompute import RecomputePricing
 from autoshard.cost.price_reshard import ReshardPricing
 from autoshard.cost.price_state import StatePricing
-from autoshard.cost.reshards import carries_grad, frozen, grad_values
+from autoshard.cost.reshards import carries_grad, frozen, traced_grads
 from autoshard.ir import OffloadLevel, OpInfo, Strategy
 from autoshard.mesh import AxisMerge, Mesh
 from autoshard.options import PlanOptions, state_modes
 from autoshard.trace.export import TracedGraph, op_info
-from autoshard.trace.graph import ValueRef, value_inputs, value_shapes
+from autoshard.trace.graph import ValueRef, value_inputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +108,8 @@ class Pricer(ComputePricing, RecomputePricing, MemoryPricing, StatePricing, Resh
         tied = {fqn: ns for fqn, ns in names.items() if len(ns) > 1}
         self.tied_to = {n: ns[0] for ns in tied.values() for n in ns[1:]}
         self.tied_fqns = {n: fqn for fqn, ns in tied.items() for n in ns}
-        self.shapes = value_shapes(traced.graph)
-        self.grads = grad_values(traced.graph, self.params) if self.training else set()
+        self.shapes = traced.value_shapes
+        self.grads = traced_grads(traced) if self.training else frozenset()
         self._nodes = {n.name: n for n in traced.graph.nodes}
         # Frozen parameters (requires_grad=False): their state is the parameter alone.
         self.frozen = frozenset(n for n in self.params if frozen(self._nodes[n]))

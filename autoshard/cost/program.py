@@ -43,10 +43,10 @@ import torch.utils._pytree as pytree
 
 from autoshard.cost.comm import Groups
 from autoshard.cost.overlap import Bucket, first_grad_syncs, gradient_buckets
-from autoshard.cost.reshards import ReshardEdge, frozen, reshard_edges
+from autoshard.cost.reshards import ReshardEdge, frozen, reshard_edges, traced_grads
 from autoshard.cost.state import HOST_MODES, host_copies, state_spec, step_elements
 from autoshard.ir import Spec, StateMode, Strategy, local_shape
-from autoshard.trace.graph import ValueRef, value_inputs, value_ref, value_shapes
+from autoshard.trace.graph import ValueRef, value_inputs, value_ref
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,9 +224,10 @@ def step_program(traced: Any, strategies: dict[str, Strategy], mesh_shape: tuple
     :func:`steps_in_backward`)."""
     graph: fx.Graph = traced.graph
     params = {p.name for p in traced.params}
-    shapes = value_shapes(graph) if shapes is None else shapes
+    shapes = traced.value_shapes if shapes is None else shapes
     edges = tuple(reshard_edges(graph, strategies, tuple(mesh_shape), shapes, params,
-                                training=traced.training, joint=joint))
+                                training=traced.training, joint=joint,
+                                grads=traced_grads(traced)))
     edge_of = {(e.value, c): i for i, e in enumerate(edges) for c in e.consumers}
     recompute = dict(recompute or {})
     events: list[Event] = []

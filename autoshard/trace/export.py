@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import inspect
 import itertools
@@ -33,7 +34,7 @@ from autoshard.ir import Layer, OpInfo, TensorInfo
 from autoshard.ir import op_info as make_op_info
 from autoshard.ops.moe import register_library_ops
 from autoshard.trace.fused import GROUPS, mark_fused_dims, marked_info
-from autoshard.trace.graph import output_infos, tensor_info, value_ref
+from autoshard.trace.graph import output_infos, tensor_info, value_ref, value_shapes
 from autoshard.trace.layers import find_layers
 from autoshard.trace.repeat import (Repeat, Specs, expand, repeated_layers, same_graph, shortened,
                                     signature_of)
@@ -67,6 +68,13 @@ class TracedGraph:
     @property
     def graph(self) -> fx.Graph:
         return self.gm.graph
+
+    @functools.cached_property
+    def value_shapes(self) -> dict[tuple[str, int], tuple[tuple[int, ...], int]]:
+        """(global shape, itemsize) of every value of the graph (trace/graph.py
+        ``value_shapes``), read once: the graph does not change after tracing, and every
+        pricing of a plan reads them (20-35 ms a time on Llama-2-70B's 5,075 nodes)."""
+        return value_shapes(self.graph)
 
     @property
     def copied_layers(self) -> int:
