@@ -59,7 +59,7 @@ def assemble_pipelined(traced: TracedGraph, mesh: Mesh, a: int, spmd: Plan, sub:
     where = stages_of(traced.graph, traced.layers, stage_layers)
     params = {ph.name for ph in traced.params}
     edges = list(reshard_edges(traced.graph, strategies, sub.shape, pricer.shapes, params,
-                               training=traced.training))
+                               training=traced.training, grads=pricer.grads))
     collectives = _stage_collectives(traced, spmd, edges, where, p, m)
     collectives += _stage_buckets(traced, strategies, edges, where, params, p, schedule, ranks,
                                   sub, options.bucket_bytes)
