@@ -51,7 +51,11 @@ class Placeholder:
 
 @dataclass
 class TracedGraph:
-    """A traced model: the flat graph module plus what planning and codegen need about it."""
+    """A traced model: the flat graph module plus what planning and codegen need about it.
+
+    Its graph is not changed after tracing (a pass that needs another graph builds one): what is
+    read off it once is kept, on the instance (:attr:`value_shapes`, cost/reshards.py
+    ``traced_grads``)."""
 
     gm: fx.GraphModule
     placeholders: list[Placeholder]
