@@ -107,8 +107,8 @@ def _diagnose(label: str, step, pm=None) -> None:
             step()
         torch.cuda.synchronize()
     out.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
-    # Per step: kernel launches and host-device syncs (the runtime's API calls), and the host
-    # time the step's top-level events took, the rest being Python between them.
+    # Per step: the CUDA runtime's kernel launches, graph launches, syncs and copies, with the
+    # host time each kind of call took.
     runtime = {}
     for e in prof.key_averages():
         if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch",

@@ -95,7 +95,6 @@ def test_usage_errors_exit_2(capsys) -> None:
     assert "--mesh" in capsys.readouterr().err
 
 
-
 @pytest.mark.parametrize("argv", [
     ["plan", "gpt2-tiny", "--mesh", "2", "--time-limit", "0"],
     ["plan", "gpt2-tiny", "--mesh", "2", "--memory-gb", "inf"],
@@ -118,6 +117,7 @@ def test_a_bad_number_is_refused_by_its_flag(capsys, argv: list[str]) -> None:
     flag, value = argv[-2], argv[-1]
     assert f"argument {flag}: a " in err and f"got {value!r}" in err, err
     assert "Traceback" not in err
+
 
 def test_a_reader_that_goes_away_gets_no_traceback(plan_file, monkeypatch) -> None:
     """`autoshard show plan.json | head`: once the reader closes the pipe, the next write

@@ -533,7 +533,6 @@ def test_verify_runs_the_micro_steps_of_an_accumulating_plan():
     assert "not measured" not in report
 
 
-
 def test_the_graph_is_read_once_for_every_pricing(gpt2) -> None:
     """What pricing reads off the traced graph (every value's shape, which nodes carry a
     gradient) is read once per traced model and shared by every pricing after it: the offload
