@@ -25,7 +25,6 @@ from autoshard.ir import OffloadLevel, StateMode, Strategy
 from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions, state_modes
 from autoshard.plans import Plan
-from autoshard.solver.assemble import assemble
 from autoshard.solver.solve import offload_level, repriced
 from autoshard.trace.export import TracedGraph
 from autoshard.trace.graph import first_reads
