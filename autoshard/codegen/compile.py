@@ -212,8 +212,14 @@ class CompiledRegion(torch.nn.Module):
                 self.rt.ledger.add(r if r.phase != art.phase else
                                    dataclasses.replace(r, phase=phase))
         if art.backward and torch.is_grad_enabled():
-            marked = _BackwardMark.apply(_Replay(self.rt, art.backward), *args)
-            args = marked if isinstance(marked, tuple) else (marked,)
+            # One input marked is enough: the region's backward is one autograd node, which
+            # makes every input's gradient at once (each marked input cost a view and a
+            # detach per call, on the host)
+            i = next((i for i, a in enumerate(args)
+                      if isinstance(a, torch.Tensor) and a.requires_grad), None)
+            if i is not None:
+                args = (*args[:i], _BackwardMark.apply(_Replay(self.rt, art.backward), args[i]),
+                        *args[i + 1:])
         out = art.fn(*args)
         return out[0] if art.single else tuple(out)
 
@@ -327,16 +333,16 @@ class _Replay:
 
 
 class _BackwardMark(torch.autograd.Function):
-    """Identity on a region's inputs; its backward runs once the region's compiled backward has
-    made their gradients (and run its collectives), and writes their records."""
+    """Identity on one input of a region; its backward runs once the region's compiled backward
+    has made the input's gradient (and run its collectives), and writes their records."""
 
     @staticmethod
-    def forward(ctx, replay: _Replay, *args: Any) -> Any:
+    def forward(ctx, replay: _Replay, x: torch.Tensor) -> torch.Tensor:
         ctx.replay = replay
         ctx.set_materialize_grads(False)
-        return tuple(a.view_as(a) if isinstance(a, torch.Tensor) else a for a in args)
+        return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, *grads: Any) -> Any:
+    def backward(ctx, grad: Any) -> Any:
         ctx.replay()
-        return (None, *grads)
+        return None, grad
