@@ -61,7 +61,7 @@ def pieces(pm: Any, entries: list[_Entry], in_backward: frozenset[str] = frozens
     from autoshard.cost.program import OptimizerStep
     recs, by = records(pm), {e.fqn: e for e in entries}
     step = OptimizerStep(pm.plan.options.state_optimizer, "fused",
-                         tuple(u for fqn, u in recs.items() if fqn in by), in_backward)
+                         tuple(u for fqn, u in recs.items() if fqn in by), released=in_backward)
     return [[by[u.fqn] for u in piece] for piece in step.pieces()]
 
 

@@ -132,18 +132,20 @@ class OptimizerStep:
     optimizer: str
     update: str
     params: tuple[ParamUpdate, ...] = ()
-    in_backward: frozenset[str] = frozenset()    # stepped on the device as backward ends each
+    # stepped as autograd completes their gradients: on the device, or on the host after the
+    # gradient's copy down (:func:`steps_in_backward`); the step program's ``released``
+    released: frozenset[str] = frozenset()
 
     def pieces(self) -> list[tuple[ParamUpdate, ...]]:
         """The parameters the device's update steps after backward (those with a ``moment``,
-        not stepped in backward), in order, cut into runs of at most :data:`PIECE_BYTES` of
+        not ``released`` on the device), in order, cut into runs of at most :data:`PIECE_BYTES` of
         moment (one larger parameter alone): the runtime casts a piece's gradients and runs its
         update before the next piece's (codegen/optim.py ``ShardedOptimizer.step``). An
         optimizer without moments is one piece."""
         out: list[list[ParamUpdate]] = []
         size = 0
         for u in self.params:
-            if not u.moment or u.name in self.in_backward:
+            if not u.moment or (u.name in self.released and not u.on_host):
                 continue
             if not out or size + u.moment > PIECE_BYTES:
                 out.append([])
@@ -197,7 +199,12 @@ class StepProgram:
     accumulation: int = 1
     held: Mapping[str, int] = field(default_factory=dict)     # parameter -> bytes
     stage: frozenset[str] | None = None      # a pipeline stage's ops (stage_program); None: all
-    released: frozenset[str] = frozenset()   # stepped as backward completes their gradients
+
+    @property
+    def released(self) -> frozenset[str]:
+        """The parameters stepped as autograd completes their gradients, which then leave the
+        device (the optimizer step's record of them)."""
+        return self.optimizer.released
 
     def first_syncs(self) -> dict[str, ReshardEdge]:
         """Each bucketed parameter's gradient sync reshard (``first_grad_syncs``' result)."""
@@ -260,13 +267,11 @@ def step_program(traced: Any, strategies: dict[str, Strategy], mesh_shape: tuple
     opt = optimizer_step(traced, strategies, tuple(mesh_shape), optimizer, update) \
         if traced.training else OptimizerStep("none", update)
     bucket_of = {m: k for k, b in enumerate(buckets) for m in b.members}
-    released = frozenset(u.name for u in opt.params if steps_in_backward(
-        u.mode, u.state is not None, u.name in bucket_of, overlap))
-    opt = replace(opt, in_backward=frozenset(u.name for u in opt.params
-                                             if u.name in released and not u.on_host))
+    opt = replace(opt, released=frozenset(u.name for u in opt.params if steps_in_backward(
+        u.mode, u.state is not None, u.name in bucket_of, overlap)))
     return StepProgram(
         events=tuple(events), edges=edges, buckets=buckets, bucketed=bucketed,
-        fetched=fetched, edge_of=edge_of, bucket_of=bucket_of, released=released,
+        fetched=fetched, edge_of=edge_of, bucket_of=bucket_of,
         optimizer=opt, accumulation=accumulation,
         held=held_gradients(traced, strategies, tuple(mesh_shape), fetched, bucketed)
         if traced.training and accumulation > 1 else {})

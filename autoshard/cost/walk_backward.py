@@ -78,9 +78,9 @@ class BackwardWalk(ForwardWalk):
         event after whose backward that is: the first event of forward that reads the
         parameter (an op, or a reshard of it), whose backward adds the gradient's last part."""
         opt = self.program.optimizer
-        device = {u.name: u for u in opt.params if u.name in opt.in_backward}
+        device = {u.name: u for u in opt.params if u.name in opt.released and not u.on_host}
         out: dict[int, list[tuple[str, Any]]] = {}
-        left = set(self.program.released)
+        left = set(opt.released)
         for i, ev in enumerate(self.events):
             if not left:
                 break
