@@ -62,7 +62,7 @@ def test_the_walk_steps_each_device_parameter_as_its_gradient_completes(gpt2_bf1
 def _train(plan_json: str) -> dict:
     """``STEPS`` AdamW steps through pm.optimizer on one rank: the full parameters after each,
     what was stepped in backward, and whether the gradients were handed out in between."""
-    from autoshard.codegen.earlystep import stepped
+    from autoshard.codegen.optim import stepped
     from autoshard.codegen.parallelize import parallelize
     plan = Plan.loads(plan_json)
     model, inputs = build("gpt2-tiny", None, None, 0)
@@ -115,3 +115,48 @@ def test_steps_in_backward_give_the_parameters_of_steps_after_it(world1, precisi
     for a, b in zip(plain["params"], early["params"]):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert "second backward" in early["twice"] and plain["twice"] == ""
+
+
+def _second_optimizer(plan_json: str, second: str, first: bool) -> dict:
+    """One step through ``second`` ("adamw": AdamW not said to be elementwise, so it steps
+    after backward; "adagrad": no fused host step, so torch's runs after backward), made after
+    an AdamW (``first``) whose hooks would step in backward: what stepped in backward, whether
+    the first optimizer ever stepped, and the parameters after the step."""
+    import warnings
+
+    from autoshard.codegen.optim import released_grads, stepped
+    from autoshard.codegen.parallelize import parallelize
+    plan = Plan.loads(plan_json)
+    model, inputs = build("gpt2-tiny", None, None, 0)
+    pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan,
+                     example_inputs=inputs)
+    earlier = pm.optimizer(torch.optim.AdamW, lr=1e-2) if first else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")            # (each says it steps after backward)
+        opt = pm.optimizer(torch.optim.AdamW, lr=1e-3, elementwise=False) \
+            if second == "adamw" else pm.optimizer(torch.optim.Adagrad, lr=1e-2)
+    pm.step(*pm.shard_inputs(*inputs))
+    out = {"in_backward": len(stepped(pm)) + len(released_grads(pm))}
+    opt.step()
+    if earlier is not None:
+        out["earlier_stepped"] = bool(earlier.optimizer.state) or bool(
+            earlier.host is not None and earlier.host.started_early)
+    out["params"] = {k: v.clone() for k, v in pm.full_state_dict().items()}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("offload, second", [("none", "adamw"), ("optimizer", "adagrad")])
+def test_a_later_optimizer_takes_the_steps_in_backward_from_an_earlier_one(world1, offload,
+                                                                            second):
+    """Under offload_overlap="backward" an optimizer's hooks step parameters as backward
+    completes them (on the device, or on the host after the copy down). A later
+    pm.optimizer(...) that steps after backward instead (not known elementwise; no fused host
+    step) takes them over: the earlier one never steps, nothing steps in backward, and the
+    parameters are those of the later optimizer alone."""
+    plan = plan_for("gpt2-tiny", Mesh((1,), cluster="stress"), offload=offload,
+                    offload_overlap="backward", recompute="none").dumps()
+    both, alone = (world1.run(_second_optimizer, plan, second, first)[0] for first in (True, False))
+    assert both["in_backward"] == alone["in_backward"] == 0
+    assert not both["earlier_stepped"]
+    assert all(torch.equal(both["params"][k], alone["params"][k]) for k in alone["params"])

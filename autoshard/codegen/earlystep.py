@@ -20,7 +20,6 @@ per parameter: not yet measured on a GPU).
 from __future__ import annotations
 
 import warnings
-import weakref
 from functools import partial
 from typing import Any
 
@@ -29,9 +28,6 @@ import torch
 from autoshard.codegen.hostopt import second_backward
 from autoshard.codegen.optimlayout import _Entry
 from autoshard.cost.program import steps_in_backward
-
-_EARLY: "weakref.WeakKeyDictionary[Any, EarlySteps]" = weakref.WeakKeyDictionary()
-
 
 class EarlySteps:
     """The in-backward steps of ``entries`` (codegen/optimlayout.py entries whose state is on
@@ -83,11 +79,10 @@ class EarlySteps:
 
 def attach(opt: Any, elementwise: bool) -> EarlySteps | None:
     """The in-backward steps of a ShardedOptimizer's (codegen/optim.py) parameters whose state
-    is on the device and whose gradients ``steps_in_backward``, or None where it has none. The
-    latest optimizer of a module steps them (an earlier one, still referenced, would step on
-    every backward no step of its follows). An optimizer not known to update each parameter on
-    its own steps them after backward instead, with a warning: their gradients then stay on the
-    device through backward, above the plan's memory figure."""
+    is on the device and whose gradients ``steps_in_backward``, or None where it has none (only
+    the latest optimizer of a module keeps its hooks: codegen/optim.py). An optimizer not known
+    to update each parameter on its own steps them after backward instead, with a warning: their
+    gradients then stay on the device through backward, above the plan's memory figure."""
     pm = opt.pm
     if pm.plan.pipeline is not None:
         return None
@@ -105,15 +100,4 @@ def attach(opt: Any, elementwise: bool) -> EarlySteps | None:
                       f"(docs/cost-model.md §9.1); pass elementwise=True if its update is "
                       f"elementwise", stacklevel=3)
         return None
-    previous = _EARLY.get(pm)
-    if previous is not None:
-        previous.unhook()
-    early = _EARLY[pm] = EarlySteps(opt, mine)
-    return early
-
-
-def stepped(pm: Any) -> list[str]:
-    """The parameters of ``pm`` stepped in this backward on the device, their gradients gone;
-    empty once the optimizer has stepped."""
-    early = _EARLY.get(pm)
-    return sorted(e.fqn for e in early.done.values()) if early is not None else []
+    return EarlySteps(opt, mine)

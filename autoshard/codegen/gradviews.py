@@ -94,8 +94,7 @@ class GradViews:
         pipeline every rank lists every parameter, another stage's with no rows, laid out
         along the pipeline axis so that the norm reduces over the stages too
         (codegen/stageviews.py)."""
-        from autoshard.codegen.earlystep import stepped
-        from autoshard.codegen.hostopt import released_grads
+        from autoshard.codegen.optim import released_grads, stepped
         gone = sorted(released_grads(self)) + stepped(self)
         if gone:
             raise AutoshardError(
@@ -219,8 +218,7 @@ class GradViews:
         Collective when any shard is held: every rank calls it."""
         shards = self.runtime.buckets.shards if self.runtime.buckets is not None else {}
         out = {}
-        from autoshard.codegen.earlystep import stepped
-        from autoshard.codegen.hostopt import released_grads
+        from autoshard.codegen.optim import released_grads, stepped
         used = stepped(self)
         if used:
             raise AutoshardError(

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import os
 import warnings
-import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -469,16 +468,6 @@ def second_backward() -> AutoshardError:
             "then step at the last one), or plan with PlanOptions(offload_overlap='none')")
 
 
-def released_grads(pm: Any) -> dict[str, torch.Tensor]:
-    """The gradients of ``pm``'s parameters that left the device in this backward (on the host,
-    as they landed), by name; empty once the optimizer has stepped them."""
-    host = _HOOKED.get(pm)
-    if host is None:
-        return {}
-    return {key.fqn: g for key in host.released.values()
-            if (g := host.landed_grad(key)) is not None}
-
-
 def fallback_warning(why: str) -> None:
     warnings.warn(f"offloaded optimizer: {why} has no fused host step; torch's own step runs on "
                   "the host masters after backward, slower than the plan prices it, and under "
@@ -514,20 +503,11 @@ def attach(opt: Any) -> HostOptimizer | None:
     # accumulated it; a bucket's (codegen/buckets.py) lands in the optimizer's step, and so
     # does every gradient on a pipeline (its microbatches' backwards add to ``.grad``).
     bucketed = set(rt.buckets.of) if rt.buckets is not None else set()
-    if opt.pm.plan.pipeline is None:
-        # One optimizer of a module lands its gradients early: the latest (an earlier one,
-        # still referenced, would otherwise step on every backward no step of its follows).
-        previous = _HOOKED.get(opt.pm)
-        if previous is not None:
-            previous.unhook()
+    if opt.pm.plan.pipeline is None:    # (only the latest optimizer keeps them: optim.py)
         host.hold = lambda: opt.pm.accumulating
         host.handles = host.hooks(
             (e, e.param) for e in order
             if e.mode == StateMode.OFFLOAD
             and steps_in_backward(e.mode, e.dim is not None, e.placeholder in bucketed,
                                   options.offload_overlap))
-        _HOOKED[opt.pm] = host
     return host
-
-
-_HOOKED: "weakref.WeakKeyDictionary[Any, HostOptimizer]" = weakref.WeakKeyDictionary()

@@ -56,6 +56,10 @@ from autoshard.ir import Phase, Shard, StateMode
 _NEEDS_SHARDED: dict[int, "weakref.ref[torch.Tensor]"] = {}
 _OWNED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 _HOOKED = False
+# The latest ShardedOptimizer of each module: the only one whose hooks step parameters in
+# backward (hostopt.py, earlystep.py). An earlier one, kept alive by its hooks if by nothing
+# else, would otherwise go on stepping them on every backward, under its own settings.
+_LATEST: "weakref.WeakKeyDictionary[Any, ShardedOptimizer]" = weakref.WeakKeyDictionary()
 
 
 def _guard(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -129,6 +133,10 @@ class ShardedOptimizer(OptimizerStateDicts, torch.optim.Optimizer):
         # and under offload_overlap="backward" the device's steps in backward (earlystep.py).
         self.host = hostopt.attach(self)
         self.early = earlystep.attach(self, elementwise)
+        previous = _LATEST.get(pm)
+        if previous is not None:
+            previous.unhook()
+        _LATEST[pm] = self
         # The device's update after backward in the step program's pieces (cost/program.py
         # PIECE_BYTES); an optimizer not known to update each parameter on its own steps them
         # all at once.
@@ -143,6 +151,12 @@ class ShardedOptimizer(OptimizerStateDicts, torch.optim.Optimizer):
                 f"elementwise=True if its update is elementwise", stacklevel=2)
             self.pieces = []
         self._piece_of = {id(e): k for k, piece in enumerate(self.pieces) for e in piece}
+
+    def unhook(self) -> None:
+        """Step nothing in backward any more (a later optimizer of the module took over)."""
+        for part in (self.host, self.early):
+            if part is not None:
+                part.unhook()
 
     # -- the torch.optim surface ---------------------------------------------------------------
     @torch.no_grad()
@@ -302,6 +316,23 @@ class ShardedOptimizer(OptimizerStateDicts, torch.optim.Optimizer):
             part = _slice(e.param.grad, e.dim, e.cut)
             g = part if g is None else g + part
         return g
+
+
+def released_grads(pm: Any) -> dict[str, torch.Tensor]:
+    """The gradients of ``pm``'s parameters that left the device in this backward (on the host,
+    as they landed: codegen/hostopt.py), by name; empty once the optimizer has stepped them."""
+    host = getattr(_LATEST.get(pm), "host", None)
+    if host is None:
+        return {}
+    return {key.fqn: g for key in host.released.values()
+            if (g := host.landed_grad(key)) is not None}
+
+
+def stepped(pm: Any) -> list[str]:
+    """The parameters of ``pm`` stepped on the device in this backward, their gradients gone
+    (codegen/earlystep.py); empty once the optimizer has stepped."""
+    early = getattr(_LATEST.get(pm), "early", None)
+    return sorted(e.fqn for e in early.done.values()) if early is not None else []
 
 
 def _refuse_whole_tensor_math(optimizer_cls: type, elementwise: bool | None,
