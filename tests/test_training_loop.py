@@ -300,6 +300,28 @@ def _state_checks(plan_json: str) -> dict:
         {k: v for k, v in full.items() if k != name}))
     out["name"] = name
     out["unchanged"] = all(torch.equal(v, full[k]) for k, v in pm.full_state_dict().items())
+    # a fused projection's strided shards: torch's state_dict() refuses as DCP's does
+    out["strided"] = _caught(pm.state_dict)
+    return out
+
+
+def _module_api(plan_json: str) -> dict:
+    """torch's Module API on a ParallelModule: state dicts, and pm.to(...) and the like."""
+    from torch.distributed.tensor import DTensor
+    pm, _, _ = parallel("llama-tiny", plan_json)
+    full = pm.full_state_dict()
+    sd = pm.state_dict()
+    name = next(iter(sd))
+    out = {"keys": set(sd) == set(full), "dtensors": all(isinstance(v, DTensor)
+                                                          for v in sd.values()),
+           "loads": [_caught(lambda: pm.load_state_dict(sd)),
+                     _caught(lambda: pm.load_state_dict(full))],
+           "loose": _caught(lambda: pm.load_state_dict(full, strict=False)),
+           "mixed": _caught(lambda: pm.load_state_dict({**full, name: sd[name]})),
+           "to": [_caught(lambda: pm.to("cpu")), _caught(lambda: pm.float()),
+                  _caught(lambda: pm.to(torch.float64)), _caught(lambda: pm.half())]}
+    out["unchanged"] = all(torch.equal(v, full[k]) for k, v in pm.full_state_dict().items())
+    out["fp32"] = all(p.dtype == torch.float32 for p in pm.local_parameters().values())
     return out
 
 
@@ -312,6 +334,21 @@ def test_full_state_dict_names_tied_aliases_and_loads_check_shapes(world2):
     assert out["keys"] and out["strict"] and out["unchanged"], out
     assert out["name"] in out["shape"] and "(1,)" in out["shape"], out
     assert out["name"] in out["missing"], out
+    assert "full_state_dict" in out["strided"], out
+
+
+def test_torch_module_api_reads_and_loads_the_shards(world2):
+    """pm.state_dict() is the sharded state dict under the model's names (each value a DTensor,
+    as FSDP2 gives it; DCP saves it as it is: test_checkpoints_carry_buffers), and
+    pm.load_state_dict() loads it or a whole one, strictly. pm.to(...), .float() and the like
+    pass where they change nothing and are refused where they would move or cast a shard,
+    which the optimizer and the gradient buckets hold views of."""
+    out = world2.run(_module_api, _plan("llama-tiny", (2,), "megatron").dumps())[0]
+    assert out["keys"] and out["dtensors"] and out["loads"] == ["accepted"] * 2, out
+    assert "strict=False" in out["loose"] and "both kinds" in out["mixed"], out
+    assert out["to"][:2] == ["accepted"] * 2, out
+    assert "torch.float64" in out["to"][2] and "torch.float16" in out["to"][3], out
+    assert out["unchanged"] and out["fp32"], out
 
 
 # -- checkpoints: buffers, and resume through DCP -----------------------------------------------
@@ -337,10 +374,10 @@ def _buffers_through_dcp(plan_json: str, path: str) -> bool:
     full["bn.running_var"] = torch.arange(16.0) + 1
     full["bn.num_batches_tracked"] = torch.tensor(7)
     pms[0].load_full_state_dict(full)
-    dcp.save(pms[0].sharded_state_dict(), checkpoint_id=path)
-    sd = pms[1].sharded_state_dict()
+    dcp.save(pms[0].state_dict(), checkpoint_id=path)      # (the sharded state dict)
+    sd = pms[1].state_dict()
     dcp.load(sd, checkpoint_id=path)
-    pms[1].load_sharded_state_dict(sd)
+    pms[1].load_state_dict(sd)
     return all(torch.equal(v, full[k]) for k, v in pms[1].full_state_dict().items())
 
 

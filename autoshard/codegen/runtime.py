@@ -203,6 +203,26 @@ class ParallelModule(GradViews, StateDicts, Shards, torch.nn.Module):
         return self.plan.pipeline.microbatches if self.plan.pipeline is not None else 1
 
     # -- running -------------------------------------------------------------------------------
+    def _apply(self, fn: Any, recurse: bool = True) -> "ParallelModule":
+        """``pm.to(...)``, ``.cuda()``, ``.half()`` and the like, where they change nothing; one
+        that would move or cast a tensor is refused. Its shards already are where the plan runs
+        them, in the dtypes it priced (the device, or the host where offloaded), and the
+        optimizer, the gradient buckets and the host buffers hold views of them that a copy
+        would leave behind."""
+        for name, t in [*torch.nn.Module.named_parameters(self), *self.named_buffers()]:
+            new = fn(t)
+            if new is not t:
+                raise AutoshardError(
+                    "pm.to(...), .cuda(), .half() and the like only where they change nothing "
+                    f"(the shards are on {self.runtime.device}, or the host where offloaded, "
+                    "in the plan's dtypes)",
+                    got=f"a call that makes {name} ({t.dtype} on {t.device}) {new.dtype} on "
+                        f"{new.device}",
+                    fix="drop the call (parallelize placed every shard); for another dtype, "
+                        "cast the model (model.to(dtype)) or plan with precision=... before "
+                        "autoshard.parallelize")
+        return self
+
     def train(self, mode: bool = True) -> "ParallelModule":
         """``pm.train()`` / ``pm.eval()``, as ``model.train()`` / ``model.eval()``: in eval mode
         dropout is the identity and batch norm uses its running statistics without updating

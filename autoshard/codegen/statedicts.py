@@ -120,6 +120,44 @@ class StateDicts:
                                                tuple(ph.info.shape))
         return out
 
+    def state_dict(self, *, destination: Any = None, prefix: str = "",
+                   keep_vars: bool = False) -> dict[str, Any]:
+        """torch's ``Module.state_dict()`` of a sharded module, as FSDP2 gives it: the model's
+        own names, each value a DTensor of this rank's shard (``sharded_state_dict()``), so
+        ``torch.distributed.checkpoint`` saves it as it is. Not collective; not for one file
+        saved by one rank: ``full_state_dict()`` gathers the whole tensors."""
+        out = destination if destination is not None else {}
+        for k, v in self.sharded_state_dict().items():
+            out[prefix + k] = v
+        return out
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """torch's ``Module.load_state_dict``: a sharded state dict (DTensors, as
+        ``state_dict()`` gives) loads as ``load_sharded_state_dict``, a whole one (the single
+        device model's ``state_dict()``) as ``load_full_state_dict``. Strict, in place."""
+        if not strict or assign:
+            raise AutoshardError(
+                "pm.load_state_dict(sd) with strict=True and assign=False (every parameter and "
+                "buffer is loaded, into this rank's shards)",
+                got=f"strict={strict}, assign={assign}",
+                fix="pass the whole state dict with the defaults, or load a model's part into "
+                    "the model before autoshard.parallelize")
+        from torch.distributed.tensor import DTensor
+        from torch.nn.modules.module import _IncompatibleKeys
+        sharded = {isinstance(v, DTensor) for v in state_dict.values()}
+        if sharded == {True, False}:
+            raise AutoshardError(
+                "a state dict whose tensors are all DTensors (pm.state_dict()) or all whole "
+                "tensors (model.state_dict(), pm.full_state_dict())",
+                got="both kinds in one state dict",
+                fix="load each kind with its own call: pm.load_sharded_state_dict(sd) or "
+                    "pm.load_full_state_dict(sd)")
+        if True in sharded:
+            self.load_sharded_state_dict(state_dict)
+        else:
+            self.load_full_state_dict(state_dict)
+        return _IncompatibleKeys([], [])
+
     def load_sharded_state_dict(self, sd: dict[str, Any]) -> None:
         """Copy ``sd`` (``pm.sharded_state_dict()`` filled by ``dcp.load``, saved under any
         plan) into this rank's parameters and buffers; names and global shapes are checked
