@@ -34,9 +34,10 @@ def micro_batch(inputs: tuple, step: int, micro: int) -> tuple:
 
 
 def run_steps(opt, sched, step_fn, params_fn, inputs, steps: range, micro: int,
-              accumulating=lambda: contextlib.nullcontext()):
+              accumulating=lambda: contextlib.nullcontext(), set_to_none: bool = True):
     """Optimizer steps ``steps`` of ``micro`` micro-batches each: (losses, norms before clip).
-    Every micro-batch but the last runs inside ``accumulating()`` (DDP's ``no_sync``)."""
+    Every micro-batch but the last runs inside ``accumulating()`` (DDP's ``no_sync``); the
+    gradients are zeroed with ``opt.zero_grad(set_to_none)``."""
     losses, norms = [], []
     for s in steps:
         total = 0.0
@@ -48,7 +49,7 @@ def run_steps(opt, sched, step_fn, params_fn, inputs, steps: range, micro: int,
         norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
         opt.step()
         sched.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
     return losses, norms
 
 
@@ -73,7 +74,7 @@ def pm_step(pm):
     return lambda batch: pm.step(*pm.shard_inputs(*batch))
 
 
-def single_device(model_name: str, steps: int, micro: int):
+def single_device(model_name: str, steps: int, micro: int, set_to_none: bool = True):
     """The same loop on the single-device model: (losses, norms), its parameters by name."""
     from autoshard.loss import as_loss_module
     from autoshard.tools.verify import build
@@ -85,14 +86,16 @@ def single_device(model_name: str, steps: int, micro: int):
         loss.backward()
         return loss.detach()
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
-    out = run_steps(opt, schedule(opt), step, ref.parameters, inputs, range(steps), micro)
+    out = run_steps(opt, schedule(opt), step, ref.parameters, inputs, range(steps), micro,
+                    set_to_none=set_to_none)
     return out, {n.removeprefix("model."): p.detach() for n, p in ref.named_parameters()}
 
 
-def train_loop(model_name: str, plan_json: str, steps: int = 8, micro: int = 2):
+def train_loop(model_name: str, plan_json: str, steps: int = 8, micro: int = 2,
+               set_to_none: bool = True):
     """The loop under the plan and on one device: ((losses, norms), full weights) of each."""
     pm, opt, inputs = parallel(model_name, plan_json)
     sync = pm.no_sync if pm.pipeline is None else contextlib.nullcontext
     got = run_steps(opt, schedule(opt), pm_step(pm), pm.parameters, inputs, range(steps), micro,
-                    sync)
-    return got, pm.full_state_dict(), *single_device(model_name, steps, micro)
+                    sync, set_to_none)
+    return got, pm.full_state_dict(), *single_device(model_name, steps, micro, set_to_none)

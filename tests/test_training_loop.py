@@ -104,6 +104,19 @@ def test_loop_equals_one_device(world4, model, shape, baseline, kw):
     assert _weights_err(full, ref) <= TOL
 
 
+@pytest.mark.slow
+def test_loop_zeroing_gradients_in_place_equals_one_device(world2):
+    """The loop with opt.zero_grad(set_to_none=False), the gradients kept and zeroed in place
+    (as recipes that capture CUDA graphs keep them), on a data parallel plan whose synced
+    gradients are views of their buckets: what one device gives, as with set_to_none."""
+    plan = _plan("gpt2-tiny", (2,), "dp", bucket_mb=0.05)
+    (losses, norms), full, (ref_losses, ref_norms), ref = world2.run(
+        train_loop, "gpt2-tiny", plan.dumps(), 4, 2, False)[0]
+    assert _rel(losses, ref_losses) <= TOL, (losses, ref_losses)
+    assert _rel(norms, ref_norms) <= TOL, (norms, ref_norms)
+    assert _weights_err(full, ref) <= TOL
+
+
 # -- the red-team log, one test per failure ----------------------------------------------------
 
 def _schedulers(plan_json: str) -> dict:

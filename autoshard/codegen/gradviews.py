@@ -42,8 +42,12 @@ class GradViews:
                 continue
             if set_to_none:
                 p.grad = None
-            else:
-                p.grad.detach_().zero_()
+            else:      # (as torch.optim.Optimizer.zero_grad: a bucket's view cannot detach_)
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                p.grad.zero_()
         if self.runtime.buckets is not None:
             self.runtime.buckets.shards.clear()
         self._publish_grads()
