@@ -332,12 +332,21 @@ def _bad_inputs(plan_json: str) -> str | None:
     model, inputs = build("gpt2-tiny", None, None, 0)
     pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan, example_inputs=inputs)
     wrong = tuple(t[:, :8] for t in inputs)
-    return _catch(pm.shard_inputs, *wrong)
+    local = pm.shard_inputs(*inputs)
+    return [_catch(pm.shard_inputs, *wrong), _catch(pm.step, local[0]),
+            _catch(pm.shard_inputs, inputs[0].float(), *inputs[1:]),
+            _catch(pm.step, local[0].float(), *local[1:])]
 
 
 def test_inputs_of_other_shapes_are_refused(world2):
-    msg = world2.run(_bad_inputs, plan_for("gpt2-tiny", mesh_of((2,))).dumps())[0]
-    assert msg and "planned shape" in msg and "got shape (4, 8)" in msg, msg
+    """Inputs of another shape, another count, or floats where token ids were traced: said
+    before the program runs, not by the model's ops inside it."""
+    shape, count, ids, local_ids = world2.run(
+        _bad_inputs, plan_for("gpt2-tiny", mesh_of((2,))).dumps())[0]
+    assert shape and "planned shape" in shape and "got shape (4, 8)" in shape, shape
+    assert count and "2 local inputs" in count and "got 1" in count, count
+    for msg in (ids, local_ids):
+        assert msg and "input 0 of dtype torch.int64" in msg and "torch.float32" in msg, msg
 
 
 def test_complex_values_carry_their_gradients(world4):

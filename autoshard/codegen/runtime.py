@@ -67,7 +67,7 @@ class ParallelModule(GradViews, StateDicts, Shards, torch.nn.Module):
             from autoshard.codegen.optim import watch
             watch([self.params[_key(fqn)] for fqn in plan.param_state if fqn in self._param_ph])
         self._input_specs = [strategies[ph.name].outputs[0] for ph in traced.inputs]
-        self._input_shapes = [ph.info.shape if ph.info else None for ph in traced.inputs]
+        self._input_infos = [ph.info for ph in traced.inputs]      # shape and dtype, or None
         if stage_programs is not None:
             from autoshard.codegen.pipeline import Pipelined
             self.pipeline = Pipelined(self, stage_programs, device)

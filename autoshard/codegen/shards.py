@@ -25,7 +25,7 @@ class Shards:
 
     Mixed into ``ParallelModule`` (codegen/runtime.py), which sets what is read here: ``plan``,
     ``groups``, ``traced``, ``runtime``, ``microbatches``, ``_input_specs`` and
-    ``_input_shapes``."""
+    ``_input_infos``."""
 
     def _shard(self, full: torch.Tensor, spec: Spec | None) -> torch.Tensor:
         """This rank's shard of ``full`` laid out as ``spec``, a tensor of its own."""
@@ -41,14 +41,13 @@ class Shards:
             return apply_steps(local.detach().to(self.runtime.device), r.forward, self.groups)
 
     def shard_inputs(self, *global_args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if len(global_args) != len(self._input_specs):
-            raise AutoshardError(f"{len(self._input_specs)} inputs, as planned",
-                                 got=f"{len(global_args)} inputs",
-                                 fix="pass the same arguments as the example inputs")
+        fix = "pass the same arguments as the example inputs"
+        self._check_count(global_args, "inputs", fix)
         out = []
         global_args = cast_inputs(global_args, self.plan.options.precision)
         m = self.microbatches
-        for i, (a, spec, shape) in enumerate(zip(global_args, self._input_specs, self._input_shapes)):
+        for i, (a, spec, info) in enumerate(zip(global_args, self._input_specs, self._input_infos)):
+            shape = info.shape if info is not None else None
             # On a pipeline the plan is of one microbatch: the batch is m of them.
             want = None if shape is None else (shape[0] * m, *shape[1:]) if m > 1 else shape
             if isinstance(a, torch.Tensor) and want is not None and tuple(a.shape) != tuple(want):
@@ -56,6 +55,7 @@ class Shards:
                                      + (f" ({m} microbatches of {tuple(shape)})" if m > 1 else ""),
                                      got=f"shape {tuple(a.shape)}",
                                      fix="re-plan for these shapes, or batch the data as planned")
+            self._check_kind(i, a, info, fix)
             if not isinstance(a, torch.Tensor):
                 out.append(a)
             elif m > 1:       # each microbatch sharded as planned, stacked back in order
@@ -65,16 +65,32 @@ class Shards:
         return tuple(out)
 
     def _check_local(self, local_args: Sequence[Any]) -> None:
+        fix = "pass pm.shard_inputs(*global_batch) to the module"
+        self._check_count(local_args, "local inputs", fix)
         m = self.microbatches
-        for i, (a, spec, shape) in enumerate(zip(local_args, self._input_specs, self._input_shapes)):
-            if isinstance(a, torch.Tensor) and shape is not None:
-                want = local_shape(shape, spec, self.plan.mesh_shape)
+        for i, (a, spec, info) in enumerate(zip(local_args, self._input_specs, self._input_infos)):
+            if isinstance(a, torch.Tensor) and info is not None:
+                want = local_shape(info.shape, spec, self.plan.mesh_shape)
                 want = (want[0] * m, *want[1:]) if m > 1 else want
                 if tuple(a.shape) != want:
                     raise AutoshardError(f"local input {i} of shape {want} (the plan shards the "
-                                         f"global {tuple(shape)} as {spec})",
-                                         got=f"shape {tuple(a.shape)}",
-                                         fix="pass pm.shard_inputs(*global_batch) to the module")
+                                         f"global {tuple(info.shape)} as {spec})",
+                                         got=f"shape {tuple(a.shape)}", fix=fix)
+            self._check_kind(i, a, info, fix)
+
+    def _check_count(self, args: Sequence[Any], what: str, fix: str) -> None:
+        if len(args) != len(self._input_specs):
+            raise AutoshardError(f"{len(self._input_specs)} {what}, as planned",
+                                 got=f"{len(args)}", fix=fix)
+
+    @staticmethod
+    def _check_kind(i: int, a: Any, info: Any, fix: str) -> None:
+        """Input ``i`` floating-point where the traced one was, integer where it was (token ids
+        of another width pass; a float where ids were traced fails inside the model's ops)."""
+        if isinstance(a, torch.Tensor) and info is not None \
+                and a.is_floating_point() != info.dtype.is_floating_point:
+            raise AutoshardError(f"input {i} of dtype {info.dtype}, as traced",
+                                 got=f"{a.dtype}", fix=fix)
 
     def gather_output(self, local: torch.Tensor) -> torch.Tensor:
         out = next(n for n in self.plan.nodes if n.name == self._output_node())
