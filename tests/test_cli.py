@@ -119,6 +119,20 @@ def test_a_bad_number_is_refused_by_its_flag(capsys, argv: list[str]) -> None:
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["plan", "llama3-8b", "--mesh", "8x8", "--axes", "dp"], "--axes dp,tp"),
+    (["plan", "llama3-8b", "--mesh", "2x2x2", "--axes", "dp,dp,tp"], "--axes pp,dp,tp"),
+    (["verify", "gpt2-tiny", "--mesh", "2", "--cluster", "nosuch"], "--cluster h100"),
+])
+def test_a_bad_mesh_flag_is_refused_by_its_name(capsys, argv: list[str], said: str) -> None:
+    """--axes and --cluster refused in the command line's words (the flag, a value to give it),
+    before the model loads, not in the Python API's (``axes=('dp', 'tp')``)."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{argv[-2]}: " in err and f"got {argv[-1]!r}" in err and said in err, err
+    assert "Traceback" not in err and "loading" not in err
+
+
 def test_a_reader_that_goes_away_gets_no_traceback(plan_file, monkeypatch) -> None:
     """`autoshard show plan.json | head`: once the reader closes the pipe, the next write
     fails with a broken pipe; the command ends with status 1 and no traceback."""

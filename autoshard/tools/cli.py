@@ -53,9 +53,20 @@ def parse_mesh(text: str) -> tuple[int, ...]:
 
 
 def make_mesh(args):
+    """The mesh of ``--mesh``, ``--axes`` and ``--cluster``, each refused by its flag's name."""
+    from autoshard.cluster import PRESETS
     from autoshard.mesh import Mesh
     shape = parse_mesh(args.mesh)
     axes = tuple(a.strip() for a in args.axes.split(",")) if args.axes else None
+    if axes is not None and (len(axes) != len(shape) or len(set(axes)) != len(axes)
+                             or not all(axes)):
+        raise AutoshardError(f"--axes: one distinct name per axis of --mesh {args.mesh}",
+                             got=repr(args.axes),
+                             fix=f"e.g. --axes {','.join(('pp', 'dp', 'tp')[-len(shape):])}")
+    if args.cluster not in PRESETS and not args.cluster.endswith(".json"):
+        raise AutoshardError(f"--cluster: a preset ({', '.join(sorted(PRESETS))}) or a "
+                             "profile .json", got=repr(args.cluster),
+                             fix="e.g. --cluster h100, or the file autoshard calibrate wrote")
     return Mesh(shape, axes, cluster=args.cluster)
 
 
