@@ -33,7 +33,7 @@ import torch.fx as fx
 from autoshard.codegen.collectives import ExecutedCollective
 from autoshard.ir import CollectiveKind, Phase, local_shape
 from autoshard.plans import Plan
-from autoshard.cost.reshards import grad_values
+from autoshard.cost.reshards import traced_grads
 from autoshard.schedules import SPLIT_BACKWARD, WARMUP_BYTES, warmup_node
 
 
@@ -179,8 +179,8 @@ def local_value(gm: fx.GraphModule, name: str, traced, plan: Plan, mesh_shape) -
 
 
 def _carries_grad(gm: fx.GraphModule, name: str, grads: set) -> bool:
-    """Whether the emitted value ``name`` has a gradient in the plan (trace/graph.py
-    grad_values): a floating value that a parameter or input gradient flows through. A table
+    """Whether the emitted value ``name`` has a gradient in the plan (cost/reshards.py
+    traced_grads): a floating value that a parameter or input gradient flows through. A table
     made from constants (rotary angles) has none, and crosses stages without one."""
     node = next(n for n in gm.graph.nodes if n.name == name)
     (src, idx), _ = node.meta["autoshard_ref"]
@@ -218,7 +218,7 @@ class Pipelined:
         pm, plan, device = self.pm, self.plan, self.device
         values = pm.bound_values()
         traced, shape = pm.traced, plan.mesh_shape
-        grads = grad_values(traced.graph, {ph.name for ph in traced.params})
+        grads = traced_grads(traced)
 
         def example(name: str, needs_grad: bool) -> torch.Tensor:
             t = local_value(pm.program, name, traced, plan, shape).detach().to(device)

@@ -48,11 +48,10 @@ def first_reads(nodes) -> dict[str, int]:
 def value_inputs(node: fx.Node) -> list[ValueRef]:
     """The values a node reads, in the order rules number tensor inputs.
 
-    Pricing asks this of every node many times per plan (13 times a node on each pricing of
-    Llama-2-70B); the answer is kept on the node, an attribute of its own (not in ``meta``,
-    which copies of the node share), beside the very ``args``/``kwargs`` objects it was read
-    from, so a pass that rewrites a node's arguments (which assigns new ones) is never answered
-    from a stale entry."""
+    Pricing asks this of every node several times on each pricing of a plan; the answer is kept
+    on the node, an attribute of its own (not in ``meta``, which copies of the node share),
+    beside the very ``args``/``kwargs`` objects it was read from, so a pass that rewrites a
+    node's arguments (which assigns new ones) is never answered from a stale entry."""
     kept = getattr(node, _VALUE_INPUTS, None)
     if kept is not None and kept[0] is node.args and kept[1] is node.kwargs:
         return list(kept[2])
