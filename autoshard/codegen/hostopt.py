@@ -120,7 +120,8 @@ class _Slot:
 @dataclass(eq=False)
 class _Bucket:
     slots: list[_Slot]
-    group: dict                    # the torch optimizer's param group of every member
+    group: int                     # the torch optimizer's param group of every member, by
+                                   # index: a load_state_dict replaces the group dicts
     master: torch.Tensor           # flat fp32
     moments: list[torch.Tensor]    # Adam: exp_avg, exp_avg_sq; SGD with momentum: the buffer
     grads: torch.Tensor | None = None      # the landing buffer, in the gradients' dtype
@@ -153,13 +154,13 @@ class HostOptimizer:
         self.optimizer, self.kind, self.overlap = optimizer, kind, OffloadOverlap(overlap)
         self.device, self.record = device, record
         self.pinned = device.type == "cuda"
-        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        group_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self.buckets: list[_Bucket] = []
         self.slot_of: dict[int, tuple[_Bucket, _Slot]] = {}
         run: list[tuple[Any, torch.nn.Parameter, torch.dtype]] = []
         for key, m, dt in zip(keys, masters, up_dtypes):
             assert m.dtype == torch.float32 and m.device.type == "cpu", (m.dtype, m.device)
-            if run and (group_of[id(run[0][1])] is not group_of[id(m)] or run[0][2] != dt
+            if run and (group_of[id(run[0][1])] != group_of[id(m)] or run[0][2] != dt
                         or 4 * (sum(r[1].numel() for r in run) + m.numel()) > bucket_bytes):
                 self._pack(run, group_of[id(run[0][1])])
                 run = []
@@ -181,7 +182,7 @@ class HostOptimizer:
         self._todo: list[_Bucket] = []
 
     # -- layout --------------------------------------------------------------------------------
-    def _pack(self, run: list[tuple[Any, torch.nn.Parameter, torch.dtype]], group: dict) -> None:
+    def _pack(self, run: list[tuple[Any, torch.nn.Parameter, torch.dtype]], group: int) -> None:
         n = sum(m.numel() for _, m, _ in run)
         flat = torch.empty(n, dtype=torch.float32, pin_memory=self.pinned)
         moments = [torch.zeros(n, dtype=torch.float32) for _ in
@@ -343,7 +344,7 @@ class HostOptimizer:
         # A member without a gradient this step is not stepped, as torch's optimizers skip it.
         b.active = [s for s in b.slots if s.landed]
         _adopt(self.optimizer, self.kind, b)
-        hp = {k: v for k, v in b.group.items() if k != "params"}
+        hp = {k: v for k, v in self.optimizer.param_groups[b.group].items() if k != "params"}
         event, b.event = b.event, None
         b.future = self._pool.submit(self._run, b, hp, event)
 
@@ -438,7 +439,7 @@ def _adopt(optimizer: torch.optim.Optimizer, kind: str, b: _Bucket) -> None:
             for k, v in zip(_ADAM_KEYS, views):
                 if st[k].data_ptr() != v.data_ptr():
                     st[k] = v.copy_(st[k])
-    if kind == "sgd" and b.group["momentum"]:
+    if kind == "sgd" and optimizer.param_groups[b.group]["momentum"]:
         # torch's SGD: the first step sets the buffer to the gradient; later ones update it.
         have = [state[s.master].get("momentum_buffer") is not None for s in b.active]
         if any(have) and not all(have):
