@@ -8,7 +8,8 @@ Every rank builds the same model (same seed). Rank 0 plans (``autoshard.plan``) 
 the plan as JSON, or every rank loads ``--plan plan.json``; then each rank runs its shard of the
 program (``autoshard.parallelize``). The loop is the one torchtitan and nanoGPT write, unchanged:
 AdamW through ``pm.optimizer`` (a ``torch.optim.Optimizer`` keeping the state where the plan puts
-it: with each parameter shard, sharded apart (ZeRO-1/2) or on the host), a LambdaLR warmup +
+it: with each parameter shard, sharded apart (ZeRO-1/2) or on the host) with nanoGPT's parameter
+groups (no weight decay on biases and norms), a LambdaLR warmup +
 cosine schedule, gradient accumulation over ``--accum`` micro-batches (the bucketed gradient
 sync deferred to the last by ``pm.no_sync()``), torch's own ``clip_grad_norm_`` over
 ``pm.parameters()`` (DTensors: the norm is the whole model's), evaluation every
@@ -95,6 +96,18 @@ def warmup_cosine(warmup: int, total: int):
     return factor
 
 
+def param_groups(named_parameters, weight_decay: float) -> list[dict]:
+    """nanoGPT's and GPT-2's AdamW groups: weight decay on the matrices (embeddings, linear
+    weights), none on the biases and norms. Given ``pm.named_parameters()``, whose DTensors have
+    the global shapes, the groups are the single-device model's."""
+    decay, rest = [], []
+    for _, p in named_parameters:
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else rest).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": rest, "weight_decay": 0.0}]
+
+
 def training_state(pm, opt, sched, step: int) -> dict:
     """The whole training state for torch.distributed.checkpoint: the model's and the
     optimizer's shards as DTensors (DCP reshards them onto any plan), the scheduler, the step
@@ -172,7 +185,8 @@ def main(argv=None) -> int:
                 plan.save(args.save_plan)
         del model   # the full model is no longer needed: pm holds this rank's shards
 
-        opt = pm.optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
+        opt = pm.optimizer(torch.optim.AdamW, param_groups(pm.named_parameters(), 0.1),
+                           lr=args.lr)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps))
         start = 0
         found = latest_checkpoint(args.ckpt_dir) if args.resume else None

@@ -20,7 +20,8 @@ def _example():
     return module
 
 
-warmup_cosine = _example().warmup_cosine
+_recipe = _example()
+warmup_cosine = _recipe.warmup_cosine
 
 LR, WD, CLIP = 1e-3, 0.1, 0.5
 
@@ -57,9 +58,18 @@ def schedule(opt):
     return torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(2, 8))
 
 
-def parallel(model_name: str, plan_json: str, seed: int = 0):
+def param_groups(named_parameters) -> list[dict]:
+    """examples/train.py's groups (weight decay on matrices only), the undecayed group at 3x the
+    learning rate (a group's own rate, which the schedule scales)."""
+    groups = _recipe.param_groups(named_parameters, WD)
+    groups[1]["lr"] = 3 * LR
+    return groups
+
+
+def parallel(model_name: str, plan_json: str, seed: int = 0, groups: bool = False):
     """(pm, its AdamW, the example inputs) for ``plan_json`` on this rank, the model's weights
-    drawn from ``seed`` (the inputs, which fix the data's vocabulary, from seed 0)."""
+    drawn from ``seed`` (the inputs, which fix the data's vocabulary, from seed 0); with
+    ``groups``, over :func:`param_groups`."""
     from autoshard import Mesh, Plan
     from autoshard.codegen.parallelize import parallelize
     from autoshard.tools.verify import build
@@ -67,14 +77,16 @@ def parallel(model_name: str, plan_json: str, seed: int = 0):
     model, inputs = build(model_name, None, None, seed)[0], build(model_name, None, None, 0)[1]
     pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan,
                      example_inputs=inputs)
-    return pm, pm.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD), inputs
+    params = param_groups(pm.named_parameters()) if groups else None
+    return pm, pm.optimizer(torch.optim.AdamW, params, lr=LR, weight_decay=WD), inputs
 
 
 def pm_step(pm):
     return lambda batch: pm.step(*pm.shard_inputs(*batch))
 
 
-def single_device(model_name: str, steps: int, micro: int, set_to_none: bool = True):
+def single_device(model_name: str, steps: int, micro: int, set_to_none: bool = True,
+                  groups: bool = False):
     """The same loop on the single-device model: (losses, norms), its parameters by name."""
     from autoshard.loss import as_loss_module
     from autoshard.tools.verify import build
@@ -85,17 +97,19 @@ def single_device(model_name: str, steps: int, micro: int, set_to_none: bool = T
         loss = ref(*batch)
         loss.backward()
         return loss.detach()
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    opt = torch.optim.AdamW(param_groups(ref.named_parameters()) if groups else
+                            ref.parameters(), lr=LR, weight_decay=WD)
     out = run_steps(opt, schedule(opt), step, ref.parameters, inputs, range(steps), micro,
                     set_to_none=set_to_none)
     return out, {n.removeprefix("model."): p.detach() for n, p in ref.named_parameters()}
 
 
 def train_loop(model_name: str, plan_json: str, steps: int = 8, micro: int = 2,
-               set_to_none: bool = True):
+               set_to_none: bool = True, groups: bool = False):
     """The loop under the plan and on one device: ((losses, norms), full weights) of each."""
-    pm, opt, inputs = parallel(model_name, plan_json)
+    pm, opt, inputs = parallel(model_name, plan_json, groups=groups)
     sync = pm.no_sync if pm.pipeline is None else contextlib.nullcontext
     got = run_steps(opt, schedule(opt), pm_step(pm), pm.parameters, inputs, range(steps), micro,
                     sync, set_to_none)
-    return got, pm.full_state_dict(), *single_device(model_name, steps, micro, set_to_none)
+    return got, pm.full_state_dict(), *single_device(model_name, steps, micro, set_to_none,
+                                                     groups)

@@ -34,8 +34,8 @@ from autoshard.solver.baselines import STORED, stored_plan
 from autoshard.trace.export import trace
 from autoshard.tools.verify import build, plan_for, rel_err
 from dist import world_fixture
-from loop import (CLIP, micro_batch, parallel, pm_step, run_steps, schedule, single_device,
-                  train_loop, warmup_cosine)
+from loop import (CLIP, LR, micro_batch, parallel, param_groups, pm_step, run_steps, schedule,
+                  single_device, train_loop, warmup_cosine)
 from modes import BNNet, grads_drawn, make, masks_drawn, plan_of, refusals, train_eval_train
 
 CLUSTER = str(Path(__file__).parent / "data" / "compute_bound.json")
@@ -115,6 +115,72 @@ def test_loop_zeroing_gradients_in_place_equals_one_device(world2):
     assert _rel(losses, ref_losses) <= TOL, (losses, ref_losses)
     assert _rel(norms, ref_norms) <= TOL, (norms, ref_norms)
     assert _weights_err(full, ref) <= TOL
+
+
+GROUPED = [("gpt2-tiny", (2,), "dp", dict(offload="optimizer", bucket_mb=0.05)),  # host step
+           ("llama-tiny", (2,), "megatron", {}),                                  # shards
+           ("llama-tiny", (2,), None, dict(pipeline="pp", microbatches=2))]       # stages
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,shape,baseline,kw", GROUPED,
+                         ids=[f"{m}-{b}-{'-'.join(map(str, k.values()))}"
+                              for m, _, b, k in GROUPED])
+def test_loop_with_parameter_groups_equals_one_device(world2, model, shape, baseline, kw):
+    """nanoGPT's AdamW groups (examples/train.py: no weight decay on biases and norms, here
+    also their own learning rate) built from pm.named_parameters(): what one device gives with
+    the same groups from the model's. On the host's fused step (its buckets split by group), on
+    tensor parallel shards, and on pipeline stages, where a rank lists the other stage's
+    parameters but steps its own."""
+    plan = _plan(model, shape, baseline, **kw)
+    (losses, norms), full, (ref_losses, ref_norms), ref = world2.run(
+        train_loop, model, plan.dumps(), 6, 2, True, True)[0]
+    assert _rel(losses, ref_losses) <= TOL, (losses, ref_losses)
+    assert _rel(norms, ref_norms) <= TOL, (norms, ref_norms)
+    assert _weights_err(full, ref) <= TOL
+
+
+def _group_refusals(plan_json: str) -> dict:
+    """Each wrong way to give parameter groups, and loading state saved under other groups."""
+    pm, opt, _ = parallel("gpt2-tiny", plan_json, groups=True)
+    ps = list(pm.parameters())
+    groups = param_groups(pm.named_parameters())
+    other = pm.optimizer(torch.optim.AdamW, lr=LR)
+    again = pm.optimizer(torch.optim.AdamW, param_groups(pm.named_parameters()), lr=LR)
+    again.load_state_dict(opt.state_dict())
+    return {
+        "model's own": _caught(lambda: pm.optimizer(
+            torch.optim.AdamW, build("gpt2-tiny", None, None, 0)[0].parameters())),
+        "twice": _caught(lambda: pm.optimizer(
+            torch.optim.AdamW, [{"params": ps[:1]}, {"params": ps}])),
+        "left out": _caught(lambda: pm.optimizer(torch.optim.AdamW, ps[1:])),
+        "one tensor": _caught(lambda: pm.optimizer(torch.optim.AdamW, ps[0])),
+        "no params key": _caught(lambda: pm.optimizer(
+            torch.optim.AdamW, [groups[0], {"lr": 1.0}])),
+        "added": _caught(lambda: again.add_param_group({"params": []})),
+        "other groups": _caught(lambda: other.load_state_dict(opt.state_dict())),
+        "other groups, dcp": _caught(lambda: other.load_sharded_state_dict(
+            opt.sharded_state_dict())),
+        "hyperparameters": [g["weight_decay"] for g in again.param_groups],
+        "named": len(pm.optimizer(torch.optim.AdamW, list(pm.named_parameters())).param_groups),
+    }
+
+
+def test_parameter_groups_given_wrong_are_refused(world2):
+    """Every trainable parameter in exactly one group, each a parameter of pm (the model's own
+    are not the ones it trains); groups are given when the optimizer is built; state saved
+    under other groups does not load (torch pairs state with parameters by position)."""
+    plan = _plan("gpt2-tiny", (2,), "dp", zero="zero2", bucket_mb=0.05)
+    out = world2.run(_group_refusals, plan.dumps())[0]
+    assert "not one of them" in out["model's own"], out
+    assert "in groups 0 and 1" in out["twice"], out
+    assert "1 in none" in out["left out"], out
+    assert "got Parameter" in out["one tensor"] or "got DTensor" in out["one tensor"], out
+    assert "'params' list" in out["no params key"], out
+    assert "add_param_group" in out["added"], out
+    assert "parameter group" in out["other groups"], out
+    assert "param_groups.1." in out["other groups, dcp"], out
+    assert out["hyperparameters"] == [0.1, 0.0] and out["named"] == 1, out
 
 
 # -- the red-team log, one test per failure ----------------------------------------------------
@@ -444,17 +510,18 @@ def test_resume_through_dcp_onto_the_same_and_another_mesh(world2, tmp_path):
 def _resume_rank(model: str, plan_json: str) -> float:
     """8 steps; then 4, the full weights and this rank's optimizer and scheduler state dicts
     saved, a ParallelModule built afresh from another seed, loaded from them and run for the
-    last 4: the largest difference of any weight from the 8-step run."""
+    last 4: the largest difference of any weight from the 8-step run (under nanoGPT's parameter
+    groups, tests/loop.py)."""
     import copy
-    pm, opt, inputs = parallel(model, plan_json)
+    pm, opt, inputs = parallel(model, plan_json, groups=True)
     run_steps(opt, schedule(opt), pm_step(pm), pm.parameters, inputs, range(8), 2)
     want = pm.full_state_dict()
-    pm, opt, inputs = parallel(model, plan_json)
+    pm, opt, inputs = parallel(model, plan_json, groups=True)
     sched = schedule(opt)
     run_steps(opt, sched, pm_step(pm), pm.parameters, inputs, range(4), 2)
     saved = copy.deepcopy({"model": pm.full_state_dict(), "optim": opt.state_dict(),
                            "sched": sched.state_dict()})
-    pm, opt, inputs = parallel(model, plan_json, seed=1)
+    pm, opt, inputs = parallel(model, plan_json, seed=1, groups=True)
     sched = schedule(opt)
     pm.load_full_state_dict(saved["model"])
     opt.load_state_dict(saved["optim"])

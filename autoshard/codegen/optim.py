@@ -44,7 +44,7 @@ from autoshard.codegen.collectives import apply_steps
 from autoshard.codegen.dtensors import (  # noqa: F401
     contiguous_stride, dtensor_in_place, refuse_strided)
 from autoshard.codegen.optimlayout import (  # noqa: F401
-    _Entry, _cut, _names, _placements, _slice, entries, pieces, records)
+    _Entry, _cut, _names, _placements, _slice, entries, grouped, pieces, records)
 from autoshard.codegen.optimstate import LAYOUT_KEY, OptimizerStateDicts  # noqa: F401
 from autoshard.errors import AutoshardError
 from autoshard.ir import Phase, Shard, StateMode
@@ -103,8 +103,9 @@ class ShardedOptimizer(OptimizerStateDicts, torch.optim.Optimizer):
     ``torch.optim.lr_scheduler`` sets its learning rates and step hooks run as torch defines
     them."""
 
-    def __init__(self, pm: Any, optimizer_cls: Callable[..., torch.optim.Optimizer], *,
-                 elementwise: bool | None = None, **kwargs: Any) -> None:
+    def __init__(self, pm: Any, optimizer_cls: Callable[..., torch.optim.Optimizer],
+                 params: Any = None, *, elementwise: bool | None = None,
+                 **kwargs: Any) -> None:
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
             raise AutoshardError("a torch.optim.Optimizer class", got=repr(optimizer_cls),
                                  fix="pm.optimizer(torch.optim.AdamW, lr=3e-4)")
@@ -114,10 +115,13 @@ class ShardedOptimizer(OptimizerStateDicts, torch.optim.Optimizer):
             raise AutoshardError("a module with parameters to train (requires_grad=True)",
                                  got="none on this rank", fix="unfreeze a parameter")
         _refuse_whole_tensor_math(optimizer_cls, elementwise, self.entries)
+        groups = [{**g, "params": [e.master for e in g["params"]]}
+                  for g in grouped(pm, self.entries, params)]
         masters = [e.master for e in self.entries]
-        if _fused_by_default(optimizer_cls, kwargs, masters):
+        if _fused_by_default(optimizer_cls, {k: v for g in groups for k, v in g.items()
+                                             if k != "params"} | kwargs, masters):
             kwargs = {**kwargs, "fused": True}
-        self.optimizer = optimizer_cls(masters, **kwargs)
+        self.optimizer = optimizer_cls(groups, **kwargs)
         _OWNED.add(self.optimizer)
         _OWNED.add(self)
         # torch.optim.Optimizer's bookkeeping (hook tables, the step wrapper the schedulers
@@ -127,6 +131,7 @@ class ShardedOptimizer(OptimizerStateDicts, torch.optim.Optimizer):
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
         self.defaults = self.optimizer.defaults
+        self._built = True
         if elementwise is None:
             elementwise = issubclass(optimizer_cls, ELEMENTWISE)
         # The optimizer-offloaded masters' fused host step, overlapped (codegen/hostopt.py),
@@ -151,6 +156,18 @@ class ShardedOptimizer(OptimizerStateDicts, torch.optim.Optimizer):
                 f"elementwise=True if its update is elementwise", stacklevel=2)
             self.pieces = []
         self._piece_of = {id(e): k for k, piece in enumerate(self.pieces) for e in piece}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch.optim.Optimizer's, while it builds this optimizer; refused after: the groups
+        are given to ``pm.optimizer(...)`` (each trainable parameter is in one from the start,
+        with its master and state laid out)."""
+        if not self.__dict__.get("_built"):
+            return super().add_param_group(param_group)
+        raise AutoshardError(
+            "every parameter group given when the optimizer is built",
+            got="opt.add_param_group(...) on pm.optimizer(...)'s optimizer",
+            fix="pass the groups as pm.optimizer(torch.optim.AdamW, [{'params': ...}, ...], "
+                "lr=...); to train a frozen parameter, set requires_grad before planning")
 
     def unhook(self) -> None:
         """Step nothing in backward any more (a later optimizer of the module took over)."""

@@ -198,3 +198,71 @@ def _placements(spec: Spec, state: Spec, mesh_shape: tuple[int, ...]) -> tuple:
 def _names(keys: list[str]) -> str:
     """Keys for an error message: the first five, and how many in all."""
     return ", ".join(keys[:5]) + (f", ... ({len(keys)} in all)" if len(keys) > 5 else "")
+
+
+def grouped(pm: Any, entries: list[_Entry], params: Any) -> list[dict[str, Any]]:
+    """``params`` as torch.optim takes it (an iterable of parameters, of ``(name, parameter)``
+    pairs, or of dicts, each a parameter group with its own hyperparameters), of the parameters
+    ``pm.named_parameters()`` yields, as groups of ``entries``: ``[{"params": [entries], **its
+    hyperparameters}]``, in the order given. ``None``: one group of every entry.
+
+    Every parameter this rank steps is in exactly one group. A frozen parameter is left out, as
+    torch's optimizers leave one without a gradient; so is another pipeline stage's, which a
+    rank lists but does not step, and a group may then be empty on this rank (every rank keeps
+    every group, so group ``i`` is the same group everywhere: schedulers, state dicts)."""
+    if params is None:
+        return [{"params": list(entries)}]
+    fix = ("pm.optimizer(torch.optim.AdamW, [{'params': decay, 'weight_decay': 0.1}, "
+           "{'params': no_decay, 'weight_decay': 0.0}], lr=...) with the parameters taken from "
+           "pm.named_parameters()")
+    if isinstance(params, (torch.Tensor, dict)):
+        raise AutoshardError("an iterable of parameters or of parameter groups (dicts)",
+                             got=type(params).__name__, fix=fix)
+    groups = list(params)
+    if not groups:
+        raise AutoshardError("at least one parameter or parameter group", got="an empty list",
+                             fix=fix)
+    if not all(isinstance(g, dict) for g in groups):
+        groups = [{"params": groups}]
+    fqns = pm.fqns if pm.pipeline is None else list(pm._every_spec)
+    of: dict[int, str] = {id(pm._view(f)): f for f in fqns}
+    of.update({id(p): f for f, p in pm.local_parameters().items()})
+    seen: dict[str, int] = {}
+    hyper = []
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict) or "params" not in g:
+            raise AutoshardError("every parameter group a dict with a 'params' list",
+                                 got=f"group {i}: {type(g).__name__}"
+                                     + (f" with keys {sorted(g)}" if isinstance(g, dict) else ""),
+                                 fix=fix)
+        items = g["params"]
+        items = [items] if isinstance(items, torch.Tensor) else list(items)
+        for item in items:
+            t = item[1] if isinstance(item, tuple) and len(item) == 2 else item
+            fqn = of.get(id(t))
+            if fqn is None:
+                raise AutoshardError(
+                    "parameters of the ParallelModule, as pm.named_parameters() yields them",
+                    got=f"in group {i}, " + (f"a tensor of shape {tuple(t.shape)} that is not "
+                                             f"one of them (the model's own parameters are not "
+                                             f"the ones it trains)"
+                                             if isinstance(t, torch.Tensor)
+                                             else f"a {type(item).__name__}"),
+                    fix=fix)
+            if fqn in seen:
+                raise AutoshardError("each parameter in one group",
+                                     got=f"{fqn} in groups {seen[fqn]} and {i}", fix=fix)
+            seen[fqn] = i
+        hyper.append({k: v for k, v in g.items() if k not in ("params", "param_names")})
+    left = [e.fqn for e in entries if e.fqn not in seen]
+    if left:
+        raise AutoshardError(
+            "every trainable parameter in a group (the plan holds gradients and optimizer "
+            "state for each)", got=f"{len(left)} in none: {_names(left)}",
+            fix="add them to a group, or set requires_grad=False before autoshard.parallelize "
+                "and plan to leave them out")
+    # (a group's entries in the rank's order, however listed: torch's state dicts pair state
+    # with parameters by position, so one grouping saves and loads alike; frozen parameters and
+    # another stage's have no entry)
+    return [{**h, "params": [e for e in entries if seen[e.fqn] == i]}
+            for i, h in enumerate(hyper)]

@@ -50,8 +50,10 @@ class OptimizerStateDicts:
         placements, where it lives and this rank's mesh coordinates. ``state_dict()`` carries
         it; ``load_state_dict`` refuses a state saved under another layout."""
         coords = list(self.pm.groups.coords)
+        group = {id(m): i for i, g in enumerate(self.optimizer.param_groups) for m in g["params"]}
         return [[e.fqn, list(e.shape), [str(p) for p in e.placements],
-                 e.master.device.type, list(e.master.shape), coords] for e in self.entries]
+                 e.master.device.type, list(e.master.shape), coords, group[id(e.master)]]
+                for e in self.entries]
 
     def state_dict(self) -> dict:
         """The wrapped optimizer's state dict (this rank's shards) and :meth:`layout`."""
@@ -71,16 +73,22 @@ class OptimizerStateDicts:
                                  "records the layout of its shards",
                                  got="one without it (a plain torch optimizer's?)", fix=fix)
         mine = self.layout()
+        # (a layout saved before parameter groups were recorded: one group)
+        saved = [a + [0] if isinstance(a, list) and len(a) == len(mine[0]) - 1 else a
+                 for a in saved] if mine else saved
         if saved != mine:
             names = ("name", "global shape", "placements", "device", "local shape",
-                     "mesh coordinates")
+                     "mesh coordinates", "parameter group")
             for a, b in zip(saved, mine):
                 i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
                 if i is not None:
                     raise AutoshardError(
                         f"optimizer state laid out as this optimizer keeps {b[0]}: "
                         f"{names[i]} {b[i]}", got=f"state of {a[0]} saved with {names[i]} {a[i]}",
-                        fix=fix)
+                        fix=fix if names[i] != "parameter group" else
+                        "build pm.optimizer(...) with the parameter groups it was saved with, "
+                        "or load through opt.load_sharded_state_dict (DCP), which keys the "
+                        "state by parameter name")
             raise AutoshardError(f"state for the {len(mine)} parameters this optimizer steps",
                                  got=f"state for {len(saved)}", fix=fix)
         self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != LAYOUT_KEY})
@@ -118,13 +126,14 @@ class OptimizerStateDicts:
                 got=f"{len(missing)} missing: {_names(missing)}",
                 fix="fill opt.sharded_state_dict() with torch.distributed.checkpoint.load from a "
                     "checkpoint saved by pm.optimizer of the same class and options, and pass it")
-        unexpected = [k for k in sd if isinstance(k, str) and k.startswith("state.")
-                      and k not in want]
+        unexpected = [k for k in sd if isinstance(k, str)
+                      and k.startswith(("state.", "param_groups.")) and k not in want]
         if unexpected:
             raise AutoshardError(
                 "only the state entries this optimizer keeps",
                 got=f"{len(unexpected)} others: {_names(unexpected)}",
-                fix="load with the optimizer class and options it was saved with (e.g. amsgrad)")
+                fix="load with the optimizer class, options and parameter groups it was saved "
+                    "with (e.g. amsgrad)")
         with torch.no_grad():
             writes = [(e, name, target, self._incoming(key, e, target, sd[key]))
                       for key, e, name, target in layout]

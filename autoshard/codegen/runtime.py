@@ -308,16 +308,20 @@ class ParallelModule(GradViews, StateDicts, Shards, torch.nn.Module):
                 {fqn: self.params[_key(fqn)] for fqn in self.fqns})
         return local
 
-    def optimizer(self, optimizer_cls: type, **kwargs: Any) -> "ShardedOptimizer":
-        """A ``torch.optim.Optimizer`` (``optimizer_cls(**kwargs)`` inside, whose groups and
-        state it shares, so torch's schedulers drive it) that keeps fp32 masters for 16-bit
+    def optimizer(self, optimizer_cls: type, params: Any = None,
+                  **kwargs: Any) -> "ShardedOptimizer":
+        """A ``torch.optim.Optimizer`` (``optimizer_cls(params, **kwargs)`` inside, whose groups
+        and state it shares, so torch's schedulers drive it) that keeps fp32 masters for 16-bit
         parameters, shards its state as the plan says (ZeRO-1/2, on the host for offload) and
-        gathers the updated parameters (codegen/optim.py). Required when the plan places
+        gathers the updated parameters (codegen/optim.py). ``params``: every trainable
+        parameter in one group by default, or parameter groups as torch.optim takes them, of
+        the parameters ``pm.named_parameters()`` yields (e.g. no weight decay on biases and
+        norms), each trainable parameter in exactly one. Required when the plan places
         gradients or optimizer state apart from the parameters. Steps with the class's fused
         kernel unless ``fused`` or ``foreach`` is given. A class whose update is not
         elementwise is refused on sharded layouts unless ``elementwise=True`` says it is."""
         from autoshard.codegen.optim import ShardedOptimizer
-        return ShardedOptimizer(self, optimizer_cls, **kwargs)
+        return ShardedOptimizer(self, optimizer_cls, params, **kwargs)
 
     def _local_tensor(self, ph: Any) -> torch.Tensor:
         """This rank's tensor of a parameter or buffer placeholder."""
