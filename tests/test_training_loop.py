@@ -34,7 +34,7 @@ from autoshard.solver.baselines import STORED, stored_plan
 from autoshard.trace.export import trace
 from autoshard.tools.verify import build, plan_for, rel_err
 from dist import world_fixture
-from loop import (CLIP, LR, micro_batch, parallel, param_groups, pm_step, run_steps, schedule,
+from loop import (CLIP, LR, WD, micro_batch, parallel, param_groups, pm_step, run_steps, schedule,
                   single_device, train_loop, warmup_cosine)
 from modes import BNNet, grads_drawn, make, masks_drawn, plan_of, refusals, train_eval_train
 
@@ -87,7 +87,12 @@ FULL_ONLY = {"test_loop_equals_one_device[llama-tiny-4-dp-]",
              "test_eval_and_train_modes_equal_one_device[llama-megatron]",
              # ZeRO-2 under eval and train: the batch-norm model's case covers it
              "test_eval_and_train_modes_equal_one_device[gpt2-dp-zero2-0.05]",
-             "test_eval_and_train_modes_equal_one_device[llama-dp-zero2-0.05]"}
+             "test_eval_and_train_modes_equal_one_device[llama-dp-zero2-0.05]",
+             # a pipeline's evaluation: 1F1B, InterleavedZeroBubble and DualPipeV cover one
+             # stage a rank, two looped with a split backward, and two placed as a V
+             "test_a_pipeline_evaluates_forward_only[llama-tiny-GPipe]",
+             "test_a_pipeline_evaluates_forward_only[llama-tiny-4l-Interleaved1F1B]",
+             "test_a_pipeline_evaluates_forward_only[gpt2-tiny-4l-ZBVZeroBubble]"}
 
 
 @pytest.mark.slow
@@ -539,6 +544,58 @@ def test_resume_from_each_ranks_state_dict_under_offload(world2):
     assert max(world2.run(_resume_rank, "gpt2-tiny", plan.dumps())) <= 1e-6
 
 
+def _pipeline_evaluation(model: str, plan_json: str) -> dict:
+    """Two training steps, each with an evaluation of a held-out batch under torch.no_grad()
+    between backward and the optimizer's step, and one after; the same on one device."""
+    from autoshard.loss import as_loss_module
+    pm, opt, inputs = parallel(model, plan_json)
+    ref = as_loss_module(build(model, None, None, 0)[0])
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    held_out = micro_batch(inputs, 99, 0)
+    out = {"refused": _caught(lambda: pm(*pm.shard_inputs(*held_out))),
+           "loss": [], "ref": []}
+
+    def evaluate():
+        with torch.no_grad():
+            out["loss"].append(float(pm(*pm.shard_inputs(*held_out))))
+            out["ref"].append(float(ref(*held_out)))
+    for s in range(2):
+        batch = micro_batch(inputs, s, 0)
+        out["loss"].append(float(pm.step(*pm.shard_inputs(*batch))))
+        loss = ref(*batch)
+        loss.backward()
+        out["ref"].append(float(loss))
+        evaluate()
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    evaluate()
+    out["weights"] = _weights_err(pm.full_state_dict(), {
+        n.removeprefix("model."): p.detach() for n, p in ref.named_parameters()})
+    return out
+
+
+EVALUATED = [("llama-tiny", "1F1B", 2), ("llama-tiny", "GPipe", 2),
+             ("llama-tiny-4l", "Interleaved1F1B", 4), ("llama-tiny-4l", "InterleavedZeroBubble", 4),
+             ("gpt2-tiny-4l", "ZBVZeroBubble", 2), ("gpt2-tiny-4l", "DualPipeV", 4)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,schedule,m", EVALUATED,
+                         ids=[f"{m}-{s}" for m, s, _ in EVALUATED])
+def test_a_pipeline_evaluates_forward_only(world2, model, schedule, m):
+    """Why: examples/train.py's own pipelined run (--pipeline pp) failed at its first
+    evaluation: pm(...) was refused on a pipeline. It now runs the schedule's forwards alone
+    (torch's schedule.eval) and returns the held-out loss one device gives, between backward
+    and the optimizer's step too, leaving the gradients and the training that follows as one
+    device's; with gradients on in training mode it says how to train instead."""
+    plan = _plan(model, (2,), None, pipeline="pp", schedule=schedule, microbatches=m)
+    for out in world2.run(_pipeline_evaluation, model, plan.dumps()):
+        assert "only to evaluate" in out["refused"], out
+        assert _rel(out["loss"], out["ref"]) <= TOL and out["weights"] <= TOL, out
+
+
 # -- accumulation without sync -----------------------------------------------------------------
 
 def _no_sync(plan_json: str) -> dict:
@@ -699,8 +756,8 @@ def test_recomputed_layers_draw_the_forwards_masks(world2):
 
 
 def test_what_a_pipeline_cannot_do_is_refused(world2, world4):
-    """A pipeline's schedule always runs a backward: pm.eval() with dropout there is refused,
-    naming the ops. A weight tied across some pipeline ranks but not all (GPT-2's embedding and
+    """A pipeline's stages are cut from the program traced in training mode: pm.eval() with
+    dropout there is refused, naming the ops. A weight tied across some pipeline ranks but not all (GPT-2's embedding and
     head on the first and last of 4 stages) would be clipped unequally: pm.parameters()
     refuses it, naming it, where torch's clip_grad_norm_ would go wrong."""
     from autoshard.solver.planner import plan

@@ -317,6 +317,24 @@ class Pipelined:
                     grad.add_(params[fqn].grad)
             if held is not None:
                 buckets.shards[ph] = held if shard is None else held.add_(shard)
+        return self._loss(losses)
+
+    @torch.no_grad()
+    def evaluate(self, *local_inputs: Any) -> torch.Tensor:
+        """The schedule's forwards alone over the microbatches (torch's ``schedule.eval``): the
+        loss ``step`` would return, on every rank, with no backward and no gradient touched."""
+        losses: list[torch.Tensor] = []
+        args = local_inputs if 0 in self.mine else ()
+        if self.n - 1 in self.mine:
+            self.schedule.eval(*args, target=torch.zeros(self.m, device=self.device),
+                               losses=losses, return_outputs=False)
+        else:
+            self.schedule.eval(*args, return_outputs=False)
+        return self._loss(losses)
+
+    def _loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The microbatches' losses (the last stage's ranks hold them) summed on every rank of
+        the pipeline axis."""
         loss = torch.stack([x.detach() for x in losses]).sum() if losses else \
             torch.zeros((), device=self.device)
         dist.all_reduce(loss, group=self.group)
@@ -362,6 +380,8 @@ def _counted_stage(buckets: Any, ledger: Any, axis_name: str, split: bool,
 
         def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
                                last_backward=False):
+            if not self.has_backward:      # torch's schedule.eval: no backward runs
+                return None
             # Under a split backward a stage's last backward may be whole (DualPipeV runs
             # some backwards whole): held too, then synced once its rank's other stage
             # reading the same weight (a V's tied head) is done with it, as after a weight
@@ -379,10 +399,22 @@ def _counted_stage(buckets: Any, ledger: Any, axis_name: str, split: bool,
             # A split backward's weight pass (the zero-bubble schedules): one autograd run
             # per parameter group, each ending a backward for the buckets. They are held
             # over every run, the last microbatch's too, then synced once.
+            if not self.has_backward:
+                return
             with _held(buckets, True):
                 super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
             if last_backward and buckets is not None:
                 buckets.release(passes.finished(self.stage_index))
+
+        # Under a V two stages of a rank hand their input gradients over in memory; in
+        # torch's schedule.eval the backwards are skipped but the hand-over is still called,
+        # and asserts: there is nothing to hand over.
+        def get_local_bwd_output(self, mb_index):
+            return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+        def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index):
+            if self.has_backward:
+                super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
         # torch's warm-up of the links on the first step (schedules.py WARMUP_BYTES): one
         # int32 to the next stage and one back to the previous, on other ranks.

@@ -228,8 +228,8 @@ class ParallelModule(GradViews, StateDicts, Shards, torch.nn.Module):
         dropout is the identity and batch norm uses its running statistics without updating
         them. The program was traced in training mode; eval mode runs a copy of it with those
         ops' flags flipped (codegen/modes.py), same layouts and collectives. A pipeline's
-        schedule always runs forward and backward: eval mode there is refused where it would
-        change what the program computes."""
+        stages are cut from the program traced in training mode: eval mode there is refused
+        where it would change what the program computes."""
         if not mode and self._eval_program is None:
             from autoshard.codegen.modes import eval_program, mode_dependent
             ops = mode_dependent(self._emitted)
@@ -255,12 +255,20 @@ class ParallelModule(GradViews, StateDicts, Shards, torch.nn.Module):
         """One forward; the ledger then holds this step's collectives (forward, and backward
         once it has run), not every step's. The loss of a training plan is replicated on every
         rank; an inference plan's output comes back whole on every rank (gathered as
-        ``gather_output`` does)."""
+        ``gather_output`` does). On a pipeline it evaluates: the schedule's forwards alone
+        (codegen/pipeline.py ``Pipelined.evaluate``), under ``torch.no_grad()`` or
+        ``pm.eval()``, return the loss ``pm.step`` would, with no graph to run backward on."""
         if self.pipeline is not None:
-            raise AutoshardError("a plan without a pipeline to run forward alone",
-                                 got=f"a plan pipelined over {self.plan.pipeline.axis}",
-                                 fix="call pm.step(*pm.shard_inputs(*batch)), which runs the "
-                                     "schedule, forward and backward")
+            if torch.is_grad_enabled() and self.training:
+                raise AutoshardError(
+                    "pm(...) on a pipelined plan only to evaluate, under torch.no_grad() or "
+                    "pm.eval() (the schedule runs backward inside pm.step)",
+                    got="a call with gradients enabled in training mode",
+                    fix="train with loss = pm.step(*pm.shard_inputs(*batch)); evaluate with "
+                        "`with torch.no_grad(): loss = pm(*pm.shard_inputs(*batch))`")
+            self._check_local(local_args)
+            self.runtime.ledger.clear()
+            return self.pipeline.evaluate(*local_args)
         self._check_local(local_args)
         self._reconcile_grads()
         self.runtime.ledger.clear()
