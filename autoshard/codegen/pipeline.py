@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autoshard.codegen.collectives import ExecutedCollective
+from autoshard.errors import AutoshardError
 from autoshard.ir import CollectiveKind, Phase, local_shape
 from autoshard.plans import Plan
 from autoshard.cost.reshards import traced_grads
@@ -319,10 +320,23 @@ class Pipelined:
                 buckets.shards[ph] = held if shard is None else held.add_(shard)
         return self._loss(losses)
 
-    @torch.no_grad()
     def evaluate(self, *local_inputs: Any) -> torch.Tensor:
         """The schedule's forwards alone over the microbatches (torch's ``schedule.eval``): the
-        loss ``step`` would return, on every rank, with no backward and no gradient touched."""
+        loss ``step`` would return, on every rank, with no backward and no gradient touched.
+        Called as ``pm(...)`` under ``torch.no_grad()`` or ``pm.eval()``, or refused: a loss
+        to call backward on would have no graph."""
+        if torch.is_grad_enabled() and self.pm.training:
+            raise AutoshardError(
+                "pm(...) on a pipelined plan only to evaluate, under torch.no_grad() or "
+                "pm.eval() (the schedule runs backward inside pm.step)",
+                got="a call with gradients enabled in training mode",
+                fix="train with loss = pm.step(*pm.shard_inputs(*batch)); evaluate with "
+                    "`with torch.no_grad(): loss = pm(*pm.shard_inputs(*batch))`")
+        self.pm.ledger.clear()
+        with torch.no_grad():
+            return self._evaluate(local_inputs)
+
+    def _evaluate(self, local_inputs: tuple) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         args = local_inputs if 0 in self.mine else ()
         if self.n - 1 in self.mine:

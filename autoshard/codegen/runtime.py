@@ -258,18 +258,9 @@ class ParallelModule(GradViews, StateDicts, Shards, torch.nn.Module):
         ``gather_output`` does). On a pipeline it evaluates: the schedule's forwards alone
         (codegen/pipeline.py ``Pipelined.evaluate``), under ``torch.no_grad()`` or
         ``pm.eval()``, return the loss ``pm.step`` would, with no graph to run backward on."""
-        if self.pipeline is not None:
-            if torch.is_grad_enabled() and self.training:
-                raise AutoshardError(
-                    "pm(...) on a pipelined plan only to evaluate, under torch.no_grad() or "
-                    "pm.eval() (the schedule runs backward inside pm.step)",
-                    got="a call with gradients enabled in training mode",
-                    fix="train with loss = pm.step(*pm.shard_inputs(*batch)); evaluate with "
-                        "`with torch.no_grad(): loss = pm(*pm.shard_inputs(*batch))`")
-            self._check_local(local_args)
-            self.runtime.ledger.clear()
-            return self.pipeline.evaluate(*local_args)
         self._check_local(local_args)
+        if self.pipeline is not None:
+            return self.pipeline.evaluate(*local_args)
         self._reconcile_grads()
         self.runtime.ledger.clear()
         flat = []
