@@ -755,18 +755,28 @@ def test_recomputed_layers_draw_the_forwards_masks(world2):
     assert max(rel_err(a[n], g) for n, g in b.items()) <= 1e-6
 
 
-def test_what_a_pipeline_cannot_do_is_refused(world2, world4):
-    """A pipeline's stages are cut from the program traced in training mode: pm.eval() with
-    dropout there is refused, naming the ops. A weight tied across some pipeline ranks but not all (GPT-2's embedding and
-    head on the first and last of 4 stages) would be clipped unequally: pm.parameters()
-    refuses it, naming it, where torch's clip_grad_norm_ would go wrong."""
+def test_a_pipeline_in_eval_mode_equals_one_device(world2):
+    """Why: pm.eval() was refused on a pipeline whose program has dropout (its stages were cut
+    from the program traced in training mode), and pm(...) on any pipeline. Each stage now
+    runs its program's eval-mode copy: HF GPT-2 with dropout 0.1 on 2 stages, a training step,
+    two evaluations, a training step, against one device (as the unpipelined layouts'
+    test_eval_and_train_modes_equal_one_device)."""
     from autoshard.solver.planner import plan
     model, inputs = make("gpt2")
     two = plan(model, inputs, Mesh((2,), ("pp",), cluster=CLUSTER), pipeline="pp",
                microbatches=2)
+    for out in world2.run(train_eval_train, "gpt2", two.dumps()):
+        assert out["modes"] == (False, False), out
+        assert _rel(out["loss"], out["ref"]) <= 1e-5, out
+        assert out["grad_err"] <= 1e-5, out
     for out in world2.run(refusals, "gpt2", two.dumps()):
-        assert "dropout" in out["eval"] and "pipeline" in out["eval"], out
-        assert out["parameters"] == "accepted", out
+        assert out == {"eval": "accepted", "parameters": "accepted"}, out
+
+
+def test_a_weight_tied_across_some_pipeline_ranks_refuses_clipping(world4):
+    """A weight tied across some pipeline ranks but not all (GPT-2's embedding and head on the
+    first and last of 4 stages) would be clipped unequally: pm.parameters() refuses it, naming
+    it, where torch's clip_grad_norm_ would go wrong."""
     four = _plan("gpt2-tiny-4l", (4,), pipeline="pp", microbatches=4)
     assert len(four.pipeline.stages) == 4
     for out in world4.run(_parameters_of, "gpt2-tiny-4l", four.dumps()):

@@ -67,6 +67,20 @@ def eval_program(gm: fx.GraphModule, counters: set[str]) -> fx.GraphModule:
     return fx.GraphModule(gm, graph, class_name="AutoshardEvalProgram")
 
 
+def eval_version(gm: fx.GraphModule, pm, name: str = "eval") -> fx.GraphModule | None:
+    """``gm`` (a program of the ParallelModule ``pm``, as emitted) in eval mode, compiled as
+    ``pm``'s programs are; None where nothing in it runs otherwise in eval mode."""
+    if not mode_dependent(gm):
+        return None
+    counters = {ph.name for ph in pm.traced.placeholders if ph.kind == "buffer"
+                and ph.fqn.endswith("num_batches_tracked")}
+    prog = eval_program(gm, counters)
+    if pm._compile:
+        from autoshard.codegen.compile import compile_program
+        prog = compile_program(prog, pm.runtime, name=name)
+    return prog
+
+
 def _counts(n: fx.Node, counters: set[str]) -> bool:
     """An in-place update (``aten::add_``) of a ``num_batches_tracked`` buffer."""
     schema = getattr(n.target, "_schema", None)

@@ -212,6 +212,24 @@ class Pipelined:
         self.modules, self.pstages = self._stages(programs, stage_cls)
         self.schedule = self._schedule()
         self._tied = self._tied_groups(pm)
+        self._emitted = [programs[k][0] for k in self.mine]
+        self._programs: dict[bool, list] = {}        # training mode -> each stage's program
+
+    def _in_mode(self) -> None:
+        """Each stage module runs its program as traced, or in eval mode (``pm.eval()``) its
+        eval-mode copy (codegen/modes.py), made at the first need (and compiled where the
+        programs are); a program with nothing that runs otherwise in eval mode is its own."""
+        training = self.pm.training
+        if not self._programs:
+            if training:
+                return
+            from autoshard.codegen.modes import eval_version
+            self._programs[True] = [m.program for m in self.modules]
+            self._programs[False] = [
+                eval_version(gm, self.pm, name=f"eval stage {k}") or module.program
+                for k, gm, module in zip(self.mine, self._emitted, self.modules)]
+        for module, program in zip(self.modules, self._programs[training]):
+            module.program = program
 
     def _stages(self, programs: list, stage_cls: type) -> tuple[list, list]:
         """This rank's stage modules, and the pipeline stages torch's schedule runs them as,
@@ -281,6 +299,7 @@ class Pipelined:
         return out
 
     def step(self, *local_inputs: Any) -> torch.Tensor:
+        self._in_mode()
         losses: list[torch.Tensor] = []
         # A tied weight's gradient already summed over its stages (an earlier step accumulated
         # into): set aside, so that only this step's part is summed below, then added back.
@@ -333,6 +352,7 @@ class Pipelined:
                 fix="train with loss = pm.step(*pm.shard_inputs(*batch)); evaluate with "
                     "`with torch.no_grad(): loss = pm(*pm.shard_inputs(*batch))`")
         self.pm.ledger.clear()
+        self._in_mode()
         with torch.no_grad():
             return self._evaluate(local_inputs)
 

@@ -227,28 +227,11 @@ class ParallelModule(GradViews, StateDicts, Shards, torch.nn.Module):
         """``pm.train()`` / ``pm.eval()``, as ``model.train()`` / ``model.eval()``: in eval mode
         dropout is the identity and batch norm uses its running statistics without updating
         them. The program was traced in training mode; eval mode runs a copy of it with those
-        ops' flags flipped (codegen/modes.py), same layouts and collectives. A pipeline's
-        stages are cut from the program traced in training mode: eval mode there is refused
-        where it would change what the program computes."""
-        if not mode and self._eval_program is None:
-            from autoshard.codegen.modes import eval_program, mode_dependent
-            ops = mode_dependent(self._emitted)
-            if ops and self.pipeline is not None:
-                raise AutoshardError(
-                    "pm.eval() on a pipelined plan without ops that run otherwise in eval mode",
-                    got=f"{len(ops)} traced in training mode: {', '.join(ops[:4])}",
-                    fix="evaluate with a plan without a pipeline (plan(model.eval(), batch, mesh, "
-                        "training=False), loading pm.full_state_dict() or a DCP checkpoint)")
-            if ops:
-                counters = {ph.name for ph in self.traced.placeholders if ph.kind == "buffer"
-                            and ph.fqn.endswith("num_batches_tracked")}
-                prog = eval_program(self._emitted, counters)
-                if self._compile:
-                    from autoshard.codegen.compile import compile_program
-                    prog = compile_program(prog, self.runtime, name="eval")
-                self._eval_program = prog
-            else:
-                self._eval_program = self.program       # nothing differs
+        ops' flags flipped (codegen/modes.py), same layouts and collectives; on a pipeline,
+        each stage's program so (codegen/pipeline.py ``Pipelined``)."""
+        if not mode and self._eval_program is None and self.pipeline is None:
+            from autoshard.codegen.modes import eval_version
+            self._eval_program = eval_version(self._emitted, self) or self.program
         return super().train(mode)
 
     def forward(self, *local_args: Any) -> Any:
