@@ -81,12 +81,21 @@ def parallel(model_name: str, plan_json: str, seed: int = 0, groups: bool = Fals
     return pm, pm.optimizer(torch.optim.AdamW, params, lr=LR, weight_decay=WD), inputs
 
 
-def pm_step(pm):
-    return lambda batch: pm.step(*pm.shard_inputs(*batch))
+def pm_step(pm, divide: int = 0):
+    """One micro-step: ``pm.step``, or with ``divide`` nanoGPT's ``(loss / divide).backward()``
+    through the graph ``pm(...)`` returns (plans without a pipeline)."""
+    if not divide:
+        return lambda batch: pm.step(*pm.shard_inputs(*batch))
+
+    def step(batch):
+        loss = pm(*pm.shard_inputs(*batch))
+        (loss / divide).backward()
+        return loss.detach()
+    return step
 
 
 def single_device(model_name: str, steps: int, micro: int, set_to_none: bool = True,
-                  groups: bool = False):
+                  groups: bool = False, divide: bool = False):
     """The same loop on the single-device model: (losses, norms), its parameters by name."""
     from autoshard.loss import as_loss_module
     from autoshard.tools.verify import build
@@ -95,7 +104,7 @@ def single_device(model_name: str, steps: int, micro: int, set_to_none: bool = T
 
     def step(batch):
         loss = ref(*batch)
-        loss.backward()
+        (loss / micro if divide else loss).backward()
         return loss.detach()
     opt = torch.optim.AdamW(param_groups(ref.named_parameters()) if groups else
                             ref.parameters(), lr=LR, weight_decay=WD)
@@ -105,11 +114,12 @@ def single_device(model_name: str, steps: int, micro: int, set_to_none: bool = T
 
 
 def train_loop(model_name: str, plan_json: str, steps: int = 8, micro: int = 2,
-               set_to_none: bool = True, groups: bool = False):
-    """The loop under the plan and on one device: ((losses, norms), full weights) of each."""
+               set_to_none: bool = True, groups: bool = False, divide: bool = False):
+    """The loop under the plan and on one device: ((losses, norms), full weights) of each.
+    ``divide``: each micro-step's loss divided by ``micro`` before its backward (nanoGPT)."""
     pm, opt, inputs = parallel(model_name, plan_json, groups=groups)
     sync = pm.no_sync if pm.pipeline is None else contextlib.nullcontext
-    got = run_steps(opt, schedule(opt), pm_step(pm), pm.parameters, inputs, range(steps), micro,
-                    sync, set_to_none)
+    got = run_steps(opt, schedule(opt), pm_step(pm, micro if divide else 0), pm.parameters,
+                    inputs, range(steps), micro, sync, set_to_none)
     return got, pm.full_state_dict(), *single_device(model_name, steps, micro, set_to_none,
-                                                     groups)
+                                                     groups, divide)

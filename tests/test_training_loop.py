@@ -145,6 +145,22 @@ def test_loop_with_parameter_groups_equals_one_device(world2, model, shape, base
     assert _weights_err(full, ref) <= TOL
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("baseline,kw", [("dp", dict(zero="zero2", bucket_mb=0.05)),
+                                         ("megatron", {})], ids=["zero2", "megatron"])
+def test_nanogpts_loop_backward_through_pm_equals_one_device(world2, baseline, kw):
+    """nanoGPT's micro-step, ``loss = pm(*batch); (loss / accum).backward()`` (the loss scaled
+    before its backward, which pm.step cannot do), under no_sync, its parameter groups,
+    clipping and schedule: what one device gives with the same loop."""
+    plan = _plan("gpt2-tiny", (2,), baseline, **kw)
+    (losses, norms), full, (ref_losses, ref_norms), ref = world2.run(
+        train_loop, "gpt2-tiny", plan.dumps(), 4, 2, True, True, True)[0]
+    assert min(ref_norms) > CLIP
+    assert _rel(losses, ref_losses) <= TOL, (losses, ref_losses)
+    assert _rel(norms, ref_norms) <= TOL, (norms, ref_norms)
+    assert _weights_err(full, ref) <= TOL
+
+
 def _group_refusals(plan_json: str) -> dict:
     """Each wrong way to give parameter groups, and loading state saved under other groups."""
     pm, opt, _ = parallel("gpt2-tiny", plan_json, groups=True)
