@@ -300,7 +300,6 @@ class Pipelined:
 
     def step(self, *local_inputs: Any) -> torch.Tensor:
         self._in_mode()
-        losses: list[torch.Tensor] = []
         # A tied weight's gradient already summed over its stages (an earlier step accumulated
         # into): set aside, so that only this step's part is summed below, then added back.
         params = self.pm.local_parameters()
@@ -311,12 +310,7 @@ class Pipelined:
             held = buckets.shards.pop(ph, None) if buckets is not None else None
             earlier[fqn] = (params[fqn].grad, held)
             params[fqn].grad = None
-        args = local_inputs if 0 in self.mine else ()
-        if self.n - 1 in self.mine:
-            self.schedule.step(*args, target=torch.zeros(self.m, device=self.device),
-                               losses=losses, return_outputs=False)
-        else:
-            self.schedule.step(*args, return_outputs=False)
+        losses = self._run(self.schedule.step, local_inputs)
         for fqn, group in self._tied:
             # The stages' gradients summed: in .grad, or under ZeRO-2 and offload in the
             # bucket's shard the sharded optimizer reads (codegen/optim.py grad_shard).
@@ -354,17 +348,19 @@ class Pipelined:
         self.pm.ledger.clear()
         self._in_mode()
         with torch.no_grad():
-            return self._evaluate(local_inputs)
+            return self._loss(self._run(self.schedule.eval, local_inputs))
 
-    def _evaluate(self, local_inputs: tuple) -> torch.Tensor:
+    def _run(self, run: Any, local_inputs: tuple) -> list[torch.Tensor]:
+        """``run`` (the schedule's ``step``, or ``eval``) over the microbatches: the first
+        stage's ranks read the inputs, the last stage's return the microbatches' losses."""
         losses: list[torch.Tensor] = []
         args = local_inputs if 0 in self.mine else ()
         if self.n - 1 in self.mine:
-            self.schedule.eval(*args, target=torch.zeros(self.m, device=self.device),
-                               losses=losses, return_outputs=False)
+            run(*args, target=torch.zeros(self.m, device=self.device), losses=losses,
+                return_outputs=False)
         else:
-            self.schedule.eval(*args, return_outputs=False)
-        return self._loss(losses)
+            run(*args, return_outputs=False)
+        return losses
 
     def _loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The microbatches' losses (the last stage's ranks hold them) summed on every rank of
