@@ -162,10 +162,20 @@ def test_nanogpts_loop_backward_through_pm_equals_one_device(world2, baseline, k
 
 
 def _group_refusals(plan_json: str) -> dict:
-    """Each wrong way to give parameter groups, and loading state saved under other groups."""
-    pm, opt, _ = parallel("gpt2-tiny", plan_json, groups=True)
+    """Each wrong way to give parameter groups, and loading state saved under other groups;
+    groups of the model pm was built from, as of pm's own."""
+    from autoshard.codegen.parallelize import parallelize
+    plan = Plan.loads(plan_json)
+    model, inputs = build("gpt2-tiny", None, None, 0)
+    pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan,
+                     example_inputs=inputs)
+    opt = pm.optimizer(torch.optim.AdamW, param_groups(pm.named_parameters()), lr=LR)
     ps = list(pm.parameters())
     groups = param_groups(pm.named_parameters())
+
+    def members(o):         # each group's parameters by name
+        name = {id(e.master): e.fqn for e in o.entries}
+        return [sorted(name[id(p)] for p in g["params"]) for g in o.param_groups]
     other = pm.optimizer(torch.optim.AdamW, lr=LR)
     again = pm.optimizer(torch.optim.AdamW, param_groups(pm.named_parameters()), lr=LR)
     again.load_state_dict(opt.state_dict())
@@ -184,13 +194,17 @@ def _group_refusals(plan_json: str) -> dict:
             opt.sharded_state_dict())),
         "hyperparameters": [g["weight_decay"] for g in again.param_groups],
         "named": len(pm.optimizer(torch.optim.AdamW, list(pm.named_parameters())).param_groups),
+        "model's": members(pm.optimizer(torch.optim.AdamW,
+                                        param_groups(model.named_parameters())))
+        == members(again) and len(members(again)[1]) > 0,
     }
 
 
 def test_parameter_groups_given_wrong_are_refused(world2):
-    """Every trainable parameter in exactly one group, each a parameter of pm (the model's own
-    are not the ones it trains); groups are given when the optimizer is built; state saved
-    under other groups does not load (torch pairs state with parameters by position)."""
+    """Every trainable parameter in exactly one group, each a parameter of pm or of the model
+    it was built from (recipes build the groups before wrapping), not of another model; groups
+    are given when the optimizer is built; state saved under other groups does not load (torch
+    pairs state with parameters by position)."""
     plan = _plan("gpt2-tiny", (2,), "dp", zero="zero2", bucket_mb=0.05)
     out = world2.run(_group_refusals, plan.dumps())[0]
     assert "not one of them" in out["model's own"], out
@@ -201,7 +215,7 @@ def test_parameter_groups_given_wrong_are_refused(world2):
     assert "add_param_group" in out["added"], out
     assert "parameter group" in out["other groups"], out
     assert "param_groups.1." in out["other groups, dcp"], out
-    assert out["hyperparameters"] == [0.1, 0.0] and out["named"] == 1, out
+    assert out["hyperparameters"] == [0.1, 0.0] and out["named"] == 1 and out["model's"], out
 
 
 # -- the red-team log, one test per failure ----------------------------------------------------

@@ -203,7 +203,8 @@ def _names(keys: list[str]) -> str:
 def grouped(pm: Any, entries: list[_Entry], params: Any) -> list[dict[str, Any]]:
     """``params`` as torch.optim takes it (an iterable of parameters, of ``(name, parameter)``
     pairs, or of dicts, each a parameter group with its own hyperparameters), of the parameters
-    ``pm.named_parameters()`` yields, as groups of ``entries``: ``[{"params": [entries], **its
+    ``pm.named_parameters()`` yields or of the model ``pm`` was built from (while it lives), as
+    groups of ``entries``: ``[{"params": [entries], **its
     hyperparameters}]``, in the order given. ``None``: one group of every entry.
 
     Every parameter this rank steps is in exactly one group. A frozen parameter is left out, as
@@ -227,6 +228,7 @@ def grouped(pm: Any, entries: list[_Entry], params: Any) -> list[dict[str, Any]]
     fqns = pm.fqns if pm.pipeline is None else list(pm._every_spec)
     of: dict[int, str] = {id(pm._view(f)): f for f in fqns}
     of.update({id(p): f for f, p in pm.local_parameters().items()})
+    of.update({k: f for k, (ref, f) in pm._origin.items() if ref() is not None})
     seen: dict[str, int] = {}
     hyper = []
     for i, g in enumerate(groups):
@@ -242,10 +244,10 @@ def grouped(pm: Any, entries: list[_Entry], params: Any) -> list[dict[str, Any]]
             fqn = of.get(id(t))
             if fqn is None:
                 raise AutoshardError(
-                    "parameters of the ParallelModule, as pm.named_parameters() yields them",
+                    "parameters of the ParallelModule, as pm.named_parameters() yields them, "
+                    "or of the model it was built from",
                     got=f"in group {i}, " + (f"a tensor of shape {tuple(t.shape)} that is not "
-                                             f"one of them (the model's own parameters are not "
-                                             f"the ones it trains)"
+                                             f"one of them, nor of the model it was built from"
                                              if isinstance(t, torch.Tensor)
                                              else f"a {type(item).__name__}"),
                     fix=fix)

@@ -10,6 +10,7 @@ and gathered back (codegen/shards.py).
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -148,6 +149,10 @@ class ParallelModule(GradViews, StateDicts, Shards, torch.nn.Module):
         # Every parameter's layout, other stages' too: on a pipeline pm.parameters() lists them all.
         self._every_spec = {ph.fqn: strategies[ph.name].outputs[0] for ph in traced.params}
         self._trains = {ph.fqn: full[ph.fqn].requires_grad for ph in traced.params}
+        # The model's own parameters by id (held weakly: the model may go), so that optimizer
+        # groups built from them before parallelize name the same parameters (optimlayout.py).
+        self._origin = {id(full[ph.fqn]): (weakref.ref(full[ph.fqn]), ph.fqn)
+                        for ph in traced.params}
         # A tied parameter's other names (full_state_dict carries them, as state_dict() does).
         from autoshard.trace.export import parameter_aliases
         self._aliases = {a: c for a, c in parameter_aliases(model).items() if a != c}
@@ -297,8 +302,8 @@ class ParallelModule(GradViews, StateDicts, Shards, torch.nn.Module):
         parameters, shards its state as the plan says (ZeRO-1/2, on the host for offload) and
         gathers the updated parameters (codegen/optim.py). ``params``: every trainable
         parameter in one group by default, or parameter groups as torch.optim takes them, of
-        the parameters ``pm.named_parameters()`` yields (e.g. no weight decay on biases and
-        norms), each trainable parameter in exactly one. Required when the plan places
+        the parameters ``pm.named_parameters()`` yields or of the model ``pm`` was built from
+        (e.g. no weight decay on biases and norms), each trainable parameter in exactly one. Required when the plan places
         gradients or optimizer state apart from the parameters. Steps with the class's fused
         kernel unless ``fused`` or ``foreach`` is given. A class whose update is not
         elementwise is refused on sharded layouts unless ``elementwise=True`` says it is."""
