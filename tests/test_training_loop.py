@@ -139,7 +139,7 @@ def test_loop_with_parameter_groups_equals_one_device(world2, model, shape, base
     parameters but steps its own."""
     plan = _plan(model, shape, baseline, **kw)
     (losses, norms), full, (ref_losses, ref_norms), ref = world2.run(
-        train_loop, model, plan.dumps(), 6, 2, True, True)[0]
+        train_loop, model, plan.dumps(), steps=6, groups=True)[0]
     assert _rel(losses, ref_losses) <= TOL, (losses, ref_losses)
     assert _rel(norms, ref_norms) <= TOL, (norms, ref_norms)
     assert _weights_err(full, ref) <= TOL
@@ -154,7 +154,7 @@ def test_nanogpts_loop_backward_through_pm_equals_one_device(world2, baseline, k
     clipping and schedule: what one device gives with the same loop."""
     plan = _plan("gpt2-tiny", (2,), baseline, **kw)
     (losses, norms), full, (ref_losses, ref_norms), ref = world2.run(
-        train_loop, "gpt2-tiny", plan.dumps(), 4, 2, True, True, True)[0]
+        train_loop, "gpt2-tiny", plan.dumps(), steps=4, groups=True, divide=True)[0]
     assert min(ref_norms) > CLIP
     assert _rel(losses, ref_losses) <= TOL, (losses, ref_losses)
     assert _rel(norms, ref_norms) <= TOL, (norms, ref_norms)
@@ -180,7 +180,7 @@ def _group_refusals(plan_json: str) -> dict:
     again = pm.optimizer(torch.optim.AdamW, param_groups(pm.named_parameters()), lr=LR)
     again.load_state_dict(opt.state_dict())
     return {
-        "model's own": _caught(lambda: pm.optimizer(
+        "another model's": _caught(lambda: pm.optimizer(
             torch.optim.AdamW, build("gpt2-tiny", None, None, 0)[0].parameters())),
         "twice": _caught(lambda: pm.optimizer(
             torch.optim.AdamW, [{"params": ps[:1]}, {"params": ps}])),
@@ -200,6 +200,7 @@ def _group_refusals(plan_json: str) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_parameter_groups_given_wrong_are_refused(world2):
     """Every trainable parameter in exactly one group, each a parameter of pm or of the model
     it was built from (recipes build the groups before wrapping), not of another model; groups
@@ -207,7 +208,7 @@ def test_parameter_groups_given_wrong_are_refused(world2):
     pairs state with parameters by position)."""
     plan = _plan("gpt2-tiny", (2,), "dp", zero="zero2", bucket_mb=0.05)
     out = world2.run(_group_refusals, plan.dumps())[0]
-    assert "not one of them" in out["model's own"], out
+    assert "not one of them" in out["another model's"], out
     assert "in groups 0 and 1" in out["twice"], out
     assert "1 in none" in out["left out"], out
     assert "got Parameter" in out["one tensor"] or "got DTensor" in out["one tensor"], out
@@ -565,6 +566,7 @@ def _resume_rank(model: str, plan_json: str) -> float:
     return _weights_err(pm.full_state_dict(), want)
 
 
+@pytest.mark.slow
 def test_resume_from_each_ranks_state_dict_under_offload(world2):
     """Why: after ``opt.load_state_dict``, which builds new parameter groups, the host's fused
     step went on reading the groups it was built with, so the learning rate the scheduler set
@@ -785,6 +787,7 @@ def test_recomputed_layers_draw_the_forwards_masks(world2):
     assert max(rel_err(a[n], g) for n, g in b.items()) <= 1e-6
 
 
+@pytest.mark.slow
 def test_a_pipeline_in_eval_mode_equals_one_device(world2):
     """Why: pm.eval() was refused on a pipeline whose program has dropout (its stages were cut
     from the program traced in training mode), and pm(...) on any pipeline. Each stage now
