@@ -123,6 +123,11 @@ def test_bad_input(capsys):
     with pytest.raises(AutoshardError, match="some data axis"):
         search_mesh(*load_model("gpt2-tiny-4l", batch=1, seq=8, device="meta"), 8,
                     gpus_per_node=1)        # 4 layers: dp 2 at least, and the batch is 1
+    # 3 devices, no dimension 3 divides (batch 4, hidden 32, ...): said once, with the largest
+    # count that splits something (each mesh used to fail alone, then "add devices")
+    with pytest.raises(AutoshardError, match=r"no factor of 3 divides.*--gpus 2"):
+        search_mesh(*load_model("gpt2-tiny-4l", batch=4, seq=8, device="meta"), 3,
+                    gpus_per_node=4)
     with pytest.raises(SystemExit):
         main(["plan", "gpt2-tiny-4l", "--gpus", "4", "--mesh", "4"])
     assert "not allowed with argument" in capsys.readouterr().err

@@ -116,6 +116,24 @@ class Tried:
     seconds: float = 0.0
 
 
+def _refuse_a_count_nothing_divides(traced: Any, gpus: int) -> None:
+    """Every mesh of ``gpus`` devices cuts them into factors of ``gpus``; where none of them
+    (above 1) divides a dimension of the model or its inputs, each mesh could only repeat the
+    work on every device (solve.py ``check_mesh_fits``): say so once, with the largest count
+    that can split something."""
+    dims = {d for p in traced.placeholders if p.info is not None for d in p.info.shape}
+    if gpus < 2 or any(d % n == 0 and d >= n for d in dims for n in range(2, gpus + 1)
+                       if gpus % n == 0):
+        return
+    usable = max((n for n in range(2, gpus) if any(d % n == 0 for d in dims)), default=1)
+    raise AutoshardError(
+        f"a device count with a factor that divides some tensor dimension of the model (a mesh "
+        f"of {gpus} devices)", got=f"no factor of {gpus} divides a parameter or input "
+        f"dimension; dims seen: {sorted(dims)[:12]}",
+        fix=f"search {usable} devices (--gpus {usable}; gpus={usable}), or a batch or sequence "
+            f"length that {gpus} or one of its factors divides")
+
+
 @records_searches
 def search_mesh(model: torch.nn.Module, example_inputs: Sequence[Any], gpus: int, *,
                 gpus_per_node: int | None = None, cluster: Cluster | str = "h100",
@@ -132,6 +150,7 @@ def search_mesh(model: torch.nn.Module, example_inputs: Sequence[Any], gpus: int
     traces = Traces(model, example_inputs, training=options.training,
                     precision=options.precision)
     batch = traces.full
+    _refuse_a_count_nothing_divides(traces.at(batch), gpus)
     cands = _candidates_of(traces, gpus, gpn)
     params = sum(p.numel() for p in model.parameters())
     tried: dict[Candidate, Tried] = {}
