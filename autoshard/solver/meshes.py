@@ -40,6 +40,7 @@ from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions, resolve_options
 from autoshard.plans import Plan
 from autoshard.solver.search import Try, plan_facts, records_searches, run_search
+from autoshard.solver.solve import model_dims
 from autoshard.trace.batches import Traces
 
 AXES = ("pp", "dp", "tp")
@@ -121,7 +122,7 @@ def _refuse_a_count_nothing_divides(traced: Any, gpus: int) -> None:
     (above 1) divides a dimension of the model or its inputs, each mesh could only repeat the
     work on every device (solve.py ``check_mesh_fits``): say so once, with the largest count
     that can split something."""
-    dims = {d for p in traced.placeholders if p.info is not None for d in p.info.shape}
+    dims = model_dims(traced)
     if gpus < 2 or any(d % n == 0 and d >= n for d in dims for n in range(2, gpus + 1)
                        if gpus % n == 0):
         return

@@ -40,9 +40,15 @@ class BudgetError(AutoshardError):
         self.least_bytes, self.phase = float(least_bytes), phase
 
 
+def model_dims(traced: TracedGraph) -> set[int]:
+    """Every dimension of the model's parameters, buffers and inputs: what a mesh axis can
+    split."""
+    return {d for p in traced.placeholders if p.info is not None for d in p.info.shape}
+
+
 def check_mesh_fits(traced: TracedGraph, mesh: Mesh) -> None:
     """A mesh larger than every dimension of the problem can only replicate: say so."""
-    dims = [d for p in traced.placeholders if p.info is not None for d in p.info.shape]
+    dims = model_dims(traced)
     if mesh.size > 1 and not any(d % n == 0 and d >= n for d in dims for n in mesh.shape if n > 1):
         raise AutoshardError(
             f"a mesh whose axes divide some tensor dimension of the model (mesh {mesh.shape})",
