@@ -120,8 +120,9 @@ class Tried:
 def _refuse_a_count_nothing_divides(traced: Any, gpus: int) -> None:
     """Every mesh of ``gpus`` devices cuts them into factors of ``gpus``; where none of them
     (above 1) divides a dimension of the model or its inputs, each mesh could only repeat the
-    work on every device (solve.py ``check_mesh_fits``): say so once, with the largest count
-    that can split something."""
+    work on every device (solve.py ``check_mesh_fits``): once no mesh planned, say that, with
+    the largest count that can split something (the full batch's graph is read only then, off
+    the search's path)."""
     dims = model_dims(traced)
     if gpus < 2 or any(d % n == 0 and d >= n for d in dims for n in range(2, gpus + 1)
                        if gpus % n == 0):
@@ -151,7 +152,6 @@ def search_mesh(model: torch.nn.Module, example_inputs: Sequence[Any], gpus: int
     traces = Traces(model, example_inputs, training=options.training,
                     precision=options.precision)
     batch = traces.full
-    _refuse_a_count_nothing_divides(traces.at(batch), gpus)
     cands = _candidates_of(traces, gpus, gpn)
     params = sum(p.numel() for p in model.parameters())
     tried: dict[Candidate, Tried] = {}
@@ -206,6 +206,7 @@ def search_mesh(model: torch.nn.Module, example_inputs: Sequence[Any], gpus: int
         search_round(rest, solve)
     best = min(tried.values(), key=_step)
     if best.plan is None:
+        _refuse_a_count_nothing_divides(traces.at(batch), gpus)
         raise AutoshardError(f"a mesh of {gpus} devices some plan fits",
                              got="; ".join(f"{t.candidate}: {t.error[:100]}"
                                            for t in tried.values()),
