@@ -33,6 +33,14 @@ median ratio to DTensor over back-to-back pairs (robust to slow drifts in the ho
 the median process CPU time per step (robust to other processes sharing the cores). The first
 step's losses are checked equal (relative 1e-5) across programs and against the single-process
 model; the exit status is 1 if they are not.
+
+A second table times the host's part of one collective as the eager rank program runs it
+(codegen/collectives.py: torch.distributed's own collective into a fresh output) against the
+functional collective it ran before (what a compiled region traces, and what DTensor's eager
+redistribution calls), on torch's fake process group of 8 ranks in this process: nothing moves,
+so what is timed is the Python and dispatch around the collective, which a tensor-parallel rank
+program pays several times per layer and step. Median over ``--collective_iters`` calls of each,
+in alternating blocks of 100 (each block after 10 calls of warm-up).
 """
 from __future__ import annotations
 
@@ -53,7 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _results import command, machine, md_cell, today, write_section  # noqa: E402
+from _results import command, machine, md_cell, revision, today, write_section  # noqa: E402
 
 SECTION = "overhead"
 
@@ -137,6 +145,7 @@ class Config:
     warmup: int = 5
     iters: int = 20
     seed: int = 0
+    collective_iters: int = 500
 
 
 def build(size: Size, seed: int) -> tuple[BlockStack, tuple[torch.Tensor, torch.Tensor]]:
@@ -363,6 +372,44 @@ def summarize(reports: list[dict], size: Size, cfg: Config) -> dict:
     return out
 
 
+COLLECTIVE_INPUT = (16, 64)       # fp32, 4 KiB: small, so that the host's part shows
+
+
+def collective_host_cost(iters: int) -> dict[str, tuple[float, float]]:
+    """Collective -> (eager, functional) host µs per call, median (the module's docstring)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autoshard.codegen import collectives as C
+    dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
+    tracing = C._are_we_tracing
+    try:
+        g = dist.group.WORLD
+        x = torch.randn(COLLECTIVE_INPUT)
+        calls = {"all_reduce": lambda: C.all_reduce(x, g),
+                 "all_gather (dim 0)": lambda: C.all_gather(x, 0, g),
+                 "reduce_scatter (dim 0)": lambda: C.reduce_scatter(x, 0, g),
+                 "all_to_all": lambda: C.all_to_all(x, 1, 0, g)}
+        out = {}
+        for name, fn in calls.items():
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for block in range(2 * (iters // 100 + 1)):    # blocks of 100 calls, alternating
+                functional = bool(block % 2)
+                C._are_we_tracing = (lambda: True) if functional else tracing
+                for i in range(110):
+                    t0 = time.perf_counter()
+                    fn()
+                    t = time.perf_counter() - t0
+                    if i >= 10:
+                        times[functional].append(t)
+            out[name] = (statistics.median(times[False]) * 1e6,
+                         statistics.median(times[True]) * 1e6)
+        return out
+    finally:
+        C._are_we_tracing = tracing
+        dist.destroy_process_group()
+
+
 def _loadavg() -> str:
     try:
         return "/".join(f"{v:.1f}" for v in os.getloadavg())
@@ -371,13 +418,14 @@ def _loadavg() -> str:
 
 
 def render(cfg: Config, sizes: list[Size], summaries: dict[str, dict],
-           layout_issues: list[str], load: str) -> str:
+           layout_issues: list[str], load: str,
+           host: dict[str, tuple[float, float]]) -> str:
     lines = [
         "## Runtime overhead: autoshard vs DTensor tensor parallelism",
         "",
         f"Command: `{command('benchmarks/overhead.py')}`  ",
         f"Machine: {machine()}  ",
-        f"Date: {today()}  ",
+        f"Date: {today()}; {revision()}  ",
         f"Load average (1/5/15 min): {load}",
         "",
         f"A GPT-style block stack (pre-LN, causal SDPA, GELU MLP, separate q/k/v, MSE loss), fp32, "
@@ -409,6 +457,12 @@ def render(cfg: Config, sizes: list[Size], summaries: dict[str, dict],
               + ", ".join(f"{summaries[z.name]['pair_err']:.1e}" for z in sizes)
               + " (relative). Megatron column/row parameter layouts in autoshard's plan: "
               + ("all as expected." if not layout_issues else "; ".join(layout_issues[:5]))]
+    lines += ["", f"**Host time per collective** (fp32 {COLLECTIVE_INPUT}, torch's fake process "
+              f"group of 8 in one process: nothing moves; median of {cfg.collective_iters} calls "
+              "of each, in alternating blocks of 100), µs:", "",
+              "| collective | eager rank program (torch.distributed) | functional collective | "
+              "functional / eager |", "|---|---:|---:|---:|"]
+    lines += [f"| {name} | {e:.1f} | {f:.1f} | {f / e:.1f} |" for name, (e, f) in host.items()]
     return "\n".join(lines)
 
 
@@ -434,6 +488,9 @@ def main(argv=None) -> int:
                             for b in check_megatron_layout(plans[z.name]["exact"])})
     print(f"planned in {time.perf_counter() - t0:.1f} s; parameter layouts not Megatron's: "
           f"{layout_issues or 'none'}", flush=True)
+    host = collective_host_cost(cfg.collective_iters)
+    for name, (e, f) in host.items():
+        print(f"{name}: eager {e:.1f} us, functional {f:.1f} us a call (fake process group)")
     with World(cfg.world, timeout_s=3600) as world:
         reports = world.run(bench_rank, cfg, sizes, plans)
     summaries = {z.name: summarize(reports, z, cfg) for z in sizes}
@@ -452,7 +509,8 @@ def main(argv=None) -> int:
             print(f"  LOSS MISMATCH: autoshard vs DTensor {s['pair_err']:.2e}", file=sys.stderr)
     if args.out:
         load = f"{load0} at the start, {_loadavg()} at the end"
-        write_section(args.out, SECTION, render(cfg, sizes, summaries, layout_issues, load))
+        write_section(args.out, SECTION, render(cfg, sizes, summaries, layout_issues, load,
+                                                 host))
         print(f"wrote the {SECTION} section of {args.out}")
     return 0 if ok else 1
 

@@ -258,6 +258,67 @@ def test_known_patterns(world4, src, dst, divergent, want):
     assert got == [want] * 4
 
 
+def _both_paths() -> dict:
+    """Each collective run eagerly (torch.distributed's own) and as a functional collective
+    (what a traced region holds), on the same inputs; and which path each took."""
+    import torch.distributed._functional_collectives as fc
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autoshard.codegen import collectives as C
+    rank, n = tdist.get_rank(), tdist.get_world_size()
+    group = tdist.group.WORLD
+    x = torch.arange(4 * 8 * 12, dtype=torch.float32).reshape(4, 8, 12) * (rank + 1)
+    calls = [("all_gather", d, lambda d=d: C.all_gather(x, d, group)) for d in (0, 1, -1)]
+    calls += [("all_reduce", op, lambda op=op: C.all_reduce(x, group, op))
+              for op in ("sum", "max")]
+    calls += [("reduce_scatter", d, lambda d=d: C.reduce_scatter(x, d, group)) for d in (0, 1, 2)]
+    calls += [("all_to_all", (g, s), lambda g=g, s=s: C.all_to_all(x, g, s, group))
+              for g, s in ((0, 1), (1, 0), (2, 1))]
+    functional = []
+    real = fc.all_reduce
+    fc.all_reduce = lambda *a, **k: functional.append(1) or real(*a, **k)
+    try:
+        eager = [fn() for _, _, fn in calls]
+        eager_used_functional = len(functional)
+        tracing = C._are_we_tracing
+        C._are_we_tracing = lambda: True
+        try:
+            traced = [fn() for _, _, fn in calls]
+        finally:
+            C._are_we_tracing = tracing
+
+        class Seen(TorchDispatchMode):        # as selective checkpointing's modes see ops
+            ops: list = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                Seen.ops.append(getattr(func, "namespace", ""))
+                return func(*args, **(kwargs or {}))
+
+        with Seen():
+            C.all_reduce(x, group)
+        y = x.clone().requires_grad_()
+        C.all_reduce(y, group).sum().backward()     # differentiated through: its formula
+    finally:
+        fc.all_reduce = real
+    return {"differ": [f"{kind} {arg}" for (kind, arg, _), a, b in zip(calls, eager, traced)
+                       if a.shape != b.shape or not torch.equal(a, b)
+                       or not a.is_contiguous()],
+            "eager_used_functional": eager_used_functional,
+            "under_a_mode": "_c10d_functional" in Seen.ops,
+            "grad": y.grad.unique().tolist() == [float(n)], "n": len(calls)}
+
+
+def test_eager_collectives_equal_the_functional_ones(world4):
+    """Run eagerly, each collective is torch.distributed's own (no functional collective's
+    wrapper): the same values as the functional collective a compiled region traces, for every
+    dim; under a dispatch mode (selective checkpointing stores functional collectives' outputs)
+    and under autograd it is the functional one."""
+    for r in world4.run(_both_paths):
+        assert r["n"] == 11 and r["differ"] == []
+        assert r["eager_used_functional"] == 0
+        assert r["under_a_mode"] and r["grad"]
+
+
 def test_ledger_reports_planned_bytes_that_differ(world2):
     mismatches = world2.run(_wrong_plan_bytes)
     assert mismatches == [["forward all_gather[x] 96 B (planned 48 B) @fc1"]] * 2

@@ -1,9 +1,14 @@
 """Runtime collectives: execute a :class:`~autoshard.cost.comm.Reshard` on torch.distributed.
 
 ``Reshard.forward`` / ``Reshard.backward`` (autoshard.cost.comm) are the one definition of what
-moves; this module only carries them out, on local tensors, through
-``torch.distributed._functional_collectives`` (they run on gloo for CPU tensors and on NCCL alike;
-every result is waited on at once, so no ``AsyncCollectiveTensor`` escapes).
+moves; this module only carries them out, on local tensors (gloo for CPU tensors, NCCL on GPUs).
+Run eagerly, each collective is torch.distributed's own, synchronous, into a fresh output: the
+functional collectives' Python wrapper (``AsyncCollectiveTensor``, its autograd registration)
+costs the host several times as much per call, which a tensor-parallel rank program pays
+several times per layer and step (benchmarks/RESULTS.md "Runtime overhead", host time per
+collective). Traced into a compiled region (codegen/compile.py), they are
+``torch.distributed._functional_collectives`` calls, waited on at once, which the traced graph
+holds as ``_c10d_functional`` nodes. Both move the same bytes.
 
 Every collective executed is written to a :class:`Ledger` with its size ``S`` (docs/cost-model.md §1)
 *measured on the tensor actually moved*, next to the ``Step.nbytes`` the cost model priced, so a
@@ -23,10 +28,12 @@ from autoshard.cost.comm import Reshard, Step
 from autoshard.ir import CollectiveKind, Phase, to_group_major, to_rank_major
 from autoshard.plans.records import PHASES
 
-# torch 2.13 renamed all_gather_tensor / reduce_scatter_tensor to *_single (the old names warn).
+# torch 2.13 renamed all_gather_tensor / reduce_scatter_tensor to *_single, and
+# all_gather_into_tensor / reduce_scatter_tensor likewise (the old names warn, at every call).
 _all_gather_single = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
 _reduce_scatter_single = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
-
+_dist_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_dist_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
@@ -35,8 +42,22 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+_are_we_tracing = getattr(fc, "_are_we_tracing", lambda: True)   # (absent: always functional)
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def _functional(x: torch.Tensor) -> bool:
+    """Whether a collective on ``x`` must be a functional one: traced into a compiled region
+    (AOTAutograd's fake tensors and proxies, Dynamo: the functional collectives' own test), seen
+    by a dispatch mode (selective checkpointing stores the functional collectives' outputs for
+    its recompute: codegen/recompute.py), or differentiated through (their autograd formulas;
+    the program's reshards run theirs inside :class:`Redistribute`, without a graph)."""
+    return (torch._C._len_torch_dispatch_stack() > 0 or _are_we_tracing()
+            or (x.requires_grad and torch.is_grad_enabled()))
+
+
 def _group_size(group: dist.ProcessGroup) -> int:
-    return dist.get_world_size(group)
+    return group.size()          # (dist.get_world_size checks the group first, each call)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -46,13 +67,23 @@ def _group_size(group: dist.ProcessGroup) -> int:
 
 def all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in group rank order."""
-    return _wait(_all_gather_single(x.contiguous(), dim % x.dim(), group)).contiguous()
+    dim %= x.dim()
+    if _functional(x):
+        return _wait(_all_gather_single(x.contiguous(), dim, group)).contiguous()
+    n = _group_size(group)
+    out = x.new_empty((n * x.shape[0], *x.shape[1:]))      # every rank's x, joined on dim 0
+    _dist_all_gather(out, x.contiguous(), group=group)
+    return out if dim == 0 else torch.cat(out.chunk(n), dim=dim)
 
 
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup, op: str = "sum") -> torch.Tensor:
     """Reduce ``x`` over the group with ``op`` ("sum", or "max" for an op's own reductions),
     out of place."""
-    return _wait(fc.all_reduce(x.contiguous(), op, group))
+    if _functional(x):
+        return _wait(fc.all_reduce(x.contiguous(), op, group))
+    y = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(y, op=_REDUCE_OPS[op], group=group)
+    return y
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -60,7 +91,14 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch
     n = _group_size(group)
     if x.shape[dim] % n:
         raise ValueError(f"reduce_scatter needs dim {dim} of {tuple(x.shape)} divisible by {n}")
-    return _wait(_reduce_scatter_single(x.contiguous(), "sum", dim % x.dim(), group)).contiguous()
+    dim %= x.dim()
+    if _functional(x):
+        return _wait(_reduce_scatter_single(x.contiguous(), "sum", dim, group)).contiguous()
+    # Rank j's chunk of ``dim`` leads: a plain reduce-scatter of dim 0 for any ``dim``.
+    send = x.contiguous() if dim == 0 else torch.cat(x.chunk(n, dim=dim))
+    out = x.new_empty((send.shape[0] // n, *send.shape[1:]))
+    _dist_reduce_scatter(out, send, group=group)
+    return out
 
 
 def all_to_all(x: torch.Tensor, gather_dim: int, scatter_dim: int,
@@ -72,7 +110,11 @@ def all_to_all(x: torch.Tensor, gather_dim: int, scatter_dim: int,
         raise ValueError(f"all_to_all needs dim {scatter_dim} of {tuple(x.shape)} divisible by {n}")
     # A leading chunk axis makes the exchange a plain dim-0 all_to_all_single for any dims.
     send = torch.stack(x.chunk(n, dim=scatter_dim)).contiguous()
-    recv = _wait(fc.all_to_all_single(send, None, None, group))
+    if _functional(x):
+        recv = _wait(fc.all_to_all_single(send, None, None, group))
+    else:
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
     return torch.cat(recv.unbind(0), dim=gather_dim)
 
 
