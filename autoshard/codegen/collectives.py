@@ -57,7 +57,8 @@ def _functional(x: torch.Tensor) -> bool:
 
 
 def _group_size(group: dist.ProcessGroup) -> int:
-    return group.size()          # (dist.get_world_size checks the group first, each call)
+    # (dist.get_world_size checks the group first, at each call; None: the default group)
+    return group.size() if group is not None else dist.get_world_size()
 
 
 # ---------------------------------------------------------------------------------------------
