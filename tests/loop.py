@@ -66,17 +66,23 @@ def param_groups(named_parameters) -> list[dict]:
     return groups
 
 
-def parallel(model_name: str, plan_json: str, seed: int = 0, groups: bool = False):
+def parallel(model_name: str, plan_json: str, seed: int = 0, groups: bool = False,
+             compile: bool = False):
     """(pm, its AdamW, the example inputs) for ``plan_json`` on this rank, the model's weights
     drawn from ``seed`` (the inputs, which fix the data's vocabulary, from seed 0); with
-    ``groups``, over :func:`param_groups`."""
+    ``groups``, over :func:`param_groups`; with ``compile``, the rank program compiled."""
     from autoshard import Mesh, Plan
     from autoshard.codegen.parallelize import parallelize
     from autoshard.tools.verify import build
     plan = Plan.loads(plan_json)
     model, inputs = build(model_name, None, None, seed)[0], build(model_name, None, None, 0)[1]
+    if compile:          # every region compiled: one run eagerly instead would fail the test
+        import warnings
+
+        from autoshard.codegen.compile import CompileFallback
+        warnings.simplefilter("error", CompileFallback)
     pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan,
-                     example_inputs=inputs)
+                     example_inputs=inputs, compile=compile)
     params = param_groups(pm.named_parameters()) if groups else None
     return pm, pm.optimizer(torch.optim.AdamW, params, lr=LR, weight_decay=WD), inputs
 
@@ -114,10 +120,12 @@ def single_device(model_name: str, steps: int, micro: int, set_to_none: bool = T
 
 
 def train_loop(model_name: str, plan_json: str, steps: int = 8, micro: int = 2,
-               set_to_none: bool = True, groups: bool = False, divide: bool = False):
+               set_to_none: bool = True, groups: bool = False, divide: bool = False,
+               compile: bool = False):
     """The loop under the plan and on one device: ((losses, norms), full weights) of each.
-    ``divide``: each micro-step's loss divided by ``micro`` before its backward (nanoGPT)."""
-    pm, opt, inputs = parallel(model_name, plan_json, groups=groups)
+    ``divide``: each micro-step's loss divided by ``micro`` before its backward (nanoGPT);
+    ``compile``: the rank program compiled."""
+    pm, opt, inputs = parallel(model_name, plan_json, groups=groups, compile=compile)
     sync = pm.no_sync if pm.pipeline is None else contextlib.nullcontext
     got = run_steps(opt, schedule(opt), pm_step(pm, micro if divide else 0), pm.parameters,
                     inputs, range(steps), micro, sync, set_to_none)

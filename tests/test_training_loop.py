@@ -161,6 +161,28 @@ def test_nanogpts_loop_backward_through_pm_equals_one_device(world2, baseline, k
     assert _weights_err(full, ref) <= TOL
 
 
+COMPILED = [("gpt2-tiny", "dp", dict(zero="zero2", bucket_mb=0.05), False),   # no_sync, syncs
+            ("llama-tiny", "megatron", {}, True),                             # nanoGPT's step
+            ("llama-tiny", None, dict(pipeline="pp", microbatches=2), False)]  # stages
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,baseline,kw,divide", COMPILED,
+                         ids=[f"{m}-{b}" for m, b, _, _ in COMPILED])
+def test_the_loop_compiled_equals_one_device(world2, model, baseline, kw, divide):
+    """The loop (AdamW, schedule, clipping, accumulation) on the compiled rank program
+    (``parallelize(..., compile=True)``): ZeRO-2 with its bucketed syncs held by no_sync,
+    Megatron shards through nanoGPT's ``(pm(*batch) / accum).backward()``, and pipeline stages:
+    what one device gives."""
+    plan = _plan(model, (2,), baseline, **kw)
+    (losses, norms), full, (ref_losses, ref_norms), ref = world2.run(
+        train_loop, model, plan.dumps(), steps=4, divide=divide, compile=True)[0]
+    assert min(ref_norms) > CLIP
+    assert _rel(losses, ref_losses) <= TOL, (losses, ref_losses)
+    assert _rel(norms, ref_norms) <= TOL, (norms, ref_norms)
+    assert _weights_err(full, ref) <= TOL
+
+
 def _group_refusals(plan_json: str) -> dict:
     """Each wrong way to give parameter groups, and loading state saved under other groups;
     groups of the model pm was built from, as of pm's own."""
