@@ -35,7 +35,7 @@ from autoshard.trace.export import trace
 from autoshard.tools.verify import build, plan_for, rel_err
 from dist import world_fixture
 from loop import (CLIP, LR, WD, micro_batch, parallel, param_groups, pm_step, run_steps, schedule,
-                  single_device, train_loop, warmup_cosine)
+                  train_loop, warmup_cosine)
 from modes import BNNet, grads_drawn, make, masks_drawn, plan_of, refusals, train_eval_train
 
 CLUSTER = str(Path(__file__).parent / "data" / "compute_bound.json")
@@ -257,12 +257,12 @@ def _schedulers(plan_json: str) -> dict:
             milestones=[2])}
     pm, _, inputs = parallel("mlp-tiny", plan_json)
     out = {}
-    for name, make in makers.items():
+    for name, make_sched in makers.items():
         opt = pm.optimizer(torch.optim.AdamW, lr=1e-3)
         posts = []
         opt.register_step_post_hook(lambda *_: posts.append(1))
         ref_opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
-        sched, ref_sched = make(opt), make(ref_opt)
+        sched, ref_sched = make_sched(opt), make_sched(ref_opt)
         lrs, ref_lrs = [], []
         for s in range(4):
             pm.step(*pm.shard_inputs(*micro_batch(inputs, s, 0)))
@@ -274,7 +274,7 @@ def _schedulers(plan_json: str) -> dict:
             lrs.append(opt.optimizer.param_groups[0]["lr"])      # what the wrapped step reads
             ref_lrs.append(ref_opt.param_groups[0]["lr"])
         again = pm.optimizer(torch.optim.AdamW, lr=1e-3)
-        resumed = make(again)
+        resumed = make_sched(again)
         again.load_state_dict(opt.state_dict())
         resumed.load_state_dict(sched.state_dict())
         sched.step()
