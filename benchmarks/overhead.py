@@ -39,8 +39,8 @@ A second table times the host's part of one collective as the eager rank program
 functional collective it ran before (what a compiled region traces, and what DTensor's eager
 redistribution calls), on torch's fake process group of 8 ranks in this process: nothing moves,
 so what is timed is the Python and dispatch around the collective, which a tensor-parallel rank
-program pays several times per layer and step. Median over ``--collective_iters`` calls of each,
-in alternating blocks of 100 (each block after 10 calls of warm-up).
+program pays several times per layer and step. Median over ``--collective_iters`` calls of each
+(rounded up to whole blocks), in alternating blocks of 100 (each after 10 calls of warm-up).
 """
 from __future__ import annotations
 
@@ -393,7 +393,7 @@ def collective_host_cost(iters: int) -> dict[str, tuple[float, float]]:
         out = {}
         for name, fn in calls.items():
             times: dict[bool, list[float]] = {False: [], True: []}
-            for block in range(2 * (iters // 100 + 1)):    # blocks of 100 calls, alternating
+            for block in range(2 * -(-iters // 100)):     # blocks of 100 calls, alternating
                 functional = bool(block % 2)
                 C._are_we_tracing = (lambda: True) if functional else tracing
                 for i in range(110):
@@ -458,7 +458,8 @@ def render(cfg: Config, sizes: list[Size], summaries: dict[str, dict],
               + " (relative). Megatron column/row parameter layouts in autoshard's plan: "
               + ("all as expected." if not layout_issues else "; ".join(layout_issues[:5]))]
     lines += ["", f"**Host time per collective** (fp32 {COLLECTIVE_INPUT}, torch's fake process "
-              f"group of 8 in one process: nothing moves; median of {cfg.collective_iters} calls "
+              f"group of 8 in one process: nothing moves; median of "
+              f"{100 * -(-cfg.collective_iters // 100)} calls "
               "of each, in alternating blocks of 100), µs:", "",
               "| collective | eager rank program (torch.distributed) | functional collective | "
               "functional / eager |", "|---|---:|---:|---:|"]
