@@ -204,8 +204,8 @@ def grouped(pm: Any, entries: list[_Entry], params: Any) -> list[dict[str, Any]]
     """``params`` as torch.optim takes it (an iterable of parameters, of ``(name, parameter)``
     pairs, or of dicts, each a parameter group with its own hyperparameters), of the parameters
     ``pm.named_parameters()`` yields or of the model ``pm`` was built from (while it lives), as
-    groups of ``entries``: ``[{"params": [entries], **its
-    hyperparameters}]``, in the order given. ``None``: one group of every entry.
+    groups of ``entries``: ``[{"params": [entries], **its hyperparameters}]``, in the order
+    given. ``None``: one group of every entry.
 
     Every parameter this rank steps is in exactly one group. A frozen parameter is left out, as
     torch's optimizers leave one without a gradient; so is another pipeline stage's, which a

@@ -40,7 +40,7 @@ from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions, resolve_options
 from autoshard.plans import Plan
 from autoshard.solver.search import Try, plan_facts, records_searches, run_search
-from autoshard.solver.solve import model_dims
+from autoshard.solver.solve import model_dims, splits_some
 from autoshard.trace.batches import Traces
 
 AXES = ("pp", "dp", "tp")
@@ -124,10 +124,9 @@ def _refuse_a_count_nothing_divides(traced: Any, gpus: int) -> None:
     the largest count that can split something (the full batch's graph is read only then, off
     the search's path)."""
     dims = model_dims(traced)
-    if gpus < 2 or any(d % n == 0 and d >= n for d in dims for n in range(2, gpus + 1)
-                       if gpus % n == 0):
+    if gpus < 2 or any(splits_some(dims, n) for n in range(2, gpus + 1) if gpus % n == 0):
         return
-    usable = max((n for n in range(2, gpus) if any(d % n == 0 for d in dims)), default=1)
+    usable = max((n for n in range(2, gpus) if splits_some(dims, n)), default=1)
     raise AutoshardError(
         f"a device count with a factor that divides some tensor dimension of the model (a mesh "
         f"of {gpus} devices)", got=f"no factor of {gpus} divides a parameter or input "

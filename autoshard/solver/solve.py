@@ -46,14 +46,19 @@ def model_dims(traced: TracedGraph) -> set[int]:
     return {d for p in traced.placeholders if p.info is not None for d in p.info.shape}
 
 
+def splits_some(dims: set[int], n: int) -> bool:
+    """Whether an axis of ``n`` devices can split one of ``dims`` (:func:`model_dims`)."""
+    return any(d % n == 0 and d >= n for d in dims)
+
+
 def check_mesh_fits(traced: TracedGraph, mesh: Mesh) -> None:
     """A mesh larger than every dimension of the problem can only replicate: say so."""
     dims = model_dims(traced)
-    if mesh.size > 1 and not any(d % n == 0 and d >= n for d in dims for n in mesh.shape if n > 1):
+    if mesh.size > 1 and not any(splits_some(dims, n) for n in mesh.shape if n > 1):
         raise AutoshardError(
             f"a mesh whose axes divide some tensor dimension of the model (mesh {mesh.shape})",
             got=f"no parameter or input dimension divisible by any axis; dims seen: "
-                f"{sorted(set(dims))[:12]}",
+                f"{sorted(dims)[:12]}",
             fix="use a smaller mesh, or a larger batch/model")
 
 
