@@ -261,7 +261,6 @@ def test_known_patterns(world4, src, dst, divergent, want):
 def _both_paths() -> dict:
     """Each collective run eagerly (torch.distributed's own) and as a functional collective
     (what a traced region holds), on the same inputs; and which path each took."""
-    import torch.distributed._functional_collectives as fc
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from autoshard.codegen import collectives as C
@@ -274,37 +273,37 @@ def _both_paths() -> dict:
     calls += [("reduce_scatter", d, lambda d=d: C.reduce_scatter(x, d, group)) for d in (0, 1, 2)]
     calls += [("all_to_all", (g, s), lambda g=g, s=s: C.all_to_all(x, g, s, group))
               for g, s in ((0, 1), (1, 0), (2, 1))]
-    functional = []
-    real = fc.all_reduce
-    fc.all_reduce = lambda *a, **k: functional.append(1) or real(*a, **k)
+
+    class Seen(TorchDispatchMode):        # as selective checkpointing's modes see ops
+        def __init__(self) -> None:
+            super().__init__()
+            self.namespaces: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.namespaces.add(getattr(func, "namespace", ""))
+            return func(*args, **(kwargs or {}))
+
+    waited = []                           # every functional collective is waited on at once
+    wait, tracing = C._wait, C._are_we_tracing
+    C._wait = lambda t: waited.append(1) or wait(t)
     try:
         eager = [fn() for _, _, fn in calls]
-        eager_used_functional = len(functional)
-        tracing = C._are_we_tracing
+        eager_functional = len(waited)
         C._are_we_tracing = lambda: True
-        try:
-            traced = [fn() for _, _, fn in calls]
-        finally:
-            C._are_we_tracing = tracing
-
-        class Seen(TorchDispatchMode):        # as selective checkpointing's modes see ops
-            ops: list = []
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                Seen.ops.append(getattr(func, "namespace", ""))
-                return func(*args, **(kwargs or {}))
-
-        with Seen():
+        traced = [fn() for _, _, fn in calls]
+        C._are_we_tracing = tracing
+        seen = Seen()
+        with seen:
             C.all_reduce(x, group)
         y = x.clone().requires_grad_()
         C.all_reduce(y, group).sum().backward()     # differentiated through: its formula
     finally:
-        fc.all_reduce = real
+        C._wait, C._are_we_tracing = wait, tracing
     return {"differ": [f"{kind} {arg}" for (kind, arg, _), a, b in zip(calls, eager, traced)
                        if a.shape != b.shape or not torch.equal(a, b)
                        or not a.is_contiguous()],
-            "eager_used_functional": eager_used_functional,
-            "under_a_mode": "_c10d_functional" in Seen.ops,
+            "eager_functional": eager_functional, "traced_functional": len(waited) - 2,
+            "under_a_mode": "_c10d_functional" in seen.namespaces,
             "grad": y.grad.unique().tolist() == [float(n)], "n": len(calls)}
 
 
@@ -315,7 +314,7 @@ def test_eager_collectives_equal_the_functional_ones(world4):
     and under autograd it is the functional one."""
     for r in world4.run(_both_paths):
         assert r["n"] == 11 and r["differ"] == []
-        assert r["eager_used_functional"] == 0
+        assert r["eager_functional"] == 0 and r["traced_functional"] == 11
         assert r["under_a_mode"] and r["grad"]
 
 
