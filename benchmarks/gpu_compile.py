@@ -12,14 +12,21 @@ Two parts, one command (docs/cost-model.md §2.11 and §3.10 for what the cost m
    of its CUDA kernels' time (torch.profiler, self device time). Target: compiled wall time
    within 1.15x of its kernels' (eager measured 3.6x in benchmarks/RESULTS.md "On one GPU"),
    and no slower than a plain PyTorch Llama layer of rank 0's local shapes (heads, KV heads,
-   FFN and vocabulary divided by 8) under ``torch.compile``.
+   FFN and vocabulary divided by 8) under ``torch.compile``. Beside them, two experiments
+   with CUDA graphs, not yet options of autoshard's: inductor's CUDA graph trees around each
+   compiled region, and the whole step (eager or compiled) captured as one graph and replayed,
+   which runs last: a capture that fails may leave the device unusable.
 2. **Llama-3-8B cut to 2 layers on one GPU**, bf16-mixed, AdamW through ``pm.optimizer``:
    steps interleaved eager / compiled (``parallelize(..., compile=True)``), median; target
    compiled at least 1.15x faster; losses of the same steps equal (bf16 rounding: 2e-2
    relative); each beside its plan's predicted step (the compiled plan planned with
    ``compile=True``, on the h100 preset).
 
-    python benchmarks/gpu_compile.py --out benchmarks/RESULTS.md
+    python benchmarks/gpu_compile.py --out benchmarks/RESULTS.md [--diagnose FILE]
+
+``--diagnose FILE`` writes where each program's host time goes (Python functions by own time,
+ATen ops by own CPU time, the CUDA runtime's launches and syncs per step), the plain compiled
+layer's too, for the comparison the targets make.
 
 Needs a CUDA device; on a machine without one it says so and writes nothing.
 """
@@ -163,22 +170,32 @@ def tp8_rank0(device, steps: int) -> dict:
         model, inputs = _llama_layer_bf16()
         plan = baseline_plan(trace(model, inputs), autoshard.Mesh((8,), ("tp",), cluster="h100"),
                              "megatron")
-        out = {}
+        out, kept = {}, {}
         for compiled in (False, True, "cudagraphs"):
+            name = _variant(compiled)
             if compiled == "cudagraphs":
                 # (an experiment, not an option of autoshard's yet: inductor's CUDA graph trees
                 # around each compiled region, its inputs copied into static buffers)
                 torch._inductor.config.triton.cudagraphs = True
             try:
-                out[_variant(compiled)] = _tp8_variant(model, mesh, plan, inputs, device,
-                                                       steps, compiled)
+                out[name], *program = _tp8_variant(model, mesh, plan, inputs, device, steps,
+                                                   compiled)
+                if compiled != "cudagraphs":
+                    kept[name] = program
             except Exception as e:        # the experiment may fail; say how, go on
-                out[_variant(compiled)] = {"error": f"{type(e).__name__}: {e}"[:500]}
+                out[name] = {"error": _error(e)}
             finally:
                 torch._inductor.config.triton.cudagraphs = False
         if DIAGNOSIS is not None:
             _diagnose_collectives(device)
         out["plain_compiled"] = plain_layer(device, steps)
+        # Last, as a failed capture may leave the device unusable: the same programs, each
+        # step one CUDA graph.
+        for name, (pm, x, step) in kept.items():
+            try:
+                out[f"{name} graphed"] = _whole_step_graph(pm, x, step, steps, out[name])
+            except Exception as e:
+                out[f"{name} graphed"] = {"error": _error(e)}
         return out
     finally:
         dist.destroy_process_group()
@@ -186,6 +203,10 @@ def tp8_rank0(device, steps: int) -> dict:
 
 def _variant(compiled) -> str:
     return {False: "eager", True: "compiled", "cudagraphs": "cudagraphs"}[compiled]
+
+
+def _error(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}"[:500]
 
 
 def _tp8_variant(model, mesh, plan, inputs, device, steps: int, compiled) -> dict:
@@ -209,6 +230,38 @@ def _tp8_variant(model, mesh, plan, inputs, device, steps: int, compiled) -> dic
            "first_step_s": first}
     if DIAGNOSIS is not None:
         _diagnose(f"TP 8 rank 0, {_variant(compiled)}", step, pm)
+    return res, pm, x, step
+
+
+def _whole_step_graph(pm, x, step, steps: int, ungraphed: dict) -> dict:
+    """An experiment, not an option of autoshard's yet: rank 0's whole step (forward and
+    backward, every compiled region and collective) captured once as one CUDA graph and
+    replayed, as torch.cuda.graphs' whole-network recipe does: warmed on a side stream, the
+    gradients unset before the capture so that its backward allocates them in the graph's pool
+    and each replay rewrites them in place. The inputs stay where they are (a training loop
+    would copy each batch into them: 2 × 2048 int64 here, 32 KiB). First step: warm-up and
+    capture. Where the profiler sees no kernel inside a replay, its kernels are taken as the
+    same program's without the graph (\"kernels_from\")."""
+    t0 = time.perf_counter()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    pm.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pm.step(*x)
+    graph.replay()
+    torch.cuda.synchronize()
+    res = {"wall_s": _timed(graph.replay, steps), "kernels_s": _kernel_seconds(graph.replay),
+           "first_step_s": time.perf_counter() - t0}
+    if res["kernels_s"] <= 0.0:
+        res.update(kernels_s=ungraphed["kernels_s"], kernels_from="the program without the graph")
+    if DIAGNOSIS is not None:
+        _diagnose("TP 8 rank 0, whole step one CUDA graph", graph.replay)
+    pm.ledger.clear()
     return res
 
 
@@ -274,8 +327,11 @@ def plain_layer(device, steps: int) -> dict:
     step()
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
-    return {"wall_s": _timed(step, steps), "kernels_s": _kernel_seconds(step),
-            "first_step_s": first}
+    res = {"wall_s": _timed(step, steps), "kernels_s": _kernel_seconds(step),
+           "first_step_s": first}
+    if DIAGNOSIS is not None:
+        _diagnose("plain layer, local shapes, torch.compile", step)
+    return res
 
 
 def two_layers(device, steps: int, cluster="h100") -> dict:
@@ -326,8 +382,7 @@ def two_layers(device, steps: int, cluster="h100") -> dict:
 
 
 def render(tp: dict, two: dict, wall_s: float, cluster: str = "h100") -> str:
-    e, c, p = tp["eager"], tp["compiled"], tp["plain_compiled"]
-    ratio = c["wall_s"] / c["kernels_s"]
+    c, p = tp["compiled"], tp["plain_compiled"]
     speed = two["eager"]["step_s"] / two["compiled"]["step_s"]
     # The first steps: one batch repeated is memorised within a few, after which the losses
     # are ~1e-4 and their relative rounding says nothing.
@@ -347,23 +402,44 @@ def render(tp: dict, two: dict, wall_s: float, cluster: str = "h100") -> str:
         "| program | wall | kernels | wall / kernels | first step s |",
         "|---|---:|---:|---:|---:|",
     ]
-    g = tp.get("cudagraphs")
-    for name, r in (("eager rank program", e), ("compiled rank program", c),
-                    ("compiled rank program + CUDA graphs (experiment)", g),
-                    ("plain layer, local shapes, torch.compile", p)):
+    for name, key in (("eager rank program", "eager"),
+                      ("eager rank program, whole step one CUDA graph (experiment)",
+                       "eager graphed"),
+                      ("compiled rank program", "compiled"),
+                      ("compiled rank program + inductor's CUDA graphs (experiment)",
+                       "cudagraphs"),
+                      ("compiled rank program, whole step one CUDA graph (experiment)",
+                       "compiled graphed"),
+                      ("plain layer, local shapes, torch.compile", "plain_compiled")):
+        r = tp.get(key)
         if r is None:
             continue
         if "error" in r:
             lines.append(f"| {name} | failed: {md_cell(r['error'][:200])} | | | |")
             continue
-        lines.append(f"| {name} | {r['wall_s'] * 1e3:.2f} | {r['kernels_s'] * 1e3:.2f} | "
+        mark = "*" if "kernels_from" in r else ""
+        lines.append(f"| {name} | {r['wall_s'] * 1e3:.2f} | {r['kernels_s'] * 1e3:.2f}{mark} | "
                      f"{r['wall_s'] / r['kernels_s']:.2f} | {r['first_step_s']:.1f} |")
+    lines.append("")
+    if any("kernels_from" in r for r in tp.values()):
+        lines.append("- \\*: the profiler saw no kernel inside the graph's replays; its "
+                     "kernels' time is the same program's without the graph.")
+    if "error" in c:
+        lines.append("- the compiled rank program failed: both targets not met.")
+    else:
+        ratio = c["wall_s"] / c["kernels_s"]
+        lines.append(
+            f"- compiled wall / kernels {ratio:.2f} (target <= {WALL_TARGET}: "
+            f"{'met' if ratio <= WALL_TARGET else 'not met'}); compiled rank program "
+            f"{c['wall_s'] / p['wall_s']:.2f}x the plain compiled layer (target <= 1: "
+            f"{'met' if c['wall_s'] <= p['wall_s'] else 'not met'}).")
+    g = tp.get("compiled graphed")
+    if g is not None and "error" not in g:
+        lines.append(f"- the same program, its whole step one CUDA graph (an experiment, not "
+                     f"yet an option of autoshard's): wall / kernels "
+                     f"{g['wall_s'] / g['kernels_s']:.2f}, "
+                     f"{g['wall_s'] / p['wall_s']:.2f}x the plain compiled layer.")
     lines += [
-        "",
-        f"- compiled wall / kernels {ratio:.2f} (target <= {WALL_TARGET}: "
-        f"{'met' if ratio <= WALL_TARGET else 'not met'}); compiled rank program "
-        f"{c['wall_s'] / p['wall_s']:.2f}x the plain compiled layer (target <= 1: "
-        f"{'met' if c['wall_s'] <= p['wall_s'] else 'not met'}).",
         "",
         "**Llama-3-8B, 2 layers, one GPU, bf16-mixed, AdamW** (steps interleaved, median), ms:",
         "",
@@ -396,14 +472,16 @@ def main(argv=None) -> int:
     if device is None:
         return 2
     t0 = time.perf_counter()
+    # Part 2 first: part 1 ends with the CUDA graph experiments, which may leave the device
+    # unusable where a capture fails.
+    two = two_layers(device, args.steps, args.cluster)
+    print(json.dumps(two), flush=True)
     try:
         tp = tp8_rank0(device, args.steps)
     finally:
         if args.diagnose:
             Path(args.diagnose).write_text("\n".join(DIAGNOSIS))
     print(json.dumps(tp), flush=True)
-    two = two_layers(device, args.steps, args.cluster)
-    print(json.dumps(two), flush=True)
     body = render(tp, two, time.perf_counter() - t0, args.cluster)
     print(body)
     if args.json:

@@ -1,6 +1,7 @@
 """The benchmark scripts' own logic on tiny models: compare_plans.py's baseline columns (the
 checkpointed stored-layout baselines, the failure cells), memory_curve.py's budget sweep, and
-what gpu.py decides without a GPU (which ops need gradients, their classes)."""
+what gpu.py decides without a GPU (which ops need gradients, their classes), and the GPU
+scripts' tables."""
 from __future__ import annotations
 
 import sys
@@ -12,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import compare_plans  # noqa: E402
 import gpu  # noqa: E402
+import gpu_compile  # noqa: E402
 import gpu_offload  # noqa: E402
 import memory_curve  # noqa: E402
 
@@ -149,7 +151,8 @@ def test_gpu_benchmark_grads_and_classes_follow_the_training_step():
     assert cos.name not in grads                    # the rotary table: no gradient flows
 
 
-@pytest.mark.parametrize("script", [gpu, gpu_offload], ids=["gpu", "gpu_offload"])
+@pytest.mark.parametrize("script", [gpu, gpu_compile, gpu_offload],
+                         ids=["gpu", "gpu_compile", "gpu_offload"])
 def test_gpu_benchmarks_say_they_need_a_gpu(capsys, monkeypatch, script):
     monkeypatch.setattr(script.torch.cuda, "is_available", lambda: False)
     assert script.main([]) == 2
@@ -174,3 +177,28 @@ def test_the_offload_table_shows_the_peak_beside_the_liveness_prediction(monkeyp
     assert "| 70.0 / 68.8 |" in row and "| 0.95 |" in row
     cols = header.count("|")
     assert row.count("|") == cols and next(x for x in lines if "failed" in x).count("|") == cols
+
+
+def test_the_compile_table_reports_each_variant_and_the_targets_of_autoshards_own():
+    """benchmarks/gpu_compile.py's table: a row per program, a failed experiment's row with its
+    error, the targets judged on the compiled rank program (not on an experiment), and an
+    experiment's kernels taken from the program without its graph said so."""
+    def r(wall_ms, kernels_ms):
+        return {"wall_s": wall_ms / 1e3, "kernels_s": kernels_ms / 1e3, "first_step_s": 1.0}
+    tp = {"eager": r(17.0, 2.7), "eager graphed": {"error": "RuntimeError: capture failed"},
+          "compiled": r(11.0, 2.0), "cudagraphs": r(4.0, 2.0),
+          "compiled graphed": {**r(2.2, 2.0), "kernels_from": "the program without the graph"},
+          "plain_compiled": r(4.4, 2.2)}
+    two = {name: {"step_s": s, "predicted_step_s": 0.03, "first_step_s": 1.0,
+                  "losses": [2.0, 1.5, 1.0]} for name, s in (("eager", 0.046), ("compiled", 0.04))}
+    lines = gpu_compile.render(tp, two, 60.0).splitlines()
+    head = lines.index("| program | wall | kernels | wall / kernels | first step s |")
+    rows = lines[head + 2:lines.index("", head)]
+    assert len(rows) == 6 and all(x.count("|") == 6 for x in rows)
+    assert "failed: RuntimeError: capture failed" in rows[1]
+    assert rows[4].split("|")[3].strip() == "2.00*" and "1.10" in rows[4]
+    text = "\n".join(lines)
+    assert "compiled wall / kernels 5.50 (target <= 1.15: not met)" in text
+    assert "2.50x the plain compiled layer (target <= 1: not met)" in text
+    assert "wall / kernels 1.10, 0.50x the plain compiled layer" in text
+    assert "speed-up 1.15x (target >= 1.15: met)" in text
