@@ -197,3 +197,30 @@ def test_obvious_starts_combine_the_smaller_meshes_plans(gpt2_tiny) -> None:
                     if start.keys[m.decision][i][a] == start.keys[m.decision][i2][a]:
                         assert [x[a] for x in (*s.inputs, *s.outputs) if x is not None] == \
                             [x[a] for x in (*s2.inputs, *s2.outputs) if x is not None]
+
+
+def test_no_reshard_runs_for_a_check_alone() -> None:
+    """A dtype check export writes beside each ``.to`` (``aten._assert_tensor_metadata``) costs
+    the same in every layout it can read, so ties are broken toward reading its input as it
+    lies: no reshard is made for checks alone, which the rank program would run for nothing (a
+    partial read is a zeroed copy on every rank but the first), at each layer's first op
+    (Megatron over 8: the embedding's output and the layer's, each read by an RMSNorm's
+    ``.float()`` check)."""
+    import torch
+
+    from autoshard.cost.reshards import reshard_edges
+    from autoshard.trace.graph import value_shapes
+    from autoshard.zoo.models import Llama, LlamaConfig
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(n_layers=1, hidden=64, n_heads=8, n_kv_heads=8, ffn=128,
+                              vocab_size=512, context=8))
+    traced = trace(model, model.example_inputs(1, 8, device="cpu"))
+    mesh = Mesh((8,), ("tp",), cluster="h100")
+    plan = baseline_plan(traced, mesh, "megatron")
+    check = torch.ops.aten._assert_tensor_metadata.default
+    names = {n.name for n in traced.graph.nodes if n.target is check}
+    edges = list(reshard_edges(traced.graph, plan.strategies(), mesh.shape,
+                               value_shapes(traced.graph), {p.name for p in traced.params},
+                               training=True))
+    assert names and edges
+    assert not [e.value for e in edges if {c for c, _ in e.consumers} <= names]

@@ -7,6 +7,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+import torch.fx as fx
 
 from autoshard import progress
 from autoshard.errors import AutoshardError
@@ -23,6 +24,7 @@ from autoshard.solver.problem import Problem, Solution
 from autoshard.solver.diagnostics import gib, unruled_note
 from autoshard.solver.starts import obvious_starts
 from autoshard.trace.export import TracedGraph
+from autoshard.trace.graph import output_infos, value_ref
 from autoshard.trace.layers import regroup
 from autoshard.solver.assemble import assemble
 
@@ -178,6 +180,7 @@ def solved_plan(traced: TracedGraph, mesh: Mesh, options: PlanOptions, built: Bu
     within those pins and cuts, assembled and priced as every plan is. ``record``: more fields
     of the plan's solver record (an alternative's label)."""
     choice = break_ties(problem, sol.choice, storage_preferences(traced, built))
+    choice = break_ties(problem, choice, reading_as_it_lies(traced, built, choice))
     strategies = {name: built.strategy_of(name, choice) for name in built.template}
     solver = {"status": sol.status, "objective": sol.objective, "gap": sol.gap,
               "variables": sol.variables, "decisions": len(built.problem.decisions),
@@ -199,6 +202,29 @@ def storage_preferences(traced: TracedGraph, built: Built) -> dict[int, list[int
         sharded = [sum(not isinstance(x, Replicate) for x in m.strategies[j].outputs[0])
                    for j in m.index]
         out[m.decision] = sorted(range(len(sharded)), key=lambda i: (sharded[i], i))
+    return out
+
+
+def reading_as_it_lies(traced: TracedGraph, built: Built, choice: tuple[int, ...]
+                       ) -> dict[int, list[int]]:
+    """Each decision of a check with no output (``aten._assert_tensor_metadata``: export
+    writes one beside each ``.to``) with the layouts reading its input as ``choice`` lays it
+    out first. Every layout a check reads costs the same, and one read through a reshard of
+    local steps (priced 0: a slice, or a partial's zeros on every rank but the first) would
+    still run that reshard in the rank program, a layer's first op after another layer."""
+    out = {}
+    for n in traced.graph.nodes:
+        m = built.members.get(n.name)
+        if (m is None or n.op != "call_function" or n.users or output_infos(n)
+                or not n.args or not isinstance(n.args[0], fx.Node)
+                or m.index != list(range(len(m.index)))):
+            continue                # (a copy of a repeated layer's, or a follower: as its own)
+        src, k = value_ref(n.args[0])
+        if src not in built.template:
+            continue
+        lies = built.strategy_of(src, choice).outputs[k]
+        out[m.decision] = sorted(range(len(m.strategies)),
+                                 key=lambda i: (m.strategies[i].inputs[:1] != (lies,), i))
     return out
 
 
