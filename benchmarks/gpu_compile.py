@@ -472,16 +472,16 @@ def main(argv=None) -> int:
     if device is None:
         return 2
     t0 = time.perf_counter()
-    # Part 2 first: part 1 ends with the CUDA graph experiments, which may leave the device
-    # unusable where a capture fails.
-    two = two_layers(device, args.steps, args.cluster)
-    print(json.dumps(two), flush=True)
     try:
+        # Part 2 first: part 1 ends with the CUDA graph experiments, which may leave the
+        # device unusable where a capture fails.
+        two = two_layers(device, args.steps, args.cluster)
+        print(json.dumps(two), flush=True)
         tp = tp8_rank0(device, args.steps)
+        print(json.dumps(tp), flush=True)
     finally:
         if args.diagnose:
             Path(args.diagnose).write_text("\n".join(DIAGNOSIS))
-    print(json.dumps(tp), flush=True)
     body = render(tp, two, time.perf_counter() - t0, args.cluster)
     print(body)
     if args.json:
