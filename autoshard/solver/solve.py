@@ -211,13 +211,14 @@ def reading_as_it_lies(traced: TracedGraph, built: Built, choice: tuple[int, ...
     writes one beside each ``.to``) with the layouts reading its input as ``choice`` lays it
     out first. Every layout a check reads costs the same, and one read through a reshard of
     local steps (priced 0: a slice, or a partial's zeros on every rank but the first) would
-    still run that reshard in the rank program, a layer's first op after another layer."""
+    still run that reshard in the rank program (under Megatron, at each layer's first norm)."""
     out = {}
     for n in traced.graph.nodes:
+        if n.op != "call_function" or n.users or output_infos(n) or not n.args \
+                or not isinstance(n.args[0], fx.Node):
+            continue
         m = built.members.get(n.name)
-        if (m is None or n.op != "call_function" or n.users or output_infos(n)
-                or not n.args or not isinstance(n.args[0], fx.Node)
-                or m.index != list(range(len(m.index)))):
+        if m is None or m.index != list(range(len(m.index))):
             continue                # (a copy of a repeated layer's, or a follower: as its own)
         src, k = value_ref(n.args[0])
         if src not in built.template:
