@@ -304,9 +304,10 @@ class ParallelModule(GradViews, StateDicts, Shards, torch.nn.Module):
         parameter in one group by default, or parameter groups as torch.optim takes them, of
         the parameters ``pm.named_parameters()`` yields or of the model ``pm`` was built from
         (e.g. no weight decay on biases and norms), each trainable parameter in exactly one.
-        Required when the plan places gradients or optimizer state apart from the parameters. Steps with the class's fused
-        kernel unless ``fused`` or ``foreach`` is given. A class whose update is not
-        elementwise is refused on sharded layouts unless ``elementwise=True`` says it is."""
+        Required when the plan places gradients or optimizer state apart from the parameters.
+        Steps with the class's fused kernel unless ``fused`` or ``foreach`` is given. A class
+        whose update is not elementwise is refused on sharded layouts unless
+        ``elementwise=True`` says it is."""
         from autoshard.codegen.optim import ShardedOptimizer
         return ShardedOptimizer(self, optimizer_cls, params, **kwargs)
 
