@@ -1,13 +1,16 @@
 """Test tiers (docs/design.md, "Testing"): every test that runs on a multi-process gloo world is
 marked ``gloo`` here, from the fixtures it uses, so that no test file has to remember to.
 ``slow`` is set by hand on tests that are slow by nature, and here on every test listed in
-``tests/slow.txt``: the ones measured over the fast tier's per-test share (``tests/tiers.py``
-writes the list from a ``--durations=0`` run).
+``tests/slow.txt``: the ones measured over the fast tier's per-test share. ``full`` is set on the
+tests ``tests/extended.txt`` lists (measured over the README command's per-test share) and on
+the cases a test file names in its ``FULL_ONLY``: they run only with ``AUTOSHARD_SLOW=1``.
+``tests/tiers.py`` writes both lists from a ``--durations=0`` run.
 
     python -m pytest -m "not slow and not gloo"     # pure data and one-process tests
     python -m pytest -m "not slow"                  # the fast tier (under 2 minutes)
-    python -m pytest                                 # everything (the README's command)
-    AUTOSHARD_SLOW=1 python -m pytest                # and the cases each file lists in FULL_ONLY
+    python -m pytest                                 # the README's command (under 8 minutes)
+    AUTOSHARD_SLOW=1 python -m pytest -m full        # the extended tier: the rest (CI runs it)
+    AUTOSHARD_SLOW=1 python -m pytest                # all of it, the larger fuzz and sweeps too
 """
 from __future__ import annotations
 
@@ -30,19 +33,20 @@ if "OMP_NUM_THREADS" not in os.environ:
 # scripts, which some tests import, would otherwise turn that off for the whole session.
 os.environ.setdefault("AUTOSHARD_TRACE_REUSE", "1")
 
-SLOW_LIST = Path(__file__).with_name("slow.txt")
+HERE = Path(__file__).parent
 
 
-def measured_slow() -> set[str]:
-    """The test ids listed in ``tests/slow.txt`` (comments and blank lines skipped)."""
-    if not SLOW_LIST.exists():
+def listed(name: str) -> set[str]:
+    """The test ids a list in tests/ holds (comments and blank lines skipped)."""
+    path = HERE / name
+    if not path.exists():
         return set()
-    lines = (line.split("#")[0].strip() for line in SLOW_LIST.read_text().splitlines())
+    lines = (line.split("#")[0].strip() for line in path.read_text().splitlines())
     return {line for line in lines if line}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    slow = measured_slow()
+    slow, extended = listed("slow.txt"), listed("extended.txt")
     full = bool(os.environ.get("AUTOSHARD_SLOW"))
     kept, dropped = [], []
     for item in items:
@@ -52,10 +56,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         # A module's FULL_ONLY names the cases of its parametrized tests that repeat what
         # another case already covers (the same layout on the other tiny model, a schedule
-        # the 4-rank tests run too): they run with AUTOSHARD_SLOW=1, keeping the README's
-        # command under 8 minutes on 2 cores.
-        if item.name in getattr(getattr(item, "module", None), "FULL_ONLY", ()):
+        # the 4-rank tests run too); tests/extended.txt the tests measured too long for the
+        # README's command. They run with AUTOSHARD_SLOW=1, keeping that command under 8
+        # minutes on 2 cores.
+        if item.nodeid in extended or \
+                item.name in getattr(getattr(item, "module", None), "FULL_ONLY", ()):
             item.add_marker(pytest.mark.full)
+            item.add_marker(pytest.mark.slow)
             if not full:
                 dropped.append(item)
                 continue

@@ -1,12 +1,19 @@
-"""Write ``tests/slow.txt``: the tests a ``--durations=0`` run measured over a threshold, that
-are not marked ``slow`` in their file already (tests/conftest.py marks the listed ones).
+"""Write the test tiers' lists from a ``--durations=0`` run (tests/conftest.py reads them):
 
-    python -m pytest -m "not slow" --durations=0 -p no:randomly > durations.txt
-    python tests/tiers.py durations.txt --over 1.0
+- ``tests/slow.txt``: the tests of the fast tier measured over ``--over`` seconds; they are
+  marked ``slow`` and leave the fast tier (``-m "not slow"``), not the README's command.
+- ``tests/extended.txt``: the tests of the README's command measured over ``--extended-over``
+  seconds; they are marked ``full`` and run only with ``AUTOSHARD_SLOW=1`` (CI runs them after
+  the README's command), except those :data:`STANDARD` keeps.
 
-Measure on an idle machine: the threshold is seconds of one test (setup, call and teardown
-together) there. Ids already in the list stay in it; remove a line by hand when its test got
-cheaper.
+    python -m pytest -m "not slow" --durations=0 > fast.txt
+    python tests/tiers.py fast.txt --over 0.8
+    python -m pytest --durations=0 > readme.txt
+    python tests/tiers.py readme.txt --extended-over 5
+
+Measure on an idle 2-core machine, each list from a run of the tier it cuts: a threshold is
+seconds of one test (setup, call and teardown together) in that run. Ids already in a list stay
+in it; remove a line by hand when its test got cheaper.
 """
 from __future__ import annotations
 
@@ -16,6 +23,17 @@ import re
 from pathlib import Path
 
 LINE = re.compile(r"^([0-9.]+)s (setup|call|teardown)\s+(\S+)")
+
+# Tests over the extended threshold that the README's command keeps: each is the only test there
+# of what it checks on a multi-process world.
+STANDARD = {
+    # parameters streamed from the host, stepped against the device twin
+    "tests/test_param_offload.py::test_gpt2_streamed_steps_as_its_device_twin",
+    # a Hugging Face MoE with tokens and experts split, equal to one device
+    "tests/test_unseen.py::test_qwen3_moe_tokens_and_experts_split_on_gloo",
+    # the compiled rank program against the eager one, collectives inside
+    "tests/test_ring.py::test_compiled_program_with_the_ring_equals_the_eager_one",
+}
 
 
 def durations(text: str) -> dict[str, float]:
@@ -28,20 +46,31 @@ def durations(text: str) -> dict[str, float]:
     return dict(out)
 
 
+def write(name: str, new: set[str]) -> None:
+    """Add ``new`` to the list ``tests/<name>``, keeping its comment lines and ids."""
+    path = Path(__file__).with_name(name)
+    lines = path.read_text().splitlines() if path.exists() else []
+    head = [line for line in lines if line.startswith("#")]
+    kept = {line.strip() for line in lines if line.strip() and not line.startswith("#")}
+    path.write_text("\n".join(head + sorted(kept | new)) + "\n")
+    print(f"{name}: {len(kept | new)} tests listed ({len(new - kept)} new)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("durations", help="the output of pytest --durations=0")
-    ap.add_argument("--over", type=float, default=1.0, help="seconds (default 1.0)")
+    ap.add_argument("--over", type=float, help="seconds: list the tests over it in slow.txt")
+    ap.add_argument("--extended-over", type=float,
+                    help="seconds: list the tests over it in extended.txt")
     args = ap.parse_args()
-    path = Path(__file__).with_name("slow.txt")
-    head = [line for line in path.read_text().splitlines() if line.startswith("#")] \
-        if path.exists() else []
-    kept = {line.strip() for line in path.read_text().splitlines()
-            if line.strip() and not line.startswith("#")} if path.exists() else set()
+    if args.over is None and args.extended_over is None:
+        ap.error("say --over, --extended-over or both")
     times = durations(Path(args.durations).read_text())
-    new = {t for t, s in times.items() if s > args.over}
-    path.write_text("\n".join(head + sorted(kept | new)) + "\n")
-    print(f"{len(kept | new)} tests listed ({len(new - kept)} new)")
+    if args.over is not None:
+        write("slow.txt", {t for t, s in times.items() if s > args.over})
+    if args.extended_over is not None:
+        write("extended.txt", {t for t, s in times.items()
+                               if s > args.extended_over and t not in STANDARD})
 
 
 if __name__ == "__main__":
