@@ -7,7 +7,7 @@
   the README's command), except those :data:`STANDARD` keeps.
 
     python -m pytest -m "not slow" --durations=0 > fast.txt
-    python tests/tiers.py fast.txt --over 0.8
+    python tests/tiers.py fast.txt --over 0.5
     python -m pytest --durations=0 > readme.txt
     python tests/tiers.py readme.txt --extended-over 5
 
