@@ -15,7 +15,8 @@ from autoshard.ir import StateMode
 from autoshard.options import resolve_options
 from autoshard.solver import planner
 from autoshard.solver.assemble import assemble
-from autoshard.solver.offload_split import _fitting, _moves, _next, offload_per_parameter
+from autoshard.solver.offload_split import _fitting, _moves, offload_per_parameter
+from autoshard.solver.search import fitting_edge
 from autoshard.solver.planner import plan_traced
 from autoshard.solver.solve import grouped
 from autoshard.tools.verify import build
@@ -113,16 +114,27 @@ def test_the_step_saved_is_the_host_step_less_the_device_step_by_hand(planned):
 
 
 def test_the_search_interpolates_between_what_fits_and_what_does_not():
-    """Regula falsi on the resident bytes: where the peak grows linearly in them, the count
-    priced next is the last that fits; without a count known not to fit, the midpoint."""
-    added = [float(k) for k in range(11)]          # each move adds one byte
-    # peak 0 with none moved, 10 with all ten: the budget 5.5 is met by 5 moves
-    assert _next(0, 9, (10, 10.0), added, 0.0, 5.5) == 5
-    # from 5 moves fitting at peak 5, and 8 not fitting at 8: 6 is the last below 6.5
-    assert _next(5, 7, (8, 8.0), added, 5.0, 6.5) == 6
-    assert _next(0, 9, None, added, 0.0, 5.5) == 5         # (0 + 9 + 1) // 2
-    # always a new count in (lo, hi]
-    assert _next(3, 4, (5, 50.0), added, 3.0, 3.1) == 4
+    """Regula falsi on the resident bytes (solver/search.py ``fitting_edge``, the coordinate
+    ``added``): where the peak is linear in them, the first count priced past a miss is the
+    last that fits; with uneven bytes per move, the count found is still the most that fit."""
+    added = [0.0, 1.0, 2.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0]
+    for budget in (0.5, 1.0, 5.5, 6.0, 9.5, 13.0):
+        calls = []
+
+        def peak(j):
+            calls.append(j)
+            return added[j]
+        got = fitting_edge(peak, 0, 10, budget, m_fit=0.0, x=added.__getitem__)
+        assert got == max(j for j, a in enumerate(added) if a <= budget), budget
+        # far first; then (the line exact) the count the line gives, and the one past it
+        assert calls[0] == 10 and len(calls) <= 3, (budget, calls)
+    # a peak that grows faster than the bytes: still the most that fit, in fewer pricings
+    # than a scan
+    calls = []
+    got = fitting_edge(lambda j: calls.append(j) or added[j] ** 2, 0, 10, 40.0, m_fit=0.0,
+                       x=added.__getitem__)
+    assert got == 3 and len(calls) < 10, calls
+    assert fitting_edge(lambda j: 1.0, 0, 0, 0.5, m_fit=0.0) == 0      # nothing to price
 
 
 def test_a_move_that_alone_overfills_is_dropped_not_blocking_the_rest():

@@ -3,7 +3,6 @@ per layer, optimizer and parameter offload), cheapest first, and the outer loop 
 step's liveness peak to the budget (docs/cost-model.md §4.6)."""
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
@@ -21,7 +20,7 @@ from autoshard.trace.export import TracedGraph
 from autoshard.trace.layers import checkpointable
 from autoshard.solver.assemble import assemble, forward_memory
 from autoshard.solver.merging import plan_once
-from autoshard.solver.search import Try, run_search
+from autoshard.solver.search import Try, fitting_edge, run_search
 from autoshard.solver.solve import BudgetError, forced_offload, grouped, offload_level
 
 
@@ -455,24 +454,10 @@ def _partial_candidates(traced: TracedGraph, mesh: Mesh, options: PlanOptions, b
 
 def least_fitting(memory: Callable[[int], float], n: int, at_n: float, budget: float) -> int:
     """The least k in [0, n] with ``memory(k) <= budget``, where ``memory`` does not grow with k
-    and ``memory(n) = at_n`` (n where even that does not fit). Regula falsi between the least
-    count known to fit and the greatest known not to: where the layers are alike the sum falls
-    by the same bytes per layer, and three pricings settle it (k = 0, the count the line gives,
-    and the one below it), where a bisection takes one per halving (seven for 80 layers)."""
+    and ``memory(n) = at_n`` (n where even that does not fit): where the layers are alike, three
+    pricings (k = 0, the count the line gives, and the one below it; solver/search.py
+    ``fitting_edge``)."""
     if at_n > budget:
         return n
-    lo, m_lo = 0, memory(0)
-    if m_lo <= budget:
-        return 0
-    hi, m_hi = n, at_n           # memory(lo) > budget >= memory(hi)
-    while hi - lo > 1:
-        k = lo + math.ceil((m_lo - budget) / (m_lo - m_hi) * (hi - lo)) \
-            if m_lo > m_hi else (lo + hi) // 2
-        k = min(hi - 1, max(lo + 1, k))
-        m = memory(k)
-        if m <= budget:
-            hi, m_hi = k, m
-        else:
-            lo, m_lo = k, m
-    return hi
+    return fitting_edge(memory, n, 0, budget, m_fit=at_n)
 

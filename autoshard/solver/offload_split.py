@@ -25,6 +25,7 @@ from autoshard.ir import OffloadLevel, StateMode, Strategy
 from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions, state_modes
 from autoshard.plans import Plan
+from autoshard.solver.search import fitting_edge
 from autoshard.solver.solve import offload_level, repriced
 from autoshard.trace.export import TracedGraph
 from autoshard.trace.graph import first_reads
@@ -76,20 +77,23 @@ def _bring_back(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
     if not moves:
         return None
 
-    def priced(j: int) -> Plan:
+    plans: dict[int, Plan] = {}
+
+    def peak_at(j: int) -> float:
         s = dict(strategies)
         for name, mode in moves[:j]:
             s[name] = replace(s[name], kernel=mode)
-        return repriced(traced, mesh, options, plan, s, plan.recompute)
+        plans[j] = repriced(traced, mesh, options, plan, s, plan.recompute)
+        return plans[j].predicted.memory.peak
 
     # The most moves that fit: each adds device memory. What a move keeps on the device for
     # the whole step (the parameter, its optimizer state) raises the peak by about its bytes
     # (less where the step's peak lies where an offloaded parameter held buffers of its own), so
-    # their running sum estimates the count, and the first pricing is there. The peak grows
-    # about linearly in that sum, so each pricing interpolates between the counts known to fit
-    # and not (regula falsi): two to four pricings where a bisection takes one per halving.
-    # A move that alone adds more than the room left is dropped (Llama-3-8B's embedding, the
-    # first read, where a few GiB are left): it would block every move after it.
+    # their running sum estimates the count, and the first pricing is there; the peak grows
+    # about linearly in that sum, the coordinate of the search (solver/search.py
+    # ``fitting_edge``): two to four pricings. A move that alone adds more than the room left
+    # is dropped (Llama-3-8B's embedding, the first read, where a few GiB are left): it would
+    # block every move after it.
     peak = plan.predicted.memory.peak
     now = {name: strategies[name].kernel for name, _ in moves}
     steps = []
@@ -103,19 +107,11 @@ def _bring_back(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
         return None
     added = [0.0, *accumulate(steps)]          # resident bytes the first j moves add
     hi = max(j for j, a in enumerate(added) if peak + a <= budget)
-    lo, best, over = 0, None, None           # over: (count, peak) of the least that did not fit
     with progress.step(f"offload per parameter: about {hi} of {len(moves)} moves fit"):
-        j = hi
-        while lo < hi:
-            p = priced(j)
-            if p.predicted.memory.peak <= budget:
-                lo, best = j, p
-            else:
-                hi, over = j - 1, (j, p.predicted.memory.peak)
-            j = _next(lo, hi, over, added, peak if best is None else best.predicted.memory.peak,
-                      budget)
-    if best is None:
+        lo = fitting_edge(peak_at, 0, hi, budget, m_fit=peak, x=added.__getitem__)
+    if lo == 0:
         return None
+    best = plans[lo]
     kept = sum(1 for _, mode in moves[:lo] if mode not in HOST_MODES)
     return replace(best, solver={
         **best.solver, "objective": best.predicted.step_time_s,
@@ -137,18 +133,6 @@ def _fitting(moves: list[Move], steps: list[float], room: float
         out.append((name, mode))
         kept.append(step)
     return out, kept
-
-
-def _next(lo: int, hi: int, over: tuple[int, float] | None, added: list[float], low: float,
-          budget: float) -> int:
-    """The next count to price, in (lo, hi]: where the line through (lo, ``low``) and the least
-    count known not to fit, in ``added`` bytes, meets the budget; the midpoint without one."""
-    if over is None or over[1] <= low or added[over[0]] <= added[lo]:
-        return (lo + hi + 1) // 2
-    slope = (over[1] - low) / (added[over[0]] - added[lo])
-    want = added[lo] + (budget - low) / slope
-    k = max(k for k in range(lo, hi + 1) if added[k] <= want or k == lo)
-    return min(hi, max(lo + 1, k))
 
 
 def _resident(traced: TracedGraph, mesh: Mesh, options: PlanOptions, name: str, spec,

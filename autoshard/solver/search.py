@@ -198,3 +198,37 @@ def _check(tries: Sequence[Try], error_of_none: str) -> None:
     if error_of_none not in ("first", "last", "none"):
         raise AutoshardError('error_of_none "first", "last" or "none"', got=repr(error_of_none),
                              fix='pass error_of_none="first", "last" or "none"')
+
+
+def fitting_edge(measure: Callable[[int], float], fit: int, far: int, budget: float, *,
+                 m_fit: float, x: Callable[[int], float] = float) -> int:
+    """The count nearest ``far`` (``far`` itself included) whose ``measure`` is within
+    ``budget``, between ``fit``, a count known to be within it (``m_fit``), and ``far``; the
+    measure is monotone from one to the other and priced once per count tried (a plan's memory
+    at k layers checkpointed, solver/budget.py; its liveness peak at j offload moves undone,
+    solver/offload_split.py).
+
+    Regula falsi on ``x(k)`` (the count itself by default; a quantity the measure grows about
+    linearly in): ``far`` is priced first, then where the line through the nearest count known
+    to fit and the nearest known not to meets the budget, the count on the fitting side of
+    that point (or next to the fitting count, if the line puts none nearer). Where the measure
+    is that line, two to three pricings settle it, where a bisection takes one per halving
+    (seven for 80 layers)."""
+    toward = 1 if far > fit else -1
+    k, miss = far, None                      # miss: (count, measure) nearest fit that overflowed
+    while fit != far:
+        m = measure(k)
+        if m <= budget:
+            fit, m_fit = k, m
+        else:
+            far, miss = k - toward, (k, m)
+        if fit == far:
+            break
+        # The next count: strictly past fit, at most far.
+        span = range(fit + toward, far + toward, toward)
+        k = span[(len(span) - 1) // 2]           # the middle, where the line says nothing
+        if miss is not None and miss[1] > m_fit and x(miss[0]) != x(fit):
+            want = x(fit) + (budget - m_fit) * (x(miss[0]) - x(fit)) / (miss[1] - m_fit)
+            ahead = [c for c in span if (x(c) - want) * (x(miss[0]) - x(fit)) <= 0]
+            k = ahead[-1] if ahead else span[0]
+    return fit
