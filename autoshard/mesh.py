@@ -121,6 +121,13 @@ class Mesh:
                 "links": [{"alpha": l.alpha, "bandwidth": l.bandwidth} for l in self.links]}
 
 
+def split_axes(sizes: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The (axis, size) pairs of a mesh of named sizes that split it (more than one device),
+    in order; one ``dp`` axis of 1 where none does. The mesh search builds its meshes so
+    (solver/meshes.py ``Candidate``), and a plan's summary finds its mesh among the tries so."""
+    return [(a, n) for a, n in sizes if n > 1] or [("dp", 1)]
+
+
 def _default_links(shape: tuple[int, ...], cluster: Cluster) -> tuple[AxisLink, ...]:
     # An axis's groups lie in blocks of ``inner`` consecutive ranks (the axis times all inner
     # axes). They stay inside a node when the whole mesh fits one node, or when the blocks tile

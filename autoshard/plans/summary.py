@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from autoshard.ir import Layer, spec_str
+from autoshard.mesh import split_axes
 from autoshard.plans.records import DIRECTIONS, MODE_NAMES
 from autoshard.plans.searches import TryRecord, named, searches
 from autoshard.schedules import balanced_bubble
@@ -141,8 +142,8 @@ def _mesh_search_summary(plan: Plan) -> list[str]:
 
 def _shape_text(sizes: list[tuple[str, int]]) -> str:
     """A mesh as its shape and axes, e.g. ``2x4 (pp,tp)``, the axes of one device left out
-    (as solver/meshes.py ``Candidate`` does)."""
-    kept = [(a, n) for a, n in sizes if n > 1] or [("dp", 1)]
+    (mesh.py ``split_axes``)."""
+    kept = split_axes(sizes)
     return f"{'x'.join(str(n) for _, n in kept)} ({','.join(a for a, _ in kept)})"
 
 

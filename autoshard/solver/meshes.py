@@ -36,7 +36,7 @@ import torch
 from autoshard import progress
 from autoshard.cluster import Cluster
 from autoshard.errors import AutoshardError
-from autoshard.mesh import Mesh
+from autoshard.mesh import Mesh, split_axes
 from autoshard.options import PlanOptions, resolve_options
 from autoshard.plans import Plan
 from autoshard.solver.search import Try, plan_facts, records_searches, run_search
@@ -55,13 +55,11 @@ class Candidate:
     @property
     def shape(self) -> tuple[int, ...]:
         """The mesh without its axes of one device (a 1-axis mesh when only one is left)."""
-        kept = [n for n in (self.pp, self.dp, self.tp) if n > 1]
-        return tuple(kept) or (1,)
+        return tuple(n for _, n in split_axes(zip(AXES, (self.pp, self.dp, self.tp))))
 
     @property
     def axes(self) -> tuple[str, ...]:
-        kept = tuple(a for a, n in zip(AXES, (self.pp, self.dp, self.tp)) if n > 1)
-        return kept or ("dp",)
+        return tuple(a for a, _ in split_axes(zip(AXES, (self.pp, self.dp, self.tp))))
 
     def __str__(self) -> str:
         return f"pp{self.pp} x dp{self.dp} x tp{self.tp}"
