@@ -126,6 +126,19 @@ def _diagnose(label: str, step, pm=None) -> None:
                                         for k, (n, us) in sorted(runtime.items())))
 
 
+def _diagnose_warnings(label: str, caught: list) -> None:
+    """The warnings ``label``'s program raised while built and compiled, each distinct message
+    once with its count (torch's own deprecations left out)."""
+    seen: dict[str, int] = {}
+    for w in caught:
+        if not issubclass(w.category, DeprecationWarning):
+            text = f"{w.category.__name__}: {str(w.message)[:300]}"
+            seen[text] = seen.get(text, 0) + 1
+    DIAGNOSIS.append(f"==== {label}: warnings while building and compiling "
+                     f"({sum(seen.values())})")
+    DIAGNOSIS.extend(f"{text} (x{n})" if n > 1 else text for text, n in seen.items())
+
+
 def _diagnose_collectives(device) -> None:
     """What one collective of the fake process group costs the host on this device."""
     import torch.distributed as dist
@@ -215,7 +228,12 @@ def _tp8_variant(model, mesh, plan, inputs, device, steps: int, compiled) -> tup
     """One variant of part 1: (wall time per step, its kernels' time, the first step's), and
     the program, its inputs and its step function, for the CUDA graph experiment."""
     import autoshard
-    # Every warning of building and compiling (a region that fell back to eager says so here),
+    def step():
+        pm.step(*x)
+        pm.zero_grad()
+        pm.ledger.clear()
+
+    # Every warning of building and compiling (a region that fell back to eager says so),
     # kept for the diagnosis.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -223,26 +241,12 @@ def _tp8_variant(model, mesh, plan, inputs, device, steps: int, compiled) -> tup
         x = pm.shard_inputs(*(t.to(device) if t.device.type != "meta" else
                               torch.zeros(t.shape, dtype=t.dtype, device=device)
                               for t in inputs))
-
-        def step():
-            pm.step(*x)
-            pm.zero_grad()
-            pm.ledger.clear()
-
         t0 = time.perf_counter()
         step()
         torch.cuda.synchronize()
         first = time.perf_counter() - t0
     if DIAGNOSIS is not None:
-        # (each distinct message once, with its count; torch's own deprecations left out)
-        seen: dict[str, int] = {}
-        for w in caught:
-            if not issubclass(w.category, DeprecationWarning):
-                text = f"{w.category.__name__}: {str(w.message)[:300]}"
-                seen[text] = seen.get(text, 0) + 1
-        DIAGNOSIS.append(f"==== TP 8 rank 0, {_variant(compiled)}: warnings while building and "
-                         f"compiling ({sum(seen.values())})")
-        DIAGNOSIS.extend(f"{text} (x{n})" if n > 1 else text for text, n in seen.items())
+        _diagnose_warnings(f"TP 8 rank 0, {_variant(compiled)}", caught)
     res = {"wall_s": _timed(step, steps), "kernels_s": _kernel_seconds(step),
            "first_step_s": first}
     if DIAGNOSIS is not None:
