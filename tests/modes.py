@@ -3,7 +3,6 @@
 tests/test_training_loop.py; module level, so the world's ranks unpickle these by reference."""
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
@@ -63,21 +62,60 @@ def bn_model(seed: int = 0) -> tuple[torch.nn.Module, tuple]:
     return BNNet(), (torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g))
 
 
+class ConvBlock(torch.nn.Module):
+    """A convolution, batch norm and ReLU with a residual: blocks alike are layers that
+    checkpointing may recompute (trace/layers.py ``checkpointable``)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn = torch.nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.bn(self.conv(x)))
+
+
+class ConvNet(torch.nn.Module):
+    """Two alike convolution blocks between a stem and a pooled linear head."""
+
+    def __init__(self, channels: int = 8) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, channels, 3, padding=1)
+        self.blocks = torch.nn.ModuleList(ConvBlock(channels) for _ in range(2))
+        self.head = torch.nn.Linear(channels, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.max_pool2d(self.stem(x), 2)
+        for block in self.blocks:
+            h = block(h)
+        logits = self.head(torch.nn.functional.adaptive_avg_pool2d(h, 1).flatten(1))
+        return torch.nn.functional.cross_entropy(logits, y)
+
+
+def conv_model(seed: int = 0) -> tuple[torch.nn.Module, tuple]:
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(0)
+    return ConvNet(), (torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 4, (8,), generator=g))
+
+
 def make(kind: str, seed: int = 0) -> tuple[torch.nn.Module, tuple]:
     if kind in ("bn", "mlp"):
         return (bn_model if kind == "bn" else drop_mlp)(seed)
+    if kind == "conv":
+        return conv_model(seed)
+    if kind == "resnet":            # Hugging Face's, batch norm after every convolution
+        from autoshard.tools.verify import build
+        return build("hf-resnet-tiny", None, None, seed)
     return dropout_model(kind, seed)
 
 
 def plan_of(kind: str, shape: tuple[int, ...], baseline: str, **kw) -> Plan:
     model, inputs = make(kind)
     mesh = Mesh(shape, cluster=CLUSTER)
-    with warnings.catch_warnings():       # batch_norm has no rule: replicated, said once
-        warnings.filterwarnings("ignore", message=".*batch_norm")
-        traced = trace(model, inputs)
-        if baseline in STORED:
-            return stored_plan(traced, mesh, baseline, **kw)
-        return baseline_plan(traced, mesh, baseline, **kw)
+    traced = trace(model, inputs)
+    if baseline in STORED:
+        return stored_plan(traced, mesh, baseline, **kw)
+    return baseline_plan(traced, mesh, baseline, **kw)
 
 
 def batch(inputs: tuple, step: int) -> tuple:

@@ -325,6 +325,41 @@ simple([aten.convolution.default],
        lambda g: ((g.t(2, 4, 8, 8), g.t(8, 4, 3, 3), g.t(8), [1, 1], [1, 1], [1, 1], False, [0, 0], 1), {}),
        lambda g: ((g.t(2, 4, 8, 8), g.t(4, 8, 3, 3), g.t(8), [2, 2], [1, 1], [1, 1], True, [1, 1], 1), {}))
 
+# ---- batch and group norm (ops/batch_norm.py) ----------------------------------------------
+# (input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled); the
+# running statistics are buffers: no gradient. Training with batch or spatial dims sharded runs
+# SyncBatchNorm, whose statistics the simulated ranks all-reduce forward and backward.
+simple([aten.batch_norm.default],
+       lambda g: ((g.t(4, 4, 4, 4), g.t(4), g.t(4), g.t(4), g.pos(4), True, 0.1, 1e-5, False),
+                  {}, {"no_grad": {3, 4}}),
+       lambda g: ((g.t(8, 4), None, None, g.t(4), g.pos(4), True, 0.1, 1e-5, False),
+                  {}, {"no_grad": {1, 2}}),
+       lambda g: ((g.t(4, 4, 8), g.t(4), g.t(4), None, None, True, 0.1, 1e-5, False), {}),
+       lambda g: ((g.t(4, 4, 4, 4), g.t(4), g.t(4), g.t(4), g.pos(4), False, 0.1, 1e-5, False),
+                  {}, {"no_grad": {3, 4}}))
+simple([aten.group_norm.default], lambda g: ((g.t(4, 4, 4, 4), 2, g.t(4), g.t(4), 1e-5, False), {}),
+       lambda g: ((g.t(4, 6, 8), 3), {}))
+
+# ---- pooling (ops/pool.py) -------------------------------------------------------------------
+simple([aten.max_pool2d.default], lambda g: ((g.t(2, 4, 8, 8), [2, 2]), {}),
+       lambda g: ((g.t(2, 4, 8, 8), [3, 3], [2, 2], [1, 1]), {}),
+       lambda g: ((g.t(4, 8, 8), [2, 2]), {}))
+simple([aten.max_pool1d.default], lambda g: ((g.t(2, 4, 16), [2]), {}))
+simple([aten.max_pool3d.default], lambda g: ((g.t(2, 2, 4, 4, 4), [2, 2, 2]), {}))
+simple([aten.max_pool2d_with_indices.default], lambda g: ((g.t(2, 4, 8, 8), [2, 2]), {}))
+simple([aten.max_pool3d_with_indices.default], lambda g: ((g.t(2, 2, 4, 4, 4), [2, 2, 2]), {}))
+simple([aten.avg_pool1d.default], lambda g: ((g.t(2, 4, 16), [2]), {}))
+simple([aten.avg_pool2d.default], lambda g: ((g.t(2, 4, 8, 8), [2, 2]), {}),
+       lambda g: ((g.t(2, 4, 8, 8), [3, 3], [2, 2], [1, 1], False, False), {}))
+simple([aten.avg_pool3d.default], lambda g: ((g.t(2, 2, 4, 4, 4), [2, 2, 2]), {}))
+simple([aten.adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d.default],
+       lambda g: ((g.t(2, 4, 8, 8), [1, 1]), {}), lambda g: ((g.t(2, 4, 8, 8), [3, 3]), {}))
+simple([aten.adaptive_avg_pool1d.default], lambda g: ((g.t(2, 4, 16), [4]), {}))
+simple([aten.adaptive_avg_pool3d.default], lambda g: ((g.t(2, 2, 4, 4, 4), [1, 1, 1]), {}))
+simple([aten.adaptive_max_pool1d.default], lambda g: ((g.t(2, 4, 16), [4]), {}))
+simple([aten.adaptive_max_pool2d.default], lambda g: ((g.t(2, 4, 8, 8), [2, 2]), {}))
+simple([aten.adaptive_max_pool3d.default], lambda g: ((g.t(2, 2, 4, 4, 4), [2, 2, 2]), {}))
+
 # ---- mixture-of-experts routing -------------------------------------------------------------
 simple([aten.sort.default], lambda g: ((g.t(4, 8),), {}), lambda g: ((g.t(4, 8), 0, True), {}))
 simple([aten.sort.stable], lambda g: ((g.t(4, 8),), {"stable": True, "dim": 0}))
@@ -740,6 +775,10 @@ HF_MODELS = {
     # conv2d (patch embedding)
     "ViTForImageClassification": lambda tr: tr.ViTForImageClassification(tr.ViTConfig(
         **_LAYER, image_size=16, patch_size=4, num_labels=10)),
+    # batch_norm, max_pool2d, adaptive_avg_pool2d
+    "ResNetForImageClassification": lambda tr: tr.ResNetForImageClassification(tr.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic",
+        num_labels=10)),
 }
 
 
@@ -748,7 +787,7 @@ def test_hugging_face_models_are_covered(name: str) -> None:
     tr = pytest.importorskip("transformers")
     with torch.device("meta"):
         model = HF_MODELS[name](tr)
-    if name.startswith("ViT"):
+    if name.endswith("ForImageClassification"):
         images = torch.randn(2, 3, 16, 16, device="meta")
         labels = torch.zeros(2, dtype=torch.long, device="meta")
         ep = torch.export.export(_HFLoss(model, "pixel_values"), (images, labels), strict=False)

@@ -747,7 +747,9 @@ def test_modes_and_inference_outputs(world2):
 
 MODES = [(kind, baseline, kw) for kind in ("gpt2", "llama", "bn") for baseline, kw in (
     ("dp", {}), ("megatron", {}), ("dp", dict(zero="zero2", bucket_mb=0.05)), ("fsdp", {}))
-    if not (kind == "bn" and baseline == "megatron")] + [("gpt2", "dp", dict(recompute="full"))]
+    if not (kind == "bn" and baseline == "megatron")] + [
+    ("gpt2", "dp", dict(recompute="full")), ("resnet", "dp", {}),
+    ("conv", "dp", dict(recompute="full"))]
 
 
 @pytest.mark.parametrize("kind,baseline,kw", MODES,
@@ -770,7 +772,7 @@ def test_eval_and_train_modes_equal_one_device(world2, kind, baseline, kw):
         assert train_err <= 1e-5, out
         assert out["grad_err"] <= 1e-5, out
         assert out["eval_kept_buffers"] and out["buffer_err"] <= 1e-6, out
-        assert out["has_buffers"] == (kind == "bn"), out
+        assert out["has_buffers"] == (kind in ("bn", "resnet", "conv")), out
 
 
 def test_split_dropout_draws_a_mask_per_shard_and_replicas_agree(world2):

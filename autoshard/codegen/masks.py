@@ -79,8 +79,12 @@ def seed_shards(gm: fx.GraphModule, plan: Any, coords: tuple[int, ...],
 
 
 def unwrapped(target: Any) -> Any:
-    """The op a node runs, seen through :class:`ShardMasks`."""
-    return target.op if isinstance(target, ShardMasks) else target
+    """The op a node runs, seen through :class:`ShardMasks`, and through a kernel that reduces
+    across ranks where its op computes the same on the local tensors in eval mode
+    (ops/registry.py ``CollectiveKernel.eval_op``: SyncBatchNorm is a batch norm there)."""
+    if isinstance(target, ShardMasks):
+        return target.op
+    return getattr(getattr(target, "kernel", None), "eval_op", None) or target
 
 
 def draws_masks(n: fx.Node) -> bool:

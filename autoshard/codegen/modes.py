@@ -54,7 +54,8 @@ def eval_program(gm: fx.GraphModule, counters: set[str]) -> fx.GraphModule:
         n.target = unwrapped(n.target)         # (no mask is drawn in eval mode)
         if isinstance(n.target, Checkpointed):     # the layer's program, in eval mode too
             t = n.target
-            n.target = Checkpointed(eval_program(t.gm, counters), t.rt, t.layer, t.policy)
+            n.target = Checkpointed(eval_program(t.gm, counters), t.rt, t.layer, t.policy,
+                                    t.state)
         elif n.target in op_modes.TRAIN_FLAGS:
             _set(n, op_modes.TRAIN_FLAGS[n.target][1],
                  "train" if op_modes.TRAIN_FLAGS[n.target][0] is not None else "training", False)

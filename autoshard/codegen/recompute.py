@@ -25,7 +25,9 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts,
                                     set_checkpoint_early_stop)
 
+from autoshard.codegen.masks import unwrapped
 from autoshard.ir import Phase
+from autoshard.ops.modes import written_args
 from autoshard.ops.registry import stored_kernels
 
 aten = torch.ops.aten
@@ -40,28 +42,43 @@ def _selective(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy
 
 
 class Checkpointed:
-    """A graph target: the region's submodule, run under torch.utils.checkpoint."""
+    """A graph target: the region's submodule, run under torch.utils.checkpoint.
 
-    def __init__(self, gm: fx.GraphModule, runtime: Any, layer: str,
-                 policy: str = "full") -> None:
+    ``state``: the positions of its inputs that are buffers the region writes in place (batch
+    norm's running statistics and its ``num_batches_tracked``: ops/modes.py ``written_args``).
+    They are not checkpoint inputs, whose versions checkpointing checks: forward updates them
+    once, as one device does, and recompute runs on copies of what forward read, so it sees the
+    same values and its updates are dropped."""
+
+    def __init__(self, gm: fx.GraphModule, runtime: Any, layer: str, policy: str = "full",
+                 state: tuple[int, ...] = ()) -> None:
         self.gm, self.rt, self.layer, self.policy = gm, runtime, layer, policy
+        self.state = state
         self.__name__ = "checkpoint_" + layer.replace(".", "_")
         self.calls = 0
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._read: dict[int, torch.Tensor] = {}
 
     def __call__(self, *args: Any) -> tuple:
         if not torch.is_grad_enabled():
             return tuple(self.gm(*args))
         self.calls = 0
+        self._buffers = {i: args[i] for i in self.state}
+        self._read = {i: t.clone() for i, t in self._buffers.items()}
+        rest = [a for i, a in enumerate(args) if i not in self._buffers]
         kw: dict[str, Any] = {}
         if self.policy == "selective":
             kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _selective)
         # The whole forward again, as priced: early stop would skip the region's tail (ops
         # whose outputs backward does not need, and their collectives).
         with set_checkpoint_early_stop(False):
-            return checkpoint(self._run, *args, use_reentrant=False, **kw)
+            return checkpoint(self._run, *rest, use_reentrant=False, **kw)
 
-    def _run(self, *args: Any) -> tuple:
+    def _run(self, *rest: Any) -> tuple:
         self.calls += 1                   # the first call is forward, a later one recompute
+        args = list(rest)
+        for i in sorted(self._buffers):
+            args.insert(i, self._buffers[i] if self.calls == 1 else self._read[i].clone())
         previous = self.rt.phase
         again = Phase.REPLAY if self.policy == "selective" else Phase.RECOMPUTE
         self.rt.phase = again if self.calls > 1 else previous
@@ -92,6 +109,9 @@ def outline(g: fx.Graph, after: fx.Node, last: fx.Node, runtime: Any, layer: str
         for a in n.all_input_nodes:
             if a not in inside:
                 inputs[a] = None
+    written = {a for n in region if n.op == "call_function"
+               for a in written_args(unwrapped(n.target), n.args, n.kwargs)}
+    state = tuple(i for i, a in enumerate(inputs) if a.op == "placeholder" and a in written)
     outputs = [n for n in region if any(u not in inside for u in n.users)]
     sub = fx.Graph()
     env: dict[fx.Node, fx.Node] = {a: sub.placeholder(a.name) for a in inputs}
@@ -100,7 +120,7 @@ def outline(g: fx.Graph, after: fx.Node, last: fx.Node, runtime: Any, layer: str
     sub.output(tuple(env[o] for o in outputs))
     gm = fx.GraphModule(torch.nn.Module(), sub, class_name="CheckpointedLayer")
     with g.inserting_before(region[0]):
-        call = g.call_function(Checkpointed(gm, runtime, layer, policy), tuple(inputs))
+        call = g.call_function(Checkpointed(gm, runtime, layer, policy, state), tuple(inputs))
         call.meta["autoshard"] = {"checkpoint": layer, "policy": policy}
         if "autoshard_stage" in last.meta:          # a pipeline stage (codegen/pipeline.py)
             call.meta["autoshard_stage"] = last.meta["autoshard_stage"]

@@ -130,7 +130,8 @@ class KernelCall:
     """A graph target: an op's kernel that reduces across ranks inside itself (ops/registry.py
     ``CollectiveKernel``, e.g. the vocabulary-parallel cross-entropy), bound to this rank's
     groups. Its all-reduces are written to the ledger under the op's node, each next to the
-    bytes the plan lists for it (``planned``, in the order the kernel runs them)."""
+    bytes the plan lists for it (``planned``, in the order the kernel runs them in each phase):
+    forward ones in the phase the rank is in, backward ones (SyncBatchNorm's) in "backward"."""
 
     def __init__(self, kernel: CollectiveKernel, runtime: "RankRuntime", node: str,
                  planned: tuple[OpCollective, ...]) -> None:
@@ -138,14 +139,17 @@ class KernelCall:
         self.__name__ = kernel.__name__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        planned = iter(self.planned)
+        planned = {p: iter([c for c in self.planned if c.phase == p])
+                   for p in (Phase.FORWARD, Phase.BACKWARD)}
+        phase = self.rt.phase       # (the backward runs later, whatever the rank's phase then)
 
-        def reduce(x: torch.Tensor, how: str) -> torch.Tensor:
+        def reduce(x: torch.Tensor, how: str, backward: bool = False) -> torch.Tensor:
             for axis in self.kernel.axes:
-                want = next(planned, None)
+                want = next(planned[Phase.BACKWARD if backward else Phase.FORWARD], None)
                 x = reduce_over_axis(x, how, axis, self.rt.groups, ledger=self.rt.ledger,
                                      planned_nbytes=want.nbytes if want else -1,
-                                     phase=self.rt.phase, node=self.node)
+                                     phase=Phase.BACKWARD if backward else phase,
+                                     node=self.node)
             return x
 
         return self.kernel.bind(reduce)(*args, **kwargs)

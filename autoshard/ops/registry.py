@@ -66,7 +66,9 @@ RuleFn = Callable[[OpInfo, tuple], list]
 LocalizeFn = Callable[..., tuple]   # (op, strategy, mesh_shape, coords, args, kwargs) -> (fn, args, kwargs)
 FlopsFn = Callable[[OpInfo], float]
 CollectivesFn = Callable[[OpInfo, Strategy, tuple], tuple]   # -> tuple[OpCollective, ...]
-Reduce = Callable[[torch.Tensor, str], torch.Tensor]          # (local tensor, "sum" | "max")
+# (local tensor, "sum" | "max", backward=False): ``backward`` for a reduction the op's backward
+# runs (the ledger's phase, the plan's record of that phase)
+Reduce = Callable[..., torch.Tensor]
 
 # Families (docs/cost-model.md §3).
 VIEW, MATMUL, ATTENTION, GATHER = "view", "matmul", "attention", "gather"
@@ -123,12 +125,19 @@ class OpCollective:
 class CollectiveKernel:
     """A local kernel that reduces across ranks before it can finish: ``fn(reduce, *args,
     **kwargs)``, where ``reduce(x, op)`` all-reduces ``x`` with ``op`` ("sum" or "max") over the
-    mesh ``axes``, one axis after the other. The op's rule cannot reach process groups (ops/ sits
-    below codegen/), so whoever runs the op binds ``reduce``: codegen to the rank's groups and
-    its ledger, the mesh simulator (ops/simulate.py) to the other simulated ranks."""
+    mesh ``axes``, one axis after the other (``reduce(x, op, backward=True)`` from the backward
+    of an autograd function the kernel applies: SyncBatchNorm's, ops/batch_norm.py). The op's
+    rule cannot reach process groups (ops/ sits below codegen/), so whoever runs the op binds
+    ``reduce``: codegen to the rank's groups and its ledger, the mesh simulator
+    (ops/simulate.py) to the other simulated ranks.
+    ``eval_op``: the ATen op that computes the same from the same local arguments once their
+    training flag is off (batch norm's running statistics need no reduction), which
+    ``pm.eval()``'s program runs instead (codegen/modes.py); None where eval mode changes
+    nothing."""
 
-    def __init__(self, fn: Callable[..., Any], axes: tuple[int, ...], name: str) -> None:
-        self.fn, self.axes, self.__name__ = fn, tuple(axes), name
+    def __init__(self, fn: Callable[..., Any], axes: tuple[int, ...], name: str,
+                 eval_op: Any = None) -> None:
+        self.fn, self.axes, self.__name__, self.eval_op = fn, tuple(axes), name, eval_op
 
     def bind(self, reduce: Reduce) -> Callable[..., Any]:
         """The kernel with its reductions bound: a plain function of the local tensors."""

@@ -172,8 +172,9 @@ def run_strategy(op_target: Any, args: tuple, kwargs: dict, strategy: Strategy,
         def grads_of(c: Coords) -> list:
             return _local_backward(local_ins[c], _tensors(all_outs[c]), grad_outputs, strategy,
                                    mesh_shape, c)
-        # A ring kernel's backward passes blocks between ranks too: every rank's at once.
-        if any(isinstance(fn, RingKernel) for fn, _, _ in calls.values()):
+        # A ring kernel's backward passes blocks between ranks too, and a collective kernel's
+        # may reduce across them (SyncBatchNorm's): every rank's at once.
+        if any(isinstance(fn, (RingKernel, CollectiveKernel)) for fn, _, _ in calls.values()):
             local_grads.update(_threads({c: functools.partial(grads_of, c)
                                          for c in coords_list}, None))
         else:
@@ -285,15 +286,17 @@ class LockstepReduce:
     combines those of its group (the ranks that differ from it only on the reduced axes), in
     coordinate order, so every member computes the same value."""
 
+    TIMEOUT_S = 60.0        # a rank that fails outside a reduction leaves the others waiting
+
     def __init__(self, coords: list[Coords]) -> None:
-        self.barrier = threading.Barrier(len(coords))
+        self.barrier = threading.Barrier(len(coords), timeout=self.TIMEOUT_S)
         self.posted: dict[int, dict[Coords, torch.Tensor]] = {}
         self.lock = threading.Lock()
 
     def reduce_for(self, coords: Coords, axes: tuple[int, ...]):
         calls = itertools.count()
 
-        def reduce(x: torch.Tensor, how: str) -> torch.Tensor:
+        def reduce(x: torch.Tensor, how: str, backward: bool = False) -> torch.Tensor:
             k = next(calls)
             with self.lock:
                 self.posted.setdefault(k, {})[coords] = x.detach()

@@ -179,6 +179,12 @@ def _bert(tf: ModuleType) -> nn.Module:
     return tf.BertForMaskedLM(config)
 
 
+def _resnet(tf: ModuleType) -> nn.Module:
+    config = tf.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16],
+                             depths=[1, 1], layer_type="basic", num_labels=4, image_size=16)
+    return tf.ResNetForImageClassification(config)
+
+
 def hf_gpt2_tiny(dtype: torch.dtype | None = None) -> HFLossModel:
     """GPT2LMHeadModel: 2 layers, hidden 32, 4 heads, vocab 64, context 16 (tied head)."""
     return _wrap(_gpt2, dtype)
@@ -192,6 +198,12 @@ def hf_llama_tiny(dtype: torch.dtype | None = None) -> HFLossModel:
 def hf_bert_tiny(dtype: torch.dtype | None = None) -> HFLossModel:
     """BertForMaskedLM: 2 layers, hidden 32, 4 heads, ffn 64, vocab 64, context 16."""
     return _wrap(_bert, dtype, "masked-lm")
+
+
+def hf_resnet_tiny(dtype: torch.dtype | None = None) -> HFLossModel:
+    """ResNetForImageClassification: 2 stages of one basic block (8 and 16 channels), batch
+    norm after every convolution, 4 labels, 16x16 images."""
+    return _wrap(_resnet, dtype, "image-classification")
 
 
 # ------------------------------------------------------------------ any model from a config.json
@@ -458,4 +470,4 @@ def _one_op_scan(original: Callable[..., Any]) -> Callable[..., Any]:
 
 __all__ = ["HFLossModel", "TASKS", "from_config", "infer_task", "read_config",
            "supported_tasks", "route_experts_as_one_op", "scan_as_one_op",
-           "hf_gpt2_tiny", "hf_llama_tiny", "hf_bert_tiny"]
+           "hf_gpt2_tiny", "hf_llama_tiny", "hf_bert_tiny", "hf_resnet_tiny"]

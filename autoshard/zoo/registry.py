@@ -162,6 +162,8 @@ ZOO: dict[str, ZooEntry] = {
                               hf.hf_llama_tiny, 4, hf.TINY_SEQ),
     "hf-bert-tiny": ZooEntry("HF BertForMaskedLM, 2 layers, hidden 32, fp32",
                              hf.hf_bert_tiny, 4, hf.TINY_SEQ),
+    "hf-resnet-tiny": ZooEntry("HF ResNetForImageClassification, 2 basic blocks, batch norm, "
+                               "16x16 images, fp32", hf.hf_resnet_tiny, 8, None),
 }
 
 
