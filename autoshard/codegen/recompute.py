@@ -25,7 +25,6 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts,
                                     set_checkpoint_early_stop)
 
-from autoshard.codegen.masks import unwrapped
 from autoshard.ir import Phase
 from autoshard.ops.modes import written_args
 from autoshard.ops.registry import stored_kernels
@@ -110,7 +109,8 @@ def outline(g: fx.Graph, after: fx.Node, last: fx.Node, runtime: Any, layer: str
             if a not in inside:
                 inputs[a] = None
     written = {a for n in region if n.op == "call_function"
-               for a in written_args(unwrapped(n.target), n.args, n.kwargs)}
+               for v in written_args(n.meta.get("autoshard_op", n.target), n.args, n.kwargs)
+               for a in (v if isinstance(v, (list, tuple)) else (v,)) if isinstance(a, fx.Node)}
     state = tuple(i for i, a in enumerate(inputs) if a.op == "placeholder" and a in written)
     outputs = [n for n in region if any(u not in inside for u in n.users)]
     sub = fx.Graph()

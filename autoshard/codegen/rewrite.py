@@ -326,6 +326,7 @@ def _emit_op(g: fx.Graph, node: fx.Node, local: Any, strat: Any, runtime: RankRu
         fn = RingCall(fn, runtime, node.name, op_collectives(info, strat, mesh_shape))
     new = g.call_function(fn, tuple(args), dict(kwargs))
     new.meta["autoshard"] = {"strategy": str(strat)}
+    new.meta["autoshard_op"] = node.target      # the traced op (the target may be its kernel)
     new.meta["autoshard_ref"] = ((node.name, 0), None)
     return new
 
