@@ -187,3 +187,18 @@ def test_resnet_data_parallel_equals_one_device(world4, shape, compile) -> None:
     assert ok, text
     if compile:
         assert not reports[0]["compiled"]["fallbacks"], reports[0]["compiled"]
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_a_pipeline_says_its_batch_norms_see_one_microbatch(microbatches) -> None:
+    """Each microbatch runs through a pipeline's stages on its own, so a training batch norm
+    normalises it by its own statistics: the plan says so, naming the first, whenever there is
+    more than one microbatch."""
+    from autoshard.solver.planner import plan
+    model, inputs = conv_model()
+    p = plan(model, inputs, Mesh((2,), ("pp",), cluster=CLUSTER), pipeline="pp",
+             microbatches=microbatches)
+    said = [w for w in p.warnings if "normalises each of the" in w]
+    assert len(said) == (microbatches > 1), p.warnings
+    if said:
+        assert "model.blocks.0.bn (2 in all)" in said[0] and "2 microbatches" in said[0]

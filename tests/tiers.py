@@ -33,6 +33,12 @@ STANDARD = {
     "tests/test_unseen.py::test_qwen3_moe_tokens_and_experts_split_on_gloo",
     # the compiled rank program against the eager one, collectives inside
     "tests/test_ring.py::test_compiled_program_with_the_ring_equals_the_eager_one",
+    # attention over a split sequence with K and V all-gathered, equal to one device
+    "tests/test_context.py::test_context_parallel_equals_single_device[cp2x2]",
+    # the vocabulary-parallel cross-entropy, equal to one device
+    "tests/test_vocab_parallel.py::test_vocab_parallel_plan_equals_single_device[gpt2-tiny-2x2-2]",
+    # strided shards of a fused projection, equal to one device
+    "tests/test_strided.py::test_a_fused_qkv_viewed_into_heads_trains_as_one_device_on_gloo",
 }
 
 

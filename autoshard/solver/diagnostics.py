@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from autoshard.cost.price import Pricer
 from autoshard.ir import Replicate, Strategy, work_fraction
 from autoshard.mesh import Mesh
+from autoshard.ops import modes as op_modes
+from autoshard.ops._common import arg
 from autoshard.ops.registry import RECORDS
-from autoshard.trace.export import TracedGraph, op_info
+from autoshard.trace.export import TracedGraph, module_path, op_info
 
 # Compute per device this many times the ideal share, or more, is reported.
 REDUNDANCY_REPORTED = 2.0
@@ -100,3 +102,18 @@ def unruled_note(traced: TracedGraph) -> str:
 def gib(nbytes: float) -> str:
     # 4 significant digits: a small model's figure must not print as "0.00 GiB".
     return f"{nbytes / 2**30:.4g} GiB"
+
+
+def microbatch_statistics_note(traced: TracedGraph, microbatches: int) -> str:
+    """A pipeline runs each microbatch through the model on its own, so a batch norm in
+    training normalises it by its own statistics (GPipe's micro-batches do too: Huang et al.
+    2019), not by the whole batch's as one device does: said, naming the first."""
+    norms = [n for n in traced.graph.nodes if n.op == "call_function"
+             and n.target in op_modes.TRAIN_FLAGS and op_modes.TRAIN_FLAGS[n.target][0] is None
+             and arg(n, op_modes.TRAIN_FLAGS[n.target][1], "training") is True]
+    if microbatches == 1 or not norms:
+        return ""
+    return (f"batch norm at {module_path(norms[0]) or norms[0].name} ({len(norms)} in all) "
+            f"normalises each of the {microbatches} microbatches by its own statistics, not the "
+            f"whole batch's: the pipelined step differs from one device's (plan without a "
+            f"pipeline, or with microbatches=1, for the same step)")

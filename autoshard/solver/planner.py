@@ -16,7 +16,8 @@ from autoshard.ir import OffloadLevel, OffloadOverlap, Strategy
 from autoshard.mesh import AxisMerge, Mesh
 from autoshard.options import PlanOptions, resolve_options
 from autoshard.plans import Plan
-from autoshard.solver.diagnostics import mesh_use, smaller_mesh, unruled_note
+from autoshard.solver.diagnostics import (mesh_use, microbatch_statistics_note, smaller_mesh,
+                                          unruled_note)
 from autoshard.trace.batches import Traces, batch_of, sliced
 from autoshard.trace.export import TracedGraph
 from autoshard.solver.budget import fit_budget, plan_memory
@@ -168,8 +169,10 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = N
     if options.pipeline is not None:
         # The graph is one microbatch's (trace_for); the stages' SPMD plan is this function's.
         from autoshard.solver.pipeline import plan_pipelined
-        return plan_pipelined(traced, mesh, options, model_name=model_name, trace_s=trace_s,
+        plan = plan_pipelined(traced, mesh, options, model_name=model_name, trace_s=trace_s,
                               plan_spmd=plan_traced)
+        note = microbatch_statistics_note(traced, options.microbatches)
+        return replace(plan, warnings=(*plan.warnings, note)) if note else plan
     plan = plan_memory(traced, mesh, options, model_name=model_name, fixed=fixed,
                         trace_s=trace_s, merge=merge)
     if fixed or merge is not None:
