@@ -123,6 +123,11 @@ simple([aten.neg.default, aten.clone.default, aten.contiguous.default, aten.alia
         aten.sigmoid.default, aten.cos.default, aten.sin.default, aten.abs.default, aten.erf.default,
         aten.square.default, aten.isnan.default, aten.isinf.default],
        lambda g: ((g.t(2, 4, 8),), {}))
+simple([aten.hardtanh.default], lambda g: ((g.t(2, 4, 8),), {}),
+       lambda g: ((g.t(2, 4, 8), 0.0, 6.0), {}))
+simple([aten.hardswish.default, aten.hardsigmoid.default], lambda g: ((g.t(2, 4, 8) * 4,), {}))
+simple([aten.leaky_relu.default], lambda g: ((g.t(2, 4, 8),), {}),
+       lambda g: ((g.t(2, 4, 8), 0.2), {}))
 simple([aten.rsqrt.default, aten.sqrt.default, aten.log.default, aten.reciprocal.default],
        lambda g: ((g.pos(2, 4, 8),), {}))
 simple([aten.gelu.default], lambda g: ((g.t(4, 8),), {"approximate": "tanh"}))
@@ -775,6 +780,9 @@ HF_MODELS = {
     # conv2d (patch embedding)
     "ViTForImageClassification": lambda tr: tr.ViTForImageClassification(tr.ViTConfig(
         **_LAYER, image_size=16, patch_size=4, num_labels=10)),
+    # hardtanh (ReLU6), depthwise convolutions
+    "MobileNetV2ForImageClassification": lambda tr: tr.MobileNetV2ForImageClassification(
+        tr.MobileNetV2Config(depth_multiplier=0.25, num_labels=10, image_size=32)),
     # batch_norm, max_pool2d, adaptive_avg_pool2d
     "ResNetForImageClassification": lambda tr: tr.ResNetForImageClassification(tr.ResNetConfig(
         embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic",

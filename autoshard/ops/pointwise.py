@@ -40,7 +40,8 @@ UNARY = (aten.rsqrt.default, aten.sqrt.default, aten.exp.default, aten.log.defau
          aten.pow.Tensor_Scalar, aten.pow.Scalar, aten.rsub.Scalar, aten.add.Scalar, aten.sub.Scalar,
          aten.dropout.default, aten.logical_not.default, aten.bitwise_not.default,
          aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default,
-         aten.isnan.default, aten.isinf.default, aten.fill.Scalar)
+         aten.isnan.default, aten.isinf.default, aten.fill.Scalar, aten.hardtanh.default,
+         aten.hardswish.default, aten.hardsigmoid.default, aten.leaky_relu.default)
 BINARY = (aten.pow.Tensor_Tensor, aten.maximum.default, aten.minimum.default, aten.max.other,
           aten.min.other, aten.floor_divide.default,
           aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.lt.Tensor,
@@ -106,7 +107,9 @@ _RECORDS = (
     ((aten.rsqrt.default, aten.tanh.default, aten.relu.default), ELEMENTWISE, OUTPUT0, INPUT),
     ((aten.sqrt.default, aten.exp.default, aten.sigmoid.default, aten.reciprocal.default),
      ELEMENTWISE, OUTPUT0, NO),
-    ((aten.gelu.default, aten.silu.default), ELEMENTWISE, INPUT0, INPUT),
+    # (hardtanh is ReLU6 and the clamps of MobileNets; their backward reads the input)
+    ((aten.gelu.default, aten.silu.default, aten.hardtanh.default, aten.hardswish.default,
+      aten.hardsigmoid.default, aten.leaky_relu.default), ELEMENTWISE, INPUT0, INPUT),
     ((aten.log.default, aten.cos.default, aten.sin.default, aten.abs.default, aten.erf.default,
       aten.square.default, aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default),
      ELEMENTWISE, INPUT0, NO),
