@@ -202,3 +202,19 @@ def test_a_pipeline_says_its_batch_norms_see_one_microbatch(microbatches) -> Non
     assert len(said) == (microbatches > 1), p.warnings
     if said:
         assert "model.blocks.0.bn (2 in all)" in said[0] and "2 microbatches" in said[0]
+
+
+@pytest.mark.parametrize("dtype,extra", [(torch.float32, (1, 2)), (torch.bfloat16, (3, 3))])
+def test_sync_kernel_temporaries_are_its_workspace(dtype, extra) -> None:
+    """The liveness walk's workspace of the sync kernel at its fullest: forward the squared
+    deviations, backward x̂ and one product, each the rank's input in fp32; from a 16-bit input
+    its fp32 copies instead (docs/cost-model.md §3.12). The plain op's kernels hold none."""
+    from autoshard.ops.registry import record_of
+    op = _bn((32, 64, 8, 8), dtype=dtype)
+    workspace = record_of(aten.batch_norm.default).workspace
+    s = _find(strategies_for(op, (4,)), (Shard(0),))
+    local = 8 * 64 * 8 * 8 * 4
+    assert workspace(op, s, (4,)) == (extra[0] * local, extra[1] * local)
+    eval_op = _bn((32, 64, 8, 8), dtype=dtype, training=False)
+    plain = _find(strategies_for(eval_op, (4,)), (Shard(0),))
+    assert workspace(eval_op, plain, (4,)) == (0, 0)

@@ -37,7 +37,8 @@ import torch
 from autoshard.ir import CollectiveKind, Phase, Shard, Strategy, local_shape
 from autoshard.ops._common import R, Option, arg, plain_localize, with_kernel
 from autoshard.ops.registry import (ELEMENTWISE, NO, CollectiveKernel, OpCollective, OpInfo,
-                                    Reduce, Saves, expand, per_output_element, register_op)
+                                    Reduce, Saves, amend, expand, per_output_element,
+                                    register_op)
 
 aten = torch.ops.aten
 
@@ -131,7 +132,7 @@ def _per_channel(t: torch.Tensor, ndim: int) -> torch.Tensor:
 class SyncBatchNorm(torch.autograd.Function):
     """Training-mode batch norm over the whole batch, of which this rank holds ``count /
     ranks`` elements per channel; ``reduce`` sums over the statistics axes (see the module's
-    docstring)."""
+    docstring). Its temporaries, in the statistics' dtype, are :func:`sync_workspace`'s."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
@@ -140,14 +141,14 @@ class SyncBatchNorm(torch.autograd.Function):
         dims = [d for d in range(x.ndim) if d != CHANNEL]
         xs = x.to(_stat_dtype(x.dtype))
         mean = reduce(xs.sum(dims), "sum") / count
-        centered = xs - _per_channel(mean, x.ndim)
-        var = reduce(centered.square().sum(dims), "sum") / count
+        y = xs - _per_channel(mean, x.ndim)                 # centred, then normalised in place
+        var = reduce(y.square().sum(dims), "sum") / count
         rstd = torch.rsqrt(var + eps)
-        y = centered * _per_channel(rstd, x.ndim)
+        y.mul_(_per_channel(rstd, x.ndim))
         if weight is not None:
-            y = y * _per_channel(weight, x.ndim)
+            y.mul_(_per_channel(weight, x.ndim))
         if bias is not None:
-            y = y + _per_channel(bias, x.ndim)
+            y.add_(_per_channel(bias, x.ndim))
         if running_mean is not None:     # as one device: the unbiased variance, n / (n - 1)
             running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
             unbiased = var * (count / max(count - 1, 1))
@@ -161,16 +162,33 @@ class SyncBatchNorm(torch.autograd.Function):
         x, weight, mean, rstd = ctx.saved_tensors
         dims = [d for d in range(x.ndim) if d != CHANNEL]
         g = dy.to(rstd.dtype)
-        xhat = (x.to(rstd.dtype) - _per_channel(mean, x.ndim)) * _per_channel(rstd, x.ndim)
+        xhat = (x.to(rstd.dtype) - _per_channel(mean, x.ndim)).mul_(_per_channel(rstd, x.ndim))
         local = torch.stack([g.sum(dims), (g * xhat).sum(dims)])   # Σ dy, Σ dy·x̂ (this rank's)
         total = ctx.reduce(local, "sum", backward=True) / ctx.count
         scale = rstd if weight is None else rstd * weight.to(rstd.dtype)
-        dx = _per_channel(scale, x.ndim) * (g - _per_channel(total[0], x.ndim)
-                                            - xhat * _per_channel(total[1], x.ndim))
+        dx = g - _per_channel(total[0], x.ndim)
+        dx.sub_(xhat.mul_(_per_channel(total[1], x.ndim))).mul_(_per_channel(scale, x.ndim))
         # The weight's and bias's gradients: this rank's summands (the gradient sync adds them).
         dw = local[1].to(weight.dtype) if weight is not None else None
         db = local[0].to(dy.dtype) if ctx.has_bias else None
         return dx.to(x.dtype), dw, db, None, None, None, None, None, None
+
+
+def sync_workspace(op: OpInfo, strategy: Strategy, mesh_shape: tuple) -> tuple[int, int]:
+    """What :class:`SyncBatchNorm` holds beyond its input, output and saved tensors at its
+    fullest, (forward, backward), in units of the rank's input in the statistics' dtype:
+    forward the squared deviations, backward x̂ and one product (fp32 input: 1, 2). From a
+    16-bit input the fp32 copy of the input and the output before its cast in forward, and in
+    backward the gradient's fp32 copy, x̂ and the input gradient before its cast (3, 3). The
+    plain op's fused kernels hold none of these."""
+    if strategy.kernel != SYNC:
+        return 0, 0
+    x = op.inputs[0]
+    stat = _stat_dtype(x.dtype)
+    one = math.prod(local_shape(x.shape, strategy.inputs[0], mesh_shape)) * stat.itemsize
+    if stat == x.dtype:
+        return one, 2 * one
+    return 3 * one, 3 * one
 
 
 def batch_norm_saves(op: OpInfo) -> Saves:
@@ -182,6 +200,7 @@ def batch_norm_saves(op: OpInfo) -> Saves:
 register_op(BATCH_NORM, strategies=batch_norm_strategy, family=ELEMENTWISE,
             saves=batch_norm_saves, follows=NO, flops=per_output_element,
             localize=batch_norm_localize, collectives=batch_norm_collectives)
+amend(BATCH_NORM, workspace=sync_workspace)
 
 
 def group_norm_strategy(op: OpInfo, mesh_shape: tuple) -> list[Strategy]:
