@@ -364,6 +364,21 @@ simple([aten.adaptive_avg_pool3d.default], lambda g: ((g.t(2, 2, 4, 4, 4), [1, 1
 simple([aten.adaptive_max_pool1d.default], lambda g: ((g.t(2, 4, 16), [4]), {}))
 simple([aten.adaptive_max_pool2d.default], lambda g: ((g.t(2, 4, 8, 8), [2, 2]), {}))
 simple([aten.adaptive_max_pool3d.default], lambda g: ((g.t(2, 2, 4, 4, 4), [2, 2, 2]), {}))
+# upsampling: the .vec overloads are what torch.export keeps for F.interpolate
+simple([aten.upsample_nearest2d.vec], lambda g: ((g.t(2, 4, 4, 4), None, [2.0, 2.0]), {}))
+simple([aten.upsample_nearest2d.default], lambda g: ((g.t(2, 4, 4, 4), [8, 8]), {}))
+simple([aten.upsample_bilinear2d.vec], lambda g: ((g.t(2, 4, 4, 4), [8, 8], False, None), {}))
+simple([aten.upsample_bilinear2d.default], lambda g: ((g.t(2, 4, 4, 4), [6, 6], True), {}))
+simple([aten.upsample_bicubic2d.vec], lambda g: ((g.t(2, 4, 4, 4), [8, 8], False, None), {}))
+simple([aten.upsample_bicubic2d.default], lambda g: ((g.t(2, 4, 4, 4), [8, 8], False), {}))
+simple([aten.upsample_nearest1d.vec], lambda g: ((g.t(2, 4, 8), None, [2.0]), {}))
+simple([aten.upsample_nearest1d.default], lambda g: ((g.t(2, 4, 8), [16]), {}))
+simple([aten.upsample_linear1d.vec], lambda g: ((g.t(2, 4, 8), [16], False, None), {}))
+simple([aten.upsample_linear1d.default], lambda g: ((g.t(2, 4, 8), [16], True), {}))
+simple([aten.upsample_nearest3d.vec], lambda g: ((g.t(2, 2, 2, 4, 4), None, [2.0, 2.0, 2.0]), {}))
+simple([aten.upsample_nearest3d.default], lambda g: ((g.t(2, 2, 2, 4, 4), [4, 8, 8]), {}))
+simple([aten.upsample_trilinear3d.vec], lambda g: ((g.t(2, 2, 2, 4, 4), [4, 8, 8], False, None), {}))
+simple([aten.upsample_trilinear3d.default], lambda g: ((g.t(2, 2, 2, 4, 4), [4, 8, 8], False), {}))
 
 # ---- mixture-of-experts routing -------------------------------------------------------------
 simple([aten.sort.default], lambda g: ((g.t(4, 8),), {}), lambda g: ((g.t(4, 8), 0, True), {}))

@@ -1,11 +1,12 @@
-"""Pooling: ``max_pool{1,2,3}d``, ``avg_pool{1,2,3}d``, their adaptive forms and the variants
-returning the max's indices.
+"""Pooling and upsampling: ``max_pool{1,2,3}d``, ``avg_pool{1,2,3}d``, their adaptive forms,
+the variants returning the max's indices, and ``upsample_*`` (``F.interpolate``: nearest,
+linear, bilinear, bicubic, trilinear).
 
-A pool of ``k`` spatial dims windows the last ``k`` dims of its input; the leading ones (batch
-and channels, or channels alone unbatched) pass through element by element, so each shards
-through to every output (the indices too) with no collective. Spatial dims stay whole: a
-window wider than its stride reads across a shard's edge. The average pools are linear, so a
-Partial input gives a Partial output.
+An op of ``k`` spatial dims windows (or interpolates) the last ``k`` dims of its input; the
+leading ones (batch and channels, or channels alone unbatched) pass through element by element,
+so each shards through to every output (the indices too) with no collective. Spatial dims stay
+whole: a window wider than its stride, or an interpolation, reads across a shard's edge. The
+average pools and the upsamplings are linear, so a Partial input gives a Partial output.
 """
 from __future__ import annotations
 
@@ -27,8 +28,15 @@ ADAPTIVE_AVG = {aten.adaptive_avg_pool1d.default: 1, aten.adaptive_avg_pool2d.de
                 aten.adaptive_avg_pool3d.default: 3, aten._adaptive_avg_pool2d.default: 2}
 ADAPTIVE_MAX = {aten.adaptive_max_pool1d.default: 1, aten.adaptive_max_pool2d.default: 2,
                 aten.adaptive_max_pool3d.default: 3}
-SPATIAL = {**MAX, **MAX_WITH_INDICES, **AVG, **ADAPTIVE_AVG, **ADAPTIVE_MAX}
-LINEAR = {**AVG, **ADAPTIVE_AVG}
+# upsampling -> (spatial dims, interpolation taps per output element)
+UPSAMPLE = {getattr(getattr(aten, f"upsample_{mode}"), overload): (k, taps)
+            for mode, k, taps in (("nearest1d", 1, 1), ("nearest2d", 2, 1), ("nearest3d", 3, 1),
+                                  ("linear1d", 1, 2), ("bilinear2d", 2, 4), ("bicubic2d", 2, 16),
+                                  ("trilinear3d", 3, 8))
+            for overload in ("default", "vec")}
+SPATIAL = {**MAX, **MAX_WITH_INDICES, **AVG, **ADAPTIVE_AVG, **ADAPTIVE_MAX,
+           **{op: k for op, (k, _) in UPSAMPLE.items()}}
+LINEAR = {**AVG, **ADAPTIVE_AVG, **UPSAMPLE}
 
 
 def pool_strategy(op: OpInfo, mesh_shape: tuple) -> list[Strategy]:
@@ -52,6 +60,11 @@ def adaptive_flops(op: OpInfo) -> float:
     return float(op.inputs[0].numel)
 
 
+def upsample_flops(op: OpInfo) -> float:
+    """One multiply-add per interpolation tap of each output element (nearest: one copy)."""
+    return float(op.outputs[0].numel * UPSAMPLE[op.target][1])
+
+
 def adaptive_avg_saves(op: OpInfo) -> Saves:
     """An output of one element per channel is a mean over the spatial dims, whose backward
     needs only the input's shape; other sizes keep the input."""
@@ -72,3 +85,6 @@ register_op(*AVG, strategies=pool_strategy, family=ELEMENTWISE, saves=Saves(inpu
             follows=NO, flops=window_flops, localize=plain_localize)
 register_op(*ADAPTIVE_AVG, strategies=pool_strategy, family=ELEMENTWISE,
             saves=adaptive_avg_saves, follows=NO, flops=adaptive_flops, localize=plain_localize)
+# Backward of an upsampling needs only the sizes.
+register_op(*UPSAMPLE, strategies=pool_strategy, family=ELEMENTWISE, saves=NOTHING, follows=NO,
+            flops=upsample_flops, localize=plain_localize)
