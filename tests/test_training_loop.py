@@ -758,7 +758,9 @@ MODES = [(kind, baseline, kw) for kind in ("gpt2", "llama", "bn") for baseline, 
 def test_eval_and_train_modes_equal_one_device(world2, kind, baseline, kw):
     """Why: "pm.eval() is ignored: dropout stays on, BatchNorm uses and overwrites batch
     statistics (eval losses 0.913/0.788/0.795 against eager's 0.739)"; then eval was refused.
-    HF GPT-2 and Llama with dropout 0.1 and a batch-norm model under DP, TP and ZeRO-2/3: a
+    HF GPT-2 and Llama with dropout 0.1 and a batch-norm model under DP, TP and ZeRO-2/3 (and
+    HF's ResNet, and a CNN whose checkpointed blocks hold batch norms: their running statistics
+    updated once a step, not again in recompute, their batch synced across the ranks): a
     training step, two evaluations, a training step, against one device. Eval losses are
     model.eval()'s, evaluation leaves the running statistics alone, training afterwards equals
     one device again (dropout draws made keep-all on both sides by verify's dispatch mode, as a

@@ -7,11 +7,11 @@ normalises each channel (dim 1) over every other dim (batch, spatial). Per mesh 
 - batch or spatial dims sharded, the per-channel tensors replicated -> output sharded alike. In
   eval mode (``training=False``: the running statistics normalise) that is exact with no
   collective. In training the statistics are the whole batch's: kernel ``"sync_batch_norm"``,
-  PyTorch's ``SyncBatchNorm`` (Ioffe & Szegedy 2015 for the formulas; the all-reduces as in
-  ``torch.nn.modules._functions.SyncBatchNorm``). Forward all-reduces each channel's sum, then
-  its sum of squared deviations from the global mean (two passes, as one device computes the
-  variance: no cancellation of ``E[x²] - E[x]²``); backward all-reduces each channel's
-  ``Σ dy`` and ``Σ dy·x̂`` together. The weight's and bias's gradients stay local summands,
+  what ``torch.nn.SyncBatchNorm`` computes (Ioffe & Szegedy 2015 for the formulas). Forward
+  all-reduces each channel's sum, then its sum of squared deviations from the global mean (two
+  passes: no cancellation in ``E[x²] - E[x]²``; PyTorch's all-gathers each rank's mean and
+  variance once instead); backward all-reduces each channel's ``Σ dy`` and ``Σ dy·x̂``
+  together, as PyTorch's does. The weight's and bias's gradients stay local summands,
   which the planner's gradient sync adds over the axis as it does for any replicated weight.
   Every rank updates its copy of the running statistics with the global ones, so the copies
   stay equal to one device's.
