@@ -11,7 +11,6 @@ layout either way). The backward, where one is run, is autograd's of the rewritt
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from autoshard.codegen.masks import arg as _arg, unwrapped
@@ -31,9 +30,8 @@ def mode_dependent(gm: fx.GraphModule) -> list[str]:
             continue
         target = unwrapped(n.target)
         if target in op_modes.TRAIN_FLAGS:
-            p, train = op_modes.TRAIN_FLAGS[target]
-            if _arg(n, train, "train" if p is not None else "training") is True and (
-                    p is None or _arg(n, p, "p") != 0):
+            p = op_modes.TRAIN_FLAGS[target][0]
+            if op_modes.trains(target, n.args, n.kwargs) and (p is None or _arg(n, p, "p") != 0):
                 out.append(f"{n.name} ({target})")
         elif target in op_modes.SDPA and _arg(n, op_modes.SDPA[target], "dropout_p"):
             out.append(f"{n.name} ({target})")

@@ -114,9 +114,7 @@ def batch_norm_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coord
                         bias: torch.Tensor | None, running_mean: torch.Tensor | None,
                         running_var: torch.Tensor | None, training: bool, momentum: float,
                         eps: float, cudnn_enabled: bool = True) -> torch.Tensor:
-        if not training:        # the running statistics normalise: no collective
-            return BATCH_NORM(input, weight, bias, running_mean, running_var, False, momentum,
-                              eps, cudnn_enabled)
+        assert training, "eval mode runs the plain op (CollectiveKernel.eval_op)"
         count = input.numel() // input.shape[CHANNEL] * ranks
         return SyncBatchNorm.apply(input, weight, bias, running_mean, running_var, momentum,
                                    eps, count, reduce)

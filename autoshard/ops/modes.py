@@ -18,12 +18,18 @@ DROPOUTS = {aten.dropout.default: (1, 2), aten.feature_dropout.default: (1, 2),
             aten.native_dropout.default: (1, 2)}
 # attention whose dropout_p is a training-mode argument (models pass 0.0 in eval mode)
 SDPA = {aten.scaled_dot_product_attention.default: 4}
+# batch norm -> (index of its training flag, positions of the running statistics it updates in
+# place when it trains, which its schema does not mark as written)
+BATCH_NORMS = {aten.batch_norm.default: (5, (3, 4)), aten.native_batch_norm.default: (5, (3, 4))}
 # op -> (index of its probability argument or None, index of its training flag)
-TRAIN_FLAGS = {**DROPOUTS,
-               aten.batch_norm.default: (None, 5), aten.native_batch_norm.default: (None, 5)}
-# op -> positions of the buffers it updates in place in training mode (batch norm's running
-# statistics), which its schema does not mark as written
-RUNNING_STATS = {aten.batch_norm.default: (3, 4), aten.native_batch_norm.default: (3, 4)}
+TRAIN_FLAGS = {**DROPOUTS, **{op: (None, flag) for op, (flag, _) in BATCH_NORMS.items()}}
+
+
+def trains(target: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a call of a ``TRAIN_FLAGS`` op has its training flag set."""
+    p, i = TRAIN_FLAGS[target]
+    return (args[i] if i < len(args) else kwargs.get("train" if p is not None else "training")) \
+        is True
 
 
 def written_args(target: Any, args: tuple, kwargs: dict) -> list:
@@ -34,8 +40,6 @@ def written_args(target: Any, args: tuple, kwargs: dict) -> list:
     for i, a in enumerate(schema.arguments if schema is not None else ()):
         if a.alias_info is not None and a.alias_info.is_write:
             out.append(args[i] if i < len(args) else kwargs.get(a.name))
-    if target in RUNNING_STATS:
-        flag = TRAIN_FLAGS[target][1]
-        if (args[flag] if flag < len(args) else kwargs.get("training")) is True:
-            out += [args[i] for i in RUNNING_STATS[target] if i < len(args)]
+    if target in BATCH_NORMS and trains(target, args, kwargs):
+        out += [args[i] for i in BATCH_NORMS[target][1] if i < len(args)]
     return out

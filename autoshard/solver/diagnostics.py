@@ -18,7 +18,6 @@ from autoshard.cost.price import Pricer
 from autoshard.ir import Replicate, Strategy, work_fraction
 from autoshard.mesh import Mesh
 from autoshard.ops import modes as op_modes
-from autoshard.ops._common import arg
 from autoshard.ops.registry import RECORDS
 from autoshard.trace.export import TracedGraph, module_path, op_info
 
@@ -109,8 +108,7 @@ def microbatch_statistics_note(traced: TracedGraph, microbatches: int) -> str:
     training normalises it by its own statistics (GPipe's micro-batches do too: Huang et al.
     2019), not by the whole batch's as one device does: said, naming the first."""
     norms = [n for n in traced.graph.nodes if n.op == "call_function"
-             and n.target in op_modes.TRAIN_FLAGS and op_modes.TRAIN_FLAGS[n.target][0] is None
-             and arg(n, op_modes.TRAIN_FLAGS[n.target][1], "training") is True]
+             and n.target in op_modes.BATCH_NORMS and op_modes.trains(n.target, n.args, n.kwargs)]
     if microbatches == 1 or not norms:
         return ""
     return (f"batch norm at {module_path(norms[0]) or norms[0].name} ({len(norms)} in all) "
