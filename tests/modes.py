@@ -98,7 +98,63 @@ def conv_model(seed: int = 0) -> tuple[torch.nn.Module, tuple]:
     return ConvNet(), (torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 4, (8,), generator=g))
 
 
+def drop_path_hf(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Hugging Face's drop path (e.g. transformers' ConvNext, Swin, BEiT): ``floor(q + U)``."""
+    if p == 0.0 or not training:
+        return x
+    keep = 1 - p
+    mask = keep + torch.rand((x.shape[0],) + (1,) * (x.ndim - 1), dtype=x.dtype, device=x.device)
+    mask.floor_()
+    return x.div(keep) * mask
+
+
+def drop_path_timm(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """timm's drop path: ``bernoulli_(q)``, scaled by 1/q in place."""
+    if p == 0.0 or not training:
+        return x
+    keep = 1 - p
+    mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+    mask.div_(keep)
+    return x * mask
+
+
+class DropPathBlock(torch.nn.Module):
+    """Two residual branches, each under one idiom of stochastic depth."""
+
+    def __init__(self, width: int, p: float) -> None:
+        super().__init__()
+        self.norm, self.p = torch.nn.LayerNorm(width), p
+        self.fc1, self.fc2 = torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)
+        self.fc3 = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + drop_path_hf(self.fc2(torch.relu(self.fc1(self.norm(x)))), self.p, self.training)
+        return x + drop_path_timm(self.fc3(x), self.p, self.training)
+
+
+class DropPathNet(torch.nn.Module):
+    """Alike blocks with stochastic depth (probability rising with depth, as ViTs use it)."""
+
+    def __init__(self, width: int = 16, p: float = 0.5) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(DropPathBlock(width, p * (i + 1) / 2) for i in range(2))
+        self.head = torch.nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return torch.nn.functional.mse_loss(self.head(x).squeeze(-1), y)
+
+
+def drop_path_model(seed: int = 0) -> tuple[torch.nn.Module, tuple]:
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(0)
+    return DropPathNet(), (torch.randn(16, 4, 16, generator=g), torch.randn(16, 4, generator=g))
+
+
 def make(kind: str, seed: int = 0) -> tuple[torch.nn.Module, tuple]:
+    if kind == "droppath":
+        return drop_path_model(seed)
     if kind in ("bn", "mlp"):
         return (bn_model if kind == "bn" else drop_mlp)(seed)
     if kind == "conv":

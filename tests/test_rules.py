@@ -141,6 +141,8 @@ simple([aten.rsub.Scalar, aten.add.Scalar, aten.sub.Scalar], lambda g: ((g.t(4, 
 simple([aten.dropout.default], lambda g: ((g.t(2, 4, 8), 0.0, True), {}),
        lambda g: ((g.t(2, 4, 8), 0.1, False), {}))
 simple([aten.logical_not.default, aten.bitwise_not.default], lambda g: ((g.b(4, 8),), {}))
+simple([aten.floor.default, aten.ceil.default, aten.round.default, aten.trunc.default,
+        aten.sign.default], lambda g: ((g.t(2, 4, 8) * 3,), {}))
 simple([aten.clamp.default], lambda g: ((g.t(4, 8), -0.5, 0.5), {}))
 simple([aten.clamp_min.default, aten.clamp_max.default], lambda g: ((g.t(4, 8), 0.1), {}))
 simple([aten.pow.Tensor_Tensor], lambda g: ((g.pos(4, 8), g.t(8)), {}))
@@ -267,6 +269,15 @@ simple([aten.new_full.default], lambda g: ((g.t(2, 4, 8), [4, 8], 2.0), {}))
 simple([aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default],
        lambda g: ((g.t(4, 8),), {}))
 simple([aten.full_like.default], lambda g: ((g.t(4, 8), 3.0), {}))
+# Random draws: every call starts from one generator state (ops/simulate.py call_on_copies), so
+# a rank's values equal the single device's only where it draws the whole tensor.
+simple([aten.rand.default, aten.randn.default], lambda g: (([8, 1, 1],), {"dtype": F64}),
+       lambda g: (([4, 8],), {"dtype": torch.float32}))
+simple([aten.rand_like.default, aten.randn_like.default], lambda g: ((g.t(4, 8),), {}),
+       lambda g: ((g.t(2, 4, 8),), {"dtype": torch.float32}))
+simple([aten.bernoulli_.float], lambda g: ((g.t(8, 1, 1), 0.7), {}))
+simple([aten.uniform_.default], lambda g: ((g.t(4, 8), -1.0, 2.0), {}))
+simple([aten.normal_.default], lambda g: ((g.t(4, 8), 0.5, 2.0), {}))
 simple([aten._assert_tensor_metadata.default],
        lambda g: ((g.t(4, 8),), {"dtype": F64, "layout": torch.strided}))
 
@@ -404,7 +415,6 @@ simple([SELECTIVE_SCAN],
 simple([aten.polar.default], lambda g: ((g.pos(4, 8), g.t(4, 8)), {}),
        lambda g: ((g.pos(8), g.t(2, 4, 8)), {}))
 simple([aten.log1p.default], lambda g: ((g.pos(2, 4, 8),), {}))
-simple([aten.floor.default], lambda g: ((g.t(2, 4, 8) * 4,), {}))
 
 
 def _perm(g: Gen, n: int, k: int) -> torch.Tensor:

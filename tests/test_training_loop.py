@@ -749,7 +749,8 @@ MODES = [(kind, baseline, kw) for kind in ("gpt2", "llama", "bn") for baseline, 
     ("dp", {}), ("megatron", {}), ("dp", dict(zero="zero2", bucket_mb=0.05)), ("fsdp", {}))
     if not (kind == "bn" and baseline == "megatron")] + [
     ("gpt2", "dp", dict(recompute="full")), ("resnet", "dp", {}),
-    ("conv", "dp", dict(recompute="full"))]
+    ("conv", "dp", dict(recompute="full")), ("droppath", "dp", dict(recompute="full")),
+    ("droppath", "fsdp", {})]
 
 
 @pytest.mark.parametrize("kind,baseline,kw", MODES,
@@ -760,11 +761,12 @@ def test_eval_and_train_modes_equal_one_device(world2, kind, baseline, kw):
     statistics (eval losses 0.913/0.788/0.795 against eager's 0.739)"; then eval was refused.
     HF GPT-2 and Llama with dropout 0.1 and a batch-norm model under DP, TP and ZeRO-2/3 (and
     HF's ResNet, and a CNN whose checkpointed blocks hold batch norms: their running statistics
-    updated once a step, not again in recompute, their batch synced across the ranks): a
-    training step, two evaluations, a training step, against one device. Eval losses are
-    model.eval()'s, evaluation leaves the running statistics alone, training afterwards equals
-    one device again (dropout draws made keep-all on both sides by verify's dispatch mode, as a
-    rank draws its own masks)."""
+    updated once a step, not again in recompute, their batch synced across the ranks; and
+    stochastic depth, HF's and timm's, which no flag turns off: its masks filled with their
+    means in eval mode): a training step, two evaluations, a training step, against one device.
+    Eval losses are model.eval()'s, evaluation leaves the running statistics alone, training
+    afterwards equals one device again (dropout draws made keep-all, uniform draws fixed
+    values, on both sides by verify's dispatch mode, as a rank draws its own masks)."""
     plan = plan_of(kind, (2,), baseline, **kw)
     for out in world2.run(train_eval_train, kind, plan.dumps()):
         assert out["modes"] == (False, False), out

@@ -8,18 +8,32 @@ same program with those flags flipped and the update of ``num_batches_tracked`` 
 node keeps its inputs and outputs, so the plan's layouts and collectives stay valid (a batch
 norm the plan replicated reads the same replicated input; a dropout's output keeps its input's
 layout either way). The backward, where one is run, is autograd's of the rewritten ops.
+
+Stochastic depth (drop path) has no flag: its module skips the mask in Python when it is not
+training, and the trace holds the draw. Its mask is a Bernoulli draw of keep probability ``q``
+that scales the branch by ``mask / q``, so the eval program fills the mask with its mean ``q``
+and the branch passes unscaled, as ``model.eval()`` runs it (up to rounding of ``x / q * q``).
+The two idioms are recognised: ``bernoulli_(q)`` (timm) and ``floor(q + U)`` for ``U``
+uniform on [0, 1) (Hugging Face). Any other random draw is kept, with a warning naming it: the
+trace cannot say whether the module draws it in eval mode too.
 """
 from __future__ import annotations
 
+import warnings
+
+import torch
 import torch.fx as fx
 
 from autoshard.codegen.masks import arg as _arg, unwrapped
 from autoshard.ops import modes as op_modes
 
+aten = torch.ops.aten
+
+
 def mode_dependent(gm: fx.GraphModule) -> list[str]:
     """Nodes that compute otherwise in eval mode: dropout drawing masks (p > 0, train),
-    attention with dropout, batch norm using and updating batch statistics (checkpointed
-    layers' included)."""
+    attention with dropout, batch norm using and updating batch statistics, a stochastic-depth
+    mask (checkpointed layers' included)."""
     from autoshard.codegen.recompute import Checkpointed
     out = []
     for n in gm.graph.nodes:
@@ -35,6 +49,43 @@ def mode_dependent(gm: fx.GraphModule) -> list[str]:
                 out.append(f"{n.name} ({target})")
         elif target in op_modes.SDPA and _arg(n, op_modes.SDPA[target], "dropout_p"):
             out.append(f"{n.name} ({target})")
+        elif mask_mean(n) is not None:
+            out.append(f"{n.name} ({target})")
+    return out
+
+
+def mask_mean(n: fx.Node) -> float | None:
+    """The keep probability of the stochastic-depth mask ``n`` draws (the module's docstring),
+    or None where ``n`` draws none."""
+    t = unwrapped(n.target)
+    if t in op_modes.BERNOULLI:
+        i = op_modes.BERNOULLI[t]
+        q = _arg(n, i, "p")
+        if q is None:           # (the trace leaves out an argument at its default, 0.5)
+            q = t._schema.arguments[i].default_value
+    elif t in op_modes.FLOORS and isinstance(n.args[0], fx.Node) \
+            and n.args[0].target in (aten.add.Tensor, aten.add.Scalar):
+        a, b = n.args[0].args[:2]
+        draw, q = (a, b) if isinstance(a, fx.Node) else (b, a)
+        if not (isinstance(draw, fx.Node) and _uniform_draw(draw) is not None):
+            return None
+    else:
+        return None
+    return float(q) if isinstance(q, (int, float)) and 0 <= q <= 1 else None
+
+
+def _other_draws(gm: fx.GraphModule) -> list[str]:
+    """The random draws of an eval program that no mask rewrite consumed (checkpointed layers'
+    included)."""
+    from autoshard.codegen.recompute import Checkpointed
+    out = []
+    for n in gm.graph.nodes:
+        if isinstance(n.target, Checkpointed):
+            out += _other_draws(n.target.gm)
+        elif n.op == "call_function" and unwrapped(n.target) in op_modes.DRAWS:
+            source = n.meta.get("stack_trace", "").strip().splitlines()
+            out.append(f"{n.name} ({unwrapped(n.target)})"
+                       + (f" at {source[-2].strip()}" if len(source) > 1 else ""))
     return out
 
 
@@ -59,6 +110,8 @@ def eval_program(gm: fx.GraphModule, counters: set[str]) -> fx.GraphModule:
                  "train" if op_modes.TRAIN_FLAGS[n.target][0] is not None else "training", False)
         elif n.target in op_modes.SDPA:
             _set(n, op_modes.SDPA[n.target], "dropout_p", 0.0)
+        elif (q := mask_mean(n)) is not None:
+            _fill_mask(n, q)
         elif _counts(n, counters):
             n.replace_all_uses_with(n.args[0])
             graph.erase_node(n)
@@ -66,14 +119,55 @@ def eval_program(gm: fx.GraphModule, counters: set[str]) -> fx.GraphModule:
     return fx.GraphModule(gm, graph, class_name="AutoshardEvalProgram")
 
 
+def _fill_mask(n: fx.Node, q: float) -> None:
+    """The mask ``n`` draws filled with its mean ``q`` instead, in place where ``n`` draws in
+    place; ``floor(q + U)``'s uniform draw, read by nothing else, made zeros (no draw; the
+    sum keeps its shape for the fill)."""
+    if n.target in op_modes.FLOORS:
+        draw = _uniform_draw(next(a for a in n.args[0].args[:2] if isinstance(a, fx.Node)),
+                             only_use=True)
+        if draw is not None:
+            draw.target = _NO_DRAW[unwrapped(draw.target)]
+    in_place = n.target._schema.name.endswith("_")
+    n.target = aten.fill_.Scalar if in_place else aten.fill.Scalar
+    n.args, n.kwargs = (n.args[0], q), {}
+
+
+def _uniform_draw(n: fx.Node, only_use: bool = False) -> fx.Node | None:
+    """The uniform draw ``n`` is, or is a reshard of (a slice of the whole draw), or None; with
+    ``only_use``, None unless each tensor on the way is read once."""
+    from autoshard.codegen.rewrite import ReshardCall
+    while isinstance(n.target, ReshardCall):
+        if only_use and len(n.users) != 1:
+            return None
+        n = n.args[0]
+    if unwrapped(n.target) not in op_modes.UNIFORM or (only_use and len(n.users) != 1):
+        return None
+    return n
+
+
+# a uniform draw -> the factory of the same signature that draws nothing
+_NO_DRAW = {aten.rand.default: aten.zeros.default, aten.rand_like.default: aten.zeros_like.default}
+
+
 def eval_version(gm: fx.GraphModule, pm, name: str = "eval") -> fx.GraphModule | None:
     """``gm`` (a program of the ParallelModule ``pm``, as emitted) in eval mode, compiled as
     ``pm``'s programs are; None where nothing in it runs otherwise in eval mode."""
-    if not mode_dependent(gm):
+    prog = None
+    if mode_dependent(gm):
+        counters = {ph.name for ph in pm.traced.placeholders if ph.kind == "buffer"
+                    and ph.fqn.endswith("num_batches_tracked")}
+        prog = eval_program(gm, counters)
+    draws = _other_draws(gm if prog is None else prog)
+    if draws:
+        warnings.warn(f"pm.eval(): {len(draws)} random draws stay in the eval program, as "
+                      f"traced in training mode: {'; '.join(draws[:5])}. Whether the module draws "
+                      "them in eval mode too is decided in Python, which the trace cannot see; "
+                      "if it draws them only in training, evaluate a model built without them "
+                      "(e.g. drop_path_rate=0)",
+                      stacklevel=3)
+    if prog is None:
         return None
-    counters = {ph.name for ph in pm.traced.placeholders if ph.kind == "buffer"
-                and ph.fqn.endswith("num_batches_tracked")}
-    prog = eval_program(gm, counters)
     if pm._compile:
         from autoshard.codegen.compile import compile_program
         prog = compile_program(prog, pm.runtime, name=name)

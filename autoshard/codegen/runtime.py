@@ -230,9 +230,10 @@ class ParallelModule(GradViews, StateDicts, Shards, torch.nn.Module):
 
     def train(self, mode: bool = True) -> "ParallelModule":
         """``pm.train()`` / ``pm.eval()``, as ``model.train()`` / ``model.eval()``: in eval mode
-        dropout is the identity and batch norm uses its running statistics without updating
-        them. The program was traced in training mode; eval mode runs a copy of it with those
-        ops' flags flipped (codegen/modes.py), same layouts and collectives; on a pipeline,
+        dropout is the identity, stochastic depth keeps every sample and batch norm uses its
+        running statistics without updating them. The program was traced in training mode;
+        eval mode runs a copy of it with those ops' flags flipped and masks filled with their
+        means (codegen/modes.py), same layouts and collectives; on a pipeline,
         each stage's program so (codegen/pipeline.py ``Pipelined``)."""
         if not mode and self._eval_program is None and self.pipeline is None:
             from autoshard.codegen.modes import eval_version

@@ -8,6 +8,15 @@ stretch from its coordinates (kernel ``"arange_shard"``).
 ``new_*`` and ``*_like`` read only their input's dtype and device, so the input may arrive in any
 placement; ``*_like`` outputs take the input's shape, and follow its sharding. ``_assert_*`` checks
 have no output and accept any placement (a size check is made against the local size).
+
+Random draws (``rand``, ``randn``, their ``*_like``, ``bernoulli_``, ``uniform_``, ``normal_``:
+stochastic depth's per-sample mask, noise) are built whole on every rank: each rank draws the
+global tensor from its default generator and its consumers take their slices for free. Ranks
+seeded alike (as dropout requires, codegen/masks.py) then draw exactly what one device draws, and
+the ranks that share a shard (tensor parallel) use the same values. A ``*_like`` draw reads only
+its input's shape, so the input may lie anywhere: the rank draws the input's global shape.
+Drawn sharded, each shard would need a generator of its own (as
+dropout's masks have), and would no longer equal the single device's draw.
 """
 from __future__ import annotations
 
@@ -26,6 +35,9 @@ NEW_FILLS = (aten.new_ones.default, aten.new_zeros.default, aten.new_empty.defau
 LIKES = (aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
          aten.full_like.default)
 ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
+DRAWS = (aten.rand.default, aten.randn.default)
+DRAWS_LIKE = {aten.rand_like.default: aten.rand.default, aten.randn_like.default: aten.randn.default}
+DRAWS_INTO = (aten.bernoulli_.float, aten.uniform_.default, aten.normal_.default)
 
 
 def _any_placement(t: TensorInfo) -> list:
@@ -62,6 +74,24 @@ def like_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     opts: list[Option] = [((Shard(d),), (Shard(d),)) for d in range(x.ndim) if x.shape[d] > 1]
     opts.append(((P,), (R,)))  # the values do not depend on the input's
     return expand(op, mesh_shape, opts)
+
+
+def whole_draw_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    """A random draw built whole on every rank (the module's docstring); an in-place draw fills
+    a whole tensor."""
+    return expand(op, mesh_shape, [])
+
+
+def draw_like_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    """``rand_like(x)``: ``x`` in any placement, the draw of its global shape whole."""
+    return expand(op, mesh_shape, [((p,), (R,)) for p in _any_placement(op.inputs[0])])
+
+
+def draw_like_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
+                       args: tuple, kwargs: dict) -> tuple:
+    x = args[0]
+    return DRAWS_LIKE[op.target], (list(op.outputs[0].shape),), {
+        "dtype": kwargs.get("dtype") or x.dtype, "device": x.device}
 
 
 def assert_strategy(op: OpInfo, mesh_shape: tuple) -> list:
@@ -106,5 +136,8 @@ register_op(aten.zeros_like.default, aten.ones_like.default, aten.full_like.defa
             strategies=like_strategy, **_FACTORY)
 register_op(aten.empty_like.default, strategies=like_strategy, family=VIEW, saves=NOTHING,
             follows=NO, flops=per_output_element)
+register_op(*DRAWS, strategies=whole_draw_strategy, **_FACTORY)
+register_op(*DRAWS_LIKE, strategies=draw_like_strategy, localize=draw_like_localize, **_FACTORY)
+register_op(*DRAWS_INTO, strategies=whole_draw_strategy, **_FACTORY)
 register_op(aten._assert_tensor_metadata.default, strategies=assert_strategy, family=VIEW,
             saves=NOTHING, follows=NO, flops=per_output_element, localize=assert_localize)

@@ -39,6 +39,8 @@ TWINS = {
     aten.pow_.Scalar: aten.pow.Tensor_Scalar, aten.dropout_.default: aten.dropout.default,
     aten.detach_.default: aten.detach.default, aten.index_put_.default: aten.index_put.default,
     aten.scatter_.src: aten.scatter.src, aten.scatter_.value: aten.scatter.value,
+    aten.floor_.default: aten.floor.default, aten.ceil_.default: aten.ceil.default,
+    aten.round_.default: aten.round.default, aten.trunc_.default: aten.trunc.default,
 }
 
 

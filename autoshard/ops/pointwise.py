@@ -42,6 +42,9 @@ UNARY = (aten.rsqrt.default, aten.sqrt.default, aten.exp.default, aten.log.defau
          aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default,
          aten.isnan.default, aten.isinf.default, aten.fill.Scalar, aten.hardtanh.default,
          aten.hardswish.default, aten.hardsigmoid.default, aten.leaky_relu.default)
+# piecewise constant: a zero gradient (stochastic depth's floor(q + U) mask)
+ROUNDING = (aten.floor.default, aten.ceil.default, aten.round.default, aten.trunc.default,
+            aten.sign.default)
 BINARY = (aten.pow.Tensor_Tensor, aten.maximum.default, aten.minimum.default, aten.max.other,
           aten.min.other, aten.floor_divide.default,
           aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.lt.Tensor,
@@ -51,7 +54,7 @@ BINARY = (aten.pow.Tensor_Tensor, aten.maximum.default, aten.minimum.default, at
           aten.bitwise_xor.Tensor, aten.logical_and.default, aten.logical_or.default,
           aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf,
           aten.masked_fill.Scalar, aten.masked_fill.Tensor)
-POINTWISE = ADDITIVE + SCALING + UNARY_LINEAR + CASTS + OVERWRITES + UNARY + BINARY
+POINTWISE = ADDITIVE + SCALING + UNARY_LINEAR + CASTS + OVERWRITES + UNARY + ROUNDING + BINARY
 
 
 def _partial_ok(op: OpInfo) -> str | None:
@@ -101,6 +104,7 @@ _RECORDS = (
     # ``copy`` and ``fill.Tensor`` write their second operand over the first; no gradient
     # needs either. ``floor_divide`` has no gradient.
     ((aten.copy.default, aten.fill.Tensor, aten.floor_divide.default), ELEMENTWISE, NOTHING, NO),
+    (ROUNDING, ELEMENTWISE, NOTHING, INPUT),
     ((aten.alias.default, aten.detach.default), VIEW, NOTHING, INPUT),
     ((aten.lift_fresh_copy.default,), VIEW, NOTHING, NO),
     ((aten.to.device, aten.rsub.Scalar), ELEMENTWISE, NOTHING, NO),

@@ -5,14 +5,14 @@ on its layers without rotary, ``log1p(floor((position + 1) / floor_scale))``.
 
 - ``polar(abs, angle)``: elementwise with broadcasting, a complex output; every output dim
   shards through, the operands that broadcast it stay whole. Not linear in either operand.
-- ``floor``, ``log1p``: elementwise; ``floor`` has a zero gradient and saves nothing.
+- ``log1p``: elementwise (``floor``, with the rounding ops, is in ops/pointwise.py).
 """
 from __future__ import annotations
 
 import torch
 
 from autoshard.ops.pointwise import pointwise_strategy
-from autoshard.ops.registry import (ELEMENTWISE, INPUT, NO, NOTHING, Saves, all_inputs,
+from autoshard.ops.registry import (ELEMENTWISE, INPUT, NO, Saves, all_inputs,
                                     per_output_element, register_op)
 
 aten = torch.ops.aten
@@ -22,5 +22,3 @@ register_op(aten.polar.default, strategies=pointwise_strategy, family=ELEMENTWIS
             saves=all_inputs, follows=NO, flops=per_output_element)
 register_op(aten.log1p.default, strategies=pointwise_strategy, family=ELEMENTWISE,
             saves=Saves(inputs=(0,)), follows=INPUT, flops=per_output_element)
-register_op(aten.floor.default, strategies=pointwise_strategy, family=ELEMENTWISE,
-            saves=NOTHING, follows=INPUT, flops=per_output_element)

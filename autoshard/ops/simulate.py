@@ -117,10 +117,16 @@ def call_on_copies(fn: Any, args: tuple, kwargs: dict) -> Any:
     """``fn`` on copies of its tensor arguments. An in-place op (``add_``, ``copy_``) must write
     neither into the caller's tensors nor into another rank's (a replicated local tensor shares
     the whole one's storage), and autograd refuses in-place ops on leaves; a copy is a
-    differentiable non-leaf, so gradients still reach the originals."""
+    differentiable non-leaf, so gradients still reach the originals. A random draw runs from one
+    generator state at every call, the single device's and each rank's: ranks seeded alike draw
+    alike (ops/factory.py)."""
     copies = [t.clone() for t in _tensors((args, kwargs))]
     a, k = _swap_tensors(args, kwargs, copies)
-    return fn(*a, **k)
+    if torch.Tag.nondeterministic_seeded not in getattr(fn, "tags", ()):
+        return fn(*a, **k)
+    with torch.random.fork_rng(devices=()):
+        torch.manual_seed(0)
+        return fn(*a, **k)
 
 
 @dataclass

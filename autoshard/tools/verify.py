@@ -121,14 +121,19 @@ def _loss_and_grads(model: torch.nn.Module, inputs: tuple
 
 
 class KeepAll(TorchDispatchMode):
-    """Random masks drawn keep-all, counted: dropout's Bernoulli draws give ones (each unit kept,
-    scaled by 1/(1 - p) as dropout does), ``native_dropout`` and attention's ``dropout_p`` run
-    with p = 0. A rank draws its masks on its shards, so no seed makes them the single device's;
-    under this mode both sides run the same deterministic function, every op still as planned."""
+    """Random draws made the same on both sides, counted. Dropout's masks run keep-all: its
+    Bernoulli draws give ones (each unit kept, scaled by 1/(1 - p) as dropout does),
+    ``native_dropout`` and attention's ``dropout_p`` run with p = 0; a rank draws its masks on
+    its shards, so no seed makes them the single device's. A uniform or normal draw (stochastic
+    depth's per-sample mask, noise), which a rank draws whole (ops/factory.py), takes at each
+    element a fixed value of the element's flat index (codegen/counter_rng.py), as the single
+    device does, and again when a checkpointed layer recomputes it. Under this mode both sides
+    run the same deterministic function, every op still as planned."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.draws = 0
+        self.draws = 0          # dropout masks run keep-all
+        self.fixed = 0          # uniform and normal draws given fixed values
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -137,6 +142,9 @@ class KeepAll(TorchDispatchMode):
             self.draws += 1
             return args[0].fill_(1) if packet is torch.ops.aten.bernoulli_ else \
                 torch.ones_like(args[0])
+        if packet in _FIXED_DRAWS:
+            self.fixed += 1
+            return _fixed_draw(func(*args, **kwargs), *_FIXED_DRAWS[packet](args, kwargs))
         if packet is torch.ops.aten.native_dropout:
             self.draws += 1
             args = (args[0], 0.0, *args[2:])
@@ -150,6 +158,34 @@ class KeepAll(TorchDispatchMode):
                 self.draws += 1
                 kwargs["dropout_p"] = 0.0
         return func(*args, **kwargs)
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str, default: float) -> float:
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+# draw -> (distribution, its two parameters) read off the call
+_FIXED_DRAWS = {
+    torch.ops.aten.rand: lambda a, k: ("uniform", 0.0, 1.0),
+    torch.ops.aten.rand_like: lambda a, k: ("uniform", 0.0, 1.0),
+    torch.ops.aten.randn: lambda a, k: ("normal", 0.0, 1.0),
+    torch.ops.aten.randn_like: lambda a, k: ("normal", 0.0, 1.0),
+    torch.ops.aten.uniform_: lambda a, k: ("uniform", _arg(a, k, 1, "from", 0.0),
+                                           _arg(a, k, 2, "to", 1.0)),
+    torch.ops.aten.normal_: lambda a, k: ("normal", _arg(a, k, 1, "mean", 0.0),
+                                          _arg(a, k, 2, "std", 1.0)),
+}
+
+
+def _fixed_draw(out: torch.Tensor, kind: str, a: float, b: float) -> torch.Tensor:
+    """``out`` overwritten with its fixed values: uniform on [a, b) or normal (mean a, std b)."""
+    from autoshard.codegen.counter_rng import counter_normal, counter_uniform
+    index = torch.arange(out.numel(), device=out.device)
+    values = (counter_uniform(0, "verify", index, low=a, high=b) if kind == "uniform"
+              else counter_normal(0, "verify", index, mean=a, std=b))
+    with torch.no_grad():
+        out.copy_(values.view(out.shape))
+    return out
 
 
 def ledger_diff(plan_records: list[tuple], run_records: list[tuple]) -> list[str]:
@@ -178,7 +214,7 @@ def _run_rank(spec: VerifySpec) -> dict[str, Any]:
     keep = KeepAll()
     with keep:
         ref_loss, ref_grads = _loss_and_grads(*_reference(model, inputs))
-    draws = keep.draws
+    draws, fixed = keep.draws, keep.fixed
     with keep:      # a 16-bit model's own error on one device: its tolerance's measure
         own = _loss_and_grads(copy.deepcopy(model), inputs) if dtype is not None else None
     scale = grad_scale(ref_grads)
@@ -194,7 +230,7 @@ def _run_rank(spec: VerifySpec) -> dict[str, Any]:
     steps = plan.options.accumulation_steps
     ran: list[tuple] = []
     host_ran: list[tuple] = []
-    with keep if draws else contextlib.nullcontext():
+    with keep if draws or fixed else contextlib.nullcontext():
         loss = _micro_steps(pm, pm.shard_inputs(*inputs), steps, ran, host_ran)
     grads = pm.full_grads()
     if steps > 1:
@@ -225,6 +261,7 @@ def _run_rank(spec: VerifySpec) -> dict[str, Any]:
         "dtype": str(own_dtype).removeprefix("torch."),
         "reference_dtype": str(REFERENCE_DTYPE if dtype else own_dtype).removeprefix("torch."),
         "random_draws": draws,
+        "fixed_draws": fixed,
         # A 16-bit model: the single device's own errors in its dtype (the tolerance's base).
         "own_loss_err": _loss_err(own[0], ref_loss) if own else None,
         "own_grad_err": max((rel_err(own[1][n], g, scale) for n, g in ref_grads.items()
@@ -526,6 +563,10 @@ def summarize(reports: list[dict[str, Any]], tolerance: float | None = None
         lines.append(f"random masks: {r['random_draws']} dropout draws per step run keep-all on "
                      f"both sides (a rank draws its masks on its own shards, so no seed can "
                      f"match the single device's); every op runs as planned")
+    if r.get("fixed_draws"):
+        lines.append(f"random draws: {r['fixed_draws']} uniform or normal draws per step take a "
+                     f"fixed value per element on both sides (ranks draw them whole, as one "
+                     f"device does); every op runs as planned")
     lines += [f"loss {r['loss']:.6f} vs single device {r['ref_loss']:.6f}: rel err {r['loss_err']:.2e}",
               f"gradients: {len(r['grad_errs'])} compared, largest rel err {worst[1]:.2e} ({worst[0]})",
               f"collectives per rank: {r['collectives']}, {r['bytes']} bytes run, "
