@@ -167,6 +167,20 @@ def test_every_fail_says_why(bad, reason) -> None:
     assert not ok and last.startswith("FAIL: ") and reason in last, last
 
 
+def test_an_ill_conditioned_fp32_model_is_judged_against_float64() -> None:
+    """Why: a tiny MobileNetV2 failed verify at 1e-5 under plain data parallelism, yet passed at
+    2e-13 in float64: the single device's own fp32 error against float64 was 4.8e-5 (batch norms
+    over a few near-equal values). Past 1e-5 the rank compares against a float64 copy, and the
+    tolerance is a margin over the single device's own fp32 error, as for a 16-bit model; the
+    text says so, and an error beyond it still fails."""
+    r = _report(reference_dtype="float64", fp32_err=6.2e-5, own_loss_err=1e-6,
+                own_grad_err=4.8e-5, grad_errs={"w": 7.2e-5})
+    ok, text = summarize([r])
+    assert ok and "tolerance 1.92e-04" in text and "largest error was 6.20e-05" in text, text
+    assert "against one device in float64" in text
+    assert not summarize([{**r, "grad_errs": {"w": 3e-4}}])[0]
+
+
 def test_a_16_bit_tolerance_is_measured_and_stated() -> None:
     r = _report(dtype="bfloat16", own_loss_err=1e-3, own_grad_err=2e-2,
                 grad_errs={"w": 5e-2})
