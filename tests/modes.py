@@ -191,7 +191,8 @@ def train_eval_train(kind: str, plan_json: str) -> dict:
     buffers after each phase and the gradients at the end."""
     from autoshard.codegen.parallelize import parallelize
     from autoshard.loss import as_loss_module
-    from autoshard.tools.verify import KeepAll, rel_err
+    from autoshard.tools.draws import KeepAll
+    from autoshard.tools.verify import rel_err
     plan = Plan.loads(plan_json)
     model, inputs = make(kind)
     pm = parallelize(model, Mesh(plan.mesh_shape, plan.mesh_axes), plan=plan,

@@ -1,5 +1,5 @@
 """Random draws no flag turns off: stochastic depth (drop path) and noise. A rank draws them
-whole (ops/factory.py), verify gives them fixed values on both sides (tools/verify.py
+whole (ops/factory.py), verify gives them fixed values on both sides (tools/draws.py
 ``KeepAll``), and ``pm.eval()`` fills a stochastic-depth mask with its mean (codegen/modes.py).
 The gloo runs, training and eval against one device, are in tests/test_training_loop.py
 (``droppath`` in ``MODES``)."""

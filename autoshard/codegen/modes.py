@@ -127,7 +127,7 @@ def _fill_mask(n: fx.Node, q: float) -> None:
         draw = _uniform_draw(next(a for a in n.args[0].args[:2] if isinstance(a, fx.Node)),
                              only_use=True)
         if draw is not None:
-            draw.target = _NO_DRAW[unwrapped(draw.target)]
+            draw.target = op_modes.NO_DRAW[unwrapped(draw.target)]
     in_place = n.target._schema.name.endswith("_")
     n.target = aten.fill_.Scalar if in_place else aten.fill.Scalar
     n.args, n.kwargs = (n.args[0], q), {}
@@ -144,10 +144,6 @@ def _uniform_draw(n: fx.Node, only_use: bool = False) -> fx.Node | None:
     if unwrapped(n.target) not in op_modes.UNIFORM or (only_use and len(n.users) != 1):
         return None
     return n
-
-
-# a uniform draw -> the factory of the same signature that draws nothing
-_NO_DRAW = {aten.rand.default: aten.zeros.default, aten.rand_like.default: aten.zeros_like.default}
 
 
 def eval_version(gm: fx.GraphModule, pm, name: str = "eval") -> fx.GraphModule | None:

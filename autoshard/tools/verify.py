@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard.codegen.parallelize import parallelize
 from autoshard.codegen.world import World
@@ -30,6 +29,7 @@ from autoshard.loss import as_loss_module
 from autoshard.mesh import Mesh
 from autoshard.plans import Plan
 from autoshard.solver.baselines import baseline_plan
+from autoshard.tools.draws import KeepAll
 from autoshard.solver.planner import plan, plan_traced, trace_for
 from autoshard.trace.batches import check_plannable
 from autoshard.trace.export import trace
@@ -120,74 +120,6 @@ def _loss_and_grads(model: torch.nn.Module, inputs: tuple
                            if p.grad is not None}
 
 
-class KeepAll(TorchDispatchMode):
-    """Random draws made the same on both sides, counted. Dropout's masks run keep-all: its
-    Bernoulli draws give ones (each unit kept, scaled by 1/(1 - p) as dropout does),
-    ``native_dropout`` and attention's ``dropout_p`` run with p = 0; a rank draws its masks on
-    its shards, so no seed makes them the single device's. A uniform or normal draw (stochastic
-    depth's per-sample mask, noise), which a rank draws whole (ops/factory.py), takes at each
-    element a fixed value of the element's flat index (codegen/counter_rng.py), as the single
-    device does, and again when a checkpointed layer recomputes it. Under this mode both sides
-    run the same deterministic function, every op still as planned."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.draws = 0          # dropout masks run keep-all
-        self.fixed = 0          # uniform and normal draws given fixed values
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        packet = func.overloadpacket
-        if packet in (torch.ops.aten.bernoulli_, torch.ops.aten.bernoulli):
-            self.draws += 1
-            return args[0].fill_(1) if packet is torch.ops.aten.bernoulli_ else \
-                torch.ones_like(args[0])
-        if packet in _FIXED_DRAWS:
-            self.fixed += 1
-            return _fixed_draw(func(*args, **kwargs), *_FIXED_DRAWS[packet](args, kwargs))
-        if packet is torch.ops.aten.native_dropout:
-            self.draws += 1
-            args = (args[0], 0.0, *args[2:])
-        names = [a.name for a in func._schema.arguments]
-        if "dropout_p" in names:
-            i = names.index("dropout_p")
-            if i < len(args) and args[i]:
-                self.draws += 1
-                args = (*args[:i], 0.0, *args[i + 1:])
-            elif kwargs.get("dropout_p"):
-                self.draws += 1
-                kwargs["dropout_p"] = 0.0
-        return func(*args, **kwargs)
-
-
-def _arg(args: tuple, kwargs: dict, i: int, name: str, default: float) -> float:
-    return args[i] if len(args) > i else kwargs.get(name, default)
-
-
-# draw -> (distribution, its two parameters) read off the call
-_FIXED_DRAWS = {
-    torch.ops.aten.rand: lambda a, k: ("uniform", 0.0, 1.0),
-    torch.ops.aten.rand_like: lambda a, k: ("uniform", 0.0, 1.0),
-    torch.ops.aten.randn: lambda a, k: ("normal", 0.0, 1.0),
-    torch.ops.aten.randn_like: lambda a, k: ("normal", 0.0, 1.0),
-    torch.ops.aten.uniform_: lambda a, k: ("uniform", _arg(a, k, 1, "from", 0.0),
-                                           _arg(a, k, 2, "to", 1.0)),
-    torch.ops.aten.normal_: lambda a, k: ("normal", _arg(a, k, 1, "mean", 0.0),
-                                          _arg(a, k, 2, "std", 1.0)),
-}
-
-
-def _fixed_draw(out: torch.Tensor, kind: str, a: float, b: float) -> torch.Tensor:
-    """``out`` overwritten with its fixed values: uniform on [a, b) or normal (mean a, std b)."""
-    from autoshard.codegen.counter_rng import counter_normal, counter_uniform
-    index = torch.arange(out.numel(), device=out.device)
-    values = (counter_uniform(0, "verify", index, low=a, high=b) if kind == "uniform"
-              else counter_normal(0, "verify", index, mean=a, std=b))
-    with torch.no_grad():
-        out.copy_(values.view(out.shape))
-    return out
-
-
 def ledger_diff(plan_records: list[tuple], run_records: list[tuple]) -> list[str]:
     """Collectives in one list and not the other, as readable lines (empty when equal)."""
     a, b = Counter(plan_records), Counter(run_records)
@@ -246,22 +178,12 @@ def _run_rank(spec: VerifySpec) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
     _seen(pm, ran, host_ran)
-    # This rank's: on a pipeline, its stage's collectives; each as often as the step runs it
-    # (``count``: per microbatch, per micro-step of accumulation).
-    mine = [c for c in plan.collectives if c.stage in pm.runtime.stages
-            for _ in range(c.count)]
-    planned = [(c.kind, c.axes, c.bytes, c.phase, c.node) for c in mine]
-    # The host link's copies (offload), as the plan lists them. (A pipelined plan lists its
-    # stages' together: not compared yet.)
-    host_planned = [(t.direction, t.bytes, t.phase, t.node, t.value)
-                    for t in plan.host_transfers for _ in range(t.count)] \
-        if plan.pipeline is None else []
+    mine, planned, host_planned = _planned(plan, pm)
     host_ran = host_ran if plan.pipeline is None else []
-    if wide is not None and not max([_loss_err(loss, ref_loss), *grad_errs.values()]) \
-            <= FP32_TOLERANCE:
-        (ref_loss, ref_grads, own, grad_errs), fp32_err = _against_float64(
-            wide, inputs, keep, ref_loss, ref_grads, grads), max([_loss_err(loss, ref_loss),
-                                                                  *grad_errs.values()])
+    fp32_err = max([_loss_err(loss, ref_loss), *grad_errs.values()])
+    if wide is not None and not fp32_err <= FP32_TOLERANCE:
+        ref_loss, ref_grads, own, grad_errs = _against_float64(wide, inputs, keep, ref_loss,
+                                                               ref_grads, grads)
     else:
         fp32_err = None
     report = {
@@ -296,6 +218,18 @@ def _run_rank(spec: VerifySpec) -> dict[str, Any]:
         del grads, ref_grads
         report["memory"] = measure_step_memory(pm, pm.shard_inputs(*inputs))
     return report
+
+
+def _planned(plan: Plan, pm) -> tuple[list, list[tuple], list[tuple]]:
+    """This rank's collectives as the plan lists them (on a pipeline, its stage's), each as
+    often as the step runs it (``count``: per microbatch, per micro-step of accumulation), and
+    as ledger tuples; and the host link's copies (offload; a pipelined plan lists its stages'
+    together: not compared yet)."""
+    mine = [c for c in plan.collectives if c.stage in pm.runtime.stages
+            for _ in range(c.count)]
+    host = [(t.direction, t.bytes, t.phase, t.node, t.value)
+            for t in plan.host_transfers for _ in range(t.count)] if plan.pipeline is None else []
+    return mine, [(c.kind, c.axes, c.bytes, c.phase, c.node) for c in mine], host
 
 
 def _against_float64(model: torch.nn.Module, inputs: tuple, keep: KeepAll, loss32: torch.Tensor,
