@@ -1,15 +1,17 @@
 """Op facts of training and eval mode (codegen/modes.py reads them for ``pm.eval()``,
 codegen/masks.py for per-shard dropout masks, codegen/recompute.py for the buffers a recomputed
 layer must not update twice): which arguments of an op say that it draws a random mask or uses
-batch statistics, which ops draw random numbers whatever their arguments (and which of those
-draw a stochastic-depth mask), and which arguments an op writes in place. Some of these ops have no sharding rule (they
-run replicated), so the facts sit here, beside the records, rather than in them.
+batch statistics, which draws make a stochastic-depth mask, and which arguments an op writes in
+place. Some of these ops have no sharding rule (they run replicated), so the facts sit here,
+beside the records, rather than in them.
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+
+from autoshard.ops import factory
 
 aten = torch.ops.aten
 
@@ -25,10 +27,9 @@ BATCH_NORMS = {aten.batch_norm.default: (5, (3, 4)), aten.native_batch_norm.defa
 # op -> (index of its probability argument or None, index of its training flag)
 TRAIN_FLAGS = {**DROPOUTS, **{op: (None, flag) for op, (flag, _) in BATCH_NORMS.items()}}
 
-# Random draws no flag turns off (ops/factory.py rules them): a module that draws only in
+# Random draws no flag turns off (their rules: ops/factory.py): a module that draws only in
 # training decides so in Python, and the trace holds the draw either way.
-DRAWS = (aten.rand.default, aten.randn.default, aten.rand_like.default, aten.randn_like.default,
-         aten.uniform_.default, aten.normal_.default, aten.bernoulli_.float)
+DRAWS = factory.DRAWS + tuple(factory.DRAWS_LIKE) + factory.DRAWS_INTO
 # A Bernoulli mask drawn as ``bernoulli(p)`` (timm's drop path): op -> index of p
 BERNOULLI = {aten.bernoulli_.float: 1}
 # ... or as ``floor(c + U)`` for U uniform on [0, 1) (Hugging Face's drop path): one with
