@@ -34,6 +34,7 @@ from autoshard.ops.registry import strategies_for
 from autoshard.options import CONTEXT_PARALLEL_TOKENS, PlanOptions
 from autoshard.solver.follow import Followers
 from autoshard.solver.problem import Decision, Edge, Fanout, Problem
+from autoshard.trace.aliases import pinned_reads
 from autoshard.trace.export import TracedGraph
 from autoshard.trace.graph import ValueRef, value_inputs
 
@@ -129,6 +130,9 @@ class _Builder:
 
     def build(self) -> Built:
         template = self.templates()
+        # Reads an in-place write pins (trace/aliases.py), by template node: a layer's copies
+        # read as its template does.
+        self.pinned = {(template.get(c, c), k) for c, k in pinned_reads(self.traced.graph)}
         members: dict[str, Member] = {}
         decision_nodes: list[list[str]] = []
         self.merged: dict[str, frozenset[int]] = {}
@@ -136,8 +140,9 @@ class _Builder:
             if template[n.name] != n.name:
                 continue
             strats = self.node_strategies(n)
-            merge = self.followers.merge_plan(n, members)
             tied = self.pricer.tied_to.get(n.name)
+            merge = None if tied is not None else self.followers.follow(
+                n, strats, members, decision_nodes, self.pinned)
             if tied is not None:
                 # A tied weight is stored once: every graph input it is lifted as takes the
                 # first one's layout (its reads may still reshard it).
@@ -145,13 +150,7 @@ class _Builder:
                 members[n.name] = Member(first.decision, strats, list(first.index))
                 decision_nodes[first.decision].append(n.name)
             elif merge is not None:
-                decision, positions = merge
-                ins = self.ins[n.name]
-                size = len(members[decision_nodes[decision][0]].index)
-                index = []
-                for i in range(size):
-                    srcs = {k: _spec(members[ins[k][0]], i, ins[k][1]) for k in positions}
-                    index.append(self.followers.best(n, strats, srcs))
+                decision, positions, index = merge
                 members[n.name] = Member(decision, strats, index)
                 self.merged[n.name] = positions
                 decision_nodes[decision].append(n.name)
@@ -255,7 +254,9 @@ class _Builder:
             # gradient-carrying one in the others.
             reqs = [self._requirements(c, k, members, self.pricer.has_grad((pname, o)))
                     for c, k in cons]
-            # One requirement list for every consumer: a fanout pays each requirement in use once.
+            # One requirement list for every consumer: a fanout pays each requirement in use
+            # once (a pinned read's requirement is a key of its own, priced as forbidden unless
+            # it reads the value as it lies).
             keys = list(dict.fromkeys(r for _, req in reqs for r in req))
             specs = list(dict.fromkeys(src_specs))
             value = (pname, o)
@@ -340,20 +341,25 @@ class _Builder:
     def _requirements(self, cname: str, k: int, members: dict[str, Member], grad: bool
                       ) -> tuple[int, list[tuple[Spec, frozenset[int]]]]:
         if cname == OUTPUT:
-            return self._out_decision, [(output_requirement(len(self.mesh_shape)), frozenset())]
+            return self._out_decision, [(output_requirement(len(self.mesh_shape)), frozenset(),
+                                         False)]
         cm = members[cname]
+        pinned = (cname, k) in self.pinned
         out = []
         for j in cm.index:
             s = cm.strategies[j]
-            out.append((s.inputs[k], input_divergence(s, k) if grad else frozenset()))
+            out.append((s.inputs[k], input_divergence(s, k) if grad else frozenset(), pinned))
         return cm.decision, out
 
-    def _price(self, value: ValueRef, src: Spec, dst: tuple[Spec, frozenset[int]],
+    def _price(self, value: ValueRef, src: Spec, dst: tuple[Spec, frozenset[int], bool],
                mode: StateMode | None = None) -> tuple[float, float]:
         """(Blocking, gradient-sync) seconds to reshard ``value`` from ``src`` to ``dst``
-        (``mode``: a parameter's state mode)."""
+        (its layout, divergent axes, and whether the read is pinned: trace/aliases.py;
+        ``mode``: a parameter's state mode)."""
         if self.deadline is not None and time.perf_counter() > self.deadline:
             raise BuildTimeout()
+        if dst[2] and src != dst[0]:
+            return FORBIDDEN, 0.0  # an in-place write must land in the storage later reads see
         if value[0] in self.in_place and src != dst[0] and any(
                 st.kind != "to_partial" for st in reshard(src, dst[0], self.shapes[value][0],
                                                           self.shapes[value][1],

@@ -57,6 +57,30 @@ class Followers:
                 return d, frozenset(k for k, dd in local.items() if dd == d)
         return None
 
+    def follow(self, n: fx.Node, strats: list[Strategy], members: dict[str, Member],
+               decision_nodes: list[list[str]], pinned: set[tuple[str, int]]
+               ) -> tuple[int, frozenset[int], list[int]] | None:
+        """(decision, positions read from it, strategy per decision index) where ``n`` follows
+        a decision; None where it does not, or where its ``pinned`` reads (trace/aliases.py)
+        find no strategy reading them as they lie."""
+        merge = self.merge_plan(n, members)
+        if merge is None:
+            return None
+        decision, positions = merge
+        pins = frozenset(k for k in positions if (n.name, k) in pinned)
+        ins = self.ins[n.name]
+        index = []
+        for i in range(len(members[decision_nodes[decision][0]].index)):
+            srcs = {}
+            for k in positions:
+                m = members[ins[k][0]]
+                srcs[k] = m.strategies[m.index[i]].outputs[ins[k][1]]
+            j = self.best(n, strats, srcs, pins)
+            if j < 0:
+                return None
+            index.append(j)
+        return decision, positions, index
+
     def _cost(self, name: str, s: Strategy, srcs: dict[int, Spec], base: float) -> float:
         ins = self.ins[name]
         t = base
@@ -64,10 +88,20 @@ class Followers:
             t += self.pricer.reshard_seconds(ins[k], spec, s.inputs[k], input_divergence(s, k))
         return t
 
-    def best(self, n: fx.Node, strats: list[Strategy], srcs: dict[int, Spec]) -> int:
+    def best(self, n: fx.Node, strats: list[Strategy], srcs: dict[int, Spec],
+             pinned: frozenset[int] = frozenset()) -> int:
         """The follower's cheapest strategy (own cost + reshards in), lowest index on ties.
-        Strategies are tried by own cost, stopping once that alone exceeds the best total."""
+        Strategies are tried by own cost, stopping once that alone exceeds the best total.
+        ``pinned``: positions it must read as they lie (trace/aliases.py); -1 where no strategy
+        does."""
         key = (n.name, tuple(sorted(srcs.items())))
+        if pinned:
+            as_is = self._reading_as_is(n.name, strats, {k: srcs[k] for k in pinned})
+            return min(as_is, default=-1,
+                       key=lambda j: (self._cost(n.name, strats[j], srcs,
+                                                 self.pricer.compute(n.name, strats[j])
+                                                 + self.pricer.op_comm_seconds(n.name, strats[j])),
+                                      j))
         if key in self._memo:
             return self._memo[key]
         if n.name not in self._own:
