@@ -28,6 +28,12 @@ today, and the graph is split there (``torch.fx.passes.split_module``):
 A region that fails to compile, or whose compiled graphs do not hold the collectives its trace
 recorded, runs eagerly with a warning naming its first and last op.
 
+**Draws kept eager for verify.** Inductor draws a compiled region's dropout masks and random
+values from its own generator, which no dispatch mode reaches, so ``autoshard verify
+--compile`` could not give them the fixed values (tools/draws.py ``KeepAll``) the eager run
+compared with one device had. Under :func:`eager_draws` every op that draws runs eagerly between
+the regions, where ``KeepAll`` sees it; the regions around it compile as they would.
+
 **The byte ledger.** A traced region's Python runs once, at compile time, on fake tensors: its
 collectives write their records then (each ``S`` measured on the fake tensor, whose shape is
 the real one). Those records are checked, kind and bytes in order, against the collective nodes
@@ -39,16 +45,19 @@ compiled program's collectives, as compiled, with the plan.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import operator
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
 
 from autoshard.codegen.collectives import ExecutedCollective, Ledger
 from autoshard.ir import CollectiveKind, Phase
+from autoshard.ops import modes as op_modes
 
 # The functional collectives of a traced graph, as the ledger names them; each moves the bytes
 # of its input (all-gather: its output), as codegen/collectives.py measures S.
@@ -59,6 +68,20 @@ _KINDS = {"all_gather_into_tensor": CollectiveKind.ALL_GATHER,
 
 # The ledger phases of collectives a backward runs (codegen/collectives.py Redistribute).
 BACKWARD_PHASES = (Phase.BACKWARD, Phase.GRAD_SYNC)
+
+# Whether the programs compiled now keep their random draws eager (:func:`eager_draws`).
+_EAGER_DRAWS = contextvars.ContextVar("autoshard_eager_draws", default=False)
+
+
+@contextlib.contextmanager
+def eager_draws() -> Iterator[None]:
+    """Programs compiled inside run every op that draws eagerly, between their regions (the
+    module's docstring)."""
+    token = _EAGER_DRAWS.set(True)
+    try:
+        yield
+    finally:
+        _EAGER_DRAWS.reset(token)
 
 
 class CompileFallback(UserWarning):
@@ -135,13 +158,15 @@ def _region_compiled(ids: dict[str, tuple[int, bool]], k: int) -> bool:
 
 def _eager(node: fx.Node) -> bool:
     """Whether ``node`` must run outside a traced graph (the module's docstring)."""
-    from autoshard.codegen.masks import ShardMasks
+    from autoshard.codegen.masks import ShardMasks, draws_masks, unwrapped
     from autoshard.codegen.recompute import Checkpointed
     from autoshard.codegen.rewrite import FetchCall
     from autoshard.codegen.ring import RingCall
     if node.op != "call_function":
         return False
     t = node.target
+    if _EAGER_DRAWS.get() and (draws_masks(node) or unwrapped(t) in op_modes.DRAWS):
+        return True
     # (a shard's dropout seeds the generators around its op: codegen/masks.py; the ring's
     # point-to-point sends are not functional collectives a traced graph holds)
     return _is_sync(node) or isinstance(t, (FetchCall, Checkpointed, ShardMasks, RingCall))
@@ -254,8 +279,11 @@ class CompiledRegion(torch.nn.Module):
         try:
             # The backward compiled now, not at the first backward: its collectives are
             # checked before the region is used, and a failure falls back here. One compile
-            # thread: a worker pool costs more than it saves on a rank's share of a host.
-            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), \
+            # thread: a worker pool costs more than it saves on a rank's share of a host. No
+            # common subexpressions merged by AOTAutograd: two reshards of one value that begin
+            # with the same all-gathers (CodeGen at 2x2) would run them once, and the step
+            # would no longer run the collectives the plan prices and the eager program runs.
+            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True, cse=False), \
                     torch._inductor.config.patch(compile_threads=1):
                 fn = compile_fx(gm, list(args), inner_compile=inner)
         finally:

@@ -278,14 +278,19 @@ def _compiled_against(model, inputs, plan: Plan, spec: VerifySpec, loss, grads,
     (optimizer step included) against the eager rank program's; the regions that fell back."""
     import time
     import warnings
-    from autoshard.codegen.compile import CompileFallback, regions
+    from autoshard.codegen.compile import CompileFallback, eager_draws, regions
+    keep = KeepAll()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CompileFallback)
-        cpm = parallelize(model, Mesh(spec.mesh_shape, spec.axes), plan=plan,
-                          example_inputs=inputs, compile=True)
+        # Draws as the eager run had them (keep-all, fixed values): run eagerly between the
+        # compiled regions, where KeepAll sees them (codegen/compile.py).
+        with eager_draws():
+            cpm = parallelize(model, Mesh(spec.mesh_shape, spec.axes), plan=plan,
+                              example_inputs=inputs, compile=True)
         steps, cran, chost = plan.options.accumulation_steps, [], []
         t0 = time.perf_counter()
-        closs = _micro_steps(cpm, cpm.shard_inputs(*inputs), steps, cran, chost)
+        with keep:
+            closs = _micro_steps(cpm, cpm.shard_inputs(*inputs), steps, cran, chost)
         first = time.perf_counter() - t0
     cgrads = {n: g / steps for n, g in cpm.full_grads().items()}
     opt, _ = _optimizer_for(cpm, plan.options.state_optimizer)
@@ -296,6 +301,7 @@ def _compiled_against(model, inputs, plan: Plan, spec: VerifySpec, loss, grads,
     return {"loss_err": abs(float(closs) - float(loss)) / max(abs(float(loss)), 1e-30),
             "grad_errs": {n: rel_err(cgrads[n], g) for n, g in grads.items()},
             "ledger_diff": ledger_diff(ran, cran), "first_step_s": first,
+            "eager_draws": keep.draws + keep.fixed,
             "regions": sum(regions(m.program) for m in cpm.pipeline.modules)
             if cpm.pipeline is not None else regions(cpm.program),
             "fallbacks": [str(w.message) for w in caught
@@ -582,7 +588,9 @@ def _compiled_lines(reports: list[dict[str, Any]], tolerance: float, lines: list
             lines.append(f"compiled vs eager: loss rel err {c['loss_err']:.2e}, gradients "
                          f"largest {worst:.2e}; first step (compiling) {c['first_step_s']:.1f} s"
                          f"; {c['regions']} compiled region(s), "
-                         f"{len(c['fallbacks'])} eager")
+                         f"{len(c['fallbacks'])} eager"
+                         + (f"; {c['eager_draws']} random draws per step run eagerly between "
+                            "them, fixed as in the eager run" if c.get("eager_draws") else ""))
         lines += [f"rank {rank}: {w}" for w in c["fallbacks"][:5]]
         if c["ledger_diff"]:
             lines.append(f"rank {rank}: compiled collectives differ from eager:")
