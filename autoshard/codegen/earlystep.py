@@ -54,7 +54,7 @@ class EarlySteps:
         kept = [g["params"] for g in groups]
         with torch.no_grad():
             if e.master is not e.param:
-                e.master.grad = p.grad.to(torch.float32)
+                e.master.grad = p.grad.to(e.master.dtype)
                 p.grad = None                  # (the cast holds the gradient now)
             mine = self.group_of[id(e)]
             for k, g in enumerate(groups):

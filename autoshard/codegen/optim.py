@@ -260,7 +260,7 @@ class ShardedOptimizer(OptimizerStateDicts, torch.optim.Optimizer):
             if e.master.grad is None:        # already fp32 here: no copy; else to the host
                 # A fused kernel reads its tensors as dense: a slice of .grad across a dim
                 # other than the first is copied out.
-                e.master.grad = g.to(e.master.device, torch.float32).contiguous()
+                e.master.grad = g.to(e.master.device, e.master.dtype).contiguous()
         self.optimizer.step()
         stepped = [e for e, _ in grads]
         plain = [e for e in stepped if not e.gather and e.mode != StateMode.OFFLOAD
@@ -312,12 +312,12 @@ class ShardedOptimizer(OptimizerStateDicts, torch.optim.Optimizer):
         return out
 
     def _recut_masters(self, force: bool = False) -> None:
-        """An fp32 parameter's master kept apart (ZeRO-1/2, offload) is its slice of the
+        """An fp32 (or fp64) parameter's master kept apart (ZeRO-1/2, offload) is its slice of the
         parameter: cut it again when the parameter was written other than by ``step`` (a load,
         ``pm.load_full_state_dict``), as the parameter's version counter tells."""
         with torch.no_grad():
             for e in self.entries:
-                if e.master is e.param or e.param.dtype != torch.float32:
+                if e.master is e.param or e.param.dtype.itemsize < 4:
                     continue
                 if force or e.param._version != e.seen:
                     e.master.copy_(_slice(e.param.detach(), e.dim, e.cut))

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from autoshard.cost.comm import reshard
-from autoshard.cost.state import SCATTERS
+from autoshard.cost.state import SCATTERS, master_dtype
 from autoshard.errors import AutoshardError
 from autoshard.ir import Shard, Spec, StateMode, spec_str
 
@@ -91,10 +91,10 @@ def entries(pm: Any) -> list[_Entry]:
         src = pm.master_source.pop(fqn, None)      # bf16-mixed: the fp32 weight
         local = _slice(p.detach() if src is None else src, dim, cut)
         if not u.master:
-            master = p                       # an fp32 parameter is its own master
-        else:
-            master = local.to(torch.device("cpu") if u.on_host else p.device, torch.float32,
-                              copy=True)
+            master = p                       # an fp32 or fp64 parameter is its own master
+        else:                                # fp32, or the parameter's dtype where wider
+            master = local.to(torch.device("cpu") if u.on_host else p.device,
+                              master_dtype(p.dtype), copy=True)
             if u.on_host and p.is_cuda:  # the link's copies run at its speed from pinned memory
                 master = master.pin_memory()
             master = torch.nn.Parameter(master)

@@ -169,7 +169,7 @@ class OptimizerStateDicts:
                     out.append((f"param_groups.{i}.{k}", None, (i, k), v))
         blank = None
         for e in self.entries:
-            if e.param.dtype != torch.float32:          # 16-bit: the master is kept apart
+            if e.param.dtype.itemsize < 4:              # 16-bit: the master is kept apart
                 out.append((f"master.{e.fqn}", e, None, self._dtensor(e, e.master.detach())))
             state = self.optimizer.state.get(e.master)
             if not state:

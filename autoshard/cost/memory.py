@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from autoshard.cost.compute import local_numel, op_profile
+from autoshard.cost.state import optimizer_bytes_per_element
 from autoshard.errors import AutoshardError
 from autoshard.ir import OpInfo, Strategy, cached_on, shard_factor
 from autoshard.ops.registry import NOTHING, VIEW, Saves, record_of
@@ -68,7 +69,8 @@ def param_state_bytes(numel_local: int, dtype: torch.dtype, *, optimizer: str = 
     optimizer state. ``optimizer="none"`` (inference) counts the parameters only.
 
     - 16-bit (or smaller) params with Adam: 2 + 2 + K=12 = 16 bytes each (mixed precision).
-    - fp32 params with Adam: 4 + 4 + 8 (momentum and variance in fp32) = 16 bytes each.
+    - fp32 or fp64 params with Adam: param, gradient, momentum and variance in their dtype,
+      16 bytes each for fp32 (cost/state.py ``optimizer_bytes_per_element``).
     - ``"sgd"``: parameter + gradient (plain SGD keeps no state).
     """
     if optimizer not in OPTIMIZERS:
@@ -78,10 +80,7 @@ def param_state_bytes(numel_local: int, dtype: torch.dtype, *, optimizer: str = 
     isz = dtype.itemsize
     if optimizer == "none":
         return numel_local * isz
-    if optimizer == "sgd":
-        return numel_local * 2 * isz
-    state = MIXED_PRECISION_ADAM_K if isz < 4 else 2 * isz
-    return numel_local * (2 * isz + state)
+    return numel_local * (2 * isz + optimizer_bytes_per_element(isz, optimizer, None))
 
 
 def zero_model_state_bytes(psi: float, d: int, stage: int, K: float = MIXED_PRECISION_ADAM_K

@@ -38,6 +38,7 @@ from autoshard.cost.price_recompute import RecomputePricing
 from autoshard.cost.price_reshard import ReshardPricing
 from autoshard.cost.price_state import StatePricing
 from autoshard.cost.reshards import carries_grad, frozen, traced_grads
+from autoshard.errors import AutoshardError
 from autoshard.ir import OffloadLevel, OpInfo, Strategy
 from autoshard.mesh import AxisMerge, Mesh
 from autoshard.options import PlanOptions, state_modes
@@ -113,6 +114,8 @@ class Pricer(ComputePricing, RecomputePricing, MemoryPricing, StatePricing, Resh
         self._nodes = {n.name: n for n in traced.graph.nodes}
         # Frozen parameters (requires_grad=False): their state is the parameter alone.
         self.frozen = frozenset(n for n in self.params if frozen(self._nodes[n]))
+        if self.training and options.offload in (OffloadLevel.OPTIMIZER, OffloadLevel.PARAMETERS):
+            _refuse_wide_offload(traced, self.frozen)
         self._infos: dict[str, OpInfo] = {}
         self._saved_inputs: dict[ValueRef, list[Consumer]] | None = None
         self._kept: dict[ValueRef, bool] = {}
@@ -139,3 +142,16 @@ class Pricer(ComputePricing, RecomputePricing, MemoryPricing, StatePricing, Resh
     def reads(self, name: str) -> list[str]:
         """The nodes whose values ``name`` reads, by input position."""
         return [ref[0] for ref in value_inputs(self._nodes[name])]
+
+
+def _refuse_wide_offload(traced: TracedGraph, frozen_: frozenset[str]) -> None:
+    """A forced offload of an fp64 model: the host's step keeps fp32 masters and moments
+    (codegen/hostopt.py), so no fp64 parameter may take it (cost/state.py ``modes_for``)."""
+    wide = [p.fqn for p in traced.params
+            if p.name not in frozen_ and p.info.dtype.itemsize > 4]
+    if wide:
+        raise AutoshardError("offload of 16-bit or fp32 parameters (the host's step keeps fp32 "
+                             "masters and moments)",
+                             got=f"{len(wide)} fp64 parameters ({wide[0]}, ...)",
+                             fix="plan with --offload none (or auto), or cast the model to "
+                                 "fp32")

@@ -28,7 +28,7 @@ class StatePricing:
         """The state modes (cost/state.py) a parameter stored in ``spec`` may take."""
         ph = self.traced.placeholder(name)
         return modes_for(ph.info.shape, spec, self.mesh.shape, self.optimizer_of(name),
-                         self.modes)
+                         self.modes, ph.info.dtype.itemsize)
 
     def optimizer_of(self, name: str) -> str:
         """The optimizer whose state parameter ``name`` carries: "none" for a frozen one (no

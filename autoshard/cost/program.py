@@ -84,15 +84,17 @@ class ParamUpdate:
       (ZeRO-1/2, offload: ``state_spec``, over the zero axes), else None (the state follows
       the parameter);
     - ``on_host``: its state and its step live on the host (offload, parameter offload);
-    - ``master``: an fp32 master is kept apart from the parameter (a 16-bit parameter, or one
+    - ``master``: a master is kept apart from the parameter (a 16-bit parameter, or one
       whose state is cut apart or on the host); else the parameter is its own master;
-    - ``elements``: the elements of its state shard, what one rank's step updates.
+    - ``elements``: the elements of its state shard, what one rank's step updates;
+    - ``width``: the bytes of one element of its master and moments: fp32, or the parameter's
+      own dtype where wider (an fp64 model's).
 
     What the step makes of it, in bytes:
 
-    - ``moment``: one fp32 tensor the size of its state shard (its momentum, its variance, its
-      master where kept apart), for an optimizer with moments; 0 where its state lives on the
-      host;
+    - ``moment``: one tensor of ``width`` bytes an element the size of its state shard (its
+      momentum, its variance, its master where kept apart), for an optimizer with moments; 0
+      where its state lives on the host;
     - ``cast``: the fp32 copy of a 16-bit gradient for its master, alive through its piece's
       update (:meth:`OptimizerStep.pieces`);
     - ``gather``: bytes made on the device while its updated shard is brought back into its
@@ -112,14 +114,15 @@ class ParamUpdate:
     on_host: bool
     master: bool
     elements: int
+    width: int = 4
 
     def state_bytes(self, optimizer: str) -> dict[str, int]:
         """The optimizer state ``optimizer`` keeps for it, by where it lies ("device",
-        "host"): its fp32 master where kept apart, and Adam's two moments (docs/cost-model.md
-        §4.1), each ``4·elements``."""
+        "host"): its master where kept apart, and Adam's two moments (docs/cost-model.md
+        §4.1), each ``width·elements``."""
         tensors = int(self.master) + (2 if optimizer in MOMENT_OPTIMIZERS else 0)
         where = "host" if self.on_host else "device"
-        return {"device": 0, "host": 0, where: tensors * 4 * self.elements}
+        return {"device": 0, "host": 0, where: tensors * self.width * self.elements}
 
 
 @dataclass(frozen=True)
@@ -331,7 +334,8 @@ def updates(traced: Any, strategies: Mapping[str, Strategy], mesh_shape: tuple[i
         sspec = state_spec(shape, spec, mesh_shape) if mode is not None else None
         on_host = mode in HOST_MODES
         elements = step_elements(shape, spec, mode, mesh_shape)
-        moment = elements * 4 if moments and not on_host else 0
+        width = max(isz, 4)
+        moment = elements * width if moments and not on_host else 0
         gather = 0
         if sspec is not None and moments:
             local = math.prod(local_shape(shape, spec, mesh_shape)) * isz
@@ -341,7 +345,7 @@ def updates(traced: Any, strategies: Mapping[str, Strategy], mesh_shape: tuple[i
             ph.name, mode, moment, moment if isz < 4 else 0, gather,
             tuple(host_copies(shape, ph.info.dtype, spec, mode, mesh_shape)), fqn=ph.fqn,
             spec=tuple(spec), state=sspec, on_host=on_host,
-            master=sspec is not None or on_host or isz < 4, elements=elements))
+            master=sspec is not None or on_host or isz < 4, elements=elements, width=width))
     return tuple(out)
 
 

@@ -79,14 +79,16 @@ def state_spec(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...]) 
 
 
 def modes_for(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...], optimizer: str,
-              allowed: tuple[str | None, ...]) -> list[str | None]:
+              allowed: tuple[str | None, ...], itemsize: int = 4) -> list[str | None]:
     """The modes a parameter stored in ``spec`` may take, among ``allowed``: the ZeRO modes only
     where there is optimizer state and a dim to shard it on; offload (of the optimizer, or of
-    the parameters too) wherever there is state."""
+    the parameters too) wherever there is state, but for an fp64 parameter (``itemsize`` 8:
+    the host's step keeps fp32 masters and moments, codegen/hostopt.py)."""
     if optimizer in ("none", "sgd"):
         return [None]
     shardable = state_spec(shape, spec, mesh_shape) is not None
-    out = [m for m in allowed if m is None or m in HOST_MODES or shardable]
+    out = [m for m in allowed if m is None or (m in HOST_MODES and itemsize <= 4)
+           or (m not in HOST_MODES and shardable)]
     return out or [None]          # a forced ZeRO mode leaves an unshardable parameter plain
 
 
@@ -110,14 +112,21 @@ class StateBytes:
                           self.buffers + o.buffers)
 
 
+def master_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a parameter's master and moments: fp32 for a 16-bit parameter, else its
+    own (an fp64 model steps in fp64)."""
+    return dtype if dtype.itemsize >= 4 else torch.float32
+
+
 def optimizer_bytes_per_element(itemsize: int, optimizer: str, mode: StateMode | None) -> int:
     """Optimizer state per element (docs/cost-model.md §4.1): Adam keeps momentum and variance in
-    fp32, plus an fp32 master copy of a 16-bit parameter (K = 12); an fp32 parameter is its own
-    master unless its state is sharded or offloaded apart from it (then a 4-byte copy of the
-    shard is the master)."""
+    its master's dtype: an fp32 master copy of a 16-bit parameter (K = 12); an fp32 or fp64
+    parameter is its own master (2i) unless its state is sharded or offloaded apart from it
+    (then a copy of the shard in its dtype is the master: 3i)."""
     if optimizer in ("none", "sgd"):
         return 0
-    return 12 if itemsize < 4 or mode is not None else 8
+    m = max(itemsize, 4)
+    return 3 * m if itemsize < 4 or mode is not None else 2 * m
 
 
 def state_bytes(shape: tuple[int, ...], dtype: torch.dtype, spec: Spec, mode: StateMode | None,

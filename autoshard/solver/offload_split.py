@@ -165,7 +165,8 @@ def _moves(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
     for p in hosted:
         ph = traced.placeholder(p.name)
         spec = strategies[p.name].outputs[0]
-        modes = modes_for(ph.info.shape, spec, mesh.shape, optimizer, allowed)
+        modes = modes_for(ph.info.shape, spec, mesh.shape, optimizer, allowed,
+                          ph.info.dtype.itemsize)
         moves.append((p.name, min(modes, key=lambda m: state_bytes(
             ph.info.shape, ph.info.dtype, spec, m, mesh.shape, optimizer).device)))
     return moves
