@@ -312,6 +312,22 @@ def test_export_fixes_differ_by_cause() -> None:
     assert not any("use_cache" in fix for fix in fixes.values())
 
 
+class NoneMask(_Lin):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return (self.fc(x) * mask[:, None]).sum()
+
+
+def test_an_export_failure_names_the_models_line() -> None:
+    """Switch Transformers' encoder indexes an attention mask that is None under export: the
+    message blamed missing labels ("NoneType" anywhere read as a missing target) and named no
+    place; it names the model's own line that failed."""
+    with pytest.raises(AutoshardError) as info:
+        trace(NoneMask(), (X,))
+    text = str(info.value)
+    assert "end with the target" not in text, text
+    assert "(at test_errors.py:" in text and "mask[:, None]" in text, text
+
+
 @pytest.mark.parametrize("inputs, fragment", [
     ((torch.zeros(0, 4),), "input0 of shape [0, 4]"),           # was planned without a word
     ({"x": X}, "a dict with keys ['x']"),                        # tuple() gave its keys

@@ -18,6 +18,7 @@ import operator
 import os
 import re
 import sys
+import traceback
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -368,8 +369,24 @@ def _export_failure(e: Exception, model: torch.nn.Module, inputs: tuple,
     expected, fix = cause or ("a model that torch.export can capture (non-strict)",
                               "make forward traceable by torch.export.export(model, inputs, "
                               "strict=False)")
-    return AutoshardError(expected, got=f"{type(e).__name__}: {text.splitlines()[0] if text else ''}",
+    where = _model_line(e)
+    return AutoshardError(expected, got=f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+                          + (f" (at {where})" if where else ""),
                           fix=f"{fix}; the full export error is chained below")
+
+
+def _model_line(e: Exception) -> str | None:
+    """Where in the model's own code (neither torch's nor autoshard's) the export failed:
+    "file:line: source" of the innermost such frame."""
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)),
+            os.path.dirname(os.__file__))
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not f.filename.startswith(skip)]
+    if not frames:
+        return None
+    f = frames[-1]
+    return f"{os.path.basename(f.filename)}:{f.lineno}: {(f.line or '').strip()}"
+
 
 
 def _likely_cause(e: Exception, text: str, model: torch.nn.Module, inputs: tuple,
@@ -388,7 +405,7 @@ def _likely_cause(e: Exception, text: str, model: torch.nn.Module, inputs: tuple
                 "wrap the model: autoshard.with_loss(model, loss_fn), with a loss_fn that picks "
                 "the logits out of the output, or plan forward only with training=False "
                 "(--inference)")
-    if training and (any(x is None for x in inputs) or re.search(r"NoneType|\btarget\b", text)):
+    if training and (any(x is None for x in inputs) or re.search(r"\btarget\b", text)):
         return ("for training, example inputs that end with the target (labels)",
                 "pass the target tensor as the last example input (a Hugging Face model "
                 "computes .loss only when given labels), or plan forward only with "
