@@ -197,6 +197,8 @@ simple([aten.squeeze.dims], lambda g: ((g.t(4, 1, 8, 1), [1, 3]), {}))
 simple([aten.squeeze.default], lambda g: ((g.t(1, 4, 8),), {}))
 simple([aten.select.int], lambda g: ((g.t(2, 4, 8), 1, 2), {}))
 simple([aten.unbind.int], lambda g: ((g.t(2, 4, 8), 1), {}))
+simple([aten.meshgrid.indexing], lambda g: (([g.t(4), g.t(8)],), {"indexing": "ij"}))
+simple([aten.meshgrid.default], lambda g: (([g.t(4), g.t(8)],), {}))
 simple([aten.slice.Tensor], lambda g: ((g.t(2, 4, 8), 2, 0, 4), {}),
        lambda g: ((g.t(2, 4, 8), 1, 0, 9223372036854775807), {}),
        # strided, as DeepSeek's interleaved rotary slices x[..., ::2]

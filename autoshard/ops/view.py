@@ -290,7 +290,15 @@ def broadcast_tensors_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     return expand(op, mesh_shape, opts)
 
 
+def whole_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    """Inputs and outputs whole on every rank: ``meshgrid`` (BEiT and Swin build their relative
+    position index from a grid of two ``arange``s, a few hundred elements)."""
+    return expand(op, mesh_shape, [])
+
+
 _VIEW = dict(family=VIEW, saves=NOTHING, flops=per_output_element)
+register_op(aten.meshgrid.default, aten.meshgrid.indexing, strategies=whole_strategy,
+            follows=NO, localize=plain_localize, **_VIEW)
 register_op(*RESHAPES, strategies=reshape_strategy, follows=INPUT, localize=reshape_localize, **_VIEW)
 register_op(aten.flatten.using_ints, strategies=reshape_strategy, follows=NO,
             localize=plain_localize, **_VIEW)
