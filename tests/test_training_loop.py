@@ -36,7 +36,8 @@ from autoshard.tools.verify import build, plan_for, rel_err
 from dist import world_fixture
 from loop import (CLIP, LR, WD, micro_batch, parallel, param_groups, pm_step, run_steps, schedule,
                   train_loop, warmup_cosine)
-from modes import BNNet, grads_drawn, make, masks_drawn, plan_of, refusals, train_eval_train
+from modes import (BNNet, channel_split_plan, grads_drawn, make, masks_drawn, plan_of, refusals,
+                   train_eval_train)
 
 CLUSTER = str(Path(__file__).parent / "data" / "compute_bound.json")
 TOL = 1e-4
@@ -769,14 +770,34 @@ def test_eval_and_train_modes_equal_one_device(world2, kind, baseline, kw):
     values, on both sides by verify's dispatch mode, as a rank draws its own masks)."""
     plan = plan_of(kind, (2,), baseline, **kw)
     for out in world2.run(train_eval_train, kind, plan.dumps()):
-        assert out["modes"] == (False, False), out
-        eval_err = max(abs(a - b) / abs(b) for a, b in zip(out["loss"][1:3], out["ref"][1:3]))
-        assert eval_err <= 1e-5, out
-        train_err = max(abs(a - b) / abs(b) for a, b in zip(out["loss"][::3], out["ref"][::3]))
-        assert train_err <= 1e-5, out
-        assert out["grad_err"] <= 1e-5, out
-        assert out["eval_kept_buffers"] and out["buffer_err"] <= 1e-6, out
-        assert out["has_buffers"] == (kind in ("bn", "resnet", "conv")), out
+        _as_one_device(out, kind)
+
+
+def _as_one_device(out: dict, kind: str) -> None:
+    assert out["modes"] == (False, False), out
+    eval_err = max(abs(a - b) / abs(b) for a, b in zip(out["loss"][1:3], out["ref"][1:3]))
+    assert eval_err <= 1e-5, out
+    train_err = max(abs(a - b) / abs(b) for a, b in zip(out["loss"][::3], out["ref"][::3]))
+    assert train_err <= 1e-5, out
+    assert out["grad_err"] <= 1e-5, out
+    assert out["eval_kept_buffers"] and out["buffer_err"] <= 1e-6, out
+    assert out["has_buffers"] == (kind in ("bn", "resnet", "conv")), out
+
+
+def test_channel_split_batch_norm_trains_and_evaluates_as_one_device(world2):
+    """Why: a batch norm could split its channels only in eval mode, as its running statistics
+    were buffers every rank held whole, and a reshard's copy would have taken the update. The
+    statistics are stored split now: each rank normalises its own channels with no collective
+    and updates their statistics; training, evaluation and training again equal one device,
+    the running statistics included."""
+    from autoshard.ir import Shard
+    plan = channel_split_plan("conv", (2,))
+    norms = [s for n, s in plan.strategies().items() if n.startswith("batch_norm")]
+    assert len(norms) == 2 and all(
+        s.inputs[0] == (Shard(1),) and s.inputs[3:] == ((Shard(0),),) * 2 and s.kernel is None
+        for s in norms), norms
+    for out in world2.run(train_eval_train, "conv", plan.dumps()):
+        _as_one_device(out, "conv")
 
 
 def test_split_dropout_draws_a_mask_per_shard_and_replicas_agree(world2):

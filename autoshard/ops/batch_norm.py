@@ -16,10 +16,11 @@ normalises each channel (dim 1) over every other dim (batch, spatial). Per mesh 
   Every rank updates its copy of the running statistics with the global ones, so the copies
   stay equal to one device's.
 - channels sharded, every per-channel tensor sharded on its dim 0 -> output sharded on dim 1:
-  each rank normalises its own channels. Offered in eval mode, and in training without running
-  statistics: in training the kernel updates the running statistics in place, and those are
-  buffers every rank holds whole (solver/build.py ``placeholder_strategies``), which a slice for
-  the kernel would copy, so the update would be lost.
+  each rank normalises its own channels. In training the kernel updates its channels' running
+  statistics in place: the buffers are then stored sharded as they are read, since an op
+  writes into them (trace/aliases.py pins the reads, solver/build.py
+  ``placeholder_strategies`` offers a written buffer the sharded layouts), and a reshard, whose
+  copy would take the update, never comes between.
 
 ``group_norm(input, num_groups, weight, bias, eps, ...)`` normalises each sample's groups of
 channels: the batch dim shards through, with no collective.
@@ -70,8 +71,7 @@ def batch_norm_strategy(op: OpInfo, mesh_shape: tuple) -> list[Strategy]:
     training = _training(op)
     opts: list[Option] = [((Shard(d),) + (R,) * len(per_channel), (Shard(d),))
                           for d in range(x.ndim) if d != CHANNEL and x.shape[d] > 1]
-    if not (training and "running_mean" in per_channel):
-        opts.append(((Shard(CHANNEL),) + (Shard(0),) * len(per_channel), (Shard(CHANNEL),)))
+    opts.append(((Shard(CHANNEL),) + (Shard(0),) * len(per_channel), (Shard(CHANNEL),)))
     strategies = expand(op, mesh_shape, opts)
     if not training:
         return strategies

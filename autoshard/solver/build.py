@@ -34,7 +34,7 @@ from autoshard.ops.registry import strategies_for
 from autoshard.options import CONTEXT_PARALLEL_TOKENS, PlanOptions
 from autoshard.solver.follow import Followers
 from autoshard.solver.problem import Decision, Edge, Fanout, Problem
-from autoshard.trace.aliases import pinned_reads
+from autoshard.trace.aliases import pinned_reads, written_placeholders
 from autoshard.trace.export import TracedGraph
 from autoshard.trace.graph import ValueRef, value_inputs
 
@@ -68,8 +68,11 @@ class Built:
 
 
 def placeholder_strategies(info: TensorInfo, mesh_shape: tuple[int, ...],
-                           kind: str) -> list[Strategy]:
-    if kind in ("buffer", "constant") or info.ndim == 0:
+                           kind: str, written: bool = False) -> list[Strategy]:
+    """The layouts a graph input may be stored in: a parameter's, and a buffer some op
+    ``written`` into (a batch norm's running statistics, which a rank normalising its own
+    channels updates for them), any; another buffer, a constant or a scalar, whole."""
+    if (kind in ("buffer", "constant") and not written) or info.ndim == 0:
         options = [tuple(Replicate() for _ in mesh_shape)]
     else:
         # and strided on a dim the model splits into groups (trace/fused.py)
@@ -113,7 +116,8 @@ class _Builder:
             ph = self.traced.placeholder(n.name)
             if ph.info is None:
                 return [Strategy((), ())]
-            out = placeholder_strategies(ph.info, self.mesh_shape, ph.kind)
+            out = placeholder_strategies(ph.info, self.mesh_shape, ph.kind,
+                                         n.name in self.written)
             if ph.kind != "param":
                 return out
             # One strategy per (layout, state mode): the mode rides in ``kernel`` (cost/state.py).
@@ -133,6 +137,7 @@ class _Builder:
         # Reads an in-place write pins (trace/aliases.py), by template node: a layer's copies
         # read as its template does.
         self.pinned = {(template.get(c, c), k) for c, k in pinned_reads(self.traced.graph)}
+        self.written = written_placeholders(self.traced.graph)
         members: dict[str, Member] = {}
         decision_nodes: list[list[str]] = []
         self.merged: dict[str, frozenset[int]] = {}

@@ -38,6 +38,38 @@ Read = tuple[str, int]    # (consumer node, position among its value inputs: gra
 
 def pinned_reads(graph: fx.Graph) -> frozenset[Read]:
     """The reads of ``graph`` a plan must leave as their producer lays them out (above)."""
+    groups, reads, writes = _walk(graph)
+    written_at: dict[ValueRef, list[int]] = {}
+    for t, ref in writes:
+        written_at.setdefault(groups.root(ref), []).append(t)
+    times: dict[ValueRef, list[int]] = {}
+    for t, ref, _, _ in reads:
+        times.setdefault(ref, []).append(t)
+    pinned = set()
+    for t, ref, read, kind in reads:
+        at = written_at.get(groups.root(ref))
+        if at is None:
+            continue
+        seen = times[ref]
+        if kind != "read" or any(seen[0] < w < seen[-1] for w in at):
+            pinned.add(read)
+    return frozenset(pinned)
+
+
+def written_placeholders(graph: fx.Graph) -> frozenset[str]:
+    """The graph's inputs (parameters, buffers) that an op writes into, itself or through a
+    view: a batch norm's running statistics in training. Their reads are pinned, so the
+    layout they are stored in is the one their writer runs in (solver/build.py offers such a
+    buffer the sharded layouts a parameter has)."""
+    groups, _, writes = _walk(graph)
+    written = {groups.root(ref) for _, ref in writes}
+    return frozenset(n.name for n in graph.nodes
+                     if n.op == "placeholder" and groups.root((n.name, 0)) in written)
+
+
+def _walk(graph: fx.Graph) -> tuple["_Groups", list, list]:
+    """The alias groups; every read (time, value, (consumer, position), kind: "write",
+    "alias" or "read"); every write (time, value written)."""
     groups = _Groups()
     reads: list[tuple[int, ValueRef, Read, str]] = []   # (time, value, read, kind)
     writes: list[tuple[int, ValueRef]] = []
@@ -60,21 +92,7 @@ def pinned_reads(graph: fx.Graph) -> frozenset[Read]:
                 for out in _outputs(n):
                     groups.join(out, ref)
             reads.append((t, ref, (n.name, k), kind))
-    written_at: dict[ValueRef, list[int]] = {}
-    for t, ref in writes:
-        written_at.setdefault(groups.root(ref), []).append(t)
-    times: dict[ValueRef, list[int]] = {}
-    for t, ref, _, _ in reads:
-        times.setdefault(ref, []).append(t)
-    pinned = set()
-    for t, ref, read, kind in reads:
-        at = written_at.get(groups.root(ref))
-        if at is None:
-            continue
-        seen = times[ref]
-        if kind != "read" or any(seen[0] < w < seen[-1] for w in at):
-            pinned.add(read)
-    return frozenset(pinned)
+    return groups, reads, writes
 
 
 class _Groups:
