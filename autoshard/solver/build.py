@@ -344,7 +344,7 @@ class _Builder:
                       tuple(specs.index(sp) for sp in src_specs), classes, zero, memory)
 
     def _requirements(self, cname: str, k: int, members: dict[str, Member], grad: bool
-                      ) -> tuple[int, list[tuple[Spec, frozenset[int]]]]:
+                      ) -> tuple[int, list[tuple[Spec, frozenset[int], bool]]]:
         if cname == OUTPUT:
             return self._out_decision, [(output_requirement(len(self.mesh_shape)), frozenset(),
                                          False)]
