@@ -171,4 +171,10 @@ class StateDicts:
         self.runtime.host.settle()
         with torch.no_grad():
             for ph, v in zip(phs, values):
-                self._local_tensor(ph).copy_(v.to_local())
+                dst, src = self._local_tensor(ph), v.to_local()
+                if src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr():
+                    # DCP loaded into this very tensor (pm.state_dict()'s shards are views of
+                    # it): a view with other strides (a column shard of a one-row weight)
+                    # overlaps it partially, which copy_ refuses.
+                    src = src.clone()
+                dst.copy_(src)
