@@ -177,8 +177,10 @@ def test_an_ill_conditioned_fp32_model_is_judged_against_float64() -> None:
                 own_grad_err=4.8e-5, grad_errs={"w": 7.2e-5})
     ok, text = summarize([r])
     assert ok and "tolerance 1.92e-04" in text and "largest error was 6.20e-05" in text, text
-    assert "against one device in float64" in text
-    assert not summarize([{**r, "grad_errs": {"w": 3e-4}}])[0]
+    assert "against one device in float64" in text and "verify the model in float64" not in text
+    ok, text = summarize([{**r, "grad_errs": {"w": 3e-4}}])
+    # (HF's MobileNetV1 on 4 ranks missed its tolerance by 7%, and was exact in float64)
+    assert not ok and "verify the model in float64" in text, text
 
 
 def test_a_16_bit_tolerance_is_measured_and_stated() -> None:
