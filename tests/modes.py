@@ -174,16 +174,16 @@ def plan_of(kind: str, shape: tuple[int, ...], baseline: str, **kw) -> Plan:
     return baseline_plan(traced, mesh, baseline, **kw)
 
 
-def channel_split_plan(kind: str, shape: tuple[int, ...]) -> Plan:
-    """``kind``'s batch norms split on their channels in training: their weights pinned split,
-    so each rank normalises its own channels and updates their running statistics, stored
-    split (ops/batch_norm.py)."""
+def channel_split_plan(kind: str, shape: tuple[int, ...], spec: tuple | None = None) -> Plan:
+    """``kind``'s batch norms split on their channels in training: their weights pinned to
+    ``spec`` (default: split over every axis), so each rank normalises its own channels and
+    updates their running statistics, stored split (ops/batch_norm.py)."""
     from autoshard.ir import Shard, Strategy
     from autoshard.solver.planner import plan_traced
     model, inputs = make(kind)
     traced = trace(model, inputs)
-    fixed = {p.name: Strategy((), ((Shard(0),) * len(shape),)) for p in traced.params
-             if ".bn." in p.fqn}
+    spec = spec or (Shard(0),) * len(shape)
+    fixed = {p.name: Strategy((), (spec,)) for p in traced.params if ".bn." in p.fqn}
     return plan_traced(traced, Mesh(shape, cluster=CLUSTER), fixed=fixed)
 
 

@@ -191,6 +191,22 @@ def test_resnet_data_parallel_equals_one_device(world4, shape, compile) -> None:
         assert not reports[0]["compiled"]["fallbacks"], reports[0]["compiled"]
 
 
+def test_batch_and_channels_split_on_two_axes_train_as_one_device(world4) -> None:
+    """The batch over one axis (the statistics synced over it) and the channels over the other
+    (each rank's running statistics its channels'): a training step, two evaluations and a
+    training step equal one device's, the running statistics included."""
+    from modes import channel_split_plan, train_eval_train
+    plan = channel_split_plan("conv", (2, 2), (Replicate(), Shard(0)))
+    norms = [s for n, s in plan.strategies().items() if n.startswith("batch_norm")]
+    assert len(norms) == 2 and all(
+        s.inputs[0] == (Shard(0), Shard(1)) and s.inputs[3] == (Replicate(), Shard(0))
+        and s.kernel == "sync_batch_norm" for s in norms), norms
+    for out in world4.run(train_eval_train, "conv", plan.dumps()):
+        errs = [abs(a - b) / abs(b) for a, b in zip(out["loss"], out["ref"])]
+        assert max(errs) <= 1e-5 and out["grad_err"] <= 1e-5, out
+        assert out["eval_kept_buffers"] and out["buffer_err"] <= 1e-6, out
+
+
 def test_an_ill_conditioned_mobilenet_passes_against_float64(world4, tmp_path) -> None:
     """Why: a tiny MobileNetV2 (depth multiplier 0.25, 32x32 images) failed verify at 1e-5 under
     data parallelism; in float64 the same plan is within 2e-13. Its fp32 gradients against one
