@@ -234,11 +234,8 @@ class _Model:
                 continue
             banned = {(o, r) for o, r in paid if item.cost[o][r] >= FORBIDDEN}
             flows = [self._transport(f"f{k}_{c}", item.producer, item.out, g, req, n_o, n_r,
-                                     banned)
-                     for c, (g, req) in enumerate(item.consumers)]
-            for o, r in paid:
-                if (o, r) in banned:
-                    continue
+                                     banned) for c, (g, req) in enumerate(item.consumers)]
+            for o, r in (pair for pair in paid if pair not in banned):
                 if len(flows) == 1:              # an edge: the flow itself is the pair in use
                     charge(item, o, r, flows[0][o][r])
                     continue
@@ -259,8 +256,7 @@ class _Model:
         self.obj, self.mem, self.host = s.Sum(obj), s.Sum(mem), s.Sum(host)
 
     def _transport(self, name: str, producer: int, out: tuple[int, ...], consumer: int,
-                   req: tuple[int, ...], n_o: int, n_r: int,
-                   banned: set[tuple[int, int]] = frozenset()) -> list[list]:
+                   req: tuple[int, ...], n_o: int, n_r: int, banned: set) -> list[list]:
         """Flow variables f[o][r] whose margins are the producer's and consumer's classes; a
         ``banned`` pair (priced FORBIDDEN) has none."""
         s, x = self.s, self.x

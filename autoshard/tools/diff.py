@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Hashable, Iterable
 
 from autoshard.errors import AutoshardError
-from autoshard.ir import spec_str
+from autoshard.ir import Phase, spec_str
 from autoshard.plans import Plan
 from autoshard.plans.prediction import PREDICTED
 from autoshard.plans.records import PHASES, NodePlan
@@ -252,7 +252,9 @@ def _comm_sums(p: Plan, key: Callable[[Any], str]) -> dict[str, dict[str, float 
 def _collective_seconds(p: Plan) -> list[float] | None:
     """Each collective's alpha-beta seconds on the plan's mesh and cluster (docs/cost-model.md
     §1), whose sum is the plan's predicted comm, on the cluster figures the plan records; None
-    for an old file that names a profile without its figures."""
+    for an old file that names a profile without its figures. A gradient bucket's collective
+    pays the share of a latency its gradients were priced (cost/overlap.py): a partly filled
+    bucket, its fill."""
     from autoshard.cost.comm import link_time
     try:
         mesh = p.mesh()
@@ -263,7 +265,10 @@ def _collective_seconds(p: Plan) -> list[float] | None:
         axes = [p.mesh_axes.index(x) for x in c.axes if x in p.mesh_axes]
         if len(axes) != 1:      # the ledger runs each collective over one axis
             return None
-        out.append(link_time(mesh.links[axes[0]], c.kind, mesh.shape[axes[0]], c.bytes))
+        share = min(1.0, c.bytes / p.options.bucket_bytes) if c.phase == Phase.GRAD_SYNC \
+            and c.members else 1.0
+        out.append(link_time(mesh.links[axes[0]], c.kind, mesh.shape[axes[0]], c.bytes,
+                             latency_share=share))
     return out
 
 
