@@ -143,8 +143,10 @@ def test_sync_all_reduces_are_priced_as_all_reduces() -> None:
 def test_resnet50_at_real_size_splits_its_batch() -> None:
     """Why: a ResNet's batch norms and pools had no rule, so every device ran the whole batch
     (4.0x repeated work, the data axis idle). ResNet-50 (Hugging Face's config) at batch 256 on
-    8 H100s: the batch splits over the data axis, the weights stay whole, and each of its 53
-    batch norms syncs its statistics, three all-reduces each."""
+    8 H100s: no work repeated; the batch norms of the wide early stages split the batch and
+    sync their statistics (three all-reduces each), those of the last stages (many channels,
+    small images) may split their channels instead, with no collective (12.34 ms predicted
+    with every one synced, 11.81 ms so)."""
     tr = pytest.importorskip("transformers")
     from autoshard.solver.planner import plan
     from autoshard.zoo.hf import from_config
@@ -157,14 +159,14 @@ def test_resnet50_at_real_size_splits_its_batch() -> None:
         p = plan(model, model.example_inputs(256, None), Mesh((8,), ("dp",), cluster="h100"))
     strategies = p.strategies()
     norms = {n for n, s in strategies.items() if s.kernel == "sync_batch_norm"}
-    assert len(norms) == 53
-    assert sorted(c.phase for c in p.collectives if c.node in norms) == \
-        ["backward"] * 53 + ["forward"] * 106
+    split = {n for n, s in strategies.items() if n.startswith("batch_norm")
+             and s.kernel is None and s.inputs[0] == (Shard(1),)}
+    assert len(norms) + len(split) == 53 and len(norms) >= 16, (len(norms), len(split))
+    assert sorted(c.phase for c in p.collectives if c.node in norms and c.kind == "all_reduce"
+                  and c.phase in ("forward", "backward")) == \
+        ["backward"] * len(norms) + ["forward"] * 2 * len(norms)
     assert not any("repeat work" in w for w in p.warnings), p.warnings
-    convs = [s for n, s in strategies.items() if n.startswith("conv")]
-    assert convs and all(s.outputs[0] == (Shard(0),) for s in convs)
-    assert all(s.outputs[0] == (Replicate(),) for n, s in strategies.items()
-               if n.startswith("p_"))
+    assert strategies["batch_norm"].kernel == "sync_batch_norm"     # the stem's: 112x112
 
 
 CASES = [((2, 2), False), ((4,), True)]

@@ -36,8 +36,8 @@ from ortools.linear_solver import pywraplp
 
 from autoshard.solver.deadline import BestStart, Deadline, best_start, step_floor
 from autoshard.solver.outcomes import Infeasible, MemoryBinds, NoBetter, NoSolution
-from autoshard.solver.problem import (FORBIDDEN, Edge, Fanout, Problem, Solution, Start, admits,
-                                      evaluate, excluded, host_bytes, projected)
+from autoshard.solver.problem import (Edge, Fanout, Problem, Solution, Start, admits, evaluate,
+                                      excluded, host_bytes, projected)
 
 BACKENDS = ("CBC", "HIGHS", "SCIP")
 # The backend that continues where the first stopped short of an optimum, from the best start.
@@ -232,10 +232,9 @@ class _Model:
             paid = [(o, r) for o in range(n_o) for r in range(n_r) if pays(item, o, r)]
             if not paid:
                 continue
-            banned = {(o, r) for o, r in paid if item.cost[o][r] >= FORBIDDEN}
-            flows = [self._transport(f"f{k}_{c}", item.producer, item.out, g, req, n_o, n_r,
-                                     banned) for c, (g, req) in enumerate(item.consumers)]
-            for o, r in (pair for pair in paid if pair not in banned):
+            flows = [self._transport(f"f{k}_{c}", item.producer, item.out, g, req, n_o, n_r)
+                     for c, (g, req) in enumerate(item.consumers)]
+            for o, r in paid:
                 if len(flows) == 1:              # an edge: the flow itself is the pair in use
                     charge(item, o, r, flows[0][o][r])
                     continue
@@ -256,12 +255,10 @@ class _Model:
         self.obj, self.mem, self.host = s.Sum(obj), s.Sum(mem), s.Sum(host)
 
     def _transport(self, name: str, producer: int, out: tuple[int, ...], consumer: int,
-                   req: tuple[int, ...], n_o: int, n_r: int, banned: set) -> list[list]:
-        """Flow variables f[o][r] whose margins are the producer's and consumer's classes; a
-        ``banned`` pair (priced FORBIDDEN) has none."""
+                   req: tuple[int, ...], n_o: int, n_r: int) -> list[list]:
+        """Flow variables f[o][r] whose margins are the producer's and consumer's classes."""
         s, x = self.s, self.x
-        f = [[s.NumVar(0.0, 0.0 if (o, r) in banned else 1.0, f"{name}_{o}_{r}")
-              for r in range(n_r)] for o in range(n_o)]
+        f = [[s.NumVar(0.0, 1.0, f"{name}_{o}_{r}") for r in range(n_r)] for o in range(n_o)]
         self.n_aux += n_o * n_r
         by_o: list[list] = [[] for _ in range(n_o)]
         for i, o in enumerate(out):

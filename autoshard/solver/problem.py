@@ -22,11 +22,6 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, replace
 
-# seconds: a reshard priced at or above this is ruled out (a pinned read, trace/aliases.py; a
-# pinned parameter read in another layout): the solver never uses that pair (solver/ilp.py
-# bounds its flow at 0).
-FORBIDDEN = 1e6
-
 
 @dataclass(frozen=True, slots=True)
 class Decision:
