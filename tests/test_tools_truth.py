@@ -14,6 +14,7 @@ from autoshard import Mesh, Plan
 from autoshard.cluster import PRESETS, Cluster
 from autoshard.cost.memory import default_budget
 from autoshard.cost.comm import link_time
+from autoshard.cost.overlap import latency_share
 from autoshard.tools.diff import diff_plans
 from autoshard.errors import AutoshardError
 from autoshard.tools.explain import explain_file
@@ -245,7 +246,7 @@ def test_diff_and_report_use_the_plans_figures(profiled) -> None:
     # cost/overlap.py)
     seconds = sum(link_time(mesh.links[plan.mesh_axes.index(c.axes[0])], c.kind,
                             mesh.shape[plan.mesh_axes.index(c.axes[0])], c.bytes,
-                            latency_share=min(1.0, c.bytes / plan.options.bucket_bytes)
+                            latency_share=latency_share(c.bytes, plan.options.bucket_bytes)
                             if c.phase == "grad_sync" and c.members else 1.0)
                   for c in plan.collectives)
     on_preset = dataclasses.replace(plan, cluster=PRESETS["stress"])

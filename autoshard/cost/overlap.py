@@ -48,6 +48,12 @@ def first_grad_syncs(edges: Iterable[ReshardEdge]) -> dict[str, ReshardEdge]:
     return out
 
 
+def latency_share(nbytes: float, bucket_bytes: float) -> float:
+    """The part of a collective's latency ``nbytes`` of gradient pay inside buckets of
+    ``bucket_bytes``: a full bucket's one latency, shared by its gradients."""
+    return min(1.0, nbytes / bucket_bytes)
+
+
 def sync_share_seconds(r: Reshard, mesh: Mesh, bucket_bytes: float) -> float:
     """The price of one gradient's sync inside buckets: its bandwidth term and its share
     ``min(1, S / bucket_bytes)`` of one collective latency per axis."""
@@ -60,8 +66,8 @@ def sync_share_by_axis(r: Reshard, mesh: Mesh, bucket_bytes: float) -> dict[int,
     out: dict[int, float] = {}
     for s in r.backward:
         link = mesh.group_link(s.axes)
-        share = min(1.0, s.nbytes / bucket_bytes)
-        t = link_time(link, s.kind, s.group_size(mesh.shape), s.nbytes, latency_share=share)
+        t = link_time(link, s.kind, s.group_size(mesh.shape), s.nbytes,
+                      latency_share=latency_share(s.nbytes, bucket_bytes))
         for a in s.axes:
             out[a] = out.get(a, 0.0) + t / len(s.axes)
     return out

@@ -256,6 +256,7 @@ def _collective_seconds(p: Plan) -> list[float] | None:
     pays the share of a latency its gradients were priced (cost/overlap.py): a partly filled
     bucket, its fill."""
     from autoshard.cost.comm import link_time
+    from autoshard.cost.overlap import latency_share
     try:
         mesh = p.mesh()
     except AutoshardError:      # a file written before plans recorded their cluster's figures
@@ -265,8 +266,8 @@ def _collective_seconds(p: Plan) -> list[float] | None:
         axes = [p.mesh_axes.index(x) for x in c.axes if x in p.mesh_axes]
         if len(axes) != 1:      # the ledger runs each collective over one axis
             return None
-        share = min(1.0, c.bytes / p.options.bucket_bytes) if c.phase == Phase.GRAD_SYNC \
-            and c.members else 1.0
+        share = latency_share(c.bytes, p.options.bucket_bytes) \
+            if c.phase == Phase.GRAD_SYNC and c.members else 1.0
         out.append(link_time(mesh.links[axes[0]], c.kind, mesh.shape[axes[0]], c.bytes,
                              latency_share=share))
     return out

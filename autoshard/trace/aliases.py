@@ -38,6 +38,27 @@ Read = tuple[str, int]    # (consumer node, position among its value inputs: gra
 
 def pinned_reads(graph: fx.Graph) -> frozenset[Read]:
     """The reads of ``graph`` a plan must leave as their producer lays them out (above)."""
+    return _analysed(graph)[0]
+
+
+def written_placeholders(graph: fx.Graph) -> frozenset[str]:
+    """The graph's inputs (parameters, buffers) that an op writes into, itself or through a
+    view: a batch norm's running statistics in training. Their reads are pinned, so the
+    layout they are stored in is the one their writer runs in (solver/build.py offers such a
+    buffer the sharded layouts a parameter has)."""
+    return _analysed(graph)[1]
+
+
+_ANALYSED = "_autoshard_aliases"
+
+
+def _analysed(graph: fx.Graph) -> tuple[frozenset[Read], frozenset[str]]:
+    """(pinned reads, written placeholders) of ``graph``, from one walk kept on the graph: every
+    problem built on a traced graph (each mesh, each rung of a search) asks again. Kept with the
+    node count it was made at, so a graph edited since is walked again."""
+    kept = getattr(graph, _ANALYSED, None)
+    if kept is not None and kept[0] == len(graph.nodes):
+        return kept[1]
     groups, reads, writes = _walk(graph)
     written_at: dict[ValueRef, list[int]] = {}
     for t, ref in writes:
@@ -53,18 +74,11 @@ def pinned_reads(graph: fx.Graph) -> frozenset[Read]:
         seen = times[ref]
         if kind != "read" or any(seen[0] < w < seen[-1] for w in at):
             pinned.add(read)
-    return frozenset(pinned)
-
-
-def written_placeholders(graph: fx.Graph) -> frozenset[str]:
-    """The graph's inputs (parameters, buffers) that an op writes into, itself or through a
-    view: a batch norm's running statistics in training. Their reads are pinned, so the
-    layout they are stored in is the one their writer runs in (solver/build.py offers such a
-    buffer the sharded layouts a parameter has)."""
-    groups, _, writes = _walk(graph)
-    written = {groups.root(ref) for _, ref in writes}
-    return frozenset(n.name for n in graph.nodes
-                     if n.op == "placeholder" and groups.root((n.name, 0)) in written)
+    placeholders = frozenset(n.name for n in graph.nodes
+                             if n.op == "placeholder" and groups.root((n.name, 0)) in written_at)
+    result = (frozenset(pinned), placeholders)
+    setattr(graph, _ANALYSED, (len(graph.nodes), result))
+    return result
 
 
 def _walk(graph: fx.Graph) -> tuple["_Groups", list, list]:
