@@ -80,3 +80,38 @@ def test_the_relative_position_index_reaches_the_ranks(world2, baseline) -> None
     spec = VerifySpec(MODEL, plan.mesh_shape, plan.mesh_axes, plan.dumps(), None, None)
     ok, text = summarize(world2.run(verify_rank, spec))
     assert ok, text
+
+
+def test_a_plan_that_reshards_a_pinned_read_is_refused() -> None:
+    """Structural: a plan edited by hand (or pinned) to read the written zeros in another
+    layout makes no step program, hence neither a prediction nor a rank program: the error
+    names the value, its reader and the two layouts (the solver's price alone would let a
+    loaded plan run wrong)."""
+    import dataclasses
+
+    from autoshard.cost.program import step_program
+    from autoshard.errors import AutoshardError
+    from autoshard.ir import S, Replicate, spec_str
+    traced = _traced()
+    plan = plan_traced(traced, Mesh((2,), cluster="stress"))
+    strategies = dict(plan.strategies())
+    graph = traced.gm.graph
+    zeros = next(n for n in graph.nodes if n.target is aten.zeros.default)
+    view = next(u for u in zeros.users if u.target is aten.view.default)
+    assert strategies[zeros.name].outputs[0] == (Replicate(),)
+    strategies[view.name] = dataclasses.replace(strategies[view.name], inputs=((S(0),),))
+    with pytest.raises(AutoshardError) as e:
+        step_program(traced, strategies, (2,), bucket_bytes=plan.options.bucket_bytes)
+    text = str(e.value)
+    assert f"{zeros.name} (output 0) for {view.name} input 0" in text
+    assert f"from {spec_str((Replicate(),))} to {spec_str((S(0),))}" in text
+    # The read after every write is free: the same edit there is a plan like any other.
+    lookup = next(n for n in graph.nodes if n.target is aten.index.Tensor)
+    strategies = dict(plan.strategies())
+    index, out = value_inputs(lookup)[1]
+    assert strategies[index].outputs[out] == (Replicate(),)
+    inputs = list(strategies[lookup.name].inputs)
+    inputs[1] = (S(0),)
+    strategies[lookup.name] = dataclasses.replace(strategies[lookup.name], inputs=tuple(inputs))
+    program = step_program(traced, strategies, (2,), bucket_bytes=plan.options.bucket_bytes)
+    assert any((lookup.name, 1) in e.consumers for e in program.edges)

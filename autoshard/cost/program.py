@@ -43,9 +43,11 @@ import torch.utils._pytree as pytree
 
 from autoshard.cost.comm import Groups
 from autoshard.cost.overlap import Bucket, first_grad_syncs, gradient_buckets
-from autoshard.cost.reshards import ReshardEdge, frozen, reshard_edges, traced_grads
+from autoshard.cost.reshards import (ReshardEdge, frozen, pinned_reshards, reshard_edges,
+                                     traced_grads)
 from autoshard.cost.state import HOST_MODES, host_copies, state_spec, step_elements
-from autoshard.ir import Spec, StateMode, Strategy, local_shape
+from autoshard.errors import AutoshardError
+from autoshard.ir import Spec, StateMode, Strategy, local_shape, spec_str
 from autoshard.trace.graph import ValueRef, value_inputs, value_ref
 
 
@@ -238,6 +240,7 @@ def step_program(traced: Any, strategies: dict[str, Strategy], mesh_shape: tuple
     edges = tuple(reshard_edges(graph, strategies, tuple(mesh_shape), shapes, params,
                                 training=traced.training, joint=joint,
                                 grads=traced_grads(traced)))
+    _refuse_pinned(graph, edges)
     edge_of = {(e.value, c): i for i, e in enumerate(edges) for c in e.consumers}
     recompute = dict(recompute or {})
     events: list[Event] = []
@@ -278,6 +281,24 @@ def step_program(traced: Any, strategies: dict[str, Strategy], mesh_shape: tuple
         optimizer=opt, accumulation=accumulation,
         held=held_gradients(traced, strategies, tuple(mesh_shape), fetched, bucketed)
         if traced.training and accumulation > 1 else {})
+
+
+def _refuse_pinned(graph: fx.Graph, edges: tuple[ReshardEdge, ...]) -> None:
+    """No step program of a plan whose layouts reshard a read an in-place write pins (the
+    program would differ from the model's, silently: trace/aliases.py)."""
+    bad = pinned_reshards(graph, edges)
+    if bad:
+        e = bad[0]
+        raise AutoshardError(
+            "a plan that leaves every value an in-place write reaches in its producer's layout "
+            "(trace/aliases.py: on a rank a reshard copies, and the write would miss the "
+            "storage later reads see)",
+            got=f"{len(bad)} such reshard(s), the first of {e.value[0]} (output {e.value[1]}) "
+                f"for {', '.join(f'{c} input {k}' for c, k in e.consumers)}, "
+                f"from {spec_str(e.src)} to {spec_str(e.dst)}",
+            fix="give those ops layouts that read the value as it lies (a plan edited or pinned "
+                "by hand); a plan autoshard solved never takes one unless nothing else was "
+                "found: raise time_limit_s or memory_budget, and report the model")
 
 
 def steps_in_backward(mode: StateMode | None, cut: bool, bucketed: bool, overlap: str) -> bool:

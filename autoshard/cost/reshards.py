@@ -169,6 +169,15 @@ def direct_reads(graph: fx.Graph, strategies: dict[str, Strategy], param_names: 
     return out
 
 
+def pinned_reshards(graph: fx.Graph, edges: Iterator[ReshardEdge]) -> list[ReshardEdge]:
+    """The edges that reshard a read an in-place write pins (trace/aliases.py): on a rank the
+    reshard's copy would take the write, or hold the value from before it, where one device
+    has one storage. The solver prices them as forbidden; no plan that runs may hold one."""
+    from autoshard.trace.aliases import pinned_reads
+    pinned = pinned_reads(graph)
+    return [e for e in edges if any(c in pinned for c in e.consumers)] if pinned else []
+
+
 def reshard_edges(graph: fx.Graph, strategies: dict[str, Strategy], mesh_shape: tuple[int, ...],
                   shapes: dict[ValueRef, tuple[tuple[int, ...], int]], param_names: set[str],
                   *, training: bool, joint: Groups = (),
