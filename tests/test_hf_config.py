@@ -1,6 +1,6 @@
 """Hugging Face config.json files as models: `autoshard plan path/config.json`, verify, errors.
 
-Tiny configs of five architectures are written to a temporary directory and built with
+Tiny configs of six architectures are written to a temporary directory and built with
 transformers' Auto classes (autoshard.zoo.hf.from_config), on the meta device to plan and on CPU
 to verify on gloo ranks.
 """
@@ -40,18 +40,26 @@ TINY = {
            "d_ff": 64, "d_kv": 8, "num_heads": 4, "num_layers": 2, "vocab_size": 64,
            "n_positions": 16, "dropout_rate": 0.0, "is_encoder_decoder": True,
            "pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0},
+    # transient-global attention; its encoder needs the attention mask autoshard passes
+    "longt5": {"model_type": "longt5", "architectures": ["LongT5ForConditionalGeneration"],
+               "d_model": 32, "d_ff": 64, "d_kv": 8, "num_heads": 4, "num_layers": 2,
+               "vocab_size": 64, "dropout_rate": 0.0, "is_encoder_decoder": True,
+               "encoder_attention_type": "transient-global", "local_radius": 2,
+               "global_block_size": 2, "pad_token_id": 0, "eos_token_id": 1,
+               "decoder_start_token_id": 0, "torch_dtype": "float32"},
     "vit": {"model_type": "vit", "architectures": ["ViTForImageClassification"],
             "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
             "num_attention_heads": 4, "image_size": 16, "patch_size": 4, "num_channels": 3,
             "num_labels": 10, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
 }
 TASK = {"llama": "causal-lm", "gpt2": "causal-lm", "bert": "masked-lm", "t5": "seq2seq",
-        "vit": "image-classification"}
+        "longt5": "seq2seq", "vit": "image-classification"}
 # A parameter each model must have, under the wrapper's ``model.``
 PARAM = {"llama": "model.model.layers.1.self_attn.q_proj.weight",
          "gpt2": "model.transformer.h.1.attn.c_attn.weight",
          "bert": "model.bert.encoder.layer.1.attention.self.query.weight",
          "t5": "model.decoder.block.1.layer.0.SelfAttention.q.weight",
+         "longt5": "model.encoder.block.1.layer.0.TransientGlobalSelfAttention.q.weight",
          "vit": "model.vit.layers.1.attention.q_proj.weight"}
 
 
@@ -127,8 +135,9 @@ def test_forward_returns_the_loss_on_cpu(configs) -> None:
         assert loss.shape == () and torch.isfinite(loss)
 
 
-def test_verify_a_config_on_gloo(configs, capsys) -> None:
-    assert main(["verify", configs["llama"], "--mesh", "2", "--batch", "2", "--seq", "8"]) == 0
+@pytest.mark.parametrize("name", ["llama", "longt5"])
+def test_verify_a_config_on_gloo(configs, name: str, capsys) -> None:
+    assert main(["verify", configs[name], "--mesh", "2", "--batch", "2", "--seq", "8"]) == 0
     out = capsys.readouterr().out
     assert out.rstrip().endswith("PASS") and "bytes planned" in out
 

@@ -158,6 +158,7 @@ simple([aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.bitwise_xor.Tensor
 simple([aten.where.self], lambda g: ((g.b(4, 8), g.t(4, 8), g.t(8)), {}))
 simple([aten.where.ScalarOther], lambda g: ((g.b(4, 8), g.t(4, 8), 0.0), {}))
 simple([aten.where.ScalarSelf], lambda g: ((g.b(4, 8), 0.0, g.t(4, 8)), {}))
+simple([aten.where.Scalar], lambda g: ((g.b(2, 4, 8), 1.0, 0.0), {}))
 simple([aten.masked_fill.Scalar], lambda g: ((g.t(2, 4, 8), g.b(4, 8), -1.0), {}))
 simple([aten.masked_fill.Tensor], lambda g: ((g.t(2, 4, 8), g.b(2, 4, 8), torch.tensor(0.5, dtype=F64)), {}))
 
@@ -328,6 +329,12 @@ simple([aten.fill.Tensor], lambda g: ((g.t(4, 8), g.t(1).view(())), {}))
 simple([aten.zero.default], lambda g: ((g.t(2, 4, 8),), {}))
 simple([aten.floor_divide.default], lambda g: ((g.i(16, 4, 8), 3), {}),
        lambda g: ((g.i(16, 4, 8), g.i(3, 8) + 1), {}))
+# (LongT5's transient-global attention numbers its blocks with remainder)
+simple([aten.remainder.Scalar, aten.fmod.Scalar], lambda g: ((g.i(16, 4, 8), 3), {}),
+       lambda g: ((g.t(4, 8), 0.7), {}))
+simple([aten.remainder.Tensor, aten.fmod.Tensor],
+       lambda g: ((g.i(16, 4, 8), g.i(3, 8) + 1), {}),
+       lambda g: ((g.t(4, 8), g.t(8).abs() + 0.5), {}))
 simple([aten.max.other, aten.min.other], lambda g: ((g.t(4, 8), g.t(4, 1)), {}))
 
 # ---- convolutions ---------------------------------------------------------------------------
@@ -804,6 +811,13 @@ HF_MODELS = {
         q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
         n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
         **_SMALL)).to(torch.bfloat16),
+    # where.Scalar and remainder (transient-global attention's blocks), traced with the
+    # attention mask autoshard's seq2seq inputs pass (LongT5's encoder needs one)
+    "LongT5ForConditionalGeneration": lambda tr: tr.LongT5ForConditionalGeneration(
+        tr.LongT5Config(num_layers=1, num_decoder_layers=1, d_model=32, d_ff=64, num_heads=4,
+                        d_kv=8, vocab_size=64, use_cache=False, decoder_start_token_id=0,
+                        pad_token_id=0, encoder_attention_type="transient-global",
+                        local_radius=4, global_block_size=4)),
     # conv2d (patch embedding)
     "ViTForImageClassification": lambda tr: tr.ViTForImageClassification(tr.ViTConfig(
         **_LAYER, image_size=16, patch_size=4, num_labels=10)),
@@ -827,6 +841,9 @@ def test_hugging_face_models_are_covered(name: str) -> None:
         labels = torch.zeros(2, dtype=torch.long, device="meta")
         ep = torch.export.export(_HFLoss(model, "pixel_values"), (images, labels), strict=False)
         gm = ep.graph_module
+    elif name.endswith("ForConditionalGeneration"):
+        from autoshard.zoo.hf import HFLossModel
+        gm = _export(HFLossModel(model, task="seq2seq"))
     else:
         gm = _export(_HFLoss(model))
     _assert_covered(gm, name)

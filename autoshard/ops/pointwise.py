@@ -46,13 +46,14 @@ UNARY = (aten.rsqrt.default, aten.sqrt.default, aten.exp.default, aten.log.defau
 ROUNDING = (aten.floor.default, aten.ceil.default, aten.round.default, aten.trunc.default,
             aten.sign.default)
 BINARY = (aten.pow.Tensor_Tensor, aten.maximum.default, aten.minimum.default, aten.max.other,
-          aten.min.other, aten.floor_divide.default,
+          aten.min.other, aten.floor_divide.default, aten.remainder.Scalar, aten.remainder.Tensor,
+          aten.fmod.Scalar, aten.fmod.Tensor,
           aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.lt.Tensor,
           aten.lt.Scalar, aten.le.Tensor, aten.le.Scalar, aten.gt.Tensor, aten.gt.Scalar,
           aten.ge.Tensor, aten.ge.Scalar, aten.__and__.Tensor, aten.__or__.Tensor,
           aten.__xor__.Tensor, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
           aten.bitwise_xor.Tensor, aten.logical_and.default, aten.logical_or.default,
-          aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf,
+          aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar,
           aten.masked_fill.Scalar, aten.masked_fill.Tensor)
 POINTWISE = ADDITIVE + SCALING + UNARY_LINEAR + CASTS + OVERWRITES + UNARY + ROUNDING + BINARY
 
@@ -104,6 +105,10 @@ _RECORDS = (
     # ``copy`` and ``fill.Tensor`` write their second operand over the first; no gradient
     # needs either. ``floor_divide`` has no gradient.
     ((aten.copy.default, aten.fill.Tensor, aten.floor_divide.default), ELEMENTWISE, NOTHING, NO),
+    # ``x mod c`` passes its gradient through (a slope of 1); ``x mod y`` also gives ``y`` one,
+    # ``-grad · floor(x / y)`` (trunc for fmod), from both operands (derivatives.yaml)
+    ((aten.remainder.Scalar, aten.fmod.Scalar), ELEMENTWISE, NOTHING, NO),
+    ((aten.remainder.Tensor, aten.fmod.Tensor), ELEMENTWISE, all_inputs, NO),
     (ROUNDING, ELEMENTWISE, NOTHING, INPUT),
     ((aten.alias.default, aten.detach.default), VIEW, NOTHING, INPUT),
     ((aten.lift_fresh_copy.default,), VIEW, NOTHING, NO),
@@ -132,7 +137,8 @@ _RECORDS = (
      ELEMENTWISE, all_inputs, NO),
     # ``where`` keeps its condition; ``masked_fill`` its mask.
     ((aten.where.self,), ELEMENTWISE, INPUT0, LARGEST),
-    ((aten.where.ScalarOther, aten.where.ScalarSelf), ELEMENTWISE, INPUT0, NO),
+    ((aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar), ELEMENTWISE, INPUT0,
+     NO),
     ((aten.masked_fill.Scalar, aten.masked_fill.Tensor), ELEMENTWISE, all_but_first, LARGEST),
 )
 for _targets, _family, _saves, _follows in _RECORDS:

@@ -78,7 +78,8 @@ class HFLossModel(nn.Module):
 
     Hugging Face forwards take ``labels`` (and ViT its ``pixel_values``) only by keyword, while
     autoshard traces ``model(*example_inputs)``: the inputs are ``(input_ids, labels)``, or
-    ``(pixel_values, labels)`` for ``task="image-classification"``.
+    ``(pixel_values, labels)`` for ``task="image-classification"``. A seq2seq model also gets
+    an attention mask of ones, made inside ``forward`` (see there).
     """
 
     def __init__(self, model: nn.Module, *, vocab_size: int | None = None,
@@ -97,7 +98,13 @@ class HFLossModel(nn.Module):
             raise AutoshardError(f"this model takes ({', '.join(self.input_names)})",
                                  got=f"{len(inputs)} positional inputs",
                                  fix="pass them in that order, as example_inputs() makes them")
-        return self.model(**dict(zip(self.input_names, inputs))).loss
+        kwargs = dict(zip(self.input_names, inputs))
+        if self.task == "seq2seq":
+            # The mask a tokenizer gives with unpadded ids (every token attended), as training
+            # passes it: some encoders (LongT5, Switch Transformers) index the mask without a
+            # None check when traced, where their eager path makes this one.
+            kwargs["attention_mask"] = torch.ones_like(inputs[0])
+        return self.model(**kwargs).loss
 
     def example_inputs(self, batch: int, seq: int | None, *,
                        device: torch.device | str = "meta") -> tuple[torch.Tensor, torch.Tensor]:
