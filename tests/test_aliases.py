@@ -115,3 +115,33 @@ def test_a_plan_that_reshards_a_pinned_read_is_refused() -> None:
     strategies[lookup.name] = dataclasses.replace(strategies[lookup.name], inputs=tuple(inputs))
     program = step_program(traced, strategies, (2,), bucket_bytes=plan.options.bucket_bytes)
     assert any((lookup.name, 1) in e.consumers for e in program.edges)
+
+
+class _Scatter(torch.nn.Module):
+    """A router's scores as Llama-4 and DeepSeek-V3 make them: ``full_like(..).scatter_(..)``,
+    read through the write's result (``through_result``), or through a view of the storage made
+    before the write. (A trace reads the tensor written as the write's result: the tracer moves
+    its proxy there.)"""
+
+    def __init__(self, through_result: bool) -> None:
+        super().__init__()
+        self.through_result = through_result
+        self.w = torch.nn.Parameter(torch.randn(8, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = x @ self.w
+        top, idx = logits.topk(2, dim=-1)
+        scores = torch.full_like(logits, float("-inf"))
+        before = scores.view(-1)
+        out = scores.scatter_(1, idx, top)
+        return (out if self.through_result else before).sigmoid().sum()
+
+
+@pytest.mark.parametrize("through_result", [True, False])
+def test_a_write_read_through_its_result_alone_may_take_a_copy(through_result) -> None:
+    """Closed form: a reshard into ``scatter_`` gives it a copy, which its result holds; only
+    when the storage is read again other than through the result must the write land in it."""
+    traced = trace(_Scatter(through_result), (torch.randn(6, 8),))
+    graph = traced.gm.graph
+    scatter = next(n for n in graph.nodes if n.target is aten.scatter_.src)
+    assert ((scatter.name, 0) in pinned_reads(graph)) is not through_result

@@ -14,7 +14,10 @@ alias of an input (``view``, ``slice``, ``select``, ``expand``, ``add_``...) joi
 group that some op writes into (``ops/modes.py`` ``written_args``), a read is *pinned*, read in
 the layout its producer made it in, when:
 
-- it is the written input of an in-place op (the write must land in the group's storage);
+- it is the written input of an in-place op, and the storage is read after the write other
+  than through the op's result and the aliases made from it, or is the graph's input or output
+  (the write must land in that storage; ``full_like(x).scatter_(...)``, read through its
+  result alone, may take a copy, which codegen writes into);
 - its consumer makes an alias of it (a view of a written group reaches the same storage);
 - the value read is also read on the other side of a write into its group (one reshard, shared
   by both reads, would hold the value from before the write).
@@ -64,21 +67,45 @@ def _analysed(graph: fx.Graph) -> tuple[frozenset[Read], frozenset[str]]:
     for t, ref in writes:
         written_at.setdefault(groups.root(ref), []).append(t)
     times: dict[ValueRef, list[int]] = {}
-    for t, ref, _, _ in reads:
-        times.setdefault(ref, []).append(t)
+    in_group: dict[ValueRef, list[tuple]] = {}
+    for r in reads:
+        times.setdefault(r[1], []).append(r[0])
+        in_group.setdefault(groups.root(r[1]), []).append(r)
+    kept = {groups.root((n.name, 0)) for n in graph.nodes if n.op == "placeholder"}
+    kept |= {groups.root(value_ref(x)) for n in graph.nodes if n.op == "output"
+             for x in tree_leaves(n.args) if isinstance(x, fx.Node)}
     pinned = set()
     for t, ref, read, kind in reads:
-        at = written_at.get(groups.root(ref))
+        root = groups.root(ref)
+        at = written_at.get(root)
         if at is None:
             continue
         seen = times[ref]
-        if kind != "read" or any(seen[0] < w < seen[-1] for w in at):
+        if kind == "alias" or any(seen[0] < w < seen[-1] for w in at) or (
+                kind == "write" and (root in kept or _read_apart(in_group[root], t, read[0]))):
             pinned.add(read)
     placeholders = frozenset(n.name for n in graph.nodes
                              if n.op == "placeholder" and groups.root((n.name, 0)) in written_at)
     result = (frozenset(pinned), placeholders)
     setattr(graph, _ANALYSED, (len(graph.nodes), result))
     return result
+
+
+def _read_apart(group_reads: list[tuple], t: int, writer: str) -> bool:
+    """Whether the storage an in-place op at time ``t`` writes into is read after it other than
+    through the op's own output: a reshard into the op gives it a copy, which its output and
+    the aliases made from that output hold; a later read of the value written, or of an alias
+    made before the write, would miss the write. (``full_like(x).scatter_(...)``, read through
+    its result alone, may take a copy.)"""
+    lineage = {writer}
+    for t2, ref, (consumer, _), kind in group_reads:
+        if t2 <= t:
+            continue
+        if ref[0] not in lineage:
+            return True
+        if kind != "read":                   # an alias of the copy, or a write into it
+            lineage.add(consumer)
+    return False
 
 
 def _walk(graph: fx.Graph) -> tuple["_Groups", list, list]:
