@@ -145,3 +145,28 @@ def test_a_write_read_through_its_result_alone_may_take_a_copy(through_result) -
     graph = traced.gm.graph
     scatter = next(n for n in graph.nodes if n.target is aten.scatter_.src)
     assert ((scatter.name, 0) in pinned_reads(graph)) is not through_result
+
+
+def test_verify_refuses_a_plan_file_that_reshards_a_pinned_read(tmp_path, capsys) -> None:
+    """Bad input: a plan file edited so that a write into a slice of the zeros reads the slice
+    in another layout is refused in one line that names the reshard, before any rank runs (it would have
+    run, the write landing in a copy, silently unlike the model)."""
+    import json
+
+    from autoshard.tools.cli import main
+    traced = _traced()
+    plan = json.loads(plan_traced(traced, Mesh((2,), cluster="stress")).dumps())
+    graph = traced.gm.graph
+    write = next(n for n in graph.nodes if n.target is aten.copy_.default
+                 and n.args[0].meta["val"].shape[0] % 2 == 0)
+    assert (write.name, 0) in pinned_reads(graph)
+    node = next(n for n in plan["nodes"] if n["name"] == write.name)
+    lies = node["inputs"][0]                 # as the plan reads it: as the slice lies
+    other = node["inputs"][0] = "[S(0)]" if lies == "[R]" else "[R]"
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(plan))
+    assert main(["verify", MODEL, "--mesh", "2", "--plan", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autoshard: error:") and err.count("\n") == 1, err
+    assert f"{write.args[0].name} (output 0) for {write.name} input 0, from {lies} to {other}" \
+        in err, err
