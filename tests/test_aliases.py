@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from autoshard import Mesh
+from autoshard.ir import Replicate, Shard
 from autoshard.solver.baselines import baseline_plan
 from autoshard.solver.planner import plan_traced
 from autoshard.tools.verify import VerifySpec, plan_for, summarize, verify_rank
@@ -170,3 +171,38 @@ def test_verify_refuses_a_plan_file_that_reshards_a_pinned_read(tmp_path, capsys
     assert err.startswith("autoshard: error:") and err.count("\n") == 1, err
     assert f"{write.args[0].name} (output 0) for {write.name} input 0, from {lies} to {other}" \
         in err, err
+
+
+ROUTER = f"{Path(__file__).parent / 'data' / 'scatter_router_model.py'}:make"
+
+
+def test_a_write_into_a_resharded_copy_trains_as_one_device(world2) -> None:
+    """Numerical: ``full_like(logits, -inf).scatter_(1, idx, top)`` run replicated (a plan
+    edited so) while the logits split with the batch, so the ``-inf`` tensor is all-gathered
+    into ``scatter_`` and the write lands in that copy, which the rest reads through the
+    write's result (a read no longer pinned): loss and gradients on 2 gloo ranks equal one
+    device's."""
+    import dataclasses
+
+    from autoshard.solver.assemble import assemble
+    from autoshard.tools.verify import build
+    model, inputs = build(ROUTER, None, None, 0)
+    traced = trace(model, inputs)
+    graph = traced.gm.graph
+    scatter = next(n for n in graph.nodes if n.target is aten.scatter_.src)
+    full = next(n for n in graph.nodes if n.target is aten.full_like.default)
+    assert not {r for r in pinned_reads(graph) if r[0] == scatter.name}
+    mesh = Mesh((2,), cluster="stress")
+    solved = plan_traced(traced, mesh)
+    strategies = dict(solved.strategies())
+    assert strategies[scatter.name].inputs == ((Shard(0),),) * 3   # the rule's: tokens split
+    whole = (Replicate(),)
+    strategies[scatter.name] = dataclasses.replace(strategies[scatter.name],
+                                                   inputs=(whole,) * 3, outputs=(whole,))
+    plan = assemble(traced, mesh, strategies, solved.options, solver=dict(solved.solver),
+                    model_name=solved.model, timings={})
+    assert strategies[full.name].outputs[0] == (Shard(0),)
+    assert any(c.kind == "all_gather" and c.node == scatter.name for c in plan.collectives)
+    spec = VerifySpec(ROUTER, plan.mesh_shape, plan.mesh_axes, plan.dumps(), None, None)
+    ok, text = summarize(world2.run(verify_rank, spec))
+    assert ok, text

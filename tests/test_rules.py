@@ -287,9 +287,15 @@ simple([aten._assert_tensor_metadata.default],
 # ---- misc -----------------------------------------------------------------------------------
 simple([aten.diff.default], lambda g: ((g.t(2, 8), 1, -1), {}))
 simple([aten.index.Tensor], lambda g: ((g.t(4, 8), [g.i(4, 2, 1), g.i(8, 1, 3)]), {}))
-simple([aten.gather.default], lambda g: ((g.t(4, 8), 1, g.i(8, 4, 2)), {}))
+# (gather and scatter split the dims on which all their tensors have one size: a router's
+# tokens; an index shorter there than its source keeps them whole)
+simple([aten.gather.default], lambda g: ((g.t(4, 8), 1, g.i(8, 4, 2)), {}),
+       lambda g: ((g.t(2, 4, 8), -1, g.i(8, 2, 4, 3)), {}),
+       lambda g: ((g.t(4, 8), 1, g.i(8, 2, 3)), {}))
 simple([aten.index_select.default], lambda g: ((g.t(4, 8), 0, g.i(4, 3)), {}))
-simple([aten.scatter.src], lambda g: ((g.t(4, 8), 1, g.i(8, 4, 2), g.t(4, 2)), {}))
+simple([aten.scatter.src], lambda g: ((g.t(4, 8), 1, g.i(8, 4, 2), g.t(4, 2)), {}),
+       lambda g: ((g.t(2, 4, 8), 2, g.i(8, 2, 4, 2), g.t(2, 4, 2)), {}),
+       lambda g: ((g.t(4, 8), 0, g.i(4, 2, 8), g.t(2, 8)), {}))
 simple([aten.scatter.value], lambda g: ((g.t(4, 8), 1, g.i(8, 4, 2), 1.0), {}))
 simple([aten.flip.default], lambda g: ((g.t(4, 8), [1]), {}))
 simple([aten.roll.default], lambda g: ((g.t(4, 8), [1], [1]), {}))

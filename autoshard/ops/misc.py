@@ -15,8 +15,7 @@ from autoshard.ops.registry import (ELEMENTWISE, GATHER, NO, NOTHING, OpInfo, al
 
 aten = torch.ops.aten
 
-REPLICATE_ONLY = (aten.diff.default, aten.index.Tensor, aten.gather.default,
-                  aten.index_select.default, aten.scatter.src, aten.scatter.value,
+REPLICATE_ONLY = (aten.diff.default, aten.index.Tensor, aten.index_select.default,
                   aten.flip.default, aten.roll.default, aten.repeat.default,
                   aten.bincount.default)
 
@@ -26,6 +25,22 @@ def triangle_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     opts: list[Option] = [((Shard(d),), (Shard(d),)) for d in range(x.ndim - 2) if x.shape[d] > 1]
     if is_float(x):
         opts.append(((P,), (P,)))  # zeroing entries is linear
+    return expand(op, mesh_shape, opts)
+
+
+def along_dim_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    """``gather``/``scatter`` along ``dim``: every other dim on which all their tensors have
+    one size pairs element ``i`` of each with element ``i`` of the others (``out[i][j] =
+    self[i][index[i][j]]`` for ``dim=1``), so all of them split there alike, the output too,
+    and backward's scatter or gather of the gradient stays on the rank (a router's top-k
+    scores written into its ``[tokens, experts]`` logits split with the tokens)."""
+    tensors = [*op.inputs, *op.outputs]
+    ndim = tensors[0].ndim
+    along = arg(op, 1, "dim") % max(ndim, 1)
+    opts: list[Option] = [
+        (tuple(Shard(d) for _ in op.inputs), tuple(Shard(d) for _ in op.outputs))
+        for d in range(ndim) if d != along and tensors[0].shape[d] > 1
+        and all(t.ndim == ndim and t.shape[d] == tensors[0].shape[d] for t in tensors)]
     return expand(op, mesh_shape, opts)
 
 
@@ -44,10 +59,12 @@ def pad_strategy(op: OpInfo, mesh_shape: tuple) -> list:
 
 _MISC = dict(follows=NO, flops=per_output_element, localize=plain_localize)
 # Gathers read a few rows of their first input; backward keeps the indices.
-register_op(aten.index.Tensor, aten.gather.default, aten.index_select.default,
+register_op(aten.index.Tensor, aten.index_select.default,
             strategies=replicate_only, family=GATHER, saves=all_but_first, **_MISC)
-register_op(aten.scatter.src, aten.scatter.value, strategies=replicate_only, family=ELEMENTWISE,
+register_op(aten.gather.default, strategies=along_dim_strategy, family=GATHER,
             saves=all_but_first, **_MISC)
+register_op(aten.scatter.src, aten.scatter.value, strategies=along_dim_strategy,
+            family=ELEMENTWISE, saves=all_but_first, **_MISC)
 register_op(aten.flip.default, aten.roll.default, aten.repeat.default, strategies=replicate_only,
             family=ELEMENTWISE, saves=NOTHING, **_MISC)
 register_op(aten.diff.default, aten.bincount.default,
