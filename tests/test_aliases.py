@@ -30,20 +30,32 @@ def _traced():
     return trace(model, inputs)
 
 
+def _even_write(graph):
+    """A ``copy_`` into a slice of the zeros that splits evenly over 2 (its rows)."""
+    write = next(n for n in graph.nodes if n.target is aten.copy_.default
+                 and n.args[0].meta["val"].shape[0] % 2 == 0)
+    assert (write.name, 0) in pinned_reads(graph)
+    return write
+
+
 def test_the_reads_a_write_through_a_view_pins() -> None:
-    """Closed form: the index's writes go into views of one ``zeros``; each view of it, each
-    written input, and every read of ``zeros`` (read before and after the writes) is pinned.
-    The table lookup reads the index after every write (free), and ``copy_``'s source is only
-    read (free)."""
+    """Closed form: the index's writes go into views of one ``zeros``; each view of it made
+    before a write, and each written input, is pinned. The final view, made after every
+    write, and the table lookup through it read the finished index (free), and ``copy_``'s
+    source is only read (free)."""
     traced = _traced()
     graph = traced.gm.graph
     pinned = pinned_reads(graph)
     zeros = next(n for n in graph.nodes if n.target is aten.zeros.default)
-    for user in zeros.users:          # the slices, the selects, the final view
-        assert (user.name, 0) in pinned, user.name
     writes = [n for n in graph.nodes
               if n.target in (aten.copy_.default, aten.fill_.Tensor, aten.fill_.Scalar)]
     assert len(writes) >= 4
+    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    last = max(order[w.name] for w in writes)
+    views = sorted(zeros.users, key=lambda u: order[u.name])
+    assert [order[u.name] < last for u in views].count(False) == 1    # the final view
+    for user in views:                # the slices and selects, then the final view
+        assert ((user.name, 0) in pinned) == (order[user.name] < last), user.name
     for w in writes:
         assert (w.name, 0) in pinned, w.name
         if len(value_inputs(w)) > 1:
@@ -84,28 +96,29 @@ def test_the_relative_position_index_reaches_the_ranks(world2, baseline) -> None
 
 
 def test_a_plan_that_reshards_a_pinned_read_is_refused() -> None:
-    """Structural: a plan edited by hand (or pinned) to read the written zeros in another
-    layout makes no step program, hence neither a prediction nor a rank program: the error
-    names the value, its reader and the two layouts (the solver's price alone would let a
-    loaded plan run wrong)."""
+    """Structural: a plan edited by hand (or pinned) so that a write into a slice of the zeros
+    reads the slice in another layout makes no step program, hence neither a prediction nor a
+    rank program: the error names the value, its reader and the two layouts (the solver's
+    price alone would let a loaded plan run wrong)."""
     import dataclasses
 
     from autoshard.cost.program import step_program
     from autoshard.errors import AutoshardError
-    from autoshard.ir import S, Replicate, spec_str
+    from autoshard.ir import S, spec_str
     traced = _traced()
     plan = plan_traced(traced, Mesh((2,), cluster="stress"))
     strategies = dict(plan.strategies())
     graph = traced.gm.graph
-    zeros = next(n for n in graph.nodes if n.target is aten.zeros.default)
-    view = next(u for u in zeros.users if u.target is aten.view.default)
-    assert strategies[zeros.name].outputs[0] == (Replicate(),)
-    strategies[view.name] = dataclasses.replace(strategies[view.name], inputs=((S(0),),))
+    write = _even_write(graph)
+    lies = strategies[write.name].inputs[0]
+    other = (Replicate(),) if lies != (Replicate(),) else (S(0),)
+    inputs = (other, *strategies[write.name].inputs[1:])
+    strategies[write.name] = dataclasses.replace(strategies[write.name], inputs=inputs)
     with pytest.raises(AutoshardError) as e:
         step_program(traced, strategies, (2,), bucket_bytes=plan.options.bucket_bytes)
     text = str(e.value)
-    assert f"{zeros.name} (output 0) for {view.name} input 0" in text
-    assert f"from {spec_str((Replicate(),))} to {spec_str((S(0),))}" in text
+    assert f"{write.args[0].name} (output 0) for {write.name} input 0" in text
+    assert f"from {spec_str(lies)} to {spec_str(other)}" in text
     # The read after every write is free: the same edit there is a plan like any other.
     lookup = next(n for n in graph.nodes if n.target is aten.index.Tensor)
     strategies = dict(plan.strategies())
@@ -157,10 +170,7 @@ def test_verify_refuses_a_plan_file_that_reshards_a_pinned_read(tmp_path, capsys
     from autoshard.tools.cli import main
     traced = _traced()
     plan = json.loads(plan_traced(traced, Mesh((2,), cluster="stress")).dumps())
-    graph = traced.gm.graph
-    write = next(n for n in graph.nodes if n.target is aten.copy_.default
-                 and n.args[0].meta["val"].shape[0] % 2 == 0)
-    assert (write.name, 0) in pinned_reads(graph)
+    write = _even_write(traced.gm.graph)
     node = next(n for n in plan["nodes"] if n["name"] == write.name)
     lies = node["inputs"][0]                 # as the plan reads it: as the slice lies
     other = node["inputs"][0] = "[S(0)]" if lies == "[R]" else "[R]"

@@ -18,9 +18,12 @@ the layout its producer made it in, when:
   than through the op's result and the aliases made from it, or is the graph's input or output
   (the write must land in that storage; ``full_like(x).scatter_(...)``, read through its
   result alone, may take a copy, which codegen writes into);
-- its consumer makes an alias of it (a view of a written group reaches the same storage);
-- the value read is also read on the other side of a write into its group (one reshard, shared
-  by both reads, would hold the value from before the write).
+- its consumer makes an alias of it before a write into its group (the write must reach the
+  view); a view made after the last write is a read like any other;
+- it reads a value before a write into its group that is read again after the write (a
+  reshard made for the first read, which codegen shares with later reads in the same layout,
+  would hold the value from before the write). The reads after the write stay free: the
+  reshard they need is made after it.
 
 The solver prices a pinned read's reshard as forbidden (solver/build.py), so the plan moves none
 of these values through a copy. Reads after every write (BEiT's table lookup through the index)
@@ -80,9 +83,13 @@ def _analysed(graph: fx.Graph) -> tuple[frozenset[Read], frozenset[str]]:
         at = written_at.get(root)
         if at is None:
             continue
-        seen = times[ref]
-        if kind == "alias" or any(seen[0] < w < seen[-1] for w in at) or (
-                kind == "write" and (root in kept or _read_apart(in_group[root], t, read[0]))):
+        if kind == "alias" and any(w > t for w in at):
+            pinned.add(read)
+        elif kind == "write" and (root in kept or _read_apart(in_group[root], t, read[0])):
+            pinned.add(read)
+    for t, ref, read, kind in reads:
+        at = written_at.get(groups.root(ref))
+        if at is not None and read not in pinned and any(t < w < times[ref][-1] for w in at):
             pinned.add(read)
     placeholders = frozenset(n.name for n in graph.nodes
                              if n.op == "placeholder" and groups.root((n.name, 0)) in written_at)
