@@ -74,9 +74,10 @@ def _analysed(graph: fx.Graph) -> tuple[frozenset[Read], frozenset[str]]:
     for r in reads:
         times.setdefault(r[1], []).append(r[0])
         in_group.setdefault(groups.root(r[1]), []).append(r)
-    kept = {groups.root((n.name, 0)) for n in graph.nodes if n.op == "placeholder"}
-    kept |= {groups.root(value_ref(x)) for n in graph.nodes if n.op == "output"
-             for x in tree_leaves(n.args) if isinstance(x, fx.Node)}
+    # storage that outlives the step (an input's) or leaves it (an output's)
+    lasting = {groups.root((n.name, 0)) for n in graph.nodes if n.op == "placeholder"}
+    lasting |= {groups.root(value_ref(x)) for n in graph.nodes if n.op == "output"
+                for x in tree_leaves(n.args) if isinstance(x, fx.Node)}
     pinned = set()
     for t, ref, read, kind in reads:
         root = groups.root(ref)
@@ -85,7 +86,7 @@ def _analysed(graph: fx.Graph) -> tuple[frozenset[Read], frozenset[str]]:
             continue
         if kind == "alias" and any(w > t for w in at):
             pinned.add(read)
-        elif kind == "write" and (root in kept or _read_apart(in_group[root], t, read[0])):
+        elif kind == "write" and (root in lasting or _read_apart(in_group[root], t, read[0])):
             pinned.add(read)
     for t, ref, read, kind in reads:
         at = written_at.get(groups.root(ref))
