@@ -1,7 +1,8 @@
 """Small mask and bookkeeping ops of Hugging Face graphs (attention-mask building, label shifts).
 
 They act on index-sized tensors, so replicating them costs little; where a dim plainly passes
-through (the batch dims of ``triu``/``tril``, the unpadded dims of ``pad``) it may shard. The
+through (the batch dims of ``triu``/``tril``, the unpadded dims of ``pad``, the dims
+``gather``/``scatter`` do not index: a router's tokens) it may shard. The
 replicate-only rules below are real rules, checked like the others, not the loud fallback.
 """
 from __future__ import annotations
