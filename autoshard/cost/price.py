@@ -121,13 +121,18 @@ class Pricer(ComputePricing, RecomputePricing, MemoryPricing, StatePricing, Resh
         self._kept: dict[ValueRef, bool] = {}
         self._ckpt_inputs: dict[ValueRef, None] | None = None
         self._reshard_memo: dict[tuple, float] = {}
+        self._has_grad: dict[ValueRef, bool] = {}
         # Compiled, elementwise chains run as one kernel each (docs/cost-model.md §3.10).
         self.fused = fusions(traced.graph) if options.compile else {}
 
     # -- per node ---------------------------------------------------------------------------
     def has_grad(self, value: ValueRef) -> bool:
-        """Whether ``value`` carries a gradient in training (cost/reshards.py ``carries_grad``)."""
-        return carries_grad(self._nodes, self.grads, value)
+        """Whether ``value`` carries a gradient in training (cost/reshards.py ``carries_grad``);
+        asked for every reshard priced, so kept per value."""
+        known = self._has_grad.get(value)
+        if known is None:
+            known = self._has_grad[value] = carries_grad(self._nodes, self.grads, value)
+        return known
 
     def info(self, name: str) -> OpInfo:
         """The op's view of a call_function node (computed once)."""
