@@ -817,6 +817,12 @@ HF_MODELS = {
         q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
         n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
         **_SMALL)).to(torch.bfloat16),
+    # learned positions, an encoder and a decoder with cross-attention, the label shift
+    "BartForConditionalGeneration": lambda tr: tr.BartForConditionalGeneration(tr.BartConfig(
+        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=32, pad_token_id=1, bos_token_id=0,
+        eos_token_id=2, decoder_start_token_id=2)),
     # where.Scalar and remainder (transient-global attention's blocks), traced with the
     # attention mask autoshard's seq2seq inputs pass (LongT5's encoder needs one)
     "LongT5ForConditionalGeneration": lambda tr: tr.LongT5ForConditionalGeneration(
