@@ -21,6 +21,7 @@ import torch.fx as fx
 from autoshard.cost.comm import Groups, Reshard, reshard
 from autoshard.ir import Replicate, Spec, Strategy, divergent_axes
 from autoshard.ops.registry import FACTORY, record_of
+from autoshard.trace.aliases import pinned_reads
 from autoshard.trace.graph import ValueRef, flat_values, value_inputs
 
 
@@ -173,7 +174,6 @@ def pinned_reshards(graph: fx.Graph, edges: Iterator[ReshardEdge]) -> list[Resha
     """The edges that reshard a read an in-place write pins (trace/aliases.py): on a rank the
     reshard's copy would take the write, or hold the value from before it, where one device
     has one storage. The solver prices them as forbidden; no plan that runs may hold one."""
-    from autoshard.trace.aliases import pinned_reads
     pinned = pinned_reads(graph)
     return [e for e in edges if any(c in pinned for c in e.consumers)] if pinned else []
 
