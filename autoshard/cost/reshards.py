@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.fx as fx
@@ -170,7 +170,7 @@ def direct_reads(graph: fx.Graph, strategies: dict[str, Strategy], param_names: 
     return out
 
 
-def pinned_reshards(graph: fx.Graph, edges: Iterator[ReshardEdge]) -> list[ReshardEdge]:
+def pinned_reshards(graph: fx.Graph, edges: Iterable[ReshardEdge]) -> list[ReshardEdge]:
     """The edges that reshard a read an in-place write pins (trace/aliases.py): on a rank the
     reshard's copy would take the write, or hold the value from before it, where one device
     has one storage. The solver prices them as forbidden; no plan that runs may hold one."""

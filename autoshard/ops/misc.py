@@ -16,10 +16,6 @@ from autoshard.ops.registry import (ELEMENTWISE, GATHER, NO, NOTHING, OpInfo, al
 
 aten = torch.ops.aten
 
-REPLICATE_ONLY = (aten.diff.default, aten.index.Tensor, aten.index_select.default,
-                  aten.flip.default, aten.roll.default, aten.repeat.default,
-                  aten.bincount.default)
-
 
 def triangle_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     x = op.inputs[0]

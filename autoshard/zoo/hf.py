@@ -101,8 +101,9 @@ class HFLossModel(nn.Module):
         kwargs = dict(zip(self.input_names, inputs))
         if self.task == "seq2seq":
             # The mask a tokenizer gives with unpadded ids (every token attended), as training
-            # passes it: some encoders (LongT5, Switch Transformers) index the mask without a
-            # None check when traced, where their eager path makes this one.
+            # passes it: without one, some encoders do not trace (LongT5 and Switch
+            # Transformers index it unchecked; LongT5's transient-global attention, at real
+            # size, builds tensors off the meta device), where their eager path makes one.
             kwargs["attention_mask"] = torch.ones_like(inputs[0])
         return self.model(**kwargs).loss
 
