@@ -13,7 +13,7 @@ from autoshard import Mesh
 from autoshard.ir import Replicate, Shard
 from autoshard.solver.baselines import baseline_plan
 from autoshard.solver.planner import plan_traced
-from autoshard.tools.verify import VerifySpec, plan_for, summarize, verify_rank
+from autoshard.tools.verify import VerifySpec, build, plan_for, summarize, verify_rank
 from autoshard.trace.aliases import pinned_reads
 from autoshard.trace.export import trace
 from autoshard.trace.graph import value_inputs
@@ -21,11 +21,11 @@ from dist import world_fixture
 
 aten = torch.ops.aten
 MODEL = f"{Path(__file__).parent / 'data' / 'relative_bias_model.py'}:make"
+ROUTER = f"{Path(__file__).parent / 'data' / 'scatter_router_model.py'}:make"
 world2 = world_fixture(2, timeout_s=300)
 
 
 def _traced():
-    from autoshard.tools.verify import build
     model, inputs = build(MODEL, None, None, 0)
     return trace(model, inputs)
 
@@ -131,31 +131,14 @@ def test_a_plan_that_reshards_a_pinned_read_is_refused() -> None:
     assert any((lookup.name, 1) in e.consumers for e in program.edges)
 
 
-class _Scatter(torch.nn.Module):
-    """A router's scores as Llama-4 and DeepSeek-V3 make them: ``full_like(..).scatter_(..)``,
-    read through the write's result (``through_result``), or through a view of the storage made
-    before the write. (A trace reads the tensor written as the write's result: the tracer moves
-    its proxy there.)"""
-
-    def __init__(self, through_result: bool) -> None:
-        super().__init__()
-        self.through_result = through_result
-        self.w = torch.nn.Parameter(torch.randn(8, 4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = x @ self.w
-        top, idx = logits.topk(2, dim=-1)
-        scores = torch.full_like(logits, float("-inf"))
-        before = scores.view(-1)
-        out = scores.scatter_(1, idx, top)
-        return (out if self.through_result else before).sigmoid().sum()
-
-
 @pytest.mark.parametrize("through_result", [True, False])
 def test_a_write_read_through_its_result_alone_may_take_a_copy(through_result) -> None:
-    """Closed form: a reshard into ``scatter_`` gives it a copy, which its result holds; only
-    when the storage is read again other than through the result must the write land in it."""
-    traced = trace(_Scatter(through_result), (torch.randn(6, 8),))
+    """Closed form: a router's ``full_like(..).scatter_(..)`` (Llama-4, DeepSeek-V3): a reshard
+    into ``scatter_`` gives it a copy, which its result holds; only when the storage is read
+    again other than through the result (a view made before the write) must the write land in
+    it. (A trace reads the tensor written as the write's result: the tracer moves its proxy
+    there.)"""
+    traced = trace(*build(ROUTER if through_result else ROUTER + "_read_before", None, None, 0))
     graph = traced.gm.graph
     scatter = next(n for n in graph.nodes if n.target is aten.scatter_.src)
     assert ((scatter.name, 0) in pinned_reads(graph)) is not through_result
@@ -183,8 +166,6 @@ def test_verify_refuses_a_plan_file_that_reshards_a_pinned_read(tmp_path, capsys
         in err, err
 
 
-ROUTER = f"{Path(__file__).parent / 'data' / 'scatter_router_model.py'}:make"
-
 
 def test_a_write_into_a_resharded_copy_trains_as_one_device(world2) -> None:
     """Numerical: ``full_like(logits, -inf).scatter_(1, idx, top)`` run replicated (a plan
@@ -195,7 +176,6 @@ def test_a_write_into_a_resharded_copy_trains_as_one_device(world2) -> None:
     import dataclasses
 
     from autoshard.solver.assemble import assemble
-    from autoshard.tools.verify import build
     model, inputs = build(ROUTER, None, None, 0)
     traced = trace(model, inputs)
     graph = traced.gm.graph
