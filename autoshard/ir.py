@@ -307,18 +307,22 @@ class Strategy:
     local variant of the op when the per-rank computation is not the op itself (e.g. a mean over
     a sharded dim, which must be scaled to a partial sum). ``compute_scale`` is the fraction of
     the op's whole work done on one rank. A parameter's placeholder's kernel is its
-    ``StateMode``.
+    ``StateMode``, and ``state_axes`` the mesh axes a ZeRO mode shards its state over where
+    that is some of its replicated axes only (cost/state.py); None: all of them.
     """
 
     inputs: tuple
     outputs: tuple
     kernel: str | None = None
     compute_scale: float = 1.0
+    state_axes: tuple[int, ...] | None = None
 
     def __str__(self) -> str:
         ins = " x ".join(spec_str(s) for s in self.inputs)
         outs = ", ".join(spec_str(s) for s in self.outputs)
         k = f" ({self.kernel})" if self.kernel else ""
+        if self.state_axes is not None:
+            k = f" ({self.kernel} over axes {list(self.state_axes)})"
         return f"{ins} -> {outs}{k}"
 
 

@@ -67,7 +67,7 @@ def test_frozen_state_is_the_parameter_alone(traced):
         assert (sb.gradients, sb.optimizer) == ((n, 2 * n) if trainable(ph.fqn) else (0, 0))
         assert pricer.memory(ph.name, strategies[ph.name]) == sb.device
         if not trainable(ph.fqn):
-            assert pricer.param_modes(ph.name, plan.params[ph.fqn]) == [None]
+            assert pricer.param_states(ph.name, plan.params[ph.fqn]) == [(None, None)]
             assert pricer.optimizer_seconds(ph.name, strategies[ph.name]) == 0.0
 
 

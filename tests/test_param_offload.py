@@ -74,7 +74,7 @@ def test_host_seconds_by_hand():
     p = traced.params[0]
     value, shape, isz = (p.name, 0), p.info.shape, p.info.dtype.itemsize
     numel = math.prod(shape)
-    assert "offload_params" in pricer.param_modes(p.name, (S0,))
+    assert ("offload_params", None) in pricer.param_states(p.name, (S0,))
     # ZeRO-3's layout: gathered for the use, its gradient reduce-scattered back to the shard.
     n = numel // 4 * isz
     up_down = pricer.host_seconds(value, (S0,), (R,), frozenset(), "offload_params")

@@ -18,7 +18,8 @@ offload, cost/state.py) lays its members out so that the reduce-scatter over eac
 every rank its own shard of every member along the member's shard dim (chunk ``r`` of every
 member, then chunk ``r + 1``, ...: FSDP's copy-in layout), and adds those shards to
 :attr:`GradBuckets.shards` instead of ``.grad``; the sharded optimizer (codegen/optim.py) reads
-them there.
+them there. Where the state is sharded over some of the replicated axes only, the shards are
+then all-reduced over the others (the records' kinds say which, in order).
 """
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ class _Bucket:
     planned_nbytes: tuple[int, ...]   # per collective
     members: tuple[str, ...]
     kind: str = CollectiveKind.ALL_REDUCE
+    # per collective: a reduce_scatter bucket's last ones may all-reduce its shard (zero2 over
+    # some of the replicated axes, cost/state.py)
+    kinds: tuple[str, ...] = ()
     buffer: torch.Tensor | None = None
     grads: dict[str, torch.Tensor] | None = None     # reduce_scatter: the arrived gradients
     offsets: dict[str, tuple[int, torch.Size]] | None = None
@@ -82,7 +86,14 @@ class GradBuckets:
                                              got=f"{m} in {self.of[m].name} and {r.node}",
                                              fix="re-plan: the plan file is damaged")
                     self.of[m] = b
+            if b.kind == CollectiveKind.ALL_REDUCE and r.kind != b.kind or \
+                    b.kinds and b.kinds[-1] == CollectiveKind.ALL_REDUCE != r.kind:
+                raise AutoshardError("a gradient bucket that all-reduces, or reduce-scatters "
+                                     "and then all-reduces its shard",
+                                     got=f"{r.node}: {', '.join((*b.kinds, r.kind))}",
+                                     fix="re-plan: the plan file was edited or is damaged")
             b.axes += (axis,)
+            b.kinds += (r.kind,)
             b.planned_nbytes += (r.bytes,)
         self.params: dict[str, torch.nn.Parameter] = {}
         # reduce_scatter buckets: each member's shard dim (set by the module), and the shards.
@@ -179,21 +190,28 @@ class GradBuckets:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
 
     def _finish_scatter(self, b: _Bucket) -> None:
-        """Wait for the first axis's reduce-scatter, run the further axes', keep the shards."""
+        """Wait for the first axis's reduce-scatter, run the further axes' (reduce-scatters of
+        the shards, then all-reduces of what they leave), keep the shards."""
         if b.work is None:            # a member's gradient never came: it is zero
             self._scatter_first(b)
         out = _wait(b.work)
         shapes = [list(self.params[m].shape) for m in b.members]
         dims = [self.shard_dim[m] for m in b.members]
         for k, a in enumerate(b.axes):
-            self._record(b, a, b.buffer if k == 0 else None, k)
-            for sh, d in zip(shapes, dims):
-                sh[d] //= self.groups.joint_size(a)
-            pieces = _split(out, shapes)
+            self._record(b, a, b.buffer, k)
+            if b.kinds[k] == CollectiveKind.REDUCE_SCATTER:
+                for sh, d in zip(shapes, dims):
+                    sh[d] //= self.groups.joint_size(a)
             if k + 1 < len(b.axes):
                 nxt = b.axes[k + 1]
-                b.buffer = _interleave(pieces, dims, self.groups.joint_size(nxt))
-                out = reduce_scatter(b.buffer, 0, self.groups.group_of(nxt))
+                if b.kinds[k + 1] == CollectiveKind.REDUCE_SCATTER:
+                    b.buffer = _interleave(_split(out, shapes), dims,
+                                           self.groups.joint_size(nxt))
+                    out = reduce_scatter(b.buffer, 0, self.groups.group_of(nxt))
+                else:                 # the shards, summed over the axes not scattered
+                    b.buffer = out
+                    dist.all_reduce(out, group=self.groups.group_of(nxt))
+        pieces = _split(out, shapes)
         for m, g in zip(b.members, pieces):
             if m in self.host:
                 self.ledger.add_host("d2h", g, Phase.GRAD_SYNC, b.name, m)
@@ -211,7 +229,7 @@ class GradBuckets:
                 k: int) -> None:
         buf = b.buffer if buffer is None else buffer
         self.ledger.add(ExecutedCollective(
-            kind=b.kind, axes=tuple(self.groups.axes[a] for a in axes),
+            kind=b.kinds[k], axes=tuple(self.groups.axes[a] for a in axes),
             nbytes=buf.numel() * buf.element_size(), planned_nbytes=b.planned_nbytes[k],
             phase=Phase.GRAD_SYNC, node=b.name,
             group_size=dist.get_world_size(self.groups.group_of(axes))))

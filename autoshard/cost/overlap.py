@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from autoshard.cost.comm import Reshard, link_time
 from autoshard.cost.reshards import ReshardEdge
-from autoshard.cost.state import SCATTERS, state_spec
-from autoshard.ir import CollectiveKind, StateMode
+from autoshard.cost.state import SCATTERS, state_spec, zero_axes, zero_grad_sync
+from autoshard.ir import CollectiveKind, Strategy
 from autoshard.mesh import Mesh
 from autoshard.trace.graph import first_reads
 
@@ -78,7 +78,9 @@ class Bucket:
     """Gradients synced together: over ``axes`` (in order), of one dtype, all-reduced or (zero2,
     offload) reduce-scattered; ``nbytes`` is the flat buffer the first axis's collective takes.
     ``joint``: groups of ``axes`` that one collective runs over at once (docs/cost-model.md
-    §1.4); every other axis has its own (:func:`bucket_collectives`)."""
+    §1.4); every other axis has its own (:func:`bucket_collectives`). ``all_reduced``: the
+    last of ``axes`` that a reduce-scatter bucket all-reduces, of its shard, after the
+    reduce-scatters (zero2 over some of the replicated axes, cost/state.py)."""
 
     axes: tuple[int, ...]
     dtype: str
@@ -86,6 +88,11 @@ class Bucket:
     nbytes: int
     kind: str = CollectiveKind.ALL_REDUCE
     joint: tuple[tuple[int, ...], ...] = ()
+    all_reduced: tuple[int, ...] = ()
+
+    def kind_on(self, axis: int) -> str:
+        """The collective the bucket runs on ``axis``."""
+        return CollectiveKind.ALL_REDUCE if axis in self.all_reduced else self.kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,23 +105,24 @@ class Sync:
     nbytes: int
     kind: str = CollectiveKind.ALL_REDUCE
     joint: tuple[tuple[int, ...], ...] = ()
+    all_reduced: tuple[int, ...] = ()
 
 
 def form_buckets(syncs: Iterable[Sync], bucket_bytes: float) -> list[Bucket]:
     """Fill buckets in the order the gradients become ready (``syncs``' order): one open bucket
-    per (axes, dtype, kind, joint groups); a gradient that would overflow its open bucket closes
-    it and starts the next; a gradient larger than a bucket travels alone. Buckets are listed in
-    closing order (the order they are issued)."""
+    per (axes, dtype, kind, joint groups, all-reduced axes); a gradient that would overflow its
+    open bucket closes it and starts the next; a gradient larger than a bucket travels alone.
+    Buckets are listed in closing order (the order they are issued)."""
     open_: dict[tuple, list[Sync]] = {}
     out: list[Bucket] = []
 
     def close(key: tuple) -> None:
         members = open_.pop(key)
         out.append(Bucket(key[0], key[1], tuple(m.param for m in members),
-                          sum(m.nbytes for m in members), key[2], key[3]))
+                          sum(m.nbytes for m in members), key[2], key[3], key[4]))
 
     for s in syncs:
-        key = (s.axes, s.dtype, s.kind, s.joint)
+        key = (s.axes, s.dtype, s.kind, s.joint, s.all_reduced)
         if key in open_ and sum(m.nbytes for m in open_[key]) + s.nbytes > bucket_bytes:
             close(key)
         open_.setdefault(key, []).append(s)
@@ -125,11 +133,12 @@ def form_buckets(syncs: Iterable[Sync], bucket_bytes: float) -> list[Bucket]:
 
 def bucket_bytes_by_axis(b: Bucket, mesh_shape: tuple[int, ...]) -> list[int]:
     """The bytes of the bucket's collective on each of its axes: the whole buffer for
-    all-reduces; what the earlier reduce-scatters left for reduce-scatters."""
+    all-reduces; what the earlier reduce-scatters left for reduce-scatters and for the
+    all-reduces after them."""
     out, n = [], b.nbytes
     for a in b.axes:
         out.append(n)
-        if b.kind == CollectiveKind.REDUCE_SCATTER:
+        if b.kind_on(a) == CollectiveKind.REDUCE_SCATTER:
             n //= mesh_shape[a]
     return out
 
@@ -152,7 +161,8 @@ def bucket_collectives(b: Bucket, mesh_shape: tuple[int, ...]
 
 def bucket_seconds(b: Bucket, mesh: Mesh) -> float:
     """One collective of the bucket per axis (or joint group), one latency each."""
-    return sum(link_time(mesh.group_link(g), b.kind, math.prod(mesh.shape[a] for a in g), n)
+    return sum(link_time(mesh.group_link(g), b.kind_on(g[0]),
+                         math.prod(mesh.shape[a] for a in g), n)
                for g, n in bucket_collectives(b, mesh.shape))
 
 
@@ -170,26 +180,31 @@ def exposed_seconds(sync_s: float, backward_s: float) -> float:
 
 
 def gradient_buckets(edges: list[ReshardEdge], nodes: list, bucket_bytes: float,
-                     modes: dict[str, StateMode | None] | None = None,
+                     strategies: Mapping[str, Strategy] | None = None,
                      mesh_shape: tuple[int, ...] = ()) -> list[Bucket]:
     """The buckets of a plan's gradient syncs, the ones the runtime issues: the
     gradient a parameter gets through a reshard that is a pure gradient sync, summed over that
     reshard's consumers (other reads of the parameter add their own, unsynced, as autograd
     does). Gradients become ready in the reverse order of their parameter's first use in
     forward. A parameter read through two such reshards (in two layouts) buckets the first.
-    ``modes``: each parameter's state mode; zero2/offload/offload_params ones are
-    reduce-scattered over their zero axes (cost/state.py), in buckets of their own."""
+    ``strategies``: each parameter's, whose state mode and state axes say how it syncs:
+    zero2/offload/offload_params ones are reduce-scattered over their state axes, and
+    all-reduced over any others (cost/state.py ``zero_grad_sync``), in buckets of their own."""
     first_use = first_reads(nodes)
     dtypes = {n.name: str(n.meta["val"].dtype).removeprefix("torch.") for n in nodes
               if n.op == "placeholder"}
     syncs: dict[str, Sync] = {}
     shapes = {n.name: tuple(n.meta["val"].shape) for n in nodes if n.op == "placeholder"}
     for name, e in first_grad_syncs(edges).items():
-        if (modes or {}).get(name) in SCATTERS \
-                and state_spec(shapes[name], e.src, mesh_shape) is not None:
-            axes = tuple(sorted(a for s in e.reshard.backward for a in s.axes))
-            syncs[name] = Sync(name, axes, dtypes[name], e.reshard.backward[0].nbytes,
-                               CollectiveKind.REDUCE_SCATTER)
+        st = (strategies or {}).get(name)
+        if st is not None and st.kernel in SCATTERS \
+                and state_spec(shapes[name], e.src, mesh_shape, st.state_axes) is not None:
+            axes = st.state_axes if st.state_axes is not None else zero_axes(e.src, mesh_shape)
+            steps = zero_grad_sync(e.reshard, axes, mesh_shape).backward
+            syncs[name] = Sync(name, tuple(s.axis for s in steps), dtypes[name],
+                               e.reshard.backward[0].nbytes, CollectiveKind.REDUCE_SCATTER,
+                               all_reduced=tuple(s.axis for s in steps
+                                                 if s.kind == CollectiveKind.ALL_REDUCE))
         else:
             syncs[name] = grad_sync(name, e.reshard, dtypes[name])
     order = sorted(syncs, key=lambda name: -first_use.get(name, 0))

@@ -25,20 +25,22 @@ class ReshardPricing:
         return sum(self.reshard_cost(value, src, dst, divergent))
 
     def reshard_cost(self, value: ValueRef, src: Spec, dst: Spec,
-                     divergent: frozenset[int], mode: StateMode | None = None) -> tuple[float, float]:
-        """(blocking seconds, bucketed gradient-sync seconds) of the reshard; ``mode``: the
-        state mode of the parameter ``value`` is (zero2 and offload reduce-scatter the bucketed
-        gradient, cost/state.py)."""
+                     divergent: frozenset[int], mode: StateMode | None = None,
+                     axes: tuple[int, ...] | None = None) -> tuple[float, float]:
+        """(blocking seconds, bucketed gradient-sync seconds) of the reshard; ``mode``,
+        ``axes``: the state mode and state axes of the parameter ``value`` is (zero2 and offload
+        reduce-scatter the bucketed gradient over them, cost/state.py)."""
         shape, itemsize = self.shapes[value]
         grad = self.has_grad(value)
         param = value[0] in self.params
-        key = (src, dst, shape, itemsize, divergent if grad else frozenset(), grad, param, mode)
+        key = (src, dst, shape, itemsize, divergent if grad else frozenset(), grad, param, mode,
+               axes)
         t = self._reshard_memo.get(key)
         if t is None:
             steps = self.steps(value, src, dst, divergent)
             mesh = self.merge.real if self.merge else self.mesh
             if param and is_grad_sync(steps):
-                steps = self.bucketed_sync(value, src, steps, mode)
+                steps = self.bucketed_sync(value, src, steps, mode, axes)
                 t = (0.0, self.step_share * sync_share_seconds(steps, mesh,
                                                                self.options.bucket_bytes))
             else:
@@ -70,19 +72,23 @@ class ReshardPricing:
             t += (mesh.shape[a] - 1) * mesh.links[a].least_alpha
         return t * self.runs
 
-    def bucketed_sync(self, value: ValueRef, src: Spec, steps: Reshard, mode: StateMode | None
-                      ) -> Reshard:
+    def bucketed_sync(self, value: ValueRef, src: Spec, steps: Reshard, mode: StateMode | None,
+                      axes: tuple[int, ...] | None = None) -> Reshard:
         """A parameter's pure gradient sync as its bucket runs it: all-reduces, or under
-        zero2/offload reduce-scatters over its zero axes (on the real mesh)."""
+        zero2/offload reduce-scatters over its state ``axes`` (None: its zero axes) and
+        all-reduces of the shard over the others (on the real mesh)."""
         if mode not in SCATTERS:
             return steps
         shape = self.shapes[value][0]
-        if state_spec(shape, src, self.mesh.shape) is None:
+        if state_spec(shape, src, self.mesh.shape, axes) is None:
             return steps
         mesh_shape = self.mesh.shape
+        if axes is None:
+            axes = zero_axes(src, mesh_shape)
         if self.merge is not None:
-            src, mesh_shape = self.merge.expand_spec(src), self.merge.real.shape
-        return zero_grad_sync(steps, zero_axes(src, mesh_shape), mesh_shape)
+            axes = tuple(sorted(self.merge.expand_axes(frozenset(axes))))
+            mesh_shape = self.merge.real.shape
+        return zero_grad_sync(steps, axes, mesh_shape)
 
     def forward_seconds(self, value: ValueRef, src: Spec, dst: Spec) -> float:
         """The forward collectives of a reshard alone: what recomputing it runs again."""

@@ -13,7 +13,8 @@ from autoshard.cost.compute import local_numel
 from autoshard.cost.overlap import is_grad_sync
 from autoshard.cost.state import (ADAM_STEP_BYTES, MASTER_CAST_BYTES, PARAM_OFFLOAD_COPIES,
                                   SGD_STEP_BYTES, StateBytes,
-                                  host_copies, modes_for, state_bytes, state_spec, step_elements)
+                                  host_copies, state_bytes, state_choices, state_spec,
+                                  step_elements)
 from autoshard.ir import OffloadOverlap, Spec, StateMode, Strategy, local_shape
 from autoshard.trace.graph import ValueRef
 
@@ -24,11 +25,12 @@ class StatePricing:
     ``shapes``, ``runs`` and ``step_share``; ``has_grad``, and ``steps`` (cost/price_reshard.py)
     for whether a use's gradient is a bucketed sync."""
 
-    def param_modes(self, name: str, spec) -> list[str | None]:
-        """The state modes (cost/state.py) a parameter stored in ``spec`` may take."""
+    def param_states(self, name: str, spec) -> list[tuple[str | None, tuple[int, ...] | None]]:
+        """The (state mode, state axes) (cost/state.py) a parameter stored in ``spec`` may
+        take."""
         ph = self.traced.placeholder(name)
-        return modes_for(ph.info.shape, spec, self.mesh.shape, self.optimizer_of(name),
-                         self.modes, ph.info.dtype.itemsize)
+        return state_choices(ph.info.shape, spec, self.mesh.shape, self.optimizer_of(name),
+                             self.modes, ph.info.dtype.itemsize)
 
     def optimizer_of(self, name: str) -> str:
         """The optimizer whose state parameter ``name`` carries: "none" for a frozen one (no
@@ -46,7 +48,7 @@ class StatePricing:
             numel = math.prod(local_shape(ph.info.shape, spec, self.mesh.shape))
             return StateBytes(buffers=numel * ph.info.dtype.itemsize)
         return state_bytes(ph.info.shape, ph.info.dtype, spec, strategy.kernel, self.mesh.shape,
-                           self.optimizer_of(name))
+                           self.optimizer_of(name), strategy.state_axes)
 
     def accumulated_bytes(self, name: str, strategy: Strategy) -> float:
         """What gradient accumulation holds for a parameter beyond its state's gradient: its
@@ -75,7 +77,7 @@ class StatePricing:
         spec, mode = strategy.outputs[0], strategy.kernel
         if mode == StateMode.OFFLOAD:
             return self.offload_step_seconds(name, strategy)[0]
-        n = step_elements(ph.info.shape, spec, mode, self.mesh.shape)
+        n = step_elements(ph.info.shape, spec, mode, self.mesh.shape, strategy.state_axes)
         per = SGD_STEP_BYTES if opt == "sgd" else ADAM_STEP_BYTES
         c = self.mesh.cluster
         if mode == StateMode.OFFLOAD_PARAMS:
@@ -159,7 +161,7 @@ class StatePricing:
         if strategy.kernel is None or ph.kind != "param" or name in self.tied_to:
             return None
         spec = strategy.outputs[0]
-        sspec = state_spec(ph.info.shape, spec, self.mesh.shape)
+        sspec = state_spec(ph.info.shape, spec, self.mesh.shape, strategy.state_axes)
         if sspec is None:
             return None
         if self.merge is not None:

@@ -265,8 +265,7 @@ def step_program(traced: Any, strategies: dict[str, Strategy], mesh_shape: tuple
     if traced.training:
         bucketed = {p: index[id(e)] for p, e in first_grad_syncs(edges).items()}
         nodes = [n for n in graph.nodes if n.name in strategies]
-        modes = {n: strategies[n].kernel for n in params if n in strategies}
-        buckets = tuple(gradient_buckets(list(edges), nodes, bucket_bytes, modes,
+        buckets = tuple(gradient_buckets(list(edges), nodes, bucket_bytes, strategies,
                                          tuple(mesh_shape)))
     fetched = frozenset(n for n in params
                         if getattr(strategies.get(n), "kernel", None) == StateMode.OFFLOAD_PARAMS)
@@ -352,9 +351,10 @@ def updates(traced: Any, strategies: Mapping[str, Strategy], mesh_shape: tuple[i
             continue
         shape, spec, mode = tuple(ph.info.shape), strat.outputs[0], strat.kernel
         isz = ph.info.dtype.itemsize
-        sspec = state_spec(shape, spec, mesh_shape) if mode is not None else None
+        sspec = state_spec(shape, spec, mesh_shape, strat.state_axes) if mode is not None \
+            else None
         on_host = mode in HOST_MODES
-        elements = step_elements(shape, spec, mode, mesh_shape)
+        elements = step_elements(shape, spec, mode, mesh_shape, strat.state_axes)
         width = max(isz, 4)
         moment = elements * width if moments and not on_host else 0
         gather = 0
@@ -434,8 +434,8 @@ def stage_program(program: StepProgram, traced: Any, strategies: Mapping[str, St
     bucketed = {p: index[id(e)] for p, e in first_grad_syncs(edges).items()} \
         if traced.training else {}
     nodes = [n for n in graph.nodes if n.name in strategies]
-    modes = {n: strategies[n].kernel for n in params if n in strategies}
-    buckets = tuple(gradient_buckets(edges, nodes, bucket_bytes, modes, tuple(mesh_shape))) \
+    buckets = tuple(gradient_buckets(edges, nodes, bucket_bytes, strategies,
+                                     tuple(mesh_shape))) \
         if traced.training else ()
     fqn = {p.name: p.fqn for p in traced.params}
     held_fqns = {fqn[p] for p in reads}

@@ -25,6 +25,14 @@ The shard is cut along one tensor dim that no other mesh axis splits (``state_sp
 rank's optimizer state is a plain slice of its stored parameter and the state dicts stay
 DTensor-shaped. A parameter with no zero axis, or no such dim, keeps its state with it (offload
 still applies: nothing to shard, everything on the host).
+
+zero1 and zero2 may also shard over one zero axis alone (``Strategy.state_axes``; the planner
+offers each where a parameter has two), as hybrid sharding does (FSDP's
+``HYBRID_SHARD``; ZeRO++'s hierarchical partitioning, hpZ: Wang et al., arXiv 2306.10209):
+the state sharded within a node and replicated across nodes, so the gathers after the step
+stay on the fast axis. The gradient of such a zero2 parameter is reduce-scattered over its
+state axes first, then all-reduced over the others on the shard (``zero_grad_sync``), the
+hierarchical order (docs/cost-model.md §9).
 """
 from __future__ import annotations
 
@@ -63,11 +71,14 @@ def zero_axes(spec: Spec, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
                  if isinstance(p, Replicate) and n > 1)
 
 
-def state_spec(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...]) -> Spec | None:
-    """The layout of the optimizer state under zero1/zero2/offload: ``spec`` with each zero axis
-    splitting the first dim that no other axis splits and that divides evenly (row-major over
-    the zero axes, the first outermost). None if the parameter has no zero axis or no such dim."""
-    axes = zero_axes(spec, mesh_shape)
+def state_spec(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...],
+               axes: tuple[int, ...] | None = None) -> Spec | None:
+    """The layout of the optimizer state under zero1/zero2/offload: ``spec`` with each of
+    ``axes`` (None: every zero axis) splitting the first dim that no other axis splits and that
+    divides evenly (row-major over those axes, the first outermost). None if there is no such
+    axis or dim."""
+    if axes is None:
+        axes = zero_axes(spec, mesh_shape)
     if not axes:
         return None
     split = {p.dim for p in spec if isinstance(p, Shard)}
@@ -78,18 +89,38 @@ def state_spec(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...]) 
     return None
 
 
+def state_choices(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...],
+                  optimizer: str, allowed: tuple[str | None, ...], itemsize: int = 4
+                  ) -> list[tuple[str | None, tuple[int, ...] | None]]:
+    """The (mode, state axes) a parameter stored in ``spec`` may take, among the modes
+    ``allowed``: the ZeRO modes only where there is optimizer state and a dim to shard it on,
+    over every zero axis (axes None) and, where there are two, over each one alone;
+    offload (of the optimizer, or of the parameters too) wherever there is state, over every
+    zero axis, but for an fp64 parameter (``itemsize`` 8: the host's step keeps fp32 masters
+    and moments, codegen/hostopt.py)."""
+    if optimizer in ("none", "sgd"):
+        return [(None, None)]
+    zero = zero_axes(spec, mesh_shape)
+    # Each axis alone where there are two: on three or more (a 3-axis mesh's problem over
+    # every subset of axes) the subsets make the ILP too hard to solve in time (Llama on
+    # 2x2x2: no incumbent in 15 s); the tries with axes merged into two offer them there
+    # (solver/merging.py).
+    subsets = [None, *((a,) for a in zero)] if len(zero) == 2 else [None]
+    out: list[tuple[str | None, tuple[int, ...] | None]] = []
+    for m in allowed:
+        if m is None or (m in HOST_MODES and itemsize <= 4):
+            out.append((m, None))
+        elif m not in HOST_MODES:
+            out += [(m, axes) for axes in subsets
+                    if state_spec(shape, spec, mesh_shape, axes) is not None]
+    return out or [(None, None)]  # a forced ZeRO mode leaves an unshardable parameter plain
+
+
 def modes_for(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...], optimizer: str,
               allowed: tuple[str | None, ...], itemsize: int = 4) -> list[str | None]:
-    """The modes a parameter stored in ``spec`` may take, among ``allowed``: the ZeRO modes only
-    where there is optimizer state and a dim to shard it on; offload (of the optimizer, or of
-    the parameters too) wherever there is state, but for an fp64 parameter (``itemsize`` 8:
-    the host's step keeps fp32 masters and moments, codegen/hostopt.py)."""
-    if optimizer in ("none", "sgd"):
-        return [None]
-    shardable = state_spec(shape, spec, mesh_shape) is not None
-    out = [m for m in allowed if m is None or (m in HOST_MODES and itemsize <= 4)
-           or (m not in HOST_MODES and shardable)]
-    return out or [None]          # a forced ZeRO mode leaves an unshardable parameter plain
+    """The modes of :func:`state_choices`, each once."""
+    return list(dict.fromkeys(m for m, _ in state_choices(shape, spec, mesh_shape, optimizer,
+                                                          allowed, itemsize)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,14 +161,15 @@ def optimizer_bytes_per_element(itemsize: int, optimizer: str, mode: StateMode |
 
 
 def state_bytes(shape: tuple[int, ...], dtype: torch.dtype, spec: Spec, mode: StateMode | None,
-                mesh_shape: tuple[int, ...], optimizer: str) -> StateBytes:
+                mesh_shape: tuple[int, ...], optimizer: str,
+                axes: tuple[int, ...] | None = None) -> StateBytes:
     """What one device holds for a parameter of global ``shape`` stored in ``spec`` under
-    ``mode``, with ``optimizer`` ("none": the parameter only)."""
+    ``mode`` over state ``axes``, with ``optimizer`` ("none": the parameter only)."""
     isz = dtype.itemsize
     n = math.prod(local_shape(shape, spec, mesh_shape))
     if optimizer == "none":
         return StateBytes(parameters=n * isz)
-    sspec = state_spec(shape, spec, mesh_shape) if mode is not None else None
+    sspec = state_spec(shape, spec, mesh_shape, axes) if mode is not None else None
     ns = math.prod(local_shape(shape, sspec, mesh_shape)) if sspec is not None else n
     k = optimizer_bytes_per_element(isz, optimizer, mode)
     if mode is None:
@@ -178,25 +210,28 @@ def host_copies(shape: tuple[int, ...], dtype: torch.dtype, spec: Spec, mode: St
 
 
 def step_elements(shape: tuple[int, ...], spec: Spec, mode: StateMode | None,
-                  mesh_shape: tuple[int, ...]) -> int:
+                  mesh_shape: tuple[int, ...], axes: tuple[int, ...] | None = None) -> int:
     """Elements one rank's optimizer step updates: its shard of the optimizer state."""
-    sspec = state_spec(shape, spec, mesh_shape) if mode is not None else None
+    sspec = state_spec(shape, spec, mesh_shape, axes) if mode is not None else None
     return math.prod(local_shape(shape, sspec if sspec is not None else spec, mesh_shape))
 
 
 def zero_grad_sync(r: Reshard, axes: tuple[int, ...], mesh_shape: tuple[int, ...]) -> Reshard:
-    """A pure gradient sync under zero2/offload: each all-reduce on a zero axis becomes a
-    reduce-scatter (of the bytes left after the previous ones), in the order of the axes.
-    These buckets run one collective per axis: an all-reduce over several axes at once
-    (docs/cost-model.md §1.4) is first taken apart into one per axis, of the same bytes."""
+    """A pure gradient sync under zero2/offload over state ``axes``: the all-reduces on those
+    axes become reduce-scatters, run first, in axis order (each of the bytes the previous ones
+    left); the other axes' all-reduces follow, of the shard (the hierarchical order: the slow
+    axis moves the least). These buckets run one collective per axis: an all-reduce over
+    several axes at once (docs/cost-model.md §1.4) is first taken apart into one per axis, of
+    the same bytes."""
+    steps = sorted(per_axis(r.backward), key=lambda s: s.axis)
+    scatter = [s.kind == CollectiveKind.ALL_REDUCE and s.axis in axes for s in steps]
     out: list[Step] = []
     div = 1
-    for s in sorted(per_axis(r.backward), key=lambda s: s.axis):
-        if s.kind == CollectiveKind.ALL_REDUCE and s.axis in axes:
-            out.append(Step(CollectiveKind.REDUCE_SCATTER, s.axis, nbytes=s.nbytes // div))
-            div *= mesh_shape[s.axis]
-        else:
-            out.append(dataclasses.replace(s, nbytes=s.nbytes // div))
+    for s in (s for s, sc in zip(steps, scatter) if sc):
+        out.append(Step(CollectiveKind.REDUCE_SCATTER, s.axis, nbytes=s.nbytes // div))
+        div *= mesh_shape[s.axis]
+    out += [dataclasses.replace(s, nbytes=s.nbytes // div)
+            for s, sc in zip(steps, scatter) if not sc]
     return Reshard(r.forward, tuple(out))
 
 

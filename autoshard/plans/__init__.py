@@ -131,7 +131,8 @@ class Plan:
     def strategies(self) -> dict[str, Strategy]:
         """Every node's strategy, with the share of the op's work one rank does."""
         return {n.name: Strategy(n.inputs, n.outputs, n.kernel,
-                                 work_fraction(n.inputs, n.outputs, self.mesh_shape))
+                                 work_fraction(n.inputs, n.outputs, self.mesh_shape),
+                                 n.state_axes)
                 for n in self.nodes}
 
     def joint_groups(self) -> tuple[tuple[int, ...], ...]:

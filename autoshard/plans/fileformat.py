@@ -116,8 +116,20 @@ def _read_nodes(f: Field, ndim: int) -> tuple[NodePlan, ...]:
             tuple(s.spec(ndim) for s in n.key("inputs").entries()),
             tuple(s.spec(ndim) for s in n.key("placements").entries()),
             # A placeholder's kernel is its state mode; an op's names its local variant.
-            None if kernel.value is None else StateMode.of(kernel.text()) or kernel.value)
+            None if kernel.value is None else StateMode.of(kernel.text()) or kernel.value,
+            _read_state_axes(n.key("state_axes", None), ndim))
     return tuple(nodes.values())
+
+
+def _read_state_axes(f: Field, ndim: int) -> tuple[int, ...] | None:
+    """A ZeRO parameter's state axes (absent: every replicated axis): distinct mesh axis
+    positions, ascending."""
+    if f.value is None:
+        return None
+    axes = tuple(a.integer() for a in f.entries(nonempty=True))
+    if list(axes) != sorted(set(axes)) or axes[-1] >= ndim:
+        f.fail(f"distinct mesh axis positions below {ndim}, ascending")
+    return axes
 
 
 def _read_inputs(f: Field, mesh_shape: tuple[int, ...]) -> dict[str, tuple[Spec, Any]]:

@@ -24,6 +24,9 @@ class NodePlan:
     inputs: tuple[Spec, ...]
     outputs: tuple[Spec, ...]
     kernel: str | None = None
+    # A parameter's placeholder whose ZeRO mode shards its state over some of its replicated
+    # mesh axes only (ir.Strategy.state_axes): their positions; None: all of them.
+    state_axes: tuple[int, ...] | None = None
 
     def to_json(self) -> dict:
         d = {"name": self.name, "op": self.op,
@@ -31,6 +34,8 @@ class NodePlan:
              "inputs": [spec_str(s) for s in self.inputs]}
         if self.kernel:
             d["kernel"] = self.kernel
+        if self.state_axes is not None:
+            d["state_axes"] = list(self.state_axes)
         return d
 
 

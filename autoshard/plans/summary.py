@@ -85,11 +85,17 @@ def summary(plan: Plan) -> str:
 def _state_summary(plan: Plan) -> list[str]:
     """Where gradients and optimizer state live (ZeRO-1/2, offload) and the memory split."""
     lines = []
-    by: dict[str, int] = {}
-    for st in plan.param_state.values():
-        by[st.mode] = by.get(st.mode, 0) + 1
-    for mode, n in sorted(by.items()):
-        lines.append(f"  {MODE_NAMES.get(mode, mode)}: {n} of {len(plan.params)} parameters")
+    by: dict[tuple[str, str], int] = {}
+    for fqn, st in plan.param_state.items():
+        # the mesh axes its state is cut over (all the replicated ones, or some: hybrid)
+        axes = ",".join(a for a, p, q in zip(plan.mesh_axes, plan.params[fqn], st.optimizer)
+                        if p != q)
+        key = (st.mode, axes)
+        by[key] = by.get(key, 0) + 1
+    for (mode, axes), n in sorted(by.items()):
+        over = f" over {axes}" if axes else ""
+        lines.append(f"  {MODE_NAMES.get(mode, mode)}{over}: {n} of {len(plan.params)} "
+                     "parameters")
     if plan.host_transfers:
         by_dir = {d: sum(t.bytes * t.count for t in plan.host_transfers if t.direction == d)
                   for d in DIRECTIONS}

@@ -121,7 +121,8 @@ class _Ledger:
     def buckets(self, buckets: list) -> None:
         for k, b in enumerate(buckets):
             for axes, nbytes in bucket_collectives(b, self.mesh.shape):
-                self.records.append(CollectiveRecord(b.kind, tuple(self.mesh.axes[a] for a in axes),
+                self.records.append(CollectiveRecord(b.kind_on(axes[0]),
+                                                     tuple(self.mesh.axes[a] for a in axes),
                                                      nbytes, Phase.GRAD_SYNC, f"bucket{k}", "",
                                                      b.members))
 
@@ -239,7 +240,8 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
         mesh_shape=mesh.shape, mesh_axes=mesh.axes, cluster=mesh.cluster,
         fingerprint=traced.fingerprint, options=options,
         nodes=tuple(NodePlan(n.name, _op_name(n), strategies[n.name].inputs,
-                             strategies[n.name].outputs, strategies[n.name].kernel)
+                             strategies[n.name].outputs, strategies[n.name].kernel,
+                             strategies[n.name].state_axes)
                     for n in nodes),
         params={params[n]: strategies[n].outputs[0] for n in params},
         inputs={p.fqn: strategies[p.name].outputs[0] for p in traced.inputs},
@@ -268,7 +270,7 @@ def _charge(seconds: dict[str, float], step: Step, mesh: Mesh, runs: int = 1) ->
 def _state_record(pricer: Pricer, name: str, strategy: Strategy) -> ParamState:
     ph = pricer.traced.placeholder(name)
     spec, mode = strategy.outputs[0], strategy.kernel
-    sspec = state_spec(ph.info.shape, spec, pricer.mesh.shape) or spec
+    sspec = state_spec(ph.info.shape, spec, pricer.mesh.shape, strategy.state_axes) or spec
     return ParamState(mode, sspec if mode in SCATTERS else spec, sspec,
                       MODE_OFFLOAD.get(mode, OffloadLevel.NONE))
 
@@ -306,7 +308,8 @@ def host_transfers(traced: TracedGraph, pricer: Pricer, strategies: dict[str, St
                     shape, isz = pricer.shapes[(m, 0)]
                     spec = strategies[m].outputs[0]
                     if b.kind == CollectiveKind.REDUCE_SCATTER:
-                        spec = state_spec(shape, spec, pricer.mesh.shape) or spec
+                        spec = state_spec(shape, spec, pricer.mesh.shape,
+                                          strategies[m].state_axes) or spec
                     out.append(HostTransfer("d2h", local_numel(shape, spec, pricer.mesh.shape)
                                             * isz, Phase.GRAD_SYNC, f"bucket{k}", m))
     for name in params:

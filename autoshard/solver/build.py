@@ -25,7 +25,7 @@ from autoshard.cost.price import Pricer
 from autoshard.cost.reshards import input_divergence, output_requirement
 from autoshard.cost.comm import reshard
 from autoshard.cost.memory import device_budget, host_budget
-from autoshard.cost.state import HOST_MODES
+from autoshard.cost.state import HOST_MODES, SCATTERS
 from autoshard.ir import (OffloadLevel, Replicate, Shard, Spec, StateMode, Strategy, TensorInfo,
                           ZIGZAG, spec_fits)
 from autoshard.mesh import AxisMerge, Mesh
@@ -120,9 +120,10 @@ class _Builder:
                                          n.name in self.written)
             if ph.kind != "param":
                 return out
-            # One strategy per (layout, state mode): the mode rides in ``kernel`` (cost/state.py).
-            return [Strategy((), st.outputs, mode) for st in out
-                    for mode in self.pricer.param_modes(n.name, st.outputs[0])]
+            # One strategy per (layout, state mode, state axes): the mode rides in ``kernel``
+            # (cost/state.py).
+            return [Strategy((), st.outputs, mode, state_axes=axes) for st in out
+                    for mode, axes in self.pricer.param_states(n.name, st.outputs[0])]
         out = strategies_for(self.pricer.info(n.name), self.mesh_shape)
         if self.context_parallel:
             only = CP_KERNELS.get(self.pricer.options.context_parallel)
@@ -249,10 +250,11 @@ class _Builder:
         fanouts: list[Fanout] = []
         for (pname, o, cons), multiplicity in keyed.items():
             pm = members[pname]
-            # A parameter's source is its layout and its state mode (a zero2 gradient is
-            # reduce-scattered, not all-reduced); any other value's, its layout.
+            # A parameter's source is its layout, its state mode and, where its gradient is
+            # reduce-scattered (zero2, offload), the axes it is over; any other value's, its
+            # layout.
             param = pname in self.pricer.params
-            src_specs = [(pm.strategies[i].outputs[o], pm.strategies[i].kernel if param else None)
+            src_specs = [(pm.strategies[i].outputs[o], *_state_of(pm.strategies[i], param))
                          for i in pm.index]
             # Whether the value has a gradient is the producer's property: a template consumer
             # may read a gradient-free input in its own layer (layer 0 reads the batch) and a
@@ -265,20 +267,20 @@ class _Builder:
             keys = list(dict.fromkeys(r for _, req in reqs for r in req))
             specs = list(dict.fromkeys(src_specs))
             value = (pname, o)
-            prices = [[self._price(value, src, dst, mode) for dst in keys]
-                      for src, mode in specs]
+            prices = [[self._price(value, src, dst, mode, axes) for dst in keys]
+                      for src, mode, axes in specs]
             if all(c != OUTPUT and self.pricer.reshards_again(c) for c, _ in cons):
                 # Read only inside fully checkpointed layers: it runs again in recompute.
                 prices = [[(t + self.pricer.forward_seconds(value, src, dst[0]), sync)
                            for (t, sync), dst in zip(row, keys)]
-                          for row, (src, _) in zip(prices, specs)]
-            if param and any(mode == StateMode.OFFLOAD_PARAMS for _, mode in specs):
+                          for row, (src, _, _) in zip(prices, specs)]
+            if param and any(mode == StateMode.OFFLOAD_PARAMS for _, mode, _ in specs):
                 # A parameter kept on the host: each use copies it to the device (again where
                 # it is read only inside checkpointed layers) and its gradient back.
                 again = all(c != OUTPUT and self.pricer.recomputed(c) for c, _ in cons)
                 prices = [[(t + self.pricer.host_seconds(value, src, dst[0], dst[1], mode, again),
                             sync) for (t, sync), dst in zip(row, keys)]
-                          for row, (src, mode) in zip(prices, specs)]
+                          for row, (src, mode, _) in zip(prices, specs)]
             cost = tuple(tuple(p[0] for p in row) for row in prices)
             sync = tuple(tuple(p[1] for p in row) for row in prices)
             memory: tuple = ()
@@ -287,7 +289,7 @@ class _Builder:
                 # stored.
                 memory = tuple(tuple(self.pricer.stored_reshard_bytes(value, src, dst[0],
                                                                       cons[0][0])
-                                     for dst in keys) for src, _ in specs)
+                                     for dst in keys) for src, _, _ in specs)
                 memory = memory if any(any(row) for row in memory) else ()
             out = tuple(specs.index(sp) for sp in src_specs)
             # Consumers alike (one template read by every layer) share their reshards: one entry.
@@ -357,10 +359,11 @@ class _Builder:
         return cm.decision, out
 
     def _price(self, value: ValueRef, src: Spec, dst: tuple[Spec, frozenset[int], bool],
-               mode: StateMode | None = None) -> tuple[float, float]:
+               mode: StateMode | None = None, axes: tuple[int, ...] | None = None
+               ) -> tuple[float, float]:
         """(Blocking, gradient-sync) seconds to reshard ``value`` from ``src`` to ``dst``
         (its layout, divergent axes, and whether the read is pinned: trace/aliases.py;
-        ``mode``: a parameter's state mode)."""
+        ``mode``, ``axes``: a parameter's state mode and state axes)."""
         if self.deadline is not None and time.perf_counter() > self.deadline:
             raise BuildTimeout()
         if dst[2] and src != dst[0]:
@@ -370,7 +373,15 @@ class _Builder:
                                                           self.shapes[value][1],
                                                           self.mesh_shape).forward):
             return FORBIDDEN, 0.0  # only a row-parallel bias may become a local summand
-        return self.pricer.reshard_cost(value, src, dst[0], dst[1], mode)
+        return self.pricer.reshard_cost(value, src, dst[0], dst[1], mode, axes)
+
+
+def _state_of(s: Strategy, param: bool) -> tuple[StateMode | None, tuple[int, ...] | None]:
+    """What of a producer's strategy, beside its layout, prices its reshards: a parameter's
+    state mode, and its state axes where its bucket reduce-scatters over them."""
+    if not param:
+        return None, None
+    return s.kernel, s.state_axes if s.kernel in SCATTERS else None
 
 
 def _spec(m: Member, i: int, out: int) -> Spec:

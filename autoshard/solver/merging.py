@@ -224,7 +224,10 @@ def _plan_merged(traced: TracedGraph, mesh: Mesh, options: PlanOptions, merge: A
         outs = tuple(merge.contract_spec(o) for o in st.outputs)
         if any(o is None for o in outs):
             return None
-        pins[name] = Strategy((), outs, st.kernel)
+        axes = None if st.state_axes is None else _contract_axes(merge, st.state_axes)
+        if axes == ():
+            return None
+        pins[name] = Strategy((), outs, st.kernel, state_axes=axes)
     with progress.step(f"axes merged as ({','.join(merge.merged().axes)})"):
         sub = plan_once(traced, merge.merged(), options, fixed=pins or None, merge=merge,
                            model_name=model_name, trace_s=trace_s, recompute=recompute,
@@ -233,9 +236,18 @@ def _plan_merged(traced: TracedGraph, mesh: Mesh, options: PlanOptions, merge: A
     for n in sub.nodes:
         ins = tuple(merge.expand_spec(x) for x in n.inputs)
         outs = tuple(merge.expand_spec(x) for x in n.outputs)
-        strategies[n.name] = Strategy(ins, outs, n.kernel, work_fraction(ins, outs, mesh.shape))
+        axes = None if n.state_axes is None else \
+            tuple(sorted(merge.expand_axes(frozenset(n.state_axes))))
+        strategies[n.name] = Strategy(ins, outs, n.kernel, work_fraction(ins, outs, mesh.shape),
+                                      axes)
     return assemble(traced, mesh, strategies, options,
                     solver={**sub.solver, "merged_axes": [list(g) for g in merge.merges]},
                     model_name=model_name, timings=sub.timings, recompute=recompute,
                     joint=merge.joint())
 
+
+
+def _contract_axes(merge: AxisMerge, axes: tuple[int, ...]) -> tuple[int, ...]:
+    """Real state axes as merged ones: () where they split a merged group."""
+    out = tuple(g for g, real in enumerate(merge.merges) if set(real) <= set(axes))
+    return out if {a for g in out for a in merge.merges[g]} == set(axes) else ()

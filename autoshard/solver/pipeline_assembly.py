@@ -107,7 +107,6 @@ def _stage_buckets(traced: TracedGraph, strategies: dict, edges: list, where: di
                    bucket_bytes: float) -> list[CollectiveRecord]:
     """The gradient buckets of each of the ``p`` stages, formed from the parameters its ops
     read: a rank syncs only its stages' parameters."""
-    modes = {n: strategies[n].kernel for n in params}
     nodes = [n for n in traced.graph.nodes if n.name in strategies]
     reads = {s: {ref[0] for n in nodes if where.get(n.name) == s and n.op != "placeholder"
                  for ref in value_inputs(n)} & params for s in range(p)}
@@ -119,9 +118,9 @@ def _stage_buckets(traced: TracedGraph, strategies: dict, edges: list, where: di
         held = bucketed_on.setdefault(stage_rank(schedule, ranks, s), set())
         mine = [e for e in edges if e.value[0] in reads[s] - held]
         held |= reads[s]
-        for k, b in enumerate(gradient_buckets(mine, nodes, bucket_bytes, modes, sub.shape)):
+        for k, b in enumerate(gradient_buckets(mine, nodes, bucket_bytes, strategies, sub.shape)):
             for ax, nbytes in zip(b.axes, bucket_bytes_by_axis(b, sub.shape)):
-                out.append(CollectiveRecord(b.kind, (sub.axes[ax],), nbytes, Phase.GRAD_SYNC,
+                out.append(CollectiveRecord(b.kind_on(ax), (sub.axes[ax],), nbytes, Phase.GRAD_SYNC,
                                             f"stage{s}.bucket{k}", "", b.members, stage=s))
     return out
 
@@ -206,8 +205,12 @@ def _on_whole_mesh(spmd: Plan, a: int, ndim: int) -> dict:
     def ex(spec: Spec) -> Spec:
         return expand_spec(spec, a, ndim, snd)
 
+    def ex_axes(axes: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        return None if axes is None else tuple(x + (x >= a) for x in axes)
+
     return dict(nodes=tuple(NodePlan(n.name, n.op, tuple(ex(x) for x in n.inputs),
-                                     tuple(ex(x) for x in n.outputs), n.kernel)
+                                     tuple(ex(x) for x in n.outputs), n.kernel,
+                                     ex_axes(n.state_axes))
                             for n in spmd.nodes),
                 params={k: ex(v) for k, v in spmd.params.items()},
                 inputs={k: ex(v) for k, v in spmd.inputs.items()},
