@@ -161,3 +161,16 @@ def test_state_axes_cross_between_merged_and_real_axes():
     assert _contract_axes(m, (2,)) == (1,) and _contract_axes(m, (0, 1)) == (0,)
     assert _contract_axes(m, (0,)) == ()                # half of a merged group: not expressible
     assert sorted(m.expand_axes(frozenset({0}))) == [0, 1]
+
+
+def test_a_pipeline_stage_keeps_its_state_axes_past_the_pipeline_axis():
+    """A stage's plan is made on the mesh without the pipeline axis: its state axes move past
+    that axis on the whole mesh, as its specs do."""
+    from types import SimpleNamespace
+    from autoshard.plans.records import NodePlan
+    from autoshard.solver.pipeline_assembly import _on_whole_mesh
+    spmd = SimpleNamespace(mesh_shape=(2, 2), params={}, inputs={}, tied={}, param_state={},
+                           nodes=(NodePlan("w", "placeholder", (), ((R, R),), ZERO2, (1,)),))
+    for a, want in ((0, (2,)), (1, (2,)), (2, (1,))):
+        node = _on_whole_mesh(spmd, a, 3)["nodes"][0]
+        assert node.state_axes == want and node.outputs[0][a] == R

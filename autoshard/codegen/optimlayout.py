@@ -136,8 +136,8 @@ def _check_recorded(plan: Any, fqn: str, u: Any) -> None:
     want = u.state if u.state is not None else u.spec
     if tuple(listed) != tuple(want):
         raise AutoshardError(
-            f"{fqn}: optimizer_placements {spec_str(want)}, as its layout and state mode "
-            f"({u.mode or 'plain'}) place them", got=spec_str(listed),
+            f"{fqn}: optimizer_placements {spec_str(want)}, as its layout, state mode "
+            f"({u.mode or 'plain'}) and its node's state_axes place them", got=spec_str(listed),
             fix="re-plan: the plan file was edited or is damaged")
 
 
