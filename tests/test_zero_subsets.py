@@ -77,9 +77,9 @@ def test_zero2_over_one_axis_scatters_it_first_then_all_reduces_the_shard():
 MODEL = "gpt2-tiny"
 
 
-def _over_one_axis(zero: str, axis: int) -> Plan:
+def _over_one_axis(zero: str, axis: int | None) -> Plan:
     """gpt2-tiny's data-parallel plan on 2x2 under ``zero``, each ZeRO parameter's state moved
-    to mesh axis ``axis`` alone, priced again."""
+    to mesh axis ``axis`` alone (None: over both), priced again."""
     mesh = Mesh((2, 2), cluster=CLUSTER)
     plan = plan_for(MODEL, mesh, baseline="dp", zero=zero, bucket_mb=0.05)
     model, inputs = build(MODEL, None, None, 0)
@@ -88,8 +88,9 @@ def _over_one_axis(zero: str, axis: int) -> Plan:
     for name, st in strategies.items():
         if st.kernel == zero:
             shape = traced.placeholder(name).info.shape
-            if state_spec(shape, st.outputs[0], mesh.shape, (axis,)) is not None:
-                strategies[name] = dataclasses.replace(st, state_axes=(axis,))
+            axes = None if axis is None else (axis,)
+            if state_spec(shape, st.outputs[0], mesh.shape, axes) is not None:
+                strategies[name] = dataclasses.replace(st, state_axes=axes)
     return repriced(traced, mesh, plan.options, plan, strategies, plan.recompute)
 
 
@@ -174,3 +175,21 @@ def test_a_pipeline_stage_keeps_its_state_axes_past_the_pipeline_axis():
     for a, want in ((0, (2,)), (1, (2,)), (2, (1,))):
         node = _on_whole_mesh(spmd, a, 3)["nodes"][0]
         assert node.state_axes == want and node.outputs[0][a] == R
+
+
+def test_clipping_and_a_checkpoint_across_state_layouts(world4, zero2_inner, tmp_path):
+    """The loop people write over a plan whose state is cut over one axis: torch's
+    clip_grad_norm_ over pm.parameters() returns one device's norm, and a DCP checkpoint of
+    the whole training state resumes under the same plan and under the plans with the state
+    over the other axis alone and over both, equal to 8 steps straight."""
+    from test_training_loop import TOL, _clipping, _resume
+    plan = zero2_inner
+    for r in world4.run(_clipping, plan.dumps(), MODEL):
+        assert abs(r["norm"] - r["want"]) <= TOL * r["want"], r
+        assert r["clipped_norm"] <= 1e-5, r
+    then = {"same": plan.dumps(), "other axis": _over_one_axis("zero2", 0).dumps(),
+            "both": _over_one_axis("zero2", None).dumps()}
+    states = [Plan.loads(t).param_state for t in then.values()]
+    assert states[0] != states[1] != states[2] != states[0]
+    for out in world4.run(_resume, MODEL, plan.dumps(), then, str(tmp_path / "ck")):
+        assert out["same"] <= 1e-6 and out["other axis"] <= TOL and out["both"] <= TOL, out
