@@ -193,3 +193,12 @@ def test_clipping_and_a_checkpoint_across_state_layouts(world4, zero2_inner, tmp
     assert states[0] != states[1] != states[2] != states[0]
     for out in world4.run(_resume, MODEL, plan.dumps(), then, str(tmp_path / "ck")):
         assert out["same"] <= 1e-6 and out["other axis"] <= TOL and out["both"] <= TOL, out
+
+
+def test_explain_names_the_state_axes():
+    from autoshard.ir import Strategy
+    from autoshard.tools.explain.choices import _key, strategy_text
+    one, both = Strategy((), ((R, R),), ZERO2, state_axes=(1,)), Strategy((), ((R, R),), ZERO2)
+    assert strategy_text(one, placeholder=True) == "[R, R] zero2 over axes [1]"
+    assert strategy_text(both, placeholder=True) == "[R, R] zero2"
+    assert _key(one) != _key(both)

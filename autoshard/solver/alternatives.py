@@ -71,7 +71,7 @@ def _layouts_of(plan: Plan, traced: TracedGraph) -> dict[str, Spec]:
 
 def _pins(built: Built, fixed: dict[str, Strategy]) -> list[tuple[int, int]]:
     """(decision, strategy) pairs that store each named placeholder in the given layout (and
-    a parameter's state mode, when the strategy's ``kernel`` names one)."""
+    a parameter's state mode and state axes, when the strategy's ``kernel`` names one)."""
     pins = []
     for name, strat in fixed.items():
         if name in built.tied_to or built.template.get(name, name) != name:
@@ -79,7 +79,8 @@ def _pins(built: Built, fixed: dict[str, Strategy]) -> list[tuple[int, int]]:
         m = built.members[name]
         want = strat.outputs[0]
         idx = [i for i, j in enumerate(m.index) if m.strategies[j].outputs[0] == want
-               and strat.kernel in (None, m.strategies[j].kernel)]
+               and (strat.kernel is None or (strat.kernel, strat.state_axes)
+                    == (m.strategies[j].kernel, m.strategies[j].state_axes))]
         if not idx:
             raise AutoshardError(f"a layout {name} can be stored in",
                                  got=str(want), fix="pick a spec whose sharded dims divide evenly")

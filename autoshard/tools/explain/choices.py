@@ -117,14 +117,17 @@ class Explanation:
 
 def _key(s: Strategy | NodePlan) -> tuple:
     """A strategy as the plan file records it (the work fraction is derived, not stored)."""
-    return (tuple(s.inputs), tuple(s.outputs), s.kernel)
+    return (tuple(s.inputs), tuple(s.outputs), s.kernel, s.state_axes)
 
 
 def strategy_text(s: Strategy | NodePlan, *, placeholder: bool) -> str:
     """A strategy in one line; a graph input's as the layout it is stored in (and the
-    parameter's state mode: zero1, zero2, offload or offload_params)."""
+    parameter's state mode: zero1, zero2, offload or offload_params, and the mesh axes it
+    shards the state over where those are some of the replicated ones only)."""
     if placeholder:
-        return ", ".join(spec_str(x) for x in s.outputs) + (f" {s.kernel}" if s.kernel else "")
+        over = f" over axes {list(s.state_axes)}" if s.state_axes is not None else ""
+        return ", ".join(spec_str(x) for x in s.outputs) + (f" {s.kernel}{over}" if s.kernel
+                                                             else "")
     ins = " x ".join(spec_str(x) for x in s.inputs)
     outs = ", ".join(spec_str(x) for x in s.outputs)
     return f"{ins} -> {outs}" + (f" ({s.kernel})" if s.kernel else "")
