@@ -76,15 +76,15 @@ def test_the_earliest_read_come_back_first_as_many_as_fit(planned):
                                      "offload_overlap": "none"})
     moves = _moves(traced, mesh, options, whole.strategies())
     back = _offloaded(whole) - _offloaded(split)
-    assert {n for n, _ in moves[:len(back)]} == back
+    assert {n for n, _, _ in moves[:len(back)]} == back
     order = [n.name for n in traced.graph.nodes]
     node = {n.name: n for n in traced.graph.nodes}
-    first = {p: min(order.index(u.name) for u in node[p].users) for p, _ in moves}
-    assert [first[n] for n, _ in moves] == sorted(first[n] for n, _ in moves)
+    first = {p: min(order.index(u.name) for u in node[p].users) for p, _, _ in moves}
+    assert [first[n] for n, _, _ in moves] == sorted(first[n] for n, _, _ in moves)
     # One more would not fit.
     more = dict(split.strategies())
-    name, mode = moves[len(back)]
-    more[name] = replace(more[name], kernel=mode)
+    name, mode, axes = moves[len(back)]
+    more[name] = replace(more[name], kernel=mode, state_axes=axes)
     over = assemble(grouped(traced, split.recompute), mesh, more, split.options,
                     solver={}, model_name="", timings={}, recompute=dict(split.recompute))
     assert over.predicted.memory.peak > budget
@@ -141,13 +141,13 @@ def test_a_move_that_alone_overfills_is_dropped_not_blocking_the_rest():
     """A move adding more resident bytes than the room left can never fit (Llama-3-8B's
     embedding, read first): it is dropped, with its parameter's later move (optimizer offload
     undone after parameter offload), and the moves after it stay in order."""
-    moves = [("emb", StateMode.OFFLOAD), ("a", StateMode.OFFLOAD), ("emb", None), ("a", None),
-             ("b", None)]
+    off = StateMode.OFFLOAD
+    moves = [("emb", off, None), ("a", off, None), ("emb", None, None), ("a", None, None),
+             ("b", None, None)]
     steps = [2.0, 1.0, 12.0, 12.0, 30.0]
     assert _fitting(moves, steps, 30.0) == (moves, steps)
-    assert _fitting(moves, steps, 15.0) == ([("emb", StateMode.OFFLOAD), ("a", StateMode.OFFLOAD),
-                                             ("emb", None), ("a", None)], steps[:4])
-    assert _fitting(moves, steps, 1.5) == ([("a", StateMode.OFFLOAD)], [1.0])
+    assert _fitting(moves, steps, 15.0) == (moves[:4], steps[:4])
+    assert _fitting(moves, steps, 1.5) == ([("a", off, None)], [1.0])
 
 
 def test_a_forced_offload_is_left_as_asked(planned):

@@ -62,15 +62,16 @@ def test_an_fp64_parameter_keeps_fp64_state_and_no_offload():
     """AdamW makes its moments in the parameter's dtype: an fp64 parameter's are 16 bytes an
     element (priced as fp32's 8, a 2-layer fp64 BEiT's peak was predicted 15% low), 24 with its
     fp64 master when its state is cut apart. The host's step keeps fp32 state: no offload."""
-    from autoshard.cost.state import modes_for
+    from autoshard.cost.state import state_choices
     from autoshard.ir import StateMode
     shape, n = (64, 32), 64 * 32
     assert state_bytes(shape, torch.float64, (R,), None, (4,), "adam").optimizer == 16 * n
     zero2 = state_bytes(shape, torch.float64, (R,), "zero2", (4,), "adam")
     assert (zero2.parameters, zero2.gradients, zero2.optimizer) == (8 * n, 8 * n / 4, 24 * n / 4)
     offered = (None, StateMode.ZERO2, StateMode.OFFLOAD, StateMode.OFFLOAD_PARAMS)
-    assert modes_for(shape, (R,), (4,), "adam", offered, 8) == [None, StateMode.ZERO2]
-    assert modes_for(shape, (R,), (4,), "adam", offered, 4) == list(offered)
+    assert state_choices(shape, (R,), (4,), "adam", offered, 8) == [(None, None),
+                                                                    (StateMode.ZERO2, None)]
+    assert state_choices(shape, (R,), (4,), "adam", offered, 4) == [(m, None) for m in offered]
     with pytest.raises(AutoshardError, match="fp64 parameters.*--offload none"):
         _plan(FP64, (2,), offload="optimizer")
 

@@ -151,7 +151,7 @@ class Pricer(ComputePricing, RecomputePricing, MemoryPricing, StatePricing, Resh
 
 def _refuse_wide_offload(traced: TracedGraph, frozen_: frozenset[str]) -> None:
     """A forced offload of an fp64 model: the host's step keeps fp32 masters and moments
-    (codegen/hostopt.py), so no fp64 parameter may take it (cost/state.py ``modes_for``)."""
+    (codegen/hostopt.py), so no fp64 parameter may take it (cost/state.py ``state_choices``)."""
     wide = [p.fqn for p in traced.params
             if p.name not in frozen_ and p.info.dtype.itemsize > 4]
     if wide:

@@ -116,13 +116,6 @@ def state_choices(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...
     return out or [(None, None)]  # a forced ZeRO mode leaves an unshardable parameter plain
 
 
-def modes_for(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...], optimizer: str,
-              allowed: tuple[str | None, ...], itemsize: int = 4) -> list[str | None]:
-    """The modes of :func:`state_choices`, each once."""
-    return list(dict.fromkeys(m for m, _ in state_choices(shape, spec, mesh_shape, optimizer,
-                                                          allowed, itemsize)))
-
-
 @dataclass(frozen=True, slots=True)
 class StateBytes:
     """Bytes one device's process holds for one parameter, by kind."""

@@ -82,12 +82,13 @@ class _Ledger:
         self.records.append(CollectiveRecord(step.kind, tuple(self.mesh.axes[a] for a in step.axes),
                                              step.nbytes, phase, node, value, count=runs))
 
-    def reshards(self, pricer: Pricer, edges: list, first: dict, modes: dict,
-                 bucket_bytes: int, memory: float) -> float:
+    def reshards(self, pricer: Pricer, edges: list, first: dict,
+                 strategies: dict[str, Strategy], bucket_bytes: int, memory: float) -> float:
         """The reshards' collectives; ``memory`` plus what they store for backward."""
         for e in edges:
             if first.get(e.value[0]) is e:           # run by its bucket
-                steps = pricer.bucketed_sync(e.value, e.src, e.reshard, modes[e.value[0]])
+                st = strategies[e.value[0]]
+                steps = pricer.bucketed_sync(e.value, e.src, e.reshard, st.kernel, st.state_axes)
                 for a, t in sync_share_by_axis(steps, self.mesh, bucket_bytes).items():
                     self.sync[self.mesh.axes[a]] += t
                 continue
@@ -221,7 +222,8 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
     edges, buckets, first = list(program.edges), list(program.buckets), program.first_syncs()
     modes = {n: strategies[n].kernel for n in params}
     ledger = _Ledger(mesh, pricer.runs)
-    sums.memory = ledger.reshards(pricer, edges, first, modes, options.bucket_bytes, sums.memory)
+    sums.memory = ledger.reshards(pricer, edges, first, strategies, options.bucket_bytes,
+                                  sums.memory)
     ledger.in_ops(pricer, nodes, strategies)
     ledger.buckets(buckets)
     param_state = ledger.optimizer(pricer, params, strategies, modes)

@@ -20,7 +20,7 @@ from itertools import accumulate
 
 from autoshard import progress
 from autoshard.cost.memory import device_budget
-from autoshard.cost.state import HOST_MODES, modes_for, state_bytes
+from autoshard.cost.state import HOST_MODES, state_bytes, state_choices
 from autoshard.ir import OffloadLevel, StateMode, Strategy
 from autoshard.mesh import Mesh
 from autoshard.options import PlanOptions, state_modes
@@ -31,7 +31,8 @@ from autoshard.trace.export import TracedGraph
 from autoshard.trace.graph import first_reads
 from autoshard.trace.layers import checkpointable
 
-Move = tuple[str, "StateMode | None"]      # a parameter and the state mode it moves to
+# A parameter, and the state mode and state axes it moves to (cost/state.py).
+Move = tuple[str, "StateMode | None", "tuple[int, ...] | None"]
 
 
 def offload_per_parameter(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
@@ -81,8 +82,8 @@ def _bring_back(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
 
     def peak_at(j: int) -> float:
         s = dict(strategies)
-        for name, mode in moves[:j]:
-            s[name] = replace(s[name], kernel=mode)
+        for name, mode, axes in moves[:j]:
+            s[name] = replace(s[name], kernel=mode, state_axes=axes)
         plans[j] = repriced(traced, mesh, options, plan, s, plan.recompute)
         return plans[j].predicted.memory.peak
 
@@ -95,13 +96,13 @@ def _bring_back(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
     # is dropped (Llama-3-8B's embedding, the first read, where a few GiB are left): it would
     # block every move after it.
     peak = plan.predicted.memory.peak
-    now = {name: strategies[name].kernel for name, _ in moves}
+    now = {name: (strategies[name].kernel, strategies[name].state_axes) for name, _, _ in moves}
     steps = []
-    for name, mode in moves:
+    for name, mode, axes in moves:
         spec = strategies[name].outputs[0]
-        steps.append(_resident(traced, mesh, options, name, spec, mode)
+        steps.append(_resident(traced, mesh, options, name, spec, (mode, axes))
                      - _resident(traced, mesh, options, name, spec, now[name]))
-        now[name] = mode
+        now[name] = (mode, axes)
     moves, steps = _fitting(moves, steps, budget - peak)
     if not moves:
         return None
@@ -112,7 +113,7 @@ def _bring_back(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
     if lo == 0:
         return None
     best = plans[lo]
-    kept = sum(1 for _, mode in moves[:lo] if mode not in HOST_MODES)
+    kept = sum(1 for _, mode, _ in moves[:lo] if mode not in HOST_MODES)
     return replace(best, solver={
         **best.solver, "objective": best.predicted.step_time_s,
         "note": f"state modes solved per decision (one for every identical layer); then "
@@ -126,22 +127,23 @@ def _fitting(moves: list[Move], steps: list[float], room: float
     ``room`` alone, and less a parameter's second move (optimizer offload undone) where its
     first (parameter offload undone) was dropped."""
     out, kept, gone = [], [], set()
-    for (name, mode), step in zip(moves, steps):
-        if step > room or name in gone:
-            gone.add(name)
+    for move, step in zip(moves, steps):
+        if step > room or move[0] in gone:
+            gone.add(move[0])
             continue
-        out.append((name, mode))
+        out.append(move)
         kept.append(step)
     return out, kept
 
 
 def _resident(traced: TracedGraph, mesh: Mesh, options: PlanOptions, name: str, spec,
-              mode: StateMode | None) -> float:
-    """The bytes a parameter keeps on the device through the whole step under ``mode``: itself
-    and its optimizer state (its gradient lives only from backward to the step)."""
+              state: tuple[StateMode | None, tuple[int, ...] | None]) -> float:
+    """The bytes a parameter keeps on the device through the whole step under ``state``
+    (its mode and state axes): itself and its optimizer state (its gradient lives only from
+    backward to the step)."""
     ph = traced.placeholder(name)
-    st = state_bytes(ph.info.shape, ph.info.dtype, spec, mode, mesh.shape,
-                     options.state_optimizer)
+    st = state_bytes(ph.info.shape, ph.info.dtype, spec, state[0], mesh.shape,
+                     options.state_optimizer, state[1])
     return st.parameters + st.optimizer
 
 
@@ -160,13 +162,13 @@ def _moves(traced: TracedGraph, mesh: Mesh, options: PlanOptions,
                     key=lambda p: first_read.get(p.name, len(first_read)))
     allowed = state_modes(options, OffloadLevel.NONE)
     optimizer = options.state_optimizer
-    moves: list[Move] = [(p.name, StateMode.OFFLOAD) for p in hosted
+    moves: list[Move] = [(p.name, StateMode.OFFLOAD, None) for p in hosted
                          if strategies[p.name].kernel == StateMode.OFFLOAD_PARAMS]
     for p in hosted:
         ph = traced.placeholder(p.name)
         spec = strategies[p.name].outputs[0]
-        modes = modes_for(ph.info.shape, spec, mesh.shape, optimizer, allowed,
-                          ph.info.dtype.itemsize)
-        moves.append((p.name, min(modes, key=lambda m: state_bytes(
-            ph.info.shape, ph.info.dtype, spec, m, mesh.shape, optimizer).device)))
+        choices = state_choices(ph.info.shape, spec, mesh.shape, optimizer, allowed,
+                                ph.info.dtype.itemsize)
+        moves.append((p.name, *min(choices, key=lambda c: state_bytes(
+            ph.info.shape, ph.info.dtype, spec, c[0], mesh.shape, optimizer, c[1]).device)))
     return moves
