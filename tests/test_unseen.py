@@ -177,6 +177,28 @@ def test_moe_leaves_no_axis_idle() -> None:
     assert not any("repeat work" in w for w in plan.warnings)
 
 
+@pytest.mark.slow
+def test_a_reshard_a_decision_makes_inside_is_shared_with_the_reads_outside() -> None:
+    """One Mamba-2 layer of the published shape (benchmarks/unseen) on 8x8 H100s at batch
+    8 x 2048: the plan's step is the ILP's objective. A value the layer's conv1d decision makes
+    is resharded by a follower inside it and read in that layout by an op outside: the program
+    reshards it once (cost/reshards.py), and the ILP priced it twice (5.937 against 5.817 ms a
+    layer, 245.5 against 237.8 ms over the 64 layers) before the edge took the followers'
+    layouts as made (solver/build.py ``_made``)."""
+    from pathlib import Path
+
+    from autoshard.solver.planner import plan_traced
+    from autoshard.zoo.hf import from_config
+    path = Path(__file__).parents[1] / "benchmarks" / "unseen" / "mamba2-2.7b.json"
+    fields = {k: v for k, v in json.loads(path.read_text()).items()
+              if k not in ("kind", "source")}
+    model = from_config(dict(fields, num_hidden_layers=1), dtype=torch.bfloat16)
+    traced = trace(model, model.example_inputs(8, 2048))
+    plan = plan_traced(traced, Mesh((8, 8), cluster="h100"))
+    assert plan.solver["status"] == "OPTIMAL"
+    assert plan.solver["objective"] == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+
+
 _FINGERPRINT = """
 import json, sys
 from autoshard.trace.export import trace

@@ -197,6 +197,12 @@ class _Builder:
                                       tuple(host) if any(host) else ()))
         self._out_decision = len(decisions)
         decisions.append(Decision(OUTPUT, 1, (0.0,), (0.0,)))
+        # The values a follower reads from its own decision (resharded inside it), and by whom.
+        self._internal: dict[ValueRef, list[tuple[str, int]]] = {}
+        for names in decision_nodes:
+            for name in names:
+                for k in self.merged.get(name, ()):
+                    self._internal.setdefault(self.ins[name][k], []).append((name, k))
         edges, fanouts = self._edges(template, members)
         problem = Problem(tuple(decisions), tuple(edges), float(self.budget),
                           fanouts=tuple(fanouts), host_budget=self.host_budget)
@@ -254,13 +260,17 @@ class _Builder:
             # reduce-scattered (zero2, offload), the axes it is over; any other value's, its
             # layout.
             param = pname in self.pricer.params
-            src_specs = [(pm.strategies[i].outputs[o], *_state_of(pm.strategies[i], param))
-                         for i in pm.index]
+            grad = self.pricer.has_grad((pname, o))
+            # And the layouts its decision's followers reshard it to (``made``): a consumer
+            # outside that needs one of them shares that reshard, as the program runs each
+            # (value, requirement) once (cost/reshards.py): it costs the edge nothing.
+            src_specs = [(pm.strategies[i].outputs[o], *_state_of(pm.strategies[i], param),
+                          self._made((pname, o), p, members, grad))
+                         for p, i in enumerate(pm.index)]
             # Whether the value has a gradient is the producer's property: a template consumer
             # may read a gradient-free input in its own layer (layer 0 reads the batch) and a
             # gradient-carrying one in the others.
-            reqs = [self._requirements(c, k, members, self.pricer.has_grad((pname, o)))
-                    for c, k in cons]
+            reqs = [self._requirements(c, k, members, grad) for c, k in cons]
             # One requirement list for every consumer: a fanout pays each requirement in use
             # once (a pinned read's requirement is a key of its own, priced as forbidden unless
             # it reads the value as it lies).
@@ -268,19 +278,22 @@ class _Builder:
             specs = list(dict.fromkeys(src_specs))
             value = (pname, o)
             prices = [[self._price(value, src, dst, mode, axes) for dst in keys]
-                      for src, mode, axes in specs]
+                      for src, mode, axes, _ in specs]
             if all(c != OUTPUT and self.pricer.reshards_again(c) for c, _ in cons):
                 # Read only inside fully checkpointed layers: it runs again in recompute.
                 prices = [[(t + self.pricer.forward_seconds(value, src, dst[0]), sync)
                            for (t, sync), dst in zip(row, keys)]
-                          for row, (src, _, _) in zip(prices, specs)]
-            if param and any(mode == StateMode.OFFLOAD_PARAMS for _, mode, _ in specs):
+                          for row, (src, _, _, _) in zip(prices, specs)]
+            if param and any(mode == StateMode.OFFLOAD_PARAMS for _, mode, _, _ in specs):
                 # A parameter kept on the host: each use copies it to the device (again where
                 # it is read only inside checkpointed layers) and its gradient back.
                 again = all(c != OUTPUT and self.pricer.recomputed(c) for c, _ in cons)
                 prices = [[(t + self.pricer.host_seconds(value, src, dst[0], dst[1], mode, again),
                             sync) for (t, sync), dst in zip(row, keys)]
-                          for row, (src, mode, _) in zip(prices, specs)]
+                          for row, (src, mode, _, _) in zip(prices, specs)]
+            prices = [[(0.0, 0.0) if not dst[2] and dst[:2] in made else p
+                       for p, dst in zip(row, keys)]
+                      for row, (_, _, _, made) in zip(prices, specs)]
             cost = tuple(tuple(p[0] for p in row) for row in prices)
             sync = tuple(tuple(p[1] for p in row) for row in prices)
             memory: tuple = ()
@@ -289,7 +302,7 @@ class _Builder:
                 # stored.
                 memory = tuple(tuple(self.pricer.stored_reshard_bytes(value, src, dst[0],
                                                                       cons[0][0])
-                                     for dst in keys) for src, _, _ in specs)
+                                     for dst in keys) for src, _, _, _ in specs)
                 memory = memory if any(any(row) for row in memory) else ()
             out = tuple(specs.index(sp) for sp in src_specs)
             # Consumers alike (one template read by every layer) share their reshards: one entry.
@@ -344,6 +357,17 @@ class _Builder:
             zero = tuple((0.0,) * len(keys) for _ in specs)
             self._add(edges, fanouts, f"{pname}:{o}:saved", multiplicity, pm.decision,
                       tuple(specs.index(sp) for sp in src_specs), classes, zero, memory)
+
+    def _made(self, value: ValueRef, p: int, members: dict[str, Member], grad: bool
+              ) -> frozenset[tuple[Spec, frozenset[int]]]:
+        """The (layout, divergent axes) the followers of ``value``'s decision reshard it to
+        under the decision's strategy ``p``: requirements as :meth:`_requirements` keys them."""
+        out = set()
+        for name, k in self._internal.get(value, ()):
+            m = members[name]
+            s = m.strategies[m.index[p]]
+            out.add((s.inputs[k], input_divergence(s, k) if grad else frozenset()))
+        return frozenset(out)
 
     def _requirements(self, cname: str, k: int, members: dict[str, Member], grad: bool
                       ) -> tuple[int, list[tuple[Spec, frozenset[int], bool]]]:
