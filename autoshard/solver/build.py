@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import operator
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -232,28 +232,9 @@ class _Builder:
 
     def _edges(self, template: dict[str, str], members: dict[str, Member]
                ) -> tuple[list[Edge], list[Fanout]]:
-        consumers: dict[ValueRef, list[tuple[str, int]]] = {}
-        for node in self.traced.graph.nodes:
-            if node.op == "output":
-                if self.traced.training:
-                    for k, ref in enumerate(self.ins[node.name]):
-                        consumers.setdefault(ref, []).append((OUTPUT, k))
-            elif node.name in template and node.op == "call_function":
-                for k, ref in enumerate(self.ins[node.name]):
-                    consumers.setdefault(ref, []).append((node.name, k))
-        keyed: dict[tuple, int] = {}
-        for ref, cons in consumers.items():
-            key_cons = []
-            for c, k in cons:
-                tc = template.get(c, c)
-                if c != OUTPUT and k in self.merged.get(tc, ()):
-                    continue          # internal to a decision: priced in the decision
-                key_cons.append((tc, k))
-            if key_cons:
-                key = (template[ref[0]], ref[1], tuple(sorted(key_cons)))
-                keyed[key] = keyed.get(key, 0) + 1
         edges: list[Edge] = []
         fanouts: list[Fanout] = []
+        keyed = _keyed_reads(self.traced, self.ins, self.merged, template)
         for (pname, o, cons), multiplicity in keyed.items():
             pm = members[pname]
             # A parameter's source is its layout, its state mode and, where its gradient is
@@ -265,7 +246,7 @@ class _Builder:
             # outside that needs one of them shares that reshard, as the program runs each
             # (value, requirement) once (cost/reshards.py): it costs the edge nothing.
             src_specs = [(pm.strategies[i].outputs[o], *_state_of(pm.strategies[i], param),
-                          self._made((pname, o), p, members, grad))
+                          _made(self._internal.get((pname, o), ()), p, members, grad))
                          for p, i in enumerate(pm.index)]
             # Whether the value has a gradient is the producer's property: a template consumer
             # may read a gradient-free input in its own layer (layer 0 reads the batch) and a
@@ -358,17 +339,6 @@ class _Builder:
             self._add(edges, fanouts, f"{pname}:{o}:saved", multiplicity, pm.decision,
                       tuple(specs.index(sp) for sp in src_specs), classes, zero, memory)
 
-    def _made(self, value: ValueRef, p: int, members: dict[str, Member], grad: bool
-              ) -> frozenset[tuple[Spec, frozenset[int]]]:
-        """The (layout, divergent axes) the followers of ``value``'s decision reshard it to
-        under the decision's strategy ``p``: requirements as :meth:`_requirements` keys them."""
-        out = set()
-        for name, k in self._internal.get(value, ()):
-            m = members[name]
-            s = m.strategies[m.index[p]]
-            out.add((s.inputs[k], input_divergence(s, k) if grad else frozenset()))
-        return frozenset(out)
-
     def _requirements(self, cname: str, k: int, members: dict[str, Member], grad: bool
                       ) -> tuple[int, list[tuple[Spec, frozenset[int], bool]]]:
         if cname == OUTPUT:
@@ -398,6 +368,43 @@ class _Builder:
                                                           self.mesh_shape).forward):
             return FORBIDDEN, 0.0  # only a row-parallel bias may become a local summand
         return self.pricer.reshard_cost(value, src, dst[0], dst[1], mode, axes)
+
+
+def _keyed_reads(traced: TracedGraph, ins: dict[str, list], merged: dict[str, frozenset[int]],
+                 template: dict[str, str]) -> dict[tuple, int]:
+    """The reads between decisions, (producer, output, consumers) -> how many alike (one
+    template read by every layer): the consumers read the value outside its decision (the
+    reads of a decision's own followers are priced in the decision)."""
+    consumers: dict[ValueRef, list[tuple[str, int]]] = {}
+    for node in traced.graph.nodes:
+        if node.op == "output":
+            if traced.training:
+                for k, ref in enumerate(ins[node.name]):
+                    consumers.setdefault(ref, []).append((OUTPUT, k))
+        elif node.name in template and node.op == "call_function":
+            for k, ref in enumerate(ins[node.name]):
+                consumers.setdefault(ref, []).append((node.name, k))
+    keyed: dict[tuple, int] = {}
+    for ref, cons in consumers.items():
+        key_cons = [(template.get(c, c), k) for c, k in cons
+                    if c == OUTPUT or k not in merged.get(template.get(c, c), ())]
+        if key_cons:
+            key = (template[ref[0]], ref[1], tuple(sorted(key_cons)))
+            keyed[key] = keyed.get(key, 0) + 1
+    return keyed
+
+
+def _made(reads: Iterable[tuple[str, int]], p: int, members: dict[str, Member], grad: bool
+          ) -> frozenset[tuple[Spec, frozenset[int]]]:
+    """The (layout, divergent axes) the followers ``reads`` of a value's decision reshard it to
+    under the decision's strategy ``p``: requirements as ``_Builder._requirements`` keys
+    them."""
+    out = set()
+    for name, k in reads:
+        m = members[name]
+        s = m.strategies[m.index[p]]
+        out.add((s.inputs[k], input_divergence(s, k) if grad else frozenset()))
+    return frozenset(out)
 
 
 def _state_of(s: Strategy, param: bool) -> tuple[StateMode | None, tuple[int, ...] | None]:
