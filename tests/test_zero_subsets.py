@@ -31,6 +31,7 @@ R, S0, S1 = Replicate(), Shard(0), Shard(1)
 ZERO2 = StateMode.ZERO2
 
 world4 = world_fixture(4, timeout_s=300)
+world8 = world_fixture(8, timeout_s=300)
 
 
 # -- closed forms -----------------------------------------------------------------------------
@@ -215,3 +216,18 @@ def test_the_plans_step_is_the_ilps_objective():
     assert any(n.state_axes is not None for n in plan.nodes)
     assert ("all_reduce", ("tp",)) in {(c.kind, c.axes) for c in plan.collectives if c.members}
     assert plan.solver["objective"] == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+
+
+@pytest.mark.slow
+def test_pipeline_stages_with_the_state_over_one_axis_on_eight_ranks(world8):
+    """`autoshard verify llama-tiny --mesh 2x2x2 --axes pp,dp,tp --pipeline pp --zero zero2`:
+    the stages are planned on the (dp, tp) sub-mesh, where a parameter's state may be cut over
+    dp alone; on the whole mesh that is axis 1 (past pp). Each stage's buckets reduce-scatter
+    over dp and all-reduce the shard over tp; loss, gradients and the bytes run are the plan's."""
+    from test_pipeline import check
+    plan = plan_for("llama-tiny", Mesh((2, 2, 2), ("pp", "dp", "tp"), cluster="stress"),
+                    pipeline="pp", schedule="1F1B", microbatches=2, zero="zero2")
+    assert (1,) in {n.state_axes for n in plan.nodes}
+    syncs = {(c.kind, c.axes) for c in plan.collectives if c.members}
+    assert {("reduce_scatter", ("dp",)), ("all_reduce", ("tp",))} <= syncs
+    check(world8, "llama-tiny", plan)
