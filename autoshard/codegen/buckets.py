@@ -86,8 +86,8 @@ class GradBuckets:
                                              got=f"{m} in {self.of[m].name} and {r.node}",
                                              fix="re-plan: the plan file is damaged")
                     self.of[m] = b
-            if b.kind == CollectiveKind.ALL_REDUCE and r.kind != b.kind or \
-                    b.kinds and b.kinds[-1] == CollectiveKind.ALL_REDUCE != r.kind:
+            summed = [k == CollectiveKind.ALL_REDUCE for k in (*b.kinds, r.kind)]
+            if summed != sorted(summed):       # a reduce-scatter after an all-reduce
                 raise AutoshardError("a gradient bucket that all-reduces, or reduce-scatters "
                                      "and then all-reduces its shard",
                                      got=f"{r.node}: {', '.join((*b.kinds, r.kind))}",

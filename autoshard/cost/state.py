@@ -102,8 +102,8 @@ def state_choices(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...
         return [(None, None)]
     zero = zero_axes(spec, mesh_shape)
     # Each axis alone where there are two: on three or more (a 3-axis mesh's problem over
-    # every subset of axes) the subsets make the ILP too hard to solve in time (Llama on
-    # 2x2x2: no incumbent in 15 s); the tries with axes merged into two offer them there
+    # every subset of axes) the subsets make the ILP too hard to solve in time (a tiny Llama
+    # on 2x2x2: no incumbent in 15 s); the tries with axes merged into two offer them there
     # (solver/merging.py).
     subsets = [None, *((a,) for a in zero)] if len(zero) == 2 else [None]
     out: list[tuple[str | None, tuple[int, ...] | None]] = []

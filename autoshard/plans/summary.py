@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from autoshard.ir import Layer, spec_str
+from autoshard.ir import Layer, StateMode, spec_str
 from autoshard.mesh import split_axes
 from autoshard.plans.records import DIRECTIONS, MODE_NAMES
 from autoshard.plans.searches import TryRecord, named, searches
@@ -87,9 +87,9 @@ def _state_summary(plan: Plan) -> list[str]:
     lines = []
     by: dict[tuple[str, str], int] = {}
     for fqn, st in plan.param_state.items():
-        # the mesh axes its state is cut over (all the replicated ones, or some: hybrid)
+        # ZeRO's: the mesh axes its state is cut over (all the replicated ones, or one)
         axes = ",".join(a for a, p, q in zip(plan.mesh_axes, plan.params[fqn], st.optimizer)
-                        if p != q)
+                        if p != q) if st.mode in (StateMode.ZERO1, StateMode.ZERO2) else ""
         key = (st.mode, axes)
         by[key] = by.get(key, 0) + 1
     for (mode, axes), n in sorted(by.items()):

@@ -246,7 +246,6 @@ def _plan_merged(traced: TracedGraph, mesh: Mesh, options: PlanOptions, merge: A
                     joint=merge.joint())
 
 
-
 def _contract_axes(merge: AxisMerge, axes: tuple[int, ...]) -> tuple[int, ...]:
     """Real state axes as merged ones: () where they split a merged group."""
     out = tuple(g for g, real in enumerate(merge.merges) if set(real) <= set(axes))
