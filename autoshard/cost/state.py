@@ -94,7 +94,8 @@ def state_choices(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...
                   ) -> list[tuple[str | None, tuple[int, ...] | None]]:
     """The (mode, state axes) a parameter stored in ``spec`` may take, among the modes
     ``allowed``: the ZeRO modes only where there is optimizer state and a dim to shard it on,
-    over every zero axis (axes None) and, where there are two, over each one alone;
+    over every zero axis (axes None) and, where there are two and no offload is allowed, over
+    each one alone;
     offload (of the optimizer, or of the parameters too) wherever there is state, over every
     zero axis, but for an fp64 parameter (``itemsize`` 8: the host's step keeps fp32 masters
     and moments, codegen/hostopt.py)."""
@@ -104,8 +105,11 @@ def state_choices(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...
     # Each axis alone where there are two: on three or more (a 3-axis mesh's problem over
     # every subset of axes) the subsets make the ILP too hard to solve in time (a tiny Llama
     # on 2x2x2: no incumbent in 15 s); the tries with axes merged into two offer them there
-    # (solver/merging.py).
-    subsets = [None, *((a,) for a in zero)] if len(zero) == 2 else [None]
+    # (solver/merging.py). Not where offload is offered: the memory binds (the planner's
+    # ladder got there), an axis alone holds more state than both, and the larger problems
+    # made Mixtral-8x7B's plan on 2x4 take 80 s instead of 61 (the same plan).
+    alone = len(zero) == 2 and not any(m in HOST_MODES for m in allowed)
+    subsets = [None, *((a,) for a in zero)] if alone else [None]
     out: list[tuple[str | None, tuple[int, ...] | None]] = []
     for m in allowed:
         if m is None or (m in HOST_MODES and itemsize <= 4):
