@@ -81,11 +81,11 @@ def test_zero2_over_one_axis_scatters_it_first_then_all_reduces_the_shard():
 MODEL = "gpt2-tiny"
 
 
-def _over_one_axis(zero: str, axis: int | None) -> Plan:
-    """gpt2-tiny's data-parallel plan on 2x2 under ``zero``, each ZeRO parameter's state moved
-    to mesh axis ``axis`` alone (None: over both), priced again."""
+def _over_one_axis(zero: str, axis: int | None, **options) -> Plan:
+    """gpt2-tiny's data-parallel plan on 2x2 under ``zero`` (and ``options``), each ZeRO
+    parameter's state moved to mesh axis ``axis`` alone (None: over both), priced again."""
     mesh = Mesh((2, 2), cluster=CLUSTER)
-    plan = plan_for(MODEL, mesh, baseline="dp", zero=zero, bucket_mb=0.05)
+    plan = plan_for(MODEL, mesh, baseline="dp", zero=zero, bucket_mb=0.05, **options)
     model, inputs = build(MODEL, None, None, 0)
     traced = trace(model, inputs)
     strategies = plan.strategies()
@@ -234,3 +234,17 @@ def test_pipeline_stages_with_the_state_over_one_axis_on_eight_ranks(world8):
     syncs = {(c.kind, c.axes) for c in plan.collectives if c.members}
     assert {("reduce_scatter", ("dp",)), ("all_reduce", ("tp",))} <= syncs
     check(world8, "llama-tiny", plan)
+
+
+@pytest.mark.slow
+def test_accumulated_micro_steps_sync_once_over_one_axis():
+    """3 micro-steps a step: each gradient is held whole until the last, then reduce-scattered
+    over tp and its shard all-reduced over dp once (`autoshard verify`: every count, the bytes
+    and one micro-step's gradients)."""
+    from autoshard.tools.verify import verify
+    plan = _over_one_axis("zero2", 1, accumulation_steps=3, offload="none", recompute="none")
+    assert {(c.kind, c.axes, c.count) for c in plan.collectives if c.members} == {
+        ("reduce_scatter", ("tp",), 1), ("all_reduce", ("dp",), 1)}
+    ok, report = verify(MODEL, Mesh((2, 2), cluster=CLUSTER), plan=plan)
+    assert ok, report
+    assert "the last of 3 micro-steps of forward and backward" in report
