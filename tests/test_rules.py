@@ -171,6 +171,10 @@ simple([aten.sum.dim_IntList], lambda g: ((g.b(4, 8), [1]), {}))
 simple([aten.amax.default, aten.amin.default], lambda g: ((g.t(2, 4, 8), [-1], True), {}),
        lambda g: ((g.t(2, 4, 8), [0, 1]), {}))
 simple([aten.max.dim, aten.min.dim], lambda g: ((g.t(2, 4, 8), 1), {}))
+# DBRX's router: its top-k weights over their 1-norm; the 2-norm over all dims too
+simple([aten.linalg_vector_norm.default],
+       lambda g: ((g.t(2, 4, 8), 1.0, [-1], True), {}), lambda g: ((g.t(2, 4, 8),), {}),
+       lambda g: ((g.t(2, 4, 8), 2.0, [0, 2]), {}))
 simple([aten.argmax.default, aten.argmin.default], lambda g: ((g.t(2, 4, 8), -1), {}))
 simple([aten.softmax.int, aten.log_softmax.int], lambda g: ((g.t(2, 4, 8), -1), {}))
 simple([aten._softmax.default, aten._log_softmax.default], lambda g: ((g.t(2, 4, 8), 1, False), {}))

@@ -62,6 +62,14 @@ CONFIGS = {
                   num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                   expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2,
                   attn_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8, **_TINY),
+    # DBRX's experts in [E·I, H] blocks, looped over with nonzero by transformers
+    "dbrx": dict(model_type="dbrx", architectures=["DbrxForCausalLM"], d_model=32, n_heads=4,
+                 n_layers=2, max_seq_len=32, vocab_size=64, tie_word_embeddings=False,
+                 attn_config=dict(kv_n_heads=2, clip_qkv=8.0, rope_theta=500000.0),
+                 ffn_config=dict(ffn_hidden_size=16, moe_num_experts=4, moe_top_k=2,
+                                 moe_jitter_eps=0.0, moe_normalize_expert_weights=1.0,
+                                 ffn_act_fn={"name": "silu"}),
+                 torch_dtype="float32"),
     "gemma3_text": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
                         hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -121,6 +129,25 @@ def test_routed_experts_op_equals_transformers_experts(configs, name) -> None:
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6), n
     assert any(n.target is ROUTED_EXPERTS for n in trace(model, inputs).graph.nodes)
+
+
+def test_dbrx_experts_through_the_op_equal_transformers_loop(configs) -> None:
+    """DBRX's experts (w1, v1, w2 as [E·I, H] blocks, looped over the experts a step hits with
+    ``nonzero``, which export cannot follow) through the routed-experts op: the same loss and
+    gradients as transformers' own loop, and a trace with one op per MoE layer."""
+    model, inputs = build(configs["dbrx"], 2, 16, 0)
+    ref = copy.deepcopy(model)
+    for m in ref.modules():
+        if type(m).__name__ == "DbrxExperts":
+            del m.forward                      # transformers' own forward again
+    loss, ref_loss = model(*inputs), ref(*inputs)
+    loss.backward()
+    ref_loss.backward()
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6), n
+    nodes = list(trace(model, inputs).graph.nodes)
+    assert sum(n.target is ROUTED_EXPERTS for n in nodes) == 2     # two MoE layers
 
 
 def test_routed_experts_split_tokens_experts_or_both() -> None:
@@ -271,7 +298,7 @@ def _check(world, model: str, plan: Plan) -> dict:
 @pytest.mark.parametrize("name", [
     "llama4_text", "mamba2", "jamba",
     "gemma3_text",
-    "deepseek_v3"])
+    "deepseek_v3", "dbrx"])
 def test_tiny_family_on_gloo(world4, configs, name) -> None:
     plan = plan_for(configs[name], Mesh((2, 2), cluster="stress"), batch=4, seq=8)
     _check(world4, configs[name], plan)

@@ -4,9 +4,9 @@
   output. A local mean over ``n/f`` elements is ``f`` times too large as a summand of the global
   mean, so that strategy carries kernel ``"mean_partial"``, whose local op divides by ``f``. Both
   are linear, so Partial passes through.
-- ``amax``/``amin``/``max.dim``/``min.dim``/``argmax``, ``softmax``/``log_softmax``, ``cumsum``: the
-  reduced (or normalised, or scanned) dim stays replicated; the rest shard through. ``cumsum`` is
-  linear, so it also passes Partial.
+- ``amax``/``amin``/``max.dim``/``min.dim``/``argmax``, ``linalg_vector_norm``,
+  ``softmax``/``log_softmax``, ``cumsum``: the reduced (or normalised, or scanned) dim stays
+  replicated; the rest shard through. ``cumsum`` is linear, so it also passes Partial.
 - ``fft_fft``/``fft_ifft``/``fft_rfft``/``fft_irfft``: the transformed dim stays whole, the rest
   shard through; every one is linear over the reals (``rfft`` of a real input, ``irfft`` keeping
   the real part), so Partial passes too.
@@ -31,6 +31,9 @@ EXTREMA = (aten.amax.default, aten.amin.default, aten.max.dim, aten.min.dim, ate
            aten.argmin.default)
 SOFTMAX = (aten.softmax.int, aten.log_softmax.int, aten._softmax.default,
            aten._log_softmax.default)
+# A p-norm over some dims (DBRX's router normalises its top-k weights by their 1-norm): not
+# linear, so as the extrema: the reduced dims whole, the others shard through.
+VECTOR_NORM = aten.linalg_vector_norm.default
 
 
 def _reduced(op: OpInfo) -> tuple[tuple[int, ...], bool]:
@@ -43,6 +46,10 @@ def _reduced(op: OpInfo) -> tuple[tuple[int, ...], bool]:
     if op.target in (aten.argmax.default, aten.argmin.default):
         d = arg(op, 1, "dim")
         return norm_dims(d, x.ndim), bool(arg(op, 2, "keepdim", False)) and d is not None
+    if op.target == VECTOR_NORM:              # (self, ord, dim=None, keepdim=False)
+        d = arg(op, 2, "dim")
+        dims = tuple(range(x.ndim)) if d is None else norm_dims(d, x.ndim)
+        return dims, bool(arg(op, 3, "keepdim", False))
     return norm_dims(arg(op, 1, "dim"), x.ndim), bool(arg(op, 2, "keepdim", False))
 
 
@@ -146,6 +153,9 @@ register_op(*MEANS, strategies=sum_mean_strategy, saves=NOTHING, localize=mean_l
             **_REDUCTION)
 register_op(*EXTREMA, strategies=extrema_strategy, saves=all_inputs, localize=reduction_localize,
             **_REDUCTION)
+# Its backward reads the input and the norm.
+register_op(VECTOR_NORM, strategies=extrema_strategy, saves=Saves(inputs=(0,), outputs=(0,)),
+            localize=reduction_localize, **_REDUCTION)
 # Softmax's backward needs only its output.
 register_op(*SOFTMAX, strategies=softmax_strategy, saves=Saves(outputs=(0,)), **_REDUCTION)
 # One exp per element (docs/cost-model.md §3.7); backward: softmax's is grad·y - y·sum, none;

@@ -410,6 +410,8 @@ def route_experts_as_one_op(model: nn.Module) -> bool:
     (docs/cost-model.md §12). The model computes the same; experts this op does not cover
     (transposed or biased weights, a custom gate: GPT-OSS) keep transformers' path. Returns
     whether the model has such layers."""
+    if _dbrx_experts_as_one_op(model):
+        return True
     can_set = getattr(model, "_can_set_experts_implementation", None)
     if can_set is None or not can_set():
         return False
@@ -436,6 +438,41 @@ def _experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_inde
                                               top_k_weights)
     return routed_experts(hidden_states, top_k_index, top_k_weights, experts.gate_up_proj,
                           experts.down_proj, 0, act)
+
+
+def _dbrx_experts_as_one_op(model: nn.Module) -> bool:
+    """DBRX's experts (``DbrxExperts``, not an ``@use_experts_implementation`` class) through
+    the ``routed_experts`` op: they loop over the experts a step's tokens hit, found with
+    ``nonzero``, which a trace cannot follow. Returns whether the model has them."""
+    import types
+
+    from autoshard.ops.moe import ACTIVATIONS
+    ffn = getattr(getattr(model, "config", None), "ffn_config", None)
+    act = (getattr(ffn, "ffn_act_fn", None) or {}).get("name", "silu")
+    found = False
+    for m in model.modules():
+        if type(m).__name__ == "DbrxExperts" and act in ACTIVATIONS:
+            m.forward = types.MethodType(_dbrx_experts_forward, m)
+            m.activation_name = act
+            found = True
+    return found
+
+
+def _dbrx_experts_forward(experts: nn.Module, hidden_states: torch.Tensor,
+                          top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                          ) -> torch.Tensor:
+    """DBRX's experts computed by the ``routed_experts`` op. DBRX keeps each expert's gate,
+    up and down weights as ``[I, H]`` blocks of ``w1``, ``v1`` and ``w2`` (``[E·I, H]``), and
+    computes ``act(x w1_eᵀ) · (x v1_eᵀ)`` times ``w2_e``: the op's ``gate_up`` is ``[w1_e;
+    v1_e]`` and its ``down`` is ``w2_eᵀ``."""
+    from autoshard.ops.moe import routed_experts
+    mlp = experts.mlp
+    e, i, h = experts.num_experts, experts.ffn_hidden_size, experts.hidden_size
+    gate_up = torch.cat([mlp.w1.view(e, i, h), mlp.v1.view(e, i, h)], dim=1)
+    down = mlp.w2.view(e, i, h).transpose(1, 2)
+    out = routed_experts(hidden_states.reshape(-1, h), top_k_index, top_k_weights, gate_up,
+                         down, 0, experts.activation_name)
+    return out.view(hidden_states.shape)
 
 
 # ------------------------------------------------------- Mamba-1's selective scan as one op
