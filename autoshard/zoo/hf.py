@@ -407,9 +407,10 @@ def route_experts_as_one_op(model: nn.Module) -> bool:
     classes: Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, Jamba...) through autoshard's one op per
     experts call (ops/moe.py ``routed_experts``) instead of transformers' default grouped
     path, whose sort over every token of the step keeps the tokens whole on every device
-    (docs/cost-model.md §12). The model computes the same; experts this op does not cover
-    (transposed or biased weights, a custom gate: GPT-OSS) keep transformers' path. Returns
-    whether the model has such layers."""
+    (docs/cost-model.md §12), and DBRX's experts too (:func:`_dbrx_experts_as_one_op`). The
+    model computes the same; experts this op does not cover (transposed or biased weights, a
+    custom gate: GPT-OSS) keep transformers' path. Returns whether the model has such
+    layers."""
     if _dbrx_experts_as_one_op(model):
         return True
     can_set = getattr(model, "_can_set_experts_implementation", None)
