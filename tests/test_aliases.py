@@ -146,8 +146,8 @@ def test_a_write_read_through_its_result_alone_may_take_a_copy(through_result) -
 
 def test_verify_refuses_a_plan_file_that_reshards_a_pinned_read(tmp_path, capsys) -> None:
     """Bad input: a plan file edited so that a write into a slice of the zeros reads the slice
-    in another layout is refused in one line that names the reshard, before any rank runs (it would have
-    run, the write landing in a copy, silently unlike the model)."""
+    in another layout is refused in one line that names the reshard, before any rank runs (it
+    would have run, the write landing in a copy, silently unlike the model)."""
     import json
 
     from autoshard.tools.cli import main
@@ -164,7 +164,6 @@ def test_verify_refuses_a_plan_file_that_reshards_a_pinned_read(tmp_path, capsys
     assert err.startswith("autoshard: error:") and err.count("\n") == 1, err
     assert f"{write.args[0].name} (output 0) for {write.name} input 0, from {lies} to {other}" \
         in err, err
-
 
 
 def test_a_write_into_a_resharded_copy_trains_as_one_device(world2) -> None:

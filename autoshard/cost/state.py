@@ -103,11 +103,12 @@ def state_choices(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...
         return [(None, None)]
     zero = zero_axes(spec, mesh_shape)
     # Each axis alone where there are two: on three or more (a 3-axis mesh's problem over
-    # every subset of axes) the subsets make the ILP too hard to solve in time (a tiny Llama
-    # on 2x2x2: no incumbent in 15 s); the tries with axes merged into two offer them there
-    # (solver/merging.py). Not where offload is offered: the memory binds (the planner's
-    # ladder got there), an axis alone holds more state than both, and the larger problems
-    # made Mixtral-8x7B's plan on 2x4 take 80 s instead of 61 (the same plan).
+    # every subset of axes) the subsets made the ILP too hard to solve in time (llama-tiny
+    # on 2x2x2: no incumbent in 15 s, docs/cost-model.md §9); the tries with axes merged into
+    # two offer them there (solver/merging.py). Not where offload is offered: the memory
+    # binds (the planner's ladder got there), an axis alone holds more state than both, and
+    # the larger problems made Mixtral-8x7B's plan on 2x4 take 80 s instead of 61 (the same
+    # plan; benchmarks/holdout.py --models mixtral-8x7b --meshes 2x4 at 6ca6bed and 089a604).
     alone = len(zero) == 2 and not any(m in HOST_MODES for m in allowed)
     subsets = [None, *((a,) for a in zero)] if alone else [None]
     out: list[tuple[str | None, tuple[int, ...] | None]] = []

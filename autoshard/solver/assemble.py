@@ -127,15 +127,15 @@ class _Ledger:
                                                      nbytes, Phase.GRAD_SYNC, f"bucket{k}", "",
                                                      b.members))
 
-    def optimizer(self, pricer: Pricer, params: dict[str, str], strategies: dict[str, Strategy],
-                  modes: dict) -> dict[str, ParamState]:
+    def optimizer(self, pricer: Pricer, params: dict[str, str], strategies: dict[str, Strategy]
+                  ) -> dict[str, ParamState]:
         """After the optimizer step, the updated state shards are all-gathered back into each
         parameter's layout (zero1/zero2/offload, cost/state.py): blocking, phase "optimizer".
         (The state record of each parameter whose state is laid out apart.)"""
         param_state = {}
         for name, fqn in params.items():
             r = pricer.optimizer_steps(name, strategies[name])
-            if modes[name] is not None:
+            if strategies[name].kernel is not None:
                 param_state[fqn] = _state_record(pricer, name, strategies[name])
             for step in (r.forward if r else ()):
                 if step.is_collective:
@@ -220,13 +220,12 @@ def assemble(traced: TracedGraph, mesh: Mesh, strategies: dict[str, Strategy],
     # buckets and host copies, and the liveness walk reads the same program.
     program = program_for(traced, strategies, pricer)
     edges, buckets, first = list(program.edges), list(program.buckets), program.first_syncs()
-    modes = {n: strategies[n].kernel for n in params}
     ledger = _Ledger(mesh, pricer.runs)
     sums.memory = ledger.reshards(pricer, edges, first, strategies, options.bucket_bytes,
                                   sums.memory)
     ledger.in_ops(pricer, nodes, strategies)
     ledger.buckets(buckets)
-    param_state = ledger.optimizer(pricer, params, strategies, modes)
+    param_state = ledger.optimizer(pricer, params, strategies)
     # The host link (docs/cost-model.md §9): each use of a parameter kept on the host copies it
     # in and its gradient back, blocking; the optimizer step's copies are in optimizer_s.
     transfers = host_transfers(traced, pricer, strategies, edges, first, buckets)

@@ -245,8 +245,9 @@ class _Builder:
             # And the layouts its decision's followers reshard it to (``made``): a consumer
             # outside that needs one of them shares that reshard, as the program runs each
             # (value, requirement) once (cost/reshards.py): it costs the edge nothing.
+            inside = self._internal.get((pname, o))
             src_specs = [(pm.strategies[i].outputs[o], *_state_of(pm.strategies[i], param),
-                          _made(self._internal.get((pname, o), ()), p, members, grad))
+                          _made(inside, p, members, grad) if inside else frozenset())
                          for p, i in enumerate(pm.index)]
             # Whether the value has a gradient is the producer's property: a template consumer
             # may read a gradient-free input in its own layer (layer 0 reads the batch) and a

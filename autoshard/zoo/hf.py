@@ -450,9 +450,11 @@ def _dbrx_experts_as_one_op(model: nn.Module) -> bool:
     from autoshard.ops.moe import ACTIVATIONS
     ffn = getattr(getattr(model, "config", None), "ffn_config", None)
     act = (getattr(ffn, "ffn_act_fn", None) or {}).get("name", "silu")
+    if act not in ACTIVATIONS:          # transformers' loop stays; the trace names it
+        return False
     found = False
     for m in model.modules():
-        if type(m).__name__ == "DbrxExperts" and act in ACTIVATIONS:
+        if type(m).__name__ == "DbrxExperts":
             m.forward = types.MethodType(_dbrx_experts_forward, m)
             m.activation_name = act
             found = True
