@@ -417,9 +417,14 @@ simple([aten.topk.default], lambda g: ((g.t(4, 8), 3), {}), lambda g: ((g.t(8, 4
 simple([aten.histc.default], lambda g: ((g.t(4, 8), 4, -2.0, 2.0), {}), lambda g: ((g.t(16),), {}),
        lambda g: ((g.i(4, 16).double(), 4, 0, 3), {}))
 
-# Hugging Face's gated experts as one op (ops/moe.py): 4 experts, 8 tokens with 2 choices each.
+# Hugging Face's experts as one op (ops/moe.py): 4 experts, 8 tokens with 2 choices each; gated
+# (gate_up twice down's inner width) or ungated (Switch Transformers), with a dropout mask or not.
 simple([ROUTED_EXPERTS],
-       lambda g: ((g.t(8, 4), g.i(4, 8, 2), g.t(8, 2), g.t(4, 6, 4), g.t(4, 4, 3), 0, "silu"), {}))
+       lambda g: ((g.t(8, 4), g.i(4, 8, 2), g.t(8, 2), g.t(4, 6, 4), g.t(4, 4, 3), 0, "silu"), {}),
+       lambda g: ((g.t(8, 4), g.i(4, 8, 1), g.t(8, 1), g.t(4, 3, 4), g.t(4, 4, 3), 0, "relu",
+                   g.t(8, 1, 3)), {}),
+       lambda g: ((g.t(8, 4), g.i(4, 8, 2), g.t(8, 2), g.t(4, 6, 4), g.t(4, 4, 3), 0, "silu",
+                   g.t(8, 2, 3)), {}))
 
 # ---- state-space layers (Mamba-2, Jamba) and complex rotary (Llama 4) ----------------------
 simple([aten.softplus.default], lambda g: ((g.t(2, 4, 8),), {}),

@@ -186,35 +186,58 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 def routed_experts_reference(x: torch.Tensor, top_k_index: torch.Tensor,
                              top_k_weights: torch.Tensor, gate_up: torch.Tensor,
-                             down: torch.Tensor, first_expert: int,
-                             activation: str) -> torch.Tensor:
+                             down: torch.Tensor, first_expert: int, activation: str,
+                             mask: torch.Tensor | None = None) -> torch.Tensor:
     """What the op computes, in differentiable ops: for every token ``t`` and each of its
     choices ``j`` whose expert ``e = top_k_index[t, j]`` is one of the ``gate_up.shape[0]``
-    experts held from ``first_expert`` on, ``top_k_weights[t, j] · down_e(act(gate_e x_t) ·
-    up_e x_t)``, summed over the choices (float32 sums, the output in ``x``'s dtype). Tokens
-    are independent of each other; experts not held add nothing."""
+    experts held from ``first_expert`` on, ``top_k_weights[t, j] · down_e(h)``, summed over the
+    choices (float32 sums, the output in ``x``'s dtype), where ``h`` is ``act(gate_e x_t) · up_e
+    x_t`` for gated experts (``gate_up [E, 2I, H]``: the gate rows, then the up rows) and
+    ``act(up_e x_t)`` for ungated ones (``gate_up [E, I, H]``, as wide as ``down [E, H, I]``:
+    Switch Transformers' ``wo(act(wi x))``), times ``mask[t, j]`` where a mask is given (an
+    expert's dropout, drawn outside the op: [T, k, I]). Tokens are independent of each other;
+    experts not held add nothing."""
     act = ACTIVATIONS[activation]
+    gated = gated_experts(gate_up, down)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in range(gate_up.shape[0]):
         tok, slot = torch.where(top_k_index == first_expert + e)
         if tok.numel() == 0:
             continue
-        gate, up = torch.nn.functional.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
-        y = torch.nn.functional.linear(act(gate) * up, down[e])
+        h = torch.nn.functional.linear(x[tok], gate_up[e])
+        if gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = act(gate) * up
+        else:
+            h = act(h)
+        if mask is not None:
+            h = h * mask[tok, slot]
+        y = torch.nn.functional.linear(h, down[e])
         out = out.index_add(0, tok, (y * top_k_weights[tok, slot, None]).float())
     return out.to(x.dtype)
+
+
+def gated_experts(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether ``gate_up`` holds a gate and an up projection (twice ``down``'s inner width) or
+    one projection (as wide), which a Switch Transformers expert has."""
+    inner = down.shape[-1]
+    if gate_up.shape[1] not in (inner, 2 * inner):
+        raise ValueError(f"routed_experts: gate_up [E, 2I, H] or [E, I, H] for down [E, H, I] "
+                         f"with I = {inner}; got gate_up {list(gate_up.shape)}")
+    return gate_up.shape[1] == 2 * inner
 
 
 @torch.library.custom_op(ROUTED_EXPERTS_OP, mutates_args=())
 def routed_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                    gate_up: torch.Tensor, down: torch.Tensor, first_expert: int,
-                   activation: str) -> torch.Tensor:
-    """Hugging Face's gated experts (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) on
-    tokens ``x [T, H]`` routed by ``top_k_index``/``top_k_weights [T, k]``, as one op: a
-    tracer sees one node whose rule splits tokens, experts or both (see ``experts_strategy``)
-    instead of a sort over every token of the step."""
+                   activation: str, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Hugging Face's experts (gated: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``;
+    or ungated, ``gate_up [E, I, H]``) on tokens ``x [T, H]`` routed by
+    ``top_k_index``/``top_k_weights [T, k]``, with an optional dropout ``mask [T, k, I]`` on
+    the hidden activation, as one op: a tracer sees one node whose rule splits tokens, experts
+    or both (see ``experts_strategy``) instead of a sort over every token of the step."""
     return routed_experts_reference(x, top_k_index, top_k_weights, gate_up, down,
-                                    first_expert, activation)
+                                    first_expert, activation, mask)
 
 
 @routed_experts.register_fake
@@ -223,31 +246,37 @@ def _routed_experts_fake(x: torch.Tensor, *args: Any) -> torch.Tensor:
 
 
 def _routed_experts_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    x, index, weights, gate_up, down, first, activation = inputs
-    ctx.save_for_backward(x, index, weights, gate_up, down)
+    x, index, weights, gate_up, down, first, activation, mask = inputs
+    ctx.save_for_backward(x, index, weights, gate_up, down, mask)
     ctx.first, ctx.activation = first, activation
 
 
 def _routed_experts_backward(ctx: Any, grad: torch.Tensor) -> tuple:
     """The reference run again under autograd: the gradients of the tokens, the routing
-    weights and the experts' weights (the expert indices have none)."""
-    x, index, weights, gate_up, down = ctx.saved_tensors
+    weights and the experts' weights (the expert indices and the dropout mask have none)."""
+    x, index, weights, gate_up, down, mask = ctx.saved_tensors
     leaves = [t.detach().requires_grad_() for t in (x, weights, gate_up, down)]
     with torch.enable_grad():
         out = routed_experts_reference(leaves[0], index, leaves[1], leaves[2], leaves[3],
-                                       ctx.first, ctx.activation)
-        grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
+                                       ctx.first, ctx.activation, mask)
+    # No token chose an expert held here (this rank's experts, under local_experts): the
+    # output is zeros made by no op of the leaves, and every gradient zero.
+    grads = torch.autograd.grad(out, leaves, grad, allow_unused=True) if out.requires_grad \
+        else (None,) * len(leaves)
     gx, gw, ggu, gd = (torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads))
-    return gx, None, gw, ggu, gd, None, None
+    return gx, None, gw, ggu, gd, None, None, None
 
 
 routed_experts.register_autograd(_routed_experts_backward, setup_context=_routed_experts_context)
 ROUTED_EXPERTS = torch.ops.autoshard.routed_experts.default
 
 # Tokens split: each rank routes its own tokens through every expert (exact: tokens are
-# independent). Experts split: each rank runs its experts on every token, a Partial output.
+# independent). Experts split: each rank runs its experts on every token, a Partial output. A
+# dropout mask, one row per token, goes with the tokens.
 _TOKENS: Option = ((Shard(0), Shard(0), Shard(0), R, R), (Shard(0),))
 _EXPERTS: Option = ((R, R, R, Shard(0), Shard(0)), (P,))
+_TOKENS_MASKED: Option = ((*_TOKENS[0], Shard(0)), _TOKENS[1])
+_EXPERTS_MASKED: Option = ((*_EXPERTS[0], R), _EXPERTS[1])
 
 
 def experts_strategy(op: OpInfo, mesh_shape: tuple) -> list:
@@ -255,8 +284,10 @@ def experts_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     whole on it and the output a sum over its ranks), or both on different axes. The experts'
     inner dim is not split: ``gate_up`` holds the gate and up halves one after the other, which
     one even split would not cut alike."""
-    return expand(op, mesh_shape, [_TOKENS, _EXPERTS],
-                  kernel=lambda combo: LOCAL_EXPERTS if _EXPERTS in combo else None)
+    masked = len(op.inputs) == 6
+    tokens, experts = (_TOKENS_MASKED, _EXPERTS_MASKED) if masked else (_TOKENS, _EXPERTS)
+    return expand(op, mesh_shape, [tokens, experts],
+                  kernel=lambda combo: LOCAL_EXPERTS if experts in combo else None)
 
 
 def experts_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
@@ -270,18 +301,21 @@ def experts_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: 
 
 
 def experts_flops(op: OpInfo) -> float:
-    """2 FLOPs per multiply-add of the routed pairs: ``T·k`` rows through ``H -> 2I`` and
-    ``I -> H``, i.e. ``6·T·k·H·I``."""
-    x, index, _, gate_up, _ = op.inputs
-    return 2.0 * index.numel * x.shape[-1] * 1.5 * gate_up.shape[1]
+    """2 FLOPs per multiply-add of the routed pairs: ``T·k`` rows through ``H -> W`` and
+    ``I -> H``, where ``W`` is ``gate_up``'s width (``2I`` gated, ``I`` ungated): ``6·T·k·H·I``
+    gated, ``4·T·k·H·I`` ungated."""
+    x, index, _, gate_up, down = op.inputs[:5]
+    return 2.0 * index.numel * x.shape[-1] * (gate_up.shape[1] + down.shape[-1])
 
 
 def experts_saved(op: OpInfo) -> Saves:
-    """The tokens and their routing, and per token what a grouped kernel keeps for backward:
-    each of its ``k`` pairs' gate-up output and activation (``2I + I`` elements)."""
-    x, index, _, gate_up, _ = op.inputs
-    per_row = index.shape[-1] * 3 * (gate_up.shape[1] // 2) * x.dtype.itemsize
-    return Saves(inputs=(0, 1, 2), extra=(("in", 0, "row", per_row),))
+    """The tokens, their routing and dropout mask, and per token what a grouped kernel keeps
+    for backward: each of its ``k`` pairs' gate-up output and activation (``W + I``
+    elements: ``3I`` gated, ``2I`` ungated)."""
+    x, index, _, gate_up, down = op.inputs[:5]
+    per_row = index.shape[-1] * (gate_up.shape[1] + down.shape[-1]) * x.dtype.itemsize
+    return Saves(inputs=(0, 1, 2, 5) if len(op.inputs) == 6 else (0, 1, 2),
+                 extra=(("in", 0, "row", per_row),))
 
 
 register_op(ROUTED_EXPERTS, strategies=experts_strategy, family=MATMUL, saves=experts_saved,
