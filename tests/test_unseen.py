@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,6 +71,15 @@ CONFIGS = {
                                  moe_jitter_eps=0.0, moe_normalize_expert_weights=1.0,
                                  ffn_act_fn={"name": "silu"}),
                  torch_dtype="float32"),
+    # Switch Transformers (T5 with top-1 experts, a capacity of 4 tokens per expert and
+    # sequence: with 8 tokens some are dropped), as published: dropout and router jitter on.
+    "switch_transformers": dict(
+        model_type="switch_transformers",
+        architectures=["SwitchTransformersForConditionalGeneration"], d_model=32, d_ff=64,
+        d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=2, num_sparse_encoder_layers=1,
+        num_sparse_decoder_layers=1, num_experts=4, expert_capacity=4, vocab_size=64,
+        dropout_rate=0.1, router_jitter_noise=0.01, decoder_start_token_id=0, pad_token_id=0,
+        torch_dtype="float32"),
     "gemma3_text": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
                         hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -115,27 +125,129 @@ def test_selective_scan_op_equals_transformers_loop(configs) -> None:
     assert sum(n.target is SELECTIVE_SCAN for n in nodes) == 1     # one Mamba layer
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "jamba", "dbrx"])
-def test_routed_experts_op_equals_transformers_experts(configs, name) -> None:
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "jamba", "dbrx",
+                                  "switch_transformers"])
+def test_routed_experts_op_equals_transformers_experts(tmp_path, configs, name) -> None:
     """The model through the routed-experts op and through transformers' own path (its
-    grouped one; DBRX's loop over the experts a step hits, found with ``nonzero``, which export
-    cannot follow, its w1, v1, w2 in [E·I, H] blocks): the same loss and gradients (fp32, the
-    same additions in another order: 1e-6), and a trace with the op in it."""
-    model, inputs = build(configs[name], 2, 16, 0)
+    grouped one; DBRX's and Switch Transformers' loops over the experts a step hits, found
+    with ``nonzero``, which export cannot follow: DBRX's w1, v1, w2 in [E·I, H] blocks,
+    Switch's ungated experts stacked, tokens past an expert's capacity dropped): the same
+    loss and gradients (fp32, the same additions in another order: 1e-6), and a trace with the
+    op in it. (Switch without dropout and router jitter here: the two paths would draw them
+    differently.)"""
+    config = configs[name]
+    if name == "switch_transformers":
+        config = str(tmp_path / "config.json")
+        Path(config).write_text(json.dumps(dict(CONFIGS[name], dropout_rate=0.0,
+                                                router_jitter_noise=0.0)))
+    model, inputs = build(config, 2, 16, 0)
     ref = copy.deepcopy(model)
     if name == "dbrx":
         for m in ref.modules():
             if type(m).__name__ == "DbrxExperts":
                 del m.forward                  # transformers' own forward again
+    elif name == "switch_transformers":
+        _switch_as_transformers(ref)
     else:
         ref.model.set_experts_implementation("grouped_mm")
+    kept = []         # tokens each router keeps: capacity drops some
+    hooks = [m.register_forward_hook(lambda mod, args, out: kept.append(int(out[0].sum())))
+             for m in model.modules() if type(m).__name__ == "SwitchTransformersTop1Router"]
     loss, ref_loss = model(*inputs), ref(*inputs)
+    for hook in hooks:
+        hook.remove()
+    assert all(k < 2 * 16 for k in kept)
     loss.backward()
     ref_loss.backward()
     assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
-    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6), n
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    for n, q in ref.named_parameters():
+        mine = _switch_expert_grad(grads, n) if ".experts.expert_" in n else grads[n]
+        assert torch.allclose(mine, q.grad, rtol=1e-5, atol=1e-6), n
     assert any(n.target is ROUTED_EXPERTS for n in trace(model, inputs).graph.nodes)
+
+
+def _switch_as_transformers(model) -> None:
+    """Switch's sparse layers back to transformers' own: each stacked expert weight split into
+    its expert modules, the layer's and the router's forwards transformers' again."""
+    import transformers.models.switch_transformers.modeling_switch_transformers as st
+    for m in model.modules():
+        if isinstance(m, st.SwitchTransformersSparseMLP):
+            experts = st.SwitchTransformersExperts(model.model.config)
+            for e in range(experts.num_experts):
+                experts[f"expert_{e}"].wi.weight.data.copy_(m.experts.wi[e])
+                experts[f"expert_{e}"].wo.weight.data.copy_(m.experts.wo[e])
+            m.experts = experts
+            del m.forward, m.router.forward
+
+
+def _switch_expert_grad(grads: dict, name: str):
+    """``...experts.expert_{e}.wi.weight``'s gradient from the stacked ``...experts.wi``'s."""
+    head, tail = name.split(".experts.expert_")
+    e, weight = tail.split(".")[:2]
+    return grads[f"{head}.experts.{weight}"][int(e)]
+
+
+def test_switch_unconverted_is_refused_naming_the_call_that_converts_it() -> None:
+    """A Switch Transformers model built with transformers directly, not converted: planning
+    it is refused naming ``route_experts_as_one_op``; converted, it plans."""
+    import autoshard
+    from autoshard.errors import AutoshardError
+    from autoshard.zoo.hf import route_experts_as_one_op
+    from transformers import (SwitchTransformersConfig,
+                              SwitchTransformersForConditionalGeneration)
+    fields = {k: v for k, v in CONFIGS["switch_transformers"].items()
+              if k not in ("model_type", "architectures", "torch_dtype")}
+    hf = SwitchTransformersForConditionalGeneration(SwitchTransformersConfig(**fields))
+
+    class Loss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.hf = hf
+
+        def forward(self, ids, labels):
+            ones = torch.ones_like(ids)
+            return self.hf(input_ids=ids, attention_mask=ones, decoder_attention_mask=ones,
+                           labels=labels).loss
+
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(AutoshardError, match=r"SwitchTransformersSparseMLP loops over the "
+                       r"experts.*route_experts_as_one_op\(model\)"):
+        autoshard.plan(Loss(), (ids, ids), Mesh((2,)))
+    route_experts_as_one_op(hf)
+    assert autoshard.plan(Loss(), (ids, ids), Mesh((2,))).predicted.step_time_s > 0
+
+
+def test_switch_experts_drop_out_their_hidden_activation() -> None:
+    """Switch's experts in training draw one dropout mask over each routed token's hidden
+    activation (zeros and 1/(1-p)), and compute ``w · wo_e(mask · act(wi_e x))``: the op
+    given that mask, and nothing dropped out in eval."""
+    from torch import nn
+
+    from autoshard.ops.moe import routed_experts_reference
+    from autoshard.zoo.hf_switch import SwitchExperts
+
+    class Dense(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wi, self.wo = nn.Linear(4, 6, bias=False), nn.Linear(6, 4, bias=False)
+            self.dropout = nn.Dropout(0.5)
+
+    experts = SwitchExperts(nn.ModuleDict({f"expert_{e}": Dense() for e in range(3)}), "relu")
+    x, idx, w = torch.randn(16, 4), torch.randint(0, 3, (16, 1)), torch.rand(16, 1)
+    torch.manual_seed(1)
+    mask = nn.functional.dropout(torch.ones(16, 1, 6), 0.5)
+    torch.manual_seed(1)
+    out = experts(x, idx, w)
+    assert set(mask.unique().tolist()) == {0.0, 2.0}
+    want = routed_experts_reference(x, idx, w, experts.wi, experts.wo, 0, "relu", mask)
+    assert torch.equal(out, want)
+    hand = torch.stack([w[t] * experts.wo[idx[t, 0]] @ (mask[t, 0] * torch.relu(
+        experts.wi[idx[t, 0]] @ x[t])) for t in range(16)])
+    assert torch.allclose(out, hand, atol=1e-6)
+    experts.eval()
+    assert torch.equal(experts(x, idx, w),
+                       routed_experts_reference(x, idx, w, experts.wi, experts.wo, 0, "relu"))
 
 
 def test_routed_experts_split_tokens_experts_or_both() -> None:
@@ -151,9 +263,21 @@ def test_routed_experts_split_tokens_experts_or_both() -> None:
     assert "[S(0), S(0)] x [S(0), S(0)] x [S(0), S(0)] x [R, R] x [R, R] -> [S(0), S(0)]" in got
 
 
+def test_routed_experts_held_by_no_token_get_zero_gradients() -> None:
+    """Under ``local_experts`` a rank whose experts no token chose computes zeros, and its
+    backward gives zero gradients (it raised: the zeros come from no op of the leaves)."""
+    x = torch.randn(8, 4, requires_grad=True)
+    gu, dn = torch.randn(2, 3, 4, requires_grad=True), torch.randn(2, 4, 3, requires_grad=True)
+    w = torch.rand(8, 1, requires_grad=True)
+    out = ROUTED_EXPERTS(x, torch.zeros(8, 1, dtype=torch.long), w, gu, dn, 2, "relu")
+    out.sum().backward()
+    assert not out.any()
+    assert all(not t.grad.any() for t in (x, w, gu, dn))
+
+
 def test_flops_closed_forms() -> None:
     """Routed experts: 6·T·k·H·I (two matmuls per routed pair, gate-up of 2I columns and down
-    of I); the selective scan: 8·b·d·L·n (docs/cost-model.md §12, §13)."""
+    of I), ungated 4·T·k·H·I; the selective scan: 8·b·d·L·n (docs/cost-model.md §12, §13)."""
     from autoshard.ir import op_info
     from autoshard.ops.registry import record_of
     t, k, h, i, e = 8, 2, 4, 3, 4
@@ -161,6 +285,10 @@ def test_flops_closed_forms() -> None:
             torch.randn(e, 2 * i, h), torch.randn(e, h, i), 0, "silu")
     info = op_info(ROUTED_EXPERTS, args, {}, ROUTED_EXPERTS(*args))
     assert record_of(ROUTED_EXPERTS).flops(info) == 6 * t * k * h * i
+    # ungated (Switch Transformers: gate_up as wide as down's inner dim): 4·T·k·H·I
+    args = (*args[:3], torch.randn(e, i, h), args[4], 0, "relu")
+    info = op_info(ROUTED_EXPERTS, args, {}, ROUTED_EXPERTS(*args))
+    assert record_of(ROUTED_EXPERTS).flops(info) == 4 * t * k * h * i
     b, d, seq, n = 2, 4, 8, 3
     scan = (torch.randn(b, d, seq), torch.randn(b, d, seq), -torch.rand(d, n),
             torch.randn(b, n, seq), torch.randn(b, n, seq), torch.randn(d),
@@ -286,25 +414,29 @@ def _check(world, model: str, plan: Plan) -> dict:
 @pytest.mark.parametrize("name", [
     "llama4_text", "mamba2", "jamba",
     "gemma3_text",
-    "deepseek_v3", "dbrx"])
+    "deepseek_v3", "dbrx", "switch_transformers"])
 def test_tiny_family_on_gloo(world4, configs, name) -> None:
     plan = plan_for(configs[name], Mesh((2, 2), cluster="stress"), batch=4, seq=8)
     _check(world4, configs[name], plan)
 
 
 @pytest.mark.slow
-def test_qwen3_moe_tokens_and_experts_split_on_gloo(world4, configs) -> None:
-    """Qwen3-MoE's experts stored split by expert over ``tp`` and the batch over ``dp``: each
-    routed-experts call runs its rank's experts on its tokens (``local_experts``)."""
-    model, inputs = build(configs["qwen3_moe"], 4, 8, 0)
+@pytest.mark.parametrize("name, weights", [
+    ("qwen3_moe", ("experts.gate_up_proj", "experts.down_proj")),
+    ("switch_transformers", ("experts.wi", "experts.wo"))])
+def test_tokens_and_experts_split_on_gloo(world4, configs, name, weights) -> None:
+    """Qwen3-MoE's and Switch Transformers' experts stored split by expert over ``tp`` and the
+    batch over ``dp``: each routed-experts call runs its rank's experts on its tokens
+    (``local_experts``; Switch's with its dropout mask)."""
+    model, inputs = build(configs[name], 4, 8, 0)
     traced = trace(model, inputs)
     pins = {p.name: Strategy((), ((Replicate(), Shard(0)),)) for p in traced.params
-            if p.fqn.endswith(("experts.gate_up_proj", "experts.down_proj"))}
-    plan = plan_for(configs["qwen3_moe"], Mesh((2, 2), cluster="stress"), batch=4, seq=8,
-                    fixed=pins)
+            if p.fqn.endswith(weights)}
+    assert len(pins) == 4
+    plan = plan_for(configs[name], Mesh((2, 2), cluster="stress"), batch=4, seq=8, fixed=pins)
     local = [n for n in plan.nodes if n.kernel == LOCAL_EXPERTS]
     assert len(local) == 2
-    _check(world4, configs["qwen3_moe"], plan)
+    _check(world4, configs[name], plan)
 
 
 @pytest.mark.slow

@@ -410,7 +410,16 @@ def _likely_cause(e: Exception, text: str, model: torch.nn.Module, inputs: tuple
                 "pass the target tensor as the last example input (a Hugging Face model "
                 "computes .loss only when given labels), or plan forward only with "
                 "training=False (--inference)")
-    if isinstance(e, GuardOnDataDependentSymNode) or "data-dependent" in text:
+    from autoshard.zoo.hf import looping_experts
+    data_dependent = isinstance(e, GuardOnDataDependentSymNode) or "data-dependent" in text
+    experts = looping_experts(model)
+    # (Switch's router fails first: it assigns its classifier module again in forward.)
+    if experts is not None and (data_dependent or "Couldn't swap" in text):
+        return ("a model whose experts a trace can follow",
+                f"{experts} loops over the experts a step hits, which export cannot follow: "
+                "call autoshard.zoo.hf.route_experts_as_one_op(model) on the transformers "
+                "model first (from_config and config.json paths do), which runs them as one op")
+    if data_dependent:
         return ("a forward whose control flow and shapes do not depend on tensor values",
                 "replace branches on values (if x.sum() > 0) with torch.where, and value-sized "
                 "results (int(t), x[mask], nonzero) with fixed shapes")

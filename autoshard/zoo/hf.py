@@ -407,11 +407,13 @@ def route_experts_as_one_op(model: nn.Module) -> bool:
     classes: Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, Jamba...) through autoshard's one op per
     experts call (ops/moe.py ``routed_experts``) instead of transformers' default grouped
     path, whose sort over every token of the step keeps the tokens whole on every device
-    (docs/cost-model.md §12), and DBRX's experts too (:func:`_dbrx_experts_as_one_op`). The
-    model computes the same; experts this op does not cover (transposed or biased weights, a
-    custom gate: GPT-OSS) keep transformers' path. Returns whether the model has such
-    layers."""
-    if _dbrx_experts_as_one_op(model):
+    (docs/cost-model.md §12), and DBRX's and Switch Transformers' experts too
+    (:func:`_dbrx_experts_as_one_op`, zoo/hf_switch.py, which stacks each Switch layer's
+    experts into two weights). The model computes the same; experts this op does not cover
+    (transposed or biased weights, a custom gate: GPT-OSS) keep transformers' path. Returns
+    whether the model has such layers."""
+    from autoshard.zoo.hf_switch import switch_experts_as_one_op
+    if _dbrx_experts_as_one_op(model) or switch_experts_as_one_op(model):
         return True
     can_set = getattr(model, "_can_set_experts_implementation", None)
     if can_set is None or not can_set():
@@ -420,6 +422,17 @@ def route_experts_as_one_op(model: nn.Module) -> bool:
     ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, _experts_forward)
     model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     return True
+
+
+def looping_experts(model: nn.Module) -> str | None:
+    """The class of experts in ``model`` that loop over the experts a step hits (found with
+    ``nonzero``, which export cannot follow: DBRX's, Switch Transformers') and that
+    :func:`route_experts_as_one_op` would run as one op, where it has not; None otherwise."""
+    for m in model.modules():
+        name = type(m).__name__
+        if name in ("DbrxExperts", "SwitchTransformersSparseMLP") and "forward" not in vars(m):
+            return name
+    return None
 
 
 def _experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -517,5 +530,5 @@ def _one_op_scan(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 __all__ = ["HFLossModel", "TASKS", "from_config", "infer_task", "read_config",
-           "supported_tasks", "route_experts_as_one_op", "scan_as_one_op",
+           "supported_tasks", "route_experts_as_one_op", "looping_experts", "scan_as_one_op",
            "hf_gpt2_tiny", "hf_llama_tiny", "hf_bert_tiny", "hf_resnet_tiny"]
