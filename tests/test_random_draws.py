@@ -62,6 +62,80 @@ def test_eval_program_fills_each_mask_with_its_keep_probability() -> None:
                           model(*inputs), rtol=1e-6)
 
 
+class Jittered(torch.nn.Module):
+    """Switch Transformers' router jitter: in training the input is scaled by U on [0.99,
+    1.01), in place (the module skips it in eval mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        if self.training:
+            h = h.clone()
+            h *= torch.empty_like(h).uniform_(0.99, 1.01)
+        return self.fc(h).pow(2).mean()
+
+
+def test_eval_program_takes_multiplicative_jitter_out() -> None:
+    """A draw uniform on [1 - e, 1 + e) read only by multiplications is jitter: eval mode fills
+    it with 1, no draw is left, and the program computes model.eval()'s loss exactly; no
+    warning. A draw on [0, 2) read by an addition is not."""
+    from autoshard.codegen.modes import jitter
+    model, x = Jittered(), torch.randn(4, 8)
+    gm = trace(model, (x,)).gm
+    assert [jitter(n) for n in gm.graph.nodes].count(True) == 1
+    assert len(mode_dependent(gm)) == 1
+    prog = eval_program(gm, set())
+    targets = [n.target for n in prog.graph.nodes if n.op == "call_function"]
+    assert not set(targets) & set(op_modes.DRAWS) and aten.fill_.Scalar in targets
+    params = [p.detach() for p in model.parameters()]
+    got = prog(*params, x)
+    model.eval()
+    assert torch.equal(got[0] if isinstance(got, (tuple, list)) else got, model(x))
+    pm = SimpleNamespace(traced=SimpleNamespace(placeholders=[]), _compile=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert eval_version(gm, pm) is not None
+
+    class Added(Jittered):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x + torch.empty_like(x).uniform_(0.0, 2.0)).pow(2).mean()
+
+    assert not any(jitter(n) for n in trace(Added(), (x,)).gm.graph.nodes)
+
+
+def test_switch_eval_program_computes_model_eval() -> None:
+    """Switch Transformers traced in training mode (dropout, the experts' dropout mask, router
+    jitter): its eval program computes what model.eval() computes."""
+    pytest.importorskip("transformers")
+    import json
+    from pathlib import Path
+    import tempfile
+
+    from autoshard.tools.verify import build
+    from test_unseen import CONFIGS
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.json"
+        path.write_text(json.dumps(CONFIGS["switch_transformers"]))
+        model, inputs = build(str(path), 2, 16, 0)
+    traced = trace(model, inputs)
+    prog = eval_program(traced.gm, set())
+    assert not {n.target for n in prog.graph.nodes} & set(op_modes.DRAWS)
+    state = {**dict(model.named_parameters(remove_duplicate=False)),
+             **dict(model.named_buffers(remove_duplicate=False))}
+    args = [traced.constants[p.name] if p.kind == "constant" else
+            inputs[int(p.fqn.removeprefix("input"))] if p.kind == "input" else
+            state.get(p.fqn, state.get(traced.module_prefix + p.fqn)).detach()
+            for p in traced.placeholders]
+    got = prog(*args)
+    model.eval()
+    with torch.no_grad():
+        want = model(*inputs)
+    assert torch.allclose(got[0] if isinstance(got, (tuple, list)) else got, want, rtol=1e-6)
+
+
 class Noisy(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

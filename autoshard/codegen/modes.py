@@ -14,8 +14,11 @@ training, and the trace holds the draw. Its mask is a Bernoulli draw of keep pro
 that scales the branch by ``mask / q``, so the eval program fills the mask with its mean ``q``
 and the branch passes unscaled, as ``model.eval()`` runs it (up to rounding of ``x / q * q``).
 The two idioms are recognised: ``bernoulli_(q)`` (timm) and ``floor(q + U)`` for ``U``
-uniform on [0, 1) (Hugging Face). Any other random draw is kept, with a warning naming it: the
-trace cannot say whether the module draws it in eval mode too.
+uniform on [0, 1) (Hugging Face). Multiplicative jitter, ``x * U`` for ``U`` uniform on
+[1 - e, 1 + e) (Switch Transformers' router, which jitters only in training), has no flag
+either: the eval program fills its draw with 1, so ``x`` passes exactly. Any other random draw
+is kept, with a warning naming it: the trace cannot say whether the module draws it in eval
+mode too.
 """
 from __future__ import annotations
 
@@ -49,9 +52,32 @@ def mode_dependent(gm: fx.GraphModule) -> list[str]:
                 out.append(f"{n.name} ({target})")
         elif target in op_modes.SDPA and _arg(n, op_modes.SDPA[target], "dropout_p"):
             out.append(f"{n.name} ({target})")
-        elif mask_mean(n) is not None:
+        elif mask_mean(n) is not None or jitter(n):
             out.append(f"{n.name} ({target})")
     return out
+
+
+def jitter(n: fx.Node) -> bool:
+    """Whether ``n`` draws a multiplicative jitter (the module's docstring): uniform on [lo,
+    hi) with lo + hi = 2 and lo < hi, every use of it a multiplication (through reshards)."""
+    from autoshard.codegen.rewrite import ReshardCall
+    t = unwrapped(n.target) if n.op == "call_function" else None
+    if t not in op_modes.JITTER:
+        return False
+    i = op_modes.JITTER[t]
+    lo, hi = _arg(n, i, "from"), _arg(n, i + 1, "to")
+    if not (isinstance(lo, (int, float)) and isinstance(hi, (int, float))
+            and lo < hi and abs(lo + hi - 2) < 1e-9):
+        return False
+    uses, seen = list(n.users), 0
+    while uses:
+        u = uses.pop()
+        if isinstance(u.target, ReshardCall):
+            uses += list(u.users)
+        elif unwrapped(u.target) not in (aten.mul.Tensor, aten.mul_.Tensor):
+            return False
+        seen += 1
+    return seen > 0
 
 
 def mask_mean(n: fx.Node) -> float | None:
@@ -112,6 +138,8 @@ def eval_program(gm: fx.GraphModule, counters: set[str]) -> fx.GraphModule:
             _set(n, op_modes.SDPA[n.target], "dropout_p", 0.0)
         elif (q := mask_mean(n)) is not None:
             _fill_mask(n, q)
+        elif jitter(n):
+            _fill_mask(n, 1.0)
         elif _counts(n, counters):
             n.replace_all_uses_with(n.args[0])
             graph.erase_node(n)

@@ -36,6 +36,9 @@ BERNOULLI = {aten.bernoulli_.float: 1}
 # probability c
 FLOORS = (aten.floor.default, aten.floor_.default)
 UNIFORM = (aten.rand.default, aten.rand_like.default)
+# Multiplicative jitter, ``x * U`` for U uniform on [1 - e, 1 + e) (Switch Transformers'
+# router, drawn as ``empty_like(x).uniform_(1 - e, 1 + e)``): draw -> index of its low bound
+JITTER = {aten.uniform_.default: 1, aten.uniform.default: 1}
 # a uniform draw -> the factory of the same signature that draws nothing
 NO_DRAW = {aten.rand.default: aten.zeros.default, aten.rand_like.default: aten.zeros_like.default}
 # draw -> (distribution, (index, name) of each parameter the call may give): uniform on
