@@ -418,13 +418,17 @@ simple([aten.histc.default], lambda g: ((g.t(4, 8), 4, -2.0, 2.0), {}), lambda g
        lambda g: ((g.i(4, 16).double(), 4, 0, 3), {}))
 
 # Hugging Face's experts as one op (ops/moe.py): 4 experts, 8 tokens with 2 choices each; gated
-# (gate_up twice down's inner width) or ungated (Switch Transformers), with a dropout mask or not.
+# (gate_up twice down's inner width) or ungated (Switch Transformers), with a dropout mask or not,
+# biased or not.
 simple([ROUTED_EXPERTS],
        lambda g: ((g.t(8, 4), g.i(4, 8, 2), g.t(8, 2), g.t(4, 6, 4), g.t(4, 4, 3), 0, "silu"), {}),
        lambda g: ((g.t(8, 4), g.i(4, 8, 1), g.t(8, 1), g.t(4, 3, 4), g.t(4, 4, 3), 0, "relu",
                    g.t(8, 1, 3)), {}),
        lambda g: ((g.t(8, 4), g.i(4, 8, 2), g.t(8, 2), g.t(4, 6, 4), g.t(4, 4, 3), 0, "silu",
-                   g.t(8, 2, 3)), {}))
+                   g.t(8, 2, 3)), {}),
+       # GPT-OSS: interleaved gate and up, clamped, biased
+       lambda g: ((g.t(8, 4), g.i(4, 8, 2), g.t(8, 2), g.t(4, 6, 4), g.t(4, 4, 3), 0,
+                   "gpt_oss:1.702:0.5", None, g.t(4, 6), g.t(4, 4)), {}))
 
 # ---- state-space layers (Mamba-2, Jamba) and complex rotary (Llama 4) ----------------------
 simple([aten.softplus.default], lambda g: ((g.t(2, 4, 8),), {}),

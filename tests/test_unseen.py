@@ -80,6 +80,12 @@ CONFIGS = {
         num_sparse_decoder_layers=1, num_experts=4, expert_capacity=4, vocab_size=64,
         dropout_rate=0.1, router_jitter_noise=0.01, decoder_start_token_id=0, pad_token_id=0,
         torch_dtype="float32"),
+    # GPT-OSS: experts stored transposed, gate and up interleaved, biased, a clamped gate
+    "gpt_oss": dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], hidden_size=32,
+                    intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=4, swiglu_limit=0.5,
+                    layer_types=["sliding_attention", "full_attention"], **_TINY),
     "gemma3_text": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
                         hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -126,21 +132,25 @@ def test_selective_scan_op_equals_transformers_loop(configs) -> None:
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "jamba", "dbrx",
-                                  "switch_transformers"])
+                                  "switch_transformers", "gpt_oss"])
 def test_routed_experts_op_equals_transformers_experts(tmp_path, configs, name) -> None:
     """The model through the routed-experts op and through transformers' own path (its
-    grouped one; DBRX's and Switch Transformers' loops over the experts a step hits, found
-    with ``nonzero``, which export cannot follow: DBRX's w1, v1, w2 in [E·I, H] blocks,
-    Switch's ungated experts stacked, tokens past an expert's capacity dropped): the same
-    loss and gradients (fp32, the same additions in another order: 1e-6), and a trace with the
-    op in it. (Switch without dropout and router jitter here: the two paths would draw them
-    differently.)"""
+    grouped one, GPT-OSS's with its biases and clamped gate; DBRX's and Switch Transformers'
+    loops over the experts a step hits, found with ``nonzero``, which export cannot follow:
+    DBRX's w1, v1, w2 in [E·I, H] blocks, Switch's ungated experts stacked, tokens past an
+    expert's capacity dropped): the same loss and gradients (fp32, the same additions in
+    another order: 1e-6), and a trace with the op in it. (Switch without dropout and router
+    jitter here: the two paths would draw them differently.)"""
     config = configs[name]
     if name == "switch_transformers":
         config = str(tmp_path / "config.json")
         Path(config).write_text(json.dumps(dict(CONFIGS[name], dropout_rate=0.0,
                                                 router_jitter_noise=0.0)))
     model, inputs = build(config, 2, 16, 0)
+    with torch.no_grad():      # (GPT-OSS: biases start at zero; its gate clamps at 0.5)
+        for n, p in model.named_parameters():
+            if n.endswith("_proj_bias"):
+                p.normal_()
     ref = copy.deepcopy(model)
     if name == "dbrx":
         for m in ref.modules():
@@ -414,7 +424,7 @@ def _check(world, model: str, plan: Plan) -> dict:
 @pytest.mark.parametrize("name", [
     "llama4_text", "mamba2", "jamba",
     "gemma3_text",
-    "deepseek_v3", "dbrx", "switch_transformers"])
+    "deepseek_v3", "dbrx", "switch_transformers", "gpt_oss"])
 def test_tiny_family_on_gloo(world4, configs, name) -> None:
     plan = plan_for(configs[name], Mesh((2, 2), cluster="stress"), batch=4, seq=8)
     _check(world4, configs[name], plan)
@@ -423,16 +433,18 @@ def test_tiny_family_on_gloo(world4, configs, name) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name, weights", [
     ("qwen3_moe", ("experts.gate_up_proj", "experts.down_proj")),
-    ("switch_transformers", ("experts.wi", "experts.wo"))])
+    ("switch_transformers", ("experts.wi", "experts.wo")),
+    ("gpt_oss", ("experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj_bias",
+                 "experts.down_proj_bias"))])
 def test_tokens_and_experts_split_on_gloo(world4, configs, name, weights) -> None:
-    """Qwen3-MoE's and Switch Transformers' experts stored split by expert over ``tp`` and the
-    batch over ``dp``: each routed-experts call runs its rank's experts on its tokens
-    (``local_experts``; Switch's with its dropout mask)."""
+    """Qwen3-MoE's, Switch Transformers' and GPT-OSS's experts stored split by expert over
+    ``tp`` and the batch over ``dp``: each routed-experts call runs its rank's experts on its
+    tokens (``local_experts``; Switch's with its dropout mask, GPT-OSS's with its biases)."""
     model, inputs = build(configs[name], 4, 8, 0)
     traced = trace(model, inputs)
     pins = {p.name: Strategy((), ((Replicate(), Shard(0)),)) for p in traced.params
             if p.fqn.endswith(weights)}
-    assert len(pins) == 4
+    assert len(pins) == 2 * len(weights)           # two layers with experts
     plan = plan_for(configs[name], Mesh((2, 2), cluster="stress"), batch=4, seq=8, fixed=pins)
     local = [n for n in plan.nodes if n.kernel == LOCAL_EXPERTS]
     assert len(local) == 2

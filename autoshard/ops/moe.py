@@ -187,34 +187,53 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 def routed_experts_reference(x: torch.Tensor, top_k_index: torch.Tensor,
                              top_k_weights: torch.Tensor, gate_up: torch.Tensor,
                              down: torch.Tensor, first_expert: int, activation: str,
-                             mask: torch.Tensor | None = None) -> torch.Tensor:
+                             mask: torch.Tensor | None = None,
+                             gate_up_bias: torch.Tensor | None = None,
+                             down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """What the op computes, in differentiable ops: for every token ``t`` and each of its
     choices ``j`` whose expert ``e = top_k_index[t, j]`` is one of the ``gate_up.shape[0]``
-    experts held from ``first_expert`` on, ``top_k_weights[t, j] · down_e(h)``, summed over the
-    choices (float32 sums, the output in ``x``'s dtype), where ``h`` is ``act(gate_e x_t) · up_e
-    x_t`` for gated experts (``gate_up [E, 2I, H]``: the gate rows, then the up rows) and
-    ``act(up_e x_t)`` for ungated ones (``gate_up [E, I, H]``, as wide as ``down [E, H, I]``:
-    Switch Transformers' ``wo(act(wi x))``), times ``mask[t, j]`` where a mask is given (an
-    expert's dropout, drawn outside the op: [T, k, I]). Tokens are independent of each other;
-    experts not held add nothing."""
-    act = ACTIVATIONS[activation]
+    experts held from ``first_expert`` on, ``top_k_weights[t, j] · (down_e h + down_bias_e)``,
+    summed over the choices (float32 sums, the output in ``x``'s dtype), where ``u = gate_up_e
+    x_t + gate_up_bias_e`` and ``h`` is :func:`expert_hidden` of it, times ``mask[t, j]`` where
+    a mask is given (an expert's dropout, drawn outside the op: [T, k, I]). Tokens are
+    independent of each other; experts not held add nothing."""
     gated = gated_experts(gate_up, down)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in range(gate_up.shape[0]):
         tok, slot = torch.where(top_k_index == first_expert + e)
         if tok.numel() == 0:
             continue
-        h = torch.nn.functional.linear(x[tok], gate_up[e])
-        if gated:
-            gate, up = h.chunk(2, dim=-1)
-            h = act(gate) * up
-        else:
-            h = act(h)
+        u = torch.nn.functional.linear(x[tok], gate_up[e],
+                                       None if gate_up_bias is None else gate_up_bias[e])
+        h = expert_hidden(u, activation, gated)
         if mask is not None:
             h = h * mask[tok, slot]
-        y = torch.nn.functional.linear(h, down[e])
+        y = torch.nn.functional.linear(h, down[e], None if down_bias is None else down_bias[e])
         out = out.index_add(0, tok, (y * top_k_weights[tok, slot, None]).float())
     return out.to(x.dtype)
+
+
+# GPT-OSS's gate, named with its two constants: "gpt_oss:<alpha>:<limit>".
+GPT_OSS_GATE = "gpt_oss"
+
+
+def expert_hidden(u: torch.Tensor, activation: str, gated: bool) -> torch.Tensor:
+    """An expert's hidden activation from its first projection ``u``:
+
+    - gated (``u`` of ``2I``: the gate half, then the up half): ``act(gate) · up``;
+    - ungated (``u`` of ``I``: Switch Transformers' ``wo(act(wi x))``): ``act(u)``;
+    - ``"gpt_oss:<alpha>:<limit>"`` (GPT-OSS: gate and up interleaved, even and odd columns):
+      ``(clamp(up, ±limit) + 1) · g · sigmoid(alpha · g)`` with ``g = min(gate, limit)``.
+    """
+    if activation.startswith(GPT_OSS_GATE + ":"):
+        alpha, limit = (float(v) for v in activation.split(":")[1:])
+        gate, up = u[..., ::2].clamp(max=limit), u[..., 1::2].clamp(-limit, limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    act = ACTIVATIONS[activation]
+    if gated:
+        gate, up = u.chunk(2, dim=-1)
+        return act(gate) * up
+    return act(u)
 
 
 def gated_experts(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
@@ -230,53 +249,63 @@ def gated_experts(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
 @torch.library.custom_op(ROUTED_EXPERTS_OP, mutates_args=())
 def routed_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                    gate_up: torch.Tensor, down: torch.Tensor, first_expert: int,
-                   activation: str, mask: torch.Tensor | None = None) -> torch.Tensor:
+                   activation: str, mask: torch.Tensor | None = None,
+                   gate_up_bias: torch.Tensor | None = None,
+                   down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Hugging Face's experts (gated: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``;
-    or ungated, ``gate_up [E, I, H]``) on tokens ``x [T, H]`` routed by
-    ``top_k_index``/``top_k_weights [T, k]``, with an optional dropout ``mask [T, k, I]`` on
-    the hidden activation, as one op: a tracer sees one node whose rule splits tokens, experts
-    or both (see ``experts_strategy``) instead of a sort over every token of the step."""
+    ungated, ``gate_up [E, I, H]``; GPT-OSS's gate; with biases ``[E, 2I]``/``[E, H]`` or
+    not) on tokens ``x [T, H]`` routed by ``top_k_index``/``top_k_weights [T, k]``, with an
+    optional dropout ``mask [T, k, I]`` on the hidden activation, as one op: a tracer sees one
+    node whose rule splits tokens, experts or both (see ``experts_strategy``) instead of a sort
+    over every token of the step."""
     return routed_experts_reference(x, top_k_index, top_k_weights, gate_up, down,
-                                    first_expert, activation, mask)
+                                    first_expert, activation, mask, gate_up_bias, down_bias)
 
 
 @routed_experts.register_fake
-def _routed_experts_fake(x: torch.Tensor, *args: Any) -> torch.Tensor:
+def _routed_experts_fake(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     return torch.empty_like(x)
 
 
 def _routed_experts_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    x, index, weights, gate_up, down, first, activation, mask = inputs
-    ctx.save_for_backward(x, index, weights, gate_up, down, mask)
+    x, index, weights, gate_up, down, first, activation, mask, gate_up_bias, down_bias = inputs
+    ctx.save_for_backward(x, index, weights, gate_up, down, mask, gate_up_bias, down_bias)
     ctx.first, ctx.activation = first, activation
 
 
 def _routed_experts_backward(ctx: Any, grad: torch.Tensor) -> tuple:
     """The reference run again under autograd: the gradients of the tokens, the routing
-    weights and the experts' weights (the expert indices and the dropout mask have none)."""
-    x, index, weights, gate_up, down, mask = ctx.saved_tensors
-    leaves = [t.detach().requires_grad_() for t in (x, weights, gate_up, down)]
+    weights, the experts' weights and biases (the expert indices and the dropout mask have
+    none)."""
+    x, index, weights, gate_up, down, mask, gate_up_bias, down_bias = ctx.saved_tensors
+    given = [t for t in (x, weights, gate_up, down, gate_up_bias, down_bias) if t is not None]
+    leaves = [t.detach().requires_grad_() for t in given]
+    it = iter(leaves)
+    args = [next(it) if t is not None else None
+            for t in (x, weights, gate_up, down, gate_up_bias, down_bias)]
     with torch.enable_grad():
-        out = routed_experts_reference(leaves[0], index, leaves[1], leaves[2], leaves[3],
-                                       ctx.first, ctx.activation, mask)
+        out = routed_experts_reference(args[0], index, args[1], args[2], args[3], ctx.first,
+                                       ctx.activation, mask, args[4], args[5])
     # No token chose an expert held here (this rank's experts, under local_experts): the
     # output is zeros made by no op of the leaves, and every gradient zero.
     grads = torch.autograd.grad(out, leaves, grad, allow_unused=True) if out.requires_grad \
         else (None,) * len(leaves)
-    gx, gw, ggu, gd = (torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads))
-    return gx, None, gw, ggu, gd, None, None, None
+    grads = iter(torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads))
+    gx, gw, ggu, gd, gub, gdb = (next(grads) if t is not None else None
+                                 for t in (x, weights, gate_up, down, gate_up_bias, down_bias))
+    return gx, None, gw, ggu, gd, None, None, None, gub, gdb
 
 
 routed_experts.register_autograd(_routed_experts_backward, setup_context=_routed_experts_context)
 ROUTED_EXPERTS = torch.ops.autoshard.routed_experts.default
 
 # Tokens split: each rank routes its own tokens through every expert (exact: tokens are
-# independent). Experts split: each rank runs its experts on every token, a Partial output. A
-# dropout mask, one row per token, goes with the tokens.
+# independent). Experts split: each rank runs its experts on every token, a Partial output. The
+# optional inputs (the op's arguments 7-9): a dropout mask, one row per token, goes with the
+# tokens; the biases, one row per expert, with the experts.
 _TOKENS: Option = ((Shard(0), Shard(0), Shard(0), R, R), (Shard(0),))
 _EXPERTS: Option = ((R, R, R, Shard(0), Shard(0)), (P,))
-_TOKENS_MASKED: Option = ((*_TOKENS[0], Shard(0)), _TOKENS[1])
-_EXPERTS_MASKED: Option = ((*_EXPERTS[0], R), _EXPERTS[1])
+_OPTIONAL = (("mask", Shard(0), R), ("gate_up_bias", R, Shard(0)), ("down_bias", R, Shard(0)))
 
 
 def experts_strategy(op: OpInfo, mesh_shape: tuple) -> list:
@@ -284,8 +313,10 @@ def experts_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     whole on it and the output a sum over its ranks), or both on different axes. The experts'
     inner dim is not split: ``gate_up`` holds the gate and up halves one after the other, which
     one even split would not cut alike."""
-    masked = len(op.inputs) == 6
-    tokens, experts = (_TOKENS_MASKED, _EXPERTS_MASKED) if masked else (_TOKENS, _EXPERTS)
+    given = [(tokens, experts) for i, (name, tokens, experts) in enumerate(_OPTIONAL, start=7)
+             if arg(op, i, name) is not None]
+    tokens = ((*_TOKENS[0], *(t for t, _ in given)), _TOKENS[1])
+    experts = ((*_EXPERTS[0], *(e for _, e in given)), _EXPERTS[1])
     return expand(op, mesh_shape, [tokens, experts],
                   kernel=lambda combo: LOCAL_EXPERTS if experts in combo else None)
 
@@ -314,7 +345,7 @@ def experts_saved(op: OpInfo) -> Saves:
     elements: ``3I`` gated, ``2I`` ungated)."""
     x, index, _, gate_up, down = op.inputs[:5]
     per_row = index.shape[-1] * (gate_up.shape[1] + down.shape[-1]) * x.dtype.itemsize
-    return Saves(inputs=(0, 1, 2, 5) if len(op.inputs) == 6 else (0, 1, 2),
+    return Saves(inputs=(0, 1, 2) + (() if arg(op, 7, "mask") is None else (5,)),
                  extra=(("in", 0, "row", per_row),))
 
 

@@ -410,8 +410,8 @@ def route_experts_as_one_op(model: nn.Module) -> bool:
     (docs/cost-model.md §12), and DBRX's and Switch Transformers' experts too
     (:func:`_dbrx_experts_as_one_op`, zoo/hf_switch.py, which stacks each Switch layer's
     experts into two weights). The model computes the same; experts this op does not cover
-    (transposed or biased weights, a custom gate: GPT-OSS) keep transformers' path. Returns
-    whether the model has such layers."""
+    (transposed or biased weights, or a custom gate, other than GPT-OSS's) keep transformers'
+    path. Returns whether the model has such layers."""
     from autoshard.zoo.hf_switch import switch_experts_as_one_op
     if _dbrx_experts_as_one_op(model) or switch_experts_as_one_op(model):
         return True
@@ -441,7 +441,14 @@ def _experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_inde
     the plain gated kind it computes, transformers' grouped path otherwise."""
     from transformers.integrations import moe
 
-    from autoshard.ops.moe import ACTIVATIONS, routed_experts
+    from autoshard.ops.moe import ACTIVATIONS, GPT_OSS_GATE, routed_experts
+    if _gpt_oss(experts):
+        # [E, H, 2I] and [E, I, H] stored transposed: the op reads views of them
+        return routed_experts(hidden_states, top_k_index, top_k_weights,
+                              experts.gate_up_proj.transpose(1, 2),
+                              experts.down_proj.transpose(1, 2), 0,
+                              f"{GPT_OSS_GATE}:{float(experts.alpha)!r}:{float(experts.limit)!r}",
+                              None, experts.gate_up_proj_bias, experts.down_proj_bias)
     act = getattr(experts.config, "hidden_act", None)
     plain = (experts.has_gate and experts.is_concatenated and not experts.is_transposed
              and not experts.has_bias and not experts.has_post_expert_norm
@@ -452,6 +459,14 @@ def _experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_inde
                                               top_k_weights)
     return routed_experts(hidden_states, top_k_index, top_k_weights, experts.gate_up_proj,
                           experts.down_proj, 0, act)
+
+
+def _gpt_oss(experts: nn.Module) -> bool:
+    """GPT-OSS's experts: gate and up interleaved in ``gate_up_proj [E, H, 2I]``, ``down_proj
+    [E, I, H]``, both biased, its own clamped gate (ops/moe.py ``expert_hidden``)."""
+    return (type(experts).__name__ == "GptOssExperts" and experts.has_gate
+            and not experts.is_concatenated and experts.is_transposed and experts.has_bias
+            and not experts.has_post_expert_norm and not experts._is_expert_parallel)
 
 
 def _dbrx_experts_as_one_op(model: nn.Module) -> bool:
