@@ -136,6 +136,21 @@ def test_switch_eval_program_computes_model_eval() -> None:
     assert torch.allclose(got[0] if isinstance(got, (tuple, list)) else got, want, rtol=1e-6)
 
 
+def test_verify_fixes_exponential_draws_by_inversion() -> None:
+    """Under verify's ``KeepAll`` an ``exponential_`` draw (PhiMoE's Gumbel sampling) of rate
+    λ takes at each element ``-log(U) / λ`` of the element's fixed uniform, the same on every
+    call and every side; rate 1 where the call gives none."""
+    from autoshard.codegen.counter_rng import counter_uniform
+    from autoshard.tools.draws import KeepAll
+    u = counter_uniform(0, "verify", torch.arange(6))
+    with KeepAll() as mode:
+        got = torch.empty(2, 3).exponential_(2.0)
+        unit = torch.empty(2, 3).exponential_()
+    assert mode.fixed == 2
+    assert torch.allclose(got.flatten(), (-u.log() / 2).float())
+    assert torch.allclose(unit.flatten(), (-u.log()).float())
+
+
 class Noisy(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -147,6 +147,9 @@ simple([aten.clamp.default], lambda g: ((g.t(4, 8), -0.5, 0.5), {}))
 simple([aten.clamp_min.default, aten.clamp_max.default], lambda g: ((g.t(4, 8), 0.1), {}))
 simple([aten.pow.Tensor_Tensor], lambda g: ((g.pos(4, 8), g.t(8)), {}))
 simple([aten.maximum.default, aten.minimum.default], lambda g: ((g.t(4, 8), g.t(4, 1)), {}))
+# clamp with tensor bounds, either or both (PhiMoE's router)
+simple([aten.clamp.Tensor], lambda g: ((g.t(4, 8), g.t(4, 1), g.t(8)), {}),
+       lambda g: ((g.t(4, 8), None, g.t(4, 8)), {}))
 for _op in (aten.eq.Tensor, aten.ne.Tensor, aten.lt.Tensor, aten.le.Tensor, aten.gt.Tensor, aten.ge.Tensor):
     simple([_op], lambda g: ((g.i(3, 2, 4, 8), g.i(3, 1, 8)), {}))
 for _op in (aten.eq.Scalar, aten.ne.Scalar, aten.lt.Scalar, aten.le.Scalar, aten.gt.Scalar, aten.ge.Scalar):
@@ -213,7 +216,7 @@ simple([aten.split.Tensor], lambda g: ((g.t(2, 4, 8), 4, 2), {}))
 simple([aten.split_with_sizes.default], lambda g: ((g.t(8, 4), [4, 4]), {}),
        lambda g: ((g.t(2, 4, 8), [2, 6], -1), {}))
 simple([aten.chunk.default], lambda g: ((g.t(2, 4, 8), 2, 1), {}))
-simple([aten.cat.default], lambda g: (([g.t(2, 4, 8), g.t(2, 4, 8)], -1), {}),
+simple([aten.cat.default, aten.concat.default], lambda g: (([g.t(2, 4, 8), g.t(2, 4, 8)], -1), {}),
        lambda g: (([g.t(2, 4, 8), g.t(2, 4, 8)], 0), {}))
 simple([aten.broadcast_tensors.default], lambda g: (([g.t(4, 8), g.t(2, 1, 8)],), {}))
 simple([aten.stack.default], lambda g: (([g.t(4, 8), g.t(4, 8)], 1), {}))
@@ -285,6 +288,7 @@ simple([aten.rand_like.default, aten.randn_like.default], lambda g: ((g.t(4, 8),
 simple([aten.bernoulli_.float], lambda g: ((g.t(8, 1, 1), 0.7), {}))
 simple([aten.uniform_.default], lambda g: ((g.t(4, 8), -1.0, 2.0), {}))
 simple([aten.normal_.default], lambda g: ((g.t(4, 8), 0.5, 2.0), {}))
+simple([aten.exponential_.default], lambda g: ((g.t(4, 8), 2.0), {}), lambda g: ((g.t(4, 8),), {}))
 simple([aten._assert_tensor_metadata.default],
        lambda g: ((g.t(4, 8),), {"dtype": F64, "layout": torch.strided}))
 

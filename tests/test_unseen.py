@@ -86,6 +86,11 @@ CONFIGS = {
                     num_key_value_heads=2, head_dim=8, num_local_experts=4,
                     num_experts_per_tok=2, sliding_window=4, swiglu_limit=0.5,
                     layer_types=["sliding_attention", "full_attention"], **_TINY),
+    # PhiMoE: its router samples experts with Gumbel noise (exponential_) in training and
+    # clamps with tensor bounds
+    "phimoe": dict(model_type="phimoe", architectures=["PhimoeForCausalLM"], hidden_size=32,
+                   intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **_TINY),
     "gemma3_text": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
                         hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -424,7 +429,7 @@ def _check(world, model: str, plan: Plan) -> dict:
 @pytest.mark.parametrize("name", [
     "llama4_text", "mamba2", "jamba",
     "gemma3_text",
-    "deepseek_v3", "dbrx", "switch_transformers", "gpt_oss"])
+    "deepseek_v3", "dbrx", "switch_transformers", "gpt_oss", "phimoe"])
 def test_tiny_family_on_gloo(world4, configs, name) -> None:
     plan = plan_for(configs[name], Mesh((2, 2), cluster="stress"), batch=4, seq=8)
     _check(world4, configs[name], plan)

@@ -306,6 +306,17 @@ def emit(traced: TracedGraph, plan: Plan, runtime: RankRuntime,
     return gm
 
 
+def _makes_from_nothing(fn: Any) -> bool:
+    """Whether ``fn`` is an ATen factory: a ``device`` argument and no tensor one."""
+    schema = getattr(fn, "_schema", None)
+    if not isinstance(fn, torch._ops.OpOverload) or schema is None:
+        return False
+    args = schema.arguments
+    return any(a.name == "device" for a in args) and not any(
+        isinstance(a.type, (torch.TensorType, torch.ListType)) and "Tensor" in str(a.type)
+        for a in args)
+
+
 def _emit_op(g: fx.Graph, node: fx.Node, local: Any, strat: Any, runtime: RankRuntime,
              mesh_shape: tuple[int, ...], coords: tuple[int, ...]) -> fx.Node:
     """One op of the traced graph on this rank: its inputs as ``local`` delivers them (resharded
@@ -320,6 +331,9 @@ def _emit_op(g: fx.Graph, node: fx.Node, local: Any, strat: Any, runtime: RankRu
         args = (args[0], runtime.device, *args[2:])
     info = op_info(node)
     fn, args, kwargs = localize(info, strat, mesh_shape, coords, args, kwargs)
+    if "device" not in kwargs and _makes_from_nothing(fn):
+        # (a ``*_like`` draw localized as a draw of its input's global shape: ops/factory.py)
+        kwargs = {**kwargs, "device": runtime.device}
     if isinstance(fn, CollectiveKernel):
         fn = KernelCall(fn, runtime, node.name, op_collectives(info, strat, mesh_shape))
     elif isinstance(fn, RingKernel):

@@ -9,8 +9,8 @@ stretch from its coordinates (kernel ``"arange_shard"``).
 placement; ``*_like`` outputs take the input's shape, and follow its sharding. ``_assert_*`` checks
 have no output and accept any placement (a size check is made against the local size).
 
-Random draws (``rand``, ``randn``, their ``*_like``, ``bernoulli_``, ``uniform_``, ``normal_``:
-stochastic depth's per-sample mask, noise) are built whole on every rank: each rank draws the
+Random draws (``rand``, ``randn``, their ``*_like``, ``bernoulli_``, ``uniform_``, ``normal_``,
+``exponential_``: stochastic depth's per-sample mask, noise, PhiMoE's Gumbel sampling) are built whole on every rank: each rank draws the
 global tensor from its default generator and its consumers take their slices for free. Ranks
 seeded alike (as dropout requires, codegen/masks.py) then draw exactly what one device draws, and
 the ranks that share a shard (tensor parallel) use the same values. A ``*_like`` draw reads only
@@ -37,7 +37,8 @@ LIKES = (aten.zeros_like.default, aten.ones_like.default, aten.empty_like.defaul
 ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
 DRAWS = (aten.rand.default, aten.randn.default)
 DRAWS_LIKE = {aten.rand_like.default: aten.rand.default, aten.randn_like.default: aten.randn.default}
-DRAWS_INTO = (aten.bernoulli_.float, aten.uniform_.default, aten.normal_.default)
+DRAWS_INTO = (aten.bernoulli_.float, aten.uniform_.default, aten.normal_.default,
+              aten.exponential_.default)
 
 
 def _any_placement(t: TensorInfo) -> list:
@@ -89,9 +90,9 @@ def draw_like_strategy(op: OpInfo, mesh_shape: tuple) -> list:
 
 def draw_like_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
                        args: tuple, kwargs: dict) -> tuple:
-    x = args[0]
-    return DRAWS_LIKE[op.target], (list(op.outputs[0].shape),), {
-        "dtype": kwargs.get("dtype") or x.dtype, "device": x.device}
+    """``rand_like(x)`` as ``rand`` of ``x``'s global shape, in the draw's dtype (on the rank's
+    device, which codegen/rewrite.py gives a factory call)."""
+    return DRAWS_LIKE[op.target], (list(op.outputs[0].shape),), {"dtype": op.outputs[0].dtype}
 
 
 def assert_strategy(op: OpInfo, mesh_shape: tuple) -> list:

@@ -42,19 +42,21 @@ JITTER = {aten.uniform_.default: 1, aten.uniform.default: 1}
 # a uniform draw -> the factory of the same signature that draws nothing
 NO_DRAW = {aten.rand.default: aten.zeros.default, aten.rand_like.default: aten.zeros_like.default}
 # draw -> (distribution, (index, name) of each parameter the call may give): uniform on
-# [a, b), or normal with mean a and standard deviation b; (0, 1) where the call gives none
+# [a, b), normal with mean a and standard deviation b, or exponential of rate a; (0, 1) where
+# the call gives none, rate 1
 DISTRIBUTIONS = {
     aten.rand.default: ("uniform", ()), aten.rand_like.default: ("uniform", ()),
     aten.randn.default: ("normal", ()), aten.randn_like.default: ("normal", ()),
     aten.uniform_.default: ("uniform", ((1, "from"), (2, "to"))),
     aten.normal_.default: ("normal", ((1, "mean"), (2, "std"))),
+    aten.exponential_.default: ("exponential", ((1, "lambd"),)),
 }
 
 
 def distribution(target: Any, args: tuple, kwargs: dict) -> tuple[str, float, float]:
     """A ``DISTRIBUTIONS`` draw's distribution and its two parameters, as the call gives them."""
     kind, params = DISTRIBUTIONS[target]
-    values = [0.0, 1.0]
+    values = [1.0, 1.0] if kind == "exponential" else [0.0, 1.0]
     for k, (i, name) in enumerate(params):
         values[k] = args[i] if len(args) > i else kwargs.get(name, values[k])
     return kind, values[0], values[1]

@@ -54,7 +54,7 @@ BINARY = (aten.pow.Tensor_Tensor, aten.maximum.default, aten.minimum.default, at
           aten.__xor__.Tensor, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
           aten.bitwise_xor.Tensor, aten.logical_and.default, aten.logical_or.default,
           aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar,
-          aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+          aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.clamp.Tensor)
 POINTWISE = ADDITIVE + SCALING + UNARY_LINEAR + CASTS + OVERWRITES + UNARY + ROUNDING + BINARY
 
 
@@ -126,8 +126,11 @@ _RECORDS = (
     ((aten.pow.Scalar, aten.pow.Tensor_Tensor), ELEMENTWISE, all_inputs, NO),
     # A dropout keeps its boolean mask, one byte per element.
     ((aten.dropout.default,), ELEMENTWISE, Saves(extra=(("out", 0, "elem", 1),)), INPUT),
+    # ``clamp(x, min, max)`` with tensor bounds (PhiMoE's router): each operand's gradient is
+    # where it is the one taken
     ((aten.positive.default, aten.logical_not.default, aten.bitwise_not.default,
       aten.isnan.default, aten.isinf.default, aten.maximum.default, aten.minimum.default,
+      aten.clamp.Tensor,
       aten.max.other, aten.min.other,
       aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.lt.Tensor,
       aten.lt.Scalar, aten.le.Tensor, aten.le.Scalar, aten.gt.Tensor, aten.gt.Scalar,

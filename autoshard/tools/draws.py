@@ -52,10 +52,15 @@ class KeepAll(TorchDispatchMode):
 
 
 def _fixed_draw(out: torch.Tensor, kind: str, a: float, b: float) -> torch.Tensor:
-    """``out`` overwritten with its fixed values: uniform on [a, b) or normal (mean a, std b)."""
+    """``out`` overwritten with its fixed values: uniform on [a, b), normal (mean a, std b) or
+    exponential of rate a (``-log(U) / a`` for U uniform on (0, 1))."""
     index = torch.arange(out.numel(), device=out.device)
-    values = (counter_uniform(0, "verify", index, low=a, high=b) if kind == "uniform"
-              else counter_normal(0, "verify", index, mean=a, std=b))
+    if kind == "exponential":
+        values = counter_uniform(0, "verify", index).log_().neg_().div_(a)
+    elif kind == "uniform":
+        values = counter_uniform(0, "verify", index, low=a, high=b)
+    else:
+        values = counter_normal(0, "verify", index, mean=a, std=b)
     with torch.no_grad():
         out.copy_(values.view(out.shape))
     return out

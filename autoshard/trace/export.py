@@ -410,9 +410,8 @@ def _likely_cause(e: Exception, text: str, model: torch.nn.Module, inputs: tuple
                 "pass the target tensor as the last example input (a Hugging Face model "
                 "computes .loss only when given labels), or plan forward only with "
                 "training=False (--inference)")
-    from autoshard.zoo.hf import looping_experts
     data_dependent = isinstance(e, GuardOnDataDependentSymNode) or "data-dependent" in text
-    experts = looping_experts(model)
+    experts = _looping_experts(model)
     # (Switch's router fails first: it assigns its classifier module again in forward.)
     if experts is not None and (data_dependent or "Couldn't swap" in text):
         return ("a model whose experts a trace can follow",
@@ -426,6 +425,17 @@ def _likely_cause(e: Exception, text: str, model: torch.nn.Module, inputs: tuple
     if "cache" in text.lower():
         return ("a model that torch.export can capture (non-strict)",
                 "turn off caches (use_cache=False)")
+    return None
+
+
+def _looping_experts(model: torch.nn.Module) -> str | None:
+    """The class of transformers' experts in ``model`` that loop over the experts a step hits
+    (found with ``nonzero``: DBRX's, Switch Transformers'), where zoo/hf.py
+    ``route_experts_as_one_op`` has not made them one op (it sets their ``forward``)."""
+    for m in model.modules():
+        name = type(m).__name__
+        if name in ("DbrxExperts", "SwitchTransformersSparseMLP") and "forward" not in vars(m):
+            return name
     return None
 
 

@@ -424,17 +424,6 @@ def route_experts_as_one_op(model: nn.Module) -> bool:
     return True
 
 
-def looping_experts(model: nn.Module) -> str | None:
-    """The class of experts in ``model`` that loop over the experts a step hits (found with
-    ``nonzero``, which export cannot follow: DBRX's, Switch Transformers') and that
-    :func:`route_experts_as_one_op` would run as one op, where it has not; None otherwise."""
-    for m in model.modules():
-        name = type(m).__name__
-        if name in ("DbrxExperts", "SwitchTransformersSparseMLP") and "forward" not in vars(m):
-            return name
-    return None
-
-
 def _experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
     """An ``ExpertsInterface`` implementation: the ``routed_experts`` op where the experts are
@@ -545,5 +534,5 @@ def _one_op_scan(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 __all__ = ["HFLossModel", "TASKS", "from_config", "infer_task", "read_config",
-           "supported_tasks", "route_experts_as_one_op", "looping_experts", "scan_as_one_op",
+           "supported_tasks", "route_experts_as_one_op", "scan_as_one_op",
            "hf_gpt2_tiny", "hf_llama_tiny", "hf_bert_tiny", "hf_resnet_tiny"]
