@@ -119,6 +119,7 @@ simple([aten.div.Tensor], lambda g: ((g.t(4, 8), g.pos(4, 8)), {}), lambda g: ((
 simple([aten.mul.Scalar, aten.div.Scalar], lambda g: ((g.t(4, 8), 2.0), {}))
 simple([aten.neg.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
         aten.detach.default, aten.lift_fresh_copy.default, aten.positive.default, aten.exp.default,
+        aten.expm1.default,
         aten.tanh.default, aten.gelu.default, aten.silu.default, aten.relu.default,
         aten.sigmoid.default, aten.cos.default, aten.sin.default, aten.abs.default, aten.erf.default,
         aten.square.default, aten.isnan.default, aten.isinf.default],
@@ -288,6 +289,8 @@ simple([aten.rand_like.default, aten.randn_like.default], lambda g: ((g.t(4, 8),
 simple([aten.bernoulli_.float], lambda g: ((g.t(8, 1, 1), 0.7), {}))
 simple([aten.uniform_.default], lambda g: ((g.t(4, 8), -1.0, 2.0), {}))
 simple([aten.normal_.default], lambda g: ((g.t(4, 8), 0.5, 2.0), {}))
+simple([aten.eye.default], lambda g: ((4,), {}))
+simple([aten.eye.m], lambda g: ((4, 6), {}))
 simple([aten.exponential_.default], lambda g: ((g.t(4, 8), 2.0), {}), lambda g: ((g.t(4, 8),), {}))
 simple([aten._assert_tensor_metadata.default],
        lambda g: ((g.t(4, 8),), {"dtype": F64, "layout": torch.strided}))

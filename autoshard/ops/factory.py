@@ -79,7 +79,8 @@ def like_strategy(op: OpInfo, mesh_shape: tuple) -> list:
 
 def whole_draw_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     """A random draw built whole on every rank (the module's docstring); an in-place draw fills
-    a whole tensor."""
+    a whole tensor. ``eye`` is built whole too (Qwen3-Next's chunked delta rule: one chunk
+    wide)."""
     return expand(op, mesh_shape, [])
 
 
@@ -137,7 +138,7 @@ register_op(aten.zeros_like.default, aten.ones_like.default, aten.full_like.defa
             strategies=like_strategy, **_FACTORY)
 register_op(aten.empty_like.default, strategies=like_strategy, family=VIEW, saves=NOTHING,
             follows=NO, flops=per_output_element)
-register_op(*DRAWS, strategies=whole_draw_strategy, **_FACTORY)
+register_op(*DRAWS, aten.eye.default, aten.eye.m, strategies=whole_draw_strategy, **_FACTORY)
 register_op(*DRAWS_LIKE, strategies=draw_like_strategy, localize=draw_like_localize, **_FACTORY)
 register_op(*DRAWS_INTO, strategies=whole_draw_strategy, **_FACTORY)
 register_op(aten._assert_tensor_metadata.default, strategies=assert_strategy, family=VIEW,

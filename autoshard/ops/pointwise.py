@@ -34,7 +34,8 @@ CASTS = (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.defa
          aten.type_as.default)
 OVERWRITES = (aten.copy.default, aten.fill.Tensor, aten.zero.default)
 UNARY = (aten.rsqrt.default, aten.sqrt.default, aten.exp.default, aten.log.default,
-         aten.tanh.default, aten.gelu.default, aten.silu.default, aten.relu.default,
+         aten.expm1.default, aten.tanh.default, aten.gelu.default, aten.silu.default,
+         aten.relu.default,
          aten.sigmoid.default, aten.cos.default, aten.sin.default, aten.abs.default,
          aten.erf.default, aten.reciprocal.default, aten.square.default,
          aten.pow.Tensor_Scalar, aten.pow.Scalar, aten.rsub.Scalar, aten.add.Scalar, aten.sub.Scalar,
@@ -114,8 +115,9 @@ _RECORDS = (
     ((aten.lift_fresh_copy.default,), VIEW, NOTHING, NO),
     ((aten.to.device, aten.rsub.Scalar), ELEMENTWISE, NOTHING, NO),
     ((aten.rsqrt.default, aten.tanh.default, aten.relu.default), ELEMENTWISE, OUTPUT0, INPUT),
-    ((aten.sqrt.default, aten.exp.default, aten.sigmoid.default, aten.reciprocal.default),
-     ELEMENTWISE, OUTPUT0, NO),
+    # (expm1's gradient is grad · (result + 1): Apertus's xIELU activation)
+    ((aten.sqrt.default, aten.exp.default, aten.expm1.default, aten.sigmoid.default,
+      aten.reciprocal.default), ELEMENTWISE, OUTPUT0, NO),
     # (hardtanh is ReLU6 and the clamps of MobileNets; their backward reads the input)
     ((aten.gelu.default, aten.silu.default, aten.hardtanh.default, aten.hardswish.default,
       aten.hardsigmoid.default, aten.leaky_relu.default), ELEMENTWISE, INPUT0, INPUT),
@@ -157,7 +159,8 @@ for _targets, _family, _saves, _follows in _RECORDS:
 # again (gelu_backward, silu_backward; erf's derivative exp(-x²); the erf form of GELU
 # evaluates erf and the density). Ops not listed evaluate none (arithmetic, comparisons,
 # copies, reductions, norms: layer_norm and rms_norm take one rsqrt per row, not per element).
-for _t, _per in ((aten.exp.default, (1, 0)), (aten.log.default, (1, 0)),
+for _t, _per in ((aten.exp.default, (1, 0)), (aten.expm1.default, (1, 0)),
+                 (aten.log.default, (1, 0)),
                  (aten.tanh.default, (1, 0)), (aten.sigmoid.default, (1, 0)),
                  (aten.rsqrt.default, (1, 0)), (aten.sqrt.default, (1, 0)),
                  (aten.erf.default, (1, 1)), (aten.silu.default, (1, 1)),

@@ -372,6 +372,13 @@ def from_config(config: str | Path | Mapping[str, Any], *, task: str | None = No
     config_cls = tf.models.auto.configuration_auto.CONFIG_MAPPING[model_type]
     model_cls = auto._model_mapping[config_cls]
     kwargs = {k: v for k, v in fields.items() if k not in ("model_type", *_DTYPE_KEYS)}
+    if isinstance(model_cls, tuple):
+        # Several classes for the task (DeiT's, with and without its distillation teacher):
+        # the one the config's architectures name, else the first, which transformers then
+        # needs named in architectures
+        named = set(_as_tuple(fields.get("architectures")))
+        model_cls = next((c for c in model_cls if c.__name__ in named), model_cls[0])
+        kwargs["architectures"] = [model_cls.__name__]
     kwargs["use_cache"] = False
     kwargs.setdefault("attn_implementation",
                       "sdpa" if getattr(model_cls, "_supports_sdpa", False) else "eager")
