@@ -249,3 +249,15 @@ def test_without_transformers(configs, monkeypatch, capsys) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)   # makes `import transformers` fail
     err = one_line_error(capsys, ["plan", configs["llama"], "--mesh", "2"])
     assert "transformers" in err and "pip install" in err
+
+
+def test_a_model_type_with_several_classes_for_its_task() -> None:
+    """DeiT has two image classifiers (with and without its distillation teacher): the one the
+    config's architectures name is built, else the first; transformers itself failed on a config
+    naming none."""
+    fields = dict(model_type="deit", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=64, image_size=32, patch_size=16, num_labels=3)
+    assert type(from_config(fields).model).__name__ == "DeiTForImageClassification"
+    teacher = dict(fields, architectures=["DeiTForImageClassificationWithTeacher"])
+    assert type(from_config(teacher, task="image-classification").model).__name__ == \
+        "DeiTForImageClassificationWithTeacher"
