@@ -202,3 +202,18 @@ def test_the_compile_table_reports_each_variant_and_the_targets_of_autoshards_ow
     assert "2.50x the plain compiled layer (target <= 1: not met)" in text
     assert "wall / kernels 1.10, 0.50x the plain compiled layer" in text
     assert "speed-up 1.15x (target >= 1.15: met)" in text
+
+
+@pytest.mark.slow
+def test_compile_host_times_the_four_programs_against_the_plain_compiled_layer(capsys):
+    """benchmarks/compile_host.py: a row per program, each against the plain compiled layer,
+    the rank program's embedding and head at the rows the plan stores."""
+    import compile_host
+    assert compile_host.main(["--hidden", "64", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| rank program")
+            or line.startswith("| plain layer")]
+    assert len(rows) == 4 and "| plain layer, compiled |" in out and "| 1.00 |" in out
+    assert "embedding rows" in out
+    import torch.distributed as dist
+    assert not dist.is_initialized()          # the fake world is gone again
