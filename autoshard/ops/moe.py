@@ -278,22 +278,24 @@ def _routed_experts_backward(ctx: Any, grad: torch.Tensor) -> tuple:
     weights, the experts' weights and biases (the expert indices and the dropout mask have
     none)."""
     x, index, weights, gate_up, down, mask, gate_up_bias, down_bias = ctx.saved_tensors
-    given = [t for t in (x, weights, gate_up, down, gate_up_bias, down_bias) if t is not None]
-    leaves = [t.detach().requires_grad_() for t in given]
-    it = iter(leaves)
-    args = [next(it) if t is not None else None
-            for t in (x, weights, gate_up, down, gate_up_bias, down_bias)]
+    leaves = [None if t is None else t.detach().requires_grad_()
+              for t in (x, weights, gate_up, down, gate_up_bias, down_bias)]
+    given = [t for t in leaves if t is not None]
+    lx, lw, lgu, ld, lgub, ldb = leaves
     with torch.enable_grad():
-        out = routed_experts_reference(args[0], index, args[1], args[2], args[3], ctx.first,
-                                       ctx.activation, mask, args[4], args[5])
+        out = routed_experts_reference(lx, index, lw, lgu, ld, ctx.first, ctx.activation, mask,
+                                       lgub, ldb)
     # No token chose an expert held here (this rank's experts, under local_experts): the
     # output is zeros made by no op of the leaves, and every gradient zero.
-    grads = torch.autograd.grad(out, leaves, grad, allow_unused=True) if out.requires_grad \
-        else (None,) * len(leaves)
-    grads = iter(torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads))
-    gx, gw, ggu, gd, gub, gdb = (next(grads) if t is not None else None
-                                 for t in (x, weights, gate_up, down, gate_up_bias, down_bias))
+    grads = iter(torch.autograd.grad(out, given, grad, allow_unused=True) if out.requires_grad
+                 else [None] * len(given))
+    gx, gw, ggu, gd, gub, gdb = (None if t is None else _or_zeros(next(grads), t)
+                                 for t in leaves)
     return gx, None, gw, ggu, gd, None, None, None, gub, gdb
+
+
+def _or_zeros(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if g is None else g
 
 
 routed_experts.register_autograd(_routed_experts_backward, setup_context=_routed_experts_context)
