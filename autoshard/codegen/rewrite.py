@@ -312,9 +312,8 @@ def _makes_from_nothing(fn: Any) -> bool:
     if not isinstance(fn, torch._ops.OpOverload) or schema is None:
         return False
     args = schema.arguments
-    return any(a.name == "device" for a in args) and not any(
-        isinstance(a.type, (torch.TensorType, torch.ListType)) and "Tensor" in str(a.type)
-        for a in args)
+    return any(a.name == "device" for a in args) and not any("Tensor" in str(a.type)
+                                                             for a in args)
 
 
 def _emit_op(g: fx.Graph, node: fx.Node, local: Any, strat: Any, runtime: RankRuntime,
