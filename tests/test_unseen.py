@@ -203,6 +203,20 @@ def _switch_expert_grad(grads: dict, name: str):
     return grads[f"{head}.experts.{weight}"][int(e)]
 
 
+def test_a_plan_of_transformers_grouped_experts_names_the_conversion(configs) -> None:
+    """Qwen3-MoE left on transformers' grouped experts path (a model built without
+    from_config): its plan says so, naming route_experts_as_one_op; converted, it does not."""
+    from autoshard.solver.planner import plan_traced
+    model, inputs = build(configs["qwen3_moe"], 4, 8, 0)
+    model.model.set_experts_implementation("grouped_mm")
+    plan = plan_traced(trace(model, inputs), Mesh((2,), cluster="stress"))
+    [note] = [w for w in plan.warnings if "grouped path" in w]
+    assert "(4 grouped matmuls in all)" in note and "route_experts_as_one_op(model)" in note
+    model.model.set_experts_implementation("autoshard")
+    plan = plan_traced(trace(model, inputs), Mesh((2,), cluster="stress"))
+    assert not any("grouped path" in w for w in plan.warnings)
+
+
 def test_switch_unconverted_is_refused_naming_the_call_that_converts_it() -> None:
     """A Switch Transformers model built with transformers directly, not converted: planning
     it is refused naming ``route_experts_as_one_op``; converted, it plans."""

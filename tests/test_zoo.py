@@ -345,3 +345,28 @@ def test_a_zoo_models_graph_is_reused_only_where_nothing_it_depends_on_changed(m
     monkeypatch.setenv("AUTOSHARD_TRACE_REUSE", "0")     # the benchmarks time tracing too
     model, inputs = fresh()
     assert trace(model, inputs) is not first
+
+
+@needs_transformers
+def test_a_config_models_graph_is_traced_anew_when_its_config_changes(tmp_path) -> None:
+    """A Hugging Face model built from a config.json is reused like a zoo model, but not
+    across a change of its config that the module tree does not show (a field, transformers'
+    experts implementation, kept in a private field of the wrapped model's config)."""
+    import json
+
+    from autoshard.ops.moe import ROUTED_EXPERTS
+    from autoshard.tools.verify import build
+    from autoshard.trace.export import trace
+    from test_unseen import CONFIGS
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIGS["qwen3_moe"]))
+    model, inputs = build(str(path), 2, 8, 0)
+    first = trace(model, inputs)
+    again, inputs = build(str(path), 2, 8, 0)
+    assert trace(again, inputs) is first
+    again.model.set_experts_implementation("grouped_mm")
+    grouped = trace(again, inputs)
+    assert grouped is not first
+    assert not any(n.target is ROUTED_EXPERTS for n in grouped.graph.nodes)
+    model.model.config.rope_theta = 5.0
+    assert trace(model, inputs) is not first

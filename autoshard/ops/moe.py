@@ -161,6 +161,15 @@ _GROUPED = dict(strategies=grouped_mm_strategy, family=MATMUL, saves=Saves(input
 register_op(GROUPED_MM, **_GROUPED)
 
 
+def grouped_mm_ops() -> tuple:
+    """The grouped matmuls of transformers' experts path: ``_grouped_mm`` and, where
+    transformers is imported, its ``grouped_mm_fallback``."""
+    try:
+        return (GROUPED_MM, torch.ops.transformers.grouped_mm_fallback.default)
+    except (AttributeError, RuntimeError):     # transformers' MoE code not imported
+        return (GROUPED_MM,)
+
+
 def register_library_ops() -> None:
     """Records for ops a library defines when it is imported, which may be after autoshard:
     transformers' ``grouped_mm_fallback(input, weight, offs)``, the grouped matmul its MoE

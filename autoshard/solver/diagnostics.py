@@ -98,6 +98,25 @@ def unruled_note(traced: TracedGraph) -> str:
             + ", ".join(f"{op} at {where} ({gib(b)})" for op, where, b in ops))
 
 
+def grouped_experts_note(traced: TracedGraph) -> str:
+    """A model whose experts run transformers' grouped path: a ``sort`` of every token-expert
+    pair of the step, then a grouped matmul over the sorted rows (ops/moe.py), which keep the
+    tokens whole on every device (docs/cost-model.md §12). Said, naming the first call and the
+    conversion that runs each experts call as one op instead."""
+    from autoshard.ops.moe import grouped_mm_ops
+    calls = [n for n in traced.graph.nodes if n.op == "call_function"
+             and n.target in grouped_mm_ops()]
+    if not calls:
+        return ""
+    where = module_path(calls[0]) or calls[0].name
+    return (f"the experts at {where} ({len(calls)} grouped matmuls in all) run transformers' "
+            f"grouped path, whose sort over every token-expert pair of the step keeps the "
+            f"tokens whole on every device; call autoshard.zoo.hf.route_experts_as_one_op(model) "
+            f"on the transformers model before planning (from_config and config.json paths do): "
+            f"experts of the kinds its op covers (docs/cost-model.md §12) then run as one op "
+            f"whose tokens and experts the plan splits")
+
+
 def gib(nbytes: float) -> str:
     # 4 significant digits: a small model's figure must not print as "0.00 GiB".
     return f"{nbytes / 2**30:.4g} GiB"

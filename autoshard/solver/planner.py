@@ -16,8 +16,8 @@ from autoshard.ir import OffloadLevel, OffloadOverlap, Strategy
 from autoshard.mesh import AxisMerge, Mesh
 from autoshard.options import PlanOptions, resolve_options
 from autoshard.plans import Plan
-from autoshard.solver.diagnostics import (mesh_use, microbatch_statistics_note, smaller_mesh,
-                                          unruled_note)
+from autoshard.solver.diagnostics import (grouped_experts_note, mesh_use,
+                                          microbatch_statistics_note, smaller_mesh, unruled_note)
 from autoshard.trace.batches import Traces, batch_of, sliced
 from autoshard.trace.export import TracedGraph
 from autoshard.solver.budget import fit_budget, plan_memory
@@ -173,8 +173,9 @@ def plan_traced(traced: TracedGraph, mesh: Mesh, options: PlanOptions | None = N
                         trace_s=trace_s, merge=merge)
     if fixed or merge is not None:
         return plan
-    unruled = unruled_note(traced)
-    notes = [*plan.warnings, *([unruled.removeprefix("; ")] if unruled else [])]
+    unruled, grouped = unruled_note(traced), grouped_experts_note(traced)
+    notes = [*plan.warnings, *([unruled.removeprefix("; ")] if unruled else []),
+             *([grouped] if grouped else [])]
     if options.stage_run is None:     # (a pipeline's stages are held to it by their caller)
         plan = _fitted(traced, mesh, options, plan, model_name, trace_s)
         notes += _overlap_note(traced, mesh, options, plan, model_name)

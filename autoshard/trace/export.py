@@ -216,8 +216,8 @@ def reusable(model: torch.nn.Module, inputs: tuple, training: bool) -> tuple | N
     """The key under which ``model``'s graph may be reused, or None. Only for a model the zoo
     built (``zoo/registry.py`` ``mark_built``: same recipe, same code), and only where everything
     the graph can depend on is equal: the module tree as printed, every parameter's and
-    buffer's name, shape, dtype, device and ``requires_grad``, every module's mode, the
-    config, the inputs' shapes and dtypes, and training or not."""
+    buffer's name, shape, dtype, device and ``requires_grad``, every module's mode, every
+    config, the forwards replaced, the inputs' shapes and dtypes, and training or not."""
     recipe = getattr(model, "_autoshard_recipe", None)
     if recipe is None:
         return None
@@ -225,12 +225,18 @@ def reusable(model: torch.nn.Module, inputs: tuple, training: bool) -> tuple | N
                    for n, p in model.named_parameters(remove_duplicate=False))
     buffers = tuple((n, tuple(b.shape), b.dtype, b.device.type)
                     for n, b in model.named_buffers(remove_duplicate=False))
-    config = getattr(model, "config", None)
-    config = config.to_json_string() if hasattr(config, "to_json_string") else repr(config)
+    # Every config in the tree (a wrapper's model's too), its private fields included
+    # (transformers keeps the experts and attention implementations there), and the modules
+    # whose forward an instance replaces (zoo/hf.py's one-op experts)
+    configs = {id(c): c for m in model.modules()
+               if (c := getattr(m, "config", None)) is not None}
+    config = tuple(sorted(repr(sorted((k, repr(v)) for k, v in vars(c).items()))
+                          if hasattr(c, "__dict__") else repr(c) for c in configs.values()))
+    forwards = tuple(n for n, m in model.named_modules() if "forward" in vars(m))
     ins = tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor)
                 else repr(t) for t in torch.utils._pytree.tree_leaves(inputs))
     return (recipe, repr(model), params, buffers, tuple(m.training for m in model.modules()),
-            config, ins, training)
+            config, forwards, ins, training)
 
 
 def _trace(model: torch.nn.Module, example_inputs: tuple, training: bool,
