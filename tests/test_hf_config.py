@@ -261,3 +261,17 @@ def test_a_model_type_with_several_classes_for_its_task() -> None:
     teacher = dict(fields, architectures=["DeiTForImageClassificationWithTeacher"])
     assert type(from_config(teacher, task="image-classification").model).__name__ == \
         "DeiTForImageClassificationWithTeacher"
+
+
+def test_layerdrop_while_training_is_refused_naming_the_fields() -> None:
+    """M2M-100's LayerDrop (0.05 by default) skips whole layers at random in training, which
+    export cannot follow: refused naming the config fields to set; with them at 0 it plans."""
+    fields = dict(model_type="m2m_100", d_model=32, encoder_layers=1, decoder_layers=1,
+                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                  decoder_ffn_dim=64, vocab_size=64, max_position_embeddings=64)
+    model = from_config(fields, task="seq2seq")
+    with pytest.raises(AutoshardError, match=r"without LayerDrop.*encoder_layerdrop"):
+        plan(model, model.example_inputs(2, 8), Mesh((2,)))
+    model = from_config(dict(fields, encoder_layerdrop=0.0, decoder_layerdrop=0.0),
+                        task="seq2seq")
+    assert plan(model, model.example_inputs(2, 8), Mesh((2,))).predicted.step_time_s > 0

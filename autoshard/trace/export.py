@@ -424,6 +424,11 @@ def _likely_cause(e: Exception, text: str, model: torch.nn.Module, inputs: tuple
                 f"{experts} loops over the experts a step hits, which export cannot follow: "
                 "call autoshard.zoo.hf.route_experts_as_one_op(model) on the transformers "
                 "model first (from_config and config.json paths do), which runs them as one op")
+    if data_dependent and training and "layerdrop" in (_model_line(e) or "").lower():
+        return ("a model without LayerDrop while training: it skips whole layers at random, "
+                "which one traced program cannot",
+                "set the config's layerdrop fields (encoder_layerdrop, decoder_layerdrop or "
+                "layerdrop) to 0, or plan forward only with training=False (--inference)")
     if data_dependent:
         return ("a forward whose control flow and shapes do not depend on tensor values",
                 "replace branches on values (if x.sum() > 0) with torch.where, and value-sized "
