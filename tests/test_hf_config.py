@@ -275,3 +275,19 @@ def test_layerdrop_while_training_is_refused_naming_the_fields() -> None:
     model = from_config(dict(fields, encoder_layerdrop=0.0, decoder_layerdrop=0.0),
                         task="seq2seq")
     assert plan(model, model.example_inputs(2, 8), Mesh((2,))).predicted.step_time_s > 0
+
+
+def test_a_multimodal_config_plans_its_language_model_from_text_config() -> None:
+    """Gemma 3's published config.json (model_type gemma3) keeps the vocabulary and positions
+    in text_config: a causal-LM plan reads them there (it was refused: vocab_size 0)."""
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=96,
+                max_position_embeddings=64, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=32, patch_size=16)
+    model = from_config(dict(model_type="gemma3", text_config=text, vision_config=vision,
+                             mm_tokens_per_image=4), task="causal-lm")
+    assert (model.vocab_size, model.context) == (96, 64)
+    ids, _ = model.example_inputs(2, 8)
+    assert plan(model, (ids, ids), Mesh((2,))).predicted.step_time_s > 0

@@ -88,10 +88,14 @@ class HFLossModel(nn.Module):
         assert task in TASKS, task
         self.model, self.task = model, task
         config = getattr(model, "config", None)
+        # (a multimodal config, Gemma 3's, keeps its language model's fields in text_config)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.input_names = ("pixel_values" if task == "image-classification" else "input_ids",
                             "labels")
-        self.vocab_size = vocab_size if vocab_size is not None else getattr(config, "vocab_size", 0)
-        self.context = context if context is not None else max_positions(config)
+        self.vocab_size = vocab_size if vocab_size is not None else \
+            getattr(config, "vocab_size", None) or getattr(text, "vocab_size", 0)
+        self.context = context if context is not None else \
+            min(max_positions(config), max_positions(text))
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         if len(inputs) != len(self.input_names):
