@@ -10,8 +10,9 @@ placement; ``*_like`` outputs take the input's shape, and follow its sharding. `
 have no output and accept any placement (a size check is made against the local size).
 
 Random draws (``rand``, ``randn``, their ``*_like``, ``bernoulli_``, ``uniform_``, ``normal_``,
-``exponential_``: stochastic depth's per-sample mask, noise, PhiMoE's Gumbel sampling) are built whole on every rank: each rank draws the
-global tensor from its default generator and its consumers take their slices for free. Ranks
+``exponential_``: stochastic depth's per-sample mask, noise, PhiMoE's Gumbel sampling) are built
+whole on every rank: each rank draws the global tensor from its default generator and its
+consumers take their slices for free. Ranks
 seeded alike (as dropout requires, codegen/masks.py) then draw exactly what one device draws, and
 the ranks that share a shard (tensor parallel) use the same values. A ``*_like`` draw reads only
 its input's shape, so the input may lie anywhere: the rank draws the input's global shape.

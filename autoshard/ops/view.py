@@ -324,8 +324,8 @@ register_op(aten.slice.Tensor, aten.narrow.default,
 amend(aten.slice.Tensor, aten.select.int, aten.narrow.default, aten.expand.default,
       aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int,
       grad=WIDENS)
-register_op(aten.cat.default, aten.concat.default, strategies=cat_strategy, family=ELEMENTWISE, saves=NOTHING,
-            follows=LARGEST, flops=per_output_element, localize=plain_localize)
+register_op(aten.cat.default, aten.concat.default, strategies=cat_strategy, family=ELEMENTWISE,
+            saves=NOTHING, follows=LARGEST, flops=per_output_element, localize=plain_localize)
 register_op(aten.stack.default, strategies=cat_strategy, family=ELEMENTWISE, saves=NOTHING,
             follows=NO, flops=per_output_element, localize=plain_localize)
 register_op(aten.broadcast_tensors.default, strategies=broadcast_tensors_strategy,
