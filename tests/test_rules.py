@@ -194,6 +194,9 @@ for _op in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
     simple([_op], lambda g: ((g.t(2, 4, 8), [8, 8]), {}), lambda g: ((g.t(8, 8), [2, 4, 8]), {}),
            lambda g: ((g.t(2, 4, 8), [2, 4, 2, 4]), {}), lambda g: ((g.t(4, 8), [8, 4]), {}),
            lambda g: ((g.t(2, 4, 8), [-1, 8]), {}))
+# LeViT's reshape_as: the other tensor read for its shape only
+simple([aten.reshape_as.default], lambda g: ((g.t(2, 4, 8), g.t(8, 8)), {}),
+       lambda g: ((g.t(8, 8), g.t(2, 4, 8)), {}))
 simple([aten.flatten.using_ints], lambda g: ((g.t(2, 4, 8), 0, 1), {}))
 simple([aten.unflatten.int], lambda g: ((g.t(2, 32), 1, [4, 8]), {}))
 simple([aten.expand.default], lambda g: ((g.t(4, 1, 8), [2, 4, 8, 8]), {}), lambda g: ((g.t(1, 8), [4, -1]), {}))

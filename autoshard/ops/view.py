@@ -13,11 +13,12 @@ not both be sharded. ``spec_fits`` then demands that the combined N-D factor div
 from __future__ import annotations
 
 import bisect
+import dataclasses
 
 import torch
 
 from autoshard.ir import Shard, Strategy, local_shape, shard_factor
-from autoshard.ops._common import (P, Option, arg, is_float, mapped_options, norm_dim,
+from autoshard.ops._common import (P, R, Option, arg, is_float, mapped_options, norm_dim,
                                             plain_localize)
 from autoshard.ops.registry import (ELEMENTWISE, INPUT, LARGEST, NO, NOTHING, VIEW, OpInfo,
                                     WIDENS, all_inputs, amend, expand, per_output_element,
@@ -82,6 +83,25 @@ def reshape_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: 
     size = list(local_shape(op.outputs[0].shape, strategy.outputs[0], mesh_shape))
     # reshape, not view: a rank's local tensor may come from a collective with other strides; in
     # a functional graph the two differ only in whether they may copy.
+    return aten.reshape.default, (args[0], size), {}
+
+
+def reshape_as_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    """``x.reshape_as(other)`` (LeViT): ``reshape``'s strategies to ``other``'s shape, ``other``
+    read for its shape only: it may arrive replicated or laid out as the output is."""
+    x = dataclasses.replace(op, target=aten.reshape.default,
+                            args=(op.args[0], list(op.outputs[0].shape)), kwargs={})
+    out = []
+    for s in reshape_strategy(x, mesh_shape):
+        for other in dict.fromkeys(((R,) * len(mesh_shape), s.outputs[0])):
+            out.append(dataclasses.replace(s, inputs=(s.inputs[0], other)))
+    return out
+
+
+def reshape_as_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
+                        args: tuple, kwargs: dict) -> tuple:
+    """The local reshape to the output's local shape; ``other`` is not read."""
+    size = list(local_shape(op.outputs[0].shape, strategy.outputs[0], mesh_shape))
     return aten.reshape.default, (args[0], size), {}
 
 
@@ -300,6 +320,8 @@ _VIEW = dict(family=VIEW, saves=NOTHING, flops=per_output_element)
 register_op(aten.meshgrid.default, aten.meshgrid.indexing, strategies=whole_strategy,
             follows=NO, localize=plain_localize, **_VIEW)
 register_op(*RESHAPES, strategies=reshape_strategy, follows=INPUT, localize=reshape_localize, **_VIEW)
+register_op(aten.reshape_as.default, strategies=reshape_as_strategy, follows=NO,
+            localize=reshape_as_localize, **_VIEW)
 register_op(aten.flatten.using_ints, strategies=reshape_strategy, follows=NO,
             localize=plain_localize, **_VIEW)
 register_op(aten.unflatten.int, strategies=reshape_strategy, follows=NO,
