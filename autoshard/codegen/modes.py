@@ -74,7 +74,7 @@ def jitter(n: fx.Node) -> bool:
         u = uses.pop()
         if isinstance(u.target, ReshardCall):
             uses += list(u.users)
-        elif unwrapped(u.target) not in (aten.mul.Tensor, aten.mul_.Tensor):
+        elif unwrapped(u.target) not in op_modes.JITTER_USES:
             return False
         seen += 1
     return seen > 0

@@ -24,7 +24,7 @@ from typing import Iterable, Mapping
 
 from autoshard.cost.comm import Reshard, link_time
 from autoshard.cost.reshards import ReshardEdge
-from autoshard.cost.state import SCATTERS, state_spec, zero_axes, zero_grad_sync
+from autoshard.cost.state import scatter_axes, zero_grad_sync
 from autoshard.ir import CollectiveKind, Strategy
 from autoshard.mesh import Mesh
 from autoshard.trace.graph import first_reads
@@ -197,9 +197,9 @@ def gradient_buckets(edges: list[ReshardEdge], nodes: list, bucket_bytes: float,
     shapes = {n.name: tuple(n.meta["val"].shape) for n in nodes if n.op == "placeholder"}
     for name, e in first_grad_syncs(edges).items():
         st = (strategies or {}).get(name)
-        if st is not None and st.kernel in SCATTERS \
-                and state_spec(shapes[name], e.src, mesh_shape, st.state_axes) is not None:
-            axes = st.state_axes if st.state_axes is not None else zero_axes(e.src, mesh_shape)
+        axes = None if st is None else scatter_axes(shapes[name], e.src, st.kernel,
+                                                    st.state_axes, mesh_shape)
+        if axes is not None:
             steps = zero_grad_sync(e.reshard, axes, mesh_shape).backward
             syncs[name] = Sync(name, tuple(s.axis for s in steps), dtypes[name],
                                e.reshard.backward[0].nbytes, CollectiveKind.REDUCE_SCATTER,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from autoshard.cost.comm import Reshard, reshard, reshard_time, steps_time
 from autoshard.cost.overlap import is_grad_sync, sync_share_seconds
 from autoshard.cost.reshards import no_backward
-from autoshard.cost.state import SCATTERS, state_spec, zero_axes, zero_grad_sync
+from autoshard.cost.state import scatter_axes, zero_grad_sync
 from autoshard.ir import Partial, Replicate, Shard, Spec, StateMode
 from autoshard.trace.graph import ValueRef
 
@@ -77,14 +77,10 @@ class ReshardPricing:
         """A parameter's pure gradient sync as its bucket runs it: all-reduces, or under
         zero2/offload reduce-scatters over its state ``axes`` (None: its zero axes) and
         all-reduces of the shard over the others (on the real mesh)."""
-        if mode not in SCATTERS:
-            return steps
-        shape = self.shapes[value][0]
-        if state_spec(shape, src, self.mesh.shape, axes) is None:
+        axes = scatter_axes(self.shapes[value][0], src, mode, axes, self.mesh.shape)
+        if axes is None:
             return steps
         mesh_shape = self.mesh.shape
-        if axes is None:
-            axes = zero_axes(src, mesh_shape)
         if self.merge is not None:
             axes = tuple(sorted(self.merge.expand_axes(frozenset(axes))))
             mesh_shape = self.merge.real.shape

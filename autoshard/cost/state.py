@@ -158,6 +158,17 @@ def optimizer_bytes_per_element(itemsize: int, optimizer: str, mode: StateMode |
     return 3 * m if itemsize < 4 or mode is not None else 2 * m
 
 
+def scatter_axes(shape: tuple[int, ...], spec: Spec, mode: StateMode | None,
+                 axes: tuple[int, ...] | None, mesh_shape: tuple[int, ...]
+                 ) -> tuple[int, ...] | None:
+    """The mesh axes a parameter's bucketed gradient is reduce-scattered over: under
+    zero2/offload where its state shards, its state ``axes`` (None: every zero axis); None
+    where the gradient is all-reduced whole (``zero_grad_sync`` takes the axes)."""
+    if mode not in SCATTERS or state_spec(shape, spec, mesh_shape, axes) is None:
+        return None
+    return axes if axes is not None else zero_axes(spec, mesh_shape)
+
+
 def state_bytes(shape: tuple[int, ...], dtype: torch.dtype, spec: Spec, mode: StateMode | None,
                 mesh_shape: tuple[int, ...], optimizer: str,
                 axes: tuple[int, ...] | None = None) -> StateBytes:

@@ -39,6 +39,8 @@ UNIFORM = (aten.rand.default, aten.rand_like.default)
 # Multiplicative jitter, ``x * U`` for U uniform on [1 - e, 1 + e) (Switch Transformers'
 # router, drawn as ``empty_like(x).uniform_(1 - e, 1 + e)``): draw -> index of its low bound
 JITTER = {aten.uniform_.default: 1, aten.uniform.default: 1}
+# ... and what may read it for it to be one: multiplications
+JITTER_USES = (aten.mul.Tensor, aten.mul_.Tensor)
 # a uniform draw -> the factory of the same signature that draws nothing
 NO_DRAW = {aten.rand.default: aten.zeros.default, aten.rand_like.default: aten.zeros_like.default}
 # draw -> (distribution, (index, name) of each parameter the call may give): uniform on

@@ -186,6 +186,11 @@ def register_library_ops() -> None:
 # ----------------------------------------------------------- routed experts as one op
 
 ROUTED_EXPERTS_OP = "autoshard::routed_experts"
+# transformers' experts that loop over the experts a step hits (found with ``nonzero``, which
+# export cannot follow), by class name: zoo/hf.py runs them through the op instead, and
+# tracing one it has not names that (trace/export.py)
+DBRX_EXPERTS, SWITCH_SPARSE_MLP = "DbrxExperts", "SwitchTransformersSparseMLP"
+LOOPING_EXPERTS = (DBRX_EXPERTS, SWITCH_SPARSE_MLP)
 # The activations a gated expert applies to its gate half (Hugging Face's ``hidden_act``).
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": torch.nn.functional.silu, "swish": torch.nn.functional.silu,

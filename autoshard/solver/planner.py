@@ -200,10 +200,8 @@ def _overlap_note(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: P
     where that is at least OVERLAP_NOTE_GAIN faster. The choice stays the user's: it rules out
     changing gradients between backward and the step.
 
-    No ILP is solved for the note: the split is where "backward" gains (Mixtral-8x7B on 2x4
-    h100: 1,599 ms priced under "none"; 1,430 ms the same layouts under "backward"; 913 ms
-    with the split chosen again, in 0.4 s; a new solve of the whole plan under "backward"
-    found 1,441 ms in its 20 s, 922 ms after the split)."""
+    No ILP is solved for the note: the split is where "backward" gains (docs/cost-model.md
+    §9.1: Mixtral-8x7B on 2x4 h100, 913 ms so against 922 ms from the solve it replaced)."""
     if options.offload_overlap != OffloadOverlap.NONE or offload_level(plan) == OffloadLevel.NONE:
         return []
     overlapped = replace(options, offload_overlap=OffloadOverlap.BACKWARD)

@@ -33,7 +33,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from autoshard.errors import AutoshardError
 from autoshard.ir import Layer, OpInfo, TensorInfo
 from autoshard.ir import op_info as make_op_info
-from autoshard.ops.moe import register_library_ops
+from autoshard.ops.moe import LOOPING_EXPERTS, register_library_ops
 from autoshard.trace.fused import GROUPS, mark_fused_dims, marked_info
 from autoshard.trace.graph import output_infos, tensor_info, value_ref, value_shapes
 from autoshard.trace.layers import find_layers
@@ -445,7 +445,7 @@ def _looping_experts(model: torch.nn.Module) -> str | None:
     ``route_experts_as_one_op`` has not made them one op (it sets their ``forward``)."""
     for m in model.modules():
         name = type(m).__name__
-        if name in ("DbrxExperts", "SwitchTransformersSparseMLP") and "forward" not in vars(m):
+        if name in LOOPING_EXPERTS and "forward" not in vars(m):
             return name
     return None
 

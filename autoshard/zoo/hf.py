@@ -475,14 +475,14 @@ def _dbrx_experts_as_one_op(model: nn.Module) -> bool:
     ``nonzero``, which a trace cannot follow. Returns whether the model has them."""
     import types
 
-    from autoshard.ops.moe import ACTIVATIONS
+    from autoshard.ops.moe import ACTIVATIONS, DBRX_EXPERTS
     ffn = getattr(getattr(model, "config", None), "ffn_config", None)
     act = (getattr(ffn, "ffn_act_fn", None) or {}).get("name", "silu")
     if act not in ACTIVATIONS:          # transformers' loop stays; the trace names it
         return False
     found = False
     for m in model.modules():
-        if type(m).__name__ == "DbrxExperts":
+        if type(m).__name__ == DBRX_EXPERTS:
             m.forward = types.MethodType(_dbrx_experts_forward, m)
             m.activation_name = act
             found = True

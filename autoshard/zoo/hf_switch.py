@@ -57,12 +57,12 @@ def switch_experts_as_one_op(model: nn.Module) -> bool:
     """Rewrite ``model``'s Switch Transformers sparse layers as the module's docstring says.
     Layers whose experts the op does not cover (an activation it lacks, weights of mixed
     dtypes, a bias) keep transformers' loop. Returns whether any layer was rewritten."""
-    from autoshard.ops.moe import ACTIVATIONS
+    from autoshard.ops.moe import ACTIVATIONS, SWITCH_SPARSE_MLP
     act = next((m.config.dense_act_fn for m in model.modules()
                 if hasattr(getattr(m, "config", None), "dense_act_fn")), None)
     found = False
     for layer in model.modules():
-        if type(layer).__name__ != "SwitchTransformersSparseMLP":
+        if type(layer).__name__ != SWITCH_SPARSE_MLP:
             continue
         experts = layer.experts
         if isinstance(experts, nn.ModuleDict):
