@@ -19,8 +19,8 @@ from autoshard.solver.deadline import Deadline
 from autoshard.solver.ties import break_ties
 from autoshard.solver.ilp import (Infeasible, MemoryBinds, NoBetter, NoSolution, least_memory,
                                   least_memory_plan, solve)
-from autoshard.solver.problem import (Decision, Edge, Fanout, Problem, Solution, Start, admits,
-                                      evaluate, projected, restricted)
+from autoshard.solver.problem import (FORBIDDEN, Decision, Edge, Fanout, Problem, Solution,
+                                      Start, admits, evaluate, projected, restricted)
 
 # Seconds-sized costs; the MIP's own tolerances are far below this on problems this small.
 REL = 1e-9
@@ -263,6 +263,30 @@ def _with_copy_memory(p: Problem) -> Problem:
     """Reshard memory on the edge makes the least memory a MIP of its own."""
     e = p.edges[0]
     return replace(p, edges=(replace(e, memory=((0.0, 1.0), (1.0, 0.0))),))
+
+
+def _forbidden_lean() -> Problem:
+    """A -> B where A0 is the leaner strategy (10 bytes against 12), but B reads A's output
+    through an in-place write that only A1's layout allows: the reshard from A0 is forbidden."""
+    decisions = (Decision("A", 1, (1.0, 1.0), (10.0, 12.0)), Decision("B", 1, (1.0,), (5.0,)))
+    edge = Edge("A:0", 1, 0, 1, (0, 1), (0,), ((FORBIDDEN,), (0.0,)))
+    return Problem(decisions, (edge,), memory_budget=100.0)
+
+
+@pytest.mark.parametrize("memory", [False, True])
+def test_a_forbidden_reshard_is_in_no_plan(memory: bool) -> None:
+    """Neither the fastest plan nor the least-memory one holds a forbidden reshard, whatever
+    it would save; a full assignment that holds one is not admitted (with edge memory the least
+    memory is a MIP of its own, without it each decision's leanest strategy, checked)."""
+    p = _forbidden_lean()
+    if memory:
+        p = replace(p, edges=(replace(p.edges[0], memory=((0.0,), (1.0,))),))
+    assert not admits(p, (0, 0)) and admits(p, (1, 0))
+    assert solve(p).choice == (1, 0)
+    least = least_memory_plan(p)
+    assert least.choice == (1, 0) and least.bytes == pytest.approx(17.0 + memory)
+    # The pair's flow is held at zero, not priced: the objective is the plan's own seconds.
+    assert solve(p).objective == pytest.approx(2.0, rel=REL)
 
 
 def test_no_incumbent_and_no_least_memory_plan_is_no_solution(monkeypatch) -> None:

@@ -33,13 +33,12 @@ from autoshard.ops.attention import CP_KERNELS, SDPA
 from autoshard.ops.registry import strategies_for
 from autoshard.options import CONTEXT_PARALLEL_TOKENS, PlanOptions
 from autoshard.solver.follow import Followers
-from autoshard.solver.problem import Decision, Edge, Fanout, Problem
+from autoshard.solver.problem import FORBIDDEN, Decision, Edge, Fanout, Problem
 from autoshard.trace.aliases import pinned_reads, written_placeholders
 from autoshard.trace.export import TracedGraph
 from autoshard.trace.graph import ValueRef, value_inputs
 
 OUTPUT = "output"
-FORBIDDEN = 1e6   # seconds: a reshard the caller ruled out (the ILP never pays it)
 
 
 class BuildTimeout(Exception):

@@ -36,8 +36,8 @@ from ortools.linear_solver import pywraplp
 
 from autoshard.solver.deadline import BestStart, Deadline, best_start, step_floor
 from autoshard.solver.outcomes import Infeasible, MemoryBinds, NoBetter, NoSolution
-from autoshard.solver.problem import (Edge, Fanout, Problem, Solution, Start, admits, evaluate,
-                                      excluded, host_bytes, projected)
+from autoshard.solver.problem import (FORBIDDEN, Edge, Fanout, Problem, Solution, Start, admits,
+                                      evaluate, excluded, host_bytes, projected)
 
 BACKENDS = ("CBC", "HIGHS", "SCIP")
 # The backend that continues where the first stopped short of an optimum, from the best start.
@@ -235,6 +235,10 @@ class _Model:
             flows = [self._transport(f"f{k}_{c}", item.producer, item.out, g, req, n_o, n_r)
                      for c, (g, req) in enumerate(item.consumers)]
             for o, r in paid:
+                if item.cost[o][r] == FORBIDDEN:   # no plan holds it: its flow stays zero
+                    for f in flows:
+                        f[o][r].SetUb(0.0)
+                    continue
                 if len(flows) == 1:              # an edge: the flow itself is the pair in use
                     charge(item, o, r, flows[0][o][r])
                     continue

@@ -20,6 +20,7 @@ Math. 1972), and a cut with ``most=0`` restricts decisions to the other strategi
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 
 
@@ -33,6 +34,13 @@ class Decision:
     host: tuple[float, ...] = ()   # bytes of host memory per strategy, one copy (offload)
 
 
+# An edge's or fanout's price of a reshard no plan may hold (an in-place write must land in the
+# storage later reads see, solver/build.py): the MIP holds that pair's flow at zero, whatever it
+# minimises (time, or memory for the least-memory plan), and a full assignment that uses it is
+# not admitted (:func:`admits`).
+FORBIDDEN = math.inf
+
+
 @dataclass(frozen=True, slots=True)
 class Edge:
     name: str
@@ -41,7 +49,8 @@ class Edge:
     consumer: int
     out: tuple[int, ...]         # output-spec class per strategy of the producer decision
     req: tuple[int, ...]         # requirement class per strategy of the consumer decision
-    cost: tuple[tuple[float, ...], ...]   # [out class][requirement class] seconds
+    # [out class][requirement class] seconds; FORBIDDEN where no plan may hold that reshard
+    cost: tuple[tuple[float, ...], ...]
     # [out class][requirement class] bytes per device kept alive for backward: the value in
     # the requirement's layout, saved by the consumers (0 where that is the producer's own
     # tensor, already counted); () for none.
@@ -66,7 +75,7 @@ class Fanout:
     producer: int
     out: tuple[int, ...]                               # output class per producer strategy
     consumers: tuple[tuple[int, tuple[int, ...]], ...]  # (decision, requirement class per strategy)
-    cost: tuple[tuple[float, ...], ...]                # [out class][requirement class] seconds
+    cost: tuple[tuple[float, ...], ...]                # as Edge.cost
     memory: tuple[tuple[float, ...], ...] = ()         # as Edge.memory, paid once per class
     sync: tuple[tuple[float, ...], ...] = ()           # as Edge.sync, paid once per class
 
@@ -218,10 +227,13 @@ def evaluate(problem: Problem, choice: tuple[int, ...]) -> tuple[float, float]:
 
 
 def admits(problem: Problem, choice: tuple[int, ...] | list[int]) -> bool:
-    """Whether ``choice`` keeps the caller's pins and cuts (memory is :func:`evaluate`'s)."""
+    """Whether ``choice`` keeps the caller's pins and cuts and holds no forbidden reshard
+    (memory is :func:`evaluate`'s)."""
     chosen = set(enumerate(choice))
     return all(p in chosen for p in problem.fixed) and all(
-        sum(1 for t in c.terms if t in chosen) <= c.most for c in problem.cuts)
+        sum(1 for t in c.terms if t in chosen) <= c.most for c in problem.cuts) and all(
+        item.cost[item.out[choice[item.producer]]][req[choice[g]]] != FORBIDDEN
+        for item in (*problem.edges, *problem.fanouts) for g, req in item.consumers)
 
 
 def fits(problem: Problem, choice: tuple[int, ...] | list[int]) -> bool:
