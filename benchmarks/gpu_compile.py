@@ -25,8 +25,9 @@ Two parts, one command (docs/cost-model.md §2.11 and §3.10 for what the cost m
     python benchmarks/gpu_compile.py --out benchmarks/RESULTS.md [--diagnose FILE]
 
 ``--diagnose FILE`` writes where each program's host time goes (Python functions by own time,
-ATen ops by own CPU time, the CUDA runtime's launches and syncs per step), the plain compiled
-layer's too, for the comparison the targets make.
+ATen ops by own CPU time, every CUDA runtime and driver call per step, the caching allocator's
+cudaMalloc and cudaFree calls), the plain compiled layer's too, for the comparison the targets
+make.
 
 Needs a CUDA device; on a machine without one it says so and writes nothing.
 """
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -102,11 +104,18 @@ def _diagnose(label: str, step, pm=None) -> None:
                    f"; program nodes {len(pm.program.graph.nodes)}")
     pr = cProfile.Profile()
     torch.cuda.synchronize()
+    # The caching allocator's own calls into the driver over the same steps: a cudaMalloc or
+    # cudaFree a step (cudaFree waits for the device) would serialise host and device.
+    before = torch.cuda.memory_stats()
     pr.enable()
     for _ in range(10):
         step()
     torch.cuda.synchronize()
     pr.disable()
+    after = torch.cuda.memory_stats()
+    out.append("allocator over 10 steps: " + "; ".join(
+        f"{k} {after.get(k, 0) - before.get(k, 0)}" for k in
+        ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")))
     buf = io.StringIO()
     pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
     out.append(buf.getvalue())
@@ -117,10 +126,11 @@ def _diagnose(label: str, step, pm=None) -> None:
     out.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
     # Per step: the CUDA runtime's kernel launches, graph launches, syncs and copies, with the
     # host time each kind of call took.
+    # Every CUDA runtime and driver call the profiler saw (launches, syncs, copies, event
+    # waits, allocations), not a list chosen in advance.
     runtime = {}
     for e in prof.key_averages():
-        if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch",
-                             "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")):
+        if re.match(r"cu(da)?[A-Z]", e.key):
             runtime[e.key] = (e.count / 3, e.self_cpu_time_total / 3)
     out.append("per step: " + "; ".join(f"{k} {n:.0f} calls, {us / 1e3:.2f} ms host"
                                         for k, (n, us) in sorted(runtime.items())))
