@@ -311,9 +311,14 @@ simple([aten.scatter.src], lambda g: ((g.t(4, 8), 1, g.i(8, 4, 2), g.t(4, 2)), {
        lambda g: ((g.t(2, 4, 8), 2, g.i(8, 2, 4, 2), g.t(2, 4, 2)), {}),
        lambda g: ((g.t(4, 8), 0, g.i(4, 2, 8), g.t(2, 8)), {}))
 simple([aten.scatter.value], lambda g: ((g.t(4, 8), 1, g.i(8, 4, 2), 1.0), {}))
-simple([aten.flip.default], lambda g: ((g.t(4, 8), [1]), {}))
-simple([aten.roll.default], lambda g: ((g.t(4, 8), [1], [1]), {}))
-simple([aten.repeat.default], lambda g: ((g.t(4, 8), [2, 1]), {}))
+simple([aten.flip.default], lambda g: ((g.t(4, 8), [1]), {}),
+       lambda g: ((g.t(2, 4, 8), [0, -1]), {}))
+simple([aten.roll.default], lambda g: ((g.t(4, 8), [1], [1]), {}),
+       lambda g: ((g.t(4, 8), [3]), {}), lambda g: ((g.t(2, 4, 8), [1, 2], [0, 2]), {}))
+# a dim tiled once shards through; JetMoE's keys over its heads: repeat(1, k, 1, 1); new
+# leading dims
+simple([aten.repeat.default], lambda g: ((g.t(4, 8), [2, 1]), {}),
+       lambda g: ((g.t(2, 2, 8, 4), [1, 2, 1, 1]), {}), lambda g: ((g.t(4, 8), [2, 1, 1]), {}))
 simple([aten.one_hot.default], lambda g: ((g.i(8, 4), 8), {}),
        lambda g: ((g.i(4, 4, 8), 4), {}))
 simple([aten.bincount.default], lambda g: ((g.i(8, 16),), {}))

@@ -2,7 +2,8 @@
 
 They act on index-sized tensors, so replicating them costs little; where a dim plainly passes
 through (the batch dims of ``triu``/``tril``, the unpadded dims of ``pad``, the dims
-``gather``/``scatter`` do not index: a router's tokens) it may shard. The
+``gather``/``scatter`` do not index: a router's tokens; the dims ``repeat`` tiles once and
+``flip``/``roll`` leave in place) it may shard. The
 replicate-only rules below are real rules, checked like the others, not the loud fallback.
 """
 from __future__ import annotations
@@ -54,6 +55,44 @@ def pad_strategy(op: OpInfo, mesh_shape: tuple) -> list:
     return expand(op, mesh_shape, opts)
 
 
+def repeat_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    """``repeat(x, sizes)`` tiles ``x`` ``sizes[d]`` times along each dim (``sizes`` may be
+    longer than ``x.ndim``: new leading dims). A dim tiled once shards through, at its place in
+    the output (JetMoE tiles its keys over the heads with ``repeat(1, k, 1, 1)``: the batch
+    splits); a dim tiled ``r`` times holds its shard in each of the ``r`` copies: the output
+    dim strided in ``r`` equal groups (ir.py ``Shard.groups``), as JetMoE's queries are, ``k``
+    choices of the split key-value heads each."""
+    x, sizes = op.inputs[0], list(arg(op, 1, "repeats"))
+    lead = len(sizes) - x.ndim
+    opts: list[Option] = [((Shard(d),), (Shard(lead + d, (1,) * r if r > 1 else ()),))
+                          for d, r in enumerate(sizes[lead:]) if x.shape[d] > 1]
+    return expand(op, mesh_shape, opts)
+
+
+def _dims_listed(op: OpInfo, index: int, name: str) -> set[int] | None:
+    """The dims argument ``index`` lists, made non-negative (None: it lists none, as ``roll``
+    without ``dims`` rolls the flattened tensor)."""
+    dims = arg(op, index, name)
+    if dims is None or (isinstance(dims, (list, tuple)) and not dims):
+        return None
+    ndim = op.inputs[0].ndim
+    return {d % ndim for d in ([dims] if isinstance(dims, int) else dims)}
+
+
+def flip_roll_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    """``flip(x, dims)`` and ``roll(x, shifts, dims)`` move elements along the dims they list
+    only: every other dim shards through; ``roll`` without dims (the flattened tensor) stays
+    whole."""
+    moved = _dims_listed(op, 1, "dims") if op.target == aten.flip.default else \
+        _dims_listed(op, 2, "dims")
+    if moved is None:
+        return replicate_only(op, mesh_shape)
+    x = op.inputs[0]
+    opts: list[Option] = [((Shard(d),), (Shard(d),)) for d in range(x.ndim)
+                          if x.shape[d] > 1 and d not in moved]
+    return expand(op, mesh_shape, opts)
+
+
 _MISC = dict(follows=NO, flops=per_output_element, localize=plain_localize)
 # Gathers read a few rows of their first input; backward keeps the indices.
 register_op(aten.index.Tensor, aten.index_select.default,
@@ -62,8 +101,10 @@ register_op(aten.gather.default, strategies=along_dim_strategy, family=GATHER,
             saves=all_but_first, **_MISC)
 register_op(aten.scatter.src, aten.scatter.value, strategies=along_dim_strategy,
             family=ELEMENTWISE, saves=all_but_first, **_MISC)
-register_op(aten.flip.default, aten.roll.default, aten.repeat.default, strategies=replicate_only,
+register_op(aten.flip.default, aten.roll.default, strategies=flip_roll_strategy,
             family=ELEMENTWISE, saves=NOTHING, **_MISC)
+register_op(aten.repeat.default, strategies=repeat_strategy, family=ELEMENTWISE,
+            saves=NOTHING, **_MISC)
 register_op(aten.diff.default, aten.bincount.default,
             strategies=replicate_only, family=ELEMENTWISE, saves=all_inputs, **_MISC)
 register_op(aten.triu.default, aten.tril.default, strategies=triangle_strategy,
