@@ -34,7 +34,7 @@ import autoshard.ops  # noqa: F401  (registers every rule)
 from autoshard.ir import Replicate, op_info, spec_fits
 from autoshard.ops import registry
 from autoshard.ops.inplace import TWINS as INPLACE_TWINS
-from autoshard.ops.moe import ROUTED_EXPERTS, register_library_ops
+from autoshard.ops.moe import ROUTED_EXPERTS, ROUTED_LINEAR, register_library_ops
 from autoshard.ops.ssm import SELECTIVE_SCAN
 from autoshard.ops.registry import (FAMILIES, FOLLOWS, RECORDS, OpRecord, Saves, record_of,
                                     strategies_for)
@@ -444,6 +444,12 @@ simple([ROUTED_EXPERTS],
        # GPT-OSS: interleaved gate and up, clamped, biased
        lambda g: ((g.t(8, 4), g.i(4, 8, 2), g.t(8, 2), g.t(4, 6, 4), g.t(4, 4, 3), 0,
                    "gpt_oss:1.702:0.5", None, g.t(4, 6), g.t(4, 4)), {}))
+
+# JetMoE's attention experts (ops/moe.py routed_linear): 4 experts [E, O, H], 8 tokens with 2
+# choices each, dispatched ([T, H] -> [T, k, O]) and combined with their weights.
+simple([ROUTED_LINEAR],
+       lambda g: ((g.t(8, 4), g.i(4, 8, 2), g.t(4, 6, 4), 0), {}),
+       lambda g: ((g.t(8, 2, 6), g.i(4, 8, 2), g.t(4, 4, 6), 0, g.t(8, 2)), {}))
 
 # ---- state-space layers (Mamba-2, Jamba) and complex rotary (Llama 4) ----------------------
 simple([aten.softplus.default], lambda g: ((g.t(2, 4, 8),), {}),

@@ -21,7 +21,7 @@ import torch
 
 from autoshard import Mesh, Plan
 from autoshard.ir import Replicate, Shard, Strategy, spec_str
-from autoshard.ops.moe import LOCAL_EXPERTS, ROUTED_EXPERTS
+from autoshard.ops.moe import LOCAL_EXPERTS, ROUTED_EXPERTS, ROUTED_LINEAR
 from autoshard.ops.ssm import SELECTIVE_SCAN
 from autoshard.trace.export import trace
 from autoshard.tools.verify import VerifySpec, build, plan_for, summarize, verify_rank
@@ -91,6 +91,11 @@ CONFIGS = {
     "phimoe": dict(model_type="phimoe", architectures=["PhimoeForCausalLM"], hidden_size=32,
                    intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **_TINY),
+    # JetMoE: gated MLP experts and attention experts (each token's queries projected by the
+    # two experts it chose), grouped by transformers with counts read off the device
+    "jetmoe": dict(model_type="jetmoe", architectures=["JetMoeForCausalLM"], hidden_size=32,
+                   intermediate_size=16, kv_channels=8, num_key_value_heads=2,
+                   num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, **_TINY),
     "gemma3_text": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
                         hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -137,13 +142,14 @@ def test_selective_scan_op_equals_transformers_loop(configs) -> None:
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "jamba", "dbrx",
-                                  "switch_transformers", "gpt_oss"])
+                                  "switch_transformers", "gpt_oss", "jetmoe"])
 def test_routed_experts_op_equals_transformers_experts(tmp_path, configs, name) -> None:
     """The model through the routed-experts op and through transformers' own path (its
     grouped one, GPT-OSS's with its biases and clamped gate; DBRX's and Switch Transformers'
     loops over the experts a step hits, found with ``nonzero``, which export cannot follow:
     DBRX's w1, v1, w2 in [E·I, H] blocks, Switch's ungated experts stacked, tokens past an
-    expert's capacity dropped): the same loss and gradients (fp32, the same additions in
+    expert's capacity dropped; JetMoE's experts and attention experts, grouped with counts
+    read by ``tolist``, the latter through the routed linear op): the same loss and gradients (fp32, the same additions in
     another order: 1e-6), and a trace with the op in it. (Switch without dropout and router
     jitter here: the two paths would draw them differently.)"""
     config = configs[name]
@@ -163,6 +169,10 @@ def test_routed_experts_op_equals_transformers_experts(tmp_path, configs, name) 
                 del m.forward                  # transformers' own forward again
     elif name == "switch_transformers":
         _switch_as_transformers(ref)
+    elif name == "jetmoe":
+        for m in ref.modules():               # transformers' own forwards again
+            for method in ("forward", "map", "reduce"):
+                vars(m).pop(method, None)
     else:
         ref.model.set_experts_implementation("grouped_mm")
     kept = []         # tokens each router keeps: capacity drops some
@@ -179,7 +189,10 @@ def test_routed_experts_op_equals_transformers_experts(tmp_path, configs, name) 
     for n, q in ref.named_parameters():
         mine = _switch_expert_grad(grads, n) if ".experts.expert_" in n else grads[n]
         assert torch.allclose(mine, q.grad, rtol=1e-5, atol=1e-6), n
-    assert any(n.target is ROUTED_EXPERTS for n in trace(model, inputs).graph.nodes)
+    targets = [n.target for n in trace(model, inputs).graph.nodes]
+    assert ROUTED_EXPERTS in targets
+    if name == "jetmoe":                       # dispatch and combine in each layer
+        assert targets.count(ROUTED_LINEAR) == 4
 
 
 def _switch_as_transformers(model) -> None:
@@ -240,8 +253,8 @@ def test_switch_unconverted_is_refused_naming_the_call_that_converts_it() -> Non
                            labels=labels).loss
 
     ids = torch.randint(0, 64, (2, 8))
-    with pytest.raises(AutoshardError, match=r"SwitchTransformersSparseMLP loops over the "
-                       r"experts.*route_experts_as_one_op\(model\)"):
+    with pytest.raises(AutoshardError, match=r"SwitchTransformersSparseMLP groups the tokens by "
+                       r"expert.*route_experts_as_one_op\(model\)"):
         autoshard.plan(Loss(), (ids, ids), Mesh((2,)))
     route_experts_as_one_op(hf)
     assert autoshard.plan(Loss(), (ids, ids), Mesh((2,))).predicted.step_time_s > 0
@@ -304,9 +317,44 @@ def test_routed_experts_held_by_no_token_get_zero_gradients() -> None:
     assert all(not t.grad.any() for t in (x, w, gu, dn))
 
 
+def test_routed_linear_dispatches_and_combines() -> None:
+    """The routed linear op against its definition, slot by slot: dispatch gives slot (t, j)
+    ``W[e] x_t``, combine sums ``w[t, j] W[e] x[t, j]`` over j; split by expert (two halves,
+    ``first_expert`` 0 and 2), the halves sum to the whole (the Partial output of the
+    experts' strategy); its strategies split tokens, experts or both."""
+    from autoshard.ir import op_info
+    from autoshard.ops.registry import strategies_for
+    torch.manual_seed(0)
+    t, k, h, o, e = 6, 2, 4, 3, 4
+    x, idx, w = torch.randn(t, h), torch.randint(0, e, (t, k)), torch.rand(t, k)
+    weight, back = torch.randn(e, o, h), torch.randn(e, h, o)
+    q = ROUTED_LINEAR(x, idx, weight, 0)
+    want = torch.stack([torch.stack([weight[idx[i, j]] @ x[i] for j in range(k)])
+                        for i in range(t)])
+    assert torch.allclose(q, want, atol=1e-6)
+    y = ROUTED_LINEAR(q, idx, back, 0, w)
+    want = torch.stack([sum(w[i, j] * (back[idx[i, j]] @ q[i, j]) for j in range(k))
+                        for i in range(t)])
+    assert torch.allclose(y, want, atol=1e-5)
+    halves = [ROUTED_LINEAR(x, idx, weight[lo:lo + 2], lo) for lo in (0, 2)]
+    assert torch.allclose(halves[0] + halves[1], q, atol=1e-6)
+    info = op_info(ROUTED_LINEAR, (q, idx, back, 0, w), {}, y)
+    got = {str(s) for s in strategies_for(info, (2, 2))}
+    assert "[S(0), R] x [S(0), R] x [R, S(0)] x [S(0), R] -> [S(0), P] (local_experts)" in got
+
+
+def test_routed_linear_held_by_no_token_gets_zero_gradients() -> None:
+    x, w = torch.randn(8, 2, 4, requires_grad=True), torch.rand(8, 2, requires_grad=True)
+    weight = torch.randn(2, 3, 4, requires_grad=True)
+    out = ROUTED_LINEAR(x, torch.zeros(8, 2, dtype=torch.long), weight, 2, w)
+    out.sum().backward()
+    assert not out.any() and all(not t.grad.any() for t in (x, w, weight))
+
+
 def test_flops_closed_forms() -> None:
     """Routed experts: 6·T·k·H·I (two matmuls per routed pair, gate-up of 2I columns and down
-    of I), ungated 4·T·k·H·I; the selective scan: 8·b·d·L·n (docs/cost-model.md §12, §13)."""
+    of I), ungated 4·T·k·H·I; the routed linear 2·T·k·H·O; the selective scan: 8·b·d·L·n
+    (docs/cost-model.md §12, §13)."""
     from autoshard.ir import op_info
     from autoshard.ops.registry import record_of
     t, k, h, i, e = 8, 2, 4, 3, 4
@@ -324,6 +372,11 @@ def test_flops_closed_forms() -> None:
             torch.randn(b, d, seq), torch.randn(d), True)
     info = op_info(SELECTIVE_SCAN, scan, {}, SELECTIVE_SCAN(*scan))
     assert record_of(SELECTIVE_SCAN).flops(info) == 8 * b * d * seq * n
+    # the routed linear: 2·T·k·H·O, dispatching and combining alike
+    o = 5
+    x, idx, weight = torch.randn(t, h), torch.randint(0, e, (t, k)), torch.randn(e, o, h)
+    info = op_info(ROUTED_LINEAR, (x, idx, weight, 0), {}, ROUTED_LINEAR(x, idx, weight, 0))
+    assert record_of(ROUTED_LINEAR).flops(info) == 2 * t * k * h * o
 
 
 @pytest.mark.slow
@@ -443,22 +496,26 @@ def _check(world, model: str, plan: Plan) -> dict:
 @pytest.mark.parametrize("name", [
     "llama4_text", "mamba2", "jamba",
     "gemma3_text",
-    "deepseek_v3", "dbrx", "switch_transformers", "gpt_oss", "phimoe"])
+    "deepseek_v3", "dbrx", "switch_transformers", "gpt_oss", "phimoe", "jetmoe"])
 def test_tiny_family_on_gloo(world4, configs, name) -> None:
     plan = plan_for(configs[name], Mesh((2, 2), cluster="stress"), batch=4, seq=8)
     _check(world4, configs[name], plan)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, weights", [
-    ("qwen3_moe", ("experts.gate_up_proj", "experts.down_proj")),
-    ("switch_transformers", ("experts.wi", "experts.wo")),
+@pytest.mark.parametrize("name, weights, calls", [
+    ("qwen3_moe", ("experts.gate_up_proj", "experts.down_proj"), 2),
+    ("switch_transformers", ("experts.wi", "experts.wo"), 2),
     ("gpt_oss", ("experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj_bias",
-                 "experts.down_proj_bias"))])
-def test_tokens_and_experts_split_on_gloo(world4, configs, name, weights) -> None:
-    """Qwen3-MoE's, Switch Transformers' and GPT-OSS's experts stored split by expert over
-    ``tp`` and the batch over ``dp``: each routed-experts call runs its rank's experts on its
-    tokens (``local_experts``; Switch's with its dropout mask, GPT-OSS's with its biases)."""
+                 "experts.down_proj_bias"), 2),
+    ("jetmoe", ("mlp.input_linear.weight", "mlp.output_linear.weight",
+                "experts.input_linear.weight", "experts.output_linear.weight"), 6)])
+def test_tokens_and_experts_split_on_gloo(world4, configs, name, weights, calls) -> None:
+    """Qwen3-MoE's, Switch Transformers', GPT-OSS's and JetMoE's experts stored split by
+    expert over ``tp`` and the batch over ``dp``: each routed-experts call runs its rank's
+    experts on its tokens (``local_experts``; Switch's with its dropout mask, GPT-OSS's with
+    its biases; JetMoE's attention experts' dispatch and combine, two routed linears a
+    layer)."""
     model, inputs = build(configs[name], 4, 8, 0)
     traced = trace(model, inputs)
     pins = {p.name: Strategy((), ((Replicate(), Shard(0)),)) for p in traced.params
@@ -466,8 +523,28 @@ def test_tokens_and_experts_split_on_gloo(world4, configs, name, weights) -> Non
     assert len(pins) == 2 * len(weights)           # two layers with experts
     plan = plan_for(configs[name], Mesh((2, 2), cluster="stress"), batch=4, seq=8, fixed=pins)
     local = [n for n in plan.nodes if n.kernel == LOCAL_EXPERTS]
-    assert len(local) == 2
+    assert len(local) == calls
     _check(world4, configs[name], plan)
+
+
+@pytest.mark.slow
+def test_routed_linear_column_and_row_split_on_gloo(world4, configs) -> None:
+    """JetMoE's attention experts split as a linear is, over ``tp``, the batch over ``dp``:
+    the query projections by their output dim (each rank's slots hold its columns), the output
+    projections by their input dim (a Partial sum), loss and gradients as on one device."""
+    path = configs["jetmoe"]
+    model, inputs = build(path, 4, 8, 0)
+    traced = trace(model, inputs)
+    split = {"experts.input_linear.weight": Shard(1), "experts.output_linear.weight": Shard(2)}
+    pins = {p.name: Strategy((), ((Replicate(), place),)) for p in traced.params
+            for end, place in split.items() if p.fqn.endswith("self_attention." + end)}
+    assert len(pins) == 4
+    plan = plan_for(path, Mesh((2, 2), cluster="stress"), batch=4, seq=8, fixed=pins)
+    ops = [n for n in plan.nodes if n.op == str(ROUTED_LINEAR)]
+    assert [spec_str(n.inputs[2]) for n in ops] == ["[R, S(1)]", "[R, S(2)]"] * 2
+    outputs = [spec_str(n.outputs[0]) for n in ops]        # columns split; a Partial sum
+    assert all(o.endswith(want) for o, want in zip(outputs, ["S(2)]", "P]"] * 2)), outputs
+    _check(world4, path, plan)
 
 
 @pytest.mark.slow

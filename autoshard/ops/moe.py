@@ -186,11 +186,13 @@ def register_library_ops() -> None:
 # ----------------------------------------------------------- routed experts as one op
 
 ROUTED_EXPERTS_OP = "autoshard::routed_experts"
-# transformers' experts that loop over the experts a step hits (found with ``nonzero``, which
-# export cannot follow), by class name: zoo/hf.py runs them through the op instead, and
-# tracing one it has not names that (trace/export.py)
+# transformers' experts that group the tokens by counts read off the device (DBRX's and
+# Switch's loops over ``nonzero``, JetMoE's router's ``tolist``), which export cannot follow, by
+# class name: zoo/hf.py runs them through the routed ops instead, and tracing one it has not
+# names that (trace/export.py)
 DBRX_EXPERTS, SWITCH_SPARSE_MLP = "DbrxExperts", "SwitchTransformersSparseMLP"
-LOOPING_EXPERTS = (DBRX_EXPERTS, SWITCH_SPARSE_MLP)
+JETMOE_ROUTER = "JetMoeTopKGating"
+LOOPING_EXPERTS = (DBRX_EXPERTS, SWITCH_SPARSE_MLP, JETMOE_ROUTER)
 # The activations a gated expert applies to its gate half (Hugging Face's ``hidden_act``).
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": torch.nn.functional.silu, "swish": torch.nn.functional.silu,
@@ -367,3 +369,125 @@ def experts_saved(op: OpInfo) -> Saves:
 
 register_op(ROUTED_EXPERTS, strategies=experts_strategy, family=MATMUL, saves=experts_saved,
             follows=NO, flops=experts_flops, localize=experts_localize)
+
+
+# ------------------------------------------------------ one routed linear: attention experts
+
+ROUTED_LINEAR_OP = "autoshard::routed_linear"
+
+
+def routed_linear_reference(x: torch.Tensor, top_k_index: torch.Tensor, weight: torch.Tensor,
+                            first_expert: int, top_k_weights: torch.Tensor | None = None
+                            ) -> torch.Tensor:
+    """What the op computes, in differentiable ops, with ``weight [E, O, H]`` holding the
+    experts from ``first_expert`` on and ``e = top_k_index[t, j]`` a held expert:
+
+    - dispatch (no ``top_k_weights``): ``x [T, H]`` to ``[T, k, O]``, slot ``(t, j)`` being
+      ``weight_e x_t`` (zero where ``e`` is not held);
+    - combine: ``x [T, k, H]`` to ``[T, O]``, the sum over ``j`` of
+      ``top_k_weights[t, j] · weight_e x[t, j]`` (float32 sums, the output in ``x``'s dtype).
+
+    Tokens are independent of each other; experts not held add nothing."""
+    k, out_dim = top_k_index.shape[-1], weight.shape[1]
+    combine = top_k_weights is not None
+    shape = (x.shape[0], out_dim) if combine else (x.shape[0], k, out_dim)
+    out = torch.zeros(shape, dtype=torch.float32 if combine else x.dtype, device=x.device)
+    for e in range(weight.shape[0]):
+        tok, slot = torch.where(top_k_index == first_expert + e)
+        if tok.numel() == 0:
+            continue
+        if combine:
+            y = torch.nn.functional.linear(x[tok, slot], weight[e])
+            out = out.index_add(0, tok, (y * top_k_weights[tok, slot, None]).float())
+        else:
+            y = torch.nn.functional.linear(x[tok], weight[e])
+            out = out.index_put((tok, slot), y)
+    return out.to(x.dtype)
+
+
+@torch.library.custom_op(ROUTED_LINEAR_OP, mutates_args=())
+def routed_linear(x: torch.Tensor, top_k_index: torch.Tensor, weight: torch.Tensor,
+                  first_expert: int, top_k_weights: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """One projection per expert, ``weight [E, O, H]``, applied to each token's routed slots:
+    JetMoE's mixture of attention heads projects each token's queries with the ``k`` experts it
+    chose (dispatch) and their attention outputs back, weighted and summed (combine); see
+    :func:`routed_linear_reference`. One op a tracer follows, where transformers splits the
+    tokens by counts it reads off the device."""
+    return routed_linear_reference(x, top_k_index, weight, first_expert, top_k_weights)
+
+
+@routed_linear.register_fake
+def _routed_linear_fake(x: torch.Tensor, top_k_index: torch.Tensor, weight: torch.Tensor,
+                        first_expert: int, top_k_weights: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+    if top_k_weights is not None:
+        return x.new_empty((x.shape[0], weight.shape[1]))
+    return x.new_empty((x.shape[0], top_k_index.shape[-1], weight.shape[1]))
+
+
+def _routed_linear_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x, index, weight, first, weights = inputs
+    ctx.save_for_backward(x, index, weight, weights)
+    ctx.first = first
+
+
+def _routed_linear_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    """The reference again under autograd: the gradients of the tokens, the weight and the
+    routing weights (zeros where no token chose a held expert)."""
+    x, index, weight, weights = ctx.saved_tensors
+    leaves = [None if t is None else t.detach().requires_grad_() for t in (x, weight, weights)]
+    given = [t for t in leaves if t is not None]
+    with torch.enable_grad():
+        out = routed_linear_reference(leaves[0], index, leaves[1], ctx.first, leaves[2])
+    grads = iter(torch.autograd.grad(out, given, grad, allow_unused=True) if out.requires_grad
+                 else [None] * len(given))
+    gx, gweight, gw = (None if t is None else _or_zeros(next(grads), t) for t in leaves)
+    return gx, None, gweight, None, gw
+
+
+routed_linear.register_autograd(_routed_linear_backward, setup_context=_routed_linear_context)
+ROUTED_LINEAR = torch.ops.autoshard.routed_linear.default
+
+
+def routed_linear_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    """As the routed experts': tokens over an axis (their routing and weights with them), or
+    experts over an axis (the tokens whole on it, the output a sum over its ranks: a slot's
+    value comes from the one rank holding its expert), and as a linear's: the weight's output
+    dim split with the output's last (column-parallel: JetMoE's query heads), or its input dim
+    with the input's last, into a Partial output (row-parallel), on any mix of axes."""
+    combine = arg(op, 4, "top_k_weights") is not None
+    w = (R,) if combine else ()
+    tokens: Option = ((Shard(0), Shard(0), R) + ((Shard(0),) if combine else ()), (Shard(0),))
+    experts: Option = ((R, R, Shard(0)) + w, (P,))
+    x_last, out_last = op.inputs[0].ndim - 1, op.outputs[0].ndim - 1
+    column: Option = ((R, R, Shard(1)) + w, (Shard(out_last),))
+    row: Option = ((Shard(x_last), R, Shard(2)) + w, (P,))
+    return expand(op, mesh_shape, [tokens, experts, column, row],
+                  kernel=lambda combo: LOCAL_EXPERTS if experts in combo else None)
+
+
+def routed_linear_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
+                           args: tuple, kwargs: dict) -> tuple:
+    """The op on the rank's tensors; under ``local_experts`` told which expert it holds first."""
+    if strategy.kernel != LOCAL_EXPERTS:
+        return op.target, args, kwargs
+    index, factor = shard_index(strategy.inputs[2], 0, mesh_shape, coords)
+    first = arg(op, 3, "first_expert", 0) + index * op.inputs[2].shape[0] // factor
+    return op.target, args[:3] + (first,) + args[4:], kwargs
+
+
+def routed_linear_flops(op: OpInfo) -> float:
+    """2 FLOPs per multiply-add: ``T·k`` routed rows through ``H -> O`` (``2·T·k·H·O``)."""
+    index, weight = op.inputs[1], op.inputs[2]
+    return 2.0 * index.numel * weight.shape[1] * weight.shape[2]
+
+
+def routed_linear_saved(op: OpInfo) -> Saves:
+    """What a linear keeps: its input, and the routing (the weights too, when combining)."""
+    return Saves(inputs=(0, 1) + ((3,) if arg(op, 4, "top_k_weights") is not None else ()))
+
+
+register_op(ROUTED_LINEAR, strategies=routed_linear_strategy, family=MATMUL,
+            saves=routed_linear_saved, follows=NO, flops=routed_linear_flops,
+            localize=routed_linear_localize)

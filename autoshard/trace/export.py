@@ -421,7 +421,8 @@ def _likely_cause(e: Exception, text: str, model: torch.nn.Module, inputs: tuple
     # (Switch's router fails first: it assigns its classifier module again in forward.)
     if experts is not None and (data_dependent or "Couldn't swap" in text):
         return ("a model whose experts a trace can follow",
-                f"{experts} loops over the experts a step hits, which export cannot follow: "
+                f"{experts} groups the tokens by expert with counts read off the device "
+                "(nonzero, tolist), which export cannot follow: "
                 "call autoshard.zoo.hf.route_experts_as_one_op(model) on the transformers "
                 "model first (from_config and config.json paths do), which runs them as one op")
     if data_dependent and training and "layerdrop" in (_model_line(e) or "").lower():
@@ -440,9 +441,10 @@ def _likely_cause(e: Exception, text: str, model: torch.nn.Module, inputs: tuple
 
 
 def _looping_experts(model: torch.nn.Module) -> str | None:
-    """The class of transformers' experts in ``model`` that loop over the experts a step hits
-    (found with ``nonzero``: DBRX's, Switch Transformers'), where zoo/hf.py
-    ``route_experts_as_one_op`` has not made them one op (it sets their ``forward``)."""
+    """The class of transformers' experts in ``model`` that group the tokens by counts read off
+    the device (DBRX's and Switch Transformers' loops over ``nonzero``, JetMoE's router's
+    ``tolist``), where zoo/hf.py ``route_experts_as_one_op`` has not made them one op (it sets
+    their ``forward``)."""
     for m in model.modules():
         name = type(m).__name__
         if name in LOOPING_EXPERTS and "forward" not in vars(m):
