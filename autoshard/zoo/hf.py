@@ -421,9 +421,9 @@ def route_experts_as_one_op(model: nn.Module) -> bool:
     (docs/cost-model.md §12), and DBRX's and Switch Transformers' experts too
     (:func:`_dbrx_experts_as_one_op`, zoo/hf_switch.py, which stacks each Switch layer's
     experts into two weights), and JetMoE's experts and attention experts (zoo/hf_jetmoe.py,
-    the latter through ``routed_linear``). The model computes the same; experts this op does not cover
-    (transposed or biased weights, or a custom gate, other than GPT-OSS's) keep transformers'
-    path. Returns whether the model has such layers."""
+    the latter through ``routed_linear``). The model computes the same; experts this op does
+    not cover (transposed or biased weights, or a custom gate, other than GPT-OSS's) keep
+    transformers' path. Returns whether the model has such layers."""
     from autoshard.zoo.hf_jetmoe import jetmoe_experts_as_ops
     from autoshard.zoo.hf_switch import switch_experts_as_one_op
     if _dbrx_experts_as_one_op(model) or switch_experts_as_one_op(model) or \

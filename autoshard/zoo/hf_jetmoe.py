@@ -20,6 +20,7 @@ chosen, cast to the hidden states' dtype) without grouping the tokens.
 """
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -29,15 +30,18 @@ MOE, MOA = "JetMoeMoE", "JetMoeMoA"
 
 
 def jetmoe_experts_as_ops(model: nn.Module) -> bool:
-    """Rewrite ``model``'s JetMoE expert layers as the module's docstring says; layers whose
-    activation the routed-experts op lacks keep transformers' loop. Returns whether any layer
-    was rewritten."""
+    """Rewrite ``model``'s JetMoE expert layers as the module's docstring says; MLP experts
+    whose activation (the config's ``activation_function``) the routed-experts op lacks keep
+    transformers' loop. Returns whether any layer was rewritten."""
     from autoshard.ops.moe import ACTIVATIONS
+    act = next((m.config.activation_function for m in model.modules()
+                if hasattr(getattr(m, "config", None), "activation_function")), None)
     found = False
     for layer in model.modules():
         name = type(layer).__name__
-        if name == MOE and _activation(layer) in ACTIVATIONS:
-            layer.forward = types.MethodType(_moe_forward, layer)
+        if name == MOE and act in ACTIVATIONS:
+            layer.forward = types.MethodType(functools.partial(_moe_forward, activation=act),
+                                             layer)
         elif name == MOA:
             layer.map = types.MethodType(_moa_map, layer)
             layer.reduce = types.MethodType(_moa_reduce, layer)
@@ -46,13 +50,6 @@ def jetmoe_experts_as_ops(model: nn.Module) -> bool:
         layer.router.forward = types.MethodType(_router_forward, layer.router)
         found = True
     return found
-
-
-def _activation(layer: nn.Module) -> str | None:
-    """The name of a ``JetMoeMoE``'s activation, as ``ACT2FN`` maps it (None: not one)."""
-    from transformers.activations import ACT2FN
-    return next((name for name in ("silu", "gelu", "relu", "gelu_pytorch_tanh")
-                 if type(ACT2FN[name]) is type(layer.activation)), None)
 
 
 def _router_forward(router: nn.Module, x: torch.Tensor) -> tuple:
@@ -65,13 +62,13 @@ def _router_forward(router: nn.Module, x: torch.Tensor) -> tuple:
     return index, None, torch.softmax(top_logits, dim=1).type_as(x), None, logits
 
 
-def _moe_forward(layer: nn.Module, layer_input: torch.Tensor) -> torch.Tensor:
+def _moe_forward(layer: nn.Module, layer_input: torch.Tensor, activation: str) -> torch.Tensor:
     from autoshard.ops.moe import routed_experts
     b, s, h = layer_input.shape
     x = layer_input.reshape(-1, h)
     index, _, gates, _, _ = layer.router(x)
     out = routed_experts(x, index, gates, layer.input_linear.weight,
-                         layer.output_linear.weight, 0, _activation(layer))
+                         layer.output_linear.weight, 0, activation)
     return out.view(b, s, h) + layer.bias
 
 
