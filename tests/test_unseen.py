@@ -150,8 +150,8 @@ def test_routed_experts_op_equals_transformers_experts(tmp_path, configs, name) 
     DBRX's w1, v1, w2 in [E·I, H] blocks, Switch's ungated experts stacked, tokens past an
     expert's capacity dropped; JetMoE's experts and attention experts, grouped with counts
     read by ``tolist``, the latter through the routed linear op): the same loss and gradients
-    (fp32, the same additions in another order: 1e-6), and a trace with the op in it. (Switch without dropout and router
-    jitter here: the two paths would draw them differently.)"""
+    (fp32, the same additions in another order: 1e-6), and a trace with the op in it. (Switch
+    without dropout and router jitter here: the two paths would draw them differently.)"""
     config = configs[name]
     if name == "switch_transformers":
         config = str(tmp_path / "config.json")
