@@ -281,8 +281,10 @@ def test_compiled_rank_program_equals_eager(world4, model, shape, pipe):
 
 # Hugging Face models that compiled wrong or fell back: GPT-2 with dropout (inductor's masks,
 # not verify's keep-all: "the compiled program differs"), CodeGen at 2x2 (two reshards of one
-# value beginning with the same all-gathers, merged by AOTAutograd: the region ran eagerly).
-HF = {"gpt2-dropout": "hf_gpt2_dropout", "codegen": "hf_codegen"}
+# value beginning with the same all-gathers, merged by AOTAutograd: the region ran eagerly),
+# JetMoE (its routed ops' backward grouped tokens with nonzero, which AOTAutograd cannot
+# trace: every region holding one ran eagerly).
+HF = {"gpt2-dropout": "hf_gpt2_dropout", "codegen": "hf_codegen", "jetmoe": "hf_jetmoe"}
 FULL_ONLY |= {f"test_compiled_hf_model_equals_eager[{c}]" for c in HF}
 
 

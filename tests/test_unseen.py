@@ -351,6 +351,37 @@ def test_routed_linear_held_by_no_token_gets_zero_gradients() -> None:
     assert not out.any() and all(not t.grad.any() for t in (x, w, weight))
 
 
+@pytest.mark.parametrize("op", ["routed_experts", "routed_linear"])
+def test_routed_ops_trace_into_a_compiled_backward(op: str) -> None:
+    """AOTAutograd (torch.compile's ``aot_eager``, the tracing inductor's backend does) follows
+    each routed op's forward and backward: the backward is one op too (its reference groups
+    tokens with ``nonzero``, which it could not trace, so every compiled region holding a
+    routed op ran eagerly); the compiled gradients are eager's."""
+    torch.manual_seed(0)
+    t, k, h, e = 8, 2, 4, 4
+    idx, w = torch.randint(0, e, (t, k)), torch.rand(t, k, requires_grad=True)
+    x = torch.randn(t, h, requires_grad=True)
+    if op == "routed_experts":
+        weights = (torch.randn(e, 6, h, requires_grad=True),
+                   torch.randn(e, h, 3, requires_grad=True))
+
+        def fn(x, w, a, b):
+            return ROUTED_EXPERTS(x, idx, w, a, b, 0, "silu").square().sum()
+    else:
+        weights = (torch.randn(e, 5, h, requires_grad=True),
+                   torch.randn(e, h, 5, requires_grad=True))
+
+        def fn(x, w, a, b):
+            return ROUTED_LINEAR(ROUTED_LINEAR(x, idx, a, 0), idx, b, 0, w).square().sum()
+    leaves = (x, w, *weights)
+    want = torch.autograd.grad(fn(*leaves), leaves)
+    torch._dynamo.reset()
+    got = torch.autograd.grad(torch.compile(fn, backend="aot_eager", fullgraph=True)(*leaves),
+                              leaves)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
 def test_flops_closed_forms() -> None:
     """Routed experts: 6·T·k·H·I (two matmuls per routed pair, gate-up of 2I columns and down
     of I), ungated 4·T·k·H·I; the routed linear 2·T·k·H·O; the selective scan: 8·b·d·L·n

@@ -27,7 +27,8 @@ and ``index_put`` builds the inverse permutation.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -200,6 +201,33 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_pytorch_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
 
 
+@contextlib.contextmanager
+def _autograd_in_kernel() -> Iterator[None]:
+    """Autograd inside a custom op's kernel, which the dispatcher runs with autograd's keys
+    excluded: the routed ops' gradients are their references differentiated there, in an op of
+    their own, so that a compiler tracing the backward sees one opaque call (the reference
+    groups tokens with ``nonzero``, whose data-dependent shapes AOTAutograd cannot trace)."""
+    exclude = torch._C._dispatch_tls_local_exclude_set().remove(
+        torch._C.DispatchKey.AutogradFunctionality)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), \
+            torch.enable_grad():
+        yield
+
+
+def _differentiated(fn: Callable[..., torch.Tensor], grad: torch.Tensor,
+                    tensors: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor]:
+    """The gradients of ``fn(*leaves)`` against ``grad`` for each tensor given in ``tensors``
+    (None: not an input), zeros where the output does not depend on it (no token chose a held
+    expert)."""
+    with _autograd_in_kernel():
+        leaves = [None if t is None else t.detach().requires_grad_() for t in tensors]
+        given = [t for t in leaves if t is not None]
+        out = fn(*leaves)
+        grads = torch.autograd.grad(out, given, grad, allow_unused=True) if out.requires_grad \
+            else [None] * len(given)
+    return [_or_zeros(g, t) for g, t in zip(grads, given)]
+
+
 def routed_experts_reference(x: torch.Tensor, top_k_index: torch.Tensor,
                              top_k_weights: torch.Tensor, gate_up: torch.Tensor,
                              down: torch.Tensor, first_expert: int, activation: str,
@@ -289,24 +317,39 @@ def _routed_experts_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> No
     ctx.first, ctx.activation = first, activation
 
 
+@torch.library.custom_op(ROUTED_EXPERTS_OP + "_grads", mutates_args=())
+def routed_experts_grads(grad: torch.Tensor, x: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor, gate_up: torch.Tensor,
+                         down: torch.Tensor, first_expert: int, activation: str,
+                         mask: torch.Tensor | None = None,
+                         gate_up_bias: torch.Tensor | None = None,
+                         down_bias: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The backward of ``routed_experts``: the reference run again and differentiated, giving
+    the gradients of the tokens, the routing weights, the experts' weights and the biases
+    given (the expert indices and the dropout mask have none)."""
+    def fn(lx, lw, lgu, ld, lgub, ldb):
+        return routed_experts_reference(lx, top_k_index, lw, lgu, ld, first_expert, activation,
+                                        mask, lgub, ldb)
+    return _differentiated(fn, grad, (x, top_k_weights, gate_up, down, gate_up_bias, down_bias))
+
+
+@routed_experts_grads.register_fake
+def _routed_experts_grads_fake(grad: torch.Tensor, x: torch.Tensor, top_k_index: torch.Tensor,
+                               top_k_weights: torch.Tensor, gate_up: torch.Tensor,
+                               down: torch.Tensor, first_expert: int, activation: str,
+                               mask: torch.Tensor | None = None,
+                               gate_up_bias: torch.Tensor | None = None,
+                               down_bias: torch.Tensor | None = None) -> list[torch.Tensor]:
+    return [torch.empty_like(t) for t in (x, top_k_weights, gate_up, down, gate_up_bias,
+                                          down_bias) if t is not None]
+
+
 def _routed_experts_backward(ctx: Any, grad: torch.Tensor) -> tuple:
-    """The reference run again under autograd: the gradients of the tokens, the routing
-    weights, the experts' weights and biases (the expert indices and the dropout mask have
-    none)."""
     x, index, weights, gate_up, down, mask, gate_up_bias, down_bias = ctx.saved_tensors
-    leaves = [None if t is None else t.detach().requires_grad_()
-              for t in (x, weights, gate_up, down, gate_up_bias, down_bias)]
-    given = [t for t in leaves if t is not None]
-    lx, lw, lgu, ld, lgub, ldb = leaves
-    with torch.enable_grad():
-        out = routed_experts_reference(lx, index, lw, lgu, ld, ctx.first, ctx.activation, mask,
-                                       lgub, ldb)
-    # No token chose an expert held here (this rank's experts, under local_experts): the
-    # output is zeros made by no op of the leaves, and every gradient zero.
-    grads = iter(torch.autograd.grad(out, given, grad, allow_unused=True) if out.requires_grad
-                 else [None] * len(given))
-    gx, gw, ggu, gd, gub, gdb = (None if t is None else _or_zeros(next(grads), t)
-                                 for t in leaves)
+    grads = iter(routed_experts_grads(grad, x, index, weights, gate_up, down, ctx.first,
+                                      ctx.activation, mask, gate_up_bias, down_bias))
+    gx, gw, ggu, gd = next(grads), next(grads), next(grads), next(grads)
+    gub, gdb = (None if t is None else next(grads) for t in (gate_up_bias, down_bias))
     return gx, None, gw, ggu, gd, None, None, None, gub, gdb
 
 
@@ -432,18 +475,28 @@ def _routed_linear_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> Non
     ctx.first = first
 
 
+@torch.library.custom_op(ROUTED_LINEAR_OP + "_grads", mutates_args=())
+def routed_linear_grads(grad: torch.Tensor, x: torch.Tensor, top_k_index: torch.Tensor,
+                        weight: torch.Tensor, first_expert: int,
+                        top_k_weights: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The backward of ``routed_linear``: the reference differentiated, giving the gradients
+    of the tokens, the weight and, when combining, the routing weights."""
+    def fn(lx, lweight, lw):
+        return routed_linear_reference(lx, top_k_index, lweight, first_expert, lw)
+    return _differentiated(fn, grad, (x, weight, top_k_weights))
+
+
+@routed_linear_grads.register_fake
+def _routed_linear_grads_fake(grad: torch.Tensor, x: torch.Tensor, top_k_index: torch.Tensor,
+                              weight: torch.Tensor, first_expert: int,
+                              top_k_weights: torch.Tensor | None = None) -> list[torch.Tensor]:
+    return [torch.empty_like(t) for t in (x, weight, top_k_weights) if t is not None]
+
+
 def _routed_linear_backward(ctx: Any, grad: torch.Tensor) -> tuple:
-    """The reference again under autograd: the gradients of the tokens, the weight and the
-    routing weights (zeros where no token chose a held expert)."""
     x, index, weight, weights = ctx.saved_tensors
-    leaves = [None if t is None else t.detach().requires_grad_() for t in (x, weight, weights)]
-    given = [t for t in leaves if t is not None]
-    with torch.enable_grad():
-        out = routed_linear_reference(leaves[0], index, leaves[1], ctx.first, leaves[2])
-    grads = iter(torch.autograd.grad(out, given, grad, allow_unused=True) if out.requires_grad
-                 else [None] * len(given))
-    gx, gweight, gw = (None if t is None else _or_zeros(next(grads), t) for t in leaves)
-    return gx, None, gweight, None, gw
+    gx, gweight, *gw = routed_linear_grads(grad, x, index, weight, ctx.first, weights)
+    return gx, None, gweight, None, (gw[0] if gw else None)
 
 
 routed_linear.register_autograd(_routed_linear_backward, setup_context=_routed_linear_context)
