@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten
 import autoshard.ops  # noqa: F401  (registers every rule)
 from autoshard.ir import Replicate, op_info, spec_fits
 from autoshard.ops import registry
-from autoshard.ops.inplace import TWINS as INPLACE_TWINS
+from autoshard.ops.inplace import TWINS as INPLACE_TWINS, VIEW_TWINS as INPLACE_VIEWS
 from autoshard.ops.moe import ROUTED_EXPERTS, ROUTED_LINEAR, register_library_ops
 from autoshard.ops.ssm import SELECTIVE_SCAN
 from autoshard.ops.registry import (FAMILIES, FOLLOWS, RECORDS, OpRecord, Saves, record_of,
@@ -487,7 +487,7 @@ if importlib.util.find_spec("transformers") is not None:
            lambda g: ((g.t(8, 32).float(), g.t(4, 32, 32).float(), _OFFS), {}))
 
 # ---- in-place ops: their functional twin's samples --------------------------------------------
-for _op, _twin in INPLACE_TWINS.items():
+for _op, _twin in (*INPLACE_TWINS.items(), *INPLACE_VIEWS.items()):
     simple([_op], *SAMPLES[_twin])
 simple([aten.copy_.default], _copy_src, lambda g: ((g.t(4, 8), g.t(4, 8).float()), {}))
 
@@ -566,7 +566,9 @@ def _static_checks(op, si, mesh, info, strategies) -> list[str]:
         for t, spec in list(zip(info.inputs, s.inputs)) + list(zip(info.outputs, s.outputs)):
             if len(spec) != len(mesh) or not spec_fits(t.shape, spec, mesh):
                 errs.append(f"{where}: {s}: spec {spec} does not fit {t.shape}")
-        if _writes_first_input(op) and s.outputs[0] != s.inputs[0]:
+        # (an in-place view changes the tensor's dims, not its values: its output lies as
+        # the functional view's does)
+        if _writes_first_input(op) and op not in INPLACE_VIEWS and s.outputs[0] != s.inputs[0]:
             errs.append(f"{where}: {s}: an in-place op's output must lie as its first input")
     return errs
 

@@ -96,6 +96,15 @@ CONFIGS = {
     "jetmoe": dict(model_type="jetmoe", architectures=["JetMoeForCausalLM"], hidden_size=32,
                    intermediate_size=16, kv_channels=8, num_key_value_heads=2,
                    num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, **_TINY),
+    # BigBird-Pegasus's block-sparse attention (blocks of 2, one random block: a sequence of
+    # 32 uses it) lays out its context with in-place views (unsqueeze_)
+    "bigbird_pegasus": dict(
+        model_type="bigbird_pegasus", architectures=["BigBirdPegasusForConditionalGeneration"],
+        d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=64,
+        max_position_embeddings=64, block_size=2, num_random_blocks=1,
+        attention_type="block_sparse", dropout=0.0, attention_dropout=0.0, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, decoder_start_token_id=2, torch_dtype="float32"),
     "gemma3_text": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
                         hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -576,6 +585,28 @@ def test_routed_linear_column_and_row_split_on_gloo(world4, configs) -> None:
     outputs = [spec_str(n.outputs[0]) for n in ops]        # columns split; a Partial sum
     assert all(o.endswith(want) for o, want in zip(outputs, ["S(2)]", "P]"] * 2)), outputs
     _check(world4, path, plan)
+
+
+@pytest.mark.slow
+def test_in_place_views_split_on_gloo(world4, configs) -> None:
+    """BigBird-Pegasus's block-sparse attention, whose in-place ``unsqueeze_`` had no rule (it
+    was replicated, with a warning): now a view like ``unsqueeze``, its output's split dims
+    shifted past the new one; over a data axis of 4 each splits the batch, and the step is one
+    device's, bytes as planned."""
+    import warnings
+    path = configs["bigbird_pegasus"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = plan_for(path, Mesh((4,), ("dp",), cluster="stress"), batch=4, seq=32)
+    assert not [w for w in caught if "no sharding rule" in str(w.message)]
+    views = [n for n in plan.nodes if n.op == "aten.unsqueeze_.default"]
+    assert views and all(spec_str(n.outputs[0]) == "[S(0)]" for n in views), views
+    reports = world4.run(verify_rank, VerifySpec(path, plan.mesh_shape, plan.mesh_axes,
+                                                 plan.dumps(), batch=4, seq=32,
+                                                 measure_memory=False))
+    ok, text = summarize(reports, TOL)
+    assert ok, text
+    assert reports[0]["bytes"] == reports[0]["planned_bytes"]
 
 
 @pytest.mark.slow

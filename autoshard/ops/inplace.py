@@ -8,6 +8,9 @@ removed: ``mul_``'s ``R x P -> P`` would have each rank write a summand into a t
 replicated, while ``P x R -> P`` scales each rank's own summand. Family, saved tensors, how it
 joins the ILP and FLOPs are the twin's (autograd saves what the functional op saves). The local
 call is the in-place op itself on the rank's local tensor.
+
+In-place views (``unsqueeze_``, ``squeeze_``, ``t_``, ``transpose_``) change the tensor's dims,
+not its values: they take their functional view's record whole (``VIEW_TWINS`` below).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from typing import Any
 import torch
 
 from autoshard.ir import OpInfo, Strategy
-from autoshard.ops import misc, moe, pointwise  # noqa: F401  (register the twins first)
+from autoshard.ops import misc, moe, pointwise, view  # noqa: F401  (register the twins first)
 from autoshard.ops._common import plain_localize
 from autoshard.ops.registry import PASSES, RECORDS, Saves, amend, default_localize, register_op
 
@@ -74,3 +77,33 @@ for _target, _twin in TWINS.items():
     _register(_target, _twin)
 # ``x += y`` (a residual added in place) passes its gradient on as ``x + y`` does.
 amend(aten.add_.Tensor, grad=PASSES)
+
+
+# In-place views change a tensor's shape, not its values (BigBird's ``unsqueeze_``): the output
+# is the functional view of the input, whose spec the view's rule gives (a dim after the one
+# added shards one place later), not the input's. The export names the op's result as the value
+# every later read takes, so a rank computes the functional view of its local tensor: the same
+# local result, and no read of the value before it changed comes after.
+VIEW_TWINS = {
+    aten.unsqueeze_.default: aten.unsqueeze.default, aten.squeeze_.dim: aten.squeeze.dim,
+    aten.squeeze_.default: aten.squeeze.default, aten.squeeze_.dims: aten.squeeze.dims,
+    aten.t_.default: aten.t.default, aten.transpose_.default: aten.transpose.int,
+}
+
+
+def _register_view(target: Any, twin: Any) -> None:
+    rec = RECORDS[twin]
+
+    def localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
+                 args: tuple, kwargs: dict) -> tuple:
+        return rec.localize(_as_twin(op, twin), strategy, mesh_shape, coords, args, kwargs)
+
+    register_op(target, strategies=lambda op, mesh_shape: rec.strategies(_as_twin(op, twin),
+                                                                         mesh_shape),
+                family=rec.family, saves=lambda op: rec.saved(_as_twin(op, twin)),
+                follows=rec.follows, flops=lambda op: rec.flops(_as_twin(op, twin)),
+                localize=localize)
+
+
+for _target, _twin in VIEW_TWINS.items():
+    _register_view(_target, _twin)
