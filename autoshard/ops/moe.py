@@ -382,14 +382,18 @@ def experts_strategy(op: OpInfo, mesh_shape: tuple) -> list:
                   kernel=lambda combo: LOCAL_EXPERTS if experts in combo else None)
 
 
-def experts_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
-                     args: tuple, kwargs: dict) -> tuple:
-    """The op on the rank's tensors; under ``local_experts`` told which expert it holds first."""
-    if strategy.kernel != LOCAL_EXPERTS:
-        return op.target, args, kwargs
-    index, factor = shard_index(strategy.inputs[3], 0, mesh_shape, coords)
-    first = arg(op, 5, "first_expert", 0) + index * op.inputs[3].shape[0] // factor
-    return op.target, args[:5] + (first,) + args[6:], kwargs
+def _localize_experts(weight: int, first: int) -> Callable:
+    """A routed op's local call: the op on the rank's tensors; under ``local_experts`` told
+    which expert it holds first (its argument ``first``; its experts' weight is tensor input
+    ``weight``, split on dim 0)."""
+    def localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
+                 args: tuple, kwargs: dict) -> tuple:
+        if strategy.kernel != LOCAL_EXPERTS:
+            return op.target, args, kwargs
+        index, factor = shard_index(strategy.inputs[weight], 0, mesh_shape, coords)
+        held = arg(op, first, "first_expert", 0) + index * op.inputs[weight].shape[0] // factor
+        return op.target, args[:first] + (held,) + args[first + 1:], kwargs
+    return localize
 
 
 def experts_flops(op: OpInfo) -> float:
@@ -411,7 +415,7 @@ def experts_saved(op: OpInfo) -> Saves:
 
 
 register_op(ROUTED_EXPERTS, strategies=experts_strategy, family=MATMUL, saves=experts_saved,
-            follows=NO, flops=experts_flops, localize=experts_localize)
+            follows=NO, flops=experts_flops, localize=_localize_experts(3, 5))
 
 
 # ------------------------------------------------------ one routed linear: attention experts
@@ -520,16 +524,6 @@ def routed_linear_strategy(op: OpInfo, mesh_shape: tuple) -> list:
                   kernel=lambda combo: LOCAL_EXPERTS if experts in combo else None)
 
 
-def routed_linear_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
-                           args: tuple, kwargs: dict) -> tuple:
-    """The op on the rank's tensors; under ``local_experts`` told which expert it holds first."""
-    if strategy.kernel != LOCAL_EXPERTS:
-        return op.target, args, kwargs
-    index, factor = shard_index(strategy.inputs[2], 0, mesh_shape, coords)
-    first = arg(op, 3, "first_expert", 0) + index * op.inputs[2].shape[0] // factor
-    return op.target, args[:3] + (first,) + args[4:], kwargs
-
-
 def routed_linear_flops(op: OpInfo) -> float:
     """2 FLOPs per multiply-add: ``T·k`` routed rows through ``H -> O`` (``2·T·k·H·O``)."""
     index, weight = op.inputs[1], op.inputs[2]
@@ -543,4 +537,4 @@ def routed_linear_saved(op: OpInfo) -> Saves:
 
 register_op(ROUTED_LINEAR, strategies=routed_linear_strategy, family=MATMUL,
             saves=routed_linear_saved, follows=NO, flops=routed_linear_flops,
-            localize=routed_linear_localize)
+            localize=_localize_experts(2, 3))
