@@ -39,6 +39,11 @@ from autoshard.trace.export import TracedGraph
 from autoshard.trace.graph import ValueRef, value_inputs
 
 OUTPUT = "output"
+# Seconds: the price of resharding a pinned parameter of a hand-written plan on the way into an
+# op (``build_problem``'s ``in_place``). A preference, not a rule: where the pins leave no
+# other way (a tied table pinned one way and read another), the plan pays it and runs the
+# reshard, as any plan may; a reshard no plan may hold is FORBIDDEN (solver/problem.py).
+AVOIDED = 1e6
 
 
 class BuildTimeout(Exception):
@@ -366,7 +371,7 @@ class _Builder:
                 st.kind != "to_partial" for st in reshard(src, dst[0], self.shapes[value][0],
                                                           self.shapes[value][1],
                                                           self.mesh_shape).forward):
-            return FORBIDDEN, 0.0  # only a row-parallel bias may become a local summand
+            return AVOIDED, 0.0    # only a row-parallel bias may become a local summand
         return self.pricer.reshard_cost(value, src, dst[0], dst[1], mode, axes)
 
 
