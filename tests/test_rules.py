@@ -179,6 +179,9 @@ simple([aten.max.dim, aten.min.dim], lambda g: ((g.t(2, 4, 8), 1), {}))
 simple([aten.linalg_vector_norm.default],
        lambda g: ((g.t(2, 4, 8), 1.0, [-1], True), {}), lambda g: ((g.t(2, 4, 8),), {}),
        lambda g: ((g.t(2, 4, 8), 2.0, [0, 2]), {}))
+# Granite-SWA's attention sinks: logsumexp over the keys
+simple([aten.logsumexp.default], lambda g: ((g.t(2, 4, 8), [-1]), {}),
+       lambda g: ((g.t(2, 4, 8), [0, 2], True), {}))
 simple([aten.argmax.default, aten.argmin.default], lambda g: ((g.t(2, 4, 8), -1), {}))
 simple([aten.softmax.int, aten.log_softmax.int], lambda g: ((g.t(2, 4, 8), -1), {}))
 simple([aten._softmax.default, aten._log_softmax.default], lambda g: ((g.t(2, 4, 8), 1, False), {}))
@@ -200,6 +203,9 @@ simple([aten.reshape_as.default], lambda g: ((g.t(2, 4, 8), g.t(8, 8)), {}),
 simple([aten.flatten.using_ints], lambda g: ((g.t(2, 4, 8), 0, 1), {}))
 simple([aten.unflatten.int], lambda g: ((g.t(2, 32), 1, [4, 8]), {}))
 simple([aten.expand.default], lambda g: ((g.t(4, 1, 8), [2, 4, 8, 8]), {}), lambda g: ((g.t(1, 8), [4, -1]), {}))
+# GPT-NeoX-Japanese's bias expanded as the residual: the other tensor read for its shape only
+simple([aten.expand_as.default], lambda g: ((g.t(4, 1, 8), g.t(2, 4, 8, 8)), {}),
+       lambda g: ((g.t(8), g.t(4, 8)), {}))
 simple([aten.permute.default], lambda g: ((g.t(2, 4, 8), [2, 0, 1]), {}))
 simple([aten.transpose.int], lambda g: ((g.t(2, 4, 8), 1, 2), {}))
 simple([aten.t.default], lambda g: ((g.t(4, 8),), {}))

@@ -105,6 +105,12 @@ CONFIGS = {
         max_position_embeddings=64, block_size=2, num_random_blocks=1,
         attention_type="block_sparse", dropout=0.0, attention_dropout=0.0, pad_token_id=0,
         bos_token_id=1, eos_token_id=2, decoder_start_token_id=2, torch_dtype="float32"),
+    # Granite-SWA: attention sinks scaled by a logsumexp over the keys; sliding layers
+    "granite_swa": dict(model_type="granite_swa", architectures=["GraniteSwaForCausalLM"],
+                        hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
+                        layer_types=["full_attention", "sliding_attention"],
+                        layer_rope_theta=[10000.0, 10000.0], **_TINY),
     "gemma3_text": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
                         hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -536,7 +542,7 @@ def _check(world, model: str, plan: Plan) -> dict:
 @pytest.mark.parametrize("name", [
     "llama4_text", "mamba2", "jamba",
     "gemma3_text",
-    "deepseek_v3", "dbrx", "switch_transformers", "gpt_oss", "phimoe", "jetmoe"])
+    "deepseek_v3", "dbrx", "switch_transformers", "gpt_oss", "phimoe", "jetmoe", "granite_swa"])
 def test_tiny_family_on_gloo(world4, configs, name) -> None:
     plan = plan_for(configs[name], Mesh((2, 2), cluster="stress"), batch=4, seq=8)
     _check(world4, configs[name], plan)

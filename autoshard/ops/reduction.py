@@ -4,7 +4,7 @@
   output. A local mean over ``n/f`` elements is ``f`` times too large as a summand of the global
   mean, so that strategy carries kernel ``"mean_partial"``, whose local op divides by ``f``. Both
   are linear, so Partial passes through.
-- ``amax``/``amin``/``max.dim``/``min.dim``/``argmax``, ``linalg_vector_norm``,
+- ``amax``/``amin``/``max.dim``/``min.dim``/``argmax``, ``linalg_vector_norm``, ``logsumexp``,
   ``softmax``/``log_softmax``, ``cumsum``: the reduced (or normalised, or scanned) dim stays
   replicated; the rest shard through. ``cumsum`` is linear, so it also passes Partial.
 - ``fft_fft``/``fft_ifft``/``fft_rfft``/``fft_irfft``: the transformed dim stays whole, the rest
@@ -153,9 +153,10 @@ register_op(*MEANS, strategies=sum_mean_strategy, saves=NOTHING, localize=mean_l
             **_REDUCTION)
 register_op(*EXTREMA, strategies=extrema_strategy, saves=all_inputs, localize=reduction_localize,
             **_REDUCTION)
-# Its backward reads the input and the norm.
-register_op(VECTOR_NORM, strategies=extrema_strategy, saves=Saves(inputs=(0,), outputs=(0,)),
-            localize=reduction_localize, **_REDUCTION)
+# Its backward reads the input and the norm; ``logsumexp``'s (Granite-SWA's attention sinks) the
+# input and its result, ``exp(x - lse)``.
+register_op(VECTOR_NORM, aten.logsumexp.default, strategies=extrema_strategy,
+            saves=Saves(inputs=(0,), outputs=(0,)), localize=reduction_localize, **_REDUCTION)
 # Softmax's backward needs only its output.
 register_op(*SOFTMAX, strategies=softmax_strategy, saves=Saves(outputs=(0,)), **_REDUCTION)
 # One exp per element (docs/cost-model.md §3.7); backward: softmax's is grad·y - y·sum, none;

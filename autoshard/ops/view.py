@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from typing import Any, Callable
 
 import torch
 
@@ -86,23 +87,30 @@ def reshape_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: 
     return aten.reshape.default, (args[0], size), {}
 
 
-def reshape_as_strategy(op: OpInfo, mesh_shape: tuple) -> list:
-    """``x.reshape_as(other)`` (LeViT): ``reshape``'s strategies to ``other``'s shape, ``other``
-    read for its shape only: it may arrive replicated or laid out as the output is."""
-    x = dataclasses.replace(op, target=aten.reshape.default,
-                            args=(op.args[0], list(op.outputs[0].shape)), kwargs={})
-    out = []
-    for s in reshape_strategy(x, mesh_shape):
-        for other in dict.fromkeys(((R,) * len(mesh_shape), s.outputs[0])):
-            out.append(dataclasses.replace(s, inputs=(s.inputs[0], other)))
-    return out
+def _as_other(target: Any, strategies_of: Callable) -> Callable:
+    """The rule of ``x.reshape_as(other)`` (LeViT) or ``x.expand_as(other)`` (GPT-NeoX-Japanese's
+    attention bias, HRM's carried state): ``target``'s strategies to ``other``'s shape,
+    ``other`` read for its shape only: it may arrive replicated or laid out as the output
+    is."""
+    def strategies(op: OpInfo, mesh_shape: tuple) -> list:
+        x = dataclasses.replace(op, target=target,
+                                args=(op.args[0], list(op.outputs[0].shape)), kwargs={})
+        out = []
+        for s in strategies_of(x, mesh_shape):
+            for other in dict.fromkeys(((R,) * len(mesh_shape), s.outputs[0])):
+                out.append(dataclasses.replace(s, inputs=(s.inputs[0], other)))
+        return out
+    return strategies
 
 
-def reshape_as_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
-                        args: tuple, kwargs: dict) -> tuple:
-    """The local reshape to the output's local shape; ``other`` is not read."""
-    size = list(local_shape(op.outputs[0].shape, strategy.outputs[0], mesh_shape))
-    return aten.reshape.default, (args[0], size), {}
+def _to_local_shape_of_output(target: Any) -> Callable:
+    """The local call of an ``*_as`` op: ``target`` to the output's local shape; ``other`` is
+    not read."""
+    def localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
+                 args: tuple, kwargs: dict) -> tuple:
+        size = list(local_shape(op.outputs[0].shape, strategy.outputs[0], mesh_shape))
+        return target, (args[0], size), {}
+    return localize
 
 
 def unflatten_localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
@@ -320,8 +328,12 @@ _VIEW = dict(family=VIEW, saves=NOTHING, flops=per_output_element)
 register_op(aten.meshgrid.default, aten.meshgrid.indexing, strategies=whole_strategy,
             follows=NO, localize=plain_localize, **_VIEW)
 register_op(*RESHAPES, strategies=reshape_strategy, follows=INPUT, localize=reshape_localize, **_VIEW)
-register_op(aten.reshape_as.default, strategies=reshape_as_strategy, follows=NO,
-            localize=reshape_as_localize, **_VIEW)
+# (reshape, not view: a rank's local tensor may come from a collective with other strides)
+for _as, _target, _strategies in ((aten.reshape_as.default, aten.reshape.default,
+                                   reshape_strategy),
+                                  (aten.expand_as.default, aten.expand.default, expand_strategy)):
+    register_op(_as, follows=NO, strategies=_as_other(_target, _strategies),
+                localize=_to_local_shape_of_output(_target), **_VIEW)
 register_op(aten.flatten.using_ints, strategies=reshape_strategy, follows=NO,
             localize=plain_localize, **_VIEW)
 register_op(aten.unflatten.int, strategies=reshape_strategy, follows=NO,
