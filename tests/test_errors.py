@@ -7,6 +7,7 @@ loaders on random damage; this file pins each hole found, by fuzzing or by repor
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -310,6 +311,30 @@ def test_export_fixes_differ_by_cause() -> None:
     # One fix per cause (the two target cases, and the two value-dependence cases, share one).
     assert len(set(fixes.values())) == 5, fixes
     assert not any("use_cache" in fix for fix in fixes.values())
+
+
+class ScalesByAValue(_Lin):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.fc(x) * x.abs().max().item()).sum()
+
+
+def test_a_check_of_a_value_is_dropped_and_a_value_read_as_a_number_is_refused() -> None:
+    """A model's assertion on a value read off a tensor (XLM's ``lengths.max().item() <=
+    slen``) exports as ``item``, ``lt`` and ``_assert_scalar``: it changes no value, so the
+    trace drops it and the model plans (a raw AssertionError from inside the tracer before).
+    A number read off a tensor and used as an operand is refused, naming the op and the line."""
+    model, inputs = load_factory(f"{Path(__file__).parent / 'data' / 'value_check_model.py'}"
+                                 ":make")
+    traced = trace(model, inputs)
+    assert not [n for n in traced.graph.nodes if "item" in str(n.target)
+                or "assert_scalar" in str(n.target)]
+    assert autoshard.plan(model, inputs, Mesh((2,))).predicted.step_time_s > 0
+    with pytest.raises(AutoshardError) as info, warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # (max and item have no rule: said first)
+        autoshard.plan(ScalesByAValue(), (X,), Mesh((2,)))
+    text = str(info.value)
+    assert "numbers read off tensors" in text and "item" in text, text
+    assert "test_errors.py" in text and ".item()" in text, text
 
 
 class NoneMask(_Lin):

@@ -144,7 +144,13 @@ def _info_basis(node: fx.Node) -> tuple:
 def _op_info(node: fx.Node) -> OpInfo:
     def val(a: fx.Node) -> Any:
         v = a.meta.get("val")
-        assert isinstance(v, torch.Tensor), f"non-tensor input {a.format_node()} to {node.format_node()}"
+        if not isinstance(v, torch.Tensor):
+            raise AutoshardError(
+                "a model whose ops take tensors, not numbers read off tensors",
+                got=f"{node.name} ({node.target}) reads {a.name}, a {type(v).__name__} "
+                    f"({source_line(node) or 'no source line'})",
+                fix="compute that number from shapes, or keep it a tensor (torch.where, "
+                    "masking) instead of .item() or int(t)")
         name, out = value_ref(a)
         src = a if name == a.name else a.args[0]        # a getitem reads its producer's output
         return marked_info(src, out) if GROUPS in src.meta else v
@@ -459,6 +465,25 @@ def _signature(model: torch.nn.Module) -> str:
         return "(...)"
 
 
+# Export's runtime checks of values read off tensors (``assert lengths.max().item() <= slen`` in
+# XLM becomes ``item``, ``le``, ``_assert_scalar``).
+VALUE_ASSERTIONS = (torch.ops.aten._assert_scalar.default,)
+
+
+def drop_value_assertions(gm: fx.GraphModule) -> None:
+    """Drop the checks a model makes of values read off its tensors (above), and what computes
+    only them: they change no value, and a rank holding part of a tensor could not evaluate
+    them (the maximum of its share is not the maximum). The model's own run checks its data."""
+    dropped = False
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in VALUE_ASSERTIONS:
+            gm.graph.erase_node(node)
+            dropped = True
+    if dropped:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+
+
 def inline_subgraphs(gm: fx.GraphModule) -> None:
     """Inline higher-order ``wrap_with_set_grad_enabled`` regions (Hugging Face computes rotary
     tables under ``torch.no_grad``). Inlined, their ops get shapes and rules like any other;
@@ -504,6 +529,7 @@ def from_exported(ep: ExportedProgram, *, training: bool, strip: str = "",
     signature ``specs``, placeholder -> (kind, target): trace/repeat.py) as a
     :class:`TracedGraph`."""
     gm = ep.graph_module if gm is None else gm
+    drop_value_assertions(gm)
     inline_subgraphs(gm)
     register_library_ops()      # ops a library defined after autoshard was imported
     kinds = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer",
