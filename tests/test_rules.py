@@ -35,7 +35,7 @@ from autoshard.ir import Replicate, op_info, spec_fits
 from autoshard.ops import registry
 from autoshard.ops.inplace import TWINS as INPLACE_TWINS, VIEW_TWINS as INPLACE_VIEWS
 from autoshard.ops.moe import ROUTED_EXPERTS, ROUTED_LINEAR, register_library_ops
-from autoshard.ops.ssm import SELECTIVE_SCAN
+from autoshard.ops.ssm import LINEAR_SCAN, SELECTIVE_SCAN
 from autoshard.ops.registry import (FAMILIES, FOLLOWS, RECORDS, OpRecord, Saves, record_of,
                                     strategies_for)
 from autoshard.ops.simulate import call_on_copies, check_strategy
@@ -467,6 +467,8 @@ simple([aten.repeat_interleave.self_int], lambda g: ((g.t(2, 4, 8), 2, 1), {}),
 simple([SELECTIVE_SCAN],
        lambda g: ((g.t(2, 4, 8), g.t(2, 4, 8), -g.pos(4, 3), g.t(2, 3, 8), g.t(2, 3, 8), g.t(4),
                    g.t(2, 4, 8), g.t(4), True), {}))
+# RecurrentGemma's RG-LRU recurrence (ops/ssm.py): batch 2, 8 steps, width 4; a in (0, 1)
+simple([LINEAR_SCAN], lambda g: ((g.t(2, 8, 4), g.pos(2, 8, 4) / 2), {}))
 simple([aten.polar.default], lambda g: ((g.pos(4, 8), g.t(4, 8)), {}),
        lambda g: ((g.pos(8), g.t(2, 4, 8)), {}))
 simple([aten.log1p.default], lambda g: ((g.pos(2, 4, 8),), {}))

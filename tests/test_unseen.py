@@ -111,6 +111,14 @@ CONFIGS = {
                         num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
                         layer_types=["full_attention", "sliding_attention"],
                         layer_rope_theta=[10000.0, 10000.0], **_TINY),
+    # RecurrentGemma (Griffin): two recurrent blocks, whose RG-LRU scans the sequence, then
+    # local attention
+    "recurrent_gemma": dict(
+        model_type="recurrent_gemma", architectures=["RecurrentGemmaForCausalLM"],
+        hidden_size=32, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=8, lru_width=32, attention_window_size=16,
+        conv1d_width=4, block_types=["recurrent", "recurrent", "attention"],
+        partial_rotary_factor=0.5, **_TINY),
     "gemma3_text": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
                         hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -307,6 +315,26 @@ def test_switch_experts_drop_out_their_hidden_activation() -> None:
                        routed_experts_reference(x, idx, w, experts.wi, experts.wo, 0, "relu"))
 
 
+def test_linear_scan_equals_transformers_loop(configs) -> None:
+    """RecurrentGemma through the linear-scan op and through transformers' own loop over the
+    sequence (``_rnn_scan``): the same loss and gradients (the op's backward is its own scan
+    run from the end); the trace holds one op per recurrent block, not a set per token."""
+    from autoshard.ops.ssm import LINEAR_SCAN
+    model, inputs = build(configs["recurrent_gemma"], 2, 16, 0)
+    ref = copy.deepcopy(model)
+    for m in ref.modules():
+        vars(m).pop("_rnn_scan", None)             # transformers' own loop again
+    loss, ref_loss = model(*inputs), ref(*inputs)
+    loss.backward()
+    ref_loss.backward()
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    grads = dict(model.named_parameters())
+    for n, q in ref.named_parameters():
+        assert torch.allclose(grads[n].grad, q.grad, rtol=1e-5, atol=1e-7), n
+    nodes = list(trace(model, inputs).graph.nodes)
+    assert sum(n.target is LINEAR_SCAN for n in nodes) == 2 and len(nodes) < 500
+
+
 def test_routed_experts_split_tokens_experts_or_both() -> None:
     from autoshard.ir import op_info
     x, idx, w = torch.randn(8, 4), torch.randint(0, 4, (8, 2)), torch.rand(8, 2)
@@ -418,6 +446,11 @@ def test_flops_closed_forms() -> None:
             torch.randn(b, d, seq), torch.randn(d), True)
     info = op_info(SELECTIVE_SCAN, scan, {}, SELECTIVE_SCAN(*scan))
     assert record_of(SELECTIVE_SCAN).flops(info) == 8 * b * d * seq * n
+    # the linear scan: a multiply and an add per element
+    from autoshard.ops.ssm import LINEAR_SCAN
+    x, a = torch.randn(b, seq, d), torch.rand(b, seq, d)
+    info = op_info(LINEAR_SCAN, (x, a), {}, LINEAR_SCAN(x, a))
+    assert record_of(LINEAR_SCAN).flops(info) == 2 * b * seq * d
     # the routed linear: 2·T·k·H·O, dispatching and combining alike
     o = 5
     x, idx, weight = torch.randn(t, h), torch.randint(0, e, (t, k)), torch.randn(e, o, h)
@@ -542,7 +575,8 @@ def _check(world, model: str, plan: Plan) -> dict:
 @pytest.mark.parametrize("name", [
     "llama4_text", "mamba2", "jamba",
     "gemma3_text",
-    "deepseek_v3", "dbrx", "switch_transformers", "gpt_oss", "phimoe", "jetmoe", "granite_swa"])
+    "deepseek_v3", "dbrx", "switch_transformers", "gpt_oss", "phimoe", "jetmoe", "granite_swa",
+    "recurrent_gemma"])
 def test_tiny_family_on_gloo(world4, configs, name) -> None:
     plan = plan_for(configs[name], Mesh((2, 2), cluster="stress"), batch=4, seq=8)
     _check(world4, configs[name], plan)

@@ -370,3 +370,27 @@ def test_a_config_models_graph_is_traced_anew_when_its_config_changes(tmp_path) 
     assert not any(n.target is ROUTED_EXPERTS for n in grouped.graph.nodes)
     model.model.config.rope_theta = 5.0
     assert trace(model, inputs) is not first
+
+
+@needs_transformers
+def test_a_config_models_graph_is_traced_anew_when_a_method_is_put_back(tmp_path) -> None:
+    """The methods zoo/hf.py replaces on an instance are part of the key, not only ``forward``:
+    RecurrentGemma with transformers' own ``_rnn_scan`` again (its loop over the sequence) is
+    traced anew, not given the graph of the one-op scan (it was: the key named forwards only)."""
+    import json
+
+    from autoshard.ops.ssm import LINEAR_SCAN
+    from autoshard.tools.verify import build
+    from autoshard.trace.export import trace
+    from test_unseen import CONFIGS
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIGS["recurrent_gemma"]))
+    model, inputs = build(str(path), 2, 8, 0)
+    first = trace(model, inputs)
+    assert sum(n.target is LINEAR_SCAN for n in first.graph.nodes) == 2
+    again, inputs = build(str(path), 2, 8, 0)
+    for m in again.modules():
+        vars(m).pop("_rnn_scan", None)
+    with pytest.warns(UserWarning, match="assigned during export"):   # (transformers' loop
+        loop = trace(again, inputs)                                  # keeps its last state)
+    assert loop is not first and not any(n.target is LINEAR_SCAN for n in loop.graph.nodes)

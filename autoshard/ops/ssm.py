@@ -19,6 +19,12 @@
   usual length: a trace of hundreds of thousands of nodes); zoo/hf.py routes it through this
   one op, whose kernel is that loop.
 
+- ``linear_scan`` (autoshard's op, RecurrentGemma's RG-LRU recurrence ``h_t = a_t·h_{t-1} +
+  x_t``, De et al. 2024, arXiv 2402.19427): as the selective scan, the sequence whole, batch
+  rows or channels split; linear in ``x`` for a given ``a``, so a Partial ``x`` passes. 2
+  FLOPs per element; its backward is a scan from the end (``linear_scan_grads``, an op of its
+  own, so that a compiled program traces one call).
+
 The chunked scan of Mamba-2 (``torch_forward``) is ``cumsum`` (ops/reduction.py), ``exp``,
 ``tril`` masks and broadcast products summed over dims (ops/pointwise.py, ops/reduction.py):
 no op of its own, and no loop over the sequence.
@@ -156,3 +162,77 @@ def selective_scan_flops(op: OpInfo) -> float:
 # Backward needs the inputs, not the states (recomputed).
 register_op(SELECTIVE_SCAN, strategies=selective_scan_strategy, family=ELEMENTWISE,
             saves=Saves(inputs=tuple(range(8))), follows=NO, flops=selective_scan_flops)
+
+
+# ---------------------------------------------- a linear recurrence: RecurrentGemma's RG-LRU
+
+def _linear_scan(x: torch.Tensor, a: torch.Tensor, *, reverse: bool = False) -> torch.Tensor:
+    """``h_t = a_t·h_{t-1} + x_t`` along dim 1 from ``h = 0`` (backwards from the end with
+    ``reverse``), in float32, as transformers' ``_rnn_scan`` accumulates."""
+    h = torch.zeros(x[:, 0].shape, dtype=torch.float32, device=x.device)
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    steps = range(x.shape[1] - 1, -1, -1) if reverse else range(x.shape[1])
+    for t in steps:
+        h = a[:, t].float() * h + x[:, t].float()
+        out[:, t] = h
+    return out
+
+
+@torch.library.custom_op("autoshard::linear_scan", mutates_args=())
+def linear_scan(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """The diagonal linear recurrence of RecurrentGemma's RG-LRU (De et al. 2024, arXiv
+    2402.19427, eq. 4) over ``x``, ``a`` ``[batch, seq, width]``: ``h_t = a_t·h_{t-1} + x_t``
+    from ``h_0 = 0``, accumulated in float32, returned in ``x``'s dtype. One op where
+    transformers loops over the sequence, which a trace unrolls token by token."""
+    return _linear_scan(x, a).to(x.dtype)
+
+
+@linear_scan.register_fake
+def _linear_scan_fake(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("autoshard::linear_scan_grads", mutates_args=())
+def linear_scan_grads(grad: torch.Tensor, a: torch.Tensor, y: torch.Tensor
+                      ) -> list[torch.Tensor]:
+    """The backward of ``linear_scan``, a scan too (so one op under a compiler): the gradient
+    of every ``h_t``, ``d_t = g_t + a_{t+1}·d_{t+1}``, run from the end, is ``x_t``'s; ``a_t``'s
+    is ``d_t·h_{t-1}``, from the output ``y`` (``h_{-1} = 0``)."""
+    shifted = torch.cat([a[:, 1:], torch.zeros_like(a[:, :1])], dim=1)
+    d = _linear_scan(grad, shifted, reverse=True)
+    previous = torch.cat([torch.zeros_like(y[:, :1]), y[:, :-1]], dim=1).float()
+    return [d.to(y.dtype), (d * previous).to(a.dtype)]
+
+
+@linear_scan_grads.register_fake
+def _linear_scan_grads_fake(grad: torch.Tensor, a: torch.Tensor, y: torch.Tensor
+                            ) -> list[torch.Tensor]:
+    return [torch.empty_like(y), torch.empty_like(a)]
+
+
+def _linear_scan_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.save_for_backward(inputs[1], output)
+
+
+def _linear_scan_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    a, y = ctx.saved_tensors
+    gx, ga = linear_scan_grads(grad, a, y)
+    return gx, ga
+
+
+linear_scan.register_autograd(_linear_scan_backward, setup_context=_linear_scan_context)
+LINEAR_SCAN = torch.ops.autoshard.linear_scan.default
+
+
+def linear_scan_strategy(op: OpInfo, mesh_shape: tuple) -> list:
+    """The recurrence runs along the sequence, which stays whole; batch rows and channels are
+    independent, so either shards (``x`` and ``a`` alike). For a given ``a`` the output is
+    linear in ``x``: a Partial ``x`` gives a Partial output."""
+    opts = [((Shard(d), Shard(d)), (Shard(d),)) for d in (0, 2)]
+    return expand(op, mesh_shape, [*opts, ((P, R), (P,))])
+
+
+# 2 FLOPs per element (a multiply and an add); backward reads ``a`` and the output.
+register_op(LINEAR_SCAN, strategies=linear_scan_strategy, family=ELEMENTWISE,
+            saves=Saves(inputs=(1,), outputs=(0,)), follows=NO,
+            flops=lambda op: 2.0 * op.inputs[0].numel)

@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import traceback
+import types
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -223,7 +224,7 @@ def reusable(model: torch.nn.Module, inputs: tuple, training: bool) -> tuple | N
     built (``zoo/registry.py`` ``mark_built``: same recipe, same code), and only where everything
     the graph can depend on is equal: the module tree as printed, every parameter's and
     buffer's name, shape, dtype, device and ``requires_grad``, every module's mode, every
-    config, the forwards replaced, the inputs' shapes and dtypes, and training or not."""
+    config, the methods replaced, the inputs' shapes and dtypes, and training or not."""
     recipe = getattr(model, "_autoshard_recipe", None)
     if recipe is None:
         return None
@@ -232,13 +233,15 @@ def reusable(model: torch.nn.Module, inputs: tuple, training: bool) -> tuple | N
     buffers = tuple((n, tuple(b.shape), b.dtype, b.device.type)
                     for n, b in model.named_buffers(remove_duplicate=False))
     # Every config in the tree (a wrapper's model's too), its private fields included
-    # (transformers keeps the experts and attention implementations there), and the modules
-    # whose forward an instance replaces (zoo/hf.py's one-op experts)
+    # (transformers keeps the experts and attention implementations there), and the methods an
+    # instance replaces (zoo/hf.py's one-op experts and scans: forward, JetMoE's map and
+    # reduce, RecurrentGemma's _rnn_scan)
     configs = {id(c): c for m in model.modules()
                if (c := getattr(m, "config", None)) is not None}
     config = tuple(sorted(repr(sorted((k, repr(v)) for k, v in vars(c).items()))
                           if hasattr(c, "__dict__") else repr(c) for c in configs.values()))
-    forwards = tuple(n for n, m in model.named_modules() if "forward" in vars(m))
+    forwards = tuple((n, k) for n, m in model.named_modules() for k, v in vars(m).items()
+                     if isinstance(v, types.MethodType))
     ins = tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor)
                 else repr(t) for t in torch.utils._pytree.tree_leaves(inputs))
     return (recipe, repr(model), params, buffers, tuple(m.training for m in model.modules()),

@@ -14,6 +14,7 @@ import contextlib
 import difflib
 import json
 from pathlib import Path
+import types
 from types import ModuleType
 from typing import Any, Callable, Iterator, Mapping
 
@@ -513,8 +514,9 @@ def _dbrx_experts_forward(experts: nn.Module, hidden_states: torch.Tensor,
 
 def scan_as_one_op(model: nn.Module) -> bool:
     """Run the selective scan of ``model``'s Mamba-1 mixers (Mamba, Falcon-Mamba, Jamba)
-    through autoshard's one op (ops/ssm.py ``selective_scan``) instead of transformers' PyTorch
-    loop over the sequence, which a trace unrolls token by token. The op's kernel is that
+    through autoshard's one op (ops/ssm.py ``selective_scan``), and RecurrentGemma's linear
+    recurrence through ``linear_scan``, instead of transformers' PyTorch loops over the
+    sequence, which a trace unrolls token by token. The op's kernel is that
     loop; calls the op does not cover (a returned last state, no gate) keep transformers'
     function. Transformers looks the function up in the mixer's module, so it is replaced
     there, by a wrapper that computes the same. Returns whether the model has such mixers."""
@@ -526,7 +528,32 @@ def scan_as_one_op(model: nn.Module) -> bool:
     for module in modules:
         if not getattr(module.mamba_selective_scan, "_autoshard_scan", False):
             module.mamba_selective_scan = _one_op_scan(module.mamba_selective_scan)
-    return bool(modules)
+    lrus = [m for m in model.modules() if type(m).__name__ == RG_LRU]
+    for lru in lrus:
+        lru._rnn_scan = types.MethodType(_rnn_scan_as_one_op, lru)
+    return bool(modules) or bool(lrus)
+
+
+# RecurrentGemma's recurrent unit, whose ``_rnn_scan`` loops over the sequence.
+RG_LRU = "RecurrentGemmaRglru"
+
+
+def _rnn_scan_as_one_op(lru: nn.Module, hidden_states: torch.Tensor,
+                        recurrent_gate: torch.Tensor, reset: torch.Tensor,
+                        recurrent_states: torch.Tensor | None,
+                        acc_dtype: torch.dtype = torch.float32) -> tuple:
+    """``RecurrentGemmaRglru._rnn_scan`` through ``linear_scan`` (ops/ssm.py) for a whole
+    sequence from no state, its gate zeroed at document starts as transformers' is. That is
+    the call without a cache (training), where transformers sets the state to None again before
+    each call: no last state is returned (None, which the module keeps, instead of a tensor
+    that export warns of). With a cache the state starts as zeros, not None, and decoding, like
+    any scan from a given state, runs transformers' own."""
+    from autoshard.ops.ssm import linear_scan
+    if hidden_states.shape[1] == 1 or recurrent_states is not None or \
+            acc_dtype != torch.float32:
+        return type(lru)._rnn_scan(lru, hidden_states, recurrent_gate, reset,
+                                   recurrent_states, acc_dtype)
+    return linear_scan(hidden_states, recurrent_gate * ~reset), None
 
 
 def _one_op_scan(original: Callable[..., Any]) -> Callable[..., Any]:
