@@ -13,8 +13,8 @@ from __future__ import annotations
 import contextlib
 import difflib
 import json
-from pathlib import Path
 import types
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Iterator, Mapping
 
