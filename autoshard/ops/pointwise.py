@@ -35,9 +35,8 @@ CASTS = (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.defa
 OVERWRITES = (aten.copy.default, aten.fill.Tensor, aten.zero.default)
 UNARY = (aten.rsqrt.default, aten.sqrt.default, aten.exp.default, aten.log.default,
          aten.expm1.default, aten.tanh.default, aten.gelu.default, aten.silu.default,
-         aten.relu.default,
-         aten.sigmoid.default, aten.cos.default, aten.sin.default, aten.abs.default,
-         aten.erf.default, aten.reciprocal.default, aten.square.default,
+         aten.relu.default, aten.sigmoid.default, aten.cos.default, aten.sin.default,
+         aten.abs.default, aten.erf.default, aten.reciprocal.default, aten.square.default,
          aten.pow.Tensor_Scalar, aten.pow.Scalar, aten.rsub.Scalar, aten.add.Scalar, aten.sub.Scalar,
          aten.dropout.default, aten.logical_not.default, aten.bitwise_not.default,
          aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default,

@@ -207,7 +207,11 @@ def _overlap_note(traced: TracedGraph, mesh: Mesh, options: PlanOptions, plan: P
     overlapped = replace(options, offload_overlap=OffloadOverlap.BACKWARD)
     same = repriced(traced, mesh, overlapped, plan, plan.strategies(), plan.recompute)
     try:
-        other = _fitted(traced, mesh, overlapped, same, model_name, 0.0)
+        # A plan to compare with, not this one's: a search its fitting runs stays out of this
+        # plan's record.
+        with progress.step("offload: pricing the same with offload_overlap='backward'"), \
+                apart():
+            other = _fitted(traced, mesh, overlapped, same, model_name, 0.0)
     except AutoshardError:
         return []
     now, then = plan.predicted.step_time_s, other.predicted.step_time_s

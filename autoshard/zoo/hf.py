@@ -477,8 +477,6 @@ def _dbrx_experts_as_one_op(model: nn.Module) -> bool:
     """DBRX's experts (``DbrxExperts``, not an ``@use_experts_implementation`` class) through
     the ``routed_experts`` op: they loop over the experts a step's tokens hit, found with
     ``nonzero``, which a trace cannot follow. Returns whether the model has them."""
-    import types
-
     from autoshard.ops.moe import ACTIVATIONS, DBRX_EXPERTS
     ffn = getattr(getattr(model, "config", None), "ffn_config", None)
     act = (getattr(ffn, "ffn_act_fn", None) or {}).get("name", "silu")
