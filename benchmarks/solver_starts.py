@@ -64,7 +64,7 @@ def main() -> None:
     rows, best = [], None
     for st in obvious_starts(traced, mesh, built):
         t1 = time.perf_counter()
-        found = best_start(problem, (st,), Deadline.after(args.limit / 2), ilp._solve_held)
+        found = best_start(problem, (st,), Deadline.after(args.limit / 2), ilp.solve_held)
         row = {"start": st.label, "seconds": time.perf_counter() - t1}
         if found is not None:
             row["step_ms"] = found[2] * 1e3

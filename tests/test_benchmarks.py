@@ -16,6 +16,7 @@ import gpu  # noqa: E402
 import gpu_compile  # noqa: E402
 import gpu_offload  # noqa: E402
 import memory_curve  # noqa: E402
+import three_axis  # noqa: E402
 
 from autoshard.cost.memory import budget_for
 from autoshard.errors import AutoshardError  # noqa: E402
@@ -202,6 +203,27 @@ def test_the_compile_table_reports_each_variant_and_the_targets_of_autoshards_ow
     assert "2.50x the plain compiled layer (target <= 1: not met)" in text
     assert "wall / kernels 1.10, 0.50x the plain compiled layer" in text
     assert "speed-up 1.15x (target >= 1.15: met)" in text
+
+
+def test_the_three_axis_table_lists_each_try_and_the_gain_over_the_best_grouping():
+    """benchmarks/three_axis.py: a row per try of the search, the one without a plan with its
+    error, and the chosen plan against the fastest grouping (not against itself)."""
+    def t(label, step, chosen=False, error=""):
+        return {"label": label, "step_ms": step, "status": "OPTIMAL" if step else "",
+                "chosen": chosen, "error": error}
+    result = {"case": ("llama3-8b", (4, 4, 4), ("dp", "tp", "cp"), 8, 8192), "seconds": 30.0,
+              "step_ms": 300.0, "note": "", "tries": [
+                  t("axes grouped as x,y+z", 613.3), t("axes grouped as x,y,z", 2320.1),
+                  t("axes grouped as x+y+z", 300.0, chosen=True),
+                  t("axes grouped as x+z,y", None, error="building it took 30 s")]}
+    lines = three_axis.section([result], 60.0).splitlines()
+    head = lines.index("| try | step ms | status | why no plan |")
+    rows = lines[head + 2:lines.index("", head)]
+    assert len(rows) == 4 and all(x.count("|") == 5 for x in rows)
+    assert rows[2].startswith("| axes grouped as x+y+z (chosen) | 300.0 |")
+    assert "| no plan |" in rows[3] and "building it took 30 s" in rows[3]
+    assert "predicted step 300.0 ms, 2.04x faster than the best grouping (613.3 ms)" in \
+        "\n".join(lines)
 
 
 @pytest.mark.slow

@@ -337,7 +337,7 @@ def solve(problem: Problem, *, time_limit_s: float = 30.0,
                             binds, stop_if_binds, limit_s=time_limit_s)
         except NoSolution as e:       # the child was stopped: a start in hand still stands
             given = () if callable(starts) else tuple(s for s in starts if s.choice)
-            start = best_start(problem, given, None, _solve_held)
+            start = best_start(problem, given, None, solve_held)
             if start is None or (cutoff_s is not None and start[2] >= cutoff_s):
                 raise
             return _from_start(start, e.bound, False, 0, deadline)
@@ -506,16 +506,16 @@ def _attempt(problem: Problem, backends: tuple[str, ...], time_limit_s: float,
     has starts to fall back on): stopped, as NOT_SOLVED, at :data:`WALL_SLACK` times
     ``time_limit_s`` where it is large (above) and one can fork. Without starts a backend that
     overruns is waited for: its plan is the only one."""
-    if not stoppable or _size(problem) < BOUNDED_VARIABLES:
+    if not stoppable or mip_size(problem) < BOUNDED_VARIABLES:
         return _attempt_here(problem, backends, time_limit_s, cutoff_s, hint)
     try:
         return _bounded(_attempt_here, problem, backends, time_limit_s, cutoff_s, hint,
                         limit_s=time_limit_s)
     except NoSolution:
-        return Run(pywraplp.Solver.NOT_SOLVED, backends[0], _size(problem), 0.0)
+        return Run(pywraplp.Solver.NOT_SOLVED, backends[0], mip_size(problem), 0.0)
 
 
-def _size(problem: Problem) -> int:
+def mip_size(problem: Problem) -> int:
     """The MIP's variables, near enough: strategies and the class pairs of edges and fanouts."""
     return sum(len(d.cost) for d in problem.decisions) + sum(
         len(e.cost) * len(e.cost[0]) * len(e.consumers)
@@ -554,7 +554,7 @@ def _solve(problem: Problem, deadline: Deadline, cutoff_s: float | None = None,
                                     starts, binds, probe, stoppable)
     warm = start is not None          # the second backend started from it
     if start is None and not callable(starts):
-        start = best_start(problem, tuple(s for s in starts if s.choice), None, _solve_held)
+        start = best_start(problem, tuple(s for s in starts if s.choice), None, solve_held)
     variables = max(r.variables for r in runs)
     # The plain floor too: a backend stopped early may have no bound at all (a 100% gap).
     bound = max(step_floor(problem), *(r.bound for r in runs))
@@ -618,7 +618,7 @@ def _attempts(problem: Problem, deadline: Deadline, cutoff_s: float | None, verd
             return runs, None, proved
     start = best_start(problem, tuple(starts() if callable(starts) else starts),
                        deadline.share(STARTS_SHARE if runs else STARTS_ALONE_SHARE),
-                       _solve_held)
+                       solve_held)
     hint, cut = (start[1] if start else ()), cutoff_s
     if start is not None and (cut is None or start[2] < cut):
         cut = start[2]
@@ -632,7 +632,7 @@ def _attempts(problem: Problem, deadline: Deadline, cutoff_s: float | None, verd
     return runs, start, proved
 
 
-def _solve_held(held: Problem, limit: float) -> Solution | None:
+def solve_held(held: Problem, limit: float) -> Solution | None:
     """A start's restriction solved as any problem is (CBC, then HiGHS where it proves no
     optimum) in ``limit``, its excluded strategies projected away (``problem.projected``: on
     DeepSeek-V3's 8x8 problem the restrictions that hold every decision were built and solved

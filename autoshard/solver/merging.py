@@ -15,6 +15,7 @@ from autoshard.mesh import AxisMerge, Merges, Mesh
 from autoshard.options import PlanOptions, resolve_options
 from autoshard.plans import Plan
 from autoshard.solver.build import BuildTimeout
+from autoshard.solver.descent import NOTE as DESCENT_NOTE
 from autoshard.solver.ilp import Infeasible
 from autoshard.trace.export import TracedGraph
 from autoshard.solver.assemble import assemble
@@ -182,6 +183,8 @@ def _fallback_note(alone: Tried, best: Plan, options: PlanOptions) -> str:
     time limit (no plan, or one the solver could not prove best) and a merged plan was kept."""
     if alone.result is None:
         why = f"gave no plan ({alone.error.got})"
+    elif alone.result.solver.get("note", "").startswith(DESCENT_NOTE):
+        return ""          # found by descent (solver/descent.py), as its own record says
     elif alone.result.solver["status"] != "OPTIMAL" and len(best.solver["merged_axes"]) < len(
             alone.attempt.get("merged_axes")):
         why = f"stopped at the time limit {alone.result.solver['gap']:.1%} from its bound"

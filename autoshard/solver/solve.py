@@ -17,12 +17,14 @@ from autoshard.options import PlanOptions
 from autoshard.plans import Plan
 from autoshard.cost.memory import budget_for
 from autoshard.solver.build import BuildTimeout, Built, build_problem
-from autoshard.solver.ilp import Infeasible, NoSolution, solve
-from autoshard.solver.deadline import MIN_PART_S
+from autoshard.solver.descent import solve_by_axes
+from autoshard.solver.ilp import BOUNDED_VARIABLES, Infeasible, NoSolution, mip_size, solve, \
+    solve_held
+from autoshard.solver.deadline import MIN_PART_S, Deadline
 from autoshard.solver.ties import break_ties
 from autoshard.solver.problem import Problem, Solution
 from autoshard.solver.diagnostics import gib, unruled_note
-from autoshard.solver.starts import obvious_starts
+from autoshard.solver.starts import descent_starts, obvious_starts
 from autoshard.trace.export import TracedGraph
 from autoshard.trace.graph import output_infos, value_ref
 from autoshard.trace.layers import regroup
@@ -138,9 +140,12 @@ def solve_on(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_nam
             # baseline's own, and a deadline leaves no time for them.
             starts = () if fixed or deadline is not None else \
                 (lambda: obvious_starts(traced, mesh, built))
-            sol = solve(problem, time_limit_s=limit, cutoff_s=cutoff_s, starts=starts,
-                        verdict=deadline is None, highs_first=options.stage_run is not None,
-                        least_exact=least_exact, binds=binds, stop_if_binds=stop_if_binds)
+            if deadline is not None and not fixed and by_axes(problem):
+                sol = _solve_by_axes(built, mesh, problem, Deadline(t0, deadline))
+            else:
+                sol = solve(problem, time_limit_s=limit, cutoff_s=cutoff_s, starts=starts,
+                            verdict=deadline is None, highs_first=options.stage_run is not None,
+                            least_exact=least_exact, binds=binds, stop_if_binds=stop_if_binds)
     except Infeasible as e:
         least = f"{'' if e.exact else 'at least '}{gib(budget_for(e.least_memory))}"
         if e.least_host is not None:
@@ -169,6 +174,21 @@ def solve_on(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_nam
     return solved_plan(traced, mesh, options, built, problem, sol, model_name=model_name,
                        timings={"trace_s": trace_s, "build_s": build_s, "solve_s": sol.seconds},
                        recompute=recompute)[0]
+
+
+def by_axes(problem: Problem) -> bool:
+    """Whether a problem over every subset of a 3-axis mesh's axes is solved by descent over
+    its axes (solver/descent.py): a MIP this large no backend solves whole within a time limit
+    of seconds; smaller ones the MIP settles, to a proven optimum."""
+    return mip_size(problem) >= BOUNDED_VARIABLES
+
+
+def _solve_by_axes(built: Built, mesh: Mesh, problem: Problem, deadline: Deadline) -> Solution:
+    starts, keys = descent_starts(built, mesh)
+    sol = solve_by_axes(problem, keys, starts, deadline, solve_held)
+    if sol is None:
+        raise NoSolution(deadline.limit_s, -1)
+    return sol
 
 
 def solved_plan(traced: TracedGraph, mesh: Mesh, options: PlanOptions, built: Built,
