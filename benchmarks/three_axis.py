@@ -22,7 +22,7 @@ from _results import command, machine, md_cell, revision, today, write_section  
 SECTION = "three_axis"
 # (zoo model, mesh, axes, batch, sequence)
 CASES = (("llama3-8b", (4, 4, 4), ("dp", "tp", "cp"), 8, 8192),
-         ("gpt3-6.7b", (2, 4, 8), ("dp", "cp", "tp"), 4, 8192))
+         ("llama3-70b", (4, 4, 4), ("dp", "tp", "cp"), 8, 8192))
 
 
 def run(case: tuple) -> dict:
