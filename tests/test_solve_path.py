@@ -224,3 +224,30 @@ def test_no_reshard_runs_for_a_check_alone() -> None:
                                training=True))
     assert names and edges
     assert not [e.value for e in edges if {c for c, _ in e.consumers} <= names]
+
+
+def test_a_plan_the_solver_stops_short_of_proving_is_improved_one_axis_at_a_time(
+        monkeypatch, gpt2_tiny) -> None:
+    """The solver stops at its time limit with a plan it cannot prove (here: its optimum with
+    one decision moved to its slowest strategy that fits): the planner improves it one mesh
+    axis at a time (solver/descent.py), and its record says so."""
+    from autoshard.solver import solve as solve_path
+    mesh = Mesh((2, 4), ("dp", "tp"), cluster="stress")
+    optimum = plan_traced(gpt2_tiny, mesh).predicted.step_time_s
+    real, worse = solve_path.solve, []
+
+    def stopped_short(problem, **kw):
+        sol = real(problem, **kw)
+        slowest = max(((evaluate(problem, c)[0], c) for g, d in enumerate(problem.decisions)
+                       for c in [sol.choice[:g] + (i,) + sol.choice[g + 1:]
+                                 for i in range(len(d.cost))]
+                       if evaluate(problem, c)[1] <= problem.memory_budget and
+                       admits(problem, c)))
+        worse.append(slowest[0])
+        return replace(sol, choice=slowest[1], objective=slowest[0], status="FEASIBLE")
+
+    monkeypatch.setattr(solve_path, "solve", stopped_short)
+    plan = plan_traced(gpt2_tiny, mesh)
+    assert worse and worse[0] > optimum * 1.01
+    assert optimum * (1 - 1e-9) <= plan.predicted.step_time_s < worse[0]
+    assert "improved one mesh axis at a time" in plan.solver["note"]

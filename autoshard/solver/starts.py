@@ -63,14 +63,13 @@ def _axes_combined(built: Built, by_decision: dict[int, list], mesh: Mesh) -> St
     and where the data axis was left idle (the plan without it was the best start) it is the
     incumbent that splits the batch."""
     parts = tuple(_without(mesh, (a + 1) % mesh.ndim) for a in range(mesh.ndim))
-    return Start("axes of the smaller meshes' plans", parts=parts,
-                 keys=axis_keys(built, by_decision, mesh))
+    return Start("axes of the smaller meshes' plans", parts=parts, keys=axis_keys(built, mesh))
 
 
-def axis_keys(built: Built, by_decision: dict[int, list], mesh: Mesh
-              ) -> tuple[tuple[tuple[int, ...], ...], ...]:
+def axis_keys(built: Built, mesh: Mesh) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """``keys[g][i][a]``: the placements on mesh axis ``a`` of every spec decision ``g``'s
     strategy ``i`` places (of every node that follows it), numbered per decision and axis."""
+    by_decision = _members(built)
     keys = []
     for g in range(len(built.problem.decisions)):
         members = by_decision[g]
@@ -93,7 +92,7 @@ def descent_starts(built: Built, mesh: Mesh) -> tuple[tuple[Start, ...], tuple]:
     by_decision = _members(built)
     starts = [_merged_mesh(built, by_decision, loose=True),
               *_smaller_meshes(built, by_decision, mesh, loose=True)]
-    return tuple(s for s in starts if s is not None), axis_keys(built, by_decision, mesh)
+    return tuple(s for s in starts if s is not None), axis_keys(built, mesh)
 
 
 def _smaller_meshes(built: Built, by_decision: dict[int, list], mesh: Mesh,
