@@ -1,24 +1,25 @@
 """The problem over every subset of a 3-axis mesh's axes, solved one or two axes at a time.
 
 That problem (solver/merging.py) lets each tensor dim split over any subset of the axes, so its
-MIP is the product of three axes' choices: Llama-3-8B at batch 8 x 8192 on 4x4x4 has 496k
-variables (strategies and edge class pairs) and no backend found a plan of it in 120 s; even
-gpt2-tiny and llama-tiny on 2x2x2 have 268k and 480k, and llama-tiny's found none in 20 s. Yet
-the plans it holds are the ones no grouping of the axes can express: the batch over one axis,
-the sequence over a second, Megatron's heads over the third (torchtitan's data x context x
-tensor layout).
+MIP is the product of three axes' choices, and no backend solves it whole: at 1646ba0
+``autoshard plan llama3-8b --mesh 4x4x4 --axes dp,tp,cp --batch 8 --seq 8192 --time-limit 120``
+found no plan of it in 120 s, and even llama-tiny's on 2x2x2 found none in 20 s. Yet the plans
+it holds are the ones no grouping of the axes can express: the batch over one axis, the
+sequence over a second, Megatron's heads over the third (torchtitan's data x context x tensor
+layout).
 
 So it is solved by block coordinate descent over the mesh axes, a large-neighbourhood search
 (Shaw, "Using constraint programming and local search methods to solve vehicle routing
 problems", CP 1998): from a start, each decision is held to the strategies that place every
-value as the incumbent does on all axes but one, a MIP the size of a 1-D problem (0.1 s on
-Llama-3-8B's), solved, and its plan kept where it is faster; once no single axis improves it,
-the same with two axes free (a 2-D problem's size, 1 to 2 s); back to single axes after each
-gain, until neither improves it or the deadline comes. The starts are the obvious plans that hold
-every decision (solver/starts.py :func:`~autoshard.solver.starts.descent_starts`): every axis
-placed alike (the merged mesh), then each mesh without one axis. Each start is descended in turn
-while time is left, and the fastest plan is kept: a local optimum, reported FEASIBLE with its gap
-to the problem's plain bound.
+value as the incumbent does on all axes but one, a MIP the size of a 1-D problem, solved, and
+its plan kept where it is faster; once no single axis improves it, the same with two axes free
+(a 2-D problem's size); back to single axes after each gain, until neither improves it or the
+deadline comes. The starts are the obvious plans that hold every decision (solver/starts.py
+:func:`~autoshard.solver.starts.descent_starts`): every axis placed alike (the merged mesh),
+then each mesh without one axis. Each start is descended in turn while time is left, and the
+fastest plan is kept: a local optimum, reported FEASIBLE with its gap to the problem's plain
+bound. Like any solve stopped by its time limit, a slower or busier machine may stop at
+another plan.
 
 On Llama-3-8B at batch 8 x 8192 on 4x4x4 (h100) its plan steps in 293.7 ms, where the best
 grouping of the axes steps in 610.2 ms; Llama-3-70B 2625.6 against 4703.8 ms

@@ -194,7 +194,7 @@ def _solve_by_axes(built: Built, mesh: Mesh, problem: Problem, deadline: Deadlin
 
 
 # Of the time limit, what a plan the solver stopped short of proving may take to improve one
-# mesh axis at a time (:func:`_polished`; Jamba-8l's 8x8 problem: 0.6 s).
+# mesh axis at a time (:func:`_polished`).
 POLISH_SHARE = 0.25
 
 
