@@ -126,7 +126,7 @@ def solve_on(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_nam
         problem = _with_fixed(built, fixed)
     build_s = time.perf_counter() - t0
     if deadline is not None and deadline - time.perf_counter() < (
-            MIN_PART_S if not fixed and by_axes(problem) else build_s):
+            MIN_PART_S if not fixed and _by_axes(problem) else build_s):
         # As one MIP, solving took longer than building on every 3-axis problem measured
         # (gpt2-tiny, llama-tiny: 1.2x to 2.3x): less time than that left cannot give a plan.
         # By descent, the merged mesh's start and its first steps are small MIPs.
@@ -142,8 +142,8 @@ def solve_on(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_nam
             # baseline's own, and a deadline leaves no time for them.
             starts = () if fixed or deadline is not None else \
                 (lambda: obvious_starts(traced, mesh, built))
-            if deadline is not None and not fixed and by_axes(problem):
-                sol = _solve_by_axes(built, mesh, problem, Deadline(t0, deadline))
+            if deadline is not None and not fixed and _by_axes(problem):
+                sol = _solve_by_axes(built, mesh, problem, Deadline(time.perf_counter(), deadline))
             else:
                 sol = solve(problem, time_limit_s=limit, cutoff_s=cutoff_s, starts=starts,
                             verdict=deadline is None, highs_first=options.stage_run is not None,
@@ -180,7 +180,7 @@ def solve_on(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_nam
                        recompute=recompute)[0]
 
 
-def by_axes(problem: Problem) -> bool:
+def _by_axes(problem: Problem) -> bool:
     """Whether a problem over every subset of a 3-axis mesh's axes is solved by descent over
     its axes (solver/descent.py): a MIP this large no backend solves whole within a time limit
     of seconds; smaller ones the MIP settles, to a proven optimum."""
