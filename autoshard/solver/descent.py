@@ -87,14 +87,16 @@ def descend(problem: Problem, keys: Keys, start: BestStart, deadline: Deadline,
 def solve_by_axes(problem: Problem, keys: Keys, starts: Sequence[Start], deadline: Deadline,
                   solve_held: SolveHeld) -> Solution | None:
     """The fastest plan :func:`descend` reaches from ``starts`` (restrictions, each solved in
-    half of what is left) before ``deadline``; None where no start has a plan."""
+    half of what is left, or all of it while none has a plan) before ``deadline``; None where
+    no start has a plan."""
     best: BestStart | None = None
     floor = step_floor(problem)
     for st in starts:
         if best is not None and (deadline.passed() or best[2] <= floor * (1 + 1e-9)):
             break
+        left = deadline.end - time.perf_counter()
         sol = solve_held(replace(problem, cuts=(*problem.cuts, *st.within)),
-                         max(MIN_PART_S, (deadline.end - time.perf_counter()) / 2))
+                         max(MIN_PART_S, left / 2 if best is not None else left))
         if sol is None or not fits(problem, sol.choice):
             continue
         got = descend(problem, keys, (st.label, tuple(sol.choice),
