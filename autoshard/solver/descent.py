@@ -32,6 +32,7 @@ import time
 from dataclasses import replace
 from typing import Sequence
 
+from autoshard import progress
 from autoshard.solver.deadline import MIN_PART_S, BestStart, Deadline, SolveHeld, step_floor
 from autoshard.solver.problem import Problem, Solution, Start, evaluate, fits, restricted
 
@@ -99,8 +100,10 @@ def solve_by_axes(problem: Problem, keys: Keys, starts: Sequence[Start], deadlin
                          max(MIN_PART_S, left / 2 if best is not None else left))
         if sol is None or not fits(problem, sol.choice):
             continue
-        got = descend(problem, keys, (st.label, tuple(sol.choice),
-                                      evaluate(problem, sol.choice)[0]), deadline, solve_held)
+        first = evaluate(problem, sol.choice)[0]
+        got = descend(problem, keys, (st.label, tuple(sol.choice), first), deadline, solve_held)
+        progress.note(f"from the {st.label}: {first * 1e3:.3f} ms, descended to "
+                      f"{got[2] * 1e3:.3f} ms")
         if best is None or got[2] < best[2]:
             best = got
     if best is None:
