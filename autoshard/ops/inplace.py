@@ -56,21 +56,31 @@ def writes_first_input(s: Strategy) -> bool:
     return s.outputs[0] == s.inputs[0]
 
 
-def _register(target: Any, twin: Any) -> None:
+def _register(target: Any, twin: Any, *, as_view: bool = False) -> None:
+    """``target`` registered with its functional ``twin``'s record: an in-place op writing its
+    first input keeps the twin's strategies that lay the output as that input and runs itself
+    locally; an in-place view (``as_view``, below) keeps them all and runs the twin's local call."""
     rec = RECORDS[twin]
-    # These localizers call ``op.target``, the in-place op here; a twin with a local kernel of
-    # its own would need an in-place kernel too.
-    assert rec.localize in (default_localize, plain_localize), f"{twin} has a local kernel"
+    if as_view:
+        def localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
+                     args: tuple, kwargs: dict) -> tuple:
+            return rec.localize(_as_twin(op, twin), strategy, mesh_shape, coords, args, kwargs)
+    else:
+        # These localizers call ``op.target``, the in-place op here; a twin with a local kernel
+        # of its own would need an in-place kernel too.
+        assert rec.localize in (default_localize, plain_localize), f"{twin} has a local kernel"
+        localize = rec.localize
 
     def strategies(op: OpInfo, mesh_shape: tuple) -> list[Strategy]:
-        return [s for s in rec.strategies(_as_twin(op, twin), mesh_shape) if writes_first_input(s)]
+        return [s for s in rec.strategies(_as_twin(op, twin), mesh_shape)
+                if as_view or writes_first_input(s)]
 
     def saves(op: OpInfo) -> Saves:
         return rec.saved(_as_twin(op, twin))
 
     register_op(target, strategies=strategies, family=rec.family, saves=saves,
                 follows=rec.follows, flops=lambda op: rec.flops(_as_twin(op, twin)),
-                localize=rec.localize)
+                localize=localize)
 
 
 for _target, _twin in TWINS.items():
@@ -91,19 +101,5 @@ VIEW_TWINS = {
 }
 
 
-def _register_view(target: Any, twin: Any) -> None:
-    rec = RECORDS[twin]
-
-    def localize(op: OpInfo, strategy: Strategy, mesh_shape: tuple, coords: tuple,
-                 args: tuple, kwargs: dict) -> tuple:
-        return rec.localize(_as_twin(op, twin), strategy, mesh_shape, coords, args, kwargs)
-
-    register_op(target, strategies=lambda op, mesh_shape: rec.strategies(_as_twin(op, twin),
-                                                                         mesh_shape),
-                family=rec.family, saves=lambda op: rec.saved(_as_twin(op, twin)),
-                follows=rec.follows, flops=lambda op: rec.flops(_as_twin(op, twin)),
-                localize=localize)
-
-
 for _target, _twin in VIEW_TWINS.items():
-    _register_view(_target, _twin)
+    _register(_target, _twin, as_view=True)

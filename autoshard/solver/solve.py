@@ -125,8 +125,9 @@ def solve_on(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_nam
     if fixed:
         problem = _with_fixed(built, fixed)
     build_s = time.perf_counter() - t0
+    by_axes = deadline is not None and not fixed and _by_axes(problem)
     if deadline is not None and deadline - time.perf_counter() < (
-            MIN_PART_S if not fixed and _by_axes(problem) else build_s):
+            MIN_PART_S if by_axes else build_s):
         # As one MIP, solving took longer than building on every 3-axis problem measured
         # (gpt2-tiny, llama-tiny: 1.2x to 2.3x): less time than that left cannot give a plan.
         # By descent, the merged mesh's start and its first steps are small MIPs.
@@ -142,7 +143,7 @@ def solve_on(traced: TracedGraph, mesh: Mesh, options: PlanOptions, *, model_nam
             # baseline's own, and a deadline leaves no time for them.
             starts = () if fixed or deadline is not None else \
                 (lambda: obvious_starts(traced, mesh, built))
-            if deadline is not None and not fixed and _by_axes(problem):
+            if by_axes:
                 sol = _solve_by_axes(built, mesh, problem, Deadline(time.perf_counter(), deadline))
             else:
                 sol = solve(problem, time_limit_s=limit, cutoff_s=cutoff_s, starts=starts,
@@ -188,8 +189,8 @@ def _by_axes(problem: Problem) -> bool:
 
 
 def _solve_by_axes(built: Built, mesh: Mesh, problem: Problem, deadline: Deadline) -> Solution:
-    starts, keys = descent_starts(built, mesh)
-    sol = solve_by_axes(problem, keys, starts, deadline, solve_held)
+    sol = solve_by_axes(problem, axis_keys(built, mesh), descent_starts(built, mesh), deadline,
+                        solve_held)
     if sol is None:
         raise NoSolution(deadline.limit_s, -1)
     return sol

@@ -83,15 +83,15 @@ def axis_keys(built: Built, mesh: Mesh) -> tuple[tuple[tuple[int, ...], ...], ..
     return tuple(keys)
 
 
-def descent_starts(built: Built, mesh: Mesh) -> tuple[tuple[Start, ...], tuple]:
-    """The starts of the descent over mesh axes (solver/descent.py) and its keys: the obvious
+def descent_starts(built: Built, mesh: Mesh) -> tuple[Start, ...]:
+    """The starts of the descent over mesh axes (solver/descent.py): the obvious
     plans that hold every decision, so that each is a small MIP (the baselines hold only the
     weights, which leaves the activations a MIP the size of the whole): every axis placed alike
     first, the quickest, then each mesh without one axis."""
     by_decision = _members(built)
     starts = [_merged_mesh(built, by_decision, loose=True),
               *_smaller_meshes(built, by_decision, mesh, loose=True)]
-    return tuple(s for s in starts if s is not None), axis_keys(built, mesh)
+    return tuple(s for s in starts if s is not None)
 
 
 def _smaller_meshes(built: Built, by_decision: dict[int, list], mesh: Mesh,

@@ -240,12 +240,12 @@ def reusable(model: torch.nn.Module, inputs: tuple, training: bool) -> tuple | N
                if (c := getattr(m, "config", None)) is not None}
     config = tuple(sorted(repr(sorted((k, repr(v)) for k, v in vars(c).items()))
                           if hasattr(c, "__dict__") else repr(c) for c in configs.values()))
-    forwards = tuple((n, k) for n, m in model.named_modules() for k, v in vars(m).items()
-                     if isinstance(v, types.MethodType))
+    methods = tuple((n, k) for n, m in model.named_modules() for k, v in vars(m).items()
+                    if isinstance(v, types.MethodType))
     ins = tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor)
                 else repr(t) for t in torch.utils._pytree.tree_leaves(inputs))
     return (recipe, repr(model), params, buffers, tuple(m.training for m in model.modules()),
-            config, forwards, ins, training)
+            config, methods, ins, training)
 
 
 def _trace(model: torch.nn.Module, example_inputs: tuple, training: bool,
